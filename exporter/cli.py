@@ -1,0 +1,150 @@
+"""The `gputrain-exporter` command: serve (the default), rules, diagnose."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from exporter import __version__
+from exporter.config import ConfigError, Settings, add_flags, parse_listen_address, resolve
+
+log = logging.getLogger("exporter")
+
+SUBCOMMANDS = ("serve",)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gputrain-exporter",
+        description="Prometheus exporter for GPU training: per-GPU and host metrics, and the "
+                    "step and data-wait times that training clients push.")
+    parser.add_argument("--version", action="version", version=f"gputrain-exporter {__version__}")
+    sub = parser.add_subparsers(dest="command")
+    serve = sub.add_parser("serve", help="run the exporter daemon (the default)")
+    add_flags(serve)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] not in (*SUBCOMMANDS, "-h", "--help", "--version"):
+        args.insert(0, "serve")
+    parser = build_parser()
+    ns = parser.parse_args(args)
+    if ns.command == "serve":
+        try:
+            settings = resolve(ns)
+        except ConfigError as exc:
+            parser.exit(2, f"gputrain-exporter: error: {exc}\n")
+        return serve(settings)
+    return ns.func(ns)
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _read_token(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            token = fh.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"--ingest.token-file {path}: {exc.strerror}") from None
+    if len(token) < 16:
+        raise ConfigError(f"--ingest.token-file {path}: the token must be at least 16 "
+                          "characters")
+    return token
+
+
+def serve(settings: Settings, stop: threading.Event | None = None) -> int:
+    """Run the daemon until SIGTERM/SIGINT (or ``stop`` is set); returns the exit code."""
+    from exporter.gpu_backends import DemoBackend, NvmlBackend
+    from exporter.host import HostReader
+    from exporter.ingest import IngestStore
+    from exporter.sampler import Sampler
+    from exporter.server import (
+        Exposition,
+        IngestHandler,
+        MetricsHandler,
+        make_server,
+        serve_in_thread,
+    )
+
+    setup_logging(settings["log.level"])
+    try:
+        web_host, web_port = parse_listen_address(settings["web.listen-address"])
+        tls = None
+        cert, key = settings["web.tls-cert-file"], settings["web.tls-key-file"]
+        if bool(cert) != bool(key):
+            raise ConfigError("--web.tls-cert-file and --web.tls-key-file go together")
+        if cert:
+            tls = (cert, key)
+        store = None
+        if "training" in settings.collectors:
+            ingest_host, ingest_port = parse_listen_address(settings["ingest.listen-address"])
+            token_file = settings["ingest.token-file"]
+            token = _read_token(token_file) if token_file else None
+            if token is None and not _is_loopback(ingest_host):
+                raise ConfigError(
+                    f"--ingest.listen-address {settings['ingest.listen-address']} is not a "
+                    "loopback address: set --ingest.token-file so that only your training "
+                    "jobs can push")
+            store = IngestStore(settings["ingest.max-series"], settings["ingest.ttl"], token)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+
+    if settings["gpu.backend"] == "demo":
+        backend = DemoBackend(settings["demo.gpus"], settings["demo.load"])
+    else:
+        backend = NvmlBackend()
+    host = HostReader(disk_exclude=settings["host.disk-exclude"],
+                      netdev_exclude=settings["host.netdev-exclude"])
+    sampler = Sampler(backend, host, settings["sampler.interval"], settings.collectors)
+    sampler.start()
+    app = Exposition(sampler, store)
+    try:
+        servers = [make_server(web_host, web_port, MetricsHandler, app, tls)]
+        if store is not None:
+            servers.append(make_server(ingest_host, ingest_port, IngestHandler, app))
+    except (OSError, ValueError) as exc:
+        log.error("cannot listen: %s", exc)
+        sampler.stop()
+        return 1
+    for i, srv in enumerate(servers):
+        serve_in_thread(srv, f"gputrain-http-{i}")
+    scheme = "https" if tls else "http"
+    log.info("gputrain-exporter %s serving %s://%s/metrics (%s backend)", __version__, scheme,
+             settings["web.listen-address"], backend.name)
+    if store is not None:
+        log.info("ingest for training clients on http://%s/api/v1/push%s",
+                 settings["ingest.listen-address"], " (token required)" if token else "")
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info("shutting down")
+    for srv in servers:
+        srv.shutdown()
+        srv.server_close()
+    sampler.stop()
+    return 0

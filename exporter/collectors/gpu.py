@@ -1,0 +1,115 @@
+"""Per-GPU metric families from a snapshot."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from exporter.sampler import Snapshot
+
+LABELS = ["gpu", "uuid"]
+
+# (attribute of GpuSample, metric name, help). Gauges read from the latest sample.
+SAMPLE_GAUGES = [
+    ("utilization", "gputrain_gpu_utilization_ratio",
+     "Fraction of the last sampling window in which any kernel ran (NVML utilization.gpu, "
+     "averaged over NVML's sample buffer); 0-1."),
+    ("sm_active", "gputrain_gpu_sm_active_ratio",
+     "Fraction of SM cycles with at least one warp resident (NVML GPM SM_UTIL); 0-1."),
+    ("sm_occupancy", "gputrain_gpu_sm_occupancy_ratio",
+     "Resident warps over the maximum the SMs hold (NVML GPM SM_OCCUPANCY); 0-1."),
+    ("tensor_active", "gputrain_gpu_tensor_active_ratio",
+     "Fraction of cycles a tensor core pipe was active (NVML GPM ANY_TENSOR_UTIL); 0-1."),
+    ("dram_active", "gputrain_gpu_dram_active_ratio",
+     "Fraction of peak device-memory bandwidth used (NVML GPM DRAM_BW_UTIL); 0-1."),
+    ("memory_used_bytes", "gputrain_gpu_memory_used_bytes",
+     "Device memory in use, in bytes (nvmlDeviceGetMemoryInfo)."),
+    ("memory_total_bytes", "gputrain_gpu_memory_total_bytes",
+     "Device memory size, in bytes (nvmlDeviceGetMemoryInfo)."),
+    ("power_watts", "gputrain_gpu_power_watts",
+     "Board power draw, in watts (nvmlDeviceGetPowerUsage)."),
+    ("power_limit_watts", "gputrain_gpu_power_limit_watts",
+     "Enforced power limit, in watts (nvmlDeviceGetEnforcedPowerLimit)."),
+    ("pcie_link_max_bytes_per_second", "gputrain_gpu_pcie_link_max_bytes_per_second",
+     "Usable bandwidth of the PCIe link per direction at its current generation and width, in "
+     "bytes per second."),
+    ("temperature_celsius", "gputrain_gpu_temperature_celsius",
+     "GPU die temperature, in degrees Celsius (nvmlDeviceGetTemperature)."),
+]
+
+# (attribute of GpuState, metric name, help). Counters integrated by the sampler.
+STATE_COUNTERS = [
+    ("busy_seconds", "gputrain_gpu_busy_seconds_total",
+     "Seconds in which any kernel ran: utilisation integrated over time by the sampler. "
+     "rate() of it is the exact mean utilisation over any window."),
+    ("energy_joules", "gputrain_gpu_energy_joules_total",
+     "Energy drawn since the exporter started, in joules "
+     "(nvmlDeviceGetTotalEnergyConsumption deltas)."),
+    ("pcie_rx_bytes", "gputrain_gpu_pcie_received_bytes_total",
+     "Bytes the GPU received over PCIe (host-to-device), since the exporter started."),
+    ("pcie_tx_bytes", "gputrain_gpu_pcie_transmitted_bytes_total",
+     "Bytes the GPU sent over PCIe (device-to-host), since the exporter started."),
+]
+
+
+class GpuCollector:
+    """Renders every GPU of the latest snapshot; a down GPU exports only its info and up=0."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+        self._snapshot = snapshot
+
+    def describe(self) -> list[Metric]:
+        return []  # unchecked collector: families depend on what the GPUs support
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        if not snap.gpus:
+            return
+        info = GaugeMetricFamily(
+            "gputrain_gpu_info", "GPU identity; always 1.",
+            labels=[*LABELS, "name", "pci_bus_id", "driver_version", "backend", "parent"])
+        up = GaugeMetricFamily(
+            "gputrain_gpu_up", "1 when the GPU answered the last sampling cycle, 0 when it is "
+            "lost or unreadable.", labels=LABELS)
+        gauges = {attr: GaugeMetricFamily(name, doc, labels=LABELS)
+                  for attr, name, doc in SAMPLE_GAUGES}
+        counters = {attr: CounterMetricFamily(name, doc, labels=LABELS)
+                    for attr, name, doc in STATE_COUNTERS}
+        clocks = GaugeMetricFamily("gputrain_gpu_clock_hertz", "Current clock, in hertz.",
+                                   labels=[*LABELS, "clock"])
+        events = CounterMetricFamily(
+            "gputrain_gpu_clock_event_seconds_total",
+            "Seconds the clocks were held down, by reason (NVML clock-event counters).",
+            labels=[*LABELS, "reason"])
+        xids = CounterMetricFamily("gputrain_gpu_xid_errors_total",
+                                   "Xid errors reported by the driver, by Xid code.",
+                                   labels=[*LABELS, "xid"])
+        for g in snap.gpus:
+            ident = g.identity
+            labels = [ident.index, ident.uuid]
+            info.add_metric([*labels, ident.name, ident.pci_bus_id, snap.driver_version,
+                             snap.backend, ident.parent], 1)
+            up.add_metric(labels, 1 if g.up else 0)
+            for xid, count in sorted(g.xid_errors.items()):
+                xids.add_metric([*labels, str(xid)], count)
+            if not g.up or g.sample is None:
+                continue
+            s = g.sample
+            for attr, family in gauges.items():
+                value = getattr(s, attr)
+                if value is not None:
+                    family.add_metric(labels, value)
+            for attr, family in counters.items():
+                value = getattr(g, attr)
+                if value is not None:
+                    family.add_metric(labels, value)
+            for clock, hz in sorted(s.clocks_hertz.items()):
+                clocks.add_metric([*labels, clock], hz)
+            for reason, seconds in sorted(g.clock_event_seconds.items()):
+                events.add_metric([*labels, reason], seconds)
+        yield info
+        yield up
+        for family in (*gauges.values(), *counters.values(), clocks, events, xids):
+            if family.samples:
+                yield family

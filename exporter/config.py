@@ -1,0 +1,248 @@
+"""Settings from command-line flags and an optional YAML file.
+
+Every setting has one dotted name, used both as the flag (``--sampler.interval``) and as the
+YAML key (``sampler.interval: 1s``, or nested: ``sampler: {interval: 1s}``). Flags override
+the file, the file overrides the defaults. A bad file is an error that names the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from exporter.host import DEFAULT_DISK_EXCLUDE, DEFAULT_NETDEV_EXCLUDE
+from exporter.sampler import ALL_COLLECTORS
+
+
+class ConfigError(ValueError):
+    """A setting has a value that cannot be used; the message names it."""
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+def parse_duration(value: Any) -> float:
+    """'500ms', '1s', '10m', '1h' or a plain number of seconds -> seconds (> 0)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a duration such as 1s or 10m, got {value!r}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        m = _DURATION.match(str(value))
+        if not m:
+            raise ValueError(f"expected a duration such as 1s or 10m, got {value!r}")
+        seconds = float(m.group(1)) * _UNITS[m.group(2)]
+    if seconds <= 0:
+        raise ValueError(f"a duration must be positive, got {value!r}")
+    return seconds
+
+
+def parse_listen_address(value: str) -> tuple[str, int]:
+    """'host:port', ':port' or '[v6]:port' -> (host, port); host '' means every address."""
+    text = str(value).strip()
+    m = re.match(r"^(?:\[(?P<v6>[^\]]+)\]|(?P<host>[^:\[\]]*)):(?P<port>\d{1,5})$", text)
+    if not m or not 0 <= int(m.group("port")) <= 65535:
+        raise ValueError(f"expected host:port or :port, got {value!r}")
+    return (m.group("v6") or m.group("host") or "", int(m.group("port")))
+
+
+def _listen(value: Any) -> str:
+    parse_listen_address(value)
+    return str(value)
+
+
+def _positive_int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"expected a positive integer, got {value!r}")
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a positive integer, got {value!r}") from None
+    if n <= 0 or (isinstance(value, float) and value != n):
+        raise ValueError(f"expected a positive integer, got {value!r}")
+    return n
+
+
+def _fraction(value: Any) -> float | None:
+    if value is None or (isinstance(value, str) and value.lower() in ("", "auto", "moving")):
+        return None
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a fraction between 0 and 1, got {value!r}") from None
+    if not 0.0 <= f <= 1.0:
+        raise ValueError(f"expected a fraction between 0 and 1, got {value!r}")
+    return f
+
+
+def _choice(*options: str) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        text = str(value).lower()
+        if text not in options:
+            raise ValueError(f"expected one of {', '.join(options)}, got {value!r}")
+        return text
+    return parse
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {value!r}")
+    return value
+
+
+def _regex(value: Any) -> str:
+    text = _text(value)
+    try:
+        re.compile(text)
+    except re.error as exc:
+        raise ValueError(f"not a valid regular expression: {exc}") from None
+    return text
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).lower()
+    if text in ("true", "yes", "on", "1"):
+        return True
+    if text in ("false", "no", "off", "0"):
+        return False
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Option:
+    key: str
+    parse: Callable[[Any], Any]
+    default: Any
+    help: str
+    metavar: str | None = None
+
+
+OPTIONS: list[Option] = [
+    Option("web.listen-address", _listen, ":19400",
+           "address for /metrics and /healthz (host:port; ':19400' is every address)"),
+    Option("web.tls-cert-file", _text, None, "TLS certificate (PEM) to serve HTTPS", "FILE"),
+    Option("web.tls-key-file", _text, None, "TLS private key (PEM) for --web.tls-cert-file",
+           "FILE"),
+    Option("sampler.interval", parse_duration, 1.0,
+           "how often GPUs and host are read (e.g. 1s, 500ms)", "DURATION"),
+    Option("gpu.backend", _choice("nvml", "demo"), "nvml",
+           "where GPU readings come from: nvml (real GPUs) or demo (simulated)"),
+    Option("demo.gpus", _positive_int, 8, "number of simulated GPUs with --gpu.backend=demo",
+           "N"),
+    Option("demo.load", _fraction, None,
+           "busy ratio 0-1 of the demo GPUs (default: a load that moves over time)", "RATIO"),
+    Option("ingest.listen-address", _listen, "127.0.0.1:19401",
+           "address for the training clients' pushes; anything but loopback needs "
+           "--ingest.token-file"),
+    Option("ingest.token-file", _text, None,
+           "file holding the bearer token that pushes must carry", "FILE"),
+    Option("ingest.max-series", _positive_int, 1024, "most live (run, rank) pairs kept", "N"),
+    Option("ingest.ttl", parse_duration, 600.0,
+           "forget a rank whose pushes stopped this long ago", "DURATION"),
+    Option("host.disk-exclude", _regex, DEFAULT_DISK_EXCLUDE,
+           "regular expression of block devices to leave out", "REGEX"),
+    Option("host.netdev-exclude", _regex, DEFAULT_NETDEV_EXCLUDE,
+           "regular expression of network interfaces to leave out (virtual ones under "
+           "/sys/devices/virtual/net are left out too unless this is empty)", "REGEX"),
+    Option("log.level", _choice("debug", "info", "warning", "error"), "info", "log level"),
+    *[
+        Option(f"collector.{name}", _bool, True, f"enable the {name} collector")
+        for name in ALL_COLLECTORS
+    ],
+]
+OPTIONS_BY_KEY = {o.key: o for o in OPTIONS}
+
+
+@dataclass
+class Settings:
+    """The resolved settings: ``values`` maps each dotted key to its parsed value."""
+
+    values: dict[str, Any] = field(
+        default_factory=lambda: {o.key: o.default for o in OPTIONS})
+
+    def __getitem__(self, key: str) -> Any:
+        return self.values[key]
+
+    @property
+    def collectors(self) -> set[str]:
+        return {n for n in ALL_COLLECTORS if self.values[f"collector.{n}"]}
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise ConfigError(f"expected a mapping of settings, got {type(data).__name__}")
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and key not in OPTIONS_BY_KEY:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def load_file(path: str) -> dict[str, Any]:
+    """Parse a YAML settings file into {key: parsed value}; ConfigError names what is wrong."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    out = {}
+    for key, raw in _flatten(data).items():
+        option = OPTIONS_BY_KEY.get(key)
+        if option is None:
+            known = ", ".join(sorted(OPTIONS_BY_KEY))
+            raise ConfigError(f"{path}: unknown key '{key}' (known keys: {known})")
+        try:
+            out[key] = option.parse(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{path}: key '{key}': {exc}") from None
+    return out
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per option (default SUPPRESS, so we can tell which were given)."""
+    parser.add_argument("--config.file", dest="config.file", metavar="FILE",
+                        default=argparse.SUPPRESS, help="YAML file with any of these settings")
+    for o in OPTIONS:
+        if o.key.startswith("collector."):
+            name = o.key.split(".", 1)[1]
+            parser.add_argument(f"--collector.{name}", dest=o.key, action="store_true",
+                                default=argparse.SUPPRESS, help=o.help + " (default: on)")
+            parser.add_argument(f"--no-collector.{name}", dest=o.key, action="store_false",
+                                default=argparse.SUPPRESS, help=f"disable the {name} collector")
+            continue
+        default = "" if o.default is None else f" (default: {o.default})"
+        parser.add_argument(f"--{o.key}", dest=o.key, metavar=o.metavar or "VALUE",
+                            default=argparse.SUPPRESS, help=o.help + default)
+
+
+def resolve(namespace: argparse.Namespace) -> Settings:
+    """Defaults, then the config file, then flags; raises ConfigError naming the flag or key."""
+    given = vars(namespace)
+    settings = Settings()
+    path = given.get("config.file")
+    if path:
+        settings.values.update(load_file(path))
+    for key, raw in given.items():
+        option = OPTIONS_BY_KEY.get(key)
+        if option is None:
+            continue
+        try:
+            settings.values[key] = option.parse(raw)
+        except ValueError as exc:
+            raise ConfigError(f"flag --{key}: {exc}") from None
+    return settings

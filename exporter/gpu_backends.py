@@ -1,0 +1,494 @@
+"""GPU backends: where per-GPU readings come from.
+
+Two backends stand behind one small protocol: :class:`NvmlBackend` reads real GPUs through
+:mod:`exporter.nvml`, and :class:`DemoBackend` simulates plausible H100-like GPUs so the whole
+bundle can be tried (and tested end to end) on a machine without one. The sampler only ever
+sees :class:`GpuIdentity` and :class:`GpuSample`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import threading
+import time
+import uuid as uuidlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from exporter.nvml import GpuLostError, Nvml, NvmlUnavailable
+
+log = logging.getLogger(__name__)
+
+# Usable bytes per second per lane, by PCIe generation (after line encoding:
+# 8b/10b for gen 1-2, 128b/130b for gen 3-5, FLIT for gen 6).
+PCIE_LANE_BYTES_PER_SECOND = {
+    1: 250e6,
+    2: 500e6,
+    3: 984.6e6,
+    4: 1969.2e6,
+    5: 3938.5e6,
+    6: 7563.0e6,
+}
+
+# Cumulative clock-event (throttle) counters, in nanoseconds, by the `reason` label.
+CLOCK_EVENT_FIELDS = {
+    "sw_power_cap": "NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP",
+    "sync_boost": "NVML_FI_DEV_CLOCKS_EVENT_REASON_SYNC_BOOST",
+    "sw_thermal_slowdown": "NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_THERM_SLOWDOWN",
+    "hw_thermal_slowdown": "NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN",
+    "hw_power_brake_slowdown": "NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN",
+}
+# Older drivers: the (deprecated) violation counters, also in nanoseconds.
+VIOLATION_POLICIES = {
+    "sw_power_cap": "NVML_PERF_POLICY_POWER",
+    "sw_thermal_slowdown": "NVML_PERF_POLICY_THERMAL",
+    "sync_boost": "NVML_PERF_POLICY_SYNC_BOOST",
+}
+
+GPM_METRICS = {
+    "sm_active": "NVML_GPM_METRIC_SM_UTIL",
+    "sm_occupancy": "NVML_GPM_METRIC_SM_OCCUPANCY",
+    "tensor_active": "NVML_GPM_METRIC_ANY_TENSOR_UTIL",
+    "dram_active": "NVML_GPM_METRIC_DRAM_BW_UTIL",
+    "pcie_tx_mib_per_second": "NVML_GPM_METRIC_PCIE_TX_PER_SEC",
+    "pcie_rx_mib_per_second": "NVML_GPM_METRIC_PCIE_RX_PER_SEC",
+}
+MIB = 1024 * 1024
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend cannot read any GPU on this machine; the reason is the message."""
+
+
+@dataclass(frozen=True)
+class GpuIdentity:
+    """What names a GPU in every series: its `gpu` index label and its UUID."""
+
+    index: str
+    uuid: str
+    name: str = ""
+    pci_bus_id: str = ""
+    parent: str = ""  # for a MIG device: the index of its physical GPU
+
+
+@dataclass
+class GpuSample:
+    """One reading of one GPU. None means "not available": the metric is left out.
+
+    Units: ratios 0-1, bytes, watts, joules, hertz, degrees Celsius, seconds.
+    Cumulative values (energy, PCIe bytes, clock-event seconds) are the source's own counters;
+    the sampler turns their deltas into the exported counters.
+    """
+
+    timestamp: float
+    utilization: float | None = None
+    sm_active: float | None = None
+    sm_occupancy: float | None = None
+    tensor_active: float | None = None
+    dram_active: float | None = None
+    memory_used_bytes: float | None = None
+    memory_total_bytes: float | None = None
+    power_watts: float | None = None
+    power_limit_watts: float | None = None
+    energy_joules: float | None = None
+    pcie_rx_bytes: float | None = None
+    pcie_tx_bytes: float | None = None
+    pcie_rx_bytes_per_second: float | None = None
+    pcie_tx_bytes_per_second: float | None = None
+    pcie_link_max_bytes_per_second: float | None = None
+    temperature_celsius: float | None = None
+    clocks_hertz: dict[str, float] = field(default_factory=dict)
+    clock_event_seconds: dict[str, float] = field(default_factory=dict)
+    pids: tuple[int, ...] = ()
+
+
+class GpuBackend(Protocol):
+    """The seam between the sampler and a source of GPU readings."""
+
+    name: str
+    driver_version: str
+
+    def start(self) -> list[GpuIdentity]:
+        """Open the backend and list its GPUs; raise BackendUnavailable with the reason."""
+
+    def sample(self, gpu: GpuIdentity) -> GpuSample:
+        """Read one GPU; raise GpuLostError when it stopped answering."""
+
+    def reopen(self, gpu: GpuIdentity) -> bool:
+        """Try to reach a lost GPU again; True when it answers."""
+
+    def wait_xid(self, timeout_s: float) -> list[tuple[str, int]]:
+        """Block up to timeout_s for Xid events; returns (gpu index, xid) pairs."""
+
+    def close(self) -> None: ...
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _ratio(percent: float | None) -> float | None:
+    return None if percent is None else max(0.0, min(1.0, float(percent) / 100.0))
+
+
+class _NvmlDevice:
+    """Per-GPU state the NVML backend keeps between readings."""
+
+    def __init__(self, identity: GpuIdentity, handle: Any, parent_handle: Any = None,
+                 gpu_instance_id: int | None = None) -> None:
+        self.identity = identity
+        self.handle = handle
+        self.parent_handle = parent_handle
+        self.gpu_instance_id = gpu_instance_id
+        self.last_sample_timestamp_us = 0
+        self.gpm_samples: list[Any] = []
+        self.gpm_primed = False
+        self.gpm_supported: bool | None = None
+
+
+class NvmlBackend:
+    """Real GPUs through NVML (the ``nvidia-ml-py`` package's ``pynvml`` module)."""
+
+    name = "nvml"
+
+    def __init__(self, nvml: Nvml | None = None, clock: Callable[[], float] = time.monotonic):
+        self.nvml = nvml or Nvml()
+        self.driver_version = ""
+        self._clock = clock
+        self._devices: dict[str, _NvmlDevice] = {}
+        self._event_set: Any = None
+        self._event_lock = threading.Lock()
+
+    # -- discovery -------------------------------------------------------------------------
+
+    def start(self) -> list[GpuIdentity]:
+        try:
+            self.nvml.init()
+        except NvmlUnavailable as exc:
+            raise BackendUnavailable(str(exc)) from exc
+        nv = self.nvml
+        self.driver_version = _text(nv.call("nvmlSystemGetDriverVersion") or "")
+        count = nv.call("nvmlDeviceGetCount") or 0
+        identities: list[GpuIdentity] = []
+        for i in range(count):
+            index = str(i)
+            try:
+                handle = nv.call("nvmlDeviceGetHandleByIndex", i, device=index)
+                identity = self._identify(index, handle)
+            except GpuLostError as exc:
+                log.error("GPU %s is lost at start-up: %s", index, exc)
+                handle, identity = None, GpuIdentity(index=index, uuid="")
+            self._devices[index] = _NvmlDevice(identity, handle)
+            identities.append(identity)
+            if handle is not None:
+                identities.extend(self._mig_devices(index, handle))
+        return identities
+
+    def _identify(self, index: str, handle: Any, parent: str = "") -> GpuIdentity:
+        nv = self.nvml
+        uuid = _text(nv.call("nvmlDeviceGetUUID", handle, device=index) or "")
+        name = _text(nv.call("nvmlDeviceGetName", handle, device=index) or "")
+        pci = nv.call("nvmlDeviceGetPciInfo", handle, device=index)
+        bus_id = _text(getattr(pci, "busId", "") or "") if pci is not None else ""
+        return GpuIdentity(index=index, uuid=uuid, name=name, pci_bus_id=bus_id, parent=parent)
+
+    def _mig_devices(self, index: str, handle: Any) -> list[GpuIdentity]:
+        nv = self.nvml
+        mode = nv.call("nvmlDeviceGetMigMode", handle, device=index)
+        if not mode or int(mode[0]) != 1:
+            return []
+        out = []
+        for j in range(nv.call("nvmlDeviceGetMaxMigDeviceCount", handle, device=index) or 0):
+            mig_index = f"{index}/{j}"
+            mig = nv.call("nvmlDeviceGetMigDeviceHandleByIndex", handle, j, device=mig_index)
+            if mig is None:
+                continue
+            identity = self._identify(mig_index, mig, parent=index)
+            gi = nv.call("nvmlDeviceGetGpuInstanceId", mig, device=mig_index)
+            self._devices[mig_index] = _NvmlDevice(identity, mig, handle, gi)
+            out.append(identity)
+        return out
+
+    # -- one reading -----------------------------------------------------------------------
+
+    def sample(self, gpu: GpuIdentity) -> GpuSample:
+        dev = self._devices[gpu.index]
+        if dev.handle is None:
+            raise GpuLostError(f"GPU {gpu.index} has no handle")
+        nv, lib, h, key = self.nvml, self.nvml.lib, dev.handle, gpu.index
+        s = GpuSample(timestamp=self._clock())
+        s.utilization = self._utilization(dev)
+        mem = nv.call("nvmlDeviceGetMemoryInfo", h, device=key)
+        if mem is not None:
+            s.memory_used_bytes, s.memory_total_bytes = float(mem.used), float(mem.total)
+        power_mw = nv.call("nvmlDeviceGetPowerUsage", h, device=key)
+        s.power_watts = None if power_mw is None else power_mw / 1000.0
+        limit_mw = nv.call("nvmlDeviceGetEnforcedPowerLimit", h, device=key)
+        s.power_limit_watts = None if limit_mw is None else limit_mw / 1000.0
+        energy_mj = nv.call("nvmlDeviceGetTotalEnergyConsumption", h, device=key)
+        s.energy_joules = None if energy_mj is None else energy_mj / 1000.0
+        s.temperature_celsius = _float(
+            nv.call("nvmlDeviceGetTemperature", h, lib.NVML_TEMPERATURE_GPU, device=key))
+        for clock, const in (("sm", "NVML_CLOCK_SM"), ("memory", "NVML_CLOCK_MEM")):
+            mhz = nv.call("nvmlDeviceGetClockInfo", h, getattr(lib, const), device=key)
+            if mhz is not None:
+                s.clocks_hertz[clock] = float(mhz) * 1e6
+        gen = nv.call("nvmlDeviceGetCurrPcieLinkGeneration", h, device=key)
+        width = nv.call("nvmlDeviceGetCurrPcieLinkWidth", h, device=key)
+        if gen in PCIE_LANE_BYTES_PER_SECOND and width:
+            s.pcie_link_max_bytes_per_second = PCIE_LANE_BYTES_PER_SECOND[gen] * int(width)
+        self._fields(dev, s)
+        self._gpm(dev, s)
+        self._pcie_fallback(dev, s)
+        procs = nv.call("nvmlDeviceGetComputeRunningProcesses", h, device=key)
+        if procs:
+            s.pids = tuple(int(p.pid) for p in procs)
+        return s
+
+    def _utilization(self, dev: _NvmlDevice) -> float | None:
+        """Mean of NVML's utilisation sample buffer since the last reading, as a ratio."""
+        nv, lib, key = self.nvml, self.nvml.lib, dev.identity.index
+        got = nv.call("nvmlDeviceGetSamples", dev.handle, lib.NVML_GPU_UTILIZATION_SAMPLES,
+                      dev.last_sample_timestamp_us, device=key, query="samples")
+        if got:
+            value_type, samples = got
+            fresh = [x for x in samples if x.timeStamp > dev.last_sample_timestamp_us]
+            if fresh:
+                member = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal"}.get(value_type, "uiVal")
+                dev.last_sample_timestamp_us = max(x.timeStamp for x in fresh)
+                values = [getattr(x.sampleValue, member) for x in fresh]
+                return _ratio(sum(values) / len(values))
+        rates = nv.call("nvmlDeviceGetUtilizationRates", dev.handle, device=key)
+        return None if rates is None else _ratio(rates.gpu)
+
+    def _fields(self, dev: _NvmlDevice, s: GpuSample) -> None:
+        nv, lib, key = self.nvml, self.nvml.lib, dev.identity.index
+        ids: dict[int, str] = {}
+        for label, const in CLOCK_EVENT_FIELDS.items():
+            if hasattr(lib, const):
+                ids[getattr(lib, const)] = label
+        rx_id = getattr(lib, "NVML_FI_DEV_PCIE_COUNT_RX_BYTES", None)
+        tx_id = getattr(lib, "NVML_FI_DEV_PCIE_COUNT_TX_BYTES", None)
+        wanted = list(ids) + [f for f in (rx_id, tx_id) if f is not None]
+        values = nv.field_values(dev.handle, wanted, device=key)
+        for fid, label in ids.items():
+            if fid in values:
+                s.clock_event_seconds[label] = float(values[fid]) / 1e9
+        if rx_id in values and tx_id in values:
+            s.pcie_rx_bytes, s.pcie_tx_bytes = float(values[rx_id]), float(values[tx_id])
+        if not s.clock_event_seconds:
+            for label, const in VIOLATION_POLICIES.items():
+                if not hasattr(lib, const):
+                    continue
+                v = nv.call("nvmlDeviceGetViolationStatus", dev.handle, getattr(lib, const),
+                            device=key)
+                if v is not None:
+                    s.clock_event_seconds[label] = float(v.violationTime) / 1e9
+
+    def _gpm(self, dev: _NvmlDevice, s: GpuSample) -> None:
+        """GPM metrics between this reading and the last (Hopper and newer)."""
+        nv, lib, key = self.nvml, self.nvml.lib, dev.identity.index
+        if dev.gpm_supported is None:
+            support_handle = dev.parent_handle or dev.handle
+            support = nv.call("nvmlGpmQueryDeviceSupport", support_handle, device=key)
+            dev.gpm_supported = bool(support is not None and support.isSupportedDevice)
+            if dev.gpm_supported:
+                a = nv.call("nvmlGpmSampleAlloc", device=key)
+                b = nv.call("nvmlGpmSampleAlloc", device=key)
+                dev.gpm_supported = a is not None and b is not None
+                dev.gpm_samples = [a, b]
+        if not dev.gpm_supported:
+            return
+        prev, cur = dev.gpm_samples
+        if dev.parent_handle is not None:
+            got = nv.call("nvmlGpmMigSampleGet", dev.parent_handle, dev.gpu_instance_id, cur,
+                          device=key, query="gpm_sample")
+        else:
+            got = nv.call("nvmlGpmSampleGet", dev.handle, cur, device=key, query="gpm_sample")
+        if got is None:
+            return
+        dev.gpm_samples = [cur, prev]
+        if not dev.gpm_primed:
+            dev.gpm_primed = True
+            return
+        names = [n for n, const in GPM_METRICS.items() if hasattr(lib, const)]
+        request = lib.c_nvmlGpmMetricsGet_t()
+        request.version = lib.NVML_GPM_METRICS_GET_VERSION
+        request.numMetrics = len(names)
+        request.sample1, request.sample2 = prev, cur
+        for i, n in enumerate(names):
+            request.metrics[i].metricId = getattr(lib, GPM_METRICS[n])
+        result = nv.call("nvmlGpmMetricsGet", request, device=key, query="gpm_metrics")
+        if result is None:
+            return
+        values = {}
+        for i, n in enumerate(names):
+            m = result.metrics[i]
+            if m.nvmlReturn == 0 and not math.isnan(m.value):
+                values[n] = float(m.value)
+        for n in ("sm_active", "sm_occupancy", "tensor_active", "dram_active"):
+            if n in values:
+                setattr(s, n, _ratio(values[n]))
+        if "pcie_rx_mib_per_second" in values and "pcie_tx_mib_per_second" in values:
+            s.pcie_rx_bytes_per_second = values["pcie_rx_mib_per_second"] * MIB
+            s.pcie_tx_bytes_per_second = values["pcie_tx_mib_per_second"] * MIB
+
+    def _pcie_fallback(self, dev: _NvmlDevice, s: GpuSample) -> None:
+        """The throughput call, last: it blocks ~20 ms per direction (its sampling window)."""
+        if s.pcie_rx_bytes is not None or s.pcie_rx_bytes_per_second is not None:
+            return
+        nv, lib, key = self.nvml, self.nvml.lib, dev.identity.index
+        rx = nv.call("nvmlDeviceGetPcieThroughput", dev.handle, lib.NVML_PCIE_UTIL_RX_BYTES,
+                     device=key)
+        tx = nv.call("nvmlDeviceGetPcieThroughput", dev.handle, lib.NVML_PCIE_UTIL_TX_BYTES,
+                     device=key)
+        if rx is not None and tx is not None:  # KB/s
+            s.pcie_rx_bytes_per_second, s.pcie_tx_bytes_per_second = rx * 1000.0, tx * 1000.0
+
+    # -- recovery and events ---------------------------------------------------------------
+
+    def reopen(self, gpu: GpuIdentity) -> bool:
+        if gpu.parent:
+            return False  # a MIG device comes back with its parent's restart
+        nv = self.nvml
+        try:
+            handle = nv.call("nvmlDeviceGetHandleByIndex", int(gpu.index), device=gpu.index,
+                             query="reopen")
+            if handle is None:
+                return False
+            uuid = _text(nv.call("nvmlDeviceGetUUID", handle, device=gpu.index) or "")
+        except GpuLostError:
+            return False
+        if gpu.uuid and uuid != gpu.uuid:
+            log.warning("GPU %s came back with another UUID (%s, was %s)", gpu.index, uuid,
+                        gpu.uuid)
+        dev = self._devices[gpu.index]
+        dev.handle = handle
+        dev.gpm_supported, dev.gpm_primed = None, False
+        return True
+
+    def wait_xid(self, timeout_s: float) -> list[tuple[str, int]]:
+        nv, lib = self.nvml, self.nvml.lib
+        with self._event_lock:
+            if self._event_set is None:
+                self._event_set = nv.call("nvmlEventSetCreate", query="xid")
+                if self._event_set is None:
+                    return []
+                for index, dev in self._devices.items():
+                    if dev.handle is not None and not dev.identity.parent:
+                        nv.call("nvmlDeviceRegisterEvents", dev.handle,
+                                lib.nvmlEventTypeXidCriticalError, self._event_set,
+                                device=index, query="xid")
+        data = nv.call("nvmlEventSetWait_v2", self._event_set, int(timeout_s * 1000),
+                       query="xid_wait")
+        if data is None:
+            return []
+        uuid = _text(nv.call("nvmlDeviceGetUUID", data.device, query="xid_uuid") or "")
+        for index, dev in self._devices.items():
+            if dev.identity.uuid == uuid:
+                return [(index, int(data.eventData))]
+        return []
+
+    def close(self) -> None:
+        for dev in self._devices.values():
+            for sample in dev.gpm_samples:
+                if sample is not None:
+                    self.nvml.call("nvmlGpmSampleFree", sample, query="gpm_free")
+        if self._event_set is not None:
+            self.nvml.call("nvmlEventSetFree", self._event_set, query="xid_free")
+        self.nvml.shutdown()
+
+
+def _float(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
+class DemoBackend:
+    """Simulated H100-like GPUs whose load moves over time (or is pinned with ``load``).
+
+    Every value stays within what a real H100 SXM reports, so dashboards and alerts behave as
+    they would on hardware. ``load`` in 0-1 pins every GPU at that busy ratio; None lets each
+    GPU follow its own slow wave.
+    """
+
+    name = "demo"
+    driver_version = "demo"
+    MEMORY_TOTAL = 80 * 1024**3
+    POWER_LIMIT = 700.0
+    IDLE_POWER = 70.0
+
+    def __init__(self, gpus: int = 8, load: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if load is not None and not 0.0 <= load <= 1.0:
+            raise ValueError(f"demo load must be between 0 and 1, got {load}")
+        self.gpus = gpus
+        self.load = load
+        self._clock = clock
+        self._start = clock()
+        self._last: dict[str, float] = {}
+        self._energy: dict[str, float] = {}
+        self._pcie: dict[str, list[float]] = {}
+        self._host = socket.gethostname()
+
+    def start(self) -> list[GpuIdentity]:
+        return [
+            GpuIdentity(
+                index=str(i),
+                uuid="GPU-" + str(uuidlib.uuid5(uuidlib.NAMESPACE_DNS, f"{self._host}.demo.{i}")),
+                name="NVIDIA H100 80GB HBM3 (demo)",
+                pci_bus_id=f"00000000:{0x18 + 0x10 * i:02X}:00.0",
+            )
+            for i in range(self.gpus)
+        ]
+
+    def load_of(self, index: int, t: float) -> float:
+        """The simulated busy ratio of GPU ``index`` at ``t`` seconds after start."""
+        if self.load is not None:
+            return self.load
+        return 0.55 + 0.4 * math.sin(t / 60.0 + index * 0.7)
+
+    def sample(self, gpu: GpuIdentity) -> GpuSample:
+        now = self._clock()
+        i = int(gpu.index)
+        load = self.load_of(i, now - self._start)
+        dt = now - self._last.get(gpu.index, now)
+        self._last[gpu.index] = now
+        power = self.IDLE_POWER + (self.POWER_LIMIT * 0.9 - self.IDLE_POWER) * load
+        self._energy[gpu.index] = self._energy.get(gpu.index, 0.0) + power * dt
+        link = PCIE_LANE_BYTES_PER_SECOND[5] * 16
+        rx_rate, tx_rate = 0.08 * link * load, 0.01 * link * load
+        pcie = self._pcie.setdefault(gpu.index, [0.0, 0.0])
+        pcie[0] += rx_rate * dt
+        pcie[1] += tx_rate * dt
+        return GpuSample(
+            timestamp=now,
+            utilization=load,
+            sm_active=0.85 * load,
+            sm_occupancy=0.45 * load,
+            tensor_active=0.35 * load,
+            dram_active=0.5 * load,
+            memory_used_bytes=self.MEMORY_TOTAL * (0.05 + 0.7 * min(1.0, load * 1.5)),
+            memory_total_bytes=float(self.MEMORY_TOTAL),
+            power_watts=power,
+            power_limit_watts=self.POWER_LIMIT,
+            energy_joules=self._energy[gpu.index],
+            pcie_rx_bytes=pcie[0],
+            pcie_tx_bytes=pcie[1],
+            pcie_link_max_bytes_per_second=link,
+            temperature_celsius=32.0 + 40.0 * load,
+            clocks_hertz={"sm": (1155 + 825 * load) * 1e6, "memory": 2619e6},
+            clock_event_seconds={"sw_power_cap": 0.0, "hw_thermal_slowdown": 0.0},
+        )
+
+    def reopen(self, gpu: GpuIdentity) -> bool:
+        return True
+
+    def wait_xid(self, timeout_s: float) -> list[tuple[str, int]]:
+        time.sleep(timeout_s)
+        return []
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,300 @@
+"""The push endpoint's logic: validate a training client's state and keep it per (run, rank).
+
+A push carries the client's cumulative totals, so a lost or repeated push loses nothing. A
+push is validated whole before anything is stored: a rejected push leaves the state as it was.
+See the README's "Push protocol" for the schema.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import math
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import Any
+
+PUSH_PATH = "/api/v1/push"
+SCHEMA_VERSION = 1
+MAX_BODY_BYTES = 1024 * 1024
+MAX_NAME_LENGTH = 128
+MAX_PHASES = 32
+MAX_BUCKETS = 64
+MAX_GPUS = 64
+NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]+$")
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+GPU_REF_RE = re.compile(r"^(\d{1,4}|(GPU|MIG)-[A-Za-z0-9/-]{1,120})$")
+
+COUNTERS = ("steps", "step_seconds", "data_wait_seconds", "samples")
+PROCESS_COUNTERS = ("cpu_seconds", "read_bytes")
+PROCESS_FIELDS = (*PROCESS_COUNTERS, "resident_memory_bytes")
+
+
+class PushRejected(Exception):
+    """A push that cannot be accepted; ``status`` is the HTTP code, the message says why."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class RankState:
+    """The latest accepted state of one (run, rank)."""
+
+    run: str
+    rank: str
+    run_id: str
+    received_at: float  # monotonic
+    received_unix: float
+    steps: int = 0
+    step_seconds: float = 0.0
+    data_wait_seconds: float = 0.0
+    samples: float = 0.0
+    bucket_bounds: tuple[float, ...] = ()
+    bucket_counts: tuple[int, ...] = ()
+    phases: dict[str, float] = field(default_factory=dict)
+    last_step_timestamp: float | None = None
+    process: dict[str, float] = field(default_factory=dict)
+    pid: int | None = None
+    gpus: tuple[str, ...] = ()
+
+
+def _reject_constant(name: str) -> Any:
+    raise PushRejected(400, f"invalid JSON: {name} is not a number JSON allows")
+
+
+def _number(body: dict, key: str, *, integer: bool = False, required: bool = True,
+            where: str = "") -> float | int | None:
+    if key not in body or body[key] is None:
+        if required:
+            raise PushRejected(400, f"missing field '{where}{key}'")
+        return None
+    v = body[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise PushRejected(400, f"field '{where}{key}' must be a number, got {_kind(v)}")
+    if integer and not (isinstance(v, int) or float(v).is_integer()):
+        raise PushRejected(400, f"field '{where}{key}' must be a whole number, got {v}")
+    if not math.isfinite(v) or v < 0:
+        raise PushRejected(400, f"field '{where}{key}' must be a finite number >= 0, got {v}")
+    if integer and v > 2**63:
+        raise PushRejected(400, f"field '{where}{key}' is too large")
+    return int(v) if integer else float(v)
+
+
+def _kind(v: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+            type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def _name(body: dict, key: str, what: str) -> str:
+    v = body.get(key)
+    if isinstance(v, int) and not isinstance(v, bool) and key == "rank":
+        v = str(v)
+    if not isinstance(v, str):
+        raise PushRejected(400, f"field '{key}' must be a string, got {_kind(v)}")
+    if not v:
+        raise PushRejected(400, f"field '{key}' must not be empty")
+    if len(v) > MAX_NAME_LENGTH:
+        raise PushRejected(400, f"field '{key}' is {len(v)} characters; the limit is "
+                                f"{MAX_NAME_LENGTH}")
+    if not NAME_RE.match(v):
+        raise PushRejected(400, f"field '{key}' may only hold letters, digits and _ . : - "
+                                f"({what}), got {v!r}")
+    return v
+
+
+def parse_push(raw: bytes, now: float, now_unix: float) -> tuple[RankState, bool]:
+    """Validate a push body; returns the state it describes and whether it says goodbye."""
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except UnicodeDecodeError:
+        raise PushRejected(400, "the body must be UTF-8 JSON") from None
+    except json.JSONDecodeError as exc:
+        raise PushRejected(400, f"invalid JSON: {exc.msg} at line {exc.lineno} column "
+                                f"{exc.colno}") from None
+    except RecursionError:
+        raise PushRejected(400, "invalid JSON: nested too deeply") from None
+    if not isinstance(body, dict):
+        raise PushRejected(400, f"the body must be a JSON object, got {_kind(body)}")
+    version = body.get("version")
+    if version != SCHEMA_VERSION or isinstance(version, bool):
+        raise PushRejected(400, f"field 'version' must be {SCHEMA_VERSION}, got {version!r}")
+    run = _name(body, "run", "the run's name")
+    rank = _name(body, "rank", "the rank")
+    run_id = body.get("run_id")
+    if not isinstance(run_id, str) or not RUN_ID_RE.match(run_id):
+        raise PushRejected(400, "field 'run_id' must be 1-64 letters, digits, _ or -")
+    st = RankState(run=run, rank=rank, run_id=run_id, received_at=now, received_unix=now_unix)
+    st.steps = _number(body, "steps", integer=True)
+    st.step_seconds = _number(body, "step_seconds")
+    st.data_wait_seconds = _number(body, "data_wait_seconds")
+    st.samples = _number(body, "samples")
+    st.last_step_timestamp = _number(body, "last_step_timestamp", required=False)
+    _parse_histogram(body, st)
+    _parse_phases(body, st)
+    _parse_process(body, st)
+    _parse_gpus(body, st)
+    goodbye = body.get("goodbye", False)
+    if not isinstance(goodbye, bool):
+        raise PushRejected(400, f"field 'goodbye' must be true or false, got {_kind(goodbye)}")
+    return st, goodbye
+
+
+def _parse_histogram(body: dict, st: RankState) -> None:
+    bounds, counts = body.get("step_buckets"), body.get("step_counts")
+    if bounds is None and counts is None:
+        return
+    if not isinstance(bounds, list) or not isinstance(counts, list):
+        raise PushRejected(400, "fields 'step_buckets' and 'step_counts' must both be arrays")
+    if len(bounds) != len(counts):
+        raise PushRejected(400, f"'step_buckets' has {len(bounds)} bounds but 'step_counts' "
+                                f"has {len(counts)} counts")
+    if len(bounds) > MAX_BUCKETS:
+        raise PushRejected(400, f"at most {MAX_BUCKETS} histogram buckets, got {len(bounds)}")
+    b = [_number({"b": x}, "b", where="step_buckets ") for x in bounds]
+    c = [_number({"c": x}, "c", integer=True, where="step_counts ") for x in counts]
+    if any(x >= y for x, y in pairwise(b)) or (b and b[0] <= 0):
+        raise PushRejected(400, "'step_buckets' must be positive and strictly increasing")
+    if any(x > y for x, y in pairwise(c)):
+        raise PushRejected(400, "'step_counts' must be cumulative (never decreasing)")
+    if c and c[-1] > st.steps:
+        raise PushRejected(400, f"'step_counts' counts {c[-1]} steps but 'steps' is "
+                                f"{st.steps}")
+    st.bucket_bounds, st.bucket_counts = tuple(b), tuple(c)
+
+
+def _parse_phases(body: dict, st: RankState) -> None:
+    phases = body.get("phases") or {}
+    if not isinstance(phases, dict):
+        raise PushRejected(400, f"field 'phases' must be an object, got {_kind(phases)}")
+    if len(phases) > MAX_PHASES:
+        raise PushRejected(400, f"at most {MAX_PHASES} phases, got {len(phases)}")
+    for name in phases:
+        if not NAME_RE.match(name) or len(name) > 64:
+            raise PushRejected(400, f"phase name {name!r} must be 1-64 letters, digits, _ . : -")
+        st.phases[name] = _number(phases, name, where="phases.")
+
+
+def _parse_process(body: dict, st: RankState) -> None:
+    proc = body.get("process")
+    if proc is None:
+        return
+    if not isinstance(proc, dict):
+        raise PushRejected(400, f"field 'process' must be an object, got {_kind(proc)}")
+    for key in PROCESS_FIELDS:
+        v = _number(proc, key, required=False, where="process.")
+        if v is not None:
+            st.process[key] = v
+    pid = _number(proc, "pid", integer=True, required=False, where="process.")
+    st.pid = None if pid is None else int(pid)
+
+
+def _parse_gpus(body: dict, st: RankState) -> None:
+    gpus = body.get("gpus") or []
+    if not isinstance(gpus, list) or len(gpus) > MAX_GPUS:
+        raise PushRejected(400, f"field 'gpus' must be an array of at most {MAX_GPUS} GPU "
+                                "UUIDs or indices")
+    for g in gpus:
+        if not isinstance(g, str) or not GPU_REF_RE.match(g):
+            raise PushRejected(400, f"'gpus' entries must be a GPU index or a GPU-/MIG- UUID, "
+                                    f"got {g!r}")
+    st.gpus = tuple(dict.fromkeys(gpus))
+
+
+def _check_monotonic(old: RankState, new: RankState) -> None:
+    """Within one run_id every total only grows; a decrease means a client bug."""
+    for key in COUNTERS:
+        if getattr(new, key) < getattr(old, key):
+            raise PushRejected(409, f"'{key}' went down from {getattr(old, key)} to "
+                                    f"{getattr(new, key)} within run_id {new.run_id}; a "
+                                    "restarted process must use a new run_id")
+    if old.bucket_bounds and new.bucket_bounds != old.bucket_bounds:
+        raise PushRejected(409, "'step_buckets' changed within one run_id")
+    for a, b in zip(old.bucket_counts, new.bucket_counts, strict=False):
+        if b < a:
+            raise PushRejected(409, "'step_counts' went down within one run_id")
+    for name, seconds in old.phases.items():
+        if new.phases.get(name, 0.0) < seconds:
+            raise PushRejected(409, f"phase '{name}' went down within one run_id")
+    for key in PROCESS_COUNTERS:
+        if key in old.process and new.process.get(key, 0.0) < old.process[key]:
+            raise PushRejected(409, f"'process.{key}' went down within one run_id")
+
+
+class IngestStore:
+    """The live (run, rank) states, bounded in number and expired after ``ttl`` seconds."""
+
+    def __init__(self, max_series: int = 1024, ttl: float = 600.0, token: str | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self.max_series = max_series
+        self.ttl = ttl
+        self._token = token
+        self._clock = clock
+        self._wall = wall_clock
+        self._lock = threading.Lock()
+        self._states: dict[tuple[str, str], RankState] = {}
+        self._requests: dict[str, int] = {}
+        self.version = 0
+
+    def authorized(self, header: str | None) -> bool:
+        """True when no token is configured or the header carries it."""
+        if self._token is None:
+            return True
+        if not header or not header.startswith("Bearer "):
+            return False
+        return hmac.compare_digest(header[7:].strip().encode(), self._token.encode())
+
+    def count(self, code: int) -> None:
+        with self._lock:
+            self._requests[str(code)] = self._requests.get(str(code), 0) + 1
+
+    def requests(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._requests)
+
+    def push(self, raw: bytes) -> str:
+        """Apply one push; returns a short message, raises PushRejected (state untouched)."""
+        new, goodbye = parse_push(raw, self._clock(), self._wall())
+        key = (new.run, new.rank)
+        with self._lock:
+            self._expire_locked()
+            old = self._states.get(key)
+            if old is not None and old.run_id == new.run_id:
+                _check_monotonic(old, new)
+            if old is None and not goodbye and len(self._states) >= self.max_series:
+                raise PushRejected(429, f"{len(self._states)} (run, rank) pairs are live, the "
+                                        f"limit (--ingest.max-series) is {self.max_series}")
+            if goodbye:
+                self._states.pop(key, None)
+                message = "goodbye"
+            else:
+                self._states[key] = new
+                message = "ok"
+            self.version += 1
+        return message
+
+    def _expire_locked(self) -> None:
+        deadline = self._clock() - self.ttl
+        stale = [k for k, st in self._states.items() if st.received_at < deadline]
+        for k in stale:
+            del self._states[k]
+        if stale:
+            self.version += 1
+
+    def states_version(self) -> int:
+        """A number that changes whenever the rendered states would (pushes, expiry)."""
+        with self._lock:
+            self._expire_locked()
+            return self.version
+
+    def states(self) -> list[RankState]:
+        """The live states, stale ones dropped first."""
+        with self._lock:
+            self._expire_locked()
+            return list(self._states.values())

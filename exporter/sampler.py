@@ -1,0 +1,354 @@
+"""The sampler: a background loop that reads every GPU and the host each interval.
+
+It integrates utilisation into busy seconds and turns the sources' cumulative values into
+monotonic counters, then publishes an immutable :class:`Snapshot`. Scrapes render the latest
+snapshot and never call NVML. Each GPU is read in its own worker thread, so one slow or lost
+GPU does not hold up the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field, replace
+
+from exporter.gpu_backends import BackendUnavailable, GpuBackend, GpuIdentity, GpuSample
+from exporter.host import CpuReading, DiskReading, HostReader, MemoryReading, NetworkReading
+from exporter.nvml import GpuLostError
+
+log = logging.getLogger(__name__)
+
+HOST_COLLECTORS = ("cpu", "memory", "disk", "network")
+ALL_COLLECTORS = ("gpu", *HOST_COLLECTORS, "training")
+LOST_GPU_RETRY_SECONDS = 10.0
+BACKEND_RETRY_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class CollectorStatus:
+    """How a collector's last cycle went (seconds; wall-clock timestamp)."""
+
+    success: bool
+    duration_seconds: float
+    last_success_timestamp: float | None
+
+
+@dataclass
+class GpuState:
+    """One GPU in a snapshot: its latest reading and its integrated counters.
+
+    A counter is None until its source has given a value, so that a GPU without, say,
+    an energy counter exports no energy series rather than a zero.
+    """
+
+    identity: GpuIdentity
+    up: bool = False
+    sample: GpuSample | None = None
+    busy_seconds: float | None = None
+    energy_joules: float | None = None
+    pcie_rx_bytes: float | None = None
+    pcie_tx_bytes: float | None = None
+    clock_event_seconds: dict[str, float] = field(default_factory=dict)
+    xid_errors: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything a scrape renders. Immutable once published."""
+
+    cycle: int
+    timestamp: float
+    backend: str
+    driver_version: str
+    gpus: tuple[GpuState, ...] = ()
+    cpu: CpuReading | None = None
+    memory: MemoryReading | None = None
+    disks: dict[str, DiskReading] = field(default_factory=dict)
+    networks: dict[str, NetworkReading] = field(default_factory=dict)
+    collectors: dict[str, CollectorStatus] = field(default_factory=dict)
+
+
+class _GpuSlot:
+    """The sampler's private, mutable state for one GPU."""
+
+    def __init__(self, identity: GpuIdentity) -> None:
+        self.state = GpuState(identity)
+        self.previous: GpuSample | None = None
+        self.pending: Future | None = None
+        self.pending_since = 0.0
+        self.lost = False
+        self.next_retry = 0.0
+
+
+def _delta(current: float | None, previous: float | None) -> float:
+    """The increase of a source counter; 0 across a reset or a missing value."""
+    if current is None or previous is None or current < previous:
+        return 0.0
+    return current - previous
+
+
+class Sampler:
+    """Reads GPUs and host every ``interval`` seconds in a daemon thread."""
+
+    def __init__(
+        self,
+        backend: GpuBackend | None,
+        host: HostReader | None,
+        interval: float = 1.0,
+        collectors: set[str] | frozenset[str] = frozenset(ALL_COLLECTORS),
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.backend = backend
+        self.host = host
+        self.interval = interval
+        self.collectors = set(collectors)
+        self._clock = clock
+        self._wall = wall_clock
+        self._slots: list[_GpuSlot] = []
+        self._backend_ready = False
+        self._backend_error: str | None = None
+        self._backend_next_try = 0.0
+        self._pool: ThreadPoolExecutor | None = None
+        self._status: dict[str, CollectorStatus] = {}
+        self._cycle = 0
+        self._last_cycle_at: float | None = None
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._xid_lock = threading.Lock()
+        self._snapshot = Snapshot(0, wall_clock(), self._backend_name(), "")
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def _backend_name(self) -> str:
+        return getattr(self.backend, "name", "none") if self.backend is not None else "none"
+
+    @property
+    def snapshot(self) -> Snapshot:
+        """The latest published snapshot (a plain attribute read: safe from any thread)."""
+        return self._snapshot
+
+    @property
+    def gpu_error(self) -> str | None:
+        """Why no GPU can be read, or None."""
+        return self._backend_error
+
+    def start(self) -> None:
+        """Run one cycle now, then keep sampling in the background."""
+        self.run_once()
+        t = threading.Thread(target=self._loop, name="gputrain-sampler", daemon=True)
+        t.start()
+        self._threads.append(t)
+        if self._wants_gpu() and self._backend_ready:
+            x = threading.Thread(target=self._xid_loop, name="gputrain-xid", daemon=True)
+            x.start()
+            self._threads.append(x)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=self.interval + 2.0)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.backend is not None and self._backend_ready:
+            self.backend.close()
+
+    def healthy(self) -> bool:
+        """True when a cycle completed within the last three intervals."""
+        last = self._last_cycle_at
+        return last is not None and self._clock() - last <= 3 * self.interval
+
+    def _loop(self) -> None:
+        next_at = self._clock() + self.interval
+        while not self._stop.wait(max(0.0, next_at - self._clock())):
+            try:
+                self.run_once()
+            except Exception:  # the loop must outlive any bug in one cycle
+                log.exception("sampler cycle failed")
+            next_at += self.interval
+            now = self._clock()
+            if next_at < now:  # fell behind (suspend, overload): skip, do not burst
+                next_at = now + self.interval
+
+    # -- one cycle -------------------------------------------------------------------------
+
+    def _wants_gpu(self) -> bool:
+        return "gpu" in self.collectors and self.backend is not None
+
+    def run_once(self) -> Snapshot:
+        """Read everything once and publish a snapshot; returns it."""
+        gpus: tuple[GpuState, ...] = ()
+        if self._wants_gpu():
+            gpus = self._timed("gpu", self._sample_gpus)
+        readings = {}
+        for name, read in (("cpu", "cpu"), ("memory", "memory"), ("disk", "disks"),
+                           ("network", "networks")):
+            if name in self.collectors and self.host is not None:
+                readings[name] = self._timed(name, getattr(self.host, read))
+        self._cycle += 1
+        snap = Snapshot(
+            cycle=self._cycle,
+            timestamp=self._wall(),
+            backend=self._backend_name(),
+            driver_version=getattr(self.backend, "driver_version", "") or "",
+            gpus=gpus or (),
+            cpu=readings.get("cpu"),
+            memory=readings.get("memory"),
+            disks=readings.get("disk") or {},
+            networks=readings.get("network") or {},
+            collectors=dict(self._status),
+        )
+        self._snapshot = snap
+        self._last_cycle_at = self._clock()
+        return snap
+
+    def _timed(self, name: str, fn: Callable):
+        started = self._clock()
+        try:
+            result = fn()
+            ok = result is not None
+        except Exception as exc:
+            log.warning("collector %s failed: %s", name, exc, exc_info=log.isEnabledFor(10))
+            result, ok = None, False
+        duration = self._clock() - started
+        previous = self._status.get(name)
+        last_ok = self._wall() if ok else (previous.last_success_timestamp if previous else None)
+        self._status[name] = CollectorStatus(ok, duration, last_ok)
+        return result
+
+    def _open_backend(self) -> bool:
+        if self._backend_ready:
+            return True
+        now = self._clock()
+        if now < self._backend_next_try:
+            return False
+        self._backend_next_try = now + BACKEND_RETRY_SECONDS
+        try:
+            identities = self.backend.start()
+        except BackendUnavailable as exc:
+            if self._backend_error is None:
+                log.warning("No NVIDIA GPU can be read (%s): serving host metrics only, "
+                            "retrying every %.0fs (--gpu.backend=demo simulates GPUs)", exc,
+                            BACKEND_RETRY_SECONDS)
+            self._backend_error = str(exc)
+            return False
+        self._backend_error = None
+        self._backend_ready = True
+        self._slots = [_GpuSlot(i) for i in identities]
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self._slots)),
+                                        thread_name_prefix="gputrain-gpu")
+        log.info("%s backend: %d GPU(s), driver %s", self.backend.name, len(self._slots),
+                 self.backend.driver_version or "unknown")
+        return True
+
+    def _sample_gpus(self) -> tuple[GpuState, ...] | None:
+        if not self._open_backend():
+            return None
+        now = self._clock()
+        started: list[_GpuSlot] = []
+        for slot in self._slots:
+            if slot.pending is not None:
+                continue  # still busy with an earlier read: do not pile up
+            if slot.lost:
+                if now < slot.next_retry:
+                    continue
+                slot.next_retry = now + LOST_GPU_RETRY_SECONDS
+                slot.pending = self._pool.submit(self._reopen_and_sample, slot.state.identity)
+            else:
+                slot.pending = self._pool.submit(self.backend.sample, slot.state.identity)
+            slot.pending_since = now
+            started.append(slot)
+        waiting = [s.pending for s in self._slots if s.pending is not None]
+        if waiting:
+            wait_futures(waiting, timeout=self.interval * 0.8)
+        for slot in self._slots:
+            fut = slot.pending
+            if fut is None:
+                continue
+            if not fut.done():
+                if self._clock() - slot.pending_since > 3 * self.interval and slot.state.up:
+                    log.warning("GPU %s has not answered for %.1fs: marking it down",
+                                slot.state.identity.index, self._clock() - slot.pending_since)
+                    slot.state.up = False
+                continue
+            slot.pending = None
+            self._absorb(slot, fut)
+        with self._xid_lock:
+            return tuple(replace(s.state, clock_event_seconds=dict(s.state.clock_event_seconds),
+                                 xid_errors=dict(s.state.xid_errors)) for s in self._slots)
+
+    def _reopen_and_sample(self, identity: GpuIdentity) -> GpuSample:
+        if not self.backend.reopen(identity):
+            raise GpuLostError(f"GPU {identity.index} is still lost")
+        return self.backend.sample(identity)
+
+    def _absorb(self, slot: _GpuSlot, fut: Future) -> None:
+        st = slot.state
+        try:
+            sample: GpuSample = fut.result()
+        except GpuLostError as exc:
+            if not slot.lost:
+                log.error("GPU %s (%s) is lost: %s; retrying every %.0fs", st.identity.index,
+                          st.identity.uuid, exc, LOST_GPU_RETRY_SECONDS)
+                slot.next_retry = self._clock() + LOST_GPU_RETRY_SECONDS
+            slot.lost, st.up, slot.previous = True, False, None
+            return
+        except Exception as exc:
+            log.warning("reading GPU %s failed: %s", st.identity.index, exc)
+            st.up, slot.previous = False, None
+            return
+        if slot.lost:
+            log.info("GPU %s answers again", st.identity.index)
+        slot.lost, st.up = False, True
+        prev = slot.previous
+        dt = 0.0 if prev is None else max(0.0, sample.timestamp - prev.timestamp)
+        # A gap much longer than the interval is time we did not see: do not guess it.
+        dt_seen = dt if dt <= 3 * self.interval else 0.0
+        if sample.utilization is not None:
+            st.busy_seconds = (st.busy_seconds or 0.0) + sample.utilization * dt_seen
+        if sample.energy_joules is not None:
+            inc = _delta(sample.energy_joules, prev.energy_joules if prev else None)
+            st.energy_joules = (st.energy_joules or 0.0) + inc
+        elif sample.power_watts is not None:
+            st.energy_joules = (st.energy_joules or 0.0) + sample.power_watts * dt_seen
+        if sample.pcie_rx_bytes is not None and sample.pcie_tx_bytes is not None:
+            st.pcie_rx_bytes = (st.pcie_rx_bytes or 0.0) + _delta(
+                sample.pcie_rx_bytes, prev.pcie_rx_bytes if prev else None)
+            st.pcie_tx_bytes = (st.pcie_tx_bytes or 0.0) + _delta(
+                sample.pcie_tx_bytes, prev.pcie_tx_bytes if prev else None)
+        elif sample.pcie_rx_bytes_per_second is not None:
+            st.pcie_rx_bytes = (st.pcie_rx_bytes or 0.0) + sample.pcie_rx_bytes_per_second * dt_seen
+            st.pcie_tx_bytes = (st.pcie_tx_bytes or 0.0) + (
+                sample.pcie_tx_bytes_per_second or 0.0) * dt_seen
+        for reason, seconds in sample.clock_event_seconds.items():
+            before = prev.clock_event_seconds.get(reason) if prev else None
+            st.clock_event_seconds[reason] = st.clock_event_seconds.get(reason, 0.0) + _delta(
+                seconds, before)
+        st.sample = sample
+        slot.previous = sample
+
+    # -- Xid events ------------------------------------------------------------------------
+
+    def _xid_loop(self) -> None:
+        by_index = {s.state.identity.index: s for s in self._slots}
+        while not self._stop.is_set():
+            started = self._clock()
+            try:
+                events = self.backend.wait_xid(1.0)
+            except Exception as exc:
+                log.warning("Xid event watch failed: %s; retrying in 10s", exc)
+                self._stop.wait(10.0)
+                continue
+            with self._xid_lock:
+                for index, xid in events:
+                    slot = by_index.get(index)
+                    if slot is not None:
+                        slot.state.xid_errors[xid] = slot.state.xid_errors.get(xid, 0) + 1
+                        log.warning("Xid %d on GPU %s", xid, index)
+            if not events:
+                # A backend without events returns at once: do not spin.
+                self._stop.wait(max(0.0, 1.0 - (self._clock() - started)))

@@ -1,0 +1,207 @@
+"""HTTP: /metrics and /healthz on the web address, the push endpoint on the ingest address.
+
+A scrape renders the sampler's latest snapshot (no NVML call); the rendered bytes are cached
+until the next sampler cycle or push, so many Prometheus servers cost little more than one.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import socket
+import ssl
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.exposition import choose_encoder
+
+from exporter.collectors import GpuCollector, HostCollector, SelfCollector
+from exporter.collectors.training import TrainingCollector
+from exporter.ingest import MAX_BODY_BYTES, PUSH_PATH, IngestStore, PushRejected
+from exporter.sampler import CollectorStatus, Sampler
+
+log = logging.getLogger(__name__)
+
+LANDING_PAGE = b"""<html><head><title>gputrain-exporter</title></head><body>
+<h1>gputrain-exporter</h1><p><a href="/metrics">Metrics</a> &middot;
+<a href="/healthz">Health</a></p></body></html>
+"""
+
+
+class Exposition:
+    """Builds the registry from the enabled collectors and renders it, cached."""
+
+    def __init__(self, sampler: Sampler, store: IngestStore | None = None) -> None:
+        self.sampler = sampler
+        self.store = store
+        self.registry = CollectorRegistry(auto_describe=False)
+        snap = lambda: sampler.snapshot  # noqa: E731 - read the latest at every scrape
+        self.registry.register(SelfCollector(snap, self._training_status))
+        self.registry.register(ProcessCollector(namespace="gputrain_exporter",
+                                                registry=None))
+        if "gpu" in sampler.collectors:
+            self.registry.register(GpuCollector(snap))
+        self.registry.register(HostCollector(snap))
+        self.training = TrainingCollector(store, snap) if store is not None else None
+        if self.training is not None:
+            self.registry.register(self.training)
+        self._cache_lock = threading.Lock()
+        self._cache: dict[tuple, tuple[bytes, str]] = {}
+        self._cache_key: tuple | None = None
+
+    def _training_status(self) -> dict[str, CollectorStatus]:
+        return {} if self.training is None else {"training": self.training.status}
+
+    def render(self, accept: str | None = None, gzip_ok: bool = False) -> tuple[bytes, str]:
+        """The exposition for this Accept header: (body, content type)."""
+        encoder, content_type = choose_encoder(accept or "")
+        version = self.store.states_version() if self.store is not None else 0
+        key = (self.sampler.snapshot.cycle, version)
+        with self._cache_lock:
+            if key != self._cache_key:
+                self._cache.clear()
+                self._cache_key = key
+            entry = self._cache.get((content_type, gzip_ok))
+            if entry is None:
+                body = encoder(self.registry)
+                if gzip_ok:
+                    body = gzip.compress(body, compresslevel=1)
+                entry = (body, content_type)
+                self._cache[(content_type, gzip_ok)] = entry
+        return entry
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_version = "gputrain-exporter"
+    protocol_version = "HTTP/1.1"
+    timeout = 30  # a client that stops sending mid-request does not hold a thread forever
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s %s", self.address_string(), format % args)
+
+    def _send(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8",
+              headers: dict[str, str] | None = None) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _health(self) -> None:
+        sampler: Sampler = self.server.app.sampler
+        if sampler.healthy():
+            self._send(200, b"ok\n")
+        else:
+            self._send(503, b"the sampler has not completed a cycle in 3 intervals\n")
+
+
+class MetricsHandler(_Handler):
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path == "/metrics":
+            gzip_ok = "gzip" in (self.headers.get("Accept-Encoding") or "")
+            body, ctype = self.server.app.render(self.headers.get("Accept"), gzip_ok)
+            self._send(200, body, ctype, {"Content-Encoding": "gzip"} if gzip_ok else None)
+        elif path == "/healthz":
+            self._health()
+        elif path == "/":
+            self._send(200, LANDING_PAGE, "text/html; charset=utf-8")
+        else:
+            self._send(404, b"not found: try /metrics\n")
+
+    do_HEAD = do_GET
+
+
+class IngestHandler(_Handler):
+    def do_POST(self) -> None:
+        store: IngestStore = self.server.app.store
+        code, message = self._push(store)
+        store.count(code)
+        self._send(code, (message + "\n").encode())
+        if code >= 400:
+            log.debug("push rejected (%d): %s", code, message)
+
+    def _push(self, store: IngestStore) -> tuple[int, str]:
+        if self.path.split("?", 1)[0] != PUSH_PATH:
+            self.close_connection = True
+            return 404, f"not found: push to {PUSH_PATH}"
+        if not store.authorized(self.headers.get("Authorization")):
+            self.close_connection = True
+            return 401, "missing or wrong bearer token (Authorization: Bearer <token>)"
+        length_header = self.headers.get("Content-Length")
+        if self.headers.get("Transfer-Encoding") or length_header is None:
+            self.close_connection = True
+            return 411, "a Content-Length header is required"
+        try:
+            length = int(length_header)
+        except ValueError:
+            self.close_connection = True
+            return 400, "Content-Length is not a number"
+        if length < 0 or length > MAX_BODY_BYTES:
+            self.close_connection = True  # the unread body must not be parsed as a request
+            return 413, f"the body is {length} bytes; the limit is {MAX_BODY_BYTES}"
+        raw = self.rfile.read(length)
+        if len(raw) != length:
+            self.close_connection = True
+            return 400, "the body is shorter than Content-Length"
+        try:
+            return 200, store.push(raw)
+        except PushRejected as exc:
+            return exc.status, str(exc)
+
+    def do_GET(self) -> None:
+        if self.path.split("?", 1)[0] == "/healthz":
+            self._health()
+        else:
+            self._send(405 if self.path.startswith(PUSH_PATH) else 404,
+                       f"POST JSON to {PUSH_PATH}\n".encode())
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 64
+
+    def __init__(self, address: tuple[str, int], handler: type, app: Any,
+                 family: int = socket.AF_INET) -> None:
+        self.address_family = family
+        self.app = app
+        super().__init__(address, handler)
+
+    def server_bind(self) -> None:
+        if self.address_family == socket.AF_INET6:
+            # ':port' means every address, IPv4 included.
+            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
+
+
+def make_server(host: str, port: int, handler: type, app: Any,
+                tls: tuple[str, str] | None = None) -> ThreadingHTTPServer:
+    """Bind an HTTP(S) server; an empty host listens on every IPv4 and IPv6 address."""
+    if host == "":
+        try:
+            server = _Server(("::", port), handler, app, socket.AF_INET6)
+        except OSError:
+            server = _Server(("0.0.0.0", port), handler, app)
+    else:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        server = _Server((host, port), handler, app, family)
+    if tls is not None:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(certfile=tls[0], keyfile=tls[1])
+        # The handshake then happens in the request's own thread, not in the accept loop.
+        server.socket = context.wrap_socket(server.socket, server_side=True,
+                                            do_handshake_on_connect=False)
+    return server
+
+
+def serve_in_thread(server: ThreadingHTTPServer, name: str) -> threading.Thread:
+    t = threading.Thread(target=server.serve_forever, name=name, daemon=True)
+    t.start()
+    return t
