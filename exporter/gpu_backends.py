@@ -147,6 +147,7 @@ class _NvmlDevice:
         self.gpm_samples: list[Any] = []
         self.gpm_primed = False
         self.gpm_supported: bool | None = None
+        self.gpm_has_pcie: bool | None = None  # None until GPM's first metrics
 
 
 class NvmlBackend:
@@ -332,7 +333,8 @@ class NvmlBackend:
         for n in ("sm_active", "sm_occupancy", "tensor_active", "dram_active"):
             if n in values:
                 setattr(s, n, _ratio(values[n]))
-        if "pcie_rx_mib_per_second" in values and "pcie_tx_mib_per_second" in values:
+        dev.gpm_has_pcie = "pcie_rx_mib_per_second" in values
+        if dev.gpm_has_pcie and "pcie_tx_mib_per_second" in values:
             s.pcie_rx_bytes_per_second = values["pcie_rx_mib_per_second"] * MIB
             s.pcie_tx_bytes_per_second = values["pcie_tx_mib_per_second"] * MIB
 
@@ -340,6 +342,8 @@ class NvmlBackend:
         """The throughput call, last: it blocks ~20 ms per direction (its sampling window)."""
         if s.pcie_rx_bytes is not None or s.pcie_rx_bytes_per_second is not None:
             return
+        if dev.gpm_supported and dev.gpm_has_pcie is not False:
+            return  # GPM gives the rates (from its second reading on)
         nv, lib, key = self.nvml, self.nvml.lib, dev.identity.index
         rx = nv.call("nvmlDeviceGetPcieThroughput", dev.handle, lib.NVML_PCIE_UTIL_RX_BYTES,
                      device=key)
@@ -367,7 +371,7 @@ class NvmlBackend:
                         gpu.uuid)
         dev = self._devices[gpu.index]
         dev.handle = handle
-        dev.gpm_supported, dev.gpm_primed = None, False
+        dev.gpm_supported, dev.gpm_primed, dev.gpm_has_pcie = None, False, None
         return True
 
     def wait_xid(self, timeout_s: float) -> list[tuple[str, int]]:
@@ -421,7 +425,7 @@ class DemoBackend:
     IDLE_POWER = 70.0
 
     def __init__(self, gpus: int = 8, load: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, host: str | None = None) -> None:
         if load is not None and not 0.0 <= load <= 1.0:
             raise ValueError(f"demo load must be between 0 and 1, got {load}")
         self.gpus = gpus
@@ -431,7 +435,7 @@ class DemoBackend:
         self._last: dict[str, float] = {}
         self._energy: dict[str, float] = {}
         self._pcie: dict[str, list[float]] = {}
-        self._host = socket.gethostname()
+        self._host = host or socket.gethostname()  # demo UUIDs differ between nodes
 
     def start(self) -> list[GpuIdentity]:
         return [

@@ -28,7 +28,7 @@ class HostCollector:
             for mode, seconds in sorted(snap.cpu.seconds_by_mode.items()):
                 cpu.add_metric([mode], seconds)
             yield cpu
-            yield GaugeMetricFamily("gputrain_host_cpu_count",
+            yield GaugeMetricFamily("gputrain_host_cpus",
                                     "Logical CPUs (psutil.cpu_count).", value=snap.cpu.count)
         if snap.memory is not None:
             yield GaugeMetricFamily("gputrain_host_memory_total_bytes",

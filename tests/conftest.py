@@ -1,0 +1,219 @@
+"""Shared test helpers: a settable clock, free ports, real servers started as subprocesses."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+class FakeClock:
+    """A monotonic clock that only moves when told to."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def require_binary(name: str) -> str:
+    """The path of a tool the test needs. In CI its absence is a failure, not a skip."""
+    path = shutil.which(name)
+    if path:
+        return path
+    message = (f"{name} is not installed (Debian: apt-get install prometheus "
+               "prometheus-alertmanager); the README's test command installs it")
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def wait_until(predicate, timeout: float = 30.0, interval: float = 0.2, what: str = "condition"):
+    """Poll until predicate() returns a truthy value; fail the test after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    last_exc: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as exc:  # not ready yet
+            last_exc = exc
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}"
+                         + (f" (last error: {last_exc})" if last_exc else ""))
+
+
+class Daemon:
+    """The exporter as a user runs it: `python -m exporter ...` in a subprocess."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.ingest_port = free_port()
+        self.args = [
+            sys.executable, "-m", "exporter",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            f"--ingest.listen-address=127.0.0.1:{self.ingest_port}",
+            *args,
+        ]
+        self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+        self.proc: subprocess.Popen | None = None
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"gputrain-{self.port}.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ingest_url(self) -> str:
+        return f"http://127.0.0.1:{self.ingest_port}"
+
+    def start(self) -> Daemon:
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(self.args, cwd=ROOT, env=self.env, stdout=self._log,
+                                     stderr=subprocess.STDOUT)
+        wait_until(lambda: requests.get(self.url + "/healthz", timeout=1).status_code == 200,
+                   timeout=20, what=f"the exporter on {self.url} (log: {self.log_text()})")
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if getattr(self, "_log", None):
+            self._log.close()
+
+    def kill(self) -> None:
+        if self.proc:
+            self.proc.kill()
+            self.proc.wait()
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text()
+        except OSError:
+            return ""
+
+    def metrics(self) -> str:
+        return requests.get(self.url + "/metrics", timeout=5).text
+
+
+@pytest.fixture
+def daemon_factory() -> Iterator:
+    started: list[Daemon] = []
+
+    def make(*args: str, env: dict[str, str] | None = None, start: bool = True) -> Daemon:
+        d = Daemon(*args, env=env)
+        started.append(d)
+        return d.start() if start else d
+
+    yield make
+    for d in started:
+        d.stop()
+
+
+def sample_value(text: str, name: str, labels: dict[str, str] | None = None) -> float | None:
+    """The value of one sample in an exposition text, or None."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
+                return s.value
+    return None
+
+
+class Prometheus:
+    """A real Prometheus server on loopback, scraping what the test points it at."""
+
+    def __init__(self, tmp_path: Path, targets: list[str], rule_files: list[str] | None = None,
+                 scrape_interval: str = "1s", alertmanager: str | None = None,
+                 extra_args: list[str] | None = None) -> None:
+        self.binary = require_binary("prometheus")
+        self.port = free_port()
+        self.dir = tmp_path / f"prometheus-{self.port}"
+        self.dir.mkdir()
+        config = {
+            "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
+            "scrape_configs": [{"job_name": "gputrain", "static_configs": [{"targets": targets}]}],
+            "rule_files": rule_files or [],
+        }
+        if alertmanager:
+            config["alerting"] = {"alertmanagers": [{"static_configs": [
+                {"targets": [alertmanager]}]}]}
+        import yaml
+
+        (self.dir / "prometheus.yml").write_text(yaml.safe_dump(config))
+        self.args = [self.binary, f"--config.file={self.dir / 'prometheus.yml'}",
+                     f"--storage.tsdb.path={self.dir / 'data'}",
+                     f"--web.listen-address=127.0.0.1:{self.port}", *(extra_args or [])]
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Prometheus:
+        self._log = open(self.dir / "log.txt", "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT)
+        wait_until(lambda: requests.get(self.url + "/-/ready", timeout=1).status_code == 200,
+                   timeout=30, what="Prometheus to be ready")
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=15)
+        if getattr(self, "_log", None):
+            self._log.close()
+
+    def query(self, expr: str) -> list[dict]:
+        r = requests.get(self.url + "/api/v1/query", params={"query": expr}, timeout=10)
+        body = r.json()
+        assert body["status"] == "success", f"{expr}: {body}"
+        return body["data"]["result"]
+
+
+@pytest.fixture
+def prometheus_factory(tmp_path) -> Iterator:
+    started: list[Prometheus] = []
+
+    def make(targets: list[str], **kw) -> Prometheus:
+        p = Prometheus(tmp_path, targets, **kw)
+        started.append(p)
+        return p.start()
+
+    yield make
+    for p in started:
+        p.stop()

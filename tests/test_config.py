@@ -1,0 +1,80 @@
+"""Flags and the YAML file: precedence, and errors that name the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from exporter.cli import build_parser
+from exporter.config import ConfigError, parse_duration, parse_listen_address, resolve
+
+
+def settings(*argv: str):
+    return resolve(build_parser().parse_args(["serve", *argv]))
+
+
+def test_defaults():
+    s = settings()
+    assert s["web.listen-address"] == ":19400"
+    assert s["ingest.listen-address"] == "127.0.0.1:19401"
+    assert s["sampler.interval"] == 1.0
+    assert s["gpu.backend"] == "nvml"
+    assert s["demo.gpus"] == 8
+    assert s["demo.load"] is None
+    assert s["ingest.ttl"] == 600.0
+    assert s["ingest.max-series"] == 1024
+    assert s.collectors == {"gpu", "cpu", "memory", "disk", "network", "training"}
+
+
+def test_flags_override_the_file_which_overrides_defaults(tmp_path):
+    f = tmp_path / "c.yml"
+    f.write_text("sampler:\n  interval: 500ms\ngpu.backend: demo\ndemo:\n  gpus: 2\n"
+                 "collector:\n  disk: false\n")
+    s = settings(f"--config.file={f}", "--demo.gpus=4", "--no-collector.network")
+    assert s["sampler.interval"] == 0.5
+    assert s["gpu.backend"] == "demo"
+    assert s["demo.gpus"] == 4
+    assert "disk" not in s.collectors and "network" not in s.collectors
+    assert "gpu" in s.collectors
+
+
+@pytest.mark.parametrize("text, key", [
+    ("sampler:\n  intervl: 1s\n", "sampler.intervl"),
+    ("sampler:\n  interval: soon\n", "sampler.interval"),
+    ("demo:\n  gpus: -3\n", "demo.gpus"),
+    ("demo:\n  load: 1.5\n", "demo.load"),
+    ("gpu:\n  backend: rocm\n", "gpu.backend"),
+    ("web:\n  listen-address: 19400\n", "web.listen-address"),
+    ("collector:\n  gpu: maybe\n", "collector.gpu"),
+])
+def test_a_bad_file_is_an_error_naming_the_key(tmp_path, text, key):
+    f = tmp_path / "bad.yml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        settings(f"--config.file={f}")
+
+
+def test_unparsable_yaml_and_missing_file(tmp_path):
+    f = tmp_path / "broken.yml"
+    f.write_text("sampler: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        settings(f"--config.file={f}")
+    with pytest.raises(ConfigError, match="cannot read"):
+        settings(f"--config.file={tmp_path / 'nope.yml'}")
+
+
+def test_bad_flag_value_names_the_flag():
+    with pytest.raises(ConfigError, match=r"--sampler\.interval"):
+        settings("--sampler.interval=0s")
+
+
+@pytest.mark.parametrize("text, seconds", [("1s", 1), ("500ms", 0.5), ("10m", 600), ("1h", 3600),
+                                           ("2.5", 2.5), (3, 3)])
+def test_durations(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text, parsed", [(":19400", ("", 19400)),
+                                          ("127.0.0.1:19401", ("127.0.0.1", 19401)),
+                                          ("[::1]:9", ("::1", 9))])
+def test_listen_addresses(text, parsed):
+    assert parse_listen_address(text) == parsed

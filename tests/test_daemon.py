@@ -1,0 +1,187 @@
+"""The daemon as a user runs it: `python -m exporter`, real HTTP."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+import time
+
+import pytest
+import requests
+from conftest import ROOT, require_binary, sample_value, wait_until
+from prometheus_client.parser import text_string_to_metric_families
+
+from exporter.gpu_backends import DemoBackend
+from exporter.host import HostReader
+from exporter.sampler import Sampler
+from exporter.server import Exposition, MetricsHandler, make_server, serve_in_thread
+
+CONTRACT_GPU_METRICS = [
+    "gputrain_gpu_info", "gputrain_gpu_up", "gputrain_gpu_utilization_ratio",
+    "gputrain_gpu_busy_seconds_total", "gputrain_gpu_sm_active_ratio",
+    "gputrain_gpu_sm_occupancy_ratio", "gputrain_gpu_tensor_active_ratio",
+    "gputrain_gpu_dram_active_ratio", "gputrain_gpu_memory_used_bytes",
+    "gputrain_gpu_memory_total_bytes", "gputrain_gpu_power_watts",
+    "gputrain_gpu_power_limit_watts", "gputrain_gpu_energy_joules_total",
+    "gputrain_gpu_pcie_received_bytes_total", "gputrain_gpu_pcie_transmitted_bytes_total",
+    "gputrain_gpu_pcie_link_max_bytes_per_second", "gputrain_gpu_temperature_celsius",
+    "gputrain_gpu_clock_hertz", "gputrain_gpu_clock_event_seconds_total",
+]
+CONTRACT_HOST_METRICS = [
+    "gputrain_host_cpu_seconds_total", "gputrain_host_cpus",
+    "gputrain_host_memory_total_bytes", "gputrain_host_memory_available_bytes",
+    "gputrain_host_disk_read_bytes_total", "gputrain_host_disk_written_bytes_total",
+    "gputrain_host_network_received_bytes_total", "gputrain_host_network_transmitted_bytes_total",
+]
+
+
+def _nvml_works() -> bool:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        pynvml.nvmlShutdown()
+        return True
+    except Exception:
+        return False
+
+
+def test_without_a_driver_it_serves_host_metrics_and_says_so(daemon_factory):
+    if _nvml_works():
+        pytest.skip("this machine has a working NVIDIA driver")
+    d = daemon_factory()
+    text = d.metrics()
+    for name in CONTRACT_HOST_METRICS:
+        assert name in text, name
+    assert sample_value(text, "gputrain_collector_success", {"collector": "gpu"}) == 0
+    assert "gputrain_gpu_up" not in text
+    log = d.log_text()
+    assert log.count("No NVIDIA GPU can be read") == 1, log
+    assert "serving host metrics only" in log
+    assert d.proc.poll() is None
+
+
+def test_demo_backend_serves_every_contract_metric_for_8_gpus(daemon_factory):
+    d = daemon_factory("--gpu.backend=demo", "--sampler.interval=0.2")
+    wait_until(lambda: "gputrain_gpu_busy_seconds_total" in d.metrics(), timeout=10)
+    families = {f.name: f for f in text_string_to_metric_families(d.metrics())}
+    for name in CONTRACT_GPU_METRICS:
+        base = name.removesuffix("_total")
+        assert base in families, name
+        gpus = {s.labels["gpu"] for s in families[base].samples}
+        assert gpus == {str(i) for i in range(8)}, name
+    info = [s for s in families["gputrain_gpu_info"].samples]
+    assert all(s.labels["backend"] == "demo" for s in info)
+    assert len({s.labels["uuid"] for s in info}) == 8
+
+
+def test_promtool_check_metrics_has_no_warnings(daemon_factory):
+    promtool = require_binary("promtool")
+    d = daemon_factory("--gpu.backend=demo", "--sampler.interval=0.2")
+    wait_until(lambda: "gputrain_gpu_busy_seconds_total" in d.metrics(), timeout=10)
+    out = subprocess.run([promtool, "check", "metrics"], input=d.metrics(), text=True,
+                         capture_output=True)
+    assert out.returncode == 0 and out.stdout.strip() == "" and out.stderr.strip() == "", (
+        out.stdout + out.stderr)
+
+
+def test_demo_load_flag_pins_the_busy_ratio(daemon_factory):
+    d = daemon_factory("--gpu.backend=demo", "--demo.gpus=2", "--demo.load=0",
+                       "--sampler.interval=0.2")
+    text = wait_until(lambda: t if "utilization_ratio" in (t := d.metrics()) else None)
+    assert sample_value(text, "gputrain_gpu_utilization_ratio", {"gpu": "1"}) == 0.0
+    assert sample_value(text, "gputrain_gpu_power_watts", {"gpu": "1"}) == DemoBackend.IDLE_POWER
+
+
+def test_bad_config_exits_2_naming_the_key(tmp_path):
+    f = tmp_path / "c.yml"
+    f.write_text("sampler:\n  interval: fast\n")
+    out = subprocess.run(["python3", "-m", "exporter", f"--config.file={f}"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2
+    assert "'sampler.interval'" in out.stderr
+
+
+def test_ingest_on_a_public_address_needs_a_token(tmp_path):
+    out = subprocess.run(["python3", "-m", "exporter", "--ingest.listen-address=0.0.0.0:0",
+                          "--web.listen-address=127.0.0.1:0"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2
+    assert "--ingest.token-file" in out.stderr
+
+
+def _in_process_server(sampler: Sampler):
+    app = Exposition(sampler)
+    server = make_server("127.0.0.1", 0, MetricsHandler, app)
+    serve_in_thread(server, "test-http")
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_healthz_turns_503_when_the_sampler_stalls(clock):
+    sampler = Sampler(DemoBackend(2, 0.5, clock=clock), None, interval=1.0, clock=clock)
+    sampler.run_once()
+    server, url = _in_process_server(sampler)
+    try:
+        assert requests.get(url + "/healthz", timeout=5).status_code == 200
+        clock.advance(3.5)
+        r = requests.get(url + "/healthz", timeout=5)
+        assert r.status_code == 503 and "3 intervals" in r.text
+        assert requests.get(url + "/metrics", timeout=5).status_code == 200
+    finally:
+        server.shutdown()
+
+
+def test_concurrent_scrapes_are_safe():
+    sampler = Sampler(DemoBackend(8), HostReader(), interval=0.02)
+    sampler.start()
+    server, url = _in_process_server(sampler)
+    failures: list[str] = []
+
+    def scrape() -> None:
+        s = requests.Session()
+        for _ in range(40):
+            r = s.get(url + "/metrics", timeout=10, headers={"Accept-Encoding": "gzip"})
+            try:
+                names = {f.name for f in text_string_to_metric_families(r.text)}
+                assert r.status_code == 200 and "gputrain_gpu_up" in names
+            except Exception as exc:  # collected and asserted below
+                failures.append(repr(exc))
+
+    threads = [threading.Thread(target=scrape) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    server.shutdown()
+    sampler.stop()
+    assert failures == []
+
+
+def test_https_with_the_tls_flags(tmp_path, daemon_factory):
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    d = daemon_factory("--gpu.backend=demo", f"--web.tls-cert-file={cert}",
+                       f"--web.tls-key-file={key}", start=False)
+    d.url_scheme = "https"
+    d.proc = subprocess.Popen(d.args, cwd=ROOT, env=d.env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    url = f"https://127.0.0.1:{d.port}"
+    r = wait_until(lambda: requests.get(url + "/metrics", verify=str(cert), timeout=2),
+                   timeout=20, what="HTTPS /metrics")
+    assert r.status_code == 200 and "gputrain_gpu_up" in r.text
+    with pytest.raises(requests.exceptions.ConnectionError):
+        requests.get(f"http://127.0.0.1:{d.port}/metrics", timeout=2)
+
+
+def test_sigterm_stops_the_daemon_cleanly(daemon_factory):
+    d = daemon_factory("--gpu.backend=demo")
+    d.proc.terminate()
+    assert d.proc.wait(timeout=10) == 0
+    assert "shutting down" in d.log_text()
+    time.sleep(0.1)

@@ -1,0 +1,108 @@
+"""Host readings through a fake psutil (as client_python tests ProcessCollector on a fake /proc)."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from types import SimpleNamespace
+
+from prometheus_client import CollectorRegistry
+
+from exporter.collectors import HostCollector, SelfCollector
+from exporter.host import HostReader
+from exporter.sampler import Sampler
+
+CpuTimes = namedtuple("scputimes",
+                      "user nice system idle iowait irq softirq steal guest guest_nice")
+Disk = namedtuple("sdiskio", "read_count write_count read_bytes write_bytes read_time write_time "
+                  "read_merged_count write_merged_count busy_time")
+Nic = namedtuple("snetio", "bytes_sent bytes_recv packets_sent packets_recv errin errout dropin "
+                 "dropout")
+NicStats = namedtuple("snicstats", "isup duplex speed mtu flags")
+
+
+class FakePsutil:
+    def __init__(self) -> None:
+        self.fail = set()
+
+    def cpu_times(self):
+        if "cpu" in self.fail:
+            raise OSError("cannot read /proc/stat")
+        return CpuTimes(100.0, 1.0, 20.0, 800.0, 30.0, 0.5, 0.25, 0.0, 7.0, 0.0)
+
+    def cpu_count(self, logical=True):
+        return 16
+
+    def virtual_memory(self):
+        return SimpleNamespace(total=64 * 1024**3, available=48 * 1024**3)
+
+    def disk_io_counters(self, perdisk=True, nowrap=True):
+        disk = Disk(1, 2, 4096, 8192, 0, 0, 0, 0, 1500)
+        return {"nvme0n1": disk, "nvme0n1p1": disk, "sda": disk, "sda1": disk, "loop0": disk}
+
+    def net_io_counters(self, pernic=True, nowrap=True):
+        n = Nic(1000, 5000, 1, 1, 0, 0, 0, 0)
+        return {"eth0": n, "lo": n, "docker0": n, "veth12ab": n, "ib0": n}
+
+    def net_if_stats(self):
+        return {"eth0": NicStats(True, 2, 25000, 1500, ""), "ib0": NicStats(True, 2, 0, 4092, "")}
+
+
+def make(tmp_path, psutil=None):
+    psutil = psutil or FakePsutil()
+    (tmp_path / "virtual").mkdir()
+    reader = HostReader(psutil, virtual_net_dir=str(tmp_path / "virtual"))
+    sampler = Sampler(None, reader, interval=1.0)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(HostCollector(lambda: sampler.snapshot))
+    registry.register(SelfCollector(lambda: sampler.snapshot))
+    return psutil, sampler, registry
+
+
+def test_host_metrics_in_base_units(tmp_path):
+    _, sampler, reg = make(tmp_path)
+    sampler.run_once()
+    v = reg.get_sample_value
+    assert v("gputrain_host_cpu_seconds_total", {"mode": "iowait"}) == 30.0
+    assert v("gputrain_host_cpu_seconds_total", {"mode": "user"}) == 100.0
+    assert v("gputrain_host_cpu_seconds_total", {"mode": "guest"}) is None  # counted in user
+    assert v("gputrain_host_cpus") == 16
+    assert v("gputrain_host_memory_total_bytes") == 64 * 1024**3
+    assert v("gputrain_host_memory_available_bytes") == 48 * 1024**3
+    assert v("gputrain_host_disk_read_bytes_total", {"device": "nvme0n1"}) == 4096
+    assert v("gputrain_host_disk_written_bytes_total", {"device": "sda"}) == 8192
+    assert v("gputrain_host_disk_io_time_seconds_total", {"device": "sda"}) == 1.5
+    assert v("gputrain_host_network_received_bytes_total", {"interface": "eth0"}) == 5000
+    assert v("gputrain_host_network_transmitted_bytes_total", {"interface": "eth0"}) == 1000
+    assert v("gputrain_host_network_speed_bytes_per_second", {"interface": "eth0"}) == 25e9 / 8
+    # unknown speed is left out, not exported as 0
+    assert v("gputrain_host_network_speed_bytes_per_second", {"interface": "ib0"}) is None
+
+
+def test_partitions_loop_devices_and_virtual_interfaces_are_left_out(tmp_path):
+    _, sampler, _reg = make(tmp_path)
+    (tmp_path / "virtual" / "ib0").mkdir()  # listed under /sys/devices/virtual/net
+    sampler.run_once()
+    snap = sampler.snapshot
+    assert sorted(snap.disks) == ["nvme0n1", "sda"]
+    assert sorted(snap.networks) == ["eth0"]
+
+
+def test_one_broken_host_reader_does_not_fail_the_others(tmp_path):
+    psutil, sampler, reg = make(tmp_path)
+    psutil.fail.add("cpu")
+    sampler.run_once()
+    assert reg.get_sample_value("gputrain_collector_success", {"collector": "cpu"}) == 0
+    assert reg.get_sample_value("gputrain_collector_success", {"collector": "memory"}) == 1
+    assert reg.get_sample_value("gputrain_host_cpus") is None
+    assert reg.get_sample_value("gputrain_host_memory_total_bytes") == 64 * 1024**3
+    assert reg.get_sample_value("gputrain_collector_last_success_timestamp_seconds",
+                                {"collector": "cpu"}) is None
+    assert reg.get_sample_value("gputrain_collector_duration_seconds",
+                                {"collector": "cpu"}) is not None
+
+
+def test_real_psutil_reads_this_machine():
+    reader = HostReader()
+    cpu = reader.cpu()
+    assert cpu.count >= 1 and cpu.seconds_by_mode["idle"] > 0
+    assert reader.memory().total_bytes > 0
