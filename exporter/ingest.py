@@ -25,6 +25,7 @@ MAX_NAME_LENGTH = 128
 MAX_PHASES = 32
 MAX_BUCKETS = 64
 MAX_GPUS = 64
+GOODBYE_GRACE_SECONDS = 60.0  # a finished rank's final totals stay this long, for one more scrape
 NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]+$")
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 GPU_REF_RE = re.compile(r"^(\d{1,4}|(GPU|MIG)-[A-Za-z0-9/-]{1,120})$")
@@ -51,6 +52,7 @@ class RankState:
     run_id: str
     received_at: float  # monotonic
     received_unix: float
+    expires_at: float = 0.0  # monotonic
     steps: int = 0
     step_seconds: float = 0.0
     data_wait_seconds: float = 0.0
@@ -271,17 +273,20 @@ class IngestStore:
                 raise PushRejected(429, f"{len(self._states)} (run, rank) pairs are live, the "
                                         f"limit (--ingest.max-series) is {self.max_series}")
             if goodbye:
-                self._states.pop(key, None)
+                # Keep the final totals a little, so the last increments reach Prometheus.
+                new.expires_at = new.received_at + min(self.ttl, GOODBYE_GRACE_SECONDS)
                 message = "goodbye"
             else:
-                self._states[key] = new
+                new.expires_at = new.received_at + self.ttl
                 message = "ok"
+            if old is not None or len(self._states) < self.max_series:
+                self._states[key] = new
             self.version += 1
         return message
 
     def _expire_locked(self) -> None:
-        deadline = self._clock() - self.ttl
-        stale = [k for k, st in self._states.items() if st.received_at < deadline]
+        now = self._clock()
+        stale = [k for k, st in self._states.items() if st.expires_at <= now]
         for k in stale:
             del self._states[k]
         if stale:

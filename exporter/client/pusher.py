@@ -1,0 +1,190 @@
+"""The background pusher: sends a monitor's cumulative state to the daemon.
+
+It runs in a daemon thread with a ``requests.Session`` and short timeouts. When the daemon is
+down it logs one warning, backs off (up to a minute), and the next successful push carries all
+the totals, so nothing is lost. Nothing it does can raise into the training loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import requests
+
+if TYPE_CHECKING:
+    from exporter.client.monitor import TrainingMonitor
+
+log = logging.getLogger("exporter.client")
+
+PUSH_PATH = "/api/v1/push"
+TIMEOUT = (0.5, 2.0)  # connect, read (seconds)
+MAX_BACKOFF = 60.0
+
+
+class ProcessTree:
+    """CPU seconds, RSS and read bytes of this process and its children (DataLoader workers).
+
+    CPU and read bytes are accumulated per pid from deltas, so a worker that exits keeps its
+    share and the totals never go down.
+    """
+
+    def __init__(self, pid: int) -> None:
+        import psutil
+
+        self._psutil = psutil
+        self._root = psutil.Process(pid)
+        self._last: dict[int, tuple[float, float]] = {}
+        self.cpu_seconds = 0.0
+        self.read_bytes = 0.0
+
+    def read(self) -> dict[str, float]:
+        psutil = self._psutil
+        try:
+            procs = [self._root, *self._root.children(recursive=True)]
+        except psutil.Error:
+            procs = [self._root]
+        rss, seen = 0.0, {}
+        for p in procs:
+            try:
+                with p.oneshot():
+                    t = p.cpu_times()
+                    cpu = t.user + t.system
+                    rss += p.memory_info().rss
+                    try:
+                        io = p.io_counters()
+                        read = float(getattr(io, "read_chars", io.read_bytes))
+                    except (psutil.Error, AttributeError, NotImplementedError):
+                        read = 0.0
+            except psutil.Error:
+                continue
+            before = self._last.get(p.pid, (0.0, 0.0))
+            self.cpu_seconds += max(0.0, cpu - before[0])
+            self.read_bytes += max(0.0, read - before[1])
+            seen[p.pid] = (cpu, read)
+        self._last = seen
+        return {"cpu_seconds": self.cpu_seconds, "resident_memory_bytes": rss,
+                "read_bytes": self.read_bytes, "pid": os.getpid()}
+
+
+class Pusher:
+    """Pushes ``monitor.totals()`` every ``monitor.push_interval`` seconds."""
+
+    def __init__(self, monitor: TrainingMonitor) -> None:
+        self._monitor = monitor
+        self._url = monitor.endpoint + PUSH_PATH
+        self._headers = {"Content-Type": "application/json"}
+        if monitor.token:
+            self._headers["Authorization"] = f"Bearer {monitor.token}"
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._pushed = threading.Condition()
+        self._push_count = 0
+        self._ok_count = 0
+        self._thread: threading.Thread | None = None
+        self._session: requests.Session | None = None
+        self._failing = False
+        self._warned_codes: set[int] = set()
+        self._tree: ProcessTree | None = None
+        self._disabled = False
+        self._lock = threading.Lock()  # one push at a time (the thread, or close())
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="gputrain-pusher", daemon=True)
+        self._thread.start()
+
+    def disable(self) -> None:
+        """After fork: this process is not the one that measures; never push."""
+        self._disabled = True
+        self._thread = None
+
+    def _run(self) -> None:
+        delay = self._monitor.push_interval
+        while not self._stopping.is_set():
+            self._wake.wait(delay)
+            self._wake.clear()
+            if self._stopping.is_set():
+                break
+            ok = self.push_once()
+            delay = self._monitor.push_interval if ok else min(MAX_BACKOFF, max(
+                delay * 2, self._monitor.push_interval))
+
+    def push_now(self, timeout: float) -> bool:
+        """Ask the thread for a push and wait for it; True when it was accepted."""
+        if self._thread is None:
+            return self.push_once()
+        with self._pushed:
+            target = self._push_count + 1
+            ok_before = self._ok_count
+            self._wake.set()
+            self._pushed.wait_for(lambda: self._push_count >= target, timeout)
+            return self._ok_count > ok_before
+
+    def payload(self, goodbye: bool = False) -> dict[str, Any]:
+        m = self._monitor
+        body: dict[str, Any] = {"version": 1, "run": m.run, "rank": m.rank, "run_id": m.run_id,
+                                **m.totals()}
+        try:
+            if self._tree is None:
+                self._tree = ProcessTree(os.getpid())
+            body["process"] = self._tree.read()
+        except Exception as exc:  # psutil missing or the process table unreadable
+            log.debug("gputrain: process stats unavailable: %s", exc)
+        if goodbye:
+            body["goodbye"] = True
+        return body
+
+    def push_once(self, goodbye: bool = False, timeout: Any = TIMEOUT) -> bool:
+        """One push; never raises. Returns True when the daemon accepted it."""
+        if self._disabled:
+            return False
+        with self._lock:
+            ok = self._push_locked(goodbye, timeout)
+        with self._pushed:
+            self._push_count += 1
+            self._ok_count += ok
+            self._pushed.notify_all()
+        return ok
+
+    def _push_locked(self, goodbye: bool, timeout: Any) -> bool:
+        try:
+            if self._session is None:
+                self._session = requests.Session()
+            r = self._session.post(self._url, json=self.payload(goodbye), headers=self._headers,
+                                   timeout=timeout)
+        except Exception as exc:  # connection refused, timeout, anything: never into training
+            if not self._failing:
+                reason = type(exc).__name__
+                if isinstance(exc, requests.ConnectionError) and "refused" in str(exc):
+                    reason = "connection refused"
+                log.warning("gputrain: cannot push to %s (%s); training is not affected, the "
+                            "totals will be sent when the daemon answers", self._url, reason)
+            self._failing = True
+            return False
+        if r.status_code == 200:
+            if self._failing:
+                log.info("gputrain: pushing to %s again", self._url)
+            self._failing = False
+            return True
+        if r.status_code not in self._warned_codes:
+            self._warned_codes.add(r.status_code)
+            log.warning("gputrain: the daemon refused a push (%d): %s", r.status_code,
+                        r.text.strip()[:300])
+        self._failing = True
+        return False
+
+    def stop(self, goodbye: bool, timeout: float) -> None:
+        """Stop the thread and send the final state once (short timeout)."""
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        if not self._disabled:
+            deadline = time.monotonic() + timeout
+            self.push_once(goodbye=goodbye, timeout=(min(0.5, timeout), max(
+                0.1, deadline - time.monotonic())))
+        if self._session is not None:
+            self._session.close()

@@ -1,0 +1,188 @@
+"""The training client against the real daemon over real HTTP."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import pytest
+from conftest import sample_value, wait_until
+
+from exporter.client import TrainingMonitor, batch_len
+from exporter.client.monitor import default_rank, default_run
+
+
+def sleeping_loader(n: int, wait_s: float, batch: int):
+    for i in range(n):
+        time.sleep(wait_s)
+        yield [i] * batch
+
+
+def test_input_bound_loop_is_measured_exactly(daemon_factory):
+    d = daemon_factory("--gpu.backend=demo", "--demo.gpus=1")
+    m = TrainingMonitor(run="sleepy", rank=0, endpoint=d.ingest_url, push_interval=0.5)
+    for _ in m.wrap(sleeping_loader(100, 0.030, 16), batch_size=16):
+        time.sleep(0.010)
+    assert m.flush(5)
+    text = d.metrics()
+    labels = {"run": "sleepy", "rank": "0"}
+    assert sample_value(text, "gputrain_training_steps_total", labels) == 100
+    assert sample_value(text, "gputrain_training_samples_total", labels) == 1600
+    wait = sample_value(text, "gputrain_training_data_wait_seconds_total", labels)
+    total = sample_value(text, "gputrain_training_step_duration_seconds_sum", labels)
+    assert wait / total == pytest.approx(0.75, abs=0.05)
+    assert sample_value(text, "gputrain_training_step_duration_seconds_bucket",
+                        {**labels, "le": "0.025"}) == 0
+    assert sample_value(text, "gputrain_training_step_duration_seconds_bucket",
+                        {**labels, "le": "0.05"}) == 100
+    assert sample_value(text, "gputrain_training_process_cpu_seconds_total", labels) > 0
+    m.close()
+
+
+def _timed_loop(m: TrainingMonitor, steps: int) -> float:
+    started = time.perf_counter()
+    for _ in m.wrap(range(steps), batch_size=1):
+        time.sleep(0.004)
+    return time.perf_counter() - started
+
+
+def test_a_dead_daemon_neither_slows_nor_breaks_the_loop_and_totals_come_back(
+        daemon_factory, caplog):
+    d = daemon_factory()
+    m = TrainingMonitor(run="resilient", endpoint=d.ingest_url, push_interval=0.05)
+    baseline = min(_timed_loop(m, 150) for _ in range(2))
+    d.kill()
+    with caplog.at_level(logging.WARNING, logger="exporter.client"):
+        down = min(_timed_loop(m, 150) for _ in range(2))
+    assert down < baseline * 1.05, (baseline, down)
+    warnings = [r for r in caplog.records if "cannot push" in r.message]
+    assert len(warnings) == 1
+    d.start()  # same ports
+    wait_until(lambda: m.flush(3), timeout=60, what="a push to the restarted daemon")
+    text = d.metrics()
+    assert sample_value(text, "gputrain_training_steps_total",
+                        {"run": "resilient", "rank": "0"}) == 600
+    m.close()
+
+
+def test_hand_written_loop_with_phases(daemon_factory):
+    d = daemon_factory()
+    m = TrainingMonitor(run="manual", rank=3, endpoint=d.ingest_url, push_interval=60)
+    it = iter(range(5))
+    for _ in range(5):
+        with m.data_wait():
+            next(it)
+            time.sleep(0.02)
+        with m.step(samples=8):
+            time.sleep(0.01)
+            with m.phase("callbacks"):
+                time.sleep(0.01)
+    with m.phase("checkpoint"):
+        time.sleep(0.05)
+    assert m.flush(5)
+    text = d.metrics()
+    labels = {"run": "manual", "rank": "3"}
+    assert sample_value(text, "gputrain_training_steps_total", labels) == 5
+    assert sample_value(text, "gputrain_training_samples_total", labels) == 40
+    wait = sample_value(text, "gputrain_training_data_wait_seconds_total", labels)
+    assert wait == pytest.approx(0.1, abs=0.03)
+    assert sample_value(text, "gputrain_training_phase_seconds_total",
+                        {**labels, "phase": "callbacks"}) == pytest.approx(0.05, abs=0.03)
+    assert sample_value(text, "gputrain_training_phase_seconds_total",
+                        {**labels, "phase": "checkpoint"}) == pytest.approx(0.05, abs=0.03)
+    m.close()
+
+
+def test_close_says_goodbye_with_the_final_totals(daemon_factory):
+    d = daemon_factory()
+    m = TrainingMonitor(run="short", endpoint=d.ingest_url, push_interval=60)
+    for _ in m.wrap(range(7), batch_size=2):
+        pass
+    m.close()
+    m.close()  # twice is fine
+    text = d.metrics()
+    assert sample_value(text, "gputrain_training_steps_total", {"run": "short"}) == 7
+
+
+def test_a_forked_child_never_pushes(daemon_factory):
+    d = daemon_factory()
+    m = TrainingMonitor(run="forky", endpoint=d.ingest_url, push_interval=60)
+    pid = os.fork()
+    if pid == 0:  # a DataLoader worker, say
+        try:
+            m.flush(1)
+            m.close()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert sample_value(d.metrics(), "gputrain_ingest_requests_total", {"code": "200"}) is None
+    m.close()
+    assert sample_value(d.metrics(), "gputrain_ingest_requests_total", {"code": "200"}) == 1
+
+
+def test_a_token_goes_along(daemon_factory, tmp_path, caplog):
+    token = "0123456789abcdef-token"
+    (tmp_path / "token").write_text(token + "\n")
+    d = daemon_factory(f"--ingest.token-file={tmp_path / 'token'}")
+    wrong = TrainingMonitor(run="t", endpoint=d.ingest_url, token="nope-nope-nope-nope",
+                            push_interval=60)
+    with caplog.at_level(logging.WARNING, logger="exporter.client"):
+        assert not wrong.flush(3)
+    assert any("401" in r.message for r in caplog.records)
+    os.environ["GPUTRAIN_TOKEN_FILE"] = str(tmp_path / "token")
+    try:
+        right = TrainingMonitor(run="t", endpoint=d.ingest_url, push_interval=60)
+    finally:
+        del os.environ["GPUTRAIN_TOKEN_FILE"]
+    assert right.flush(3)
+    wrong.close()
+    right.close()
+
+
+def test_defaults_from_the_environment(monkeypatch):
+    for var in ("GPUTRAIN_RUN", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "RANK", "SLURM_PROCID",
+                "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "4711")
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    assert default_run() == "4711" and default_rank() == "3"
+    monkeypatch.setenv("GPUTRAIN_RUN", "mine")
+    monkeypatch.setenv("RANK", "5")
+    assert default_run() == "mine" and default_rank() == "5"
+    monkeypatch.setenv("GPUTRAIN_URL", "http://10.0.0.1:19401/")
+    m = TrainingMonitor(start=False)
+    assert (m.run, m.rank, m.endpoint) == ("mine", "5", "http://10.0.0.1:19401")
+
+
+def test_batch_len():
+    class T:
+        shape = (12, 3)
+
+    assert batch_len((T(), [1, 2])) == 12
+    assert batch_len({"input_ids": T()}) == 12
+    assert batch_len([[1, 2, 3], [4, 5, 6]]) == 3
+    assert batch_len(object()) == 1
+
+
+def test_totals_are_consistent_while_the_loop_runs():
+    import threading
+
+    m = TrainingMonitor(start=False)
+    stop = threading.Event()
+    bad = []
+
+    def read():
+        while not stop.is_set():
+            t = m.totals()
+            if t["step_counts"][-1] > t["steps"]:
+                bad.append(t)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    for _ in m.wrap(range(200_000), batch_size=1):
+        pass
+    stop.set()
+    reader.join()
+    assert bad == []
+    assert m.totals()["steps"] == 200_000

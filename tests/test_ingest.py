@@ -1,0 +1,232 @@
+"""The push endpoint: validation, limits, auth, expiry, and what it exports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+from conftest import FakeClock, sample_value
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, generate_latest
+
+from exporter.collectors.training import TrainingCollector
+from exporter.gpu_backends import DemoBackend
+from exporter.ingest import IngestStore, PushRejected
+from exporter.sampler import Sampler
+from exporter.server import Exposition, IngestHandler, make_server, serve_in_thread
+
+TOKEN = "s3cret-token-0123456789"
+
+
+def body(**over):
+    b = {"version": 1, "run": "resnet18", "rank": "0", "run_id": "abc123", "steps": 10,
+         "step_seconds": 2.0, "data_wait_seconds": 0.5, "samples": 320,
+         "step_buckets": [0.1, 0.25, 1.0], "step_counts": [2, 9, 10],
+         "phases": {"checkpoint": 0.25}, "last_step_timestamp": 1.7e9,
+         "process": {"cpu_seconds": 12.5, "resident_memory_bytes": 1e9, "read_bytes": 4096,
+                     "pid": 4242},
+         "gpus": ["0"]}
+    b.update(over)
+    return {k: v for k, v in b.items() if v is not ...}
+
+
+class Rig:
+    def __init__(self, token=None, max_series=1024, ttl=600.0):
+        self.clock = FakeClock()
+        self.store = IngestStore(max_series=max_series, ttl=ttl, token=token, clock=self.clock)
+        self.sampler = Sampler(DemoBackend(2, 0.5, host="ingest-test"), None, collectors={"gpu"})
+        self.sampler.run_once()
+        self.app = Exposition(self.sampler, self.store)
+        self.server = make_server("127.0.0.1", 0, IngestHandler, self.app)
+        serve_in_thread(self.server, "ingest-test")
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/api/v1/push"
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(TrainingCollector(self.store, lambda: self.sampler.snapshot))
+
+    def push(self, payload, headers=None, raw: bytes | None = None):
+        data = raw if raw is not None else json.dumps(payload).encode()
+        return requests.post(self.url, data=data, headers=headers or {}, timeout=5)
+
+    def v(self, name, **labels):
+        return self.registry.get_sample_value(name, {"run": "resnet18", "rank": "0", **labels})
+
+    def exposition(self) -> str:
+        return generate_latest(self.registry).decode()
+
+
+@pytest.fixture
+def rig():
+    r = Rig()
+    yield r
+    r.server.shutdown()
+
+
+def test_a_push_is_exported_with_run_and_rank(rig):
+    r = rig.push(body())
+    assert r.status_code == 200, r.text
+    assert rig.v("gputrain_training_steps_total") == 10
+    assert rig.v("gputrain_training_samples_total") == 320
+    assert rig.v("gputrain_training_data_wait_seconds_total") == 0.5
+    assert rig.v("gputrain_training_step_duration_seconds_sum") == 2.0
+    assert rig.v("gputrain_training_step_duration_seconds_count") == 10
+    assert rig.v("gputrain_training_step_duration_seconds_bucket", le="0.25") == 9
+    assert rig.v("gputrain_training_step_duration_seconds_bucket", le="+Inf") == 10
+    assert rig.v("gputrain_training_phase_seconds_total", phase="checkpoint") == 0.25
+    assert rig.v("gputrain_training_last_step_timestamp_seconds") == 1.7e9
+    assert rig.v("gputrain_training_process_cpu_seconds_total") == 12.5
+    assert rig.v("gputrain_training_process_resident_memory_bytes") == 1e9
+    assert rig.v("gputrain_training_process_read_bytes_total") == 4096
+    uuid0 = rig.sampler.snapshot.gpus[0].identity.uuid
+    assert rig.v("gputrain_training_gpu_info", gpu="0", uuid=uuid0) == 1
+    text = rig.exposition()
+    assert "pid" not in text and 'job="' not in text
+    assert rig.registry.get_sample_value("gputrain_ingest_requests_total", {"code": "200"}) == 1
+
+
+def test_gpus_resolve_from_uuids_and_from_the_nvml_process_list(rig):
+    uuid1 = rig.sampler.snapshot.gpus[1].identity.uuid
+    rig.push(body(gpus=[uuid1]))
+    assert rig.v("gputrain_training_gpu_info", gpu="1", uuid=uuid1) == 1
+    assert rig.v("gputrain_training_gpu_info", gpu="0",
+                 uuid=rig.sampler.snapshot.gpus[0].identity.uuid) is None
+    # no GPUs pushed: the GPUs whose process list holds the pid
+    rig.sampler.snapshot.gpus[0].sample.pids = (4242,)
+    rig.push(body(gpus=[], steps=11, step_counts=[2, 9, 11]))
+    assert rig.v("gputrain_training_gpu_info", gpu="0",
+                 uuid=rig.sampler.snapshot.gpus[0].identity.uuid) == 1
+
+
+BAD = [
+    ("malformed JSON", None, b'{"version": 1,', 400, "invalid JSON"),
+    ("not an object", None, b"[1, 2]", 400, "JSON object"),
+    ("NaN", None, b'{"version": 1, "steps": NaN}', 400, "NaN"),
+    ("wrong version", body(version=2), None, 400, "'version'"),
+    ("steps as text", body(steps="10"), None, 400, "'steps' must be a number"),
+    ("fractional steps", body(steps=1.5), None, 400, "whole number"),
+    ("negative", body(data_wait_seconds=-1), None, 400, "'data_wait_seconds'"),
+    ("missing field", body(samples=...), None, 400, "missing field 'samples'"),
+    ("empty run", body(run=""), None, 400, "'run' must not be empty"),
+    ("long run", body(run="r" * 129), None, 400, "limit is 128"),
+    ("bad characters", body(rank="0 OR 1"), None, 400, "'rank' may only hold"),
+    ("run as list", body(run=["a"]), None, 400, "'run' must be a string"),
+    ("bad run_id", body(run_id="x" * 65), None, 400, "'run_id'"),
+    ("bad bucket order", body(step_buckets=[1.0, 0.5, 2.0]), None, 400, "strictly increasing"),
+    ("counts beyond steps", body(step_counts=[2, 9, 11]), None, 400, "'steps' is 10"),
+    ("bad phase name", body(phases={"a b": 1.0}), None, 400, "phase name"),
+    ("bad gpu ref", body(gpus=["../../etc"]), None, 400, "'gpus'"),
+    ("goodbye as text", body(goodbye="yes"), None, 400, "'goodbye'"),
+]
+
+
+@pytest.mark.parametrize("what, payload, raw, code, message", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_a_4xx_that_says_why_and_changes_nothing(rig, what, payload, raw, code,
+                                                              message):
+    assert rig.push(body()).status_code == 200
+    before = rig.exposition()
+    r = rig.push(payload, raw=raw)
+    assert r.status_code == code, r.text
+    assert message in r.text
+    after = rig.exposition()
+    strip = lambda t: [ln for ln in t.splitlines() if "ingest_requests" not in ln]  # noqa: E731
+    assert strip(after) == strip(before)
+
+
+def test_decreasing_totals_within_a_run_id_are_refused_but_a_new_run_id_resets(rig):
+    assert rig.push(body()).status_code == 200
+    r = rig.push(body(steps=5, step_counts=[1, 2, 5]))
+    assert r.status_code == 409 and "'steps' went down" in r.text
+    assert rig.v("gputrain_training_steps_total") == 10
+    r = rig.push(body(run_id="restarted", steps=5, step_counts=[1, 2, 5]))
+    assert r.status_code == 200
+    assert rig.v("gputrain_training_steps_total") == 5
+
+
+def test_body_over_1_mib_is_413(rig):
+    r = rig.push(None, raw=b" " * (1024 * 1024 + 1))
+    assert r.status_code == 413 and "limit" in r.text
+
+
+def test_series_limit_is_429():
+    r = Rig(max_series=2)
+    try:
+        assert r.push(body(rank="0")).status_code == 200
+        assert r.push(body(rank="1")).status_code == 200
+        resp = r.push(body(rank="2"))
+        assert resp.status_code == 429 and "--ingest.max-series" in resp.text
+        assert r.push(body(rank="1", steps=11, step_counts=[2, 9, 11])).status_code == 200
+    finally:
+        r.server.shutdown()
+
+
+def test_token_is_required_when_configured():
+    r = Rig(token=TOKEN)
+    try:
+        assert r.push(body()).status_code == 401
+        assert r.push(body(), headers={"Authorization": "Bearer wrong"}).status_code == 401
+        ok = r.push(body(), headers={"Authorization": f"Bearer {TOKEN}"})
+        assert ok.status_code == 200
+    finally:
+        r.server.shutdown()
+
+
+def test_ranks_expire_after_the_ttl_and_goodbye_soon_after(rig):
+    rig.push(body())
+    rig.push(body(rank="1"))
+    rig.clock.advance(300)
+    rig.push(body(rank="1", goodbye=True))
+    assert rig.v("gputrain_training_steps_total") == 10
+    assert rig.registry.get_sample_value("gputrain_training_steps_total",
+                                         {"run": "resnet18", "rank": "1"}) == 10
+    rig.clock.advance(61)  # the goodbye's grace is over
+    assert rig.registry.get_sample_value("gputrain_training_steps_total",
+                                         {"run": "resnet18", "rank": "1"}) is None
+    assert rig.v("gputrain_training_steps_total") == 10
+    rig.clock.advance(240)  # 601 s since rank 0's last push
+    assert rig.v("gputrain_training_steps_total") is None
+
+
+def test_wrong_path_and_method(rig):
+    base = rig.url.rsplit("/api", 1)[0]
+    assert requests.post(base + "/push", json=body(), timeout=5).status_code == 404
+    assert requests.get(rig.url, timeout=5).status_code == 405
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    max_leaves=20,
+)
+fields = st.sampled_from(["version", "run", "rank", "run_id", "steps", "step_seconds",
+                          "data_wait_seconds", "samples", "step_buckets", "step_counts",
+                          "phases", "process", "gpus", "goodbye", "last_step_timestamp"])
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(mutations=st.dictionaries(fields, json_values, min_size=1, max_size=4),
+       junk=st.binary(max_size=64))
+def test_fuzzed_pushes_never_5xx_and_rejected_ones_change_nothing(rig, mutations, junk):
+    rig.push(body())
+    before = rig.exposition()
+    for payload, raw in ((body(**mutations), None), (None, junk)):
+        r = rig.push(payload, raw=raw)
+        assert r.status_code < 500, r.text
+        if r.status_code != 200:
+            assert r.text.strip(), "a rejection says why"
+            after = rig.exposition()
+            strip = lambda t: [ln for ln in t.splitlines()  # noqa: E731
+                               if "ingest_requests" not in ln]
+            assert strip(after) == strip(before)
+        else:
+            before = rig.exposition()
+            assert sample_value(before, "gputrain_training_steps_total") is not None
+
+
+def test_parse_errors_are_push_rejected_not_crashes():
+    store = IngestStore()
+    with pytest.raises(PushRejected):
+        store.push(b"[" * 100000)
