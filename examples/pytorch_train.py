@@ -13,7 +13,7 @@ import argparse
 import time
 
 import torch
-import torch.nn.functional as F  # noqa: N812 - the usual name
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 

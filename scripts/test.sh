@@ -24,6 +24,11 @@ python3 -m pip install -q --disable-pip-version-check -e '.[test]'
 # torch 2.13.0: on this project's machines a CPU build lies on local disk.
 python3 -c 'import torch' 2>/dev/null || \
     python3 -m pip install -q --disable-pip-version-check 'torch==2.13.0'
+# The framework integrations' tests, against the torch just installed (never another one).
+torch_version=$(python3 -c 'import torch; print(torch.__version__.split("+")[0])')
+python3 -c 'import lightning, keras, transformers, accelerate' 2>/dev/null || \
+    python3 -m pip install -q --disable-pip-version-check lightning keras transformers \
+        accelerate "torch==${torch_version}"
 
 python3 -m ruff check .
 

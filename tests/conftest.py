@@ -217,3 +217,16 @@ def prometheus_factory(tmp_path) -> Iterator:
     yield make
     for p in started:
         p.stop()
+
+
+def require_module(name: str):
+    """Import a module a test needs. In CI its absence is a failure, not a skip."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        message = f"{name} is not installed ({exc}); the README's test command installs it"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)

@@ -17,6 +17,7 @@ import sys
 import time
 import weakref
 from bisect import bisect_left
+from time import perf_counter as _now
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -98,13 +99,12 @@ class _DataWait:
         self._t0 = 0.0
 
     def __enter__(self) -> None:
-        m = self._m
-        self._t0 = t = m._clock()
-        if m._boundary is None:
-            m._boundary = t
+        self._t0 = t = _now()
+        if self._m._boundary is None:
+            self._m._boundary = t
 
     def __exit__(self, *exc: object) -> None:
-        self._m._pending_wait += self._m._clock() - self._t0
+        self._m._pending_wait += _now() - self._t0
 
 
 class _Step:
@@ -115,14 +115,22 @@ class _Step:
         self.samples: float = 0
 
     def __enter__(self) -> None:
-        m = self._m
-        if m._boundary is None:
-            m._boundary = m._clock()
+        if self._m._boundary is None:
+            self._m._boundary = _now()
 
     def __exit__(self, *exc: object) -> None:
         m = self._m
-        now = m._clock()
-        m._record(now - m._boundary, m._pending_wait, self.samples, now)
+        now = _now()
+        # _record, inlined: this runs once per step of a hand-written loop
+        step_s = now - m._boundary
+        m._seq += 1
+        m._steps += 1
+        m._step_seconds += step_s
+        m._wait_seconds += m._pending_wait
+        m._samples += self.samples
+        m._counts[bisect_left(m._bounds, step_s)] += 1
+        m._last_step = now
+        m._seq += 1
         m._pending_wait = 0.0
         m._boundary = now
         if m._gpus_seen_at_step <= 0:
@@ -138,11 +146,11 @@ class _Phase:
         self._t0 = 0.0
 
     def __enter__(self) -> None:
-        self._t0 = self._m._clock()
+        self._t0 = _now()
 
     def __exit__(self, *exc: object) -> None:
         m = self._m
-        elapsed = m._clock() - self._t0
+        elapsed = _now() - self._t0
         m._seq += 1
         m._phases[self._name] = m._phases.get(self._name, 0.0) + elapsed
         m._seq += 1
@@ -249,6 +257,8 @@ class TrainingMonitor:
         self._pending_wait = 0.0
 
     def _record(self, step_s: float, wait_s: float, samples: float, now: float) -> None:
+        if self._gpus_seen_at_step < 0:
+            self._gpus_seen_at_step = 0
         self._seq += 1
         self._steps += 1
         self._step_seconds += step_s
@@ -257,8 +267,6 @@ class TrainingMonitor:
         self._counts[bisect_left(self._bounds, step_s)] += 1
         self._last_step = now
         self._seq += 1
-        if self._gpus_seen_at_step < 0:
-            self._gpus_seen_at_step = 0
 
     def _detect_gpus(self) -> None:
         """Called on the training thread at the start of a wrap and after its first step."""

@@ -1,0 +1,65 @@
+"""The client in a real PyTorch loop: DataLoader with and without worker processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import ROOT, require_module, sample_value
+
+from exporter.client import TrainingMonitor
+
+torch = require_module("torch")
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+
+class SlowImages(Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int):
+        time.sleep(0.002)
+        return torch.zeros(3, 8, 8), i % 10
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_dataloader_loop_with_workers(daemon_factory, workers):
+    d = daemon_factory()
+    m = TrainingMonitor(run=f"torch-w{workers}", endpoint=d.ingest_url, push_interval=0.2)
+    model = torch.nn.Linear(192, 10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(SlowImages(), batch_size=8, num_workers=workers)
+    for _epoch in range(2):
+        for x, y in m.wrap(loader):  # samples from len() of the first tensor
+            loss = torch.nn.functional.cross_entropy(model(x.flatten(1)), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    time.sleep(0.5)  # worker processes have come and gone; none may push
+    m.close()
+    text = d.metrics()
+    labels = {"run": f"torch-w{workers}", "rank": "0"}
+    assert sample_value(text, "gputrain_training_steps_total", labels) == 16
+    assert sample_value(text, "gputrain_training_samples_total", labels) == 128
+    wait = sample_value(text, "gputrain_training_data_wait_seconds_total", labels)
+    assert wait > 0.05  # 8 x 2 ms per batch, fetched by the main process or a worker
+    assert sample_value(text, "gputrain_ingest_requests_total", {"code": "200"}) >= 1
+    assert sample_value(text, "gputrain_ingest_requests_total", {"code": "409"}) is None
+    assert sample_value(text, "gputrain_ingest_requests_total", {"code": "400"}) is None
+
+
+def test_example_script_trains_on_cpu(daemon_factory):
+    d = daemon_factory()
+    out = subprocess.run(
+        [sys.executable, "examples/pytorch_train.py", "--steps", "6", "--batch-size", "16",
+         "--workers", "2", "--pin-memory", "--uint8-transfer", "--amp", "--run", "example",
+         "--device", "cpu"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={"GPUTRAIN_URL": d.ingest_url, "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    assert "steps=6" in out.stdout
+    text = d.metrics()
+    assert sample_value(text, "gputrain_training_steps_total", {"run": "example"}) == 6
+    assert sample_value(text, "gputrain_training_samples_total", {"run": "example"}) == 96
