@@ -17,9 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from prometheus_client import CollectorRegistry, Histogram  # noqa: E402
+from prometheus_client import CollectorRegistry, Histogram
 
-from exporter.client import DEFAULT_BUCKETS, TrainingMonitor  # noqa: E402
+from exporter.client import DEFAULT_BUCKETS, TrainingMonitor
 
 
 def bare(n: int) -> float:

@@ -17,8 +17,8 @@ import sys
 import time
 import weakref
 from bisect import bisect_left
-from time import perf_counter as _now
 from collections.abc import Iterable, Iterator, Mapping
+from time import perf_counter as _now
 from typing import Any, TypeVar
 
 log = logging.getLogger("exporter.client")

@@ -1,0 +1,387 @@
+"""Prometheus recording and alerting rules for the bottleneck heuristics, from thresholds.
+
+`gputrain-exporter rules [--config my-thresholds.yml]` prints the rule file; the shipped
+`alerts/gputrain.rules.yml` is that output with the defaults (a test keeps them identical).
+Every threshold, `for` duration and the scrape-job selector comes from :data:`DEFAULTS`,
+overridable key by key. The thresholds and their sources are in HEURISTICS.md and the runbook.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+RUNBOOK = "https://github.com/gputrain/gputrain-exporter/blob/main/alerts/runbook.md"
+
+DEFAULTS: dict[str, Any] = {
+    "selector": 'job=~"gputrain.*"',
+    "runbook_url": RUNBOOK,
+    "thresholds": {
+        "gpu_busy_low": 0.5,           # seed 001, PyTorch profiler plugin
+        "input_bound": 0.05,           # TF input-pipeline analysis: moderately
+        "input_bound_high": 0.20,      # ... highly
+        "cpu_saturated": 0.9,          # seed 002 preprocessing case
+        "iowait_high": 0.2,
+        "disk_busy_high": 0.9,
+        "network_saturated": 0.8,      # of the interface speed
+        "pcie_rx_high": 0.5,           # of the link's capacity
+        "h2d_gpu_busy_below": 0.8,
+        "memory_underused": 0.25,      # seed 003: < 1 GB of 16 GB
+        "launch_busy_above": 0.8,
+        "launch_power_below": 0.4,     # of the enforced limit
+        "launch_sm_active_below": 0.3,
+        "tensor_sm_active_above": 0.5,
+        "tensor_active_below": 0.01,
+        "phase_dominates": 1.0,        # a phase taking more than 1.0x the rest of the step
+        "stall_p99_over_p50": 5.0,
+        "straggler_wait_factor": 2.0,
+        "straggler_compute_factor": 1.2,
+        "memory_near_limit": 0.95,
+        "throttle_ratio": 0.1,
+        "stalled_seconds": 600,
+        "leak_horizon_seconds": 14400,  # predicted to exhaust host memory within 4 h
+    },
+    "for": {
+        "GpuTrainGPUUnderutilized": "10m",
+        "GpuTrainInputBound": "10m",
+        "GpuTrainCPUPreprocessingBound": "10m",
+        "GpuTrainDiskIOBound": "10m",
+        "GpuTrainNetworkInputBound": "10m",
+        "GpuTrainHostToDeviceBound": "10m",
+        "GpuTrainGPUMemoryUnderused": "30m",
+        "GpuTrainLaunchBound": "15m",
+        "GpuTrainTensorCoresIdle": "15m",
+        "GpuTrainHostOverheadBound": "10m",
+        "GpuTrainStepTimeStalls": "15m",
+        "GpuTrainStragglerRank": "15m",
+        "GpuTrainHostMemoryLeak": "30m",
+        "GpuTrainGPUMemoryNearLimit": "5m",
+        "GpuTrainThrottling": "10m",
+        "GpuTrainStalled": "1m",
+        "GpuTrainGPULost": "1m",
+        "GpuTrainXidErrors": "0m",
+        "GpuTrainCollectorFailing": "10m",
+        "GpuTrainExporterDown": "5m",
+    },
+}
+
+RANK = "job, instance, run, rank"
+GPU = "job, instance, gpu, uuid"
+
+
+def merge(base: dict, override: dict, path: str = "") -> dict:
+    """``base`` with ``override``'s keys replaced; an unknown key is an error naming it."""
+    out = copy.deepcopy(base)
+    for key, value in (override or {}).items():
+        if key not in base:
+            raise ValueError(f"unknown key '{path}{key}' (known: {', '.join(base)})")
+        if isinstance(base[key], dict):
+            if not isinstance(value, dict):
+                raise ValueError(f"'{path}{key}' must be a mapping")
+            out[key] = merge(base[key], value, f"{path}{key}.")
+        elif isinstance(base[key], (int, float)) and not isinstance(base[key], bool):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"'{path}{key}' must be a number, got {value!r}")
+            out[key] = value
+        else:
+            out[key] = str(value)
+    return out
+
+
+def _recording(s: str) -> list[dict]:
+    """Recording rules: level:metric:operation. Ratios divide separately-summed counters."""
+    def rec(name: str, expr: str) -> dict:
+        return {"record": name, "expr": " ".join(expr.split())}
+
+    return [
+        # per (run, rank): the training client's signals
+        rec("run_rank:gputrain_training_data_wait_ratio:rate5m", f"""
+            sum by ({RANK}) (rate(gputrain_training_data_wait_seconds_total{{{s}}}[5m]))
+            / sum by ({RANK}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m]))"""),
+        rec("run_rank:gputrain_training_samples_per_second:rate5m", f"""
+            sum by ({RANK}) (rate(gputrain_training_samples_total{{{s}}}[5m]))"""),
+        rec("run_rank:gputrain_training_step_seconds:mean5m", f"""
+            sum by ({RANK}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m]))
+            / sum by ({RANK}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[5m]))"""),
+        rec("run_rank:gputrain_training_compute_seconds:mean5m", f"""
+            (sum by ({RANK}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m]))
+             - sum by ({RANK}) (rate(gputrain_training_data_wait_seconds_total{{{s}}}[5m])))
+            / sum by ({RANK}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[5m]))"""),
+        rec("run_rank:gputrain_training_step_seconds:p50_30m", f"""
+            histogram_quantile(0.5, sum by ({RANK}, le)
+              (rate(gputrain_training_step_duration_seconds_bucket{{{s}}}[30m])))"""),
+        rec("run_rank:gputrain_training_step_seconds:p99_30m", f"""
+            histogram_quantile(0.99, sum by ({RANK}, le)
+              (rate(gputrain_training_step_duration_seconds_bucket{{{s}}}[30m])))"""),
+        rec("run_rank_phase:gputrain_training_phase_ratio:rate5m", f"""
+            sum by ({RANK}, phase) (rate(gputrain_training_phase_seconds_total{{{s}}}[5m]))
+            / on ({RANK}) group_left
+            sum by ({RANK}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m]))"""),
+        rec("run_rank:gputrain_training_process_cpu_cores:rate5m", f"""
+            sum by ({RANK}) (rate(gputrain_training_process_cpu_seconds_total{{{s}}}[5m]))"""),
+        # per GPU
+        rec("gpu:gputrain_gpu_busy_ratio:rate5m",
+            f"sum by ({GPU}) (rate(gputrain_gpu_busy_seconds_total{{{s}}}[5m]))"),
+        rec("gpu:gputrain_gpu_memory_used:ratio", f"""
+            sum by ({GPU}) (gputrain_gpu_memory_used_bytes{{{s}}})
+            / sum by ({GPU}) (gputrain_gpu_memory_total_bytes{{{s}}})"""),
+        rec("gpu:gputrain_gpu_power_limit_used:ratio_avg5m", f"""
+            sum by ({GPU}) (avg_over_time(gputrain_gpu_power_watts{{{s}}}[5m]))
+            / sum by ({GPU}) (gputrain_gpu_power_limit_watts{{{s}}})"""),
+        rec("gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m", f"""
+            sum by ({GPU}) (rate(gputrain_gpu_pcie_received_bytes_total{{{s}}}[5m]))
+            / sum by ({GPU}) (gputrain_gpu_pcie_link_max_bytes_per_second{{{s}}})"""),
+        rec("gpu:gputrain_gpu_sm_active_ratio:avg5m",
+            f"avg by ({GPU}) (avg_over_time(gputrain_gpu_sm_active_ratio{{{s}}}[5m]))"),
+        rec("gpu:gputrain_gpu_tensor_active_ratio:avg5m",
+            f"avg by ({GPU}) (avg_over_time(gputrain_gpu_tensor_active_ratio{{{s}}}[5m]))"),
+        rec("gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m", f"""
+            sum by ({GPU}) (rate(gputrain_gpu_clock_event_seconds_total{{{s},
+              reason=~"sw_power_cap|sw_thermal_slowdown|hw_thermal_slowdown|hw_power_brake_slowdown"}}[5m]))"""),
+        # a rank's GPUs, joined through gputrain_training_gpu_info
+        *[rec(f"run_rank_gpu:{name.split(':', 1)[1].rsplit(':', 1)[0]}:{name.rsplit(':', 1)[1]}",
+              f"""max by ({RANK}, gpu, uuid) (gputrain_training_gpu_info{{{s}}})
+              * on (job, instance, gpu, uuid) group_left {name}""")
+          for name in ("gpu:gputrain_gpu_busy_ratio:rate5m",
+                       "gpu:gputrain_gpu_memory_used:ratio",
+                       "gpu:gputrain_gpu_power_limit_used:ratio_avg5m",
+                       "gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m",
+                       "gpu:gputrain_gpu_sm_active_ratio:avg5m",
+                       "gpu:gputrain_gpu_tensor_active_ratio:avg5m")],
+        rec("run_rank:gputrain_gpu_busy_ratio:avg5m",
+            f"avg by ({RANK}) (run_rank_gpu:gputrain_gpu_busy_ratio:rate5m)"),
+        # per node
+        rec("instance:gputrain_host_cpu_busy:ratio_rate5m", f"""
+            1 - sum by (job, instance) (rate(gputrain_host_cpu_seconds_total{{{s},mode=~"idle|iowait"}}[5m]))
+            / sum by (job, instance) (rate(gputrain_host_cpu_seconds_total{{{s}}}[5m]))"""),
+        rec("instance:gputrain_host_cpu_iowait:ratio_rate5m", f"""
+            sum by (job, instance) (rate(gputrain_host_cpu_seconds_total{{{s},mode="iowait"}}[5m]))
+            / sum by (job, instance) (rate(gputrain_host_cpu_seconds_total{{{s}}}[5m]))"""),
+        rec("instance:gputrain_host_disk_busy:max_rate5m", f"""
+            max by (job, instance) (rate(gputrain_host_disk_io_time_seconds_total{{{s}}}[5m]))"""),
+        rec("instance:gputrain_host_network_receive_link_used:max_ratio_rate5m", f"""
+            max by (job, instance) (
+              rate(gputrain_host_network_received_bytes_total{{{s}}}[5m])
+              / gputrain_host_network_speed_bytes_per_second{{{s}}})"""),
+    ]
+
+
+def _alert(name: str, expr: str, severity: str, summary: str, description: str,
+           cfg: dict) -> dict:
+    anchor = name.lower()
+    return {
+        "alert": name,
+        "expr": " ".join(expr.split()),
+        "for": cfg["for"][name],
+        "labels": {"severity": severity},
+        "annotations": {
+            "summary": summary,
+            "description": " ".join(description.split()),
+            "runbook_url": f"{cfg['runbook_url']}#{anchor}",
+        },
+    }
+
+
+def _alerts(cfg: dict) -> list[dict]:
+    s, t = cfg["selector"], cfg["thresholds"]
+    wait = "run_rank:gputrain_training_data_wait_ratio:rate5m"
+    busy = "run_rank_gpu:gputrain_gpu_busy_ratio:rate5m"
+    who = "Run {{ $labels.run }} rank {{ $labels.rank }} on {{ $labels.instance }}"
+    gpu_who = ("GPU {{ $labels.gpu }} of run {{ $labels.run }} rank {{ $labels.rank }} on "
+               "{{ $labels.instance }}")
+    input_bound = f"{wait} >= {t['input_bound']}"
+    on_node = "on (job, instance) group_left"
+    a = _alert
+    return [
+        a("GpuTrainGPUUnderutilized", f"{busy} < {t['gpu_busy_low']}", "warning",
+          "A training run leaves its GPU mostly idle.",
+          f"""{gpu_who} was busy {{{{ $value | humanizePercentage }}}} of the time over 5m
+          (threshold {t['gpu_busy_low']}). Find the stage that starves it: the other GpuTrain
+          alerts for this run say which.""", cfg),
+        a("GpuTrainInputBound", f"{input_bound} < {t['input_bound_high']}", "info",
+          "A training run waits on its data loader.",
+          f"""{who} spends {{{{ $value | humanizePercentage }}}} of each step waiting for the
+          data loader (moderately input-bound at {t['input_bound']}). Use more DataLoader
+          workers, pin_memory=True, prefetching, or cache the data set.""", cfg),
+        a("GpuTrainInputBound", f"{wait} >= {t['input_bound_high']}", "warning",
+          "A training run waits on its data loader.",
+          f"""{who} spends {{{{ $value | humanizePercentage }}}} of each step waiting for the
+          data loader (highly input-bound at {t['input_bound_high']}). Use more DataLoader
+          workers, pin_memory=True, prefetching, or cache the data set.""", cfg),
+        a("GpuTrainCPUPreprocessingBound",
+          f"""({input_bound}) and on (job, instance) (instance:gputrain_host_cpu_busy:ratio_rate5m >=
+          {t['cpu_saturated']})""", "warning",
+          "A training run is input-bound because the CPUs are saturated.",
+          f"""{who} waits {{{{ $value | humanizePercentage }}}} of each step for data while the
+          node's CPUs are {t['cpu_saturated']} or more busy: preprocessing is the bottleneck.
+          Move augmentation to the GPU (DALI, GPU transforms), pre-process offline, or get more
+          cores.""", cfg),
+        a("GpuTrainDiskIOBound",
+          f"""({input_bound})
+          and on (job, instance) (instance:gputrain_host_cpu_iowait:ratio_rate5m >= {t['iowait_high']}
+               or instance:gputrain_host_disk_busy:max_rate5m >= {t['disk_busy_high']})
+          and on (job, instance) (instance:gputrain_host_cpu_busy:ratio_rate5m < {t['cpu_saturated']})""",
+          "warning", "A training run is input-bound on disk I/O.",
+          f"""{who} waits {{{{ $value | humanizePercentage }}}} of each step for data while the
+          node waits on its disks (iowait >= {t['iowait_high']} or a disk busy >=
+          {t['disk_busy_high']}) and the CPUs are not saturated. Cache the data set in memory,
+          use faster storage, larger sequential reads or more reader threads.""", cfg),
+        a("GpuTrainNetworkInputBound",
+          f"""({input_bound}) and on (job, instance)
+          (instance:gputrain_host_network_receive_link_used:max_ratio_rate5m >=
+          {t['network_saturated']})""", "warning",
+          "A training run is input-bound on network input.",
+          f"""{who} waits {{{{ $value | humanizePercentage }}}} of each step for data while a
+          network interface receives at {t['network_saturated']} or more of its speed. Compress
+          or shrink the raw data, stream it, or use a higher-bandwidth node.""", cfg),
+        a("GpuTrainHostToDeviceBound",
+          f"""run_rank_gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m >= {t['pcie_rx_high']}
+          and on (job, instance, run, rank, gpu, uuid) {busy} < {t['h2d_gpu_busy_below']}""",
+          "warning", "Host-to-device copies saturate the PCIe link and the GPU waits.",
+          f"""{gpu_who} receives {{{{ $value | humanizePercentage }}}} of its PCIe link's
+          capacity while busy less than {t['h2d_gpu_busy_below']}. Send uint8 and normalise on
+          the GPU (4x less data), use pin_memory and non_blocking copies, defer casts and
+          one_hot to the GPU.""", cfg),
+        a("GpuTrainGPUMemoryUnderused",
+          f"run_rank_gpu:gputrain_gpu_memory_used:ratio < {t['memory_underused']}", "info",
+          "A training run uses little of its GPU's memory: the batch may be too small.",
+          f"""{gpu_who} uses {{{{ $value | humanizePercentage }}}} of its memory (threshold
+          {t['memory_underused']}). Raise the batch size (and re-tune the learning rate).""",
+          cfg),
+        a("GpuTrainLaunchBound",
+          f"""{busy} >= {t['launch_busy_above']}
+          and on (job, instance, run, rank, gpu, uuid)
+          (run_rank_gpu:gputrain_gpu_power_limit_used:ratio_avg5m < {t['launch_power_below']}
+           or run_rank_gpu:gputrain_gpu_sm_active_ratio:avg5m < {t['launch_sm_active_below']})""",
+          "info", "A GPU is busy but does little work: kernels are too small.",
+          f"""{gpu_who} is busy {{{{ $value | humanizePercentage }}}} of the time but draws less
+          than {t['launch_power_below']} of its power limit (or its SMs are less than
+          {t['launch_sm_active_below']} active). Use a larger batch, CUDA graphs or
+          torch.compile, and fuse small ops.""", cfg),
+        a("GpuTrainTensorCoresIdle",
+          f"""run_rank_gpu:gputrain_gpu_sm_active_ratio:avg5m >= {t['tensor_sm_active_above']}
+          and on (job, instance, run, rank, gpu, uuid)
+          run_rank_gpu:gputrain_gpu_tensor_active_ratio:avg5m < {t['tensor_active_below']}""",
+          "info", "A busy GPU never uses its tensor cores.",
+          f"""{gpu_who} has its SMs {{{{ $value | humanizePercentage }}}} active but its tensor
+          cores below {t['tensor_active_below']}. Train with automatic mixed precision
+          (torch.autocast) or bf16.""", cfg),
+        a("GpuTrainHostOverheadBound",
+          f"""(run_rank:gputrain_gpu_busy_ratio:avg5m < {t['gpu_busy_low']}
+            and on ({RANK}) {wait} < {t['input_bound']})
+          or on ({RANK}) (max by ({RANK}) (run_rank_phase:gputrain_training_phase_ratio:rate5m
+            > {t['phase_dominates']} / (1 + {t['phase_dominates']})))""", "warning",
+          "A training run's GPUs idle on host-side work, not on data.",
+          f"""{who}: its GPUs are idle although it barely waits for data, or a phase
+          (callbacks, logging, checkpoint) takes more than {t['phase_dominates']}x the rest of
+          the step. Move post-processing to a background thread, do it every N steps, keep
+          metrics on the GPU.""", cfg),
+        a("GpuTrainStepTimeStalls",
+          f"""run_rank:gputrain_training_step_seconds:p99_30m
+          > {t['stall_p99_over_p50']} * run_rank:gputrain_training_step_seconds:p50_30m""",
+          "info", "A training run stalls periodically.",
+          f"""{who}: the p99 step time ({{{{ $value | humanizeDuration }}}}) is more than
+          {t['stall_p99_over_p50']}x the median over 30m, typically checkpoints. Checkpoint
+          asynchronously or less often, write to local disk and upload later.""", cfg),
+        a("GpuTrainStragglerRank",
+          f"""({wait} >= {t['input_bound']}
+            and {wait} > on (job, run) group_left ()
+              ({t['straggler_wait_factor']} * quantile by (job, run) (0.5, {wait})))
+          or (run_rank:gputrain_training_compute_seconds:mean5m > on (job, run) group_left ()
+              ({t['straggler_compute_factor']}
+               * quantile by (job, run) (0.5, run_rank:gputrain_training_compute_seconds:mean5m)))""",
+          "warning", "One rank of a run is slower than the others.",
+          f"""{who} lags its run's other ranks (it waits for data more than
+          {t['straggler_wait_factor']}x their median, or computes more than
+          {t['straggler_compute_factor']}x their median). Check that rank's node: its input,
+          thermal throttling, a slower GPU or link.""", cfg),
+        a("GpuTrainHostMemoryLeak",
+          f"""deriv(gputrain_training_process_resident_memory_bytes{{{s}}}[1h]) > 0
+          and predict_linear(gputrain_training_process_resident_memory_bytes{{{s}}}[1h],
+            {t['leak_horizon_seconds']})
+          > {on_node} gputrain_host_memory_total_bytes{{{s}}}""", "warning",
+          "A training process's memory keeps growing.",
+          f"""{who}: its resident memory grows and will exhaust the node's memory within
+          {{{{ {t['leak_horizon_seconds']} | humanizeDuration }}}} at this rate. Look for
+          tensors kept across steps (losses without .item()) and growing caches.""", cfg),
+        a("GpuTrainGPUMemoryNearLimit",
+          f"gpu:gputrain_gpu_memory_used:ratio > {t['memory_near_limit']}", "warning",
+          "A GPU's memory is nearly full.",
+          """GPU {{ $labels.gpu }} on {{ $labels.instance }} uses
+          {{ $value | humanizePercentage }} of its memory. Use activation checkpointing,
+          AMP, or a smaller micro-batch with gradient accumulation.""", cfg),
+        a("GpuTrainThrottling",
+          f"gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m > {t['throttle_ratio']}",
+          "warning", "A GPU's clocks are held down by power or temperature.",
+          """GPU {{ $labels.gpu }} on {{ $labels.instance }} was throttled
+          {{ $value | humanizePercentage }} of the time (power cap, thermal slowdown or
+          power brake). Check cooling and the power limit: nvidia-smi -q -d PERFORMANCE.""",
+          cfg),
+        a("GpuTrainStalled",
+          f"""time() - gputrain_training_last_step_timestamp_seconds{{{s}}} >
+          {t['stalled_seconds']}""", "critical",
+          "A training run stopped making steps while its process lives.",
+          f"""{who} made no step for {{{{ $value | humanizeDuration }}}} although it still
+          reports. Look for a hang in a collective, a dead worker or a deadlock.""", cfg),
+        a("GpuTrainGPULost", f"gputrain_gpu_up{{{s}}} == 0", "critical",
+          "A GPU stopped answering.",
+          """GPU {{ $labels.gpu }} ({{ $labels.uuid }}) on {{ $labels.instance }} does not
+          answer NVML (fallen off the bus). Drain the node.""", cfg),
+        a("GpuTrainXidErrors", f"increase(gputrain_gpu_xid_errors_total{{{s}}}[10m]) > 0",
+          "critical", "A GPU reported Xid errors.",
+          """GPU {{ $labels.gpu }} on {{ $labels.instance }} reported Xid {{ $labels.xid }}
+          {{ $value }} time(s) in 10m. Check the driver log; drain the node if it repeats.""",
+          cfg),
+        a("GpuTrainCollectorFailing", f"gputrain_collector_success{{{s}}} == 0", "warning",
+          "A gputrain-exporter collector fails.",
+          """The {{ $labels.collector }} collector on {{ $labels.instance }} has failed for
+          a while (for gpu: no NVIDIA driver or NVML). Its metrics are missing; see the
+          exporter's log.""", cfg),
+        a("GpuTrainExporterDown", f"up{{{s}}} == 0", "critical",
+          "Prometheus cannot scrape a gputrain-exporter.",
+          """{{ $labels.instance }} has not been scraped. Its GPUs and runs are
+          unmonitored.""", cfg),
+    ]
+
+
+def render(overrides: dict | None = None) -> str:
+    """The rule file (YAML) for DEFAULTS with ``overrides`` applied."""
+    cfg = merge(DEFAULTS, overrides or {})
+    doc = {"groups": [
+        {"name": "gputrain.recording", "interval": "30s",
+         "rules": _recording(cfg["selector"])},
+        {"name": "gputrain.alerts", "rules": _alerts(cfg)},
+    ]}
+    header = ("# Generated by `gputrain-exporter rules`: do not edit; change thresholds with\n"
+              "# `gputrain-exporter rules --config my-thresholds.yml > gputrain.rules.yml`.\n")
+    return header + yaml.safe_dump(doc, sort_keys=False, width=100, allow_unicode=True)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("rules", help="print the Prometheus rule file with your thresholds")
+    p.add_argument("--config", metavar="FILE",
+                   help="YAML with any of: selector, runbook_url, thresholds.<name>, for.<alert>")
+    p.add_argument("--defaults", action="store_true", help="print the default settings")
+    p.set_defaults(func=main)
+
+
+def main(ns: argparse.Namespace) -> int:
+    if ns.defaults:
+        sys.stdout.write(yaml.safe_dump(DEFAULTS, sort_keys=False))
+        return 0
+    overrides = {}
+    if ns.config:
+        try:
+            overrides = yaml.safe_load(Path(ns.config).read_text()) or {}
+            sys.stdout.write(render(overrides))
+        except (OSError, yaml.YAMLError, ValueError) as exc:
+            print(f"gputrain-exporter rules: {ns.config}: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    sys.stdout.write(render())
+    return 0
