@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from exporter.nvml import GpuLostError, Nvml, NvmlUnavailable
+from exporter.nvml import VALUE_MEMBER, GpuLostError, Nvml, NvmlUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +258,7 @@ class NvmlBackend:
             value_type, samples = got
             fresh = [x for x in samples if x.timeStamp > dev.last_sample_timestamp_us]
             if fresh:
-                member = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal"}.get(value_type, "uiVal")
+                member = VALUE_MEMBER.get(value_type, "uiVal")
                 dev.last_sample_timestamp_us = max(x.timeStamp for x in fresh)
                 values = [getattr(x.sampleValue, member) for x in fresh]
                 return _ratio(sum(values) / len(values))

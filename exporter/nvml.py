@@ -47,7 +47,7 @@ _LOST = {NVML_ERROR_GPU_IS_LOST, NVML_ERROR_RESET_REQUIRED}
 _QUIET = {NVML_ERROR_NOT_FOUND, NVML_ERROR_NO_DATA, NVML_ERROR_TIMEOUT}
 
 # nvmlValueType_t -> the member of the c_nvmlValue_t union that holds it.
-_VALUE_MEMBER = {
+VALUE_MEMBER = {
     0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal",
 }
 
@@ -212,6 +212,6 @@ class Nvml:
                 raise GpuLostError(f"GPU {device} is lost (field {field_id})")
             if ret != NVML_SUCCESS:
                 continue
-            member = _VALUE_MEMBER.get(getattr(fv, "valueType", 3), "ullVal")
+            member = VALUE_MEMBER.get(getattr(fv, "valueType", 3), "ullVal")
             out[field_id] = getattr(fv.value, member)
         return out

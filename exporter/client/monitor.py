@@ -176,7 +176,6 @@ class TrainingMonitor:
         self.push_interval = float(push_interval)
         self.token = token or _env_token()
         self.run_id = os.urandom(8).hex()
-        self._clock = time.perf_counter
         self._wall_offset = time.time() - time.perf_counter()
         self._bounds = tuple(float(b) for b in buckets)
         self._counts = [0] * (len(self._bounds) + 1)  # per bucket, not cumulative; +Inf last
@@ -210,7 +209,7 @@ class TrainingMonitor:
     def wrap(self, iterable: Iterable[T], batch_size: int | None = None) -> Iterator[T]:
         """Iterate ``iterable``; time blocked in ``next()`` is data wait, a step ends when the
         loop body asks for the next batch. Samples are ``batch_size`` or ``batch_len(batch)``."""
-        clock = self._clock
+        clock = _now
         record = self._record
         prev = clock()
         self._detect_gpus()
@@ -363,7 +362,7 @@ class HookTimer:
         self._wait = 0.0
 
     def batch_start(self) -> None:
-        now = self.monitor._clock()
+        now = _now()
         if self._last_end is None:
             self._last_end = now
             self.monitor._detect_gpus()
@@ -371,7 +370,7 @@ class HookTimer:
 
     def batch_end(self, samples: float) -> None:
         m = self.monitor
-        now = m._clock()
+        now = _now()
         if self._last_end is None:
             return
         m._record(now - self._last_end, self._wait, samples, now)
