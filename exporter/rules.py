@@ -23,6 +23,7 @@ DEFAULTS: dict[str, Any] = {
     "runbook_url": RUNBOOK,
     "thresholds": {
         "gpu_busy_low": 0.5,           # seed 001, PyTorch profiler plugin
+        "gpu_busy_target": 0.9,        # seed 002: under 90% is wasted money (info)
         "input_bound": 0.05,           # TF input-pipeline analysis: moderately
         "input_bound_high": 0.20,      # ... highly
         "cpu_saturated": 0.9,          # seed 002 preprocessing case
@@ -198,6 +199,11 @@ def _alerts(cfg: dict) -> list[dict]:
     on_node = "on (job, instance) group_left"
     a = _alert
     return [
+        a("GpuTrainGPUUnderutilized", f"{busy} >= {t['gpu_busy_low']} < {t['gpu_busy_target']}",
+          "info", "A training run leaves its GPU mostly idle.",
+          f"""{gpu_who} was busy {{{{ $value | humanizePercentage }}}} of the time over 5m,
+          below the {t['gpu_busy_target']} a well-fed GPU reaches. Find the stage that starves
+          it: the other GpuTrain alerts for this run say which.""", cfg),
         a("GpuTrainGPUUnderutilized", f"{busy} < {t['gpu_busy_low']}", "warning",
           "A training run leaves its GPU mostly idle.",
           f"""{gpu_who} was busy {{{{ $value | humanizePercentage }}}} of the time over 5m
@@ -335,7 +341,7 @@ def _alerts(cfg: dict) -> list[dict]:
         a("GpuTrainXidErrors", f"increase(gputrain_gpu_xid_errors_total{{{s}}}[10m]) > 0",
           "critical", "A GPU reported Xid errors.",
           """GPU {{ $labels.gpu }} on {{ $labels.instance }} reported Xid {{ $labels.xid }}
-          {{ $value }} time(s) in 10m. Check the driver log; drain the node if it repeats.""",
+          {{ $value | printf "%.0f" }} time(s) in 10m. Check the driver log; drain the node if it repeats.""",
           cfg),
         a("GpuTrainCollectorFailing", f"gputrain_collector_success{{{s}}} == 0", "warning",
           "A gputrain-exporter collector fails.",

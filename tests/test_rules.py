@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+import rule_cases
 import yaml
 from conftest import ROOT, require_binary
 
@@ -50,12 +52,47 @@ def test_promtool_check_rules_is_clean():
     assert "SUCCESS" in out.stdout
 
 
+def test_promtool_test_files_are_the_generator_output():
+    for path, text in rule_cases.files().items():
+        assert path.read_text() == text, f"{path.name} is stale: python3 tests/rule_cases.py"
+
+
+def test_every_alert_has_a_case_that_fires_it_and_one_that_does_not():
+    names = rule_cases.alert_names()
+    cases = rule_cases.alert_cases()
+    for name in names:
+        firing = [c for c in cases if any(f.alert == name for f in c.fires)]
+        assert any(c.quiet_at for c in firing), f"{name}: no case where it must not fire yet"
+    seeds = rule_cases.seed_cases()
+    assert len(seeds) == 13
+    assert any(not c.fires for c in seeds), "a scenario where the rules must stay silent"
+
+
 def test_promtool_unit_tests_pass():
     promtool = require_binary("promtool")
-    tests = sorted(str(p) for p in (ROOT / "alerts" / "tests").glob("*.yml"))
-    assert tests
+    tests = sorted(str(p) for p in (ROOT / "alerts" / "tests").glob("*.test.yml"))
+    assert len(tests) == 2
     out = subprocess.run([promtool, "test", "rules", *tests], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("SUCCESS") == 2
+
+
+@pytest.mark.parametrize("threshold, value, failing_case", [
+    ("tensor_active_below", 0.3, "seed 003 step 6"),   # AMP's 26.3% would read as idle
+    ("cpu_saturated", 0.97, "seed 002 preprocessing overload"),
+    ("gpu_busy_target", 0.98, "seed 002 inefficient GPU graph"),
+])
+def test_the_cases_catch_a_wrong_threshold(tmp_path, threshold, value, failing_case):
+    """The promtool cases are not vacuous: rules with one threshold moved fail them."""
+    promtool = require_binary("promtool")
+    (tmp_path / "gputrain.rules.yml").write_text(render({"thresholds": {threshold: value}}))
+    (tmp_path / "tests").mkdir()
+    for path in (ROOT / "alerts" / "tests").glob("*.test.yml"):
+        (tmp_path / "tests" / path.name).write_text(path.read_text())
+    out = subprocess.run([promtool, "test", "rules", *map(str, (tmp_path / "tests").iterdir())],
+                         capture_output=True, text=True)
+    assert out.returncode != 0
+    assert failing_case in out.stdout + out.stderr
 
 
 def test_rules_command_applies_user_thresholds(tmp_path):
