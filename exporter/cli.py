@@ -15,7 +15,7 @@ from exporter.config import ConfigError, Settings, add_flags, parse_listen_addre
 
 log = logging.getLogger("exporter")
 
-SUBCOMMANDS = ("serve", "rules")
+SUBCOMMANDS = ("serve", "rules", "diagnose")
 
 
 def _is_loopback(host: str) -> bool:
@@ -36,9 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     serve = sub.add_parser("serve", help="run the exporter daemon (the default)")
     add_flags(serve)
-    from exporter import rules  # subcommands register their own flags
+    from exporter import diagnose, rules  # subcommands register their own flags
 
     rules.add_parser(sub)
+    diagnose.add_parser(sub)
     return parser
 
 

@@ -21,6 +21,7 @@ RUNBOOK = "https://github.com/gputrain/gputrain-exporter/blob/main/alerts/runboo
 DEFAULTS: dict[str, Any] = {
     "selector": 'job=~"gputrain.*"',
     "runbook_url": RUNBOOK,
+    "recording_interval": "30s",
     "thresholds": {
         "gpu_busy_low": 0.5,           # seed 001, PyTorch profiler plugin
         "gpu_busy_target": 0.9,        # seed 002: under 90% is wasted money (info)
@@ -104,8 +105,11 @@ def _recording(s: str) -> list[dict]:
         rec("run_rank:gputrain_training_data_wait_ratio:rate5m", f"""
             sum by ({RANK}) (rate(gputrain_training_data_wait_seconds_total{{{s}}}[5m]))
             / sum by ({RANK}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m]))"""),
+        # samples per second of step time: the training loop's throughput, exact from a run's
+        # first minute (a bare rate() over 5m reads low until the run is 5m old)
         rec("run_rank:gputrain_training_samples_per_second:rate5m", f"""
-            sum by ({RANK}) (rate(gputrain_training_samples_total{{{s}}}[5m]))"""),
+            sum by ({RANK}) (rate(gputrain_training_samples_total{{{s}}}[5m]))
+            / sum by ({RANK}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m]))"""),
         rec("run_rank:gputrain_training_step_seconds:mean5m", f"""
             sum by ({RANK}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m]))
             / sum by ({RANK}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[5m]))"""),
@@ -126,8 +130,11 @@ def _recording(s: str) -> list[dict]:
         rec("run_rank:gputrain_training_process_cpu_cores:rate5m", f"""
             sum by ({RANK}) (rate(gputrain_training_process_cpu_seconds_total{{{s}}}[5m]))"""),
         # per GPU
-        rec("gpu:gputrain_gpu_busy_ratio:rate5m",
-            f"sum by ({GPU}) (rate(gputrain_gpu_busy_seconds_total{{{s}}}[5m]))"),
+        # GPU ratios divide by the seconds the sampler watched: exact from the first scrapes
+        # after an exporter (re)start, and blind time (a lost GPU) counts on neither side.
+        rec("gpu:gputrain_gpu_busy_ratio:rate5m", f"""
+            sum by ({GPU}) (rate(gputrain_gpu_busy_seconds_total{{{s}}}[5m]))
+            / sum by ({GPU}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[5m]))"""),
         rec("gpu:gputrain_gpu_memory_used:ratio", f"""
             sum by ({GPU}) (gputrain_gpu_memory_used_bytes{{{s}}})
             / sum by ({GPU}) (gputrain_gpu_memory_total_bytes{{{s}}})"""),
@@ -136,6 +143,7 @@ def _recording(s: str) -> list[dict]:
             / sum by ({GPU}) (gputrain_gpu_power_limit_watts{{{s}}})"""),
         rec("gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m", f"""
             sum by ({GPU}) (rate(gputrain_gpu_pcie_received_bytes_total{{{s}}}[5m]))
+            / sum by ({GPU}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[5m]))
             / sum by ({GPU}) (gputrain_gpu_pcie_link_max_bytes_per_second{{{s}}})"""),
         rec("gpu:gputrain_gpu_sm_active_ratio:avg5m",
             f"avg by ({GPU}) (avg_over_time(gputrain_gpu_sm_active_ratio{{{s}}}[5m]))"),
@@ -143,7 +151,8 @@ def _recording(s: str) -> list[dict]:
             f"avg by ({GPU}) (avg_over_time(gputrain_gpu_tensor_active_ratio{{{s}}}[5m]))"),
         rec("gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m", f"""
             sum by ({GPU}) (rate(gputrain_gpu_clock_event_seconds_total{{{s},
-              reason=~"sw_power_cap|sw_thermal_slowdown|hw_thermal_slowdown|hw_power_brake_slowdown"}}[5m]))"""),
+              reason=~"sw_power_cap|sw_thermal_slowdown|hw_thermal_slowdown|hw_power_brake_slowdown"}}[5m]))
+            / sum by ({GPU}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[5m]))"""),
         # a rank's GPUs, joined through gputrain_training_gpu_info
         *[rec(f"run_rank_gpu:{name.split(':', 1)[1].rsplit(':', 1)[0]}:{name.rsplit(':', 1)[1]}",
               f"""max by ({RANK}, gpu, uuid) (gputrain_training_gpu_info{{{s}}})
@@ -359,7 +368,7 @@ def render(overrides: dict | None = None) -> str:
     """The rule file (YAML) for DEFAULTS with ``overrides`` applied."""
     cfg = merge(DEFAULTS, overrides or {})
     doc = {"groups": [
-        {"name": "gputrain.recording", "interval": "30s",
+        {"name": "gputrain.recording", "interval": cfg["recording_interval"],
          "rules": _recording(cfg["selector"])},
         {"name": "gputrain.alerts", "rules": _alerts(cfg)},
     ]}
@@ -371,23 +380,39 @@ def render(overrides: dict | None = None) -> str:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("rules", help="print the Prometheus rule file with your thresholds")
     p.add_argument("--config", metavar="FILE",
-                   help="YAML with any of: selector, runbook_url, thresholds.<name>, for.<alert>")
+                   help="YAML with any of: selector, runbook_url, recording_interval, "
+                        "thresholds.<name>, for.<alert>")
     p.add_argument("--defaults", action="store_true", help="print the default settings")
     p.set_defaults(func=main)
+
+
+def load_overrides(path: str | None) -> dict:
+    """The user's thresholds file as a checked overrides mapping; ValueError names the fault."""
+    if not path:
+        return {}
+    try:
+        overrides = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as exc:
+        raise ValueError(f"{path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(overrides, dict):
+        raise ValueError(f"{path}: expected a mapping of settings")
+    try:
+        merge(DEFAULTS, overrides)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    return overrides
 
 
 def main(ns: argparse.Namespace) -> int:
     if ns.defaults:
         sys.stdout.write(yaml.safe_dump(DEFAULTS, sort_keys=False))
         return 0
-    overrides = {}
-    if ns.config:
-        try:
-            overrides = yaml.safe_load(Path(ns.config).read_text()) or {}
-            sys.stdout.write(render(overrides))
-        except (OSError, yaml.YAMLError, ValueError) as exc:
-            print(f"gputrain-exporter rules: {ns.config}: {exc}", file=sys.stderr)
-            return 2
-        return 0
-    sys.stdout.write(render())
+    try:
+        text = render(load_overrides(ns.config))
+    except ValueError as exc:
+        print(f"gputrain-exporter rules: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(text)
     return 0

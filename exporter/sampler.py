@@ -48,6 +48,7 @@ class GpuState:
     identity: GpuIdentity
     up: bool = False
     sample: GpuSample | None = None
+    sampled_seconds: float = 0.0
     busy_seconds: float | None = None
     energy_joules: float | None = None
     pcie_rx_bytes: float | None = None
@@ -308,6 +309,7 @@ class Sampler:
         dt = 0.0 if prev is None else max(0.0, sample.timestamp - prev.timestamp)
         # A gap much longer than the interval is time we did not see: do not guess it.
         dt_seen = dt if dt <= 3 * self.interval else 0.0
+        st.sampled_seconds += dt_seen
         if sample.utilization is not None:
             st.busy_seconds = (st.busy_seconds or 0.0) + sample.utilization * dt_seen
         if sample.energy_joules is not None:

@@ -43,11 +43,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def require_binary(name: str) -> str:
-    """The path of a tool the test needs. In CI its absence is a failure, not a skip."""
-    path = shutil.which(name)
-    if path:
-        return path
+def require_binary(name: str, *alternatives: str) -> str:
+    """The path of a tool the test needs (under any of its names). In CI its absence is a
+    failure, not a skip."""
+    for candidate in (name, *alternatives):
+        path = shutil.which(candidate)
+        if path:
+            return path
     message = (f"{name} is not installed (Debian: apt-get install prometheus "
                "prometheus-alertmanager); the README's test command installs it")
     if os.environ.get("CI"):

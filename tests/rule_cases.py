@@ -54,6 +54,16 @@ class Case:
     quiet_alerts: list[str] = field(default_factory=list)  # silent at quiet_at; default: fires'
     interval: str = "1m"
 
+    def __post_init__(self) -> None:
+        # The exporter exports the seconds it watched each GPU beside its counters; the GPU
+        # ratios divide by them. Add that series (60 s a minute) for every GPU with a counter.
+        for selector in list(self.series):
+            m = re.match(r"gputrain_gpu_\w+_total\{.*gpu=\"(\w+)\",uuid=\"([\w-]+)\"", selector)
+            if m and "xid_errors" not in selector:
+                watched = sel("gputrain_gpu_sampled_seconds_total", gpu=m[1], uuid=m[2])
+                steps = int(self.series[selector].rsplit("x", 1)[1])
+                self.series.setdefault(watched, ramp(60, steps))
+
 
 def num(x: float) -> str:
     """A number as promtool's series notation wants it (no exponent, no trailing .0)."""

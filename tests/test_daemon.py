@@ -19,7 +19,8 @@ from exporter.server import Exposition, MetricsHandler, make_server, serve_in_th
 
 CONTRACT_GPU_METRICS = [
     "gputrain_gpu_info", "gputrain_gpu_up", "gputrain_gpu_utilization_ratio",
-    "gputrain_gpu_busy_seconds_total", "gputrain_gpu_sm_active_ratio",
+    "gputrain_gpu_busy_seconds_total", "gputrain_gpu_sampled_seconds_total",
+    "gputrain_gpu_sm_active_ratio",
     "gputrain_gpu_sm_occupancy_ratio", "gputrain_gpu_tensor_active_ratio",
     "gputrain_gpu_dram_active_ratio", "gputrain_gpu_memory_used_bytes",
     "gputrain_gpu_memory_total_bytes", "gputrain_gpu_power_watts",

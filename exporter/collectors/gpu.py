@@ -40,6 +40,9 @@ SAMPLE_GAUGES = [
 
 # (attribute of GpuState, metric name, help). Counters integrated by the sampler.
 STATE_COUNTERS = [
+    ("sampled_seconds", "gputrain_gpu_sampled_seconds_total",
+     "Seconds of wall time the sampler watched this GPU. Divide rate() of a *_seconds_total "
+     "counter by rate() of this one for a ratio that is exact from the first scrapes."),
     ("busy_seconds", "gputrain_gpu_busy_seconds_total",
      "Seconds in which any kernel ran: utilisation integrated over time by the sampler. "
      "rate() of it is the exact mean utilisation over any window."),
