@@ -121,7 +121,8 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     else:
         backend = NvmlBackend()
     host = HostReader(disk_exclude=settings["host.disk-exclude"],
-                      netdev_exclude=settings["host.netdev-exclude"])
+                      netdev_exclude=settings["host.netdev-exclude"],
+                      netdev_speed=settings["host.netdev-speed"])
     sampler = Sampler(backend, host, settings["sampler.interval"], settings.collectors)
     sampler.start()
     app = Exposition(sampler, store)

@@ -116,6 +116,22 @@ def _bool(value: Any) -> bool:
     raise ValueError(f"expected true or false, got {value!r}")
 
 
+SPEED_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def parse_link_speeds(value: Any) -> dict[str, float]:
+    """'25Gbit' (every interface) or 'eth0=25Gbit,ib0=100Gbit' -> bytes/s by interface ('*'
+    for every interface)."""
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in _text(value).split(","))):
+        nic, _, speed = part.rpartition("=")
+        m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(bit|b)(?:/s|ps)?", speed.strip())
+        if not m:
+            raise ValueError(f"{part!r}: expected a speed like 10Gbit or eth0=25Gbit")
+        out[nic.strip() or "*"] = float(m[1]) * SPEED_UNITS[m[2].lower()] / 8
+    return out
+
+
 @dataclass(frozen=True)
 class Option:
     key: str
@@ -152,6 +168,9 @@ OPTIONS: list[Option] = [
     Option("host.netdev-exclude", _regex, DEFAULT_NETDEV_EXCLUDE,
            "regular expression of network interfaces to leave out (virtual ones under "
            "/sys/devices/virtual/net are left out too unless this is empty)", "REGEX"),
+    Option("host.netdev-speed", parse_link_speeds, None,
+           "link speed of interfaces whose driver does not report it (cloud NICs such as "
+           "AWS ENA): '25Gbit' for all, or 'eth0=25Gbit,eth1=10Gbit'", "SPEEDS"),
     Option("log.level", _choice("debug", "info", "warning", "error"), "info", "log level"),
     *[
         Option(f"collector.{name}", _bool, True, f"enable the {name} collector")

@@ -52,13 +52,15 @@ class HostReader:
 
     def __init__(self, psutil_module: Any = None, disk_exclude: str = DEFAULT_DISK_EXCLUDE,
                  netdev_exclude: str = DEFAULT_NETDEV_EXCLUDE,
-                 virtual_net_dir: str = SYS_VIRTUAL_NET) -> None:
+                 virtual_net_dir: str = SYS_VIRTUAL_NET,
+                 netdev_speed: dict[str, float] | None = None) -> None:
         if psutil_module is None:
             import psutil as psutil_module
         self.psutil = psutil_module
         self._disk_exclude = re.compile(disk_exclude) if disk_exclude else None
         self._netdev_exclude = re.compile(netdev_exclude) if netdev_exclude else None
         self._virtual_net_dir = virtual_net_dir
+        self._netdev_speed = netdev_speed or {}  # bytes/s by interface, '*' for any
 
     def cpu(self) -> CpuReading:
         """Seconds spent per mode, summed over all CPUs, since boot."""
@@ -94,6 +96,8 @@ class HostReader:
             st = stats.get(nic)
             speed_mbit = getattr(st, "speed", 0) if st is not None else 0
             speed = speed_mbit * 1e6 / 8 if speed_mbit and speed_mbit > 0 else None
+            if speed is None:
+                speed = self._netdev_speed.get(nic, self._netdev_speed.get("*"))
             out[nic] = NetworkReading(float(c.bytes_recv), float(c.bytes_sent), speed)
         return out
 

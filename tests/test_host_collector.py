@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import namedtuple
 from types import SimpleNamespace
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from exporter.collectors import HostCollector, SelfCollector
@@ -106,3 +107,19 @@ def test_real_psutil_reads_this_machine():
     cpu = reader.cpu()
     assert cpu.count >= 1 and cpu.seconds_by_mode["idle"] > 0
     assert reader.memory().total_bytes > 0
+
+
+def test_a_configured_link_speed_fills_in_where_the_driver_reports_none(tmp_path):
+    from exporter.config import parse_link_speeds
+
+    (tmp_path / "virtual").mkdir()
+    speeds = parse_link_speeds("ib0=100Gbit, *=10Gbit")
+    assert speeds == {"ib0": 100e9 / 8, "*": 10e9 / 8}
+    reader = HostReader(FakePsutil(), virtual_net_dir=str(tmp_path / "virtual"),
+                        netdev_speed=speeds)
+    nets = reader.networks()
+    assert nets["ib0"].speed_bytes_per_second == 100e9 / 8
+    assert nets["eth0"].speed_bytes_per_second == 25e9 / 8  # the driver's own figure wins
+    assert parse_link_speeds("25Gbit") == {"*": 25e9 / 8}
+    with pytest.raises(ValueError, match="10Gbit"):
+        parse_link_speeds("eth0=fast")

@@ -1,0 +1,431 @@
+"""The three Grafana dashboards, as code: ``python3 grafana/generate.py`` writes
+``grafana/dashboards/*.json`` (committed; a test keeps them equal to this output).
+
+overview -> run -> node: "which runs waste GPUs" to "why" in two clicks. Every panel uses the
+``datasource`` variable; thresholds drawn on panels are HEURISTICS.md's defaults.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+OUT = Path(__file__).resolve().parent / "dashboards"
+DS = {"type": "prometheus", "uid": "${datasource}"}
+TAGS = ["gputrain"]
+RUN_SEL = 'run="$run", rank=~"$rank"'
+ALERTS = 'ALERTS{alertname=~"GpuTrain.*", alertstate="firing"}'
+
+
+class Layout:
+    """Places panels left to right on Grafana's 24-column grid."""
+
+    def __init__(self) -> None:
+        self.x = self.y = self.row_h = 0
+        self.next_id = 1
+
+    def place(self, panel: dict, w: int, h: int) -> dict:
+        if self.x + w > 24:
+            self.x, self.y = 0, self.y + self.row_h
+            self.row_h = 0
+        panel["gridPos"] = {"x": self.x, "y": self.y, "w": w, "h": h}
+        panel["id"] = self.next_id
+        self.next_id += 1
+        self.x += w
+        self.row_h = max(self.row_h, h)
+        return panel
+
+    def row(self, title: str) -> dict:
+        self.x, self.y = 0, self.y + self.row_h
+        self.row_h = 0
+        panel = self.place({"type": "row", "title": title, "collapsed": False, "panels": []},
+                           24, 1)
+        self.x, self.y, self.row_h = 0, self.y + 1, 0
+        return panel
+
+
+def target(expr: str, legend: str = "", ref: str = "A", instant: bool = False,
+           table: bool = False) -> dict:
+    t: dict[str, Any] = {"datasource": DS, "refId": ref, "expr": expr,
+                         "legendFormat": legend or "__auto"}
+    if instant:
+        t["instant"], t["range"] = True, False
+    if table:
+        t["format"] = "table"
+    return t
+
+
+def thresholds(*steps: tuple[float | None, str]) -> dict:
+    return {"mode": "absolute",
+            "steps": [{"value": v, "color": c} for v, c in steps]}
+
+
+def timeseries(title: str, targets: list[dict], unit: str, description: str = "",
+               lines: list[tuple[float, str]] | None = None, max_: float | None = None,
+               stack: bool = False) -> dict:
+    """A time series; ``lines`` draws thresholds (value, colour) as dashed lines."""
+    custom: dict[str, Any] = {"lineWidth": 1, "fillOpacity": 10, "showPoints": "never"}
+    if stack:
+        custom["stacking"] = {"mode": "normal", "group": "A"}
+    defaults: dict[str, Any] = {"unit": unit, "custom": custom}
+    if lines:
+        custom["thresholdsStyle"] = {"mode": "dashed"}
+        defaults["thresholds"] = thresholds((None, "transparent"), *lines)
+    if max_ is not None:
+        defaults["min"], defaults["max"] = 0, max_
+    return {"type": "timeseries", "title": title, "description": description,
+            "datasource": DS, "targets": targets,
+            "fieldConfig": {"defaults": defaults, "overrides": []},
+            "options": {"legend": {"displayMode": "table", "placement": "bottom",
+                                   "calcs": ["mean", "max"]},
+                        "tooltip": {"mode": "multi", "sort": "desc"}}}
+
+
+def stat(title: str, expr: str, unit: str, steps: list[tuple[float | None, str]],
+         description: str = "") -> dict:
+    return {"type": "stat", "title": title, "description": description, "datasource": DS,
+            "targets": [target(expr, instant=True)],
+            "fieldConfig": {"defaults": {"unit": unit, "thresholds": thresholds(*steps)},
+                            "overrides": []},
+            "options": {"colorMode": "background", "graphMode": "none",
+                        "reduceOptions": {"calcs": ["lastNotNull"]}}}
+
+
+def table(title: str, targets: list[dict], unit_by_field: dict[str, str],
+          description: str = "", links: dict[str, str] | None = None,
+          sort: str | None = None, hide: tuple[str, ...] = ("Time",)) -> dict:
+    """An instant table that merges its queries on their labels; ``Value #X`` columns renamed."""
+    overrides = []
+    for field_name, unit in unit_by_field.items():
+        props: list[dict] = [{"id": "unit", "value": unit}]
+        if unit == "percentunit":
+            props.append({"id": "custom.cellOptions",
+                          "value": {"type": "color-background", "mode": "basic"}})
+        overrides.append({"matcher": {"id": "byName", "options": field_name},
+                          "properties": props})
+    for field_name, url in (links or {}).items():
+        overrides.append({"matcher": {"id": "byName", "options": field_name}, "properties": [
+            {"id": "links", "value": [{"title": "open", "url": url}]}]})
+    rename = {f"Value #{t['refId']}": t["legendFormat"] for t in targets}
+    return {"type": "table", "title": title, "description": description, "datasource": DS,
+            "targets": [{**t, "instant": True, "range": False, "format": "table"}
+                        for t in targets],
+            "transformations": [
+                {"id": "merge", "options": {}},
+                {"id": "organize", "options": {
+                    "excludeByName": {h: True for h in (*hide, "__name__")},
+                    "renameByName": rename}}],
+            "fieldConfig": {"defaults": {"unit": "none", "thresholds": thresholds(
+                (None, "red"), (0.5, "orange"), (0.9, "green"))}, "overrides": overrides},
+            "options": {"showHeader": True, "cellHeight": "sm",
+                        "sortBy": [{"displayName": sort, "desc": False}] if sort else []}}
+
+
+def variable(name: str, query: str, label: str, multi: bool = False,
+             include_all: bool = False) -> dict:
+    return {"name": name, "label": label, "type": "query", "datasource": DS,
+            "query": {"query": query, "refId": f"var-{name}"}, "definition": query,
+            "refresh": 2, "sort": 1, "multi": multi, "includeAll": include_all,
+            "allValue": ".*" if include_all else None, "current": {}, "options": [],
+            "hide": 0}
+
+
+DATASOURCE_VAR = {"name": "datasource", "label": "Prometheus", "type": "datasource",
+                  "query": "prometheus", "current": {}, "hide": 0, "refresh": 1,
+                  "regex": "", "options": []}
+
+
+def dashboard(uid: str, title: str, description: str, variables: list[dict],
+              panels: list[dict], alert_filter: str) -> dict:
+    return {
+        "uid": uid, "title": title, "description": description, "tags": TAGS,
+        "editable": True, "schemaVersion": 39, "version": 1, "timezone": "",
+        "time": {"from": "now-1h", "to": "now"}, "refresh": "30s", "graphTooltip": 1,
+        "templating": {"list": [DATASOURCE_VAR, *variables]},
+        "annotations": {"list": [
+            {"builtIn": 1, "name": "Annotations & Alerts", "type": "dashboard", "enable": True,
+             "hide": True, "iconColor": "rgba(0, 211, 255, 1)",
+             "datasource": {"type": "grafana", "uid": "-- Grafana --"}},
+            {"name": "GpuTrain alerts", "enable": True, "iconColor": "red", "datasource": DS,
+             "expr": f'ALERTS{{alertname=~"GpuTrain.*", alertstate="firing"{alert_filter}}}',
+             "step": "60s", "titleFormat": "{{alertname}}",
+             "textFormat": "{{severity}}: run {{run}} rank {{rank}} gpu {{gpu}}",
+             "useValueForTime": False}]},
+        "links": [{"title": "GpuTrain dashboards", "type": "dashboards", "tags": TAGS,
+                   "asDropdown": False, "includeVars": True, "keepTime": True}],
+        "panels": panels,
+    }
+
+
+def gpu_join(expr: str) -> str:
+    """``expr`` (per GPU) for the GPUs of the selected run and ranks."""
+    return (f"({expr}) * on (job, instance, gpu, uuid) group_left (run, rank) "
+            f'max by (job, instance, gpu, uuid, run, rank) '
+            f'(gputrain_training_gpu_info{{{RUN_SEL}, instance=~"$instance"}})')
+
+
+# --- overview ----------------------------------------------------------------------------------
+
+def overview() -> dict:
+    lay = Layout()
+    run_link = ("/d/gputrain-run/gputrain-run?${__url_time_range}&var-datasource=${datasource}"
+                "&var-run=${__data.fields.run}&var-instance=$__all&var-rank=$__all")
+    node_link = ("/d/gputrain-node/gputrain-node?${__url_time_range}&var-datasource="
+                 "${datasource}&var-instance=${__data.fields.instance}")
+    panels = [
+        lay.place(stat("Fleet GPU busy", "avg(gpu:gputrain_gpu_busy_ratio:rate5m)",
+                       "percentunit", [(None, "red"), (0.5, "orange"), (0.9, "green")],
+                       "Mean busy ratio of every GPU over 5m. Under 90% is wasted money "
+                       "(seed 002)."), 6, 4),
+        lay.place(stat("Busy of GPUs that runs use",
+                       "avg(run_rank_gpu:gputrain_gpu_busy_ratio:rate5m)", "percentunit",
+                       [(None, "red"), (0.5, "orange"), (0.9, "green")]), 6, 4),
+        lay.place(stat("GPUs no run uses",
+                       "count(gputrain_gpu_up == 1 unless on (job, instance, gpu, uuid) "
+                       "gputrain_training_gpu_info) or vector(0)", "none",
+                       [(None, "green"), (1, "orange")]), 6, 4),
+        lay.place(stat("Firing GpuTrain alerts", f"count({ALERTS}) or vector(0)", "none",
+                       [(None, "green"), (1, "red")]), 6, 4),
+        lay.place(table("Runs", [
+            target("run_rank:gputrain_training_samples_per_second:rate5m", "samples/s", "A"),
+            target("run_rank:gputrain_training_step_seconds:mean5m", "step time", "B"),
+            target("run_rank:gputrain_training_data_wait_ratio:rate5m", "data wait", "C"),
+            target("run_rank:gputrain_gpu_busy_ratio:avg5m", "GPU busy", "D")],
+            {"samples/s": "none", "step time": "s", "data wait": "percentunit",
+             "GPU busy": "percentunit"},
+            "Every (run, rank) on every node over 5m. Click a run for its dashboard, a node "
+            "for its instance metrics. Sort by GPU busy to find the waste.",
+            links={"run": run_link, "instance": node_link}, sort="GPU busy",
+            hide=("Time", "job")), 24, 9),
+        lay.place(table("Firing GpuTrain alerts", [target(ALERTS, "firing", "A")],
+                        {}, "What the rules say, with the labels that locate it.",
+                        links={"run": run_link, "instance": node_link},
+                        hide=("Time", "Value #A", "alertstate", "job")), 12, 8),
+        lay.place(table("GPUs no run uses", [target(
+            "gpu:gputrain_gpu_busy_ratio:rate5m unless on (job, instance, gpu, uuid) "
+            "gputrain_training_gpu_info", "busy", "A")], {"busy": "percentunit"},
+            "GPUs with no training client reporting them: idle capacity, or a job that does "
+            "not use the client.", links={"instance": node_link}, hide=("Time", "job")),
+            12, 8),
+        lay.place(timeseries("GPU busy by run", [target(
+            "run_rank:gputrain_gpu_busy_ratio:avg5m", "{{run}} rank {{rank}}")],
+            "percentunit", "90% is the goal (seed 002); under 50% the GPU is badly used "
+            "(seed 001).", lines=[(0.5, "red"), (0.9, "green")], max_=1), 12, 8),
+        lay.place(timeseries("Data wait by run", [target(
+            "run_rank:gputrain_training_data_wait_ratio:rate5m", "{{run}} rank {{rank}}")],
+            "percentunit", "Share of each step blocked on the data loader: 5% is moderately, "
+            "20% highly input-bound (TF Profiler).", lines=[(0.05, "orange"), (0.2, "red")],
+            max_=1), 12, 8),
+    ]
+    return dashboard("gputrain-overview", "GpuTrain / Overview",
+                     "Every run on every node: which runs waste GPUs.", [], panels, "")
+
+
+# --- run ---------------------------------------------------------------------------------------
+
+def run() -> dict:
+    lay = Layout()
+    sel = f'{RUN_SEL}, instance=~"$instance"'
+    node = 'instance=~"$instance"'
+    q = "sum by (instance, rank, le) (rate(gputrain_training_step_duration_seconds_bucket" \
+        f"{{{sel}}}[$__rate_interval]))"
+    panels = [
+        lay.row("Training loop"),
+        lay.place(timeseries("Samples per second", [target(
+            f"run_rank:gputrain_training_samples_per_second:rate5m{{{sel}}}", "rank {{rank}}")],
+            "none", "Throughput per second of step time (seed 002: compare runs in samples, "
+            "not steps)."), 8, 8),
+        lay.place(timeseries("Step time", [
+            target(f"histogram_quantile(0.5, {q})", "p50 rank {{rank}}", "A"),
+            target(f"histogram_quantile(0.95, {q})", "p95 rank {{rank}}", "B"),
+            target(f"histogram_quantile(1, {q})", "max (bucket bound) rank {{rank}}", "C")],
+            "s", "Wall time of a step, data wait included. A max far above p50 is a periodic "
+            "stall (checkpoints)."), 8, 8),
+        lay.place(timeseries("Data wait", [target(
+            f"run_rank:gputrain_training_data_wait_ratio:rate5m{{{sel}}}", "rank {{rank}}")],
+            "percentunit", "5% moderately, 20% highly input-bound.",
+            lines=[(0.05, "orange"), (0.2, "red")], max_=1), 8, 8),
+        lay.place(timeseries("Phases", [target(
+            f"run_rank_phase:gputrain_training_phase_ratio:rate5m{{{sel}}}",
+            "{{phase}} rank {{rank}}")], "percentunit",
+            "Share of the step in each named phase; over 50% (1.0x the rest) is host "
+            "overhead.", lines=[(0.5, "red")], max_=1), 12, 8),
+        lay.place(timeseries("Training processes", [
+            target(f"run_rank:gputrain_training_process_cpu_cores:rate5m{{{sel}}}",
+                   "CPU cores rank {{rank}}", "A")], "none",
+            "CPU cores the training process and its DataLoader workers use."), 6, 8),
+        lay.place(timeseries("Training process memory", [target(
+            f"gputrain_training_process_resident_memory_bytes{{{sel}}}", "RSS rank {{rank}}")],
+            "bytes", "Resident memory of the process tree; a steady rise is a leak."), 6, 8),
+        lay.row("GPUs of the run"),
+        lay.place(timeseries("GPU busy", [target(
+            f"run_rank_gpu:gputrain_gpu_busy_ratio:rate5m{{{sel}}}",
+            "GPU {{gpu}} rank {{rank}}")], "percentunit", "Any kernel running.",
+            lines=[(0.5, "red"), (0.9, "green")], max_=1), 8, 8),
+        lay.place(timeseries("SM and tensor activity", [
+            target(f"run_rank_gpu:gputrain_gpu_sm_active_ratio:avg5m{{{sel}}}",
+                   "SM GPU {{gpu}}", "A"),
+            target(f"run_rank_gpu:gputrain_gpu_tensor_active_ratio:avg5m{{{sel}}}",
+                   "tensor GPU {{gpu}}", "B")], "percentunit",
+            "GPM (Hopper and newer). SM active < 30% while busy is launch-bound; tensor < 1% "
+            "with SMs busy means no AMP.", lines=[(0.3, "orange")], max_=1), 8, 8),
+        lay.place(timeseries("GPU memory used", [target(
+            f"run_rank_gpu:gputrain_gpu_memory_used:ratio{{{sel}}}", "GPU {{gpu}}")],
+            "percentunit", "Under 25% the batch is likely too small; over 95% is near OOM.",
+            lines=[(0.25, "orange"), (0.95, "red")], max_=1), 8, 8),
+        lay.place(timeseries("Power against the limit", [target(
+            f"run_rank_gpu:gputrain_gpu_power_limit_used:ratio_avg5m{{{sel}}}",
+            "GPU {{gpu}}")], "percentunit", "Low power while busy: the SMs idle.",
+            lines=[(0.4, "orange")], max_=1), 8, 8),
+        lay.place(timeseries("PCIe host-to-device against the link", [target(
+            f"run_rank_gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m{{{sel}}}",
+            "GPU {{gpu}}")], "percentunit", "Over 50% of the link with the GPU under 80% "
+            "busy: the copy is the bottleneck.", lines=[(0.5, "red")], max_=1), 8, 8),
+        lay.place(timeseries("SM clock", [target(
+            gpu_join(f'gputrain_gpu_clock_hertz{{clock="sm", {node}}}'), "GPU {{gpu}}")],
+            "hertz", "A clock well under its boost while busy is throttled: see the next "
+            "panel."), 8, 8),
+        lay.place(timeseries("Throttled time", [target(
+            gpu_join("sum by (job, instance, gpu, uuid, reason) (rate("
+                     f"gputrain_gpu_clock_event_seconds_total{{{node}}}[$__rate_interval]))"),
+            "{{reason}} GPU {{gpu}}")], "percentunit",
+            "Share of time the clocks were held down, by reason; over 10% for power or "
+            "thermal reasons is throttling.", lines=[(0.1, "red")], max_=1), 8, 8),
+        lay.row("Node"),
+        lay.place(timeseries("CPU by mode", [target(
+            f"sum by (instance, mode) (rate(gputrain_host_cpu_seconds_total{{{node}}}"
+            f"[$__rate_interval])) / on (instance) group_left sum by (instance) "
+            f"(rate(gputrain_host_cpu_seconds_total{{{node}}}[$__rate_interval]))",
+            "{{mode}} {{instance}}")], "percentunit",
+            "90% busy with data wait is preprocessing-bound; iowait over 20% is disk-bound.",
+            stack=True, max_=1), 8, 8),
+        lay.place(timeseries("Disk I/O", [
+            target(f"sum by (instance, device) (rate(gputrain_host_disk_read_bytes_total"
+                   f"{{{node}}}[$__rate_interval]))", "read {{device}}", "A"),
+            target(f"sum by (instance, device) (rate(gputrain_host_disk_written_bytes_total"
+                   f"{{{node}}}[$__rate_interval]))", "write {{device}}", "B")],
+            "Bps"), 8, 8),
+        lay.place(timeseries("Network receive against link speed", [target(
+            f"rate(gputrain_host_network_received_bytes_total{{{node}}}[$__rate_interval]) "
+            f"/ gputrain_host_network_speed_bytes_per_second{{{node}}}",
+            "{{interface}} {{instance}}")], "percentunit",
+            "Over 80% of the interface with data wait: network input bound.",
+            lines=[(0.8, "red")], max_=1), 8, 8),
+    ]
+    variables = [
+        variable("run", "label_values(gputrain_training_steps_total, run)", "Run"),
+        variable("instance", 'label_values(gputrain_training_steps_total{run="$run"}, instance)',
+                 "Node", multi=True, include_all=True),
+        variable("rank", 'label_values(gputrain_training_steps_total{run="$run", '
+                 'instance=~"$instance"}, rank)', "Rank", multi=True, include_all=True),
+    ]
+    return dashboard("gputrain-run", "GpuTrain / Run",
+                     "One run per rank: the training loop, its GPUs and its nodes.",
+                     variables, panels, ', run="$run"')
+
+
+# --- node --------------------------------------------------------------------------------------
+
+def node() -> dict:
+    lay = Layout()
+    n = 'instance="$instance"'
+    r = "[$__rate_interval]"
+    per_gpu = "GPU {{gpu}}"
+    panels = [
+        lay.row("GPUs"),
+        lay.place(timeseries("GPU busy", [target(
+            f"sum by (gpu, uuid) (rate(gputrain_gpu_busy_seconds_total{{{n}}}{r})) / "
+            f"sum by (gpu, uuid) (rate(gputrain_gpu_sampled_seconds_total{{{n}}}{r}))",
+            per_gpu)], "percentunit", lines=[(0.5, "red"), (0.9, "green")], max_=1), 8, 8),
+        lay.place(timeseries("SM active", [target(
+            f"gputrain_gpu_sm_active_ratio{{{n}}}", per_gpu)], "percentunit", max_=1), 8, 8),
+        lay.place(timeseries("Tensor active", [target(
+            f"gputrain_gpu_tensor_active_ratio{{{n}}}", per_gpu)], "percentunit", max_=1),
+            8, 8),
+        lay.place(timeseries("GPU memory", [
+            target(f"gputrain_gpu_memory_used_bytes{{{n}}}", "used GPU {{gpu}}", "A"),
+            target(f"gputrain_gpu_memory_total_bytes{{{n}}}", "total GPU {{gpu}}", "B")],
+            "bytes"), 8, 8),
+        lay.place(timeseries("Power", [
+            target(f"gputrain_gpu_power_watts{{{n}}}", "GPU {{gpu}}", "A"),
+            target(f"gputrain_gpu_power_limit_watts{{{n}}}", "limit GPU {{gpu}}", "B")],
+            "watt"), 8, 8),
+        lay.place(timeseries("PCIe", [
+            target(f"rate(gputrain_gpu_pcie_received_bytes_total{{{n}}}{r})",
+                   "host-to-device GPU {{gpu}}", "A"),
+            target(f"rate(gputrain_gpu_pcie_transmitted_bytes_total{{{n}}}{r})",
+                   "device-to-host GPU {{gpu}}", "B"),
+            target(f"gputrain_gpu_pcie_link_max_bytes_per_second{{{n}}}",
+                   "link max GPU {{gpu}}", "C")], "Bps"), 8, 8),
+        lay.place(timeseries("Temperature", [target(
+            f"gputrain_gpu_temperature_celsius{{{n}}}", per_gpu)], "celsius"), 8, 8),
+        lay.place(timeseries("Clocks", [target(
+            f"gputrain_gpu_clock_hertz{{{n}}}", "{{clock}} GPU {{gpu}}")], "hertz"), 8, 8),
+        lay.place(timeseries("Throttled time", [target(
+            f"rate(gputrain_gpu_clock_event_seconds_total{{{n}}}{r})",
+            "{{reason}} GPU {{gpu}}")], "percentunit", "Share of time the clocks were held "
+            "down; over 10% for power or thermal reasons is throttling.",
+            lines=[(0.1, "red")], max_=1), 8, 8),
+        lay.place(table("GPU health", [
+            target(f"gputrain_gpu_up{{{n}}}", "up", "A"),
+            target(f"sum by (gpu, uuid) (increase(gputrain_gpu_xid_errors_total{{{n}}}[1h])) "
+                   f"or sum by (gpu, uuid) (0 * gputrain_gpu_up{{{n}}})", "Xid errors 1h", "B"),
+        ], {"up": "none", "Xid errors 1h": "none"}, "up 0: the GPU fell off the bus.",
+            hide=("Time", "job", "instance")), 12, 7),
+        lay.place(table("Runs on this node", [
+            target(f"run_rank:gputrain_training_samples_per_second:rate5m{{{n}}}",
+                   "samples/s", "A"),
+            target(f"run_rank:gputrain_training_data_wait_ratio:rate5m{{{n}}}",
+                   "data wait", "B"),
+            target(f"run_rank:gputrain_gpu_busy_ratio:avg5m{{{n}}}", "GPU busy", "C")],
+            {"samples/s": "none", "data wait": "percentunit", "GPU busy": "percentunit"},
+            links={"run": "/d/gputrain-run/gputrain-run?${__url_time_range}&var-datasource="
+                          "${datasource}&var-run=${__data.fields.run}&var-instance=$instance"
+                          "&var-rank=$__all"},
+            hide=("Time", "job", "instance")), 12, 7),
+        lay.row("Host"),
+        lay.place(timeseries("CPU by mode", [target(
+            f"sum by (mode) (rate(gputrain_host_cpu_seconds_total{{{n}}}{r})) / scalar("
+            f"sum(rate(gputrain_host_cpu_seconds_total{{{n}}}{r})))", "{{mode}}")],
+            "percentunit", stack=True, max_=1), 8, 8),
+        lay.place(timeseries("Memory", [
+            target(f"gputrain_host_memory_total_bytes{{{n}}} - "
+                   f"gputrain_host_memory_available_bytes{{{n}}}", "used", "A"),
+            target(f"gputrain_host_memory_total_bytes{{{n}}}", "total", "B")], "bytes"),
+            8, 8),
+        lay.place(timeseries("Disk busy", [target(
+            f"rate(gputrain_host_disk_io_time_seconds_total{{{n}}}{r})", "{{device}}")],
+            "percentunit", lines=[(0.9, "red")], max_=1), 8, 8),
+        lay.place(timeseries("Disk I/O", [
+            target(f"rate(gputrain_host_disk_read_bytes_total{{{n}}}{r})", "read {{device}}",
+                   "A"),
+            target(f"rate(gputrain_host_disk_written_bytes_total{{{n}}}{r})",
+                   "write {{device}}", "B")], "Bps"), 12, 8),
+        lay.place(timeseries("Network I/O", [
+            target(f"rate(gputrain_host_network_received_bytes_total{{{n}}}{r})",
+                   "in {{interface}}", "A"),
+            target(f"rate(gputrain_host_network_transmitted_bytes_total{{{n}}}{r})",
+                   "out {{interface}}", "B"),
+            target(f"gputrain_host_network_speed_bytes_per_second{{{n}}}",
+                   "speed {{interface}}", "C")], "Bps"), 12, 8),
+    ]
+    variables = [variable("instance", "label_values(gputrain_build_info, instance)", "Node")]
+    return dashboard("gputrain-node", "GpuTrain / Node",
+                     "The instance metrics of one node: all its GPUs and its host.",
+                     variables, panels, ', instance="$instance"')
+
+
+def dashboards() -> dict[str, dict]:
+    return {"overview.json": overview(), "run.json": run(), "node.json": node()}
+
+
+def render(d: dict) -> str:
+    return json.dumps(d, indent=2, sort_keys=False) + "\n"
+
+
+if __name__ == "__main__":
+    OUT.mkdir(exist_ok=True)
+    for name, d in dashboards().items():
+        (OUT / name).write_text(render(d))
+        print(f"wrote grafana/dashboards/{name}")
