@@ -34,7 +34,8 @@ DEFAULT_ENDPOINT = "http://127.0.0.1:19401"
 def default_run() -> str:
     """GPUTRAIN_RUN, TORCHELASTIC_RUN_ID, SLURM_JOB_ID, else the script's name."""
     for var in ("GPUTRAIN_RUN", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
-        if os.environ.get(var):
+        # torchrun's run id is "none" unless --rdzv-id is given: that names no run
+        if os.environ.get(var) and os.environ[var] != "none":
             return os.environ[var]
     script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     name = os.path.splitext(script)[0]

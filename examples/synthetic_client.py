@@ -1,0 +1,49 @@
+"""A training loop without a model: sleeps stand in for the data loader, the GPU step and a
+callback, measured by gputrain-exporter's client. It needs no torch and no GPU, so the demo
+stack (and anyone trying the dashboards) has a run to look at.
+
+    python3 examples/synthetic_client.py --run demo --data-wait-ms 30 --compute-ms 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+from collections.abc import Iterator
+
+from exporter.client import TrainingMonitor
+
+
+def slow_loader(wait_s: float, batch_size: int) -> Iterator[list[int]]:
+    """Yields batches, each after ``wait_s`` seconds (a data loader that cannot keep up)."""
+    for _ in itertools.count():
+        time.sleep(wait_s)
+        yield [0] * batch_size
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--run", default="synthetic", help="run label (default: synthetic)")
+    p.add_argument("--steps", type=int, default=0, help="stop after N steps (0: run forever)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--data-wait-ms", type=float, default=30.0, help="time to get a batch")
+    p.add_argument("--compute-ms", type=float, default=10.0, help="time of the step itself")
+    p.add_argument("--callback-ms", type=float, default=0.0, help="a per-step callback phase")
+    args = p.parse_args()
+
+    monitor = TrainingMonitor(run=args.run)
+    batches = monitor.wrap(slow_loader(args.data_wait_ms / 1000, args.batch_size),
+                           batch_size=args.batch_size)
+    for step, _batch in enumerate(batches, 1):
+        time.sleep(args.compute_ms / 1000)
+        if args.callback_ms:
+            with monitor.phase("callbacks"):
+                time.sleep(args.callback_ms / 1000)
+        if args.steps and step >= args.steps:
+            break
+    monitor.close()
+
+
+if __name__ == "__main__":
+    main()

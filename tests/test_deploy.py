@@ -1,0 +1,271 @@
+"""The deploy files, checked with the tools users run, no cluster or container engine needed:
+kustomize and schema validation, promtool, amtool, systemd-analyze, the compose files' mounts,
+and the package the Dockerfile installs."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import venv
+
+import pytest
+import requests
+import yaml
+from conftest import ROOT, free_port, require_binary, require_module, wait_until
+
+from exporter.rules import render, render_prometheusrule
+
+DEPLOY = ROOT / "deploy"
+CORE_KINDS = {"Namespace", "ServiceAccount", "DaemonSet", "Service", "ConfigMap"}
+
+
+@pytest.fixture(scope="module")
+def manifests() -> dict[str, dict]:
+    kubectl = require_binary("kubectl")
+    out = subprocess.run([kubectl, "kustomize", str(DEPLOY / "kubernetes")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return {d["kind"]: d for d in yaml.safe_load_all(out.stdout)}
+
+
+def test_kustomize_renders_every_kind_and_core_kinds_pass_schema_validation(manifests):
+    kv = require_module("kubernetes_validate")
+    assert set(manifests) == CORE_KINDS | {"ServiceMonitor", "PrometheusRule"}
+    for kind in CORE_KINDS:
+        kv.validate(manifests[kind], "1.30.0", strict=True)
+    for name, d in manifests.items():
+        if name != "Namespace":
+            assert d["metadata"]["namespace"] == "gputrain", name
+
+
+def test_the_daemonset_runs_on_gpu_nodes_unprivileged_without_taking_a_gpu(manifests):
+    pod = manifests["DaemonSet"]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in \
+        pod["tolerations"]
+    assert pod["hostPID"] is True and pod["hostNetwork"] is True
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    (c,) = pod["containers"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
+    assert env["NVIDIA_DRIVER_CAPABILITIES"]["value"] == "utility"
+    assert env["HOST_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
+    assert "nvidia.com/gpu" not in str(c["resources"])  # reads GPUs, does not allocate one
+    assert set(c["resources"]) == {"requests", "limits"}
+    sc = c["securityContext"]
+    assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"]
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert "--ingest.listen-address=$(HOST_IP):19401" in c["args"]
+    token_arg = next(a for a in c["args"] if a.startswith("--ingest.token-file="))
+    secret = next(v for v in pod["volumes"] if "secret" in v)
+    mount = next(m for m in c["volumeMounts"] if m["name"] == secret["name"])
+    assert token_arg.split("=", 1)[1].startswith(mount["mountPath"])
+    assert c["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    # the Service and ServiceMonitor find these pods on the metrics port
+    labels = manifests["DaemonSet"]["spec"]["template"]["metadata"]["labels"]
+    assert manifests["Service"]["spec"]["selector"].items() <= labels.items()
+    sm = manifests["ServiceMonitor"]["spec"]
+    assert sm["selector"]["matchLabels"].items() <= manifests["Service"]["metadata"][
+        "labels"].items()
+    assert sm["endpoints"][0]["port"] == "metrics"
+    relabels = sm["endpoints"][0]["relabelings"]
+    assert {"targetLabel": "job", "replacement": "gputrain"} in relabels  # the rules' selector
+
+
+def test_the_prometheusrule_carries_exactly_the_rule_groups_of_alerts(manifests, tmp_path):
+    shipped = yaml.safe_load((ROOT / "alerts" / "gputrain.rules.yml").read_text())["groups"]
+    assert manifests["PrometheusRule"]["spec"]["groups"] == shipped
+    committed = (DEPLOY / "kubernetes" / "prometheusrule.yaml").read_text()
+    assert committed == render_prometheusrule(), (
+        "stale: gputrain-exporter rules --format prometheusrule > "
+        "deploy/kubernetes/prometheusrule.yaml")
+    assert yaml.safe_load(render())["groups"] == shipped
+    promtool = require_binary("promtool")
+    extracted = tmp_path / "groups.yml"
+    extracted.write_text(yaml.safe_dump({"groups": manifests["PrometheusRule"]["spec"][
+        "groups"]}))
+    out = subprocess.run([promtool, "check", "rules", str(extracted)], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_dashboards_configmap_is_for_the_grafana_sidecar_and_current(manifests):
+    sys.path.insert(0, str(ROOT / "grafana"))
+    import generate
+
+    cm = manifests["ConfigMap"]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert set(cm["data"]) == {p.name for p in (ROOT / "grafana" / "dashboards").glob("*.json")}
+    assert (DEPLOY / "kubernetes" / "dashboards-configmap.yaml").read_text() == \
+        generate.configmap(), "stale: python3 grafana/generate.py"
+
+
+def test_the_example_training_pod_gets_the_node_address_and_the_token():
+    kv = require_module("kubernetes_validate")
+    pod = yaml.safe_load((DEPLOY / "kubernetes" / "examples" / "training-pod.yaml").read_text())
+    kv.validate(pod, "1.30.0", strict=True)
+    env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+    assert env["HOST_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
+    assert env["GPUTRAIN_URL"]["value"] == "http://$(HOST_IP):19401"
+    assert env["GPUTRAIN_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "gputrain-ingest-token"
+    ds = yaml.safe_load((DEPLOY / "kubernetes" / "daemonset.yaml").read_text())
+    volumes = ds["spec"]["template"]["spec"]["volumes"]
+    assert any(v.get("secret", {}).get("secretName") == "gputrain-ingest-token" for v in volumes)
+
+
+class ComposeLoader(yaml.SafeLoader):
+    """YAML plus compose's merge tags: ``!reset`` drops the base value, ``!override``
+    replaces it."""
+
+
+ComposeLoader.add_constructor("!reset", lambda loader, node: {"!reset": True})
+ComposeLoader.add_constructor(
+    "!override", lambda loader, node: loader.construct_mapping(node)
+    if isinstance(node, yaml.MappingNode) else loader.construct_sequence(node))
+
+
+def compose(name: str) -> dict:
+    return yaml.load((DEPLOY / "compose" / name).read_text(), Loader=ComposeLoader)
+
+
+def bind_mounts(doc: dict) -> list[tuple[str, str]]:
+    out = []
+    for service in doc["services"].values():
+        for v in service.get("volumes", []):
+            source, target = v.split(":")[:2]
+            if source.startswith((".", "/")):
+                out.append((source, target))
+    return out
+
+
+def test_compose_files_parse_and_every_mounted_file_exists():
+    base, demo = compose("compose.yaml"), compose("compose.demo.yaml")
+    assert {"exporter", "prometheus", "alertmanager", "grafana"} <= set(base["services"])
+    exporter = base["services"]["exporter"]
+    assert exporter["pid"] == "host"
+    assert exporter["build"]["dockerfile"] == "deploy/docker/Dockerfile"
+    assert (DEPLOY / "compose" / exporter["build"]["context"] / "deploy/docker/Dockerfile"
+            ).is_file()
+    assert exporter["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
+    assert "--gpu.backend=demo" in demo["services"]["exporter"]["command"]
+    assert demo["services"]["exporter"]["deploy"] == {"!reset": True}  # no GPU reservation
+    mounts = bind_mounts(base) + bind_mounts(demo)
+    assert mounts
+    for source, _ in mounts:
+        assert (DEPLOY / "compose" / source).exists(), f"compose mounts missing {source}"
+
+
+def test_prometheus_config_as_compose_mounts_it_passes_promtool(tmp_path):
+    """Lay the files out where compose mounts them, then check the config."""
+    promtool = require_binary("promtool")
+    for source, target in bind_mounts(compose("compose.yaml")):
+        if target.startswith("/etc/prometheus/"):
+            dest = tmp_path / target.removeprefix("/etc/prometheus/")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(DEPLOY / "compose" / source, dest)
+    out = subprocess.run([promtool, "check", "config", str(tmp_path / "prometheus.yml")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS: 1 rule files found" in out.stdout
+    cfg = yaml.safe_load((tmp_path / "prometheus.yml").read_text())
+    job = next(j for j in cfg["scrape_configs"] if j["job_name"].startswith("gputrain"))
+    assert re.fullmatch("gputrain.*", job["job_name"])  # what the rules select
+    assert cfg["alerting"]["alertmanagers"]
+
+
+def test_alertmanager_config_passes_amtool_and_routes_every_severity(tmp_path):
+    amtool = require_binary("amtool")
+    path = DEPLOY / "alertmanager" / "alertmanager.yml"
+    out = subprocess.run([amtool, "check-config", str(path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for severity, receiver in (("critical", "oncall"), ("warning", "team"), ("info", "digest")):
+        out = subprocess.run([amtool, "config", "routes", "test", f"--config.file={path}",
+                              "alertname=GpuTrainInputBound", f"severity={severity}"],
+                             capture_output=True, text=True)
+        assert out.stdout.strip() == receiver, out.stdout + out.stderr
+
+
+def test_systemd_unit_verifies_and_is_hardened(tmp_path):
+    analyze = require_binary("systemd-analyze")
+    unit = (DEPLOY / "systemd" / "gputrain-exporter.service").read_text()
+    for setting in ("DynamicUser=yes", "NoNewPrivileges=yes", "ProtectSystem=strict",
+                    "Restart=on-failure", "DevicePolicy=closed",
+                    "DeviceAllow=char-nvidia-frontend rw",
+                    "--config.file=/etc/gputrain-exporter/config.yml"):
+        assert setting in unit, setting
+    # verify checks that ExecStart exists: point it at the installed command
+    installed = shutil.which("gputrain-exporter")
+    assert installed, "pip install . provides the gputrain-exporter command"
+    local = tmp_path / "gputrain-exporter.service"
+    local.write_text(unit.replace("/usr/local/bin/gputrain-exporter", installed))
+    out = subprocess.run([analyze, "verify", str(local)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "gputrain-exporter.service" not in out.stderr, out.stderr
+
+
+def test_slurm_task_prolog_names_the_run_after_the_job():
+    prolog = DEPLOY / "slurm" / "gputrain-task-prolog.sh"
+    env = {"PATH": os.environ["PATH"], "SLURM_JOB_ID": "81234", "SLURM_PROCID": "5"}
+    lines = subprocess.run(["sh", str(prolog)], env=env, capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    exported = dict(line.removeprefix("export ").split("=", 1) for line in lines)
+    assert exported == {"GPUTRAIN_RUN": "81234"}
+    # what the client then reports, under torchrun (whose run id defaults to "none")
+    probe = ("from exporter.client.monitor import default_run, default_rank;"
+             "print(default_run(), default_rank())")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                         text=True, check=True,
+                         env={**env, **exported, "TORCHELASTIC_RUN_ID": "none",
+                              "PYTHONPATH": str(ROOT)})
+    assert out.stdout.split() == ["81234", "5"]
+    arrays = subprocess.run(["sh", str(prolog)], capture_output=True, text=True, check=True,
+                            env={**env, "SLURM_ARRAY_JOB_ID": "900", "SLURM_ARRAY_TASK_ID": "3"})
+    assert arrays.stdout.strip() == "export GPUTRAIN_RUN=900_3"
+
+
+def test_dockerfile_is_non_root_exposes_the_port_and_sets_the_nvidia_runtime_env():
+    text = (DEPLOY / "docker" / "Dockerfile").read_text()
+    user = re.findall(r"^USER (\S+)", text, re.M)
+    assert user and user[-1].split(":")[0] not in ("root", "0")
+    assert re.search(r"^EXPOSE 19400$", text, re.M)
+    assert "NVIDIA_VISIBLE_DEVICES=all" in text and "NVIDIA_DRIVER_CAPABILITIES=utility" in text
+    for source in re.findall(r"^COPY (?!--from)(\S+)", text, re.M):
+        assert (ROOT / source).exists(), f"the Dockerfile copies {source}, which is missing"
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert ".git" in ignored
+
+
+def test_the_package_the_image_installs_runs_the_daemon(tmp_path):
+    """What the Dockerfile does (build a wheel of the repo, install it), then run it."""
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "--wheel-dir", str(wheels), str(ROOT)], check=True, capture_output=True)
+    (wheel,) = wheels.glob("gputrain_exporter-*.whl")
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, system_site_packages=True, with_pip=False)
+    python = env_dir / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install",
+                    "--no-deps", "--no-index", str(wheel)], check=True, capture_output=True)
+    port, ingest = free_port(), free_port()
+    proc = subprocess.Popen([str(env_dir / "bin" / "gputrain-exporter"), "--gpu.backend=demo",
+                             "--demo.gpus=1", f"--web.listen-address=127.0.0.1:{port}",
+                             f"--ingest.listen-address=127.0.0.1:{ingest}"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        text = wait_until(lambda: requests.get(f"http://127.0.0.1:{port}/metrics",
+                                               timeout=2).text, timeout=20,
+                          what="the installed exporter")
+        wait_until(lambda: "gputrain_gpu_busy_seconds_total" in requests.get(
+            f"http://127.0.0.1:{port}/metrics", timeout=2).text, timeout=20,
+            what="a GPU sample")
+        assert "gputrain_host_cpu_seconds_total" in text
+        probe = subprocess.run([str(python), "-c", "import exporter, exporter.client, "
+                                "exporter.collectors; print(exporter.__file__)"],
+                               cwd=tmp_path, capture_output=True, text=True, check=True)
+        assert str(env_dir) in probe.stdout  # the installed copy, not the checkout
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
