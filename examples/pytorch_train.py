@@ -27,8 +27,9 @@ class SyntheticImages(Dataset):
     """Random 3x32x32 images and labels, with optional per-sample CPU work or input delay."""
 
     def __init__(self, size: int, uint8: bool, cpu_work: int, input_sleep_ms: float,
-                 inflate: int) -> None:
+                 inflate: int, image_size: int = 32) -> None:
         self.size, self.uint8, self.cpu_work = size, uint8, cpu_work
+        self.image_size = image_size
         self.input_sleep = input_sleep_ms / 1000.0
         self.inflate = inflate
 
@@ -37,7 +38,9 @@ class SyntheticImages(Dataset):
 
     def __getitem__(self, i: int):
         g = torch.Generator().manual_seed(i)
-        img = torch.randint(0, 256, (3, 32 * self.inflate, 32), generator=g, dtype=torch.uint8)
+        side = self.image_size
+        img = torch.randint(0, 256, (3, side * self.inflate, side), generator=g,
+                            dtype=torch.uint8)
         if self.input_sleep:
             time.sleep(self.input_sleep)  # slow storage or network input
         if not self.uint8:
@@ -48,26 +51,28 @@ class SyntheticImages(Dataset):
 
 
 class SmallCNN(nn.Module):
-    def __init__(self, extra_gpu_work: int = 0) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(3, 64, 3, padding=1)
         self.conv2 = nn.Conv2d(64, 128, 3, padding=1)
         self.conv3 = nn.Conv2d(128, 256, 3, padding=1)
         self.fc = nn.Linear(256, 10)
-        self.extra_gpu_work = extra_gpu_work
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.max_pool2d(F.relu(self.conv1(x)), 2)
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
         x = F.relu(self.conv3(x))
-        for _ in range(self.extra_gpu_work):  # a needless heavy op (seed 002's GPU case)
-            x = x + 1e-6 * torch.tanh(x @ x.transpose(-1, -2) @ x) / x.numel()
         return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200, help="training steps to run")
+    p.add_argument("--seconds", type=float, default=0.0,
+                   help="stop after this many seconds instead (0: run --steps)")
+    p.add_argument("--model", choices=("small", "resnet18"), default="small",
+                   help="a small CNN, or torchvision's ResNet18 as in seed 003")
+    p.add_argument("--image-size", type=int, default=32, help="square image side, pixels")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--workers", type=int, default=0, help="DataLoader num_workers")
     p.add_argument("--pin-memory", action="store_true", help="pin_memory + non_blocking copies")
@@ -94,12 +99,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     device = torch.device(args.device)
-    data = SyntheticImages(args.steps * args.batch_size, args.uint8_transfer, args.cpu_work,
-                           args.input_sleep_ms, args.h2d_inflate)
+    steps_wanted = args.steps if not args.seconds else 10**9
+    data = SyntheticImages(min(steps_wanted * args.batch_size, 10**9), args.uint8_transfer,
+                           args.cpu_work, args.input_sleep_ms, args.h2d_inflate,
+                           args.image_size)
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=False,
                         num_workers=args.workers, pin_memory=args.pin_memory,
                         persistent_workers=args.workers > 0)
-    model = SmallCNN(args.gpu_waste).to(device)
+    if args.model == "resnet18":
+        import torchvision  # only this model needs it
+
+        model = torchvision.models.resnet18(num_classes=10).to(device)
+    else:
+        model = SmallCNN().to(device)
+    waste = torch.randn(1024, 1024, device=device) / 32 if args.gpu_waste else None
     if args.compile:
         model = torch.compile(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -112,12 +125,14 @@ def main(argv: list[str] | None = None) -> dict:
         images = images.to(device, non_blocking=args.pin_memory)
         labels = labels.to(device, non_blocking=args.pin_memory)
         if args.h2d_inflate > 1:
-            images = images[:, :, :32, :]  # the extra rows crossed PCIe for nothing
+            images = images[:, :, :args.image_size, :]  # the extra rows crossed PCIe for nothing
         if images.dtype == torch.uint8:
             images = images.float().div_(255)
         images = (images - MEAN.to(device)) / STD.to(device)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=args.amp):
             loss = F.cross_entropy(model(images), labels)
+            for _ in range(args.gpu_waste):  # a needless heavy op (seed 002's GPU case)
+                loss = loss + 0.0 * torch.tanh(waste @ waste).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -129,7 +144,9 @@ def main(argv: list[str] | None = None) -> dict:
         if args.checkpoint_every and steps % args.checkpoint_every == 0:
             with monitor.phase("checkpoint"):
                 time.sleep(args.checkpoint_seconds)
-        if steps >= args.steps:
+        if args.seconds and time.perf_counter() - started >= args.seconds:
+            break
+        if not args.seconds and steps >= args.steps:
             break
     if device.type == "cuda":
         torch.cuda.synchronize()

@@ -1,0 +1,49 @@
+"""What a GPU run of the harness must show (issue: proof on real GPUs). Used by
+``harness.py`` (written into summary.json, so a machine without pytest reports it too) and by
+``test_on_gpu.py``."""
+
+from __future__ import annotations
+
+import re
+
+POWER_TOLERANCE = 0.10    # relative, against nvidia-smi power.draw
+MEMORY_TOLERANCE = 0.02   # relative, against nvidia-smi memory.used
+UTIL_TOLERANCE = 15.0     # percentage points: NVML's sample buffer average vs an instant
+GPM_GPUS = re.compile(r"H100|H200|H800|H20|GH200|B100|B200|GB200", re.I)
+
+
+def check(results: list[dict]) -> list[str]:
+    """The failures, one line each; empty when everything holds."""
+    failures: list[str] = []
+    by_name = {r["scenario"]: r for r in results}
+    for r in results:
+        name, smi = r["scenario"], r.get("nvidia_smi") or {}
+        if r["returncode"]:
+            failures.append(f"{name}: the trainer failed: {r['trainer_errors'][-300:]}")
+            continue
+        for key, tolerance in (("power", POWER_TOLERANCE), ("memory", MEMORY_TOLERANCE)):
+            cmp = smi.get(key)
+            if not cmp:
+                failures.append(f"{name}: no {key} reading to compare with nvidia-smi")
+            elif cmp["relative_difference"] is not None and \
+                    cmp["relative_difference"] > tolerance:
+                failures.append(f"{name}: {key} {cmp['exporter']:.1f} vs nvidia-smi "
+                                f"{cmp['nvidia_smi']:.1f} (over {tolerance:.0%})")
+        util = smi.get("util")
+        if util and abs(util["exporter"] - util["nvidia_smi"]) > UTIL_TOLERANCE:
+            failures.append(f"{name}: utilisation {util['exporter']:.1f}% vs nvidia-smi "
+                            f"{util['nvidia_smi']:.1f}%")
+        m = r.get("measured", {})
+        if GPM_GPUS.search(r.get("gpu_name", "")) and m.get("sm_active") is None:
+            failures.append(f"{name}: no GPM SM activity on a {r['gpu_name']}")
+    plain, amp = by_name.get("s003-5-uint8"), by_name.get("s003-6-amp")
+    if plain and amp and (amp["measured"].get("tensor_active") or 0) <= \
+            (plain["measured"].get("tensor_active") or 0):
+        failures.append("tensor activity did not rise with AMP: "
+                        f"{plain['measured'].get('tensor_active')} -> "
+                        f"{amp['measured'].get('tensor_active')}")
+    h2d = by_name.get("s002-h2d-copy")
+    if plain and h2d and (h2d["measured"].get("pcie_rx_bytes_per_second") or 0) <= 2 * (
+            plain["measured"].get("pcie_rx_bytes_per_second") or 0):
+        failures.append("PCIe received bytes did not rise with the ten times larger input")
+    return failures

@@ -1,0 +1,355 @@
+"""Run the exporter on this machine's GPU and ``examples/pytorch_train.py`` through the
+scenarios, scraping ``/metrics`` every second into a recording per scenario, and checking the
+GPU metrics against ``nvidia-smi`` while the load runs.
+
+    python3 tests/gpu/harness.py --out /tmp/gpu-run                  # every scenario, GPU
+    python3 tests/gpu/harness.py --out /tmp/cpu --cpu-demo           # no GPU: demo backend
+
+Writes ``<scenario>.prom.gz`` (each scrape as ``# SCRAPE <unix time>`` then the exposition
+text), ``<scenario>.smi.csv.gz`` (nvidia-smi once a second), ``summary.json`` and
+``summary.md``. Needs only python3 with torch, nvidia-ml-py, prometheus-client, psutil, pyyaml
+and requests, run from the repository root. ``tests/gpu/replay.py`` turns a recording back
+into Prometheus data and says which alerts fire.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import io
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+from gpu.checks import check  # noqa: E402
+from gpu.scenarios import ALL, BY_NAME, CPU_BY_NAME, CPU_DEMO, Scenario  # noqa: E402
+
+SMI_FIELDS = ("timestamp", "index", "uuid", "utilization.gpu", "memory.used", "memory.total",
+              "power.draw", "enforced.power.limit", "pcie.link.gen.current",
+              "pcie.link.width.current", "clocks.sm")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Recorder(threading.Thread):
+    """Scrapes ``url`` every ``interval`` seconds into a gzip file, each scrape headed by
+    ``# SCRAPE <unix time>``."""
+
+    def __init__(self, url: str, path: Path, interval: float = 1.0) -> None:
+        super().__init__(daemon=True)
+        self.url, self.path, self.interval = url, path, interval
+        self.stop_event = threading.Event()
+        self.scrapes = 0
+        self.errors = 0
+
+    def run(self) -> None:
+        session = requests.Session()
+        with gzip.open(self.path, "wt", encoding="utf-8") as out:
+            next_at = time.time()
+            while not self.stop_event.is_set():
+                t = time.time()
+                try:
+                    text = session.get(self.url, timeout=5).text
+                    out.write(f"# SCRAPE {t:.3f}\n{text}")
+                    self.scrapes += 1
+                except requests.RequestException:
+                    self.errors += 1
+                next_at += self.interval
+                self.stop_event.wait(max(0.0, next_at - time.time()))
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.join(timeout=10)
+
+
+class SmiSampler(threading.Thread):
+    """``nvidia-smi --query-gpu`` once a second into a gzip CSV (unix time first)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(daemon=True)
+        self.path = path
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        cmd = ["nvidia-smi", f"--query-gpu={','.join(SMI_FIELDS)}",
+               "--format=csv,noheader,nounits"]
+        with gzip.open(self.path, "wt", encoding="utf-8") as out:
+            out.write("unix_time," + ",".join(SMI_FIELDS) + "\n")
+            while not self.stop_event.is_set():
+                t = time.time()
+                try:
+                    rows = subprocess.run(cmd, capture_output=True, text=True, timeout=10,
+                                          check=True).stdout
+                except (OSError, subprocess.SubprocessError):
+                    rows = ""
+                for row in rows.strip().splitlines():
+                    out.write(f"{t:.3f},{row}\n")
+                self.stop_event.wait(1.0)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.join(timeout=15)
+
+
+def read_recording(path: Path) -> list[tuple[float, dict[tuple[str, tuple], float]]]:
+    """[(unix time, {(sample name, sorted labels): value})] for each scrape."""
+    scrapes: list[tuple[float, dict]] = []
+    with gzip.open(path, "rt", encoding="utf-8") as fh:
+        chunks = fh.read().split("# SCRAPE ")[1:]
+    for chunk in chunks:
+        header, _, text = chunk.partition("\n")
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        scrapes.append((float(header), samples))
+    return scrapes
+
+
+def _series(scrapes, name: str, **match: str) -> list[tuple[float, float]]:
+    out = []
+    for t, samples in scrapes:
+        total, found = 0.0, False
+        for (n, labels), v in samples.items():
+            if n == name and all(dict(labels).get(k) == val for k, val in match.items()):
+                total, found = total + v, True
+        if found:
+            out.append((t, total))
+    return out
+
+
+def _delta(series: list[tuple[float, float]], t0: float, t1: float) -> float | None:
+    inside = [v for t, v in series if t0 <= t <= t1]
+    return inside[-1] - inside[0] if len(inside) >= 2 else None
+
+
+def _mean(series: list[tuple[float, float]], t0: float, t1: float) -> float | None:
+    inside = [v for t, v in series if t0 <= t <= t1]
+    return sum(inside) / len(inside) if inside else None
+
+
+def summarize(scrapes, run: str, gpu: str, t0: float, t1: float) -> dict[str, Any]:
+    """What the exporter measured for one run on one GPU over [t0, t1] (unix seconds)."""
+    def ratio(num, den):
+        return None if num is None or not den else num / den
+
+    g = {"gpu": gpu}
+    r = {"run": run}
+    step_sum = _delta(_series(scrapes, "gputrain_training_step_duration_seconds_sum", **r),
+                      t0, t1)
+    mem_used = _mean(_series(scrapes, "gputrain_gpu_memory_used_bytes", **g), t0, t1)
+    mem_total = _mean(_series(scrapes, "gputrain_gpu_memory_total_bytes", **g), t0, t1)
+    power = _mean(_series(scrapes, "gputrain_gpu_power_watts", **g), t0, t1)
+    limit = _mean(_series(scrapes, "gputrain_gpu_power_limit_watts", **g), t0, t1)
+    sampled = _delta(_series(scrapes, "gputrain_gpu_sampled_seconds_total", **g), t0, t1)
+    link = _mean(_series(scrapes, "gputrain_gpu_pcie_link_max_bytes_per_second", **g), t0, t1)
+    rx = _delta(_series(scrapes, "gputrain_gpu_pcie_received_bytes_total", **g), t0, t1)
+    return {
+        "gpu_busy": ratio(_delta(_series(scrapes, "gputrain_gpu_busy_seconds_total", **g),
+                                 t0, t1), sampled),
+        "sm_active": _mean(_series(scrapes, "gputrain_gpu_sm_active_ratio", **g), t0, t1),
+        "tensor_active": _mean(_series(scrapes, "gputrain_gpu_tensor_active_ratio", **g),
+                               t0, t1),
+        "data_wait": ratio(_delta(_series(scrapes, "gputrain_training_data_wait_seconds_total",
+                                          **r), t0, t1), step_sum),
+        "samples_per_second": ratio(_delta(_series(scrapes, "gputrain_training_samples_total",
+                                                   **r), t0, t1), step_sum),
+        "memory_used": ratio(mem_used, mem_total),
+        "power_used": ratio(power, limit),
+        "pcie_rx_bytes_per_second": ratio(rx, sampled),
+        "pcie_rx_link_used": ratio(ratio(rx, sampled), link),
+        "host_cpu_busy": _cpu_busy(scrapes, t0, t1),
+    }
+
+
+def _cpu_busy(scrapes, t0: float, t1: float) -> float | None:
+    modes = {}
+    for mode in ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal"):
+        d = _delta(_series(scrapes, "gputrain_host_cpu_seconds_total", mode=mode), t0, t1)
+        if d is not None:
+            modes[mode] = d
+    total = sum(modes.values())
+    return 1 - (modes.get("idle", 0) + modes.get("iowait", 0)) / total if total else None
+
+
+def compare_with_smi(scrapes, smi_path: Path, gpu: str, t0: float, t1: float) -> dict:
+    """The exporter's gauges against nvidia-smi rows taken within 1 s of each scrape."""
+    import csv
+
+    with gzip.open(smi_path, "rt", encoding="utf-8") as fh:
+        rows = [r for r in csv.DictReader(io.StringIO(fh.read()), skipinitialspace=True)
+                if r["index"] == gpu]
+    pairs: dict[str, list[tuple[float, float]]] = {"power": [], "memory": [], "util": []}
+    power = _series(scrapes, "gputrain_gpu_power_watts", gpu=gpu)
+    memory = _series(scrapes, "gputrain_gpu_memory_used_bytes", gpu=gpu)
+    util = _series(scrapes, "gputrain_gpu_utilization_ratio", gpu=gpu)
+
+    def near(series, t):
+        best = min(series, key=lambda p: abs(p[0] - t), default=None)
+        return best[1] if best and abs(best[0] - t) <= 1.0 else None
+
+    for row in rows:
+        t = float(row["unix_time"])
+        if not t0 <= t <= t1:
+            continue
+        for key, series, smi_value in (
+                ("power", power, row.get("power.draw")),
+                ("memory", memory, row.get("memory.used")),
+                ("util", util, row.get("utilization.gpu"))):
+            ours = near(series, t)
+            try:
+                theirs = float(smi_value)
+            except (TypeError, ValueError):
+                continue
+            if ours is None:
+                continue
+            if key == "memory":
+                ours = ours / 2**20  # MiB, as nvidia-smi reports
+            if key == "util":
+                ours = ours * 100
+            pairs[key].append((ours, theirs))
+
+    def rel(ps):
+        if not ps:
+            return None
+        ours = sum(p[0] for p in ps) / len(ps)
+        theirs = sum(p[1] for p in ps) / len(ps)
+        return {"exporter": ours, "nvidia_smi": theirs, "samples": len(ps),
+                "relative_difference": abs(ours - theirs) / theirs if theirs else None}
+
+    return {k: rel(v) for k, v in pairs.items()}
+
+
+def run_scenario(sc: Scenario, args, exporter_url: str, ingest_url: str, out: Path) -> dict:
+    rec_path = out / f"{sc.name}.prom.gz"
+    recorder = Recorder(exporter_url + "/metrics", rec_path)
+    smi = SmiSampler(out / f"{sc.name}.smi.csv.gz") if shutil.which("nvidia-smi") else None
+    recorder.start()
+    if smi:
+        smi.start()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GPUTRAIN_URL": ingest_url,
+           "CUDA_VISIBLE_DEVICES": args.gpu, "GPUTRAIN_RUN": sc.name,
+           # CUDA's default order is fastest first; NVML's (the exporter's) is PCI bus order
+           "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    cmd = [sys.executable, str(ROOT / "examples" / "pytorch_train.py"), *sc.args,
+           "--run", sc.name, "--seconds", str(args.seconds), "--device", args.device]
+    started = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                          timeout=args.seconds + 600)
+    ended = time.time()
+    time.sleep(3)  # the client's last push, then one more scrape
+    recorder.stop()
+    if smi:
+        smi.stop()
+    result = {"scenario": sc.name, "args": list(sc.args), "seed": sc.seed,
+              "returncode": proc.returncode, "trainer_output": proc.stdout.strip()[-500:],
+              "trainer_errors": proc.stderr.strip()[-2000:] if proc.returncode else "",
+              "started": started, "ended": ended, "scrapes": recorder.scrapes,
+              "scrape_errors": recorder.errors}
+    scrapes = read_recording(rec_path)
+    names = {dict(labels).get("name") for t, samples in scrapes[-1:]
+             for (n, labels) in samples if n == "gputrain_gpu_info"
+             and dict(labels).get("gpu") == args.gpu}
+    result["gpu_name"] = next(iter(names - {None}), "")
+    # the exporter's own index of the GPU the trainer used (CUDA_VISIBLE_DEVICES=args.gpu)
+    t0, t1 = started + args.warmup, ended
+    result["measured"] = summarize(scrapes, sc.name, args.gpu, t0, t1)
+    if smi:
+        result["nvidia_smi"] = compare_with_smi(scrapes, out / f"{sc.name}.smi.csv.gz",
+                                                args.gpu, t0, t1)
+    return result
+
+
+def markdown(results: list[dict]) -> str:
+    def pct(x):
+        return "n/a" if x is None else f"{100 * x:.1f}%"
+
+    lines = ["| scenario | GPU busy | SM active | tensor active | data wait | samples/s | "
+             "memory | power | seed reported |", "|" + " --- |" * 9]
+    for r in results:
+        m = r.get("measured", {})
+        sps = m.get("samples_per_second")
+        lines.append(f"| {r['scenario']} | {pct(m.get('gpu_busy'))} | "
+                     f"{pct(m.get('sm_active'))} | {pct(m.get('tensor_active'))} | "
+                     f"{pct(m.get('data_wait'))} | {'n/a' if sps is None else f'{sps:.0f}'} | "
+                     f"{pct(m.get('memory_used'))} | {pct(m.get('power_used'))} | "
+                     f"{r['seed']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, type=Path, help="directory for the recordings")
+    p.add_argument("--scenarios", default="", help="comma-separated names (default: all)")
+    p.add_argument("--seconds", type=float, default=90.0, help="training time per scenario")
+    p.add_argument("--warmup", type=float, default=20.0,
+                   help="seconds left out of the summary (start-up, compile, first epoch)")
+    p.add_argument("--gpu", default="0", help="the GPU index the trainer uses")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--cpu-demo", action="store_true",
+                   help="no GPU: the demo GPU backend, torch on the CPU, the CPU scenarios")
+    args = p.parse_args(argv)
+    if args.cpu_demo:
+        args.device = "cpu"
+    table = CPU_BY_NAME if args.cpu_demo else BY_NAME
+    names = [n for n in args.scenarios.split(",") if n] or \
+        [s.name for s in (CPU_DEMO if args.cpu_demo else ALL)]
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        p.error(f"unknown scenarios: {', '.join(unknown)} (known: {', '.join(table)})")
+    args.out.mkdir(parents=True, exist_ok=True)
+    port, ingest = free_port(), free_port()
+    exporter_cmd = [sys.executable, "-m", "exporter", f"--web.listen-address=127.0.0.1:{port}",
+                    f"--ingest.listen-address=127.0.0.1:{ingest}", "--sampler.interval=1s"]
+    if args.cpu_demo:
+        # a well-fed simulated GPU: what fires comes from the (real) training signals
+        exporter_cmd += ["--gpu.backend=demo", "--demo.gpus=2", "--demo.load=0.95"]
+    log = open(args.out / "exporter.log", "w")  # noqa: SIM115 - closed below
+    exporter = subprocess.Popen(exporter_cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url, ingest_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{ingest}"
+    results = []
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                if requests.get(url + "/healthz", timeout=1).ok:
+                    break
+            except requests.RequestException:
+                time.sleep(0.2)
+        for name in names:
+            print(f"scenario {name} ...", flush=True)
+            result = run_scenario(table[name], args, url, ingest_url, args.out)
+            results.append(result)
+            print(json.dumps(result["measured"]), flush=True)
+    finally:
+        exporter.terminate()
+        exporter.wait(timeout=15)
+        log.close()
+    failures = [] if args.cpu_demo else check(results)
+    (args.out / "summary.json").write_text(json.dumps(
+        {"scenarios": results, "failures": failures}, indent=2) + "\n")
+    (args.out / "summary.md").write_text(markdown(results))
+    print(markdown(results))
+    for failure in failures:
+        print("FAIL:", failure)
+    return 0 if all(r["returncode"] == 0 for r in results) and not failures else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

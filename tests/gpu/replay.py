@@ -1,0 +1,188 @@
+"""Replay a harness recording through the shipped rules: which alerts fire?
+
+The recording becomes OpenMetrics with the scrapes' timestamps, ``promtool tsdb
+create-blocks-from openmetrics`` backfills it into a TSDB, and a real Prometheus opened on that
+TSDB evaluates every alert of ``alerts/gputrain.rules.yml``, with the recording rules it uses
+written inline, at the end of the recording. An alert counts as firing when its condition holds
+at every 5 s step of the last ``hold`` seconds: the ``for`` of the rules, scaled down to a
+recording of a minute or two. The ratios divide two counters over the same window, so they are
+right from the first scrapes.
+
+    python3 tests/gpu/replay.py tests/data/gpu/*.prom.gz
+    python3 tests/gpu/replay.py --table tests/data/gpu      # the README's table
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import requests
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+from gpu.harness import free_port, read_recording  # noqa: E402
+
+JOB, INSTANCE = "gputrain", "gpu-node:19400"
+
+
+def to_openmetrics(recording: Path, job: str = JOB, instance: str = INSTANCE) -> str:
+    """Every sample of every scrape, grouped by name (OpenMetrics wants a family's samples
+    together), each an ``unknown`` family so the names stay exactly as scraped."""
+    by_name: dict[str, list[str]] = {}
+    for t, samples in read_recording(recording):
+        for (name, labels), value in samples.items():
+            all_labels = {**dict(labels), "job": job, "instance": instance}
+            text = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(all_labels.items()))
+            by_name.setdefault(name, []).append(f"{name}{{{text}}} {value!r} {t:.3f}")
+    lines = []
+    for name in sorted(by_name):
+        lines.append(f"# TYPE {name} unknown")
+        lines.extend(by_name[name])
+    lines.append("# EOF")
+    return "\n".join(lines) + "\n"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def inline_alerts(rules_text: str) -> list[dict]:
+    """Each alert rule with the recording rules it uses written inline."""
+    groups = yaml.safe_load(rules_text)["groups"]
+    # "group_left name" must not become "group_left (expr)", a label list to the parser
+    no_labels = re.compile(r"\b(group_left|group_right) (?=[a-z_]+:)")
+    records = {r["record"]: no_labels.sub(r"\1 () ", r["expr"])
+               for g in groups for r in g["rules"] if "record" in r}
+    alerts = [{**r, "expr": no_labels.sub(r"\1 () ", r["expr"])}
+              for g in groups for r in g["rules"] if "alert" in r]
+    pattern = re.compile("(?<![\\w:])(" + "|".join(map(re.escape, records)) + ")(?![\\w:])")
+    for a in alerts:
+        expr = a["expr"]
+        for _ in range(10):  # recording rules built on recording rules
+            expr, n = pattern.subn(lambda m: f"({records[m.group(1)]})", expr)
+            if not n:
+                break
+        a["inlined"] = expr
+    return alerts
+
+
+class Replay:
+    """A Prometheus over the backfilled recording (no scraping, no rules)."""
+
+    def __init__(self, recording: Path, workdir: Path) -> None:
+        self.recording = recording
+        self.workdir = workdir
+        scrapes = read_recording(recording)
+        if len(scrapes) < 2:
+            raise ValueError(f"{recording}: fewer than two scrapes")
+        # the training starts after torch's import: measure the span from its first push
+        training = [t for t, samples in scrapes
+                    if any(n.startswith("gputrain_training_") for n, _ in samples)]
+        self.start_time = training[0] if training else scrapes[0][0]
+        self.end_time = scrapes[-1][0]
+        om = workdir / "recording.om"
+        om.write_text(to_openmetrics(recording))
+        data = workdir / "data"
+        out = subprocess.run(["promtool", "tsdb", "create-blocks-from", "openmetrics", str(om),
+                              str(data)], capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"backfill failed: {out.stdout}{out.stderr}")
+        (workdir / "prometheus.yml").write_text("global: {}\n")
+        self.port = free_port()
+        self.log = open(workdir / "prometheus.log", "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            ["prometheus", f"--config.file={workdir / 'prometheus.yml'}",
+             f"--storage.tsdb.path={data}", "--storage.tsdb.retention.time=100y",
+             f"--web.listen-address=127.0.0.1:{self.port}"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        import time
+
+        deadline = time.time() + 30
+        while True:
+            try:
+                if requests.get(f"http://127.0.0.1:{self.port}/-/ready", timeout=1).ok:
+                    break
+            except requests.RequestException:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError("the replay Prometheus did not start: "
+                                   + (workdir / "prometheus.log").read_text()[-2000:])
+            time.sleep(0.2)
+
+    def query(self, expr: str, at: float) -> list[dict]:
+        r = requests.get(f"http://127.0.0.1:{self.port}/api/v1/query",
+                         params={"query": expr, "time": f"{at:.3f}"}, timeout=30)
+        body = r.json()
+        if body.get("status") != "success":
+            raise ValueError(f"{expr}: {body.get('error')}")
+        return body["data"]["result"]
+
+    def firing(self, rules_text: str, hold: float = 30.0, step: float = 5.0) -> dict[str, list]:
+        """Alert name -> the label sets for which its condition held over the last ``hold``
+        seconds of the recording."""
+        at_end = self.end_time - 2  # the last scrape can be partial
+        hold = min(hold, (at_end - self.start_time) / 3)  # a short recording: its last third
+        times = [at_end - hold + i * step for i in range(int(hold / step) + 1)]
+        out: dict[str, list] = {}
+        for alert in inline_alerts(rules_text):
+            held = None
+            for t in times:
+                now = {tuple(sorted(r["metric"].items())) for r in self.query(alert["inlined"], t)}
+                held = now if held is None else held & now
+                if not held:
+                    break
+            if held:
+                out.setdefault(alert["alert"], []).extend(dict(x) for x in held)
+        return out
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=15)
+        self.log.close()
+
+
+def replay(recording: Path, rules_text: str | None = None, hold: float = 30.0) -> dict:
+    rules_text = rules_text or (ROOT / "alerts" / "gputrain.rules.yml").read_text()
+    with tempfile.TemporaryDirectory() as tmp:
+        r = Replay(recording, Path(tmp))
+        try:
+            return r.firing(rules_text, hold)
+        finally:
+            r.stop()
+
+
+def table(directory: Path) -> str:
+    """The README's table for a harness run: measured figures, alerts fired, the seed's."""
+    import json
+
+    summary = json.loads((directory / "summary.json").read_text())
+
+    def pct(x):
+        return "n/a" if x is None else f"{100 * x:.1f}%"
+
+    lines = ["| scenario | GPU busy | SM active | tensor active | data wait | samples/s | "
+             "alerts fired | the seed reported |", "|" + " --- |" * 8]
+    for r in summary["scenarios"]:
+        m = r["measured"]
+        fired = replay(directory / f"{r['scenario']}.prom.gz")
+        names = ", ".join(sorted(a.removeprefix("GpuTrain") for a in fired)) or "none"
+        sps = m.get("samples_per_second")
+        lines.append(f"| {r['scenario']} | {pct(m.get('gpu_busy'))} | {pct(m.get('sm_active'))}"
+                     f" | {pct(m.get('tensor_active'))} | {pct(m.get('data_wait'))} | "
+                     f"{'n/a' if sps is None else f'{sps:.0f}'} | {names} | {r['seed']} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--table"]:
+        print(table(Path(sys.argv[2])), end="")
+        sys.exit(0)
+    for path in sys.argv[1:]:
+        fired = replay(Path(path))
+        print(f"{Path(path).name}: {', '.join(sorted(fired)) or 'no alerts'}")

@@ -1,0 +1,104 @@
+"""The scenarios the GPU harness runs: seed 003's ladder and seed 002's injected bottlenecks,
+each as flags of ``examples/pytorch_train.py``, with what the seeds measured and the alerts
+their diagnosis implies (checked when a recording is replayed through the shipped rules).
+
+``fire``: alerts that must fire. ``silent``: alerts that must not. An alert in neither is not
+asserted (the seeds do not say). Names are without the ``GpuTrain`` prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    args: tuple[str, ...]
+    seed: str                 # what the seed reported for the same case
+    fire: frozenset[str] = field(default_factory=frozenset)
+    silent: frozenset[str] = field(default_factory=frozenset)
+
+
+def _s(*names: str) -> frozenset[str]:
+    return frozenset(names)
+
+
+EVERY_ALERT = _s(
+    "GPUUnderutilized", "InputBound", "CPUPreprocessingBound", "DiskIOBound",
+    "NetworkInputBound", "HostToDeviceBound", "GPUMemoryUnderused", "LaunchBound",
+    "TensorCoresIdle", "HostOverheadBound", "StepTimeStalls", "StragglerRank",
+    "HostMemoryLeak", "GPUMemoryNearLimit", "Throttling", "Stalled", "GPULost", "XidErrors",
+    "CollectorFailing", "ExporterDown")
+INPUT = _s("InputBound", "CPUPreprocessingBound", "DiskIOBound", "NetworkInputBound")
+# seed 003: ResNet18 on fake CIFAR (images resized to 224 as in the PyTorch tutorial)
+RESNET = ("--model", "resnet18", "--image-size", "224")
+HEALTHY = (*RESNET, "--workers", "8", "--pin-memory", "--batch-size", "256",
+           "--uint8-transfer", "--amp")
+
+LADDER = [
+    Scenario("s003-1-workers0", (*RESNET, "--batch-size", "32", "--workers", "0"),
+             "31.65% GPU, 80 ms steps: DataLoader-bound",
+             fire=_s("InputBound", "GPUUnderutilized"), silent=_s("HostToDeviceBound")),
+    Scenario("s003-2-workers8", (*RESNET, "--batch-size", "32", "--workers", "8"),
+             "72.81% GPU, 37 ms steps; copies still synchronous",
+             silent=_s("CPUPreprocessingBound")),
+    Scenario("s003-3-pinned", (*RESNET, "--batch-size", "32", "--workers", "8",
+                               "--pin-memory"),
+             "92.37% GPU, 1200 samples/s; < 1 GB of 16 GB used",
+             fire=_s("GPUMemoryUnderused"), silent=INPUT),
+    Scenario("s003-4-batch512", (*RESNET, "--batch-size", "512", "--workers", "8",
+                                 "--pin-memory"),
+             "11.3 GB used, 1584 samples/s", silent=INPUT | _s("GPUMemoryUnderused")),
+    Scenario("s003-5-uint8", (*RESNET, "--batch-size", "512", "--workers", "8",
+                              "--pin-memory", "--uint8-transfer"),
+             "97.51% GPU, 1670 samples/s; tensor cores 0%",
+             fire=_s("TensorCoresIdle"), silent=INPUT | _s("GPUUnderutilized")),
+    Scenario("s003-6-amp", (*RESNET, "--batch-size", "1024", "--workers", "8",
+                            "--pin-memory", "--uint8-transfer", "--amp"),
+             "2477 samples/s (+50%); tensor cores 26.3%",
+             silent=INPUT | _s("TensorCoresIdle")),
+    Scenario("s003-7-compile", (*RESNET, "--batch-size", "1024", "--workers", "8",
+                                "--pin-memory", "--uint8-transfer", "--amp", "--compile"),
+             "3268 samples/s (+32%)", silent=INPUT | _s("TensorCoresIdle")),
+]
+
+SIX = [
+    Scenario("s002-small-batch", (*RESNET, "--workers", "8", "--pin-memory",
+                                  "--batch-size", "2", "--uint8-transfer", "--amp"),
+             "batch 2: 40 samples/s, GPU 60%, memory 23%",
+             fire=_s("GPUMemoryUnderused"), silent=INPUT),
+    Scenario("s002-slow-input", (*HEALTHY, "--input-sleep-ms", "20"),
+             "network input capped: 77.8% of the step waiting, 22 samples/s",
+             fire=_s("InputBound", "GPUUnderutilized")),
+    Scenario("s002-cpu-preprocessing", (*HEALTHY, "--cpu-work", "40"),
+             "CPU 66% -> 96%, GPU at most 36%, 25 samples/s",
+             fire=_s("InputBound", "GPUUnderutilized", "CPUPreprocessingBound")),
+    Scenario("s002-h2d-copy", (*RESNET, "--workers", "8", "--batch-size", "256", "--amp",
+                               "--h2d-inflate", "10"),
+             "a ten times larger input tensor: 84 samples/s", fire=_s("HostToDeviceBound")),
+    Scenario("s002-gpu-waste", (*HEALTHY, "--gpu-waste", "8"),
+             "an extra 11x11 convolution: 96 samples/s, the GPU stays busy",
+             silent=INPUT | _s("GPUUnderutilized", "HostOverheadBound")),
+    Scenario("s002-callback", (*HEALTHY, "--callback-ms", "200"),
+             "heavy post-processing: GPU 46%, idle half of each step, 43 samples/s",
+             fire=_s("HostOverheadBound"), silent=INPUT),
+    Scenario("s002-checkpoint", (*HEALTHY, "--checkpoint-every", "100",
+                                 "--checkpoint-seconds", "4"),
+             "periodic stalls hurt the average", fire=_s("StepTimeStalls")),
+]
+
+ALL = LADDER + SIX
+BY_NAME = {s.name: s for s in ALL}
+
+# On a CPU-only machine the harness runs these with the demo GPU backend: the training
+# signals are real (torch on the CPU), the GPU's are simulated. They prove the harness and the
+# replay end to end; the GPU scenarios above need a GPU.
+CPU_DEMO = [
+    Scenario("cpu-slow-input", ("--batch-size", "32", "--input-sleep-ms", "3"),
+             "-", fire=_s("InputBound"), silent=EVERY_ALERT - _s("InputBound")),
+    Scenario("cpu-callback", ("--batch-size", "32", "--callback-ms", "120"),
+             "-", fire=_s("HostOverheadBound"), silent=EVERY_ALERT - _s("HostOverheadBound")),
+    Scenario("cpu-healthy", ("--batch-size", "32"), "-", silent=EVERY_ALERT),
+]
+CPU_BY_NAME = {s.name: s for s in CPU_DEMO}

@@ -1,0 +1,59 @@
+"""Harness recordings replayed through the shipped rules (tests/gpu/replay.py): per scenario,
+the alerts that must fire do, and those that must not, do not.
+
+tests/data/cpu-demo/ was recorded on a CPU-only machine (`tests/gpu/harness.py --cpu-demo`):
+real torch training on the CPU, simulated GPUs. tests/data/gpu/ holds recordings from a real
+GPU, made with `tests/gpu/harness.py` on a GPU machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, require_binary, require_module
+from gpu.replay import replay
+from gpu.scenarios import BY_NAME, CPU_BY_NAME, Scenario
+
+DATA = ROOT / "tests" / "data"
+RECORDINGS = [(p, CPU_BY_NAME[p.name.removesuffix(".prom.gz")])
+              for p in sorted((DATA / "cpu-demo").glob("*.prom.gz"))]
+RECORDINGS += [(p, BY_NAME[p.name.removesuffix(".prom.gz")])
+               for p in sorted((DATA / "gpu").glob("*.prom.gz"))]
+
+
+def check(fired: dict, scenario: Scenario) -> None:
+    names = {a.removeprefix("GpuTrain") for a in fired}
+    assert scenario.fire <= names, f"{scenario.name}: expected {sorted(scenario.fire)}, " \
+                                   f"fired {sorted(names)}"
+    assert not scenario.silent & names, f"{scenario.name}: must not fire " \
+                                        f"{sorted(scenario.silent & names)}"
+
+
+@pytest.mark.parametrize("recording, scenario", RECORDINGS, ids=[s.name for _, s in RECORDINGS])
+def test_recorded_scenario_fires_what_the_seeds_diagnose(recording: Path, scenario: Scenario):
+    require_binary("promtool")
+    require_binary("prometheus")
+    check(replay(recording), scenario)
+
+
+def test_there_are_cpu_recordings_for_every_cpu_scenario():
+    assert {s.name for _, s in RECORDINGS} >= set(CPU_BY_NAME)
+
+
+def test_the_harness_records_a_scenario_that_replays_to_its_alerts(tmp_path):
+    """The harness end to end on this machine: exporter (demo GPUs), the example trainer on
+    torch's CPU build, a recording, and its replay."""
+    require_module("torch")
+    require_binary("promtool")
+    from gpu import harness
+
+    assert harness.main(["--out", str(tmp_path), "--cpu-demo", "--scenarios",
+                         "cpu-slow-input", "--seconds", "25", "--warmup", "5"]) == 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert "cpu-slow-input" in summary
+    recording = tmp_path / "cpu-slow-input.prom.gz"
+    measured = harness.summarize(harness.read_recording(recording), "cpu-slow-input", "0",
+                                 0, float("inf"))
+    assert 0.3 < measured["data_wait"] < 0.95  # 3 ms x 32 samples per batch, single process
+    assert measured["gpu_busy"] == pytest.approx(0.95, abs=0.01)  # the demo GPU's pinned load
+    check(replay(recording), CPU_BY_NAME["cpu-slow-input"])
