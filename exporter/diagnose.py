@@ -53,6 +53,17 @@ ADVICE = {
                    "its GPU (CUDA_VISIBLE_DEVICES or torch.cuda) and that the exporter sees it.",
 }
 NO_BOTTLENECK = {"gpu-bound", "no-gpu-data"}
+# Step 5 of the decision order: findings beside the verdict, across ranks and across time.
+ALSO_ADVICE = {
+    "straggler": "This rank lags its run's other ranks: check its node's input, thermal "
+                 "throttling, a slower GPU or link.",
+    "step-time-stalls": "Periodic stalls (typically checkpoints): checkpoint asynchronously "
+                        "or less often, write to local disk and upload later.",
+    "throttling": "The GPU's clocks are held down by power or temperature: check cooling and "
+                  "the power limit (nvidia-smi -q -d PERFORMANCE).",
+    "memory-leak": "The training process's memory keeps growing: look for tensors kept "
+                   "across steps (losses without .item()) and growing caches.",
+}
 
 
 class PrometheusError(Exception):
@@ -69,6 +80,14 @@ class GpuReading:
     memory_used: float | None = None
     power_used: float | None = None
     pcie_rx_used: float | None = None
+    throttled: float | None = None
+
+
+@dataclass
+class Finding:
+    name: str
+    reason: str
+    advice: str
 
 
 @dataclass
@@ -84,13 +103,18 @@ class RankReport:
     phases: dict[str, float] = field(default_factory=dict)
     gpus: list[GpuReading] = field(default_factory=list)
     host: dict[str, float] = field(default_factory=dict)
+    step_p50_seconds: float | None = None
+    step_p99_seconds: float | None = None
+    rss_bytes_in_horizon: float | None = None  # predicted resident memory at the horizon
+    rss_growing: bool = False
     verdict: str = ""
     reason: str = ""
     advice: str = ""
+    also: list[Finding] = field(default_factory=list)
 
     @property
     def bottleneck(self) -> bool:
-        return self.verdict not in NO_BOTTLENECK
+        return self.verdict not in NO_BOTTLENECK or bool(self.also)
 
 
 class Prometheus:
@@ -127,7 +151,10 @@ def _by(labels: tuple[str, ...]) -> str:
     return ", ".join(labels)
 
 
-def queries(selector: str, window: str) -> dict[str, str]:
+THROTTLE_REASONS = "sw_power_cap|sw_thermal_slowdown|hw_thermal_slowdown|hw_power_brake_slowdown"
+
+
+def queries(selector: str, window: str, horizon: float = 14400) -> dict[str, str]:
     """The PromQL this command runs, by name: the same formulas as the recording rules."""
     s, w, r = selector, window, _by(RANK)
     joined = f"max by ({r}, gpu, uuid) (gputrain_training_gpu_info{{{s}}}) * on (job, instance, gpu, uuid) group_left () "  # noqa: E501
@@ -147,6 +174,12 @@ def queries(selector: str, window: str) -> dict[str, str]:
         "memory_used": per_gpu(f"sum by ({g}) (gputrain_gpu_memory_used_bytes{{{s}}}) / sum by ({g}) (gputrain_gpu_memory_total_bytes{{{s}}})"),  # noqa: E501
         "power_used": per_gpu(f"sum by ({g}) (avg_over_time(gputrain_gpu_power_watts{{{s}}}[{w}])) / sum by ({g}) (gputrain_gpu_power_limit_watts{{{s}}})"),  # noqa: E501
         "pcie_rx_used": per_gpu(f"sum by ({g}) (rate(gputrain_gpu_pcie_received_bytes_total{{{s}}}[{w}])) / sum by ({g}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{w}])) / sum by ({g}) (gputrain_gpu_pcie_link_max_bytes_per_second{{{s}}})"),  # noqa: E501
+        "throttled": per_gpu(f"sum by ({g}) (rate(gputrain_gpu_clock_event_seconds_total{{{s},reason=~\"{THROTTLE_REASONS}\"}}[{w}])) / sum by ({g}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{w}]))"),  # noqa: E501
+        "step_p50_seconds": f"histogram_quantile(0.5, sum by ({r}, le) (rate(gputrain_training_step_duration_seconds_bucket{{{s}}}[30m])))",  # noqa: E501
+        "step_p99_seconds": f"histogram_quantile(0.99, sum by ({r}, le) (rate(gputrain_training_step_duration_seconds_bucket{{{s}}}[30m])))",  # noqa: E501
+        "rss_bytes_in_horizon": f"sum by ({r}) (predict_linear(gputrain_training_process_resident_memory_bytes{{{s}}}[1h], {horizon}))",  # noqa: E501
+        "rss_growing": f"sum by ({r}) (deriv(gputrain_training_process_resident_memory_bytes{{{s}}}[1h])) > 0",  # noqa: E501
+        "memory_total": f"sum by (job, instance) (gputrain_host_memory_total_bytes{{{s}}})",
         "cpu_busy": f"1 - sum by (job, instance) (rate(gputrain_host_cpu_seconds_total{{{s},mode=~\"idle|iowait\"}}[{w}])) / sum by (job, instance) (rate(gputrain_host_cpu_seconds_total{{{s}}}[{w}]))",  # noqa: E501
         "iowait": f"sum by (job, instance) (rate(gputrain_host_cpu_seconds_total{{{s},mode=\"iowait\"}}[{w}])) / sum by (job, instance) (rate(gputrain_host_cpu_seconds_total{{{s}}}[{w}]))",  # noqa: E501
         "disk_busy": f"max by (job, instance) (rate(gputrain_host_disk_io_time_seconds_total{{{s}}}[{w}]))",  # noqa: E501
@@ -154,26 +187,32 @@ def queries(selector: str, window: str) -> dict[str, str]:
     }
 
 
-def collect(prom: Prometheus, selector: str, window: str, run: str | None) -> list[RankReport]:
+def collect(prom: Prometheus, selector: str, window: str, run: str | None,
+            horizon: float = 14400) -> list[RankReport]:
     """One report per (run, rank) active in the window, readings filled, no verdict yet."""
-    q = queries(selector, window)
+    q = queries(selector, window, horizon)
     reports: dict[tuple, RankReport] = {}
     for labels, steps in prom.query(q["steps"]):
         if run is not None and labels.get("run") != run:
             continue
         key = tuple(labels.get(k, "") for k in RANK)
         reports[key] = RankReport(*key, steps_per_second=steps)
-    for name in ("samples_per_second", "step_seconds", "data_wait_ratio"):
+    for name in ("samples_per_second", "step_seconds", "data_wait_ratio", "step_p50_seconds",
+                 "step_p99_seconds", "rss_bytes_in_horizon"):
         for labels, value in prom.query(q[name]):
             rep = reports.get(tuple(labels.get(k, "") for k in RANK))
             if rep:
                 setattr(rep, name, value)
+    for labels, _ in prom.query(q["rss_growing"]):
+        rep = reports.get(tuple(labels.get(k, "") for k in RANK))
+        if rep:
+            rep.rss_growing = True
     for labels, value in prom.query(q["phases"]):
         rep = reports.get(tuple(labels.get(k, "") for k in RANK))
         if rep:
             rep.phases[labels.get("phase", "")] = value
     for name in ("busy", "sm_active", "tensor_active", "memory_used", "power_used",
-                 "pcie_rx_used"):
+                 "pcie_rx_used", "throttled"):
         for labels, value in prom.query(q[name]):
             rep = reports.get(tuple(labels.get(k, "") for k in RANK))
             if not rep:
@@ -184,7 +223,7 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None) -> li
                 reading = GpuReading(labels.get("gpu", ""), labels.get("uuid", ""))
                 rep.gpus.append(reading)
             setattr(reading, name, value)
-    for name in ("cpu_busy", "iowait", "disk_busy", "network_rx_used"):
+    for name in ("cpu_busy", "iowait", "disk_busy", "network_rx_used", "memory_total"):
         for labels, value in prom.query(q[name]):
             for rep in reports.values():
                 if (rep.job, rep.instance) == (labels.get("job"), labels.get("instance")):
@@ -265,6 +304,58 @@ def judge(rep: RankReport, t: dict[str, float]) -> RankReport:
     return verdict("host-overhead", why)
 
 
+def _median(values: list[float]) -> float:
+    v = sorted(values)
+    mid = len(v) // 2
+    return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
+
+
+def judge_across(reports: list[RankReport], t: dict[str, float]) -> list[RankReport]:
+    """Step 5 of the decision order: stragglers across a run's ranks; stalls, throttling and
+    leaks across time. Adds findings beside each rank's verdict."""
+    def add(rep: RankReport, name: str, reason: str) -> None:
+        rep.also.append(Finding(name, reason, ALSO_ADVICE[name]))
+
+    runs: dict[tuple[str, str], list[RankReport]] = {}
+    for rep in reports:
+        runs.setdefault((rep.job, rep.run), []).append(rep)
+    for ranks in runs.values():
+        waits = [r.data_wait_ratio for r in ranks if r.data_wait_ratio is not None]
+        computes = {id(r): r.step_seconds * (1 - (r.data_wait_ratio or 0))
+                    for r in ranks if r.step_seconds is not None}
+        if len(ranks) < 2:
+            continue
+        wait_median = _median(waits) if waits else None
+        compute_median = _median(list(computes.values())) if computes else None
+        for r in ranks:
+            w = r.data_wait_ratio
+            if w is not None and wait_median is not None and w >= t["input_bound"] \
+                    and w > t["straggler_wait_factor"] * wait_median:
+                add(r, "straggler", f"waits {w:.1%} of each step for data against its run's "
+                                    f"median {wait_median:.1%}")
+            c = computes.get(id(r))
+            if c is not None and compute_median and c > t["straggler_compute_factor"] \
+                    * compute_median:
+                add(r, "straggler", f"computes {c * 1000:.1f} ms per step against its run's "
+                                    f"median {compute_median * 1000:.1f} ms")
+    for r in reports:
+        if r.step_p50_seconds and r.step_p99_seconds and \
+                r.step_p99_seconds > t["stall_p99_over_p50"] * r.step_p50_seconds:
+            add(r, "step-time-stalls", f"p99 step time {r.step_p99_seconds:.3g} s is over "
+                                       f"{t['stall_p99_over_p50']:g}x the median "
+                                       f"{r.step_p50_seconds:.3g} s (30m)")
+        hot = [x for x in r.gpus if x.throttled is not None and x.throttled > t["throttle_ratio"]]
+        for x in hot:
+            add(r, "throttling", f"GPU {x.gpu} throttled {x.throttled:.1%} of the time")
+        total = r.host.get("memory_total")
+        if r.rss_growing and total and r.rss_bytes_in_horizon and \
+                r.rss_bytes_in_horizon > total:
+            add(r, "memory-leak", f"resident memory predicted to pass the node's "
+                                  f"{total / 2**30:.0f} GiB within "
+                                  f"{t['leak_horizon_seconds'] / 3600:g} h")
+    return reports
+
+
 def _fmt(x: float | None, scale: float = 100, unit: str = "%", digits: int = 1) -> str:
     return "n/a" if x is None else f"{x * scale:.{digits}f}{unit}"
 
@@ -290,6 +381,9 @@ def text_report(reports: list[RankReport]) -> str:
                      f"network RX {_fmt(h.get('network_rx_used'))} of link")
         lines.append(f"  verdict: {rep.verdict} ({rep.reason})")
         lines.append(f"  advice: {rep.advice}")
+        for f in rep.also:
+            lines.append(f"  also: {f.name} ({f.reason})")
+            lines.append(f"    advice: {f.advice}")
         lines.append("")
     return "\n".join(lines)
 
@@ -300,8 +394,9 @@ def diagnose(url: str, run: str | None = None, window: str = "5m",
     cfg = merge(DEFAULTS, overrides or {})
     prom = Prometheus(url)
     prom.query("vector(1)")  # reachable and a Prometheus at all
-    reports = collect(prom, cfg["selector"], window, run)
-    return [judge(r, cfg["thresholds"]) for r in reports]
+    t = cfg["thresholds"]
+    reports = collect(prom, cfg["selector"], window, run, t["leak_horizon_seconds"])
+    return judge_across([judge(r, t) for r in reports], t)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from exporter.diagnose import GpuReading, RankReport, judge
+from exporter.diagnose import GpuReading, RankReport, judge, judge_across
 from exporter.rules import DEFAULTS
 
 T = DEFAULTS["thresholds"]
@@ -63,3 +63,51 @@ def test_thresholds_from_the_users_file_change_the_verdict():
     rep = report(0.85, 0.01)
     assert judge(rep, T).verdict == "host-overhead"
     assert judge(report(0.85, 0.01), {**T, "gpu_busy_target": 0.8}).verdict == "gpu-bound"
+
+
+def ranks(*waits_and_steps, run="ddp"):
+    out = []
+    for i, (wait, step) in enumerate(waits_and_steps):
+        rep = report(0.95, wait)
+        rep.run, rep.rank, rep.step_seconds = run, str(i), step
+        out.append(judge(rep, T))
+    return out
+
+
+def names(rep: RankReport) -> list[str]:
+    return [f.name for f in rep.also]
+
+
+def test_a_rank_that_waits_more_than_twice_its_runs_median_is_a_straggler():
+    reps = judge_across(ranks((0.02, 0.1), (0.02, 0.1), (0.03, 0.1), (0.3, 0.1)), T)
+    assert [names(r) for r in reps] == [[], [], [], ["straggler"]]
+    assert reps[3].bottleneck and "30.0%" in reps[3].also[0].reason
+
+
+def test_a_rank_that_computes_over_1_2x_its_runs_median_is_a_straggler():
+    reps = judge_across(ranks((0.0, 1.0), (0.0, 1.0), (0.0, 1.5)), T)
+    assert [names(r) for r in reps] == [[], [], ["straggler"]]
+
+
+def test_one_rank_is_never_a_straggler():
+    (rep,) = judge_across(ranks((0.3, 1.0)), T)
+    assert "straggler" not in names(rep)
+
+
+def test_stalls_throttling_and_leaks_are_found_beside_the_verdict():
+    rep = report(0.95, 0.01)
+    rep.step_p50_seconds, rep.step_p99_seconds = 0.75, 17.8  # a 30 s checkpoint a minute
+    rep.gpus[0].throttled = 0.25
+    rep.rss_growing, rep.rss_bytes_in_horizon = True, 40e9
+    rep.host["memory_total"] = 32e9
+    (judged,) = judge_across([judge(rep, T)], T)
+    assert judged.verdict == "gpu-bound"
+    assert names(judged) == ["step-time-stalls", "throttling", "memory-leak"]
+    assert judged.bottleneck
+    healthy = report(0.95, 0.01)
+    healthy.step_p50_seconds, healthy.step_p99_seconds = 0.75, 1.0
+    healthy.gpus[0].throttled = 0.05
+    healthy.rss_growing, healthy.rss_bytes_in_horizon = True, 20e9
+    healthy.host["memory_total"] = 32e9
+    (judged,) = judge_across([judge(healthy, T)], T)
+    assert names(judged) == [] and not judged.bottleneck
