@@ -177,3 +177,12 @@ def test_no_metric_name_that_nothing_produces(fed_prometheus):
         for where, expr in exprs(d):
             for name in re.findall(r"\b(gputrain_\w+|\w+:\w+:\w+|ALERTS)\b", expr):
                 assert name in produced, f"{where}: {name} is produced by nothing"
+
+
+def test_the_panels_the_runbook_points_to_exist():
+    titles = {p["title"] for d in load().values() for p in panels(d)}
+    runbook = (ROOT / "alerts" / "runbook.md").read_text()
+    lines = [line for line in runbook.splitlines() if line.startswith("Dashboard:")]
+    assert len(lines) == runbook.count("\n## ")
+    named = {t for line in lines for t in re.findall(r'(?<![=~])"([^"]+)"', line)}
+    assert named and named <= titles, f"not a panel: {sorted(named - titles)}"
