@@ -247,11 +247,12 @@ def run_scenario(sc: Scenario, args, exporter_url: str, ingest_url: str, out: Pa
            "CUDA_VISIBLE_DEVICES": args.gpu, "GPUTRAIN_RUN": sc.name,
            # CUDA's default order is fastest first; NVML's (the exporter's) is PCI bus order
            "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    seconds = sc.seconds or args.seconds
     cmd = [sys.executable, str(ROOT / "examples" / "pytorch_train.py"), *sc.args,
-           "--run", sc.name, "--seconds", str(args.seconds), "--device", args.device]
+           "--run", sc.name, "--seconds", str(seconds), "--device", args.device]
     started = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                          timeout=args.seconds + 600)
+                          timeout=seconds + 600)
     ended = time.time()
     time.sleep(3)  # the client's last push, then one more scrape
     recorder.stop()
@@ -268,7 +269,7 @@ def run_scenario(sc: Scenario, args, exporter_url: str, ingest_url: str, out: Pa
              and dict(labels).get("gpu") == args.gpu}
     result["gpu_name"] = next(iter(names - {None}), "")
     # the exporter's own index of the GPU the trainer used (CUDA_VISIBLE_DEVICES=args.gpu)
-    t0, t1 = started + args.warmup, ended
+    t0, t1 = started + (sc.warmup or args.warmup), ended
     result["measured"] = summarize(scrapes, sc.name, args.gpu, t0, t1)
     if smi:
         result["nvidia_smi"] = compare_with_smi(scrapes, out / f"{sc.name}.smi.csv.gz",
@@ -297,8 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, type=Path, help="directory for the recordings")
     p.add_argument("--scenarios", default="", help="comma-separated names (default: all)")
-    p.add_argument("--seconds", type=float, default=90.0, help="training time per scenario")
-    p.add_argument("--warmup", type=float, default=20.0,
+    p.add_argument("--seconds", type=float, default=60.0, help="training time per scenario")
+    p.add_argument("--archive", type=Path,
+                   help="also pack everything into this .tar.gz (a device's $OUT takes only "
+                        "a few files)")
+    p.add_argument("--warmup", type=float, default=15.0,
                    help="seconds left out of the summary (start-up, compile, first epoch)")
     p.add_argument("--gpu", default="0", help="the GPU index the trainer uses")
     p.add_argument("--device", default="cuda")
@@ -348,6 +352,11 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(results))
     for failure in failures:
         print("FAIL:", failure)
+    if args.archive:
+        import tarfile
+
+        with tarfile.open(args.archive, "w:gz") as tar:
+            tar.add(args.out, arcname=args.out.name)
     return 0 if all(r["returncode"] == 0 for r in results) and not failures else 1
 
 
