@@ -269,3 +269,41 @@ def test_the_package_the_image_installs_runs_the_daemon(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_the_example_configs_start_real_prometheus_and_alertmanager(tmp_path):
+    """Prometheus with the compose layout loads both rule groups; Alertmanager starts with the
+    example routes."""
+    prometheus = require_binary("prometheus")
+    alertmanager = require_binary("prometheus-alertmanager", "alertmanager")
+    etc = tmp_path / "etc"
+    for source, target in bind_mounts(compose("compose.yaml")):
+        if target.startswith("/etc/prometheus/"):
+            dest = etc / target.removeprefix("/etc/prometheus/")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(DEPLOY / "compose" / source, dest)
+    p_port, a_port = free_port(), free_port()
+    procs = [
+        subprocess.Popen([prometheus, f"--config.file={etc / 'prometheus.yml'}",
+                          f"--storage.tsdb.path={tmp_path / 'prom'}",
+                          f"--web.listen-address=127.0.0.1:{p_port}"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+        subprocess.Popen([alertmanager,
+                          f"--config.file={DEPLOY / 'alertmanager' / 'alertmanager.yml'}",
+                          f"--storage.path={tmp_path / 'am'}", "--cluster.listen-address=",
+                          f"--web.listen-address=127.0.0.1:{a_port}"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+    ]
+    try:
+        groups = wait_until(lambda: requests.get(
+            f"http://127.0.0.1:{p_port}/api/v1/rules", timeout=2).json()["data"]["groups"],
+            timeout=30, what="Prometheus with the example config")
+        assert {g["name"] for g in groups} == {"gputrain.recording", "gputrain.alerts"}
+        status = wait_until(lambda: requests.get(
+            f"http://127.0.0.1:{a_port}/api/v2/status", timeout=2).json(), timeout=30,
+            what="Alertmanager with the example config")
+        assert "severity" in status["config"]["original"]
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=15)
