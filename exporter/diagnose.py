@@ -21,7 +21,14 @@ from typing import Any
 
 import requests
 
-from exporter.rules import DEFAULTS, load_overrides, merge
+from exporter.rules import (
+    DEFAULTS,
+    inline,
+    load_overrides,
+    merge,
+    rank_gpu_join,
+    recording_rules,
+)
 
 RANK = ("job", "instance", "run", "rank")
 ADVICE = {
@@ -147,43 +154,39 @@ class Prometheus:
         return out
 
 
-def _by(labels: tuple[str, ...]) -> str:
-    return ", ".join(labels)
-
-
-THROTTLE_REASONS = "sw_power_cap|sw_thermal_slowdown|hw_thermal_slowdown|hw_power_brake_slowdown"
-
-
 def queries(selector: str, window: str, horizon: float = 14400) -> dict[str, str]:
-    """The PromQL this command runs, by name: the same formulas as the recording rules."""
-    s, w, r = selector, window, _by(RANK)
-    joined = f"max by ({r}, gpu, uuid) (gputrain_training_gpu_info{{{s}}}) * on (job, instance, gpu, uuid) group_left () "  # noqa: E501
-    g = "job, instance, gpu, uuid"
-    def per_gpu(expr: str) -> str:
-        return f"{joined}({expr})"
+    """The PromQL this command runs, by name: the recording rules' own expressions written
+    inline (over ``window`` instead of 5m), so it needs no rules loaded in Prometheus."""
+    records = recording_rules(selector)
 
+    def rule(name: str) -> str:
+        return inline(name, records).replace("[5m]", f"[{window}]")
+
+    s, w, r = selector, window, ", ".join(RANK)
+    per_gpu = {"busy": "gputrain_gpu_busy_ratio:rate5m",
+               "sm_active": "gputrain_gpu_sm_active_ratio:avg5m",
+               "tensor_active": "gputrain_gpu_tensor_active_ratio:avg5m",
+               "memory_used": "gputrain_gpu_memory_used:ratio",
+               "power_used": "gputrain_gpu_power_limit_used:ratio_avg5m",
+               "pcie_rx_used": "gputrain_gpu_pcie_rx_link_used:ratio_rate5m"}
     return {
         "steps": f"sum by ({r}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[{w}]))",
-        "samples_per_second": f"sum by ({r}) (rate(gputrain_training_samples_total{{{s}}}[{w}])) / sum by ({r}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{w}]))",  # noqa: E501
-        "step_seconds": f"sum by ({r}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{w}])) / sum by ({r}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[{w}]))",  # noqa: E501
-        "data_wait_ratio": f"sum by ({r}) (rate(gputrain_training_data_wait_seconds_total{{{s}}}[{w}])) / sum by ({r}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{w}]))",  # noqa: E501
-        "phases": f"sum by ({r}, phase) (rate(gputrain_training_phase_seconds_total{{{s}}}[{w}])) / on ({r}) group_left sum by ({r}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{w}]))",  # noqa: E501
-        "busy": per_gpu(f"sum by ({g}) (rate(gputrain_gpu_busy_seconds_total{{{s}}}[{w}])) / sum by ({g}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{w}]))"),  # noqa: E501
-        "sm_active": per_gpu(f"avg by ({g}) (avg_over_time(gputrain_gpu_sm_active_ratio{{{s}}}[{w}]))"),  # noqa: E501
-        "tensor_active": per_gpu(f"avg by ({g}) (avg_over_time(gputrain_gpu_tensor_active_ratio{{{s}}}[{w}]))"),  # noqa: E501
-        "memory_used": per_gpu(f"sum by ({g}) (gputrain_gpu_memory_used_bytes{{{s}}}) / sum by ({g}) (gputrain_gpu_memory_total_bytes{{{s}}})"),  # noqa: E501
-        "power_used": per_gpu(f"sum by ({g}) (avg_over_time(gputrain_gpu_power_watts{{{s}}}[{w}])) / sum by ({g}) (gputrain_gpu_power_limit_watts{{{s}}})"),  # noqa: E501
-        "pcie_rx_used": per_gpu(f"sum by ({g}) (rate(gputrain_gpu_pcie_received_bytes_total{{{s}}}[{w}])) / sum by ({g}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{w}])) / sum by ({g}) (gputrain_gpu_pcie_link_max_bytes_per_second{{{s}}})"),  # noqa: E501
-        "throttled": per_gpu(f"sum by ({g}) (rate(gputrain_gpu_clock_event_seconds_total{{{s},reason=~\"{THROTTLE_REASONS}\"}}[{w}])) / sum by ({g}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{w}]))"),  # noqa: E501
-        "step_p50_seconds": f"histogram_quantile(0.5, sum by ({r}, le) (rate(gputrain_training_step_duration_seconds_bucket{{{s}}}[30m])))",  # noqa: E501
-        "step_p99_seconds": f"histogram_quantile(0.99, sum by ({r}, le) (rate(gputrain_training_step_duration_seconds_bucket{{{s}}}[30m])))",  # noqa: E501
+        "samples_per_second": rule("run_rank:gputrain_training_samples_per_second:rate5m"),
+        "step_seconds": rule("run_rank:gputrain_training_step_seconds:mean5m"),
+        "data_wait_ratio": rule("run_rank:gputrain_training_data_wait_ratio:rate5m"),
+        "phases": rule("run_rank_phase:gputrain_training_phase_ratio:rate5m"),
+        **{name: rule(f"run_rank_gpu:{record}") for name, record in per_gpu.items()},
+        "throttled": rule(rank_gpu_join(s, "gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m")),
+        "step_p50_seconds": rule("run_rank:gputrain_training_step_seconds:p50_30m"),
+        "step_p99_seconds": rule("run_rank:gputrain_training_step_seconds:p99_30m"),
         "rss_bytes_in_horizon": f"sum by ({r}) (predict_linear(gputrain_training_process_resident_memory_bytes{{{s}}}[1h], {horizon}))",  # noqa: E501
         "rss_growing": f"sum by ({r}) (deriv(gputrain_training_process_resident_memory_bytes{{{s}}}[1h])) > 0",  # noqa: E501
         "memory_total": f"sum by (job, instance) (gputrain_host_memory_total_bytes{{{s}}})",
-        "cpu_busy": f"1 - sum by (job, instance) (rate(gputrain_host_cpu_seconds_total{{{s},mode=~\"idle|iowait\"}}[{w}])) / sum by (job, instance) (rate(gputrain_host_cpu_seconds_total{{{s}}}[{w}]))",  # noqa: E501
-        "iowait": f"sum by (job, instance) (rate(gputrain_host_cpu_seconds_total{{{s},mode=\"iowait\"}}[{w}])) / sum by (job, instance) (rate(gputrain_host_cpu_seconds_total{{{s}}}[{w}]))",  # noqa: E501
-        "disk_busy": f"max by (job, instance) (rate(gputrain_host_disk_io_time_seconds_total{{{s}}}[{w}]))",  # noqa: E501
-        "network_rx_used": f"max by (job, instance) (rate(gputrain_host_network_received_bytes_total{{{s}}}[{w}]) / gputrain_host_network_speed_bytes_per_second{{{s}}})",  # noqa: E501
+        "cpu_busy": rule("instance:gputrain_host_cpu_busy:ratio_rate5m"),
+        "iowait": rule("instance:gputrain_host_cpu_iowait:ratio_rate5m"),
+        "disk_busy": rule("instance:gputrain_host_disk_busy:max_rate5m"),
+        "network_rx_used":
+            rule("instance:gputrain_host_network_receive_link_used:max_ratio_rate5m"),
     }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,34 @@ def merge(base: dict, override: dict, path: str = "") -> dict:
     return out
 
 
+def rank_gpu_join(selector: str, per_gpu: str) -> str:
+    """``per_gpu`` (a recording rule name) for the GPUs each rank uses, joined through
+    ``gputrain_training_gpu_info``: labels job, instance, run, rank, gpu, uuid."""
+    return (f"max by ({RANK}, gpu, uuid) (gputrain_training_gpu_info{{{selector}}}) "
+            f"* on (job, instance, gpu, uuid) group_left {per_gpu}")
+
+
+def recording_rules(selector: str) -> dict[str, str]:
+    """The recording rules' expressions by record name."""
+    return {r["record"]: r["expr"] for r in _recording(selector)}
+
+
+# "group_left name" must not become "group_left (expr)": the parser reads a label list there
+_BARE_GROUPING = re.compile(r"\b(group_left|group_right) (?=[a-z_]+:)")
+
+
+def inline(expr: str, records: dict[str, str]) -> str:
+    """``expr`` with every recording rule it names replaced by the rule's expression, so it
+    runs on a Prometheus that does not evaluate the rules (diagnose, a backfilled replay)."""
+    pattern = re.compile("(?<![\\w:])(" + "|".join(map(re.escape, records)) + ")(?![\\w:])")
+    for _ in range(10):  # recording rules built on recording rules
+        expr = _BARE_GROUPING.sub(r"\1 () ", expr)
+        expr, n = pattern.subn(lambda m: f"({records[m.group(1)]})", expr)
+        if not n:
+            return expr
+    raise ValueError(f"recording rules nested too deep in {expr!r}")
+
+
 def _recording(s: str) -> list[dict]:
     """Recording rules: level:metric:operation. Ratios divide separately-summed counters."""
     def rec(name: str, expr: str) -> dict:
@@ -155,8 +184,7 @@ def _recording(s: str) -> list[dict]:
             / sum by ({GPU}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[5m]))"""),
         # a rank's GPUs, joined through gputrain_training_gpu_info
         *[rec(f"run_rank_gpu:{name.split(':', 1)[1].rsplit(':', 1)[0]}:{name.rsplit(':', 1)[1]}",
-              f"""max by ({RANK}, gpu, uuid) (gputrain_training_gpu_info{{{s}}})
-              * on (job, instance, gpu, uuid) group_left {name}""")
+              rank_gpu_join(s, name))
           for name in ("gpu:gputrain_gpu_busy_ratio:rate5m",
                        "gpu:gputrain_gpu_memory_used:ratio",
                        "gpu:gputrain_gpu_power_limit_used:ratio_avg5m",

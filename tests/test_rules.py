@@ -117,3 +117,15 @@ def test_rules_command_names_a_bad_key(tmp_path):
     out = subprocess.run([sys.executable, "-m", "exporter", "rules", "--config", str(cfg)],
                          cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 2 and "thresholds.input_bund" in out.stderr
+
+
+def test_inlining_leaves_no_recording_rule_names():
+    """diagnose and the GPU replay run the alerts' formulas without the rules loaded."""
+    from exporter.rules import inline, recording_rules
+
+    records = recording_rules(DEFAULTS["selector"])
+    groups = yaml.safe_load(render())["groups"]
+    for alert in (r for g in groups for r in g["rules"] if "alert" in r):
+        inlined = inline(alert["expr"], records)
+        assert not any(name in inlined for name in records), alert["alert"]
+        assert "group_left (sum" not in inlined  # would parse as a label list

@@ -14,7 +14,6 @@ right from the first scrapes.
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
+from exporter.rules import inline  # noqa: E402
 from gpu.harness import free_port, read_recording  # noqa: E402
 
 JOB, INSTANCE = "gputrain", "gpu-node:19400"
@@ -55,21 +55,9 @@ def _escape(value: str) -> str:
 def inline_alerts(rules_text: str) -> list[dict]:
     """Each alert rule with the recording rules it uses written inline."""
     groups = yaml.safe_load(rules_text)["groups"]
-    # "group_left name" must not become "group_left (expr)", a label list to the parser
-    no_labels = re.compile(r"\b(group_left|group_right) (?=[a-z_]+:)")
-    records = {r["record"]: no_labels.sub(r"\1 () ", r["expr"])
-               for g in groups for r in g["rules"] if "record" in r}
-    alerts = [{**r, "expr": no_labels.sub(r"\1 () ", r["expr"])}
-              for g in groups for r in g["rules"] if "alert" in r]
-    pattern = re.compile("(?<![\\w:])(" + "|".join(map(re.escape, records)) + ")(?![\\w:])")
-    for a in alerts:
-        expr = a["expr"]
-        for _ in range(10):  # recording rules built on recording rules
-            expr, n = pattern.subn(lambda m: f"({records[m.group(1)]})", expr)
-            if not n:
-                break
-        a["inlined"] = expr
-    return alerts
+    records = {r["record"]: r["expr"] for g in groups for r in g["rules"] if "record" in r}
+    return [{**r, "inlined": inline(r["expr"], records)}
+            for g in groups for r in g["rules"] if "alert" in r]
 
 
 class Replay:
