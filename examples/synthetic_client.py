@@ -30,9 +30,11 @@ def main() -> None:
     p.add_argument("--data-wait-ms", type=float, default=30.0, help="time to get a batch")
     p.add_argument("--compute-ms", type=float, default=10.0, help="time of the step itself")
     p.add_argument("--callback-ms", type=float, default=0.0, help="a per-step callback phase")
+    p.add_argument("--push-interval", type=float, default=5.0,
+                   help="seconds between pushes to the exporter")
     args = p.parse_args()
 
-    monitor = TrainingMonitor(run=args.run)
+    monitor = TrainingMonitor(run=args.run, push_interval=args.push_interval)
     batches = monitor.wrap(slow_loader(args.data_wait_ms / 1000, args.batch_size),
                            batch_size=args.batch_size)
     for step, _batch in enumerate(batches, 1):

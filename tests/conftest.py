@@ -145,6 +145,16 @@ def daemon_factory() -> Iterator:
         d.stop()
 
 
+def synthetic_client(run: str, endpoint: str, *args: str) -> subprocess.Popen:
+    """``examples/synthetic_client.py`` pushing to ``endpoint`` every 0.5 s on "GPU 0" until
+    killed; ``args`` are its flags (--data-wait-ms, --compute-ms, ...)."""
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / "synthetic_client.py"), "--run", run,
+         "--push-interval", "0.5", *args], cwd=ROOT,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "GPUTRAIN_URL": endpoint,
+             "CUDA_VISIBLE_DEVICES": "0"})
+
+
 def sample_value(text: str, name: str, labels: dict[str, str] | None = None) -> float | None:
     """The value of one sample in an exposition text, or None."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -161,11 +171,13 @@ class Prometheus:
 
     def __init__(self, tmp_path: Path, targets: list[str], rule_files: list[str] | None = None,
                  scrape_interval: str = "1s", alertmanager: str | None = None,
-                 extra_args: list[str] | None = None) -> None:
+                 extra_args: list[str] | None = None, config_file: Path | None = None) -> None:
+        """Scrapes ``targets`` as job gputrain, or runs the given ``config_file`` as is."""
         self.binary = require_binary("prometheus")
         self.port = free_port()
         self.dir = tmp_path / f"prometheus-{self.port}"
         self.dir.mkdir()
+        config_file = config_file or self.dir / "prometheus.yml"
         config = {
             "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
             "scrape_configs": [{"job_name": "gputrain", "static_configs": [{"targets": targets}]}],
@@ -176,8 +188,9 @@ class Prometheus:
                 {"targets": [alertmanager]}]}]}
         import yaml
 
-        (self.dir / "prometheus.yml").write_text(yaml.safe_dump(config))
-        self.args = [self.binary, f"--config.file={self.dir / 'prometheus.yml'}",
+        if not config_file.exists():
+            config_file.write_text(yaml.safe_dump(config))
+        self.args = [self.binary, f"--config.file={config_file}",
                      f"--storage.tsdb.path={self.dir / 'data'}",
                      f"--web.listen-address=127.0.0.1:{self.port}", *(extra_args or [])]
         self.proc: subprocess.Popen | None = None
@@ -205,6 +218,35 @@ class Prometheus:
         body = r.json()
         assert body["status"] == "success", f"{expr}: {body}"
         return body["data"]["result"]
+
+
+class Alertmanager:
+    """A real Alertmanager (Debian's prometheus-alertmanager) on loopback, without clustering."""
+
+    def __init__(self, tmp_path: Path, config_file: Path) -> None:
+        self.binary = require_binary("prometheus-alertmanager", "alertmanager")
+        self.port = free_port()
+        self.dir = tmp_path / f"alertmanager-{self.port}"
+        self.dir.mkdir()
+        self.args = [self.binary, f"--config.file={config_file}",
+                     f"--storage.path={self.dir / 'data'}",
+                     f"--web.listen-address=127.0.0.1:{self.port}", "--cluster.listen-address="]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Alertmanager:
+        self._log = open(self.dir / "log.txt", "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT)
+        wait_until(lambda: requests.get(self.url + "/-/ready", timeout=1).status_code == 200,
+                   timeout=30, what="Alertmanager to be ready")
+        return self
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=15)
+        self._log.close()
 
 
 @pytest.fixture

@@ -11,22 +11,16 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-import requests
 import yaml
-from conftest import ROOT, Daemon, Prometheus, free_port, require_binary, wait_until
-
-CLIENT = """
-import sys, time
-from exporter.client import TrainingMonitor
-run, endpoint, wait_s, step_s = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
-def loader():
-    while True:
-        time.sleep(wait_s)  # the data loader is slow
-        yield [0] * 16
-m = TrainingMonitor(run=run, rank=0, endpoint=endpoint, push_interval=0.5)
-for batch in m.wrap(loader(), batch_size=16):
-    time.sleep(step_s)  # forward and backward
-"""
+from conftest import (
+    ROOT,
+    Alertmanager,
+    Daemon,
+    Prometheus,
+    free_port,
+    synthetic_client,
+    wait_until,
+)
 
 
 class Webhook:
@@ -55,39 +49,6 @@ class Webhook:
                 and all(a["labels"].get(k) == v for k, v in labels.items())]
 
 
-class Alertmanager:
-    def __init__(self, tmp_path, webhook_url: str) -> None:
-        binary = require_binary("prometheus-alertmanager", "alertmanager")
-        self.port = free_port()
-        d = tmp_path / "alertmanager"
-        d.mkdir()
-        (d / "alertmanager.yml").write_text(yaml.safe_dump({
-            "route": {"receiver": "hook", "group_by": ["alertname", "run"], "group_wait": "1s",
-                      "group_interval": "1s", "repeat_interval": "1h"},
-            "receivers": [{"name": "hook", "webhook_configs": [{"url": webhook_url}]}],
-        }))
-        self.log = open(d / "log.txt", "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [binary, f"--config.file={d / 'alertmanager.yml'}", f"--storage.path={d / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--cluster.listen-address="],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        wait_until(lambda: requests.get(f"http://127.0.0.1:{self.port}/-/ready",
-                                        timeout=1).status_code == 200,
-                   timeout=30, what="Alertmanager to be ready")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=15)
-        self.log.close()
-
-
-def client(run: str, endpoint: str, wait_s: float, step_s: float) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", CLIENT, run, endpoint, str(wait_s),
-                             str(step_s)], cwd=ROOT,
-                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
-                                 "CUDA_VISIBLE_DEVICES": "0"})
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stack")
@@ -97,8 +58,10 @@ def stack(tmp_path_factory):
         started.append(idle)
         busy = Daemon("--gpu.backend=demo", "--demo.gpus=2", "--demo.load=1").start()
         started.append(busy)
-        started.append(client("starved", idle.ingest_url, wait_s=0.030, step_s=0.010))
-        started.append(client("fed", busy.ingest_url, wait_s=0.0, step_s=0.020))
+        started.append(synthetic_client("starved", idle.ingest_url, "--batch-size", "16",
+                                        "--data-wait-ms", "30", "--compute-ms", "10"))
+        started.append(synthetic_client("fed", busy.ingest_url, "--batch-size", "16",
+                                        "--data-wait-ms", "0", "--compute-ms", "20"))
         cfg = tmp / "thresholds.yml"
         cfg.write_text(yaml.safe_dump({"recording_interval": "1s", "for": {
             "GpuTrainInputBound": "5s", "GpuTrainGPUUnderutilized": "5s"}}))
@@ -107,7 +70,13 @@ def stack(tmp_path_factory):
             [sys.executable, "-m", "exporter", "rules", "--config", str(cfg)], cwd=ROOT,
             check=True, capture_output=True, text=True).stdout)
         hook = Webhook()
-        am = Alertmanager(tmp, hook.url)
+        am_config = tmp / "alertmanager.yml"
+        am_config.write_text(yaml.safe_dump({
+            "route": {"receiver": "hook", "group_by": ["alertname", "run"], "group_wait": "1s",
+                      "group_interval": "1s", "repeat_interval": "1h"},
+            "receivers": [{"name": "hook", "webhook_configs": [{"url": hook.url}]}],
+        }))
+        am = Alertmanager(tmp, am_config).start()
         started.append(am)
         prom = Prometheus(tmp, [idle.url.removeprefix("http://"), busy.url.removeprefix("http://")],
                           rule_files=[str(rules)], alertmanager=f"127.0.0.1:{am.port}").start()

@@ -10,27 +10,12 @@ import sys
 
 import pytest
 import yaml
-from conftest import ROOT, Daemon, Prometheus, wait_until
+from conftest import ROOT, Daemon, Prometheus, synthetic_client, wait_until
 
 sys.path.insert(0, str(ROOT / "grafana"))
 import generate
 
 DASHBOARDS = ROOT / "grafana" / "dashboards"
-CLIENT = """
-import sys, time
-from exporter.client import TrainingMonitor
-m = TrainingMonitor(run="tour", rank=0, endpoint=sys.argv[1], push_interval=0.5)
-def loader():
-    while True:
-        time.sleep(0.02)
-        yield [0] * 32
-for batch in m.wrap(loader(), batch_size=32):
-    time.sleep(0.01)
-    with m.phase("callbacks"):
-        time.sleep(0.005)
-"""
-
-
 def load() -> dict[str, dict]:
     return {p.name: json.loads(p.read_text()) for p in sorted(DASHBOARDS.glob("*.json"))}
 
@@ -114,9 +99,8 @@ def fed_prometheus(tmp_path_factory):
     # This machine's NIC reports no speed (as cloud NICs do): configure one, as users would.
     daemon = Daemon("--gpu.backend=demo", "--demo.gpus=2", "--demo.load=0.3",
                     "--host.netdev-speed=10Gbit").start()
-    client = subprocess.Popen([sys.executable, "-c", CLIENT, daemon.ingest_url], cwd=ROOT,
-                              env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
-                                   "CUDA_VISIBLE_DEVICES": "0"})
+    client = synthetic_client("tour", daemon.ingest_url, "--batch-size", "32",
+                              "--data-wait-ms", "20", "--compute-ms", "10", "--callback-ms", "5")
     cfg = tmp / "t.yml"
     cfg.write_text(yaml.safe_dump({"recording_interval": "1s",
                                    "for": {"GpuTrainInputBound": "1s"}}))

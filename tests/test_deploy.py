@@ -10,11 +10,20 @@ import shutil
 import subprocess
 import sys
 import venv
+from pathlib import Path
 
 import pytest
 import requests
 import yaml
-from conftest import ROOT, free_port, require_binary, require_module, wait_until
+from conftest import (
+    ROOT,
+    Alertmanager,
+    Prometheus,
+    free_port,
+    require_binary,
+    require_module,
+    wait_until,
+)
 
 from exporter.rules import render, render_prometheusrule
 
@@ -158,14 +167,20 @@ def test_compose_files_parse_and_every_mounted_file_exists():
         assert (DEPLOY / "compose" / source).exists(), f"compose mounts missing {source}"
 
 
+def prometheus_as_compose_mounts_it(etc: Path) -> Path:
+    """The files compose mounts under /etc/prometheus, laid out under ``etc``."""
+    for source, target in bind_mounts(compose("compose.yaml")):
+        if target.startswith("/etc/prometheus/"):
+            dest = etc / target.removeprefix("/etc/prometheus/")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(DEPLOY / "compose" / source, dest)
+    return etc
+
+
 def test_prometheus_config_as_compose_mounts_it_passes_promtool(tmp_path):
     """Lay the files out where compose mounts them, then check the config."""
     promtool = require_binary("promtool")
-    for source, target in bind_mounts(compose("compose.yaml")):
-        if target.startswith("/etc/prometheus/"):
-            dest = tmp_path / target.removeprefix("/etc/prometheus/")
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(DEPLOY / "compose" / source, dest)
+    prometheus_as_compose_mounts_it(tmp_path)
     out = subprocess.run([promtool, "check", "config", str(tmp_path / "prometheus.yml")],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -274,36 +289,18 @@ def test_the_package_the_image_installs_runs_the_daemon(tmp_path):
 def test_the_example_configs_start_real_prometheus_and_alertmanager(tmp_path):
     """Prometheus with the compose layout loads both rule groups; Alertmanager starts with the
     example routes."""
-    prometheus = require_binary("prometheus")
-    alertmanager = require_binary("prometheus-alertmanager", "alertmanager")
-    etc = tmp_path / "etc"
-    for source, target in bind_mounts(compose("compose.yaml")):
-        if target.startswith("/etc/prometheus/"):
-            dest = etc / target.removeprefix("/etc/prometheus/")
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(DEPLOY / "compose" / source, dest)
-    p_port, a_port = free_port(), free_port()
-    procs = [
-        subprocess.Popen([prometheus, f"--config.file={etc / 'prometheus.yml'}",
-                          f"--storage.tsdb.path={tmp_path / 'prom'}",
-                          f"--web.listen-address=127.0.0.1:{p_port}"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-        subprocess.Popen([alertmanager,
-                          f"--config.file={DEPLOY / 'alertmanager' / 'alertmanager.yml'}",
-                          f"--storage.path={tmp_path / 'am'}", "--cluster.listen-address=",
-                          f"--web.listen-address=127.0.0.1:{a_port}"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-    ]
+    etc = prometheus_as_compose_mounts_it(tmp_path / "etc")
+    servers = [Prometheus(tmp_path, [], config_file=etc / "prometheus.yml"),
+               Alertmanager(tmp_path, DEPLOY / "alertmanager" / "alertmanager.yml")]
     try:
-        groups = wait_until(lambda: requests.get(
-            f"http://127.0.0.1:{p_port}/api/v1/rules", timeout=2).json()["data"]["groups"],
-            timeout=30, what="Prometheus with the example config")
+        for server in servers:
+            server.start()
+        groups = requests.get(servers[0].url + "/api/v1/rules", timeout=2).json()["data"][
+            "groups"]
         assert {g["name"] for g in groups} == {"gputrain.recording", "gputrain.alerts"}
-        status = wait_until(lambda: requests.get(
-            f"http://127.0.0.1:{a_port}/api/v2/status", timeout=2).json(), timeout=30,
-            what="Alertmanager with the example config")
+        status = requests.get(servers[1].url + "/api/v2/status", timeout=2).json()
         assert "severity" in status["config"]["original"]
     finally:
-        for proc in procs:
-            proc.terminate()
-            proc.wait(timeout=15)
+        for server in servers:
+            if getattr(server, "proc", None):
+                server.stop()
