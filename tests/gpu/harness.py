@@ -277,20 +277,26 @@ def run_scenario(sc: Scenario, args, exporter_url: str, ingest_url: str, out: Pa
     return result
 
 
-def markdown(results: list[dict]) -> str:
+def markdown(results: list[dict], fired: dict[str, list[str]] | None = None) -> str:
+    """The table of a run: measured figures, the alerts fired (when a replay says), and what
+    the seed reported."""
     def pct(x):
         return "n/a" if x is None else f"{100 * x:.1f}%"
 
-    lines = ["| scenario | GPU busy | SM active | tensor active | data wait | samples/s | "
-             "memory | power | seed reported |", "|" + " --- |" * 9]
+    columns = ["scenario", "GPU busy", "SM active", "tensor active", "data wait", "samples/s",
+               "memory", "power", *(["alerts fired"] if fired is not None else []),
+               "the seed reported"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     for r in results:
         m = r.get("measured", {})
         sps = m.get("samples_per_second")
-        lines.append(f"| {r['scenario']} | {pct(m.get('gpu_busy'))} | "
-                     f"{pct(m.get('sm_active'))} | {pct(m.get('tensor_active'))} | "
-                     f"{pct(m.get('data_wait'))} | {'n/a' if sps is None else f'{sps:.0f}'} | "
-                     f"{pct(m.get('memory_used'))} | {pct(m.get('power_used'))} | "
-                     f"{r['seed']} |")
+        cells = [r["scenario"], pct(m.get("gpu_busy")), pct(m.get("sm_active")),
+                 pct(m.get("tensor_active")), pct(m.get("data_wait")),
+                 "n/a" if sps is None else f"{sps:.0f}", pct(m.get("memory_used")),
+                 pct(m.get("power_used"))]
+        if fired is not None:
+            cells.append(", ".join(fired.get(r["scenario"], [])) or "none")
+        lines.append("| " + " | ".join([*cells, r["seed"]]) + " |")
     return "\n".join(lines) + "\n"
 
 

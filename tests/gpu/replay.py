@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 from exporter.rules import inline  # noqa: E402
-from gpu.harness import free_port, read_recording  # noqa: E402
+from gpu.harness import free_port, markdown, read_recording  # noqa: E402
 
 JOB, INSTANCE = "gputrain", "gpu-node:19400"
 
@@ -149,22 +149,11 @@ def table(directory: Path) -> str:
     """The README's table for a harness run: measured figures, alerts fired, the seed's."""
     import json
 
-    summary = json.loads((directory / "summary.json").read_text())
-
-    def pct(x):
-        return "n/a" if x is None else f"{100 * x:.1f}%"
-
-    lines = ["| scenario | GPU busy | SM active | tensor active | data wait | samples/s | "
-             "alerts fired | the seed reported |", "|" + " --- |" * 8]
-    for r in summary["scenarios"]:
-        m = r["measured"]
-        fired = replay(directory / f"{r['scenario']}.prom.gz")
-        names = ", ".join(sorted(a.removeprefix("GpuTrain") for a in fired)) or "none"
-        sps = m.get("samples_per_second")
-        lines.append(f"| {r['scenario']} | {pct(m.get('gpu_busy'))} | {pct(m.get('sm_active'))}"
-                     f" | {pct(m.get('tensor_active'))} | {pct(m.get('data_wait'))} | "
-                     f"{'n/a' if sps is None else f'{sps:.0f}'} | {names} | {r['seed']} |")
-    return "\n".join(lines) + "\n"
+    results = json.loads((directory / "summary.json").read_text())["scenarios"]
+    fired = {r["scenario"]: sorted(a.removeprefix("GpuTrain") for a in
+                                   replay(directory / f"{r['scenario']}.prom.gz"))
+             for r in results}
+    return markdown(results, fired)
 
 
 if __name__ == "__main__":
