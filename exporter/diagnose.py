@@ -190,6 +190,10 @@ def queries(selector: str, window: str, horizon: float = 14400) -> dict[str, str
     }
 
 
+def _rank_key(labels: dict[str, str]) -> tuple[str, ...]:
+    return tuple(labels.get(k, "") for k in RANK)
+
+
 def collect(prom: Prometheus, selector: str, window: str, run: str | None,
             horizon: float = 14400) -> list[RankReport]:
     """One report per (run, rank) active in the window, readings filled, no verdict yet."""
@@ -198,26 +202,26 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
     for labels, steps in prom.query(q["steps"]):
         if run is not None and labels.get("run") != run:
             continue
-        key = tuple(labels.get(k, "") for k in RANK)
+        key = _rank_key(labels)
         reports[key] = RankReport(*key, steps_per_second=steps)
     for name in ("samples_per_second", "step_seconds", "data_wait_ratio", "step_p50_seconds",
                  "step_p99_seconds", "rss_bytes_in_horizon"):
         for labels, value in prom.query(q[name]):
-            rep = reports.get(tuple(labels.get(k, "") for k in RANK))
+            rep = reports.get(_rank_key(labels))
             if rep:
                 setattr(rep, name, value)
     for labels, _ in prom.query(q["rss_growing"]):
-        rep = reports.get(tuple(labels.get(k, "") for k in RANK))
+        rep = reports.get(_rank_key(labels))
         if rep:
             rep.rss_growing = True
     for labels, value in prom.query(q["phases"]):
-        rep = reports.get(tuple(labels.get(k, "") for k in RANK))
+        rep = reports.get(_rank_key(labels))
         if rep:
             rep.phases[labels.get("phase", "")] = value
     for name in ("busy", "sm_active", "tensor_active", "memory_used", "power_used",
                  "pcie_rx_used", "throttled"):
         for labels, value in prom.query(q[name]):
-            rep = reports.get(tuple(labels.get(k, "") for k in RANK))
+            rep = reports.get(_rank_key(labels))
             if not rep:
                 continue
             reading = next((x for x in rep.gpus if x.uuid == labels.get("uuid")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import requests
@@ -89,8 +90,6 @@ class Replay:
              f"--storage.tsdb.path={data}", "--storage.tsdb.retention.time=100y",
              f"--web.listen-address=127.0.0.1:{self.port}"],
             stdout=self.log, stderr=subprocess.STDOUT)
-        import time
-
         deadline = time.time() + 30
         while True:
             try:
