@@ -21,6 +21,7 @@ from typing import Any
 
 import requests
 
+from exporter.client.monitor import OUTSIDE_STEP_PHASES
 from exporter.rules import (
     DEFAULTS,
     inline,
@@ -302,7 +303,8 @@ def judge(rep: RankReport, t: dict[str, float]) -> RankReport:
     if pcie is not None and pcie >= t["pcie_rx_high"] and busy < t["h2d_gpu_busy_below"]:
         return verdict("host-to-device", f"{why}, PCIe RX at {pct(pcie)} of the link")
     dominating = t["phase_dominates"] / (1 + t["phase_dominates"])
-    heavy = [(v, p) for p, v in rep.phases.items() if v > dominating]
+    heavy = [(v, p) for p, v in rep.phases.items()
+             if v > dominating and p not in OUTSIDE_STEP_PHASES]
     if heavy:
         ratio, phase = max(heavy)
         return verdict("phase", f"{why}, phase '{phase}' takes {pct(ratio)} of each step")
@@ -351,6 +353,9 @@ def judge_across(reports: list[RankReport], t: dict[str, float]) -> list[RankRep
             add(r, "step-time-stalls", f"p99 step time {r.step_p99_seconds:.3g} s is over "
                                        f"{t['stall_p99_over_p50']:g}x the median "
                                        f"{r.step_p50_seconds:.3g} s (30m)")
+        elif r.phases.get("checkpoint", 0) > t["checkpoint_share"]:
+            add(r, "step-time-stalls", f"checkpoint saves take {r.phases['checkpoint']:.1%} "
+                                       "of the step time")
         hot = [x for x in r.gpus if x.throttled is not None and x.throttled > t["throttle_ratio"]]
         for x in hot:
             add(r, "throttling", f"GPU {x.gpu} throttled {x.throttled:.1%} of the time")

@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from exporter.client.monitor import OUTSIDE_STEP_PHASES
+
 RUNBOOK = "https://github.com/gputrain/gputrain-exporter/blob/main/alerts/runbook.md"
 
 DEFAULTS: dict[str, Any] = {
@@ -42,6 +44,7 @@ DEFAULTS: dict[str, Any] = {
         "tensor_active_below": 0.01,
         "phase_dominates": 1.0,        # a phase taking more than 1.0x the rest of the step
         "stall_p99_over_p50": 5.0,
+        "checkpoint_share": 0.1,       # checkpoint saves over 10% of step time: a stall too
         "straggler_wait_factor": 2.0,
         "straggler_compute_factor": 1.2,
         "memory_near_limit": 0.95,
@@ -74,6 +77,8 @@ DEFAULTS: dict[str, Any] = {
 }
 
 RANK = "job, instance, run, rank"
+# the phases that are part of a step (evaluation, checkpoint saves and start-up are not)
+IN_STEP = 'phase!~"' + "|".join(sorted(OUTSIDE_STEP_PHASES)) + '"'
 GPU = "job, instance, gpu, uuid"
 
 
@@ -156,6 +161,14 @@ def _recording(s: str) -> list[dict]:
             sum by ({RANK}, phase) (rate(gputrain_training_phase_seconds_total{{{s}}}[5m]))
             / on ({RANK}) group_left
             sum by ({RANK}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m]))"""),
+        rec("run_rank:gputrain_training_step_phase_ratio:max_rate5m", f"""
+            max by ({RANK}) (
+              sum by ({RANK}, phase) (rate(gputrain_training_phase_seconds_total{{{s},{IN_STEP}}}[5m]))
+              / on ({RANK}) group_left
+              sum by ({RANK}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m])))"""),
+        rec("run_rank:gputrain_training_checkpoint_ratio:rate5m", f"""
+            sum by ({RANK}) (rate(gputrain_training_phase_seconds_total{{{s},phase="checkpoint"}}[5m]))
+            / sum by ({RANK}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m]))"""),
         rec("run_rank:gputrain_training_process_cpu_cores:rate5m", f"""
             sum by ({RANK}) (rate(gputrain_training_process_cpu_seconds_total{{{s}}}[5m]))"""),
         # per GPU
@@ -317,20 +330,22 @@ def _alerts(cfg: dict) -> list[dict]:
         a("GpuTrainHostOverheadBound",
           f"""(run_rank:gputrain_gpu_busy_ratio:avg5m < {t['gpu_busy_low']}
             and on ({RANK}) {wait} < {t['input_bound']})
-          or on ({RANK}) (max by ({RANK}) (run_rank_phase:gputrain_training_phase_ratio:rate5m
-            > {t['phase_dominates']} / (1 + {t['phase_dominates']})))""", "warning",
+          or on ({RANK}) (run_rank:gputrain_training_step_phase_ratio:max_rate5m
+            > {t['phase_dominates']} / (1 + {t['phase_dominates']}))""", "warning",
           "A training run's GPUs idle on host-side work, not on data.",
-          f"""{who}: its GPUs are idle although it barely waits for data, or a phase
-          (callbacks, logging, checkpoint) takes more than {t['phase_dominates']}x the rest of
-          the step. Move post-processing to a background thread, do it every N steps, keep
+          f"""{who}: its GPUs are idle although it barely waits for data, or a phase of the
+          step (callbacks, logging) takes more than {t['phase_dominates']}x the rest of it. Move post-processing to a background thread, do it every N steps, keep
           metrics on the GPU.""", cfg),
         a("GpuTrainStepTimeStalls",
           f"""run_rank:gputrain_training_step_seconds:p99_30m
-          > {t['stall_p99_over_p50']} * run_rank:gputrain_training_step_seconds:p50_30m""",
+          > {t['stall_p99_over_p50']} * run_rank:gputrain_training_step_seconds:p50_30m
+          or on ({RANK}) (run_rank:gputrain_training_checkpoint_ratio:rate5m
+            > {t['checkpoint_share']})""",
           "info", "A training run stalls periodically.",
-          f"""{who}: the p99 step time ({{{{ $value | humanizeDuration }}}}) is more than
-          {t['stall_p99_over_p50']}x the median over 30m, typically checkpoints. Checkpoint
-          asynchronously or less often, write to local disk and upload later.""", cfg),
+          f"""{who}: the p99 step time is more than {t['stall_p99_over_p50']}x the median over
+          30m, or checkpoint saves take more than {t['checkpoint_share']} of the step time
+          ({{{{ $value | printf "%.3g" }}}}). Checkpoint asynchronously or less often, write to local
+          disk and upload later.""", cfg),
         a("GpuTrainStragglerRank",
           f"""({wait} >= {t['input_bound']}
             and {wait} > on (job, run) group_left ()

@@ -2,7 +2,8 @@
 # Install everything the test suite needs, then run all of it.
 #   - Debian packages: prometheus (server + promtool), prometheus-alertmanager (server + amtool),
 #     prometheus-node-exporter (the benchmark's anchor)
-#   - Python: this package with its [test] extra, and PyTorch for the training-client tests
+#   - Python: this package with its [test] extra, and PyTorch, Lightning, Keras, transformers
+#     at the versions in tests/frameworks.txt
 # Usage: scripts/test.sh [extra pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,14 +22,8 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 python3 -m pip install -q --disable-pip-version-check -e '.[test]'
-# torch 2.13.0: on this project's machines a CPU build lies on local disk.
-python3 -c 'import torch' 2>/dev/null || \
-    python3 -m pip install -q --disable-pip-version-check 'torch==2.13.0'
-# The framework integrations' tests, against the torch just installed (never another one).
-torch_version=$(python3 -c 'import torch; print(torch.__version__.split("+")[0])')
-python3 -c 'import lightning, keras, transformers, accelerate' 2>/dev/null || \
-    python3 -m pip install -q --disable-pip-version-check lightning keras transformers \
-        accelerate "torch==${torch_version}"
+# PyTorch and the frameworks the integration tests drive, at the versions pinned in one place
+python3 -m pip install -q --disable-pip-version-check -r tests/frameworks.txt
 
 python3 -m ruff check .
 

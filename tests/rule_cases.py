@@ -203,7 +203,8 @@ def alert_cases() -> list[Case]:
              fire_at="30m", quiet_at="12m"),
         Case("GpuTrainHostOverheadBound: GPU 46% busy with 2% data wait (seed 002 "
              "post-processing), and a callbacks phase at 58.33% of the step; a healthy run with "
-             "a 5% logging phase stays silent",
+             "a 5% logging phase, and one whose evaluation (not part of a step) takes 66.67% of "
+             "its step time, stay silent",
              {**gpu_of("post", "0", "0", "GPU-a"), **gpu_of("ok", "0", "1", "GPU-b"),
               sel("gputrain_gpu_busy_seconds_total", gpu="0", uuid="GPU-a"): ramp(27.6),
               sel("gputrain_gpu_busy_seconds_total", gpu="1", uuid="GPU-b"): ramp(57),
@@ -211,13 +212,17 @@ def alert_cases() -> list[Case]:
               sel("gputrain_training_phase_seconds_total", run="cb", rank="0",
                   phase="callbacks"): ramp(35),
               sel("gputrain_training_phase_seconds_total", run="ok", rank="0",
-                  phase="logging"): ramp(3)},
+                  phase="logging"): ramp(3),
+              **run_steps("eval", 0.01),
+              sel("gputrain_training_phase_seconds_total", run="eval", rank="0",
+                  phase="evaluation"): ramp(40)},
              [Fire("GpuTrainHostOverheadBound", rank("post"), "46%"),
               Fire("GpuTrainHostOverheadBound", rank("cb"), "58.33%"),
               Fire("GpuTrainGPUUnderutilized", rank_gpu("post", "0", "0", "GPU-a"), "46%",
                    "warning")]),
-        Case("GpuTrainStepTimeStalls: one 30 s step a minute among 1 s steps (p99 17.8 s); "
-             "steady 1 s steps stay silent",
+        Case("GpuTrainStepTimeStalls: one 30 s step a minute among 1 s steps (p99 17.8 s), "
+             "and checkpoint saves (a phase outside the steps) at 20% of the step time; steady "
+             "1 s steps and 5% in checkpoints stay silent",
              {**{sel("gputrain_training_step_duration_seconds_bucket", run="ckpt", rank="0",
                      le=le): ramp(n)
                  for le, n in (("0.5", 0), ("1.0", 60), ("2.5", 60), ("5.0", 60), ("10.0", 60),
@@ -225,9 +230,16 @@ def alert_cases() -> list[Case]:
               **{sel("gputrain_training_step_duration_seconds_bucket", run="smooth", rank="0",
                      le=le): ramp(n)
                  for le, n in (("0.5", 0), ("1.0", 60), ("2.5", 60), ("5.0", 60), ("10.0", 60),
-                               ("30.0", 60), ("+Inf", 60))}},
+                               ("30.0", 60), ("+Inf", 60))},
+              **run_steps("saves", 0.01),
+              sel("gputrain_training_phase_seconds_total", run="saves", rank="0",
+                  phase="checkpoint"): ramp(12),
+              **run_steps("few-saves", 0.01),
+              sel("gputrain_training_phase_seconds_total", run="few-saves", rank="0",
+                  phase="checkpoint"): ramp(3)},
              # p99: rank 0.99 * 61 = 60.39 of 61, in the (10, 30] bucket: 10 + 20 * 0.39
-             [Fire("GpuTrainStepTimeStalls", rank("ckpt"), "17.8s")],
+             [Fire("GpuTrainStepTimeStalls", rank("ckpt"), "17.8"),
+              Fire("GpuTrainStepTimeStalls", rank("saves"), "0.2")],
              fire_at="30m", quiet_at="10m"),
         Case("GpuTrainStragglerRank: rank 3 waits 30% for data against a median of 2.5%; an "
              "unsynchronised rank computes 1.5 s against a median of 1 s",

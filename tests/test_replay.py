@@ -7,6 +7,7 @@ GPU, made with `tests/gpu/harness.py` on a GPU machine."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -56,4 +57,15 @@ def test_the_harness_records_a_scenario_that_replays_to_its_alerts(tmp_path):
                                  0, float("inf"))
     assert 0.3 < measured["data_wait"] < 0.95  # 3 ms x 32 samples per batch, single process
     assert measured["gpu_busy"] == pytest.approx(0.95, abs=0.01)  # the demo GPU's pinned load
-    check(replay(recording), CPU_BY_NAME["cpu-slow-input"])
+    fired = replay(recording)
+    # The host is this machine: on a busy CI box its CPUs really are saturated, and then the
+    # CPU-preprocessing verdict is the right one. It must fire exactly when the recording
+    # shows saturated CPUs (a margin either side of the line for the rules' 5m windows).
+    scenario = CPU_BY_NAME["cpu-slow-input"]
+    cpu = measured["host_cpu_busy"]
+    if "GpuTrainCPUPreprocessingBound" in fired:
+        assert cpu > 0.8, f"CPUPreprocessingBound fired with the host CPUs {cpu:.0%} busy"
+        scenario = replace(scenario, silent=scenario.silent - {"CPUPreprocessingBound"})
+    else:
+        assert cpu < 0.95, f"CPUPreprocessingBound silent with the host CPUs {cpu:.0%} busy"
+    check(fired, scenario)

@@ -11,6 +11,12 @@ Framework integrations live in ``exporter.client.lightning``, ``.keras`` and ``.
 and import their framework only when used.
 """
 
-from exporter.client.monitor import DEFAULT_BUCKETS, HookTimer, TrainingMonitor, batch_len
+from exporter.client.monitor import (
+    DEFAULT_BUCKETS,
+    OUTSIDE_STEP_PHASES,
+    HookTimer,
+    TrainingMonitor,
+    batch_len,
+)
 
-__all__ = ["DEFAULT_BUCKETS", "HookTimer", "TrainingMonitor", "batch_len"]
+__all__ = ["DEFAULT_BUCKETS", "OUTSIDE_STEP_PHASES", "HookTimer", "TrainingMonitor", "batch_len"]

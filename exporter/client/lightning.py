@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from time import perf_counter as _now
 from typing import Any
 
 try:
@@ -9,12 +10,79 @@ try:
 except ImportError:  # the older package name
     from pytorch_lightning.callbacks import Callback
 
-from exporter.client.monitor import HookTimer, TrainingMonitor, batch_len
+from exporter.client.monitor import TrainingMonitor, batch_len
+
+# The profiler actions Lightning itself wraps around the training fetch and a checkpoint save
+FETCH_ACTION = "[_TrainingEpochLoop].train_dataloader_next"
+CHECKPOINT_ACTION = "save_checkpoint"
+
+
+class _TimingProfiler:
+    """A pass-through of Lightning's Profiler interface in front of the trainer's own profiler
+    (``PassThroughProfiler`` unless the user set one): it times the actions the monitor needs
+    and hands every call on, so ``SimpleProfiler`` or ``PyTorchProfiler`` report as before."""
+
+    def __init__(self, inner: Any, monitor: TrainingMonitor) -> None:
+        self.__dict__["_inner"] = inner
+        self.__dict__["_monitor"] = monitor
+        self.__dict__["_fetch_t0"] = None
+        self.__dict__["_checkpoint"] = monitor.phase("checkpoint")
+
+    def start(self, action_name: str) -> None:
+        if action_name == FETCH_ACTION:
+            self.__dict__["_fetch_t0"] = _now()
+        elif action_name == CHECKPOINT_ACTION:
+            self._checkpoint.__enter__()
+        self._inner.start(action_name)
+
+    def stop(self, action_name: str) -> None:
+        self._inner.stop(action_name)
+        if action_name == FETCH_ACTION:
+            t0 = self._fetch_t0
+            if t0 is not None:
+                now = _now()
+                self._monitor._fetched(now - t0, now)
+                self.__dict__["_fetch_t0"] = None
+        elif action_name == CHECKPOINT_ACTION:
+            self._checkpoint.__exit__(None, None, None)
+
+    def profile(self, action_name: str) -> Any:
+        return _Action(self, action_name)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._inner, name, value)
+
+
+class _Action:
+    """``with profiler.profile(name):`` without a generator per call."""
+
+    __slots__ = ("_name", "_profiler")
+
+    def __init__(self, profiler: _TimingProfiler, name: str) -> None:
+        self._profiler = profiler
+        self._name = name
+
+    def __enter__(self) -> str:
+        self._profiler.start(self._name)
+        return self._name
+
+    def __exit__(self, *exc: object) -> None:
+        self._profiler.stop(self._name)
 
 
 class GpuTrainCallback(Callback):
-    """Measures step time, data wait (the gap Lightning spends fetching the next batch) and
-    samples from Lightning's hooks; validation time is the phase ``evaluation``.
+    """Measures step time, data wait and samples of ``Trainer.fit``.
+
+    - Data wait is the fetch itself: the action ``train_dataloader_next`` that Lightning wraps
+      around every training batch fetch, timed through a pass-through in front of the trainer's
+      profiler (a profiler you set keeps working and reports as before). Lightning prefetches
+      one batch, so a step's data wait is the fetch done during it.
+    - A step runs from one ``on_train_batch_end`` to the next, less the phases below.
+    - Validation is the phase ``evaluation``; ``Trainer.save_checkpoint`` (``ModelCheckpoint``
+      and any other caller) is the phase ``checkpoint``: neither is in step time or data wait.
 
     ``batch_size`` (samples per step) defaults to ``len()`` of the batch; other keyword
     arguments go to :class:`TrainingMonitor` (the rank defaults to ``trainer.global_rank``).
@@ -26,35 +94,37 @@ class GpuTrainCallback(Callback):
         self.batch_size = batch_size
         self.monitor = monitor
         self._kwargs = monitor_kwargs
-        self._hooks: HookTimer | None = None
+        self._profiler: _TimingProfiler | None = None
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if self.monitor is None:
             self._kwargs.setdefault("rank", trainer.global_rank)
             self.monitor = TrainingMonitor(**self._kwargs)
-        self._hooks = HookTimer(self.monitor)
+        if stage == "fit" and self._profiler is None:
+            self._profiler = _TimingProfiler(trainer.profiler, self.monitor)
+            trainer.profiler = self._profiler
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.monitor._detect_gpus()
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        self._hooks.pause()
-
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
-                             batch_idx: int) -> None:
-        self._hooks.batch_start()
+        self.monitor.new_epoch()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self._hooks.batch_end(self.batch_size or batch_len(batch))
+        self.monitor._step_done(self.batch_size or batch_len(batch), _now())
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        if trainer.sanity_checking:
-            return
-        self._hooks.pause()
-        self.monitor.phase("evaluation").__enter__()
+        if not trainer.sanity_checking:
+            self.monitor.phase("evaluation").__enter__()
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.sanity_checking:
             self.monitor.phase("evaluation").__exit__(None, None, None)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self._profiler is not None and trainer.profiler is self._profiler:
+            trainer.profiler = self._profiler._inner  # the trainer's own, for its summary
+        self._profiler = None
         if self.monitor is not None and stage == "fit":
             self.monitor.close()

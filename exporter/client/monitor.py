@@ -3,9 +3,10 @@
 The hot path only reads ``time.perf_counter`` and updates a few numbers: no I/O, no lock, no
 CUDA synchronisation, no allocation that grows. A background daemon thread (see
 :mod:`exporter.client.pusher`) sends the cumulative totals to the daemon every few seconds.
-Consistency between the two threads comes from a sequence counter (a seqlock): the training
-thread makes it odd while it updates and even when done; the pusher retries a copy that
-straddled an update.
+The two threads need no lock: every total only grows, each is read in one step, and the step
+count is the sum of the one copy of the histogram's buckets (``list()`` of a list runs without
+a thread switch), so a push's histogram is always consistent. A push may see a step's
+seconds before its data wait (never the reverse) and carry the rest one push later.
 """
 
 from __future__ import annotations
@@ -92,6 +93,11 @@ def cuda_gpu_refs() -> list[str]:
     return [r for r in refs if r.isdigit() or r.startswith(("GPU-", "MIG-"))]
 
 
+# Phases that are not part of any step: their time is taken out of the step they interrupt
+# and is never data wait. Every other phase (callbacks, logging, ...) is part of its step.
+OUTSIDE_STEP_PHASES = frozenset({"dataloader_start", "evaluation", "checkpoint"})
+
+
 class _DataWait:
     __slots__ = ("_m", "_t0")
 
@@ -100,12 +106,16 @@ class _DataWait:
         self._t0 = 0.0
 
     def __enter__(self) -> None:
-        self._t0 = t = _now()
-        if self._m._boundary is None:
-            self._m._boundary = t
+        self._t0 = _now()
 
-    def __exit__(self, *exc: object) -> None:
-        self._m._pending_wait += _now() - self._t0
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        m = self._m
+        t0 = self._t0
+        m._pending_wait += _now() - t0
+        if m._boundary is None:
+            m._boundary = t0
+        if exc_type is not None:  # StopIteration, say: no step will claim this fetch
+            m._flush_wait()
 
 
 class _Step:
@@ -119,42 +129,42 @@ class _Step:
         if self._m._boundary is None:
             self._m._boundary = _now()
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         m = self._m
         now = _now()
-        # _record, inlined: this runs once per step of a hand-written loop
+        # TrainingMonitor._step_done, inlined: this runs once per step of a hand-written loop
         step_s = now - m._boundary
-        m._seq += 1
-        m._steps += 1
         m._step_seconds += step_s
         m._wait_seconds += m._pending_wait
         m._samples += self.samples
         m._counts[bisect_left(m._bounds, step_s)] += 1
         m._last_step = now
-        m._seq += 1
         m._pending_wait = 0.0
         m._boundary = now
-        if m._gpus_seen_at_step <= 0:
+        if m._redetect:
             m._detect_gpus()
 
 
 class _Phase:
-    __slots__ = ("_m", "_name", "_t0")
+    __slots__ = ("_m", "_name", "_outside", "_t0")
 
-    def __init__(self, monitor: TrainingMonitor, name: str) -> None:
+    def __init__(self, monitor: TrainingMonitor, name: str, outside: bool) -> None:
         self._m = monitor
         self._name = name
+        self._outside = outside
         self._t0 = 0.0
 
     def __enter__(self) -> None:
+        if self._outside:
+            self._m._outside_depth += 1
         self._t0 = _now()
 
-    def __exit__(self, *exc: object) -> None:
-        m = self._m
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         elapsed = _now() - self._t0
-        m._seq += 1
-        m._phases[self._name] = m._phases.get(self._name, 0.0) + elapsed
-        m._seq += 1
+        m = self._m
+        if self._outside:
+            m._outside_depth -= 1
+        m._add_phase(self._name, elapsed, self._outside)
 
 
 class TrainingMonitor:
@@ -164,6 +174,12 @@ class TrainingMonitor:
     ``endpoint`` defaults to ``GPUTRAIN_URL``, then ``http://127.0.0.1:19401``; ``token`` to
     ``GPUTRAIN_TOKEN`` (or the file named by ``GPUTRAIN_TOKEN_FILE``). ``push_interval`` is in
     seconds. If the daemon is down, training goes on unslowed and the totals arrive later.
+
+    What is measured: a step runs from the end of the previous step (or its first fetch after
+    a new epoch) to its own end, less the time spent in :data:`OUTSIDE_STEP_PHASES`
+    (evaluation, checkpoint saves, DataLoader start-up); its data wait is the time blocked
+    fetching its batch. A fetch that no step follows (the ``next()`` that ends an epoch) is
+    added to the data-wait and step-second totals at once, so no fetch is ever lost.
     """
 
     def __init__(self, run: str | None = None, rank: str | int | None = None,
@@ -180,20 +196,22 @@ class TrainingMonitor:
         self._wall_offset = time.time() - time.perf_counter()
         self._bounds = tuple(float(b) for b in buckets)
         self._counts = [0] * (len(self._bounds) + 1)  # per bucket, not cumulative; +Inf last
-        self._seq = 0
-        self._steps = 0
         self._step_seconds = 0.0
         self._wait_seconds = 0.0
         self._samples = 0.0
         self._last_step = 0.0  # perf_counter of the last step's end; 0 = none yet
         self._phases: dict[str, float] = {}
         self._phase_timers: dict[str, _Phase] = {}
+        # The open step interval: where it began (None: no step open, e.g. after new_epoch();
+        # moved later by the time of outside-step phases within it), and the fetch time in it.
         self._boundary: float | None = None
         self._pending_wait = 0.0
+        self._outside_depth = 0
+        self._wrap_samples: float | None = None  # samples of the wrap() step in progress
         self._data_wait = _DataWait(self)
         self._step = _Step(self)
         self._gpus: list[str] = []
-        self._gpus_seen_at_step = -1
+        self._redetect = True  # look for the GPUs again after the first step (CUDA is up then)
         self._pid = os.getpid()
         self._closed = False
         from exporter.client.pusher import Pusher
@@ -208,34 +226,45 @@ class TrainingMonitor:
     # -- measuring ---------------------------------------------------------------------------
 
     def wrap(self, iterable: Iterable[T], batch_size: int | None = None) -> Iterator[T]:
-        """Iterate ``iterable``; time blocked in ``next()`` is data wait, a step ends when the
-        loop body asks for the next batch. Samples are ``batch_size`` or ``batch_len(batch)``."""
-        clock = _now
-        record = self._record
-        prev = clock()
+        """Iterate ``iterable``: time blocked in ``next()`` is data wait (the last ``next()``,
+        which ends the epoch, too); a step ends when the loop body asks for the next batch.
+        ``iter(iterable)`` (DataLoader worker start-up) is the phase ``dataloader_start``.
+        Samples are ``batch_size`` or ``batch_len(batch)``. :meth:`new_epoch` applies inside."""
+        with self.phase("dataloader_start"):
+            it = iter(iterable)
         self._detect_gpus()
-        it = iter(iterable)
+        clock = _now
+        done = self._step_done
         while True:
+            t0 = clock()
             try:
                 batch = next(it)
             except StopIteration:
+                self._pending_wait += clock() - t0
+                if self._boundary is None:
+                    self._boundary = t0
+                self._flush_wait()
                 return
-            waited = clock() - prev
+            self._pending_wait += clock() - t0
+            if self._boundary is None:
+                self._boundary = t0
             n = batch_size if batch_size is not None else batch_len(batch)
+            self._wrap_samples = n  # this step is open until the body asks for the next batch
             try:
                 yield batch
             except GeneratorExit:
-                now = clock()
-                record(now - prev, waited, n, now)
+                if self._wrap_samples is not None:
+                    self._wrap_samples = None
+                    done(n, clock())
                 raise
             now = clock()
-            record(now - prev, waited, n, now)
-            prev = now
-            if self._gpus_seen_at_step == 0:
-                self._detect_gpus()
+            if self._wrap_samples is not None:  # else new_epoch() in the body ended it
+                self._wrap_samples = None
+                done(n, now)
 
     def data_wait(self) -> _DataWait:
-        """``with monitor.data_wait(): batch = next(it)`` for hand-written loops."""
+        """``with monitor.data_wait(): batch = next(it)`` for hand-written loops. A fetch that
+        raises (StopIteration at the end of an epoch) still counts as data wait."""
         return self._data_wait
 
     def step(self, samples: float = 0) -> _Step:
@@ -244,65 +273,99 @@ class TrainingMonitor:
         self._step.samples = samples
         return self._step
 
-    def phase(self, name: str) -> _Phase:
-        """``with monitor.phase("checkpoint"): ...``: seconds spent in a named phase."""
-        timer = self._phase_timers.get(name)
+    def phase(self, name: str, outside_step: bool | None = None) -> _Phase:
+        """``with monitor.phase("checkpoint"): ...``: seconds spent in a named phase.
+
+        A phase named in :data:`OUTSIDE_STEP_PHASES` (``evaluation``, ``checkpoint``,
+        ``dataloader_start``), or any phase with ``outside_step=True``, is not part of the step
+        it interrupts; any other phase (``callbacks``, ``logging``) is part of its step."""
+        key = (name, outside_step)
+        timer = self._phase_timers.get(key)
         if timer is None:
-            timer = self._phase_timers[name] = _Phase(self, sanitize(name)[:64])
+            clean = sanitize(name)[:64]
+            outside = clean in OUTSIDE_STEP_PHASES if outside_step is None else outside_step
+            timer = self._phase_timers[key] = _Phase(self, clean, outside)
         return timer
 
     def new_epoch(self) -> None:
-        """Forget the last step boundary, so time between epochs is not counted as a step."""
+        """Time from here to the next fetch is not part of any step: call it before work
+        between epochs that is not a phase. Inside a :meth:`wrap` loop body it ends the step
+        in progress here (call it before that work, not after)."""
+        if self._wrap_samples is not None:
+            self._step_done(self._wrap_samples, _now())
+            self._wrap_samples = None
+        self._flush_wait()
         self._boundary = None
-        self._pending_wait = 0.0
 
-    def _record(self, step_s: float, wait_s: float, samples: float, now: float) -> None:
-        if self._gpus_seen_at_step < 0:
-            self._gpus_seen_at_step = 0
-        self._seq += 1
-        self._steps += 1
+    # -- primitives for the framework integrations (training thread only) ------------------
+
+    def _fetched(self, seconds: float, now: float) -> None:
+        """A fetch of ``seconds`` that ended at ``now`` belongs to the open step."""
+        self._pending_wait += seconds
+        if self._boundary is None:
+            self._boundary = now - seconds
+
+    def _step_done(self, samples: float, now: float) -> None:
+        """End the open step at ``now``."""
+        if self._boundary is None:  # a step with no fetch seen: it began at the last mark
+            self._boundary = now
+        step_s = now - self._boundary
         self._step_seconds += step_s
-        self._wait_seconds += wait_s
+        self._wait_seconds += self._pending_wait
         self._samples += samples
         self._counts[bisect_left(self._bounds, step_s)] += 1
         self._last_step = now
-        self._seq += 1
+        self._pending_wait = 0.0
+        self._boundary = now
+        if self._redetect:
+            self._detect_gpus()
+
+    def _add_phase(self, name: str, seconds: float, outside: bool) -> None:
+        """Count ``seconds`` of phase ``name`` that just ended."""
+        self._phases[name] = self._phases.get(name, 0.0) + seconds
+        # only the outermost outside phase is taken out, and only of a step that is open
+        if outside and self._outside_depth == 0 and self._boundary is not None:
+            self._boundary += seconds
+
+    def _flush_wait(self) -> None:
+        """Fetch time that no step will claim goes into the totals now (step seconds too, so
+        data wait never exceeds step time); it is taken out of the open step."""
+        wait = self._pending_wait
+        if not wait:
+            return
+        self._step_seconds += wait  # before the wait: a push never sees more wait than steps
+        self._wait_seconds += wait
+        self._pending_wait = 0.0
+        if self._boundary is not None:
+            self._boundary += wait
 
     def _detect_gpus(self) -> None:
-        """Called on the training thread at the start of a wrap and after its first step."""
+        """Called on the training thread at the start of a wrap and after the first step."""
         self._gpus = cuda_gpu_refs()
-        self._gpus_seen_at_step = self._steps
+        self._redetect = self._redetect and not any(self._counts)
 
     # -- reading (pusher thread) -------------------------------------------------------------
 
     def totals(self) -> dict[str, Any]:
-        """A consistent copy of the cumulative totals (safe from any thread)."""
-        for _ in range(1000):
-            seq = self._seq
-            if seq & 1:
-                time.sleep(0)
-                continue
-            copy = {
-                "steps": self._steps,
-                "step_seconds": self._step_seconds,
-                "data_wait_seconds": self._wait_seconds,
-                "samples": self._samples,
-                "counts": list(self._counts),
-                "phases": dict(self._phases),
-                "last_step": self._last_step,
-            }
-            if self._seq == seq:
-                break
+        """A copy of the cumulative totals (safe from any thread, no lock: see the module)."""
+        wait = self._wait_seconds  # before the step seconds, which grow first
+        counts = list(self._counts)
         cumulative, running = [], 0
-        for c in copy.pop("counts")[:-1]:
+        for c in counts[:-1]:
             running += c
             cumulative.append(running)
-        last = copy.pop("last_step")
-        copy["last_step_timestamp"] = last + self._wall_offset if last else None
-        copy["step_buckets"] = list(self._bounds)
-        copy["step_counts"] = cumulative
-        copy["gpus"] = list(self._gpus)
-        return copy
+        last = self._last_step
+        return {
+            "steps": running + counts[-1],
+            "step_seconds": self._step_seconds,
+            "data_wait_seconds": wait,
+            "samples": self._samples,
+            "phases": dict(self._phases),
+            "last_step_timestamp": last + self._wall_offset if last else None,
+            "step_buckets": list(self._bounds),
+            "step_counts": cumulative,
+            "gpus": list(self._gpus),
+        }
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -315,6 +378,7 @@ class TrainingMonitor:
         if self._closed or os.getpid() != self._pid:
             return
         self._closed = True
+        self._flush_wait()
         self._pusher.stop(goodbye=True, timeout=timeout)
 
     def __enter__(self) -> TrainingMonitor:
@@ -351,32 +415,41 @@ def _close_at_exit(ref: weakref.ref) -> None:
 
 
 class HookTimer:
-    """Step timing from a framework's batch-begin and batch-end hooks.
-
-    The framework fetches the next batch between one batch's end hook and the next one's begin
-    hook, so that gap is the data wait; a step runs from one batch end to the next.
-    """
+    """Step timing for frameworks that announce batches through hooks but do not expose the
+    fetch itself: the fetch is the time from the last *mark* (the end of the previous step,
+    or of whatever ran after it: logging, an evaluation, a checkpoint save) to the start of
+    the next batch. Each integration calls :meth:`mark` after work that is not a fetch."""
 
     def __init__(self, monitor: TrainingMonitor) -> None:
         self.monitor = monitor
-        self._last_end: float | None = None
-        self._wait = 0.0
+        self._mark = _now()
+        self._detected = False
+
+    def mark(self) -> float:
+        """Whatever ran until now was not a fetch."""
+        self._mark = now = _now()
+        return now
+
+    def epoch_start(self) -> None:
+        """A new epoch: the time since the last step is no step."""
+        self.monitor.new_epoch()
+        self.mark()
 
     def batch_start(self) -> None:
+        """The framework has its batch: the time since the last mark was the fetch."""
         now = _now()
-        if self._last_end is None:
-            self._last_end = now
+        if not self._detected:
+            self._detected = True
             self.monitor._detect_gpus()
-        self._wait = now - self._last_end
+        self.monitor._fetched(now - self._mark, now)
 
     def batch_end(self, samples: float) -> None:
-        m = self.monitor
-        now = _now()
-        if self._last_end is None:
-            return
-        m._record(now - self._last_end, self._wait, samples, now)
-        self._last_end = now
+        """The step is done."""
+        self.monitor._step_done(samples, self.mark())
 
-    def pause(self) -> None:
-        """Between epochs or around validation: the gap is not a step."""
-        self._last_end = None
+    def phase_since_mark(self, name: str, since: float | None = None) -> None:
+        """The time from the last mark (or ``since``) to now was the phase ``name``."""
+        start = self._mark if since is None else since
+        now = self.mark()
+        m = self.monitor
+        m._add_phase(name, now - start, m.phase(name)._outside)

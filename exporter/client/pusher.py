@@ -81,9 +81,13 @@ class Pusher:
             self._headers["Authorization"] = f"Bearer {monitor.token}"
         self._wake = threading.Event()
         self._stopping = threading.Event()
+        # push_now() waits for a push whose totals were read after it asked: it takes ticket
+        # n; a push reads the tickets issued before it reads the totals, and when it is done
+        # marks them tried (and accepted, if the daemon took it).
         self._pushed = threading.Condition()
-        self._push_count = 0
-        self._ok_count = 0
+        self._tickets = 0
+        self._tried = 0
+        self._accepted = 0
         self._thread: threading.Thread | None = None
         self._session: requests.Session | None = None
         self._failing = False
@@ -113,15 +117,17 @@ class Pusher:
                 delay * 2, self._monitor.push_interval))
 
     def push_now(self, timeout: float) -> bool:
-        """Ask the thread for a push and wait for it; True when it was accepted."""
+        """Push the totals as they are now and wait up to ``timeout`` seconds; True when the
+        daemon accepted them (or later ones). A push already under way when this is called
+        carries older totals and does not count."""
         if self._thread is None:
             return self.push_once()
         with self._pushed:
-            target = self._push_count + 1
-            ok_before = self._ok_count
+            self._tickets += 1
+            ticket = self._tickets
             self._wake.set()
-            self._pushed.wait_for(lambda: self._push_count >= target, timeout)
-            return self._ok_count > ok_before
+            self._pushed.wait_for(lambda: self._tried >= ticket, timeout)
+            return self._accepted >= ticket
 
     def payload(self, goodbye: bool = False) -> dict[str, Any]:
         m = self._monitor
@@ -142,10 +148,13 @@ class Pusher:
         if self._disabled:
             return False
         with self._lock:
+            with self._pushed:
+                serves = self._tickets  # read before the totals are
             ok = self._push_locked(goodbye, timeout)
         with self._pushed:
-            self._push_count += 1
-            self._ok_count += ok
+            self._tried = max(self._tried, serves)
+            if ok:
+                self._accepted = max(self._accepted, serves)
             self._pushed.notify_all()
         return ok
 

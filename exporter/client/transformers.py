@@ -10,18 +10,29 @@ from exporter.client.monitor import HookTimer, TrainingMonitor
 
 
 class GpuTrainCallback(TrainerCallback):
-    """Measures optimizer steps: step time, data wait (the gap between ``on_step_end`` and the
-    next ``on_step_begin``, where the Trainer fetches the batch) and samples
-    (``per_device_train_batch_size x gradient_accumulation_steps``). With gradient
-    accumulation the fetches of the inner micro-batches fall inside the step and are not
-    counted as data wait. Keyword arguments go to :class:`TrainingMonitor` (the rank defaults
-    to ``args.process_index``)."""
+    """Measures optimizer steps of ``Trainer.train``.
+
+    - Data wait is the fetch: the Trainer takes all of a step's micro-batches from its
+      iterator before ``on_step_begin``, so with gradient accumulation every micro-batch fetch
+      counts. It is timed from the last hook before the fetch (the previous step's end, or the
+      log, evaluation or save after it) to ``on_step_begin``; the first step of an epoch also
+      includes ``iter()`` of the DataLoader (worker start-up), which has no hook.
+    - A step runs from the previous step's end to ``on_step_end``; logging after a step is
+      part of the next step.
+    - Evaluation (up to ``on_evaluate``) is the phase ``evaluation`` and a checkpoint save (up
+      to ``on_save``) the phase ``checkpoint``: neither is in step time or data wait.
+    - Samples are ``per_device_train_batch_size x gradient_accumulation_steps`` per step.
+
+    Keyword arguments go to :class:`TrainingMonitor` (the rank defaults to
+    ``args.process_index``).
+    """
 
     def __init__(self, monitor: TrainingMonitor | None = None, **monitor_kwargs: Any) -> None:
         self.monitor = monitor
         self._kwargs = monitor_kwargs
         self._hooks: HookTimer | None = None
         self._samples = 0
+        self._eval_since: float | None = None  # the mark before the evaluation now running
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is None:
@@ -31,7 +42,7 @@ class GpuTrainCallback(TrainerCallback):
         self._samples = args.per_device_train_batch_size * args.gradient_accumulation_steps
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._hooks.pause()
+        self._hooks.epoch_start()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._hooks.batch_start()
@@ -39,11 +50,25 @@ class GpuTrainCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._hooks.batch_end(self._samples)
 
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._hooks.mark()
+
+    def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._hooks is not None and self._eval_since is None:
+            self._hooks.mark()
+
+    def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._hooks is not None and self._eval_since is None:
+            self._eval_since = self._hooks._mark  # the evaluation began after the last mark
+
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._hooks.pause()  # evaluation ran after the last step: not data wait
+        if self._hooks is not None:
+            self._hooks.phase_since_mark("evaluation", self._eval_since)
+            self._eval_since = None
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._hooks.pause()
+        if self._hooks is not None:
+            self._hooks.phase_since_mark("checkpoint")
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is not None:
