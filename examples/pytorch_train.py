@@ -10,6 +10,7 @@ Other flags inject seed 002's bottlenecks, to see what the alerts say about each
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -93,6 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="inject: a checkpoint stall every N steps (phase 'checkpoint')")
     p.add_argument("--checkpoint-seconds", type=float, default=2.0)
+    p.add_argument("--torch-profiler", action="store_true",
+                   help="run under torch.profiler and print its DataLoader time beside the "
+                        "client's data wait")
     return p.parse_args(argv)
 
 
@@ -119,7 +123,38 @@ def main(argv: list[str] | None = None) -> dict:
     amp_dtype = torch.bfloat16 if device.type == "cpu" or torch.cuda.is_bf16_supported() \
         else torch.float16
     monitor = TrainingMonitor(run=args.run)
+    profiler = contextlib.nullcontext()
+    if args.torch_profiler:
+        from torch.profiler import ProfilerActivity, profile
+
+        profiler = profile(activities=[ProfilerActivity.CPU]
+                           + ([ProfilerActivity.CUDA] if device.type == "cuda" else []))
     started = time.perf_counter()
+    steps = 0
+    with profiler:
+        steps = train(args, monitor, loader, model, opt, waste, device, amp_dtype, started)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - started
+    totals = monitor.totals()
+    monitor.close()
+    result = {"steps": steps, "seconds": elapsed,
+              "samples_per_second": steps * args.batch_size / elapsed,
+              "data_wait_ratio": totals["data_wait_seconds"] / max(totals["step_seconds"], 1e-9)}
+    if args.torch_profiler:
+        result["client_data_wait_seconds"] = totals["data_wait_seconds"]
+        result["profiler_data_wait_seconds"] = sum(
+            e.cpu_time_total for e in profiler.key_averages()
+            if e.key.startswith("enumerate(DataLoader)")) / 1e6
+    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                   for k, v in result.items()))
+    return result
+
+
+def train(args: argparse.Namespace, monitor: TrainingMonitor, loader: DataLoader,
+          model: torch.nn.Module, opt: torch.optim.Optimizer, waste: torch.Tensor | None,
+          device: torch.device, amp_dtype: torch.dtype, started: float) -> int:
+    """The training loop; returns the steps done."""
     steps = 0
     for images, labels in monitor.wrap(loader, batch_size=args.batch_size):
         images = images.to(device, non_blocking=args.pin_memory)
@@ -148,17 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
             break
         if not args.seconds and steps >= args.steps:
             break
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - started
-    totals = monitor.totals()
-    monitor.close()
-    result = {"steps": steps, "seconds": elapsed,
-              "samples_per_second": steps * args.batch_size / elapsed,
-              "data_wait_ratio": totals["data_wait_seconds"] / max(totals["step_seconds"], 1e-9)}
-    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                   for k, v in result.items()))
-    return result
+    return steps
 
 
 if __name__ == "__main__":
