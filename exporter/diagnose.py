@@ -7,8 +7,12 @@ order of HEURISTICS.md to one verdict with its advice. It queries the raw metric
 whether or not the recording rules are loaded; thresholds come from the same file as
 ``gputrain-exporter rules --config``.
 
-Exit status: 0 no bottleneck, 1 a bottleneck found, 2 Prometheus unreachable or without
-gputrain data.
+Every finding is the condition of one catalogue alert (:mod:`exporter.catalogue`), evaluated on
+the same values, so the verdict and the findings beside it are the bottleneck alerts that fire.
+
+Exit status: 0 nothing to act on (every rank ``ok``); 1 a rank has a bottleneck, or its GPUs are
+under-used with no stage to blame; 2 Prometheus unreachable or without gputrain data; 3 no
+bottleneck, but a rank whose GPUs the exporter does not know (``no-gpu-data``).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 
 import requests
 
+from exporter.catalogue import BY_ALERT, BY_VERDICT
 from exporter.client.monitor import OUTSIDE_STEP_PHASES
 from exporter.rules import (
     DEFAULTS,
@@ -32,46 +37,28 @@ from exporter.rules import (
 )
 
 RANK = ("job", "instance", "run", "rank")
-ADVICE = {
+# Verdicts that are no alert of the catalogue: the good case and the blind one.
+STATUS_ADVICE = {
     "gpu-bound": "The GPU is the bottleneck, as it should be. To make each GPU-second count, "
                  "profile the heaviest kernels.",
-    "tensor-cores-idle": "Train with automatic mixed precision (torch.autocast) or bf16 so the "
-                         "tensor cores do the matrix work.",
-    "launch-bound": "The GPU is busy with kernels too small to load it: use a larger batch, "
-                    "CUDA graphs or torch.compile, and fuse small ops.",
-    "small-batch": "The GPU's memory is mostly unused: raise the batch size (and re-tune the "
-                   "learning rate).",
-    "cpu-preprocessing": "Input-bound with the CPUs saturated: move augmentation to the GPU "
-                         "(DALI, GPU transforms), pre-process offline, or get more cores.",
-    "disk-io": "Input-bound on the disks: cache the data set in memory, use faster storage, "
-               "larger sequential reads or more reader threads.",
-    "network-input": "Input-bound on the network: compress or shrink the raw data, stream it, "
-                     "or use a higher-bandwidth node.",
-    "input-bound": "Waiting on the data loader with CPU, disk and network to spare: use more "
-                   "DataLoader workers (num_workers), pin_memory=True and prefetching.",
-    "host-to-device": "Host-to-device copies fill the PCIe link: send uint8 and normalise on "
-                      "the GPU, use pin_memory and non_blocking copies, defer casts to the GPU.",
-    "phase": "A phase of the step keeps the GPU idle: move it to a background thread, run it "
-             "every N steps, keep metrics on the GPU.",
-    "host-overhead": "The GPU idles although data is ready: look for host-side work in the "
-                     "step (Python overhead, .item() or other synchronisation, logging).",
-    "stalled": "The rank made no step in the window although it still reports: look for a hang "
-               "in a collective, a dead worker or a deadlock.",
     "no-gpu-data": "No GPU of this rank is known to the exporter: check that the client reports "
                    "its GPU (CUDA_VISIBLE_DEVICES or torch.cuda) and that the exporter sees it.",
 }
-NO_BOTTLENECK = {"gpu-bound", "no-gpu-data"}
-# Step 5 of the decision order: findings beside the verdict, across ranks and across time.
-ALSO_ADVICE = {
-    "straggler": "This rank lags its run's other ranks: check its node's input, thermal "
-                 "throttling, a slower GPU or link.",
-    "step-time-stalls": "Periodic stalls (typically checkpoints): checkpoint asynchronously "
-                        "or less often, write to local disk and upload later.",
-    "throttling": "The GPU's clocks are held down by power or temperature: check cooling and "
-                  "the power limit (nvidia-smi -q -d PERFORMANCE).",
-    "memory-leak": "The training process's memory keeps growing: look for tensors kept "
-                   "across steps (losses without .item()) and growing caches.",
-}
+# The decision order of HEURISTICS.md: the first finding that holds is the verdict, the
+# others are listed beside it. Each finding is the condition of one catalogue alert.
+ORDER = ("stalled", "cpu-preprocessing", "disk-io", "network-input", "input-bound",
+         "host-to-device", "host-overhead", "launch-bound", "tensor-cores-idle", "small-batch",
+         "step-time-stalls", "straggler", "memory-leak", "throttling")
+UNDERUTILIZED = "underutilized"  # busy under the target, no stage to blame (the symptom alert)
+
+
+def advice(verdict: str) -> str:
+    """What to change for a verdict: the catalogue's advice, the same text the alert gives."""
+    if verdict in STATUS_ADVICE:
+        return STATUS_ADVICE[verdict]
+    if verdict == UNDERUTILIZED:
+        return BY_ALERT["GpuTrainGPUUnderutilized"].advice
+    return BY_VERDICT[verdict].advice
 
 
 class PrometheusError(Exception):
@@ -113,8 +100,10 @@ class RankReport:
     host: dict[str, float] = field(default_factory=dict)
     step_p50_seconds: float | None = None
     step_p99_seconds: float | None = None
-    rss_bytes_in_horizon: float | None = None  # predicted resident memory at the horizon
-    rss_growing: bool = False
+    seconds_since_step: float | None = None
+    rss_growth_1h: float | None = None  # bytes per second, over the last hour
+    rss_growth_15m: float | None = None  # ... and over the last 15 minutes
+    status: str = ""  # ok, bottleneck, underutilized or no-gpu-data
     verdict: str = ""
     reason: str = ""
     advice: str = ""
@@ -122,20 +111,28 @@ class RankReport:
 
     @property
     def bottleneck(self) -> bool:
-        return self.verdict not in NO_BOTTLENECK or bool(self.also)
+        """Something to act on."""
+        return self.status in ("bottleneck", "underutilized")
+
+    def findings(self) -> list[str]:
+        """The verdict and every finding beside it: the bottleneck alerts that fire."""
+        return ([self.verdict] if self.verdict in BY_VERDICT else []) + [
+            f.name for f in self.also]
 
 
 class Prometheus:
     """The few calls of the HTTP API this command needs."""
 
-    def __init__(self, url: str, timeout: float = 10.0) -> None:
+    def __init__(self, url: str, timeout: float = 10.0, at: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self.at = at  # evaluate at this time (unix seconds or RFC 3339), else now
         self.session = requests.Session()
 
     def query(self, expr: str) -> list[tuple[dict[str, str], float]]:
         try:
-            r = self.session.get(f"{self.url}/api/v1/query", params={"query": expr},
+            params = {"query": expr, **({"time": self.at} if self.at else {})}
+            r = self.session.get(f"{self.url}/api/v1/query", params=params,
                                  timeout=self.timeout)
         except requests.RequestException as exc:
             raise PrometheusError(f"cannot reach Prometheus at {self.url}: {exc}") from None
@@ -155,7 +152,7 @@ class Prometheus:
         return out
 
 
-def queries(selector: str, window: str, horizon: float = 14400) -> dict[str, str]:
+def queries(selector: str, window: str) -> dict[str, str]:
     """The PromQL this command runs, by name: the recording rules' own expressions written
     inline (over ``window`` instead of 5m), so it needs no rules loaded in Prometheus."""
     records = recording_rules(selector)
@@ -180,9 +177,10 @@ def queries(selector: str, window: str, horizon: float = 14400) -> dict[str, str
         "throttled": rule(rank_gpu_join(s, "gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m")),
         "step_p50_seconds": rule("run_rank:gputrain_training_step_seconds:p50_30m"),
         "step_p99_seconds": rule("run_rank:gputrain_training_step_seconds:p99_30m"),
-        "rss_bytes_in_horizon": f"sum by ({r}) (predict_linear(gputrain_training_process_resident_memory_bytes{{{s}}}[1h], {horizon}))",  # noqa: E501
-        "rss_growing": f"sum by ({r}) (deriv(gputrain_training_process_resident_memory_bytes{{{s}}}[1h])) > 0",  # noqa: E501
-        "memory_total": f"sum by (job, instance) (gputrain_host_memory_total_bytes{{{s}}})",
+        "seconds_since_step": f"max by ({r}) (time() - gputrain_training_last_step_timestamp_seconds{{{s}}})",  # noqa: E501
+        "rss_growth_1h": f"sum by ({r}) (deriv(gputrain_training_process_resident_memory_bytes{{{s}}}[1h]))",  # noqa: E501
+        "rss_growth_15m": f"sum by ({r}) (deriv(gputrain_training_process_resident_memory_bytes{{{s}}}[15m]))",  # noqa: E501
+        "memory_available": f"sum by (job, instance) (gputrain_host_memory_available_bytes{{{s}}})",
         "cpu_busy": rule("instance:gputrain_host_cpu_busy:ratio_rate5m"),
         "iowait": rule("instance:gputrain_host_cpu_iowait:ratio_rate5m"),
         "disk_busy": rule("instance:gputrain_host_disk_busy:max_rate5m"),
@@ -195,10 +193,9 @@ def _rank_key(labels: dict[str, str]) -> tuple[str, ...]:
     return tuple(labels.get(k, "") for k in RANK)
 
 
-def collect(prom: Prometheus, selector: str, window: str, run: str | None,
-            horizon: float = 14400) -> list[RankReport]:
+def collect(prom: Prometheus, selector: str, window: str, run: str | None) -> list[RankReport]:
     """One report per (run, rank) active in the window, readings filled, no verdict yet."""
-    q = queries(selector, window, horizon)
+    q = queries(selector, window)
     reports: dict[tuple, RankReport] = {}
     for labels, steps in prom.query(q["steps"]):
         if run is not None and labels.get("run") != run:
@@ -206,15 +203,11 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
         key = _rank_key(labels)
         reports[key] = RankReport(*key, steps_per_second=steps)
     for name in ("samples_per_second", "step_seconds", "data_wait_ratio", "step_p50_seconds",
-                 "step_p99_seconds", "rss_bytes_in_horizon"):
+                 "step_p99_seconds", "seconds_since_step", "rss_growth_1h", "rss_growth_15m"):
         for labels, value in prom.query(q[name]):
             rep = reports.get(_rank_key(labels))
             if rep:
                 setattr(rep, name, value)
-    for labels, _ in prom.query(q["rss_growing"]):
-        rep = reports.get(_rank_key(labels))
-        if rep:
-            rep.rss_growing = True
     for labels, value in prom.query(q["phases"]):
         rep = reports.get(_rank_key(labels))
         if rep:
@@ -231,7 +224,7 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
                 reading = GpuReading(labels.get("gpu", ""), labels.get("uuid", ""))
                 rep.gpus.append(reading)
             setattr(reading, name, value)
-    for name in ("cpu_busy", "iowait", "disk_busy", "network_rx_used", "memory_total"):
+    for name in ("cpu_busy", "iowait", "disk_busy", "network_rx_used", "memory_available"):
         for labels, value in prom.query(q[name]):
             for rep in reports.values():
                 if (rep.job, rep.instance) == (labels.get("job"), labels.get("instance")):
@@ -246,85 +239,95 @@ def _mean(values: list[float | None]) -> float | None:
     return sum(known) / len(known) if known else None
 
 
-def judge(rep: RankReport, t: dict[str, float]) -> RankReport:
-    """Set the verdict, following HEURISTICS.md's decision order."""
-    busy = _mean([x.busy for x in rep.gpus])
-    sm = _mean([x.sm_active for x in rep.gpus])
-    tensor = _mean([x.tensor_active for x in rep.gpus])
-    memory = _mean([x.memory_used for x in rep.gpus])
-    power = _mean([x.power_used for x in rep.gpus])
-    pcie = max((x.pcie_rx_used for x in rep.gpus if x.pcie_rx_used is not None), default=None)
-    wait = rep.data_wait_ratio or 0.0
-    h = rep.host
-
-    def verdict(name: str, reason: str) -> RankReport:
-        rep.verdict, rep.reason, rep.advice = name, reason, ADVICE[name]
-        return rep
-
-    def pct(x: float | None) -> str:
-        return "n/a" if x is None else f"{x * 100:.1f}%"
-
-    if rep.steps_per_second <= 0:
-        return verdict("stalled", "no step in the window")
-    if busy is None:
-        if wait >= t["input_bound"]:
-            return verdict("input-bound", f"data wait {pct(wait)} of each step (no GPU data)")
-        return verdict("no-gpu-data", "the exporter reports no GPU for this rank")
-    if busy >= t["gpu_busy_target"]:
-        # 4. the GPU is busy: is each GPU-second well spent?
-        if sm is not None and tensor is not None and sm >= t["tensor_sm_active_above"] \
-                and tensor < t["tensor_active_below"]:
-            return verdict("tensor-cores-idle",
-                           f"GPU busy {pct(busy)}, SM active {pct(sm)}, tensor active "
-                           f"{pct(tensor)}")
-        if busy >= t["launch_busy_above"] and (
-                (power is not None and power < t["launch_power_below"])
-                or (sm is not None and sm < t["launch_sm_active_below"])):
-            return verdict("launch-bound", f"GPU busy {pct(busy)} but power {pct(power)} of "
-                                           f"the limit, SM active {pct(sm)}")
-        if memory is not None and memory < t["memory_underused"]:
-            return verdict("small-batch", f"GPU busy {pct(busy)} with {pct(memory)} of its "
-                                          "memory used")
-        return verdict("gpu-bound", f"GPU busy {pct(busy)}")
-    # 2. the GPU waits: on data?
-    if wait >= t["input_bound"]:
-        why = f"GPU busy {pct(busy)}, data wait {pct(wait)} of each step"
-        if h.get("cpu_busy", 0) >= t["cpu_saturated"]:
-            return verdict("cpu-preprocessing", f"{why}, CPUs {pct(h['cpu_busy'])} busy")
-        if h.get("iowait", 0) >= t["iowait_high"] or h.get("disk_busy", 0) >= t["disk_busy_high"]:
-            return verdict("disk-io", f"{why}, iowait {pct(h.get('iowait'))}, busiest disk "
-                                      f"{pct(h.get('disk_busy'))}")
-        if h.get("network_rx_used", 0) >= t["network_saturated"]:
-            return verdict("network-input", f"{why}, network receive at "
-                                            f"{pct(h['network_rx_used'])} of the link")
-        return verdict("input-bound", f"{why}; CPU, disk and network have room")
-    # 3. data is ready but the GPU idles
-    why = f"GPU busy {pct(busy)}, data wait only {pct(wait)}"
-    if pcie is not None and pcie >= t["pcie_rx_high"] and busy < t["h2d_gpu_busy_below"]:
-        return verdict("host-to-device", f"{why}, PCIe RX at {pct(pcie)} of the link")
-    dominating = t["phase_dominates"] / (1 + t["phase_dominates"])
-    heavy = [(v, p) for p, v in rep.phases.items()
-             if v > dominating and p not in OUTSIDE_STEP_PHASES]
-    if heavy:
-        ratio, phase = max(heavy)
-        return verdict("phase", f"{why}, phase '{phase}' takes {pct(ratio)} of each step")
-    if memory is not None and memory < t["memory_underused"]:
-        return verdict("small-batch", f"{why}, {pct(memory)} of GPU memory used")
-    return verdict("host-overhead", why)
-
-
 def _median(values: list[float]) -> float:
     v = sorted(values)
     mid = len(v) // 2
     return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
 
 
-def judge_across(reports: list[RankReport], t: dict[str, float]) -> list[RankReport]:
-    """Step 5 of the decision order: stragglers across a run's ranks; stalls, throttling and
-    leaks across time. Adds findings beside each rank's verdict."""
-    def add(rep: RankReport, name: str, reason: str) -> None:
-        rep.also.append(Finding(name, reason, ALSO_ADVICE[name]))
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x * 100:.1f}%"
 
+
+def rank_findings(rep: RankReport, t: dict[str, float]) -> dict[str, str]:
+    """Every finding of one rank that holds, with its reason: each is the condition of the
+    catalogue alert of that name, evaluated on the same recording-rule values (per GPU where
+    the alert is per GPU)."""
+    out: dict[str, str] = {}
+    wait, h = rep.data_wait_ratio, rep.host
+    if rep.seconds_since_step is not None and rep.seconds_since_step > t["stalled_seconds"]:
+        out["stalled"] = f"no step for {rep.seconds_since_step:.0f} s"
+    if wait is not None and wait >= t["input_bound"]:
+        why = f"data wait {_pct(wait)} of each step"
+        cpu = h.get("cpu_busy")
+        if cpu is not None and cpu >= t["cpu_saturated"]:
+            out["cpu-preprocessing"] = f"{why}, CPUs {_pct(cpu)} busy"
+        iowait, disk = h.get("iowait"), h.get("disk_busy")
+        if ((iowait is not None and iowait >= t["iowait_high"])
+                or (disk is not None and disk >= t["disk_busy_high"])) \
+                and cpu is not None and cpu < t["cpu_saturated"]:
+            out["disk-io"] = f"{why}, iowait {_pct(iowait)}, busiest disk {_pct(disk)}"
+        net = h.get("network_rx_used")
+        if net is not None and net >= t["network_saturated"]:
+            out["network-input"] = f"{why}, network receive at {_pct(net)} of the link"
+        out["input-bound"] = why
+    for x in rep.gpus:
+        if x.pcie_rx_used is not None and x.pcie_rx_used >= t["pcie_rx_high"] \
+                and x.busy is not None and x.busy < t["h2d_gpu_busy_below"]:
+            out.setdefault("host-to-device", f"GPU {x.gpu}: PCIe RX at {_pct(x.pcie_rx_used)} "
+                                             f"of the link, busy {_pct(x.busy)}")
+    busy = _mean([x.busy for x in rep.gpus])
+    in_step = {p: v for p, v in rep.phases.items() if p not in OUTSIDE_STEP_PHASES}
+    heavy = max(in_step.items(), key=lambda kv: kv[1], default=None)
+    dominating = t["phase_dominates"] / (1 + t["phase_dominates"])
+    if heavy is not None and heavy[1] > dominating:
+        out["host-overhead"] = f"phase '{heavy[0]}' takes {_pct(heavy[1])} of each step"
+    elif busy is not None and busy < t["gpu_busy_low"] and wait is not None \
+            and wait < t["input_bound"]:
+        out["host-overhead"] = f"GPU busy {_pct(busy)}, data wait only {_pct(wait)}"
+    for x in rep.gpus:
+        if x.busy is not None and x.busy >= t["launch_busy_above"] and (
+                (x.power_used is not None and x.power_used < t["launch_power_below"])
+                or (x.sm_active is not None and x.sm_active < t["launch_sm_active_below"])):
+            out.setdefault("launch-bound", f"GPU {x.gpu} busy {_pct(x.busy)} but power "
+                                           f"{_pct(x.power_used)} of the limit, SM active "
+                                           f"{_pct(x.sm_active)}")
+    for x in rep.gpus:
+        if x.sm_active is not None and x.tensor_active is not None \
+                and x.sm_active >= t["tensor_sm_active_above"] \
+                and x.tensor_active < t["tensor_active_below"]:
+            out.setdefault("tensor-cores-idle", f"GPU {x.gpu} SM active {_pct(x.sm_active)}, "
+                                                f"tensor active {_pct(x.tensor_active)}")
+    for x in rep.gpus:
+        if x.memory_used is not None and x.memory_used < t["memory_underused"]:
+            out.setdefault("small-batch", f"GPU {x.gpu}: {_pct(x.memory_used)} of its memory "
+                                          "used")
+    p50, p99 = rep.step_p50_seconds, rep.step_p99_seconds
+    checkpoint = rep.phases.get("checkpoint")
+    if p50 and p99 and p99 > t["stall_p99_over_p50"] * p50:
+        out["step-time-stalls"] = (f"p99 step time {p99:.3g} s is over "
+                                   f"{t['stall_p99_over_p50']:g}x the median {p50:.3g} s (30m)")
+    elif checkpoint is not None and checkpoint > t["checkpoint_share"]:
+        out["step-time-stalls"] = f"checkpoint saves take {_pct(checkpoint)} of the step time"
+    available = h.get("memory_available")
+    horizon = t["leak_horizon_seconds"]
+    if available is not None and rep.rss_growth_1h is not None \
+            and rep.rss_growth_15m is not None \
+            and min(rep.rss_growth_1h, rep.rss_growth_15m) * horizon > available:
+        out["memory-leak"] = (f"resident memory grows {rep.rss_growth_15m * 60 / 2**20:.0f} "
+                              f"MiB/min: the node's {available / 2**30:.1f} GiB available "
+                              f"last about {available / rep.rss_growth_15m / 3600:.1f} h")
+    for x in rep.gpus:
+        if x.throttled is not None and x.throttled > t["throttle_ratio"]:
+            out.setdefault("throttling", f"GPU {x.gpu} throttled {_pct(x.throttled)} of the "
+                                         "time")
+    return out
+
+
+def stragglers(reports: list[RankReport], t: dict[str, float]) -> dict[int, str]:
+    """The ranks that lag their run's others (by ``id``), with the reason: the straggler
+    alert's condition across each (job, run)."""
+    out: dict[int, str] = {}
     runs: dict[tuple[str, str], list[RankReport]] = {}
     for rep in reports:
         runs.setdefault((rep.job, rep.run), []).append(rep)
@@ -332,39 +335,46 @@ def judge_across(reports: list[RankReport], t: dict[str, float]) -> list[RankRep
         waits = [r.data_wait_ratio for r in ranks if r.data_wait_ratio is not None]
         computes = {id(r): r.step_seconds * (1 - (r.data_wait_ratio or 0))
                     for r in ranks if r.step_seconds is not None}
-        if len(ranks) < 2:
-            continue
         wait_median = _median(waits) if waits else None
         compute_median = _median(list(computes.values())) if computes else None
         for r in ranks:
-            w = r.data_wait_ratio
+            w, c = r.data_wait_ratio, computes.get(id(r))
             if w is not None and wait_median is not None and w >= t["input_bound"] \
                     and w > t["straggler_wait_factor"] * wait_median:
-                add(r, "straggler", f"waits {w:.1%} of each step for data against its run's "
-                                    f"median {wait_median:.1%}")
-            c = computes.get(id(r))
-            if c is not None and compute_median and c > t["straggler_compute_factor"] \
-                    * compute_median:
-                add(r, "straggler", f"computes {c * 1000:.1f} ms per step against its run's "
-                                    f"median {compute_median * 1000:.1f} ms")
-    for r in reports:
-        if r.step_p50_seconds and r.step_p99_seconds and \
-                r.step_p99_seconds > t["stall_p99_over_p50"] * r.step_p50_seconds:
-            add(r, "step-time-stalls", f"p99 step time {r.step_p99_seconds:.3g} s is over "
-                                       f"{t['stall_p99_over_p50']:g}x the median "
-                                       f"{r.step_p50_seconds:.3g} s (30m)")
-        elif r.phases.get("checkpoint", 0) > t["checkpoint_share"]:
-            add(r, "step-time-stalls", f"checkpoint saves take {r.phases['checkpoint']:.1%} "
-                                       "of the step time")
-        hot = [x for x in r.gpus if x.throttled is not None and x.throttled > t["throttle_ratio"]]
-        for x in hot:
-            add(r, "throttling", f"GPU {x.gpu} throttled {x.throttled:.1%} of the time")
-        total = r.host.get("memory_total")
-        if r.rss_growing and total and r.rss_bytes_in_horizon and \
-                r.rss_bytes_in_horizon > total:
-            add(r, "memory-leak", f"resident memory predicted to pass the node's "
-                                  f"{total / 2**30:.0f} GiB within "
-                                  f"{t['leak_horizon_seconds'] / 3600:g} h")
+                out[id(r)] = (f"waits {w:.1%} of each step for data against its run's median "
+                              f"{wait_median:.1%}")
+            elif c is not None and compute_median and \
+                    c > t["straggler_compute_factor"] * compute_median:
+                out[id(r)] = (f"computes {c * 1000:.1f} ms per step against its run's median "
+                              f"{compute_median * 1000:.1f} ms")
+    return out
+
+
+def judge(reports: list[RankReport], t: dict[str, float]) -> list[RankReport]:
+    """Set every rank's status, verdict and findings, in the decision order of
+    HEURISTICS.md; the findings are exactly the bottleneck alerts that would fire."""
+    lagging = stragglers(reports, t)
+    for rep in reports:
+        found = rank_findings(rep, t)
+        if id(rep) in lagging:
+            found["straggler"] = lagging[id(rep)]
+        ordered = [name for name in ORDER if name in found]
+        busy = _mean([x.busy for x in rep.gpus])
+        if ordered:
+            rep.status, rep.verdict = "bottleneck", ordered[0]
+            rep.reason = found[ordered[0]]
+            rep.also = [Finding(n, found[n], advice(n)) for n in ordered[1:]]
+        elif busy is None:
+            rep.status = rep.verdict = "no-gpu-data"
+            rep.reason = "the exporter reports no GPU for this rank"
+        elif busy < t["gpu_busy_target"]:
+            rep.status = rep.verdict = UNDERUTILIZED
+            rep.reason = (f"GPU busy {_pct(busy)}, under {_pct(t['gpu_busy_target'])}, and no "
+                          "stage of the pipeline stands out")
+        else:
+            rep.status, rep.verdict = "ok", "gpu-bound"
+            rep.reason = f"GPU busy {_pct(busy)}"
+        rep.advice = advice(rep.verdict)
     return reports
 
 
@@ -375,8 +385,8 @@ def _fmt(x: float | None, scale: float = 100, unit: str = "%", digits: int = 1) 
 def text_report(reports: list[RankReport]) -> str:
     lines = []
     for rep in reports:
-        flag = "BOTTLENECK" if rep.bottleneck else "ok"
-        lines.append(f"run {rep.run} rank {rep.rank} on {rep.instance} (job {rep.job}): {flag}")
+        lines.append(f"run {rep.run} rank {rep.rank} on {rep.instance} (job {rep.job}): "
+                     f"{rep.status}")
         lines.append(f"  samples/s {_fmt(rep.samples_per_second, 1, '', 1)}   step time "
                      f"{_fmt(rep.step_seconds, 1000, ' ms', 1)}   data wait "
                      f"{_fmt(rep.data_wait_ratio)}")
@@ -400,15 +410,26 @@ def text_report(reports: list[RankReport]) -> str:
     return "\n".join(lines)
 
 
+EXIT_OK, EXIT_ACT, EXIT_NO_DATA, EXIT_NO_GPU_DATA = 0, 1, 2, 3
+
+
 def diagnose(url: str, run: str | None = None, window: str = "5m",
-             overrides: dict[str, Any] | None = None) -> list[RankReport]:
-    """Reports with verdicts for every active (run, rank); raises PrometheusError."""
+             overrides: dict[str, Any] | None = None, at: str | None = None) -> list[RankReport]:
+    """Reports with verdicts for every (run, rank) in the window ending ``at`` (default now);
+    raises PrometheusError."""
     cfg = merge(DEFAULTS, overrides or {})
-    prom = Prometheus(url)
+    prom = Prometheus(url, at=at)
     prom.query("vector(1)")  # reachable and a Prometheus at all
-    t = cfg["thresholds"]
-    reports = collect(prom, cfg["selector"], window, run, t["leak_horizon_seconds"])
-    return judge_across([judge(r, t) for r in reports], t)
+    return judge(collect(prom, cfg["selector"], window, run), cfg["thresholds"])
+
+
+def exit_status(reports: list[RankReport]) -> int:
+    """1 when any rank has something to act on, else 3 when a rank's GPUs are unknown, else 0."""
+    if any(r.bottleneck for r in reports):
+        return EXIT_ACT
+    if any(r.status == "no-gpu-data" for r in reports):
+        return EXIT_NO_GPU_DATA
+    return EXIT_OK
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -418,6 +439,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(default http://localhost:9090)")
     p.add_argument("--run", metavar="NAME", help="only this run")
     p.add_argument("--window", default="5m", help="the range the ratios average over (5m)")
+    p.add_argument("--time", metavar="TIME",
+                   help="judge the window ending at TIME (unix seconds or RFC 3339), not now")
     p.add_argument("--config", metavar="FILE", help="thresholds file, as for `rules --config`")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     p.set_defaults(func=main)
@@ -425,21 +448,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def main(ns: argparse.Namespace) -> int:
     try:
-        reports = diagnose(ns.prometheus, ns.run, ns.window, load_overrides(ns.config))
+        reports = diagnose(ns.prometheus, ns.run, ns.window, load_overrides(ns.config),
+                           ns.time)
     except (PrometheusError, ValueError) as exc:
         print(f"gputrain-exporter diagnose: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_NO_DATA
     if not reports:
         what = f"run '{ns.run}'" if ns.run else "gputrain training data"
         print(f"gputrain-exporter diagnose: Prometheus at {ns.prometheus} holds no {what} in "
               f"the last {ns.window} (no rate of gputrain_training_step_duration_seconds_count). "
               "Is it scraping the exporter, and is a training client pushing to it?",
               file=sys.stderr)
-        return 2
+        return EXIT_NO_DATA
     if ns.json:
-        out = [{**asdict(r), "bottleneck": r.bottleneck} for r in reports]
+        out = [{**asdict(r), "bottleneck": r.bottleneck, "findings": r.findings()}
+               for r in reports]
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         sys.stdout.write(text_report(reports))
-    return 1 if any(r.bottleneck for r in reports) else 0
+    return exit_status(reports)

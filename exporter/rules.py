@@ -3,7 +3,8 @@
 `gputrain-exporter rules [--config my-thresholds.yml]` prints the rule file; the shipped
 `alerts/gputrain.rules.yml` is that output with the defaults (a test keeps them identical).
 Every threshold, `for` duration and the scrape-job selector comes from :data:`DEFAULTS`,
-overridable key by key. The thresholds and their sources are in HEURISTICS.md and the runbook.
+overridable key by key; the thresholds, `for` durations, summaries and advice are those of
+:mod:`exporter.catalogue`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from exporter.catalogue import BY_ALERT, CATALOGUE, defaults
 from exporter.client.monitor import OUTSIDE_STEP_PHASES
 
 RUNBOOK = "https://github.com/gputrain/gputrain-exporter/blob/main/alerts/runbook.md"
@@ -25,55 +27,8 @@ DEFAULTS: dict[str, Any] = {
     "selector": 'job=~"gputrain.*"',
     "runbook_url": RUNBOOK,
     "recording_interval": "30s",
-    "thresholds": {
-        "gpu_busy_low": 0.5,           # seed 001, PyTorch profiler plugin
-        "gpu_busy_target": 0.9,        # seed 002: under 90% is wasted money (info)
-        "input_bound": 0.05,           # TF input-pipeline analysis: moderately
-        "input_bound_high": 0.20,      # ... highly
-        "cpu_saturated": 0.9,          # seed 002 preprocessing case
-        "iowait_high": 0.2,
-        "disk_busy_high": 0.9,
-        "network_saturated": 0.8,      # of the interface speed
-        "pcie_rx_high": 0.5,           # of the link's capacity
-        "h2d_gpu_busy_below": 0.8,
-        "memory_underused": 0.25,      # seed 003: < 1 GB of 16 GB
-        "launch_busy_above": 0.8,
-        "launch_power_below": 0.4,     # of the enforced limit
-        "launch_sm_active_below": 0.3,
-        "tensor_sm_active_above": 0.5,
-        "tensor_active_below": 0.01,
-        "phase_dominates": 1.0,        # a phase taking more than 1.0x the rest of the step
-        "stall_p99_over_p50": 5.0,
-        "checkpoint_share": 0.1,       # checkpoint saves over 10% of step time: a stall too
-        "straggler_wait_factor": 2.0,
-        "straggler_compute_factor": 1.2,
-        "memory_near_limit": 0.95,
-        "throttle_ratio": 0.1,
-        "stalled_seconds": 600,
-        "leak_horizon_seconds": 14400,  # predicted to exhaust host memory within 4 h
-    },
-    "for": {
-        "GpuTrainGPUUnderutilized": "10m",
-        "GpuTrainInputBound": "10m",
-        "GpuTrainCPUPreprocessingBound": "10m",
-        "GpuTrainDiskIOBound": "10m",
-        "GpuTrainNetworkInputBound": "10m",
-        "GpuTrainHostToDeviceBound": "10m",
-        "GpuTrainGPUMemoryUnderused": "30m",
-        "GpuTrainLaunchBound": "15m",
-        "GpuTrainTensorCoresIdle": "15m",
-        "GpuTrainHostOverheadBound": "10m",
-        "GpuTrainStepTimeStalls": "15m",
-        "GpuTrainStragglerRank": "15m",
-        "GpuTrainHostMemoryLeak": "30m",
-        "GpuTrainGPUMemoryNearLimit": "5m",
-        "GpuTrainThrottling": "10m",
-        "GpuTrainStalled": "1m",
-        "GpuTrainGPULost": "1m",
-        "GpuTrainXidErrors": "0m",
-        "GpuTrainCollectorFailing": "10m",
-        "GpuTrainExporterDown": "5m",
-    },
+    "thresholds": defaults(),
+    "for": {e.alert: e.for_ for e in CATALOGUE},
 }
 
 RANK = "job, instance, run, rank"
@@ -222,18 +177,18 @@ def _recording(s: str) -> list[dict]:
     ]
 
 
-def _alert(name: str, expr: str, severity: str, summary: str, description: str,
-           cfg: dict) -> dict:
-    anchor = name.lower()
+def _alert(name: str, expr: str, severity: str, situation: str, cfg: dict) -> dict:
+    """An alerting rule; its summary and advice come from the catalogue."""
+    entry = BY_ALERT[name]
     return {
         "alert": name,
         "expr": " ".join(expr.split()),
         "for": cfg["for"][name],
         "labels": {"severity": severity},
         "annotations": {
-            "summary": summary,
-            "description": " ".join(description.split()),
-            "runbook_url": f"{cfg['runbook_url']}#{anchor}",
+            "summary": entry.summary,
+            "description": " ".join(f"{situation} {entry.advice}".split()),
+            "runbook_url": f"{cfg['runbook_url']}#{name.lower()}",
         },
     }
 
@@ -245,107 +200,85 @@ def _alerts(cfg: dict) -> list[dict]:
     who = "Run {{ $labels.run }} rank {{ $labels.rank }} on {{ $labels.instance }}"
     gpu_who = ("GPU {{ $labels.gpu }} of run {{ $labels.run }} rank {{ $labels.rank }} on "
                "{{ $labels.instance }}")
+    node_gpu = "GPU {{ $labels.gpu }} on {{ $labels.instance }}"
     input_bound = f"{wait} >= {t['input_bound']}"
     on_node = "on (job, instance) group_left"
+    rss = f"gputrain_training_process_resident_memory_bytes{{{s}}}"
     a = _alert
     return [
         a("GpuTrainGPUUnderutilized", f"{busy} >= {t['gpu_busy_low']} < {t['gpu_busy_target']}",
-          "info", "A training run leaves its GPU mostly idle.",
-          f"""{gpu_who} was busy {{{{ $value | humanizePercentage }}}} of the time over 5m,
-          below the {t['gpu_busy_target']} a well-fed GPU reaches. Find the stage that starves
-          it: the other GpuTrain alerts for this run say which.""", cfg),
+          "info", f"""{gpu_who} was busy {{{{ $value | humanizePercentage }}}} of the time over
+          5m, below the {t['gpu_busy_target']} a well-fed GPU reaches.""", cfg),
         a("GpuTrainGPUUnderutilized", f"{busy} < {t['gpu_busy_low']}", "warning",
-          "A training run leaves its GPU mostly idle.",
           f"""{gpu_who} was busy {{{{ $value | humanizePercentage }}}} of the time over 5m
-          (threshold {t['gpu_busy_low']}). Find the stage that starves it: the other GpuTrain
-          alerts for this run say which.""", cfg),
+          (threshold {t['gpu_busy_low']}).""", cfg),
         a("GpuTrainInputBound", f"{input_bound} < {t['input_bound_high']}", "info",
-          "A training run waits on its data loader.",
           f"""{who} spends {{{{ $value | humanizePercentage }}}} of each step waiting for the
-          data loader (moderately input-bound at {t['input_bound']}). Use more DataLoader
-          workers, pin_memory=True, prefetching, or cache the data set.""", cfg),
+          data loader (moderately input-bound at {t['input_bound']}).""", cfg),
         a("GpuTrainInputBound", f"{wait} >= {t['input_bound_high']}", "warning",
-          "A training run waits on its data loader.",
           f"""{who} spends {{{{ $value | humanizePercentage }}}} of each step waiting for the
-          data loader (highly input-bound at {t['input_bound_high']}). Use more DataLoader
-          workers, pin_memory=True, prefetching, or cache the data set.""", cfg),
+          data loader (highly input-bound at {t['input_bound_high']}).""", cfg),
         a("GpuTrainCPUPreprocessingBound",
           f"""({input_bound}) and on (job, instance) (instance:gputrain_host_cpu_busy:ratio_rate5m >=
           {t['cpu_saturated']})""", "warning",
-          "A training run is input-bound because the CPUs are saturated.",
           f"""{who} waits {{{{ $value | humanizePercentage }}}} of each step for data while the
-          node's CPUs are {t['cpu_saturated']} or more busy: preprocessing is the bottleneck.
-          Move augmentation to the GPU (DALI, GPU transforms), pre-process offline, or get more
-          cores.""", cfg),
+          node's CPUs are {t['cpu_saturated']} or more busy: preprocessing is the
+          bottleneck.""", cfg),
         a("GpuTrainDiskIOBound",
           f"""({input_bound})
           and on (job, instance) (instance:gputrain_host_cpu_iowait:ratio_rate5m >= {t['iowait_high']}
                or instance:gputrain_host_disk_busy:max_rate5m >= {t['disk_busy_high']})
           and on (job, instance) (instance:gputrain_host_cpu_busy:ratio_rate5m < {t['cpu_saturated']})""",
-          "warning", "A training run is input-bound on disk I/O.",
+          "warning",
           f"""{who} waits {{{{ $value | humanizePercentage }}}} of each step for data while the
           node waits on its disks (iowait >= {t['iowait_high']} or a disk busy >=
-          {t['disk_busy_high']}) and the CPUs are not saturated. Cache the data set in memory,
-          use faster storage, larger sequential reads or more reader threads.""", cfg),
+          {t['disk_busy_high']}) and the CPUs are not saturated.""", cfg),
         a("GpuTrainNetworkInputBound",
           f"""({input_bound}) and on (job, instance)
           (instance:gputrain_host_network_receive_link_used:max_ratio_rate5m >=
           {t['network_saturated']})""", "warning",
-          "A training run is input-bound on network input.",
           f"""{who} waits {{{{ $value | humanizePercentage }}}} of each step for data while a
-          network interface receives at {t['network_saturated']} or more of its speed. Compress
-          or shrink the raw data, stream it, or use a higher-bandwidth node.""", cfg),
+          network interface receives at {t['network_saturated']} or more of its speed.""",
+          cfg),
         a("GpuTrainHostToDeviceBound",
           f"""run_rank_gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m >= {t['pcie_rx_high']}
           and on (job, instance, run, rank, gpu, uuid) {busy} < {t['h2d_gpu_busy_below']}""",
-          "warning", "Host-to-device copies saturate the PCIe link and the GPU waits.",
-          f"""{gpu_who} receives {{{{ $value | humanizePercentage }}}} of its PCIe link's
-          capacity while busy less than {t['h2d_gpu_busy_below']}. Send uint8 and normalise on
-          the GPU (4x less data), use pin_memory and non_blocking copies, defer casts and
-          one_hot to the GPU.""", cfg),
+          "warning", f"""{gpu_who} receives {{{{ $value | humanizePercentage }}}} of its PCIe
+          link's capacity while busy less than {t['h2d_gpu_busy_below']}.""", cfg),
         a("GpuTrainGPUMemoryUnderused",
           f"run_rank_gpu:gputrain_gpu_memory_used:ratio < {t['memory_underused']}", "info",
-          "A training run uses little of its GPU's memory: the batch may be too small.",
           f"""{gpu_who} uses {{{{ $value | humanizePercentage }}}} of its memory (threshold
-          {t['memory_underused']}). Raise the batch size (and re-tune the learning rate).""",
-          cfg),
+          {t['memory_underused']}).""", cfg),
         a("GpuTrainLaunchBound",
           f"""{busy} >= {t['launch_busy_above']}
           and on (job, instance, run, rank, gpu, uuid)
           (run_rank_gpu:gputrain_gpu_power_limit_used:ratio_avg5m < {t['launch_power_below']}
            or run_rank_gpu:gputrain_gpu_sm_active_ratio:avg5m < {t['launch_sm_active_below']})""",
-          "info", "A GPU is busy but does little work: kernels are too small.",
-          f"""{gpu_who} is busy {{{{ $value | humanizePercentage }}}} of the time but draws less
-          than {t['launch_power_below']} of its power limit (or its SMs are less than
-          {t['launch_sm_active_below']} active). Use a larger batch, CUDA graphs or
-          torch.compile, and fuse small ops.""", cfg),
+          "info", f"""{gpu_who} is busy {{{{ $value | humanizePercentage }}}} of the time but
+          draws less than {t['launch_power_below']} of its power limit (or its SMs are less
+          than {t['launch_sm_active_below']} active).""", cfg),
         a("GpuTrainTensorCoresIdle",
           f"""run_rank_gpu:gputrain_gpu_sm_active_ratio:avg5m >= {t['tensor_sm_active_above']}
           and on (job, instance, run, rank, gpu, uuid)
           run_rank_gpu:gputrain_gpu_tensor_active_ratio:avg5m < {t['tensor_active_below']}""",
-          "info", "A busy GPU never uses its tensor cores.",
-          f"""{gpu_who} has its SMs {{{{ $value | humanizePercentage }}}} active but its tensor
-          cores below {t['tensor_active_below']}. Train with automatic mixed precision
-          (torch.autocast) or bf16.""", cfg),
+          "info", f"""{gpu_who} has its SMs {{{{ $value | humanizePercentage }}}} active but
+          its tensor cores below {t['tensor_active_below']}.""", cfg),
         a("GpuTrainHostOverheadBound",
           f"""(run_rank:gputrain_gpu_busy_ratio:avg5m < {t['gpu_busy_low']}
             and on ({RANK}) {wait} < {t['input_bound']})
           or on ({RANK}) (run_rank:gputrain_training_step_phase_ratio:max_rate5m
             > {t['phase_dominates']} / (1 + {t['phase_dominates']}))""", "warning",
-          "A training run's GPUs idle on host-side work, not on data.",
           f"""{who}: its GPUs are idle although it barely waits for data, or a phase of the
-          step (callbacks, logging) takes more than {t['phase_dominates']}x the rest of it. Move post-processing to a background thread, do it every N steps, keep
-          metrics on the GPU.""", cfg),
+          step (callbacks, logging) takes more than {t['phase_dominates']}x the rest of
+          it.""", cfg),
         a("GpuTrainStepTimeStalls",
           f"""run_rank:gputrain_training_step_seconds:p99_30m
           > {t['stall_p99_over_p50']} * run_rank:gputrain_training_step_seconds:p50_30m
           or on ({RANK}) (run_rank:gputrain_training_checkpoint_ratio:rate5m
             > {t['checkpoint_share']})""",
-          "info", "A training run stalls periodically.",
-          f"""{who}: the p99 step time is more than {t['stall_p99_over_p50']}x the median over
-          30m, or checkpoint saves take more than {t['checkpoint_share']} of the step time
-          ({{{{ $value | printf "%.3g" }}}}). Checkpoint asynchronously or less often, write to local
-          disk and upload later.""", cfg),
+          "info", f"""{who}: the p99 step time is more than {t['stall_p99_over_p50']}x the
+          median over 30m, or checkpoint saves take more than {t['checkpoint_share']} of the
+          step time ({{{{ $value | printf "%.3g" }}}}).""", cfg),
         a("GpuTrainStragglerRank",
           f"""({wait} >= {t['input_bound']}
             and {wait} > on (job, run) group_left ()
@@ -353,56 +286,39 @@ def _alerts(cfg: dict) -> list[dict]:
           or (run_rank:gputrain_training_compute_seconds:mean5m > on (job, run) group_left ()
               ({t['straggler_compute_factor']}
                * quantile by (job, run) (0.5, run_rank:gputrain_training_compute_seconds:mean5m)))""",
-          "warning", "One rank of a run is slower than the others.",
-          f"""{who} lags its run's other ranks (it waits for data more than
+          "warning", f"""{who} lags its run's other ranks (it waits for data more than
           {t['straggler_wait_factor']}x their median, or computes more than
-          {t['straggler_compute_factor']}x their median). Check that rank's node: its input,
-          thermal throttling, a slower GPU or link.""", cfg),
+          {t['straggler_compute_factor']}x their median).""", cfg),
         a("GpuTrainHostMemoryLeak",
-          f"""deriv(gputrain_training_process_resident_memory_bytes{{{s}}}[1h]) > 0
-          and predict_linear(gputrain_training_process_resident_memory_bytes{{{s}}}[1h],
-            {t['leak_horizon_seconds']})
-          > {on_node} gputrain_host_memory_total_bytes{{{s}}}""", "warning",
-          "A training process's memory keeps growing.",
-          f"""{who}: its resident memory grows and will exhaust the node's memory within
-          {{{{ {t['leak_horizon_seconds']} | humanizeDuration }}}} at this rate. Look for
-          tensors kept across steps (losses without .item()) and growing caches.""", cfg),
+          f"""deriv({rss}[1h]) * {t['leak_horizon_seconds']}
+            > {on_node} gputrain_host_memory_available_bytes{{{s}}}
+          and deriv({rss}[15m]) * {t['leak_horizon_seconds']}
+            > {on_node} gputrain_host_memory_available_bytes{{{s}}}""", "warning",
+          f"""{who}: its resident memory grows fast enough to use up the node's available
+          memory within {{{{ {t['leak_horizon_seconds']} | humanizeDuration }}}}.""", cfg),
         a("GpuTrainGPUMemoryNearLimit",
           f"gpu:gputrain_gpu_memory_used:ratio > {t['memory_near_limit']}", "warning",
-          "A GPU's memory is nearly full.",
-          """GPU {{ $labels.gpu }} on {{ $labels.instance }} uses
-          {{ $value | humanizePercentage }} of its memory. Use activation checkpointing,
-          AMP, or a smaller micro-batch with gradient accumulation.""", cfg),
+          f"""{node_gpu} uses {{{{ $value | humanizePercentage }}}} of its memory.""", cfg),
         a("GpuTrainThrottling",
           f"gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m > {t['throttle_ratio']}",
-          "warning", "A GPU's clocks are held down by power or temperature.",
-          """GPU {{ $labels.gpu }} on {{ $labels.instance }} was throttled
-          {{ $value | humanizePercentage }} of the time (power cap, thermal slowdown or
-          power brake). Check cooling and the power limit: nvidia-smi -q -d PERFORMANCE.""",
-          cfg),
+          "warning", f"""{node_gpu} was throttled {{{{ $value | humanizePercentage }}}} of the
+          time (power cap, thermal slowdown or power brake).""", cfg),
         a("GpuTrainStalled",
           f"""time() - gputrain_training_last_step_timestamp_seconds{{{s}}} >
           {t['stalled_seconds']}""", "critical",
-          "A training run stopped making steps while its process lives.",
           f"""{who} made no step for {{{{ $value | humanizeDuration }}}} although it still
-          reports. Look for a hang in a collective, a dead worker or a deadlock.""", cfg),
+          reports.""", cfg),
         a("GpuTrainGPULost", f"gputrain_gpu_up{{{s}}} == 0", "critical",
-          "A GPU stopped answering.",
           """GPU {{ $labels.gpu }} ({{ $labels.uuid }}) on {{ $labels.instance }} does not
-          answer NVML (fallen off the bus). Drain the node.""", cfg),
+          answer NVML (fallen off the bus).""", cfg),
         a("GpuTrainXidErrors", f"increase(gputrain_gpu_xid_errors_total{{{s}}}[10m]) > 0",
-          "critical", "A GPU reported Xid errors.",
-          """GPU {{ $labels.gpu }} on {{ $labels.instance }} reported Xid {{ $labels.xid }}
-          {{ $value | printf "%.0f" }} time(s) in 10m. Check the driver log; drain the node if it repeats.""",
-          cfg),
+          "critical", f"""{node_gpu} reported Xid {{{{ $labels.xid }}}}
+          {{{{ $value | printf "%.0f" }}}} time(s) in 10m.""", cfg),
         a("GpuTrainCollectorFailing", f"gputrain_collector_success{{{s}}} == 0", "warning",
-          "A gputrain-exporter collector fails.",
           """The {{ $labels.collector }} collector on {{ $labels.instance }} has failed for
-          a while (for gpu: no NVIDIA driver or NVML). Its metrics are missing; see the
-          exporter's log.""", cfg),
+          a while; its metrics are missing.""", cfg),
         a("GpuTrainExporterDown", f"up{{{s}}} == 0", "critical",
-          "Prometheus cannot scrape a gputrain-exporter.",
-          """{{ $labels.instance }} has not been scraped. Its GPUs and runs are
+          """{{ $labels.instance }} has not been scraped: its GPUs and runs are
           unmonitored.""", cfg),
     ]
 

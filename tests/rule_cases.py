@@ -253,13 +253,17 @@ def alert_cases() -> list[Case]:
               Fire("GpuTrainInputBound", rank("ddp", "3"), "30%", "warning"),
               Fire("GpuTrainStragglerRank", rank("async", "2"), "1.5")],
              fire_at="30m", quiet_at="12m", quiet_alerts=["GpuTrainStragglerRank"]),
-        Case("GpuTrainHostMemoryLeak: RSS rising 100 MB/min towards a 32 GB node; flat RSS "
-             "stays silent",
+        Case("GpuTrainHostMemoryLeak: RSS rising 300 MiB/min on a 512 GiB node with 40 GiB "
+             "available (exhausted in about 2 h 15 min); a high flat RSS and one that grows "
+             "500 MiB/min for a 10-minute warm-up, then levels off, stay silent",
              {sel("gputrain_training_process_resident_memory_bytes", run="leak", rank="0"):
-                  "10000000000+100000000x70",
-              sel("gputrain_training_process_resident_memory_bytes", run="ok", rank="0"):
-                  flat(8e9, 70),
-              sel("gputrain_host_memory_total_bytes"): flat(32e9, 70)},
+                  "10737418240+314572800x80",
+              sel("gputrain_training_process_resident_memory_bytes", run="flat", rank="0"):
+                  flat(214748364800, 80),
+              sel("gputrain_training_process_resident_memory_bytes", run="warmup", rank="0"):
+                  "10737418240+524288000x10 15980298240x70",
+              sel("gputrain_host_memory_total_bytes"): flat(549755813888, 80),
+              sel("gputrain_host_memory_available_bytes"): "42949672960-314572800x80"},
              [Fire("GpuTrainHostMemoryLeak", rank("leak"))],
              fire_at="50m", quiet_at="20m"),
         Case("GpuTrainGPUMemoryNearLimit: 78 of 80 GB; 40 of 80 GB stays silent",

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from exporter.diagnose import GpuReading, RankReport, judge, judge_across
+from exporter.catalogue import BY_ALERT
+from exporter.diagnose import GpuReading, RankReport, exit_status, judge
 from exporter.rules import DEFAULTS
 
 T = DEFAULTS["thresholds"]
@@ -20,6 +21,11 @@ def report(busy, wait, *, sm=None, tensor=None, memory=0.6, power=0.7, pcie=0.02
     return rep
 
 
+def judge_one(rep: RankReport, t: dict = T) -> RankReport:
+    (judged,) = judge([rep], t)
+    return judged
+
+
 @pytest.mark.parametrize("case, rep, verdict", [
     ("seed 003 num_workers=0", report(0.3165, 0.6, memory=0.056), "input-bound"),
     ("seed 002 preprocessing overload", report(0.3, 0.7, cpu=0.96), "cpu-preprocessing"),
@@ -27,42 +33,63 @@ def report(busy, wait, *, sm=None, tensor=None, memory=0.6, power=0.7, pcie=0.02
     ("seed 001 disk", report(0.3, 0.5, iowait=0.3), "disk-io"),
     ("seed 002 host-to-device copy", report(0.75, 0.03, pcie=0.6), "host-to-device"),
     ("seed 002 heavy post-processing", report(0.46, 0.02, phases={"postprocess": 0.53}),
-     "phase"),
+     "host-overhead"),
     ("seed 002 small batch", report(0.6, 0.02, memory=0.23), "small-batch"),
     ("idle GPU, data ready, nothing else", report(0.4, 0.01), "host-overhead"),
     ("seed 003 before AMP", report(0.9751, 0.01, sm=0.7, tensor=0.0), "tensor-cores-idle"),
     ("busy but tiny kernels", report(0.95, 0.01, power=0.25), "launch-bound"),
+    ("85 % busy at 30 % power: LaunchBound fires", report(0.85, 0.01, power=0.3),
+     "launch-bound"),
     ("seed 003 after AMP", report(0.95, 0.01, sm=0.7, tensor=0.263), "gpu-bound"),
     ("seed 002 inefficient GPU graph", report(0.97, 0.01, power=0.9), "gpu-bound"),
 ])
 def test_decision_order(case, rep, verdict):
-    judged = judge(rep, T)
+    judged = judge_one(rep)
     assert judged.verdict == verdict, f"{case}: {judged.reason}"
     assert judged.bottleneck == (verdict != "gpu-bound")
+    assert judged.status == ("ok" if verdict == "gpu-bound" else "bottleneck")
     assert judged.advice and judged.reason
 
 
-def test_a_rank_that_makes_no_steps_is_stalled():
-    rep = report(0.0, 0.0)
-    rep.steps_per_second = 0.0
-    judged = judge(rep, T)
+def test_the_advice_is_the_catalogues():
+    judged = judge_one(report(0.3, 0.6))
+    assert judged.advice == BY_ALERT["GpuTrainInputBound"].advice
+
+
+def test_evaluation_and_checkpoint_are_no_phase_of_the_step():
+    judged = judge_one(report(0.95, 0.01, phases={"evaluation": 0.7, "checkpoint": 0.05}))
+    assert judged.status == "ok" and judged.findings() == []
+    judged = judge_one(report(0.95, 0.01, phases={"checkpoint": 0.2}))
+    assert judged.findings() == ["step-time-stalls"]
+
+
+def test_a_rank_that_made_no_step_for_10_minutes_is_stalled():
+    rep = report(0.0, None)
+    rep.steps_per_second, rep.seconds_since_step = 0.0, 700
+    judged = judge_one(rep)
     assert judged.verdict == "stalled" and judged.bottleneck
+    rep = report(0.95, 0.01)
+    rep.seconds_since_step = 300  # a slow step, not a stall
+    assert judge_one(rep).status == "ok"
 
 
-def test_a_rank_without_gpu_data_is_judged_on_its_data_wait_alone():
+def test_a_rank_without_gpu_data():
     rep = report(0.5, 0.3)
     rep.gpus = []
-    assert judge(rep, T).verdict == "input-bound"
+    assert judge_one(rep).verdict == "input-bound"
     rep = report(0.5, 0.01)
     rep.gpus = []
-    judged = judge(rep, T)
-    assert judged.verdict == "no-gpu-data" and not judged.bottleneck
+    judged = judge_one(rep)
+    assert judged.status == judged.verdict == "no-gpu-data" and not judged.bottleneck
+    assert exit_status([judged]) == 3
+    assert exit_status([judged, judge_one(report(0.3, 0.6))]) == 1
+    assert exit_status([judge_one(report(0.95, 0.01))]) == 0
 
 
-def test_thresholds_from_the_users_file_change_the_verdict():
-    rep = report(0.85, 0.01)
-    assert judge(rep, T).verdict == "host-overhead"
-    assert judge(report(0.85, 0.01), {**T, "gpu_busy_target": 0.8}).verdict == "gpu-bound"
+def test_an_underused_gpu_with_no_stage_to_blame_is_not_ok():
+    judged = judge_one(report(0.85, 0.01))
+    assert judged.status == judged.verdict == "underutilized" and judged.bottleneck
+    assert judge_one(report(0.85, 0.01), {**T, "gpu_busy_target": 0.8}).status == "ok"
 
 
 def ranks(*waits_and_steps, run="ddp"):
@@ -70,27 +97,27 @@ def ranks(*waits_and_steps, run="ddp"):
     for i, (wait, step) in enumerate(waits_and_steps):
         rep = report(0.95, wait)
         rep.run, rep.rank, rep.step_seconds = run, str(i), step
-        out.append(judge(rep, T))
-    return out
+        out.append(rep)
+    return judge(out, T)
 
 
 def names(rep: RankReport) -> list[str]:
-    return [f.name for f in rep.also]
+    return rep.findings()
 
 
 def test_a_rank_that_waits_more_than_twice_its_runs_median_is_a_straggler():
-    reps = judge_across(ranks((0.02, 0.1), (0.02, 0.1), (0.03, 0.1), (0.3, 0.1)), T)
-    assert [names(r) for r in reps] == [[], [], [], ["straggler"]]
+    reps = ranks((0.02, 0.1), (0.02, 0.1), (0.03, 0.1), (0.3, 0.1))
+    assert [names(r) for r in reps] == [[], [], [], ["input-bound", "straggler"]]
     assert reps[3].bottleneck and "30.0%" in reps[3].also[0].reason
 
 
 def test_a_rank_that_computes_over_1_2x_its_runs_median_is_a_straggler():
-    reps = judge_across(ranks((0.0, 1.0), (0.0, 1.0), (0.0, 1.5)), T)
+    reps = ranks((0.0, 1.0), (0.0, 1.0), (0.0, 1.5))
     assert [names(r) for r in reps] == [[], [], ["straggler"]]
 
 
 def test_one_rank_is_never_a_straggler():
-    (rep,) = judge_across(ranks((0.3, 1.0)), T)
+    (rep,) = ranks((0.3, 1.0))
     assert "straggler" not in names(rep)
 
 
@@ -98,16 +125,15 @@ def test_stalls_throttling_and_leaks_are_found_beside_the_verdict():
     rep = report(0.95, 0.01)
     rep.step_p50_seconds, rep.step_p99_seconds = 0.75, 17.8  # a 30 s checkpoint a minute
     rep.gpus[0].throttled = 0.25
-    rep.rss_growing, rep.rss_bytes_in_horizon = True, 40e9
-    rep.host["memory_total"] = 32e9
-    (judged,) = judge_across([judge(rep, T)], T)
-    assert judged.verdict == "gpu-bound"
-    assert names(judged) == ["step-time-stalls", "throttling", "memory-leak"]
-    assert judged.bottleneck
+    rep.rss_growth_1h = rep.rss_growth_15m = 300 * 2**20 / 60  # 300 MiB/min
+    rep.host["memory_available"] = 40 * 2**30  # gone in about 2 h 15 min
+    judged = judge_one(rep)
+    assert judged.verdict == "step-time-stalls"
+    assert names(judged) == ["step-time-stalls", "memory-leak", "throttling"]
     healthy = report(0.95, 0.01)
     healthy.step_p50_seconds, healthy.step_p99_seconds = 0.75, 1.0
     healthy.gpus[0].throttled = 0.05
-    healthy.rss_growing, healthy.rss_bytes_in_horizon = True, 20e9
-    healthy.host["memory_total"] = 32e9
-    (judged,) = judge_across([judge(healthy, T)], T)
+    healthy.rss_growth_1h, healthy.rss_growth_15m = 300 * 2**20 / 60, 0.0  # warmed up
+    healthy.host["memory_available"] = 40 * 2**30
+    judged = judge_one(healthy)
     assert names(judged) == [] and not judged.bottleneck
