@@ -1,4 +1,5 @@
-"""The `gputrain-exporter` command: serve (the default), rules, diagnose."""
+"""The `gputrain-exporter` command: serve (the default), rules, diagnose, dashboards,
+generate."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from exporter.config import ConfigError, Settings, add_flags, parse_listen_addre
 
 log = logging.getLogger("exporter")
 
-SUBCOMMANDS = ("serve", "rules", "diagnose")
+SUBCOMMANDS = ("serve", "rules", "diagnose", "generate", "dashboards")
 
 
 def _is_loopback(host: str) -> bool:
@@ -36,10 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     serve = sub.add_parser("serve", help="run the exporter daemon (the default)")
     add_flags(serve)
-    from exporter import diagnose, rules  # subcommands register their own flags
+    from exporter import diagnose, generate, rules  # subcommands register their own flags
 
     rules.add_parser(sub)
     diagnose.add_parser(sub)
+    generate.add_parser(sub)
     return parser
 
 

@@ -12,8 +12,8 @@ import pytest
 import yaml
 from conftest import ROOT, Daemon, Prometheus, synthetic_client, wait_until
 
-sys.path.insert(0, str(ROOT / "grafana"))
-import generate
+from exporter import dashboards as generate
+from exporter.catalogue import THRESHOLDS
 
 DASHBOARDS = ROOT / "grafana" / "dashboards"
 def load() -> dict[str, dict]:
@@ -38,7 +38,7 @@ def test_committed_json_is_the_generator_output():
     assert set(generated) == {p.name for p in DASHBOARDS.glob("*.json")}
     for name, d in generated.items():
         assert (DASHBOARDS / name).read_text() == generate.render(d), (
-            f"grafana/dashboards/{name} is stale: python3 grafana/generate.py")
+            f"grafana/dashboards/{name} is stale: python3 -m exporter generate")
 
 
 def test_uids_datasource_variable_units_and_links():
@@ -75,9 +75,40 @@ def test_heuristics_thresholds_are_drawn():
         steps = run[title]["fieldConfig"]["defaults"]["thresholds"]["steps"]
         return [s["value"] for s in steps if s["value"] is not None]
 
-    assert lines("Data wait") == [0.05, 0.2]
-    assert lines("GPU busy") == [0.5, 0.9]
-    assert lines("PCIe host-to-device against the link") == [0.5]
+    t = {name: th.default for name, th in THRESHOLDS.items()}
+    assert lines("Data wait") == [t["input_bound"], t["input_bound_high"]]
+    assert lines("GPU busy") == [t["gpu_busy_low"], t["gpu_busy_target"]]
+    assert lines("PCIe host-to-device against the link") == [t["pcie_rx_high"]]
+
+
+def test_the_users_thresholds_and_selector_reach_the_dashboards(tmp_path):
+    """`dashboards --config` (the file `rules --config` takes) moves the threshold lines and
+    the words beside them, and scopes the raw queries to the user's scrape job."""
+    cfg = tmp_path / "mine.yml"
+    cfg.write_text("selector: 'job=\"gpu-nodes\"'\nthresholds:\n  input_bound: 0.1\n"
+                   "  gpu_busy_target: 0.8\n")
+    out = subprocess.run([sys.executable, "-m", "exporter", "dashboards", "--config", str(cfg),
+                          "--out", str(tmp_path / "d")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    run = json.loads((tmp_path / "d" / "run.json").read_text())
+    by_title = {p["title"]: p for p in panels(run)}
+    steps = by_title["Data wait"]["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    assert [s["value"] for s in steps if s["value"] is not None] == [0.1, 0.2]
+    assert "10 % moderately" in by_title["Data wait"]["description"]
+    steps = by_title["GPU busy"]["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    assert [s["value"] for s in steps if s["value"] is not None] == [0.5, 0.8]
+    variables = {v["name"]: v for v in run["templating"]["list"]}
+    assert 'job="gpu-nodes"' in variables["run"]["query"]["query"]
+    raw = [e for _, e in exprs(run) if "gputrain_training_process_resident_memory_bytes" in e]
+    assert raw and all('job="gpu-nodes"' in e for e in raw)
+    bad = tmp_path / "bad.yml"
+    bad.write_text("thresholds:\n  input_boundd: 0.1\n")
+    out = subprocess.run([sys.executable, "-m", "exporter", "dashboards", "--config", str(bad),
+                          "--out", str(tmp_path / "e")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "input_boundd" in out.stderr
+    assert not (tmp_path / "e").exists()
 
 
 def test_provisioning_points_at_the_dashboards():

@@ -102,14 +102,13 @@ def test_the_prometheusrule_carries_exactly_the_rule_groups_of_alerts(manifests,
 
 
 def test_the_dashboards_configmap_is_for_the_grafana_sidecar_and_current(manifests):
-    sys.path.insert(0, str(ROOT / "grafana"))
-    import generate
+    from exporter import dashboards as generate
 
     cm = manifests["ConfigMap"]
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert set(cm["data"]) == {p.name for p in (ROOT / "grafana" / "dashboards").glob("*.json")}
     assert (DEPLOY / "kubernetes" / "dashboards-configmap.yaml").read_text() == \
-        generate.configmap(), "stale: python3 grafana/generate.py"
+        generate.configmap(), "stale: python3 -m exporter generate"
 
 
 def test_the_example_training_pod_gets_the_node_address_and_the_token():

@@ -54,7 +54,7 @@ def test_promtool_check_rules_is_clean():
 
 def test_promtool_test_files_are_the_generator_output():
     for path, text in rule_cases.files().items():
-        assert path.read_text() == text, f"{path.name} is stale: python3 tests/rule_cases.py"
+        assert path.read_text() == text, f"{path.name} is stale: python3 -m exporter generate"
 
 
 def test_every_alert_has_a_case_that_fires_it_and_one_that_does_not():
@@ -129,3 +129,32 @@ def test_inlining_leaves_no_recording_rule_names():
         inlined = inline(alert["expr"], records)
         assert not any(name in inlined for name in records), alert["alert"]
         assert "group_left (sum" not in inlined  # would parse as a label list
+
+
+def test_every_generated_file_is_current():
+    """`gputrain-exporter generate --check`: rules, PrometheusRule, promtool tests, dashboards,
+    their ConfigMap, runbook and README tables all match the catalogue."""
+    from exporter import generate
+
+    stale = [str(p.relative_to(ROOT)) for p in generate.stale(ROOT)]
+    assert stale == [], f"stale (run `python3 -m exporter generate`): {stale}"
+
+
+def test_a_catalogue_change_reaches_every_surface():
+    """One threshold, changed once, moves the rule, the runbook, the README table, the
+    dashboards' line and diagnose's verdict."""
+    from exporter import dashboards, diagnose, generate
+    from exporter.rules import render as render_rules
+
+    mine = {"thresholds": {"input_bound": 0.12}}
+    assert ">= 0.12" in render_rules(mine)
+    assert "12 %" in generate.runbook(mine) and "12 %" in generate.alert_table(mine)
+    data_wait = next(p for p in dashboards.dashboards(mine)["run.json"]["panels"]
+                     if p["title"] == "Data wait")
+    assert data_wait["fieldConfig"]["defaults"]["thresholds"]["steps"][1]["value"] == 0.12
+    rep = diagnose.RankReport("gputrain", "n1", "r", "0", steps_per_second=1,
+                              data_wait_ratio=0.1)
+    rep.gpus = [diagnose.GpuReading("0", "GPU-0", busy=0.95, memory_used=0.6, power_used=0.7)]
+    t = {**DEFAULTS["thresholds"], **mine["thresholds"]}
+    (judged,) = diagnose.judge([rep], t)
+    assert judged.verdict == "gpu-bound"  # 10 % data wait is under the user's 12 %

@@ -1,9 +1,11 @@
-"""The three Grafana dashboards, as code: ``python3 grafana/generate.py`` writes
-``grafana/dashboards/*.json`` and the Kubernetes ConfigMap of them (committed; a test keeps
-them equal to this output).
+"""The three Grafana dashboards, as code: ``gputrain-exporter dashboards [--config FILE]``
+writes them with your thresholds and selector; ``gputrain-exporter generate`` writes the
+committed ``grafana/dashboards/*.json`` and their Kubernetes ConfigMap (a test keeps them equal
+to this output).
 
 overview -> run -> node: "which runs waste GPUs" to "why" in two clicks. Every panel uses the
-``datasource`` variable; thresholds drawn on panels are HEURISTICS.md's defaults.
+``datasource`` variable; the threshold lines are the catalogue's thresholds
+(:mod:`exporter.catalogue`), the same the alerts use.
 """
 
 from __future__ import annotations
@@ -12,12 +14,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-OUT = HERE / "dashboards"
-CONFIGMAP = HERE.parent / "deploy" / "kubernetes" / "dashboards-configmap.yaml"
+from exporter.catalogue import show
+from exporter.rules import DEFAULTS, merge
+
 DS = {"type": "prometheus", "uid": "${datasource}"}
 TAGS = ["gputrain"]
-RUN_SEL = 'run="$run", rank=~"$rank"'
 ALERTS = 'ALERTS{alertname=~"GpuTrain.*", alertstate="firing"}'
 
 
@@ -97,8 +98,10 @@ def stat(title: str, expr: str, unit: str, steps: list[tuple[float | None, str]]
 
 def table(title: str, targets: list[dict], unit_by_field: dict[str, str],
           description: str = "", links: dict[str, str] | None = None,
-          sort: str | None = None, hide: tuple[str, ...] = ("Time",)) -> dict:
-    """An instant table that merges its queries on their labels; ``Value #X`` columns renamed."""
+          sort: str | None = None, hide: tuple[str, ...] = ("Time",),
+          busy_steps: tuple[float, float] | None = None) -> dict:
+    """An instant table that merges its queries on their labels; ``Value #X`` columns renamed.
+    Ratio cells are coloured by ``busy_steps`` (the GPU-busy thresholds: low, target)."""
     overrides = []
     for field_name, unit in unit_by_field.items():
         props: list[dict] = [{"id": "unit", "value": unit}]
@@ -120,7 +123,8 @@ def table(title: str, targets: list[dict], unit_by_field: dict[str, str],
                     "excludeByName": {h: True for h in (*hide, "__name__")},
                     "renameByName": rename}}],
             "fieldConfig": {"defaults": {"unit": "none", "thresholds": thresholds(
-                (None, "red"), (0.5, "orange"), (0.9, "green"))}, "overrides": overrides},
+                (None, "red"), (busy_steps[0], "orange"), (busy_steps[1], "green"))
+                if busy_steps else thresholds((None, "green"))}, "overrides": overrides},
             "options": {"showHeader": True, "cellHeight": "sm",
                         "sortBy": [{"displayName": sort, "desc": False}] if sort else []}}
 
@@ -161,32 +165,34 @@ def dashboard(uid: str, title: str, description: str, variables: list[dict],
     }
 
 
-def gpu_join(expr: str) -> str:
-    """``expr`` (per GPU) for the GPUs of the selected run and ranks."""
+def gpu_join(expr: str, sel: str) -> str:
+    """``expr`` (per GPU) for the GPUs of the selected run and ranks (``sel``)."""
     return (f"({expr}) * on (job, instance, gpu, uuid) group_left (run, rank) "
-            f'max by (job, instance, gpu, uuid, run, rank) '
-            f'(gputrain_training_gpu_info{{{RUN_SEL}, instance=~"$instance"}})')
+            f'max by (job, instance, gpu, uuid, run, rank) (gputrain_training_gpu_info{{{sel}}})')
 
 
 # --- overview ----------------------------------------------------------------------------------
 
-def overview() -> dict:
+def overview(t: dict[str, float], js: str) -> dict:
     lay = Layout()
+    busy = [(None, "red"), (t["gpu_busy_low"], "orange"), (t["gpu_busy_target"], "green")]
+    low, target_ = show("gpu_busy_low", t["gpu_busy_low"]), show("gpu_busy_target",
+                                                                t["gpu_busy_target"])
     run_link = ("/d/gputrain-run/gputrain-run?${__url_time_range}&var-datasource=${datasource}"
                 "&var-run=${__data.fields.run}&var-instance=$__all&var-rank=$__all")
     node_link = ("/d/gputrain-node/gputrain-node?${__url_time_range}&var-datasource="
                  "${datasource}&var-instance=${__data.fields.instance}")
     panels = [
         lay.place(stat("Fleet GPU busy", "avg(gpu:gputrain_gpu_busy_ratio:rate5m)",
-                       "percentunit", [(None, "red"), (0.5, "orange"), (0.9, "green")],
-                       "Mean busy ratio of every GPU over 5m. Under 90% is wasted money "
+                       "percentunit", busy,
+                       f"Mean busy ratio of every GPU over 5m. Under {target_} is wasted money "
                        "(seed 002)."), 6, 4),
         lay.place(stat("Busy of GPUs that runs use",
                        "avg(run_rank_gpu:gputrain_gpu_busy_ratio:rate5m)", "percentunit",
-                       [(None, "red"), (0.5, "orange"), (0.9, "green")]), 6, 4),
+                       busy), 6, 4),
         lay.place(stat("GPUs no run uses",
-                       "count(gputrain_gpu_up == 1 unless on (job, instance, gpu, uuid) "
-                       "gputrain_training_gpu_info) or vector(0)", "none",
+                       f"count(gputrain_gpu_up{{{js}}} == 1 unless on (job, instance, gpu, "
+                       f"uuid) gputrain_training_gpu_info{{{js}}}) or vector(0)", "none",
                        [(None, "green"), (1, "orange")]), 6, 4),
         lay.place(stat("Firing GpuTrain alerts", f"count({ALERTS}) or vector(0)", "none",
                        [(None, "green"), (1, "red")]), 6, 4),
@@ -200,25 +206,30 @@ def overview() -> dict:
             "Every (run, rank) on every node over 5m. Click a run for its dashboard, a node "
             "for its instance metrics. Sort by GPU busy to find the waste.",
             links={"run": run_link, "instance": node_link}, sort="GPU busy",
-            hide=("Time", "job")), 24, 9),
+            hide=("Time", "job"), busy_steps=(t["gpu_busy_low"], t["gpu_busy_target"])),
+            24, 9),
         lay.place(table("Firing GpuTrain alerts", [target(ALERTS, "firing", "A")],
                         {}, "What the rules say, with the labels that locate it.",
                         links={"run": run_link, "instance": node_link},
                         hide=("Time", "Value #A", "alertstate", "job")), 12, 8),
         lay.place(table("GPUs no run uses", [target(
             "gpu:gputrain_gpu_busy_ratio:rate5m unless on (job, instance, gpu, uuid) "
-            "gputrain_training_gpu_info", "busy", "A")], {"busy": "percentunit"},
+            f"gputrain_training_gpu_info{{{js}}}", "busy", "A")], {"busy": "percentunit"},
             "GPUs with no training client reporting them: idle capacity, or a job that does "
-            "not use the client.", links={"instance": node_link}, hide=("Time", "job")),
+            "not use the client.", links={"instance": node_link}, hide=("Time", "job"),
+            busy_steps=(t["gpu_busy_low"], t["gpu_busy_target"])),
             12, 8),
         lay.place(timeseries("GPU busy by run", [target(
             "run_rank:gputrain_gpu_busy_ratio:avg5m", "{{run}} rank {{rank}}")],
-            "percentunit", "90% is the goal (seed 002); under 50% the GPU is badly used "
-            "(seed 001).", lines=[(0.5, "red"), (0.9, "green")], max_=1), 12, 8),
+            "percentunit", f"{target_} is the goal (seed 002); under {low} the GPU is badly "
+            "used (seed 001).", lines=[(t["gpu_busy_low"], "red"),
+                                       (t["gpu_busy_target"], "green")], max_=1), 12, 8),
         lay.place(timeseries("Data wait by run", [target(
             "run_rank:gputrain_training_data_wait_ratio:rate5m", "{{run}} rank {{rank}}")],
-            "percentunit", "Share of each step blocked on the data loader: 5% is moderately, "
-            "20% highly input-bound (TF Profiler).", lines=[(0.05, "orange"), (0.2, "red")],
+            "percentunit", "Share of each step blocked on the data loader: "
+            f"{show('input_bound', t['input_bound'])} is moderately, "
+            f"{show('input_bound_high', t['input_bound_high'])} highly input-bound (TF "
+            "Profiler).", lines=[(t["input_bound"], "orange"), (t["input_bound_high"], "red")],
             max_=1), 12, 8),
     ]
     return dashboard("gputrain-overview", "GpuTrain / Overview",
@@ -227,10 +238,15 @@ def overview() -> dict:
 
 # --- run ---------------------------------------------------------------------------------------
 
-def run() -> dict:
+def run(t: dict[str, float], js: str) -> dict:
     lay = Layout()
-    sel = f'{RUN_SEL}, instance=~"$instance"'
-    node = 'instance=~"$instance"'
+    sel = f'{js}, run="$run", rank=~"$rank", instance=~"$instance"'
+    node = f'{js}, instance=~"$instance"'
+
+    def pct(name: str) -> str:
+        return show(name, t[name])
+
+    dominating = t["phase_dominates"] / (1 + t["phase_dominates"])
     q = "sum by (instance, rank, le) (rate(gputrain_training_step_duration_seconds_bucket" \
         f"{{{sel}}}[$__rate_interval]))"
     panels = [
@@ -247,13 +263,16 @@ def run() -> dict:
             "stall (checkpoints)."), 8, 8),
         lay.place(timeseries("Data wait", [target(
             f"run_rank:gputrain_training_data_wait_ratio:rate5m{{{sel}}}", "rank {{rank}}")],
-            "percentunit", "5% moderately, 20% highly input-bound.",
-            lines=[(0.05, "orange"), (0.2, "red")], max_=1), 8, 8),
+            "percentunit", f"{pct('input_bound')} moderately, {pct('input_bound_high')} "
+            "highly input-bound.",
+            lines=[(t["input_bound"], "orange"), (t["input_bound_high"], "red")], max_=1), 8, 8),
         lay.place(timeseries("Phases", [target(
             f"run_rank_phase:gputrain_training_phase_ratio:rate5m{{{sel}}}",
             "{{phase}} rank {{rank}}")], "percentunit",
-            "Share of the step in each named phase; over 50% (1.0x the rest) is host "
-            "overhead.", lines=[(0.5, "red")], max_=1), 12, 8),
+            f"Share of the step in each named phase; a phase of the step over "
+            f"{dominating:.0%} ({pct('phase_dominates')} the rest) is host overhead; checkpoint "
+            f"saves over {pct('checkpoint_share')} are stalls.",
+            lines=[(dominating, "red")], max_=1), 12, 8),
         lay.place(timeseries("Training processes", [
             target(f"run_rank:gputrain_training_process_cpu_cores:rate5m{{{sel}}}",
                    "CPU cores rank {{rank}}", "A")], "none",
@@ -265,43 +284,50 @@ def run() -> dict:
         lay.place(timeseries("GPU busy", [target(
             f"run_rank_gpu:gputrain_gpu_busy_ratio:rate5m{{{sel}}}",
             "GPU {{gpu}} rank {{rank}}")], "percentunit", "Any kernel running.",
-            lines=[(0.5, "red"), (0.9, "green")], max_=1), 8, 8),
+            lines=[(t["gpu_busy_low"], "red"), (t["gpu_busy_target"], "green")], max_=1), 8, 8),
         lay.place(timeseries("SM and tensor activity", [
             target(f"run_rank_gpu:gputrain_gpu_sm_active_ratio:avg5m{{{sel}}}",
                    "SM GPU {{gpu}}", "A"),
             target(f"run_rank_gpu:gputrain_gpu_tensor_active_ratio:avg5m{{{sel}}}",
                    "tensor GPU {{gpu}}", "B")], "percentunit",
-            "GPM (Hopper and newer). SM active < 30% while busy is launch-bound; tensor < 1% "
-            "with SMs busy means no AMP.", lines=[(0.3, "orange")], max_=1), 8, 8),
+            f"GPM (Hopper and newer). SM active < {pct('launch_sm_active_below')} while busy is "
+            f"launch-bound; tensor < {pct('tensor_active_below')} with SMs busy means no AMP.",
+            lines=[(t["launch_sm_active_below"], "orange")], max_=1), 8, 8),
         lay.place(timeseries("GPU memory used", [target(
             f"run_rank_gpu:gputrain_gpu_memory_used:ratio{{{sel}}}", "GPU {{gpu}}")],
-            "percentunit", "Under 25% the batch is likely too small; over 95% is near OOM.",
-            lines=[(0.25, "orange"), (0.95, "red")], max_=1), 8, 8),
+            "percentunit", f"Under {pct('memory_underused')} the batch is likely too small; "
+            f"over {pct('memory_near_limit')} is near OOM.",
+            lines=[(t["memory_underused"], "orange"), (t["memory_near_limit"], "red")],
+            max_=1), 8, 8),
         lay.place(timeseries("Power against the limit", [target(
             f"run_rank_gpu:gputrain_gpu_power_limit_used:ratio_avg5m{{{sel}}}",
             "GPU {{gpu}}")], "percentunit", "Low power while busy: the SMs idle.",
-            lines=[(0.4, "orange")], max_=1), 8, 8),
+            lines=[(t["launch_power_below"], "orange")], max_=1), 8, 8),
         lay.place(timeseries("PCIe host-to-device against the link", [target(
             f"run_rank_gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m{{{sel}}}",
-            "GPU {{gpu}}")], "percentunit", "Over 50% of the link with the GPU under 80% "
-            "busy: the copy is the bottleneck.", lines=[(0.5, "red")], max_=1), 8, 8),
+            "GPU {{gpu}}")], "percentunit", f"Over {pct('pcie_rx_high')} of the link with the "
+            f"GPU under {pct('h2d_gpu_busy_below')} busy: the copy is the bottleneck.",
+            lines=[(t["pcie_rx_high"], "red")], max_=1), 8, 8),
         lay.place(timeseries("SM clock", [target(
-            gpu_join(f'gputrain_gpu_clock_hertz{{clock="sm", {node}}}'), "GPU {{gpu}}")],
+            gpu_join(f'gputrain_gpu_clock_hertz{{clock="sm", {node}}}', sel), "GPU {{gpu}}")],
             "hertz", "A clock well under its boost while busy is throttled: see the next "
             "panel."), 8, 8),
         lay.place(timeseries("Throttled time", [target(
             gpu_join("sum by (job, instance, gpu, uuid, reason) (rate("
-                     f"gputrain_gpu_clock_event_seconds_total{{{node}}}[$__rate_interval]))"),
+                     f"gputrain_gpu_clock_event_seconds_total{{{node}}}[$__rate_interval]))",
+                     sel),
             "{{reason}} GPU {{gpu}}")], "percentunit",
-            "Share of time the clocks were held down, by reason; over 10% for power or "
-            "thermal reasons is throttling.", lines=[(0.1, "red")], max_=1), 8, 8),
+            f"Share of time the clocks were held down, by reason; over {pct('throttle_ratio')} "
+            "for power or thermal reasons is throttling.",
+            lines=[(t["throttle_ratio"], "red")], max_=1), 8, 8),
         lay.row("Node"),
         lay.place(timeseries("CPU by mode", [target(
             f"sum by (instance, mode) (rate(gputrain_host_cpu_seconds_total{{{node}}}"
             f"[$__rate_interval])) / on (instance) group_left sum by (instance) "
             f"(rate(gputrain_host_cpu_seconds_total{{{node}}}[$__rate_interval]))",
             "{{mode}} {{instance}}")], "percentunit",
-            "90% busy with data wait is preprocessing-bound; iowait over 20% is disk-bound.",
+            f"{pct('cpu_saturated')} busy with data wait is preprocessing-bound; iowait over "
+            f"{pct('iowait_high')} is disk-bound.",
             stack=True, max_=1), 8, 8),
         lay.place(timeseries("Disk I/O", [
             target(f"sum by (instance, device) (rate(gputrain_host_disk_read_bytes_total"
@@ -313,14 +339,15 @@ def run() -> dict:
             f"rate(gputrain_host_network_received_bytes_total{{{node}}}[$__rate_interval]) "
             f"/ gputrain_host_network_speed_bytes_per_second{{{node}}}",
             "{{interface}} {{instance}}")], "percentunit",
-            "Over 80% of the interface with data wait: network input bound.",
-            lines=[(0.8, "red")], max_=1), 8, 8),
+            f"Over {pct('network_saturated')} of the interface with data wait: network input "
+            "bound.", lines=[(t["network_saturated"], "red")], max_=1), 8, 8),
     ]
     variables = [
-        variable("run", "label_values(gputrain_training_steps_total, run)", "Run"),
-        variable("instance", 'label_values(gputrain_training_steps_total{run="$run"}, instance)',
+        variable("run", f"label_values(gputrain_training_steps_total{{{js}}}, run)", "Run"),
+        variable("instance",
+                 f'label_values(gputrain_training_steps_total{{{js}, run="$run"}}, instance)',
                  "Node", multi=True, include_all=True),
-        variable("rank", 'label_values(gputrain_training_steps_total{run="$run", '
+        variable("rank", f'label_values(gputrain_training_steps_total{{{js}, run="$run", '
                  'instance=~"$instance"}, rank)', "Rank", multi=True, include_all=True),
     ]
     return dashboard("gputrain-run", "GpuTrain / Run",
@@ -330,9 +357,9 @@ def run() -> dict:
 
 # --- node --------------------------------------------------------------------------------------
 
-def node() -> dict:
+def node(t: dict[str, float], js: str) -> dict:
     lay = Layout()
-    n = 'instance="$instance"'
+    n = f'{js}, instance="$instance"'
     r = "[$__rate_interval]"
     per_gpu = "GPU {{gpu}}"
     panels = [
@@ -340,7 +367,8 @@ def node() -> dict:
         lay.place(timeseries("GPU busy", [target(
             f"sum by (gpu, uuid) (rate(gputrain_gpu_busy_seconds_total{{{n}}}{r})) / "
             f"sum by (gpu, uuid) (rate(gputrain_gpu_sampled_seconds_total{{{n}}}{r}))",
-            per_gpu)], "percentunit", lines=[(0.5, "red"), (0.9, "green")], max_=1), 8, 8),
+            per_gpu)], "percentunit", lines=[(t["gpu_busy_low"], "red"),
+                                             (t["gpu_busy_target"], "green")], max_=1), 8, 8),
         lay.place(timeseries("SM active", [target(
             f"gputrain_gpu_sm_active_ratio{{{n}}}", per_gpu)], "percentunit", max_=1), 8, 8),
         lay.place(timeseries("Tensor active", [target(
@@ -368,8 +396,8 @@ def node() -> dict:
         lay.place(timeseries("Throttled time", [target(
             f"rate(gputrain_gpu_clock_event_seconds_total{{{n}}}{r})",
             "{{reason}} GPU {{gpu}}")], "percentunit", "Share of time the clocks were held "
-            "down; over 10% for power or thermal reasons is throttling.",
-            lines=[(0.1, "red")], max_=1), 8, 8),
+            f"down; over {show('throttle_ratio', t['throttle_ratio'])} for power or thermal "
+            "reasons is throttling.", lines=[(t["throttle_ratio"], "red")], max_=1), 8, 8),
         lay.place(table("GPU health", [
             target(f"gputrain_gpu_up{{{n}}}", "up", "A"),
             target(f"sum by (gpu, uuid) (increase(gputrain_gpu_xid_errors_total{{{n}}}[1h])) "
@@ -386,7 +414,8 @@ def node() -> dict:
             links={"run": "/d/gputrain-run/gputrain-run?${__url_time_range}&var-datasource="
                           "${datasource}&var-run=${__data.fields.run}&var-instance=$instance"
                           "&var-rank=$__all"},
-            hide=("Time", "job", "instance")), 12, 7),
+            hide=("Time", "job", "instance"),
+            busy_steps=(t["gpu_busy_low"], t["gpu_busy_target"])), 12, 7),
         lay.row("Host"),
         lay.place(timeseries("CPU by mode", [target(
             f"sum by (mode) (rate(gputrain_host_cpu_seconds_total{{{n}}}{r})) / scalar("
@@ -399,7 +428,7 @@ def node() -> dict:
             8, 8),
         lay.place(timeseries("Disk busy", [target(
             f"rate(gputrain_host_disk_io_time_seconds_total{{{n}}}{r})", "{{device}}")],
-            "percentunit", lines=[(0.9, "red")], max_=1), 8, 8),
+            "percentunit", lines=[(t["disk_busy_high"], "red")], max_=1), 8, 8),
         lay.place(timeseries("Disk I/O", [
             target(f"rate(gputrain_host_disk_read_bytes_total{{{n}}}{r})", "read {{device}}",
                    "A"),
@@ -413,21 +442,26 @@ def node() -> dict:
             target(f"gputrain_host_network_speed_bytes_per_second{{{n}}}",
                    "speed {{interface}}", "C")], "Bps"), 12, 8),
     ]
-    variables = [variable("instance", "label_values(gputrain_build_info, instance)", "Node")]
+    variables = [variable("instance", f"label_values(gputrain_build_info{{{js}}}, instance)",
+                          "Node")]
     return dashboard("gputrain-node", "GpuTrain / Node",
                      "The instance metrics of one node: all its GPUs and its host.",
                      variables, panels, ', instance="$instance"')
 
 
-def dashboards() -> dict[str, dict]:
-    return {"overview.json": overview(), "run.json": run(), "node.json": node()}
+def dashboards(overrides: dict | None = None) -> dict[str, dict]:
+    """The dashboards by file name, with the thresholds and selector of ``overrides`` (a
+    thresholds file's content, as for ``rules --config``)."""
+    cfg = merge(DEFAULTS, overrides or {})
+    t, js = cfg["thresholds"], cfg["selector"]
+    return {"overview.json": overview(t, js), "run.json": run(t, js), "node.json": node(t, js)}
 
 
 def render(d: dict) -> str:
     return json.dumps(d, indent=2, sort_keys=False) + "\n"
 
 
-def configmap() -> str:
+def configmap(overrides: dict | None = None) -> str:
     """The dashboards as a ConfigMap the Grafana sidecar (kube-prometheus-stack) picks up."""
     import yaml
 
@@ -437,15 +471,16 @@ def configmap() -> str:
                                    "app.kubernetes.io/name": "gputrain-exporter"},
                         "annotations": {"grafana_folder": "GpuTrain"}},
            "data": {name: json.dumps(d, separators=(",", ":"))
-                    for name, d in dashboards().items()}}
-    return ("# Generated by grafana/generate.py from grafana/dashboards: do not edit.\n"
-            + yaml.safe_dump(doc, sort_keys=False, width=1 << 20))
+                    for name, d in dashboards(overrides).items()}}
+    return ("# Generated by `gputrain-exporter generate` from exporter/dashboards.py: do not "
+            "edit.\n" + yaml.safe_dump(doc, sort_keys=False, width=1 << 20))
 
 
-if __name__ == "__main__":
-    OUT.mkdir(exist_ok=True)
-    for name, d in dashboards().items():
-        (OUT / name).write_text(render(d))
-        print(f"wrote grafana/dashboards/{name}")
-    CONFIGMAP.write_text(configmap())
-    print("wrote deploy/kubernetes/dashboards-configmap.yaml")
+def write(out: Path, overrides: dict | None = None) -> list[Path]:
+    """Write the dashboards into ``out``; returns the files written."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, d in dashboards(overrides).items():
+        (out / name).write_text(render(d))
+        written.append(out / name)
+    return written
