@@ -168,6 +168,8 @@ def queries(selector: str, window: str) -> dict[str, str]:
                "power_used": "gputrain_gpu_power_limit_used:ratio_avg5m",
                "pcie_rx_used": "gputrain_gpu_pcie_rx_link_used:ratio_rate5m"}
     return {
+        # every rank that exports anything, then the step rate of those that step
+        "ranks": f'group by ({r}) ({{__name__=~"gputrain_training_.+", {s}}})',
         "steps": f"sum by ({r}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[{w}]))",
         "samples_per_second": rule("run_rank:gputrain_training_samples_per_second:rate5m"),
         "step_seconds": rule("run_rank:gputrain_training_step_seconds:mean5m"),
@@ -197,11 +199,13 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None) -> li
     """One report per (run, rank) active in the window, readings filled, no verdict yet."""
     q = queries(selector, window)
     reports: dict[tuple, RankReport] = {}
+    for labels, _ in prom.query(q["ranks"]):
+        if run is None or labels.get("run") == run:
+            reports[_rank_key(labels)] = RankReport(*_rank_key(labels))
     for labels, steps in prom.query(q["steps"]):
-        if run is not None and labels.get("run") != run:
-            continue
-        key = _rank_key(labels)
-        reports[key] = RankReport(*key, steps_per_second=steps)
+        rep = reports.get(_rank_key(labels))
+        if rep:
+            rep.steps_per_second = steps
     for name in ("samples_per_second", "step_seconds", "data_wait_ratio", "step_p50_seconds",
                  "step_p99_seconds", "seconds_since_step", "rss_growth_1h", "rss_growth_15m"):
         for labels, value in prom.query(q[name]):
@@ -456,7 +460,7 @@ def main(ns: argparse.Namespace) -> int:
     if not reports:
         what = f"run '{ns.run}'" if ns.run else "gputrain training data"
         print(f"gputrain-exporter diagnose: Prometheus at {ns.prometheus} holds no {what} in "
-              f"the last {ns.window} (no rate of gputrain_training_step_duration_seconds_count). "
+              f"the last {ns.window} (no gputrain_training_* series of a run and rank). "
               "Is it scraping the exporter, and is a training client pushing to it?",
               file=sys.stderr)
         return EXIT_NO_DATA

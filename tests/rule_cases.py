@@ -103,10 +103,14 @@ def gpu_of(run: str, r: str, g: str, uuid: str) -> dict[str, str]:
     return {sel("gputrain_training_gpu_info", run=run, rank=r, gpu=g, uuid=uuid): flat(1)}
 
 
-def run_steps(run: str, wait: float, r: str = "0", step_sum: float = 60) -> dict[str, str]:
-    """A rank waiting ``wait`` of each minute for data, out of ``step_sum`` seconds of steps."""
+def run_steps(run: str, wait: float, r: str = "0", step_sum: float = 60,
+              step_s: float = 1.0) -> dict[str, str]:
+    """A rank waiting ``wait`` of each minute for data, out of ``step_sum`` seconds of steps
+    of ``step_s`` seconds each."""
     return {sel("gputrain_training_data_wait_seconds_total", run=run, rank=r): ramp(wait * 60),
-            sel("gputrain_training_step_duration_seconds_sum", run=run, rank=r): ramp(step_sum)}
+            sel("gputrain_training_step_duration_seconds_sum", run=run, rank=r): ramp(step_sum),
+            sel("gputrain_training_step_duration_seconds_count", run=run, rank=r):
+                ramp(step_sum / step_s)}
 
 
 def host_cpu(busy: float, iowait: float = 0.0, cores: int = 8) -> dict[str, str]:
@@ -337,9 +341,7 @@ def training_run(run: str, *, busy: float, wait: float, samples_per_s: float, st
         sel("gputrain_gpu_power_limit_watts", **g): flat(power_limit_w),
         sel("gputrain_gpu_pcie_received_bytes_total", **g): ramp(pcie_rx * link * 60),
         sel("gputrain_gpu_pcie_link_max_bytes_per_second", **g): flat(link),
-        **run_steps(run, wait),
-        sel("gputrain_training_step_duration_seconds_count", run=run, rank="0"):
-            ramp(60 / step_s),
+        **run_steps(run, wait, step_s=step_s),
         sel("gputrain_training_samples_total", run=run, rank="0"): ramp(samples_per_s * 60),
         **host_cpu(cpu_busy),
         sel("gputrain_host_disk_io_time_seconds_total", device="nvme0n1"): ramp(3),

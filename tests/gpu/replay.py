@@ -61,12 +61,61 @@ def inline_alerts(rules_text: str) -> list[dict]:
             for g in groups for r in g["rules"] if "alert" in r]
 
 
-class Replay:
-    """A Prometheus over the backfilled recording (no scraping, no rules)."""
+class Backfilled:
+    """A real Prometheus over series backfilled from OpenMetrics text (no scraping, no
+    rules): ``promtool tsdb create-blocks-from openmetrics``, then the server on that TSDB."""
+
+    def __init__(self, openmetrics: str, workdir: Path) -> None:
+        self.workdir = workdir
+        om = workdir / "series.om"
+        om.write_text(openmetrics)
+        data = workdir / "data"
+        out = subprocess.run(["promtool", "tsdb", "create-blocks-from", "openmetrics", str(om),
+                              str(data)], capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"backfill failed: {out.stdout}{out.stderr}")
+        (workdir / "prometheus.yml").write_text("global: {}\n")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(workdir / "prometheus.log", "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            ["prometheus", f"--config.file={workdir / 'prometheus.yml'}",
+             f"--storage.tsdb.path={data}", "--storage.tsdb.retention.time=100y",
+             f"--web.listen-address=127.0.0.1:{self.port}"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 60
+        while True:
+            try:
+                if requests.get(f"{self.url}/-/ready", timeout=1).ok:
+                    break
+            except requests.RequestException:
+                pass
+            if time.time() > deadline:
+                self.stop()
+                raise RuntimeError("the backfilled Prometheus did not start: "
+                                   + (workdir / "prometheus.log").read_text()[-2000:])
+            time.sleep(0.2)
+
+    def query(self, expr: str, at: float) -> list[dict]:
+        r = requests.get(f"{self.url}/api/v1/query",
+                         params={"query": expr, "time": f"{at:.3f}"}, timeout=30)
+        body = r.json()
+        if body.get("status") != "success":
+            raise ValueError(f"{expr}: {body.get('error')}")
+        return body["data"]["result"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=15)
+        self.log.close()
+
+
+class Replay(Backfilled):
+    """A harness recording, backfilled."""
 
     def __init__(self, recording: Path, workdir: Path) -> None:
         self.recording = recording
-        self.workdir = workdir
         scrapes = read_recording(recording)
         if len(scrapes) < 2:
             raise ValueError(f"{recording}: fewer than two scrapes")
@@ -75,40 +124,7 @@ class Replay:
                     if any(n.startswith("gputrain_training_") for n, _ in samples)]
         self.start_time = training[0] if training else scrapes[0][0]
         self.end_time = scrapes[-1][0]
-        om = workdir / "recording.om"
-        om.write_text(to_openmetrics(recording))
-        data = workdir / "data"
-        out = subprocess.run(["promtool", "tsdb", "create-blocks-from", "openmetrics", str(om),
-                              str(data)], capture_output=True, text=True)
-        if out.returncode:
-            raise RuntimeError(f"backfill failed: {out.stdout}{out.stderr}")
-        (workdir / "prometheus.yml").write_text("global: {}\n")
-        self.port = free_port()
-        self.log = open(workdir / "prometheus.log", "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            ["prometheus", f"--config.file={workdir / 'prometheus.yml'}",
-             f"--storage.tsdb.path={data}", "--storage.tsdb.retention.time=100y",
-             f"--web.listen-address=127.0.0.1:{self.port}"],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 30
-        while True:
-            try:
-                if requests.get(f"http://127.0.0.1:{self.port}/-/ready", timeout=1).ok:
-                    break
-            except requests.RequestException:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError("the replay Prometheus did not start: "
-                                   + (workdir / "prometheus.log").read_text()[-2000:])
-            time.sleep(0.2)
-
-    def query(self, expr: str, at: float) -> list[dict]:
-        r = requests.get(f"http://127.0.0.1:{self.port}/api/v1/query",
-                         params={"query": expr, "time": f"{at:.3f}"}, timeout=30)
-        body = r.json()
-        if body.get("status") != "success":
-            raise ValueError(f"{expr}: {body.get('error')}")
-        return body["data"]["result"]
+        super().__init__(to_openmetrics(recording), workdir)
 
     def firing(self, rules_text: str, hold: float = 30.0, step: float = 5.0) -> dict[str, list]:
         """Alert name -> the label sets for which its condition held over the last ``hold``
@@ -128,10 +144,6 @@ class Replay:
                 out.setdefault(alert["alert"], []).extend(dict(x) for x in held)
         return out
 
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=15)
-        self.log.close()
 
 
 def replay(recording: Path, rules_text: str | None = None, hold: float = 30.0) -> dict:

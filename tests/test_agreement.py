@@ -1,0 +1,170 @@
+"""diagnose and the alerts cannot disagree.
+
+Every promtool case and seed scenario of tests/rule_cases.py (their expected alerts are checked
+by promtool in test_rules.py), plus cases on the thresholds' boundaries, is backfilled into one
+real Prometheus, each case under a job of its own. `gputrain-exporter diagnose --json --time`
+at the case's evaluation time must then name, for every rank, exactly the bottleneck alerts the
+case fires (the verdict and its `also:` findings), `underutilized` where only
+GpuTrainGPUUnderutilized fires, and `ok` only where nothing fires. The alerts are every rule's
+condition, recording rules inlined, at the same time in the same Prometheus; that they match
+each case's promtool expectations is test_rules.py's job.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import rule_cases
+from conftest import ROOT, require_binary
+from gpu.replay import Backfilled, inline_alerts
+
+from exporter.catalogue import BY_ALERT
+
+BASE = 1_700_000_000  # the backfilled series start here (unix seconds)
+_SERIES = re.compile(r'^([a-zA-Z_:][\w:]*)\{(.*)\}$')
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_NUM = r"-?[\d.]+(?:e[+-]?\d+)?"
+_STEP = re.compile(rf"^({_NUM})(?:([+-])({_NUM[2:]}))?x(\d+)$")
+
+
+def expand(values: str) -> list[float]:
+    """promtool's expanding notation ('a+bxn' is a, a+b, ..., a+n*b; 'axn' is n+1 a's)."""
+    out: list[float] = []
+    for token in values.split():
+        m = _STEP.match(token)
+        if not m:
+            out.append(float(token))
+            continue
+        start, sign, step, n = float(m[1]), m[2], float(m[3] or 0), int(m[4])
+        step = -step if sign == "-" else step
+        out.extend(start + i * step for i in range(n + 1))
+    return out
+
+
+def duration(text: str) -> int:
+    """'45m' -> 2700 (seconds)."""
+    return int(text[:-1]) * {"s": 1, "m": 60, "h": 3600}[text[-1]]
+
+
+def job_of(i: int) -> str:
+    return f"gputrain-case{i}"
+
+
+def openmetrics(cases: list[rule_cases.Case]) -> str:
+    """Every case's series, under its own job, as OpenMetrics with timestamps."""
+    by_name: dict[str, list[str]] = {}
+    for i, case in enumerate(cases):
+        interval = duration(case.interval)
+        for selector, values in case.series.items():
+            name, labels = _SERIES.match(selector).groups()
+            pairs = dict(_LABEL.findall(labels))
+            pairs["job"] = job_of(i)
+            text = ",".join(f'{k}="{v}"' for k, v in sorted(pairs.items()))
+            for k, v in enumerate(expand(values)):
+                by_name.setdefault(name, []).append(
+                    f"{name}{{{text}}} {v!r} {BASE + k * interval}")
+    lines = []
+    for name in sorted(by_name):
+        lines.append(f"# TYPE {name} unknown")
+        lines.extend(by_name[name])
+    return "\n".join([*lines, "# EOF"]) + "\n"
+
+
+def boundary_cases() -> list[rule_cases.Case]:
+    """Runs just either side of the lines where diagnose and the alerts used to part: GPU busy
+    80-90 %, data wait 4-6 %, power just under and over the launch-bound line. Their
+    expectations are in BOUNDARY."""
+    signals = dict(samples_per_s=100, step_s=0.1, mem_gb=8, cpu_busy=0.3)
+    runs = {"busy85-power30": (0.85, 0.01, 90), "busy85-power41": (0.85, 0.01, 123),
+            "busy81-power39": (0.81, 0.01, 117), "busy79-power30": (0.79, 0.01, 90),
+            "busy91-power39": (0.91, 0.01, 117), "wait4": (0.95, 0.04, 250),
+            "wait6": (0.95, 0.06, 250)}
+    return [rule_cases.Case(f"boundary {run}", rule_cases.training_run(
+                run, busy=busy, wait=wait, power_w=power, **signals), [], fire_at="45m")
+            for run, (busy, wait, power) in runs.items()]
+
+
+# run -> (the findings, whether GpuTrainGPUUnderutilized fires)
+BOUNDARY = {"busy85-power30": ({"launch-bound"}, True), "busy85-power41": (set(), True),
+            "busy81-power39": ({"launch-bound"}, True), "busy79-power30": (set(), True),
+            "busy91-power39": ({"launch-bound"}, False), "wait4": (set(), False),
+            "wait6": ({"input-bound"}, False)}
+
+
+CASES = rule_cases.alert_cases() + rule_cases.seed_cases() + boundary_cases()
+
+
+@pytest.fixture(scope="module")
+def backfilled(tmp_path_factory):
+    require_binary("promtool")
+    require_binary("prometheus")
+    prom = Backfilled(openmetrics(CASES), tmp_path_factory.mktemp("agreement"))
+    yield prom
+    prom.stop()
+
+
+@pytest.fixture(scope="module")
+def results(backfilled):
+    """By job and evaluation time: diagnose --json's reports, and every alert rule's condition
+    (recording rules written inline) with the label sets it holds for."""
+    rules_text = (ROOT / "alerts" / "gputrain.rules.yml").read_text()
+    out: dict[str, tuple[list[dict], list[tuple[str, dict]]]] = {}
+    for at in sorted({c.fire_at for c in CASES}):
+        t = BASE + duration(at)
+        run = subprocess.run(
+            [sys.executable, "-m", "exporter", "diagnose", "--prometheus", backfilled.url,
+             "--json", "--time", str(t)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert run.returncode in (0, 1, 3), run.stderr
+        for rep in json.loads(run.stdout):
+            out.setdefault(f"{rep['job']}@{at}", ([], []))[0].append(rep)
+        for alert in inline_alerts(rules_text):
+            for series in backfilled.query(alert["inlined"], t):
+                labels = series["metric"]
+                out.setdefault(f"{labels.get('job')}@{at}", ([], []))[1].append(
+                    (alert["alert"], labels))
+    return out
+
+
+def alerts_for(rep: dict, conditions: list[tuple[str, dict]]) -> tuple[set[str], bool]:
+    """The catalogue verdicts of the bottleneck alerts whose condition holds for this rank,
+    and whether GpuTrainGPUUnderutilized's does."""
+    gpus = {(g["gpu"], g["uuid"]) for g in rep["gpus"]}
+    verdicts, underused = set(), False
+    for alert, labels in conditions:
+        if "run" in labels:
+            if (labels["run"], labels["rank"]) != (rep["run"], rep["rank"]):
+                continue
+        elif (labels.get("gpu"), labels.get("uuid")) not in gpus:
+            continue  # a node's alert about a GPU this rank does not use
+        entry = BY_ALERT[alert]
+        if entry.kind == "bottleneck":
+            verdicts.add(entry.verdict)
+        underused |= alert == "GpuTrainGPUUnderutilized"
+    return verdicts, underused
+
+
+@pytest.mark.parametrize("i", range(len(CASES)), ids=[c.name[:70] for c in CASES])
+def test_diagnose_names_exactly_the_alerts_that_fire(results, i):
+    case = CASES[i]
+    reports, conditions = results.get(f"{job_of(i)}@{case.fire_at}", ([], []))
+    fired = {(f.labels["run"], f.labels["rank"]) for f in case.fires if "run" in f.labels}
+    assert fired <= {(r["run"], r["rank"]) for r in reports}, \
+        f"diagnose did not see every rank an alert fires for: {sorted(fired)}"
+    for rep in reports:
+        want, underused = alerts_for(rep, conditions)
+        if rep["run"] in BOUNDARY:
+            assert (want, underused) == BOUNDARY[rep["run"]], "the boundary case moved"
+        got = set(rep["findings"])
+        who = f"run {rep['run']} rank {rep['rank']}"
+        assert got == want, (f"{who}: diagnose says {sorted(got)} ({rep['reason']}), the "
+                             f"alerts {sorted(want)}")
+        if want:
+            assert rep["status"] == "bottleneck"
+        elif underused:
+            assert rep["status"] == "underutilized", f"{who}: {rep['status']}"
+        else:
+            assert rep["status"] in ("ok", "no-gpu-data"), f"{who}: {rep['status']}"
