@@ -10,7 +10,6 @@ from __future__ import annotations
 import hmac
 import json
 import math
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -18,17 +17,19 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
-PUSH_PATH = "/api/v1/push"
-SCHEMA_VERSION = 1
-MAX_BODY_BYTES = 1024 * 1024
-MAX_NAME_LENGTH = 128
-MAX_PHASES = 32
-MAX_BUCKETS = 64
-MAX_GPUS = 64
+from exporter.protocol import (
+    GPU_REF_RE,
+    MAX_BUCKETS,
+    MAX_GPUS,
+    MAX_NAME_LENGTH,
+    MAX_PHASE_NAME_LENGTH,
+    MAX_PHASES,
+    NAME_RE,
+    RUN_ID_RE,
+    SCHEMA_VERSION,
+)
+
 GOODBYE_GRACE_SECONDS = 60.0  # a finished rank's final totals stay this long, for one more scrape
-NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]+$")
-RUN_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-GPU_REF_RE = re.compile(r"^(\d{1,4}|(GPU|MIG)-[A-Za-z0-9/-]{1,120})$")
 
 COUNTERS = ("steps", "step_seconds", "data_wait_seconds", "samples")
 PROCESS_COUNTERS = ("cpu_seconds", "read_bytes")
@@ -104,7 +105,7 @@ def _name(body: dict, key: str, what: str) -> str:
     if len(v) > MAX_NAME_LENGTH:
         raise PushRejected(400, f"field '{key}' is {len(v)} characters; the limit is "
                                 f"{MAX_NAME_LENGTH}")
-    if not NAME_RE.match(v):
+    if not NAME_RE.fullmatch(v):
         raise PushRejected(400, f"field '{key}' may only hold letters, digits and _ . : - "
                                 f"({what}), got {v!r}")
     return v
@@ -129,7 +130,7 @@ def parse_push(raw: bytes, now: float, now_unix: float) -> tuple[RankState, bool
     run = _name(body, "run", "the run's name")
     rank = _name(body, "rank", "the rank")
     run_id = body.get("run_id")
-    if not isinstance(run_id, str) or not RUN_ID_RE.match(run_id):
+    if not isinstance(run_id, str) or not RUN_ID_RE.fullmatch(run_id):
         raise PushRejected(400, "field 'run_id' must be 1-64 letters, digits, _ or -")
     st = RankState(run=run, rank=rank, run_id=run_id, received_at=now, received_unix=now_unix)
     st.steps = _number(body, "steps", integer=True)
@@ -177,7 +178,7 @@ def _parse_phases(body: dict, st: RankState) -> None:
     if len(phases) > MAX_PHASES:
         raise PushRejected(400, f"at most {MAX_PHASES} phases, got {len(phases)}")
     for name in phases:
-        if not NAME_RE.match(name) or len(name) > 64:
+        if not NAME_RE.fullmatch(name) or len(name) > MAX_PHASE_NAME_LENGTH:
             raise PushRejected(400, f"phase name {name!r} must be 1-64 letters, digits, _ . : -")
         st.phases[name] = _number(phases, name, where="phases.")
 
@@ -202,7 +203,7 @@ def _parse_gpus(body: dict, st: RankState) -> None:
         raise PushRejected(400, f"field 'gpus' must be an array of at most {MAX_GPUS} GPU "
                                 "UUIDs or indices")
     for g in gpus:
-        if not isinstance(g, str) or not GPU_REF_RE.match(g):
+        if not isinstance(g, str) or not GPU_REF_RE.fullmatch(g):
             raise PushRejected(400, f"'gpus' entries must be a GPU index or a GPU-/MIG- UUID, "
                                     f"got {g!r}")
     st.gpus = tuple(dict.fromkeys(gpus))

@@ -19,7 +19,8 @@ from prometheus_client.exposition import choose_encoder
 
 from exporter.collectors import GpuCollector, HostCollector, SelfCollector
 from exporter.collectors.training import TrainingCollector
-from exporter.ingest import MAX_BODY_BYTES, PUSH_PATH, IngestStore, PushRejected
+from exporter.ingest import IngestStore, PushRejected
+from exporter.protocol import MAX_BODY_BYTES, PUSH_PATH
 from exporter.sampler import CollectorStatus, Sampler
 
 log = logging.getLogger(__name__)

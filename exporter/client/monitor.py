@@ -22,6 +22,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from time import perf_counter as _now
 from typing import Any, TypeVar
 
+from exporter.client.pusher import Pusher
+from exporter.protocol import MAX_PHASE_NAME_LENGTH, sanitize
+
 log = logging.getLogger("exporter.client")
 
 T = TypeVar("T")
@@ -49,12 +52,6 @@ def default_rank() -> str:
         if os.environ.get(var):
             return os.environ[var]
     return "0"
-
-
-def sanitize(name: str) -> str:
-    """Make a run or phase name fit the ingest's [A-Za-z0-9_.:-]{1,128}."""
-    cleaned = "".join(c if c.isascii() and (c.isalnum() or c in "_.:-") else "_" for c in name)
-    return cleaned[:128] or "_"
 
 
 def batch_len(batch: Any) -> int:
@@ -214,9 +211,8 @@ class TrainingMonitor:
         self._redetect = True  # look for the GPUs again after the first step (CUDA is up then)
         self._pid = os.getpid()
         self._closed = False
-        from exporter.client.pusher import Pusher
-
-        self._pusher = Pusher(self)
+        self._pusher = Pusher(self.totals, self.run, self.rank, self.run_id, self.endpoint,
+                              self.push_interval, self.token)
         if start:
             self._pusher.start()
         ref = weakref.ref(self)
@@ -282,7 +278,7 @@ class TrainingMonitor:
         key = (name, outside_step)
         timer = self._phase_timers.get(key)
         if timer is None:
-            clean = sanitize(name)[:64]
+            clean = sanitize(name, MAX_PHASE_NAME_LENGTH)
             outside = clean in OUTSIDE_STEP_PHASES if outside_step is None else outside_step
             timer = self._phase_timers[key] = _Phase(self, clean, outside)
         return timer

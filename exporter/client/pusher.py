@@ -11,74 +11,34 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import requests
 
-if TYPE_CHECKING:
-    from exporter.client.monitor import TrainingMonitor
+from exporter.client.process_tree import ProcessTree
+from exporter.protocol import PUSH_PATH, SCHEMA_VERSION
 
 log = logging.getLogger("exporter.client")
 
-PUSH_PATH = "/api/v1/push"
 TIMEOUT = (0.5, 2.0)  # connect, read (seconds)
 MAX_BACKOFF = 60.0
 
 
-class ProcessTree:
-    """CPU seconds, RSS and read bytes of this process and its children (DataLoader workers).
-
-    CPU and read bytes are accumulated per pid from deltas, so a worker that exits keeps its
-    share and the totals never go down.
-    """
-
-    def __init__(self, pid: int) -> None:
-        import psutil
-
-        self._psutil = psutil
-        self._root = psutil.Process(pid)
-        self._last: dict[int, tuple[float, float]] = {}
-        self.cpu_seconds = 0.0
-        self.read_bytes = 0.0
-
-    def read(self) -> dict[str, float]:
-        psutil = self._psutil
-        try:
-            procs = [self._root, *self._root.children(recursive=True)]
-        except psutil.Error:
-            procs = [self._root]
-        rss, seen = 0.0, {}
-        for p in procs:
-            try:
-                with p.oneshot():
-                    t = p.cpu_times()
-                    cpu = t.user + t.system
-                    rss += p.memory_info().rss
-                    try:
-                        io = p.io_counters()
-                        read = float(getattr(io, "read_chars", io.read_bytes))
-                    except (psutil.Error, AttributeError, NotImplementedError):
-                        read = 0.0
-            except psutil.Error:
-                continue
-            before = self._last.get(p.pid, (0.0, 0.0))
-            self.cpu_seconds += max(0.0, cpu - before[0])
-            self.read_bytes += max(0.0, read - before[1])
-            seen[p.pid] = (cpu, read)
-        self._last = seen
-        return {"cpu_seconds": self.cpu_seconds, "resident_memory_bytes": rss,
-                "read_bytes": self.read_bytes, "pid": os.getpid()}
-
-
 class Pusher:
-    """Pushes ``monitor.totals()`` every ``monitor.push_interval`` seconds."""
+    """Pushes ``totals()`` for (run, rank, run_id) to ``endpoint`` every ``interval``
+    seconds."""
 
-    def __init__(self, monitor: TrainingMonitor) -> None:
-        self._monitor = monitor
-        self._url = monitor.endpoint + PUSH_PATH
+    def __init__(self, totals: Callable[[], dict[str, Any]], run: str, rank: str, run_id: str,
+                 endpoint: str, interval: float, token: str | None = None) -> None:
+        self._totals = totals
+        self._identity = {"version": SCHEMA_VERSION, "run": run, "rank": rank,
+                          "run_id": run_id}
+        self.interval = interval
+        self._url = endpoint + PUSH_PATH
         self._headers = {"Content-Type": "application/json"}
-        if monitor.token:
-            self._headers["Authorization"] = f"Bearer {monitor.token}"
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
         self._wake = threading.Event()
         self._stopping = threading.Event()
         # push_now() waits for a push whose totals were read after it asked: it takes ticket
@@ -106,15 +66,14 @@ class Pusher:
         self._thread = None
 
     def _run(self) -> None:
-        delay = self._monitor.push_interval
+        delay = self.interval
         while not self._stopping.is_set():
             self._wake.wait(delay)
             self._wake.clear()
             if self._stopping.is_set():
                 break
             ok = self.push_once()
-            delay = self._monitor.push_interval if ok else min(MAX_BACKOFF, max(
-                delay * 2, self._monitor.push_interval))
+            delay = self.interval if ok else min(MAX_BACKOFF, max(delay * 2, self.interval))
 
     def push_now(self, timeout: float) -> bool:
         """Push the totals as they are now and wait up to ``timeout`` seconds; True when the
@@ -130,9 +89,7 @@ class Pusher:
             return self._accepted >= ticket
 
     def payload(self, goodbye: bool = False) -> dict[str, Any]:
-        m = self._monitor
-        body: dict[str, Any] = {"version": 1, "run": m.run, "rank": m.rank, "run_id": m.run_id,
-                                **m.totals()}
+        body: dict[str, Any] = {**self._identity, **self._totals()}
         try:
             if self._tree is None:
                 self._tree = ProcessTree(os.getpid())

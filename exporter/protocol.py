@@ -1,0 +1,34 @@
+"""The push protocol, shared by the training client and the daemon's ingest.
+
+Standard library only: the client imports it without any daemon code. The README's "Push
+protocol" section documents the schema these constants bound.
+"""
+
+from __future__ import annotations
+
+import re
+
+PUSH_PATH = "/api/v1/push"
+SCHEMA_VERSION = 1
+MAX_BODY_BYTES = 1024 * 1024
+MAX_NAME_LENGTH = 128  # run and rank
+MAX_PHASE_NAME_LENGTH = 64
+MAX_PHASES = 32
+MAX_BUCKETS = 64
+MAX_GPUS = 64
+NAME_CHARS = "A-Za-z0-9_.:-"  # run, rank and phase names
+# fullmatch, never match-with-$ (which accepts a final newline)
+NAME_RE = re.compile(f"[{NAME_CHARS}]+")
+RUN_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+GPU_REF_RE = re.compile(r"\d{1,4}|(GPU|MIG)-[A-Za-z0-9/-]{1,120}")
+
+
+def is_name(value: str, max_length: int = MAX_NAME_LENGTH) -> bool:
+    """A valid run, rank or phase name."""
+    return len(value) <= max_length and NAME_RE.fullmatch(value) is not None
+
+
+def sanitize(name: str, max_length: int = MAX_NAME_LENGTH) -> str:
+    """``name`` made valid: other characters become ``_``, cut to ``max_length``."""
+    cleaned = "".join(c if c.isascii() and (c.isalnum() or c in "_.:-") else "_" for c in name)
+    return cleaned[:max_length] or "_"
