@@ -57,6 +57,10 @@ GPM_METRICS = {
     "pcie_rx_mib_per_second": "NVML_GPM_METRIC_PCIE_RX_PER_SEC",
 }
 MIB = 1024 * 1024
+# newest first (see Nvml.call_versioned); older drivers lack the later ones
+COMPUTE_PROCESS_VARIANTS = (("nvmlDeviceGetComputeRunningProcesses_v3", {}),
+                            ("nvmlDeviceGetComputeRunningProcesses_v2", {}),
+                            ("nvmlDeviceGetComputeRunningProcesses", {}))
 
 
 class BackendUnavailable(RuntimeError):
@@ -162,6 +166,7 @@ class NvmlBackend:
         self._devices: dict[str, _NvmlDevice] = {}
         self._event_set: Any = None
         self._event_lock = threading.Lock()
+        self._memory_variants: tuple[tuple[str, dict], ...] = (("nvmlDeviceGetMemoryInfo", {}),)
 
     # -- discovery -------------------------------------------------------------------------
 
@@ -171,6 +176,9 @@ class NvmlBackend:
         except NvmlUnavailable as exc:
             raise BackendUnavailable(str(exc)) from exc
         nv = self.nvml
+        v2 = getattr(nv.lib, "nvmlMemory_v2", None)  # absent from old nvidia-ml-py
+        self._memory_variants = ((("nvmlDeviceGetMemoryInfo", {"version": v2}),) if v2 else ()) \
+            + (("nvmlDeviceGetMemoryInfo", {}),)
         self.driver_version = _text(nv.call("nvmlSystemGetDriverVersion") or "")
         count = nv.call("nvmlDeviceGetCount") or 0
         identities: list[GpuIdentity] = []
@@ -222,7 +230,8 @@ class NvmlBackend:
         nv, lib, h, key = self.nvml, self.nvml.lib, dev.handle, gpu.index
         s = GpuSample(timestamp=self._clock())
         s.utilization = self._utilization(dev)
-        mem = nv.call("nvmlDeviceGetMemoryInfo", h, device=key)
+        # v2 first: its "used" leaves out the driver's reserved memory, as nvidia-smi does
+        mem = nv.call_versioned(self._memory_variants, h, device=key)
         if mem is not None:
             s.memory_used_bytes, s.memory_total_bytes = float(mem.used), float(mem.total)
         power_mw = nv.call("nvmlDeviceGetPowerUsage", h, device=key)
@@ -244,7 +253,7 @@ class NvmlBackend:
         self._fields(dev, s)
         self._gpm(dev, s)
         self._pcie_fallback(dev, s)
-        procs = nv.call("nvmlDeviceGetComputeRunningProcesses", h, device=key)
+        procs = nv.call_versioned(COMPUTE_PROCESS_VARIANTS, h, device=key)
         if procs:
             s.pids = tuple(int(p.pid) for p in procs)
         return s

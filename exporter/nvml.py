@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -30,6 +30,7 @@ NVML_ERROR_DRIVER_NOT_LOADED = 9
 NVML_ERROR_TIMEOUT = 10
 NVML_ERROR_LIBRARY_NOT_FOUND = 12
 NVML_ERROR_FUNCTION_NOT_FOUND = 13
+NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25
 NVML_ERROR_GPU_IS_LOST = 15
 NVML_ERROR_RESET_REQUIRED = 16
 NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18
@@ -132,7 +133,8 @@ class Nvml:
             self._unsupported.add((device, query))
 
     def call(
-        self, name: str, *args: Any, device: Hashable = None, query: Hashable = None
+        self, name: str, *args: Any, device: Hashable = None, query: Hashable = None,
+        kwargs: dict[str, Any] | None = None, _variant: bool = False,
     ) -> Any:
         """Call ``pynvml.<name>(*args)``; None where the value is not available.
 
@@ -147,16 +149,42 @@ class Nvml:
             return None
         fn = getattr(self._lib, name, None)
         if fn is None:
-            self._function_missing(name)
+            if _variant:  # an older binding: the next variant may exist
+                self.mark_unsupported(device, query)
+            else:
+                self._function_missing(name)
             return None
         try:
-            return fn(*args)
+            return fn(*args, **(kwargs or {}))
         except Exception as exc:
             code = error_code(exc)
             if code is None:
                 raise
+            if _variant and code in (NVML_ERROR_FUNCTION_NOT_FOUND,
+                                     NVML_ERROR_ARGUMENT_VERSION_MISMATCH):
+                self.mark_unsupported(device, query)  # an older driver: try the next variant
+                return None
             self._classify(code, exc, name, device, key)
             return None
+
+    def call_versioned(self, variants: Sequence[tuple[str, dict[str, Any]]], *args: Any,
+                       device: Hashable = None) -> Any:
+        """The newest variant of a call that this driver and binding answer.
+
+        ``variants`` are (function name, keyword arguments), newest first, as nvitop's
+        libnvml does it: a variant the binding or the driver lacks (no such function,
+        FUNCTION_NOT_FOUND, ARGUMENT_VERSION_MISMATCH) or that answers NOT_SUPPORTED is not
+        asked again on this device, and the next one is. None when none answers.
+        """
+        for name, kwargs in variants:
+            query = (name, *sorted(kwargs.items()))
+            if self.is_unsupported(device, query):
+                continue
+            value = self.call(name, *args, device=device, query=query, kwargs=kwargs,
+                              _variant=True)
+            if value is not None or not self.is_unsupported(device, query):
+                return value
+        return None
 
     def _function_missing(self, name: str) -> None:
         with self._lock:

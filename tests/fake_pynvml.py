@@ -26,6 +26,7 @@ NVML_ERROR_TIMEOUT = 10
 NVML_ERROR_LIBRARY_NOT_FOUND = 12
 NVML_ERROR_FUNCTION_NOT_FOUND = 13
 NVML_ERROR_GPU_IS_LOST = 15
+NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25
 NVML_ERROR_UNKNOWN = 999
 
 NVML_TEMPERATURE_GPU = 0
@@ -53,6 +54,7 @@ NVML_GPM_METRIC_PCIE_RX_PER_SEC = 21
 NVML_GPM_METRICS_GET_VERSION = 1
 NVML_GPM_METRIC_MAX = 477
 nvmlEventTypeXidCriticalError = 8
+nvmlMemory_v2 = 0x2000028  # the struct version pynvml passes for nvmlDeviceGetMemoryInfo_v2
 
 CLOCK_EVENT_FIELD_NAMES = {
     NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP: "sw_power_cap",
@@ -88,6 +90,8 @@ class FakeGpu:
     util_rate: int = 50
     memory_used: int = 10 * 1024**3
     memory_total: int = 80 * 1024**3
+    memory_reserved: int = 512 * 1024**2  # the driver's; v1's "used" counts it, v2's does not
+    memory_v2: bool = True  # False: a driver without nvmlDeviceGetMemoryInfo_v2
     power_mw: int = 350_000
     power_limit_mw: int = 700_000
     energy_mj: int = 1_000_000
@@ -154,7 +158,7 @@ class FakePynvml:
         self.events: queue.Queue[tuple[FakeGpu, int]] = queue.Queue()
         self.initialized = False
         for name, value in globals().items():
-            if name.startswith(("NVML_", "nvmlEventType")):
+            if name.startswith(("NVML_", "nvmlEventType", "nvmlMemory_v")):
                 setattr(self, name, value)
 
     def __getattribute__(self, name: str) -> Any:
@@ -238,10 +242,18 @@ class FakePynvml:
         g = self._dev("nvmlDeviceGetUtilizationRates", h)
         return SimpleNamespace(gpu=g.util_rate, memory=g.util_rate // 2)
 
-    def nvmlDeviceGetMemoryInfo(self, h: FakeGpu) -> Any:
-        g = self._dev("nvmlDeviceGetMemoryInfo", h)
-        return SimpleNamespace(used=g.memory_used, total=g.memory_total,
-                               free=g.memory_total - g.memory_used)
+    def nvmlDeviceGetMemoryInfo(self, handle: FakeGpu, version: int | None = None) -> Any:
+        if not version:
+            g = self._dev("nvmlDeviceGetMemoryInfo", handle)
+            used = g.memory_used + g.memory_reserved
+            return SimpleNamespace(used=used, total=g.memory_total, free=g.memory_total - used)
+        g = self._dev("nvmlDeviceGetMemoryInfo_v2", handle)
+        if not g.memory_v2:
+            raise NVMLError(NVML_ERROR_FUNCTION_NOT_FOUND)
+        assert version == nvmlMemory_v2
+        return SimpleNamespace(version=version, used=g.memory_used, reserved=g.memory_reserved,
+                               total=g.memory_total,
+                               free=g.memory_total - g.memory_used - g.memory_reserved)
 
     def nvmlDeviceGetPowerUsage(self, h: FakeGpu) -> int:
         return self._dev("nvmlDeviceGetPowerUsage", h).power_mw
@@ -293,8 +305,17 @@ class FakePynvml:
             raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
         return SimpleNamespace(referenceTime=0, violationTime=g.violation_ns[policy])
 
-    def nvmlDeviceGetComputeRunningProcesses(self, h: FakeGpu) -> list:
-        g = self._dev("nvmlDeviceGetComputeRunningProcesses", h)
+    def nvmlDeviceGetComputeRunningProcesses_v3(self, handle: FakeGpu) -> list:
+        g = self._dev("nvmlDeviceGetComputeRunningProcesses_v3", handle)
+        return [SimpleNamespace(pid=p, usedGpuMemory=1 << 30, gpuInstanceId=0xFFFFFFFF,
+                                computeInstanceId=0xFFFFFFFF) for p in g.pids]
+
+    def nvmlDeviceGetComputeRunningProcesses_v2(self, handle: FakeGpu) -> list:
+        g = self._dev("nvmlDeviceGetComputeRunningProcesses_v2", handle)
+        return [SimpleNamespace(pid=p, usedGpuMemory=1 << 30) for p in g.pids]
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: FakeGpu) -> list:
+        g = self._dev("nvmlDeviceGetComputeRunningProcesses", handle)
         return [SimpleNamespace(pid=p, usedGpuMemory=1 << 30) for p in g.pids]
 
     # -- GPM ---------------------------------------------------------------------------------

@@ -368,3 +368,57 @@ def test_nvml_is_not_touched_at_import():
     importlib.reload(exporter.gpu_backends)
     nv = exporter.nvml.Nvml(FakePynvml([gpu(0)]))
     assert not nv.initialized and nv.lib is None
+
+
+def test_memory_comes_from_the_v2_call_and_falls_back_once_on_an_older_driver(clock, caplog):
+    """v2's "used" leaves out the driver's reserved memory (what nvidia-smi shows); a driver
+    without it is asked once, then v1 serves, reserved memory included."""
+    new, old = gpu(0), gpu(1, memory_v2=False)
+    rig = Rig(FakePynvml([new, old]), clock)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            rig.cycle()
+    assert rig.value("gputrain_gpu_memory_used_bytes", gpu="0") == new.memory_used
+    assert rig.value("gputrain_gpu_memory_used_bytes", gpu="1") == \
+        old.memory_used + old.memory_reserved
+    assert rig.fake.calls["nvmlDeviceGetMemoryInfo_v2"] == 3 + 1  # GPU 0 each cycle, GPU 1 once
+    assert rig.fake.calls["nvmlDeviceGetMemoryInfo"] == 3  # v1 only for GPU 1
+    assert "NVML function" not in caplog.text  # a missing variant is no missing function
+
+
+@pytest.mark.parametrize("missing, used", [
+    ((), "nvmlDeviceGetComputeRunningProcesses_v3"),
+    (("nvmlDeviceGetComputeRunningProcesses_v3",), "nvmlDeviceGetComputeRunningProcesses_v2"),
+    (("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2"),
+     "nvmlDeviceGetComputeRunningProcesses"),
+])
+def test_running_processes_use_the_newest_call_the_binding_has(clock, missing, used):
+    rig = Rig(FakePynvml([gpu(0, pids=[4242, 4343])], missing=missing), clock)
+    rig.cycle()
+    rig.cycle()
+    assert rig.sampler.snapshot.gpus[0].sample.pids == (4242, 4343)
+    assert rig.fake.calls[used] == 2
+    assert sum(n for name, n in rig.fake.calls.items()
+               if name.startswith("nvmlDeviceGetComputeRunningProcesses")) == 2
+
+
+def test_the_fake_matches_the_real_pynvml_signatures():
+    """Every NVML function the fake scripts exists in nvidia-ml-py's pynvml and takes the same
+    arguments, so code that works against the fake calls the real library the same way."""
+    import inspect
+
+    import pynvml
+
+    fake = FakePynvml([])
+    names = [n for n in dir(FakePynvml) if n.startswith("nvml") and callable(getattr(fake, n))]
+    assert len(names) > 30
+    for name in names:
+        real = getattr(pynvml, name, None)
+        assert real is not None, f"pynvml has no {name}"
+        want = list(inspect.signature(real).parameters.values())
+        got = list(inspect.signature(getattr(fake, name)).parameters.values())
+        assert [(p.kind, p.default) for p in got] == [(p.kind, p.default) for p in want], \
+            f"{name}: fake {inspect.signature(getattr(fake, name))}, " \
+            f"pynvml {inspect.signature(real)}"
+        optional = [p.name for p in want if p.default is not inspect.Parameter.empty]
+        assert [p.name for p in got if p.default is not inspect.Parameter.empty] == optional
