@@ -274,3 +274,14 @@ def require_module(name: str):
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--update-golden", action="store_true",
+                     help="rewrite the golden files from the current output, then review the diff")
+
+
+@pytest.fixture
+def update_golden(request) -> bool:
+    """True when the golden files are to be rewritten (--update-golden or UPDATE_GOLDEN=1)."""
+    return bool(request.config.getoption("--update-golden") or os.environ.get("UPDATE_GOLDEN"))

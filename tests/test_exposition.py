@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from conftest import FakeClock, wait_until
@@ -16,7 +15,7 @@ from exporter.sampler import Sampler
 GOLDEN = Path(__file__).parent / "golden" / "demo_gpus.prom"
 
 
-def test_golden_exposition_of_two_demo_gpus():
+def test_golden_exposition_of_two_demo_gpus(update_golden):
     clock = FakeClock()
     sampler = Sampler(DemoBackend(2, load=0.5, clock=clock, host="golden-host"), None,
                       interval=1.0, collectors={"gpu"}, clock=clock)
@@ -26,9 +25,9 @@ def test_golden_exposition_of_two_demo_gpus():
     registry = CollectorRegistry(auto_describe=False)
     registry.register(GpuCollector(lambda: sampler.snapshot))
     text = generate_latest(registry).decode()
-    if os.environ.get("UPDATE_GOLDEN"):
+    if update_golden:
         GOLDEN.write_text(text)
-    assert text == GOLDEN.read_text(), "exposition changed: rerun with UPDATE_GOLDEN=1 and review"
+    assert text == GOLDEN.read_text(), "exposition changed: rerun with --update-golden and review"
 
 
 def test_a_real_prometheus_scrapes_every_contract_metric_for_8_gpus(daemon_factory,

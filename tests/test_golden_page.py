@@ -1,0 +1,76 @@
+"""The whole /metrics page, end to end through the real composition of collectors, pinned by
+a golden file (node_exporter's end-to-end fixture): GPUs through the scripted NVML fake, the
+host through a fake psutil, training through one push. Rewrite it with
+``pytest tests/test_golden_page.py --update-golden`` and review the diff."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from conftest import FakeClock
+from fake_pynvml import FakeGpu, FakePynvml
+from test_host_collector import FakePsutil
+
+from exporter.gpu_backends import NvmlBackend
+from exporter.host import HostReader
+from exporter.ingest import IngestStore
+from exporter.nvml import Nvml
+from exporter.sampler import Sampler
+from exporter.server import Exposition
+
+GOLDEN = Path(__file__).parent / "golden" / "metrics_page.prom"
+WALL = 1_795_000_000.0
+# What no fake can pin: the exporter process's own /proc figures, the Python version and the
+# wall time of the training collector's render.
+UNPINNED = [
+    (re.compile(r"^(# (HELP|TYPE) )?gputrain_exporter_process_.*\n", re.M), ""),
+    (re.compile(r'python_version="[^"]*"'), 'python_version="X"'),
+    (re.compile(r'^(gputrain_collector_(duration_seconds|last_success_timestamp_seconds)'
+                r'\{collector="training"\}) .*$', re.M), r"\1 X"),
+]
+
+
+def page(tmp_path) -> str:
+    clock = FakeClock()
+    gpus = [FakeGpu(uuid="GPU-00000000-aaaa-bbbb-cccc-000000000000", pids=[4242],
+                    util_samples=[(100, 40), (200, 60)],
+                    gpm={"sm_util": 62.0, "sm_occupancy": 31.0, "tensor_util": 12.5,
+                         "dram_bw_util": 40.0, "pcie_rx_mib_s": 100.0, "pcie_tx_mib_s": 10.0}),
+            FakeGpu(uuid="GPU-11111111-aaaa-bbbb-cccc-111111111111", bus_id="00000000:28:00.0",
+                    pcie_rx_bytes=10**9, pcie_tx_bytes=10**8)]
+    (tmp_path / "virtual").mkdir()
+    host = HostReader(FakePsutil(), virtual_net_dir=str(tmp_path / "virtual"))
+    sampler = Sampler(NvmlBackend(Nvml(FakePynvml(gpus)), clock=clock), host, interval=1.0,
+                      clock=clock, wall_clock=lambda: WALL + clock.now)
+    store = IngestStore(clock=clock, wall_clock=lambda: WALL + clock.now)
+    for _ in range(3):
+        sampler.run_once()
+        clock.advance(1.0)
+    store.push(json.dumps({
+        "version": 1, "run": "resnet18", "rank": "0", "run_id": "abc123", "steps": 10,
+        "step_seconds": 2.0, "data_wait_seconds": 0.5, "samples": 320,
+        "step_buckets": [0.1, 0.25, 1.0], "step_counts": [2, 9, 10],
+        "phases": {"checkpoint": 0.25, "callbacks": 0.1}, "last_step_timestamp": WALL,
+        "process": {"cpu_seconds": 12.5, "resident_memory_bytes": 1e9, "read_bytes": 4096,
+                    "pid": 4242}}).encode())
+    store.count(200)
+    text = Exposition(sampler, store).render("text/plain")[0].decode()
+    for pattern, replacement in UNPINNED:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def test_the_whole_metrics_page(tmp_path, update_golden):
+    text = page(tmp_path)
+    if update_golden:
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text(), \
+        "the /metrics page changed: rerun with --update-golden and review the diff"
+    # what the page must hold, whatever the golden says
+    for family in ("gputrain_gpu_info", "gputrain_gpu_busy_seconds_total",
+                   "gputrain_host_cpu_seconds_total", "gputrain_host_memory_available_bytes",
+                   "gputrain_training_steps_total", "gputrain_training_gpu_info",
+                   "gputrain_collector_success", "gputrain_build_info"):
+        assert f"# TYPE {family} " in text, family
