@@ -23,8 +23,8 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from exporter.collectors import host_collectors  # noqa: E402
 from exporter.gpu_backends import DemoBackend  # noqa: E402
-from exporter.host import HostReader  # noqa: E402
 from exporter.sampler import Sampler  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def scrape_stats(url: str, n: int, session: requests.Session) -> dict:
 
 
 def sampler_cpu_per_cycle(cycles: int) -> tuple[float, float]:
-    sampler = Sampler(DemoBackend(8), HostReader(), interval=1.0)
+    sampler = Sampler(DemoBackend(8), host_collectors(), interval=1.0)
     sampler.run_once()
     cpu0, wall0 = time.process_time(), time.perf_counter()
     for _ in range(cycles):

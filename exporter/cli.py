@@ -82,8 +82,8 @@ def _read_token(path: str) -> str:
 
 def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     """Run the daemon until SIGTERM/SIGINT (or ``stop`` is set); returns the exit code."""
+    from exporter.collectors import host_collectors
     from exporter.gpu_backends import DemoBackend, NvmlBackend
-    from exporter.host import HostReader
     from exporter.ingest import IngestStore
     from exporter.sampler import Sampler
     from exporter.server import (
@@ -122,9 +122,7 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
         backend = DemoBackend(settings["demo.gpus"], settings["demo.load"])
     else:
         backend = NvmlBackend()
-    host = HostReader(disk_exclude=settings["host.disk-exclude"],
-                      netdev_exclude=settings["host.netdev-exclude"],
-                      netdev_speed=settings["host.netdev-speed"])
+    host = host_collectors(settings.collectors, settings.values)
     sampler = Sampler(backend, host, settings["sampler.interval"], settings.collectors)
     sampler.start()
     app = Exposition(sampler, store)

@@ -15,8 +15,9 @@ from typing import Any
 
 import yaml
 
-from exporter.host import DEFAULT_DISK_EXCLUDE, DEFAULT_NETDEV_EXCLUDE
-from exporter.sampler import ALL_COLLECTORS
+from exporter.collectors import COLLECTORS
+from exporter.collectors.disk import DEFAULT_DISK_EXCLUDE
+from exporter.collectors.network import DEFAULT_NETDEV_EXCLUDE
 
 
 class ConfigError(ValueError):
@@ -173,8 +174,9 @@ OPTIONS: list[Option] = [
            "AWS ENA): '25Gbit' for all, or 'eth0=25Gbit,eth1=10Gbit'", "SPEEDS"),
     Option("log.level", _choice("debug", "info", "warning", "error"), "info", "log level"),
     *[
-        Option(f"collector.{name}", _bool, True, f"enable the {name} collector")
-        for name in ALL_COLLECTORS
+        Option(f"collector.{name}", _bool, entry.default,
+               f"enable the {name} collector: {entry.help}")
+        for name, entry in COLLECTORS.items()
     ],
 ]
 OPTIONS_BY_KEY = {o.key: o for o in OPTIONS}
@@ -192,7 +194,7 @@ class Settings:
 
     @property
     def collectors(self) -> set[str]:
-        return {n for n in ALL_COLLECTORS if self.values[f"collector.{n}"]}
+        return {n for n in COLLECTORS if self.values[f"collector.{n}"]}
 
 
 def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
@@ -239,8 +241,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     for o in OPTIONS:
         if o.key.startswith("collector."):
             name = o.key.split(".", 1)[1]
+            state = "on" if o.default else "off"
             parser.add_argument(f"--collector.{name}", dest=o.key, action="store_true",
-                                default=argparse.SUPPRESS, help=o.help + " (default: on)")
+                                default=argparse.SUPPRESS, help=f"{o.help} (default: {state})")
             parser.add_argument(f"--no-collector.{name}", dest=o.key, action="store_false",
                                 default=argparse.SUPPRESS, help=f"disable the {name} collector")
             continue

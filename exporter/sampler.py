@@ -11,19 +11,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from exporter.gpu_backends import BackendUnavailable, GpuBackend, GpuIdentity, GpuSample
-from exporter.host import CpuReading, DiskReading, HostReader, MemoryReading, NetworkReading
 from exporter.nvml import GpuLostError
+
+if TYPE_CHECKING:
+    from exporter.collectors.base import HostCollector
 
 log = logging.getLogger(__name__)
 
-HOST_COLLECTORS = ("cpu", "memory", "disk", "network")
-ALL_COLLECTORS = ("gpu", *HOST_COLLECTORS, "training")
 LOST_GPU_RETRY_SECONDS = 10.0
 BACKEND_RETRY_SECONDS = 60.0
 
@@ -66,10 +67,7 @@ class Snapshot:
     backend: str
     driver_version: str
     gpus: tuple[GpuState, ...] = ()
-    cpu: CpuReading | None = None
-    memory: MemoryReading | None = None
-    disks: dict[str, DiskReading] = field(default_factory=dict)
-    networks: dict[str, NetworkReading] = field(default_factory=dict)
+    host: dict[str, Any] = field(default_factory=dict)  # each host collector's reading
     collectors: dict[str, CollectorStatus] = field(default_factory=dict)
 
 
@@ -93,21 +91,23 @@ def _delta(current: float | None, previous: float | None) -> float:
 
 
 class Sampler:
-    """Reads GPUs and host every ``interval`` seconds in a daemon thread."""
+    """Reads GPUs (unless ``gpu`` is not in ``collectors``) and every host collector given,
+    every ``interval`` seconds, in a daemon thread."""
 
     def __init__(
         self,
         backend: GpuBackend | None,
-        host: HostReader | None,
+        host: Sequence[HostCollector] | None = (),
         interval: float = 1.0,
-        collectors: set[str] | frozenset[str] = frozenset(ALL_COLLECTORS),
+        collectors: set[str] | frozenset[str] | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.backend = backend
-        self.host = host
+        self.host = tuple(host or ())
         self.interval = interval
-        self.collectors = set(collectors)
+        self.collectors = set(collectors) if collectors is not None else {
+            "gpu", *(c.name for c in self.host)}
         self._clock = clock
         self._wall = wall_clock
         self._slots: list[_GpuSlot] = []
@@ -186,10 +186,10 @@ class Sampler:
         if self._wants_gpu():
             gpus = self._timed("gpu", self._sample_gpus)
         readings = {}
-        for name, read in (("cpu", "cpu"), ("memory", "memory"), ("disk", "disks"),
-                           ("network", "networks")):
-            if name in self.collectors and self.host is not None:
-                readings[name] = self._timed(name, getattr(self.host, read))
+        for collector in self.host:
+            reading = self._timed(collector.name, collector.read)
+            if reading is not None:
+                readings[collector.name] = reading
         self._cycle += 1
         snap = Snapshot(
             cycle=self._cycle,
@@ -197,10 +197,7 @@ class Sampler:
             backend=self._backend_name(),
             driver_version=getattr(self.backend, "driver_version", "") or "",
             gpus=gpus or (),
-            cpu=readings.get("cpu"),
-            memory=readings.get("memory"),
-            disks=readings.get("disk") or {},
-            networks=readings.get("network") or {},
+            host=readings,
             collectors=dict(self._status),
         )
         self._snapshot = snap

@@ -17,7 +17,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.exposition import choose_encoder
 
-from exporter.collectors import GpuCollector, HostCollector, SelfCollector
+from exporter.collectors import GpuCollector, Rendered, SelfCollector
 from exporter.collectors.training import TrainingCollector
 from exporter.ingest import IngestStore, PushRejected
 from exporter.protocol import MAX_BODY_BYTES, PUSH_PATH
@@ -37,14 +37,15 @@ class Exposition:
     def __init__(self, sampler: Sampler, store: IngestStore | None = None) -> None:
         self.sampler = sampler
         self.store = store
-        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry = CollectorRegistry()
         snap = lambda: sampler.snapshot  # noqa: E731 - read the latest at every scrape
         self.registry.register(SelfCollector(snap, self._training_status))
         self.registry.register(ProcessCollector(namespace="gputrain_exporter",
                                                 registry=None))
         if "gpu" in sampler.collectors:
             self.registry.register(GpuCollector(snap))
-        self.registry.register(HostCollector(snap))
+        for collector in sampler.host:
+            self.registry.register(Rendered(collector, snap))
         self.training = TrainingCollector(store, snap) if store is not None else None
         if self.training is not None:
             self.registry.register(self.training)

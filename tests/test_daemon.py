@@ -12,8 +12,8 @@ import requests
 from conftest import ROOT, require_binary, sample_value, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
+from exporter.collectors import host_collectors
 from exporter.gpu_backends import DemoBackend
-from exporter.host import HostReader
 from exporter.sampler import Sampler
 from exporter.server import Exposition, MetricsHandler, make_server, serve_in_thread
 
@@ -134,7 +134,7 @@ def test_healthz_turns_503_when_the_sampler_stalls(clock):
 
 
 def test_concurrent_scrapes_are_safe():
-    sampler = Sampler(DemoBackend(8), HostReader(), interval=0.02)
+    sampler = Sampler(DemoBackend(8), host_collectors(), interval=0.02)
     sampler.start()
     server, url = _in_process_server(sampler)
     failures: list[str] = []

@@ -13,8 +13,8 @@ from conftest import FakeClock
 from fake_pynvml import FakeGpu, FakePynvml
 from test_host_collector import FakePsutil
 
+from exporter.collectors import host_collectors
 from exporter.gpu_backends import NvmlBackend
-from exporter.host import HostReader
 from exporter.ingest import IngestStore
 from exporter.nvml import Nvml
 from exporter.sampler import Sampler
@@ -41,7 +41,8 @@ def page(tmp_path) -> str:
             FakeGpu(uuid="GPU-11111111-aaaa-bbbb-cccc-111111111111", bus_id="00000000:28:00.0",
                     pcie_rx_bytes=10**9, pcie_tx_bytes=10**8)]
     (tmp_path / "virtual").mkdir()
-    host = HostReader(FakePsutil(), virtual_net_dir=str(tmp_path / "virtual"))
+    host = host_collectors(psutil_module=FakePsutil(),
+                           network={"virtual_net_dir": str(tmp_path / "virtual")})
     sampler = Sampler(NvmlBackend(Nvml(FakePynvml(gpus)), clock=clock), host, interval=1.0,
                       clock=clock, wall_clock=lambda: WALL + clock.now)
     store = IngestStore(clock=clock, wall_clock=lambda: WALL + clock.now)

@@ -8,8 +8,10 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry
 
-from exporter.collectors import HostCollector, SelfCollector
-from exporter.host import HostReader
+from exporter.collectors import COLLECTORS, Rendered, SelfCollector, host_collectors
+from exporter.collectors.cpu import CpuCollector
+from exporter.collectors.memory import MemoryCollector
+from exporter.collectors.network import NetworkCollector
 from exporter.sampler import Sampler
 
 CpuTimes = namedtuple("scputimes",
@@ -51,10 +53,12 @@ class FakePsutil:
 def make(tmp_path, psutil=None):
     psutil = psutil or FakePsutil()
     (tmp_path / "virtual").mkdir()
-    reader = HostReader(psutil, virtual_net_dir=str(tmp_path / "virtual"))
-    sampler = Sampler(None, reader, interval=1.0)
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(HostCollector(lambda: sampler.snapshot))
+    collectors = host_collectors(psutil_module=psutil,
+                                 network={"virtual_net_dir": str(tmp_path / "virtual")})
+    sampler = Sampler(None, collectors, interval=1.0)
+    registry = CollectorRegistry()
+    for c in collectors:
+        registry.register(Rendered(c, lambda: sampler.snapshot))
     registry.register(SelfCollector(lambda: sampler.snapshot))
     return psutil, sampler, registry
 
@@ -84,8 +88,8 @@ def test_partitions_loop_devices_and_virtual_interfaces_are_left_out(tmp_path):
     (tmp_path / "virtual" / "ib0").mkdir()  # listed under /sys/devices/virtual/net
     sampler.run_once()
     snap = sampler.snapshot
-    assert sorted(snap.disks) == ["nvme0n1", "sda"]
-    assert sorted(snap.networks) == ["eth0"]
+    assert sorted(snap.host["disk"]) == ["nvme0n1", "sda"]
+    assert sorted(snap.host["network"]) == ["eth0"]
 
 
 def test_one_broken_host_reader_does_not_fail_the_others(tmp_path):
@@ -103,10 +107,9 @@ def test_one_broken_host_reader_does_not_fail_the_others(tmp_path):
 
 
 def test_real_psutil_reads_this_machine():
-    reader = HostReader()
-    cpu = reader.cpu()
+    cpu = CpuCollector().read()
     assert cpu.count >= 1 and cpu.seconds_by_mode["idle"] > 0
-    assert reader.memory().total_bytes > 0
+    assert MemoryCollector().read().total_bytes > 0
 
 
 def test_a_configured_link_speed_fills_in_where_the_driver_reports_none(tmp_path):
@@ -115,11 +118,38 @@ def test_a_configured_link_speed_fills_in_where_the_driver_reports_none(tmp_path
     (tmp_path / "virtual").mkdir()
     speeds = parse_link_speeds("ib0=100Gbit, *=10Gbit")
     assert speeds == {"ib0": 100e9 / 8, "*": 10e9 / 8}
-    reader = HostReader(FakePsutil(), virtual_net_dir=str(tmp_path / "virtual"),
-                        netdev_speed=speeds)
-    nets = reader.networks()
+    nets = NetworkCollector(FakePsutil(), virtual_net_dir=str(tmp_path / "virtual"),
+                            speed=speeds).read()
     assert nets["ib0"].speed_bytes_per_second == 100e9 / 8
     assert nets["eth0"].speed_bytes_per_second == 25e9 / 8  # the driver's own figure wins
     assert parse_link_speeds("25Gbit") == {"*": 25e9 / 8}
     with pytest.raises(ValueError, match="10Gbit"):
         parse_link_speeds("eth0=fast")
+
+
+def test_the_collector_table_gives_every_collector_a_flag_and_its_own_health_series(tmp_path):
+    """node_exporter's registerCollector: each row is a --collector.<name> flag, and each host
+    collector reports its own success and duration."""
+    import argparse
+
+    from exporter.config import Settings, add_flags, resolve
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    ns = parser.parse_args(["--no-collector.disk"])
+    settings: Settings = resolve(ns)
+    assert settings.collectors == set(COLLECTORS) - {"disk"}
+    collectors = host_collectors(settings.collectors, settings.values,
+                                 psutil_module=FakePsutil())
+    assert [c.name for c in collectors] == ["cpu", "memory", "network"]
+    sampler = Sampler(None, collectors, interval=1.0)
+    sampler.run_once()
+    assert set(sampler.snapshot.collectors) == {"cpu", "memory", "network"}
+
+
+def test_describe_lets_the_registry_catch_a_duplicate_family(tmp_path):
+    """Two collectors that would export the same family are refused at registration, not
+    rendered as a page Prometheus rejects."""
+    _, sampler, registry = make(tmp_path)
+    with pytest.raises(ValueError, match="gputrain_host_cpu"):
+        registry.register(Rendered(CpuCollector(FakePsutil()), lambda: sampler.snapshot))

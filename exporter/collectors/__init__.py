@@ -1,11 +1,67 @@
-"""Collectors: turn the sampler's snapshot and the ingest's run state into metric families.
+"""The collectors, as a table (node_exporter's ``registerCollector``): a name, whether it is
+on by default, what it exports, and for host collectors the class that reads and renders it.
 
-Each collector is a prometheus_client custom collector that only reads already-sampled data,
-so a scrape costs the same whatever NVML or psutil are doing.
+Each name gets a ``--collector.<name>`` / ``--no-collector.<name>`` flag and its own
+``gputrain_collector_success``, ``_duration_seconds`` and ``_last_success_timestamp_seconds``
+series. Adding a host collector is one file (a :class:`~exporter.collectors.base.HostCollector`)
+and one row here. Every collector only renders already-sampled data, so a scrape costs the same
+whatever NVML or psutil are doing.
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from exporter.collectors.base import HostCollector, Rendered
+from exporter.collectors.cpu import CpuCollector
+from exporter.collectors.disk import DiskCollector
 from exporter.collectors.gpu import GpuCollector
-from exporter.collectors.host import HostCollector
+from exporter.collectors.memory import MemoryCollector
+from exporter.collectors.network import NetworkCollector
 from exporter.collectors.selfmetrics import SelfCollector
 
-__all__ = ["GpuCollector", "HostCollector", "SelfCollector"]
+
+@dataclass(frozen=True)
+class CollectorEntry:
+    default: bool
+    help: str
+    host: type[HostCollector] | None = None  # host collectors: read in the sampler
+    # settings key -> keyword argument of the host collector's constructor
+    options: tuple[tuple[str, str], ...] = ()
+
+
+COLLECTORS: dict[str, CollectorEntry] = {
+    "gpu": CollectorEntry(True, "per-GPU utilisation, SM and tensor activity, memory, power, "
+                                "PCIe, clocks, throttling and Xid errors (NVML)"),
+    "cpu": CollectorEntry(True, "host CPU seconds by mode, logical CPUs", CpuCollector),
+    "memory": CollectorEntry(True, "host physical and available memory", MemoryCollector),
+    "disk": CollectorEntry(True, "bytes read and written and busy time per disk", DiskCollector,
+                           (("host.disk-exclude", "exclude"),)),
+    "network": CollectorEntry(True, "bytes received and sent and link speed per interface",
+                              NetworkCollector, (("host.netdev-exclude", "exclude"),
+                                                 ("host.netdev-speed", "speed"))),
+    "training": CollectorEntry(True, "what training clients push: steps, step time, data wait, "
+                                     "samples, phases, process tree, their GPUs"),
+}
+
+
+def host_collectors(enabled: Iterable[str] | None = None, settings: dict[str, Any] | None = None,
+                    psutil_module: Any = None, **overrides: dict[str, Any]) -> list[HostCollector]:
+    """The enabled host collectors, in table order, built from ``settings`` (flag values by
+    key); ``overrides`` maps a collector name to extra constructor arguments (tests)."""
+    wanted = set(COLLECTORS if enabled is None else enabled)
+    out = []
+    for name, entry in COLLECTORS.items():
+        if entry.host is None or name not in wanted:
+            continue
+        kwargs = {arg: settings[key] for key, arg in entry.options
+                  if settings is not None and key in settings}
+        kwargs.update(overrides.get(name, {}))
+        out.append(entry.host(psutil_module, **kwargs))
+    return out
+
+
+__all__ = ["COLLECTORS", "GpuCollector", "HostCollector", "Rendered", "SelfCollector",
+           "host_collectors"]

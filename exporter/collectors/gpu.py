@@ -63,31 +63,43 @@ class GpuCollector:
         self._snapshot = snapshot
 
     def describe(self) -> list[Metric]:
-        return []  # unchecked collector: families depend on what the GPUs support
+        return list(self._families())
+
+    def _families(self) -> tuple[Metric, ...]:
+        """Every family this collector can export, empty: info, up, the sample gauges, the
+        integrated counters, clocks, clock events and Xid errors."""
+        return (
+            GaugeMetricFamily(
+                "gputrain_gpu_info", "GPU identity; always 1.",
+                labels=[*LABELS, "name", "pci_bus_id", "driver_version", "backend", "parent"]),
+            GaugeMetricFamily(
+                "gputrain_gpu_up", "1 when the GPU answered the last sampling cycle, 0 when it "
+                "is lost or unreadable.", labels=LABELS),
+            *(GaugeMetricFamily(name, doc, labels=LABELS) for _, name, doc in SAMPLE_GAUGES),
+            *(CounterMetricFamily(name, doc, labels=LABELS) for _, name, doc in STATE_COUNTERS),
+            GaugeMetricFamily("gputrain_gpu_clock_hertz", "Current clock, in hertz.",
+                              labels=[*LABELS, "clock"]),
+            CounterMetricFamily(
+                "gputrain_gpu_clock_event_seconds_total",
+                "Seconds the clocks were held down, by reason (NVML clock-event counters).",
+                labels=[*LABELS, "reason"]),
+            CounterMetricFamily("gputrain_gpu_xid_errors_total",
+                                "Xid errors reported by the driver, by Xid code.",
+                                labels=[*LABELS, "xid"]),
+        )
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
         if not snap.gpus:
             return
-        info = GaugeMetricFamily(
-            "gputrain_gpu_info", "GPU identity; always 1.",
-            labels=[*LABELS, "name", "pci_bus_id", "driver_version", "backend", "parent"])
-        up = GaugeMetricFamily(
-            "gputrain_gpu_up", "1 when the GPU answered the last sampling cycle, 0 when it is "
-            "lost or unreadable.", labels=LABELS)
-        gauges = {attr: GaugeMetricFamily(name, doc, labels=LABELS)
-                  for attr, name, doc in SAMPLE_GAUGES}
-        counters = {attr: CounterMetricFamily(name, doc, labels=LABELS)
-                    for attr, name, doc in STATE_COUNTERS}
-        clocks = GaugeMetricFamily("gputrain_gpu_clock_hertz", "Current clock, in hertz.",
-                                   labels=[*LABELS, "clock"])
-        events = CounterMetricFamily(
-            "gputrain_gpu_clock_event_seconds_total",
-            "Seconds the clocks were held down, by reason (NVML clock-event counters).",
-            labels=[*LABELS, "reason"])
-        xids = CounterMetricFamily("gputrain_gpu_xid_errors_total",
-                                   "Xid errors reported by the driver, by Xid code.",
-                                   labels=[*LABELS, "xid"])
+        families = self._families()
+        info, up = families[:2]
+        n, m = len(SAMPLE_GAUGES), len(STATE_COUNTERS)
+        gauges = {attr: f for (attr, _, _), f in zip(SAMPLE_GAUGES, families[2:2 + n],
+                                                     strict=True)}
+        counters = {attr: f for (attr, _, _), f in zip(STATE_COUNTERS, families[2 + n:2 + n + m],
+                                                       strict=True)}
+        clocks, events, xids = families[2 + n + m:]
         for g in snap.gpus:
             ident = g.identity
             labels = [ident.index, ident.uuid]

@@ -20,23 +20,30 @@ class SelfCollector:
         self._extra_status = extra_status
 
     def describe(self) -> list[Metric]:
-        return []
+        return list(self._families())
+
+    def _families(self) -> tuple[GaugeMetricFamily, ...]:
+        return (
+            GaugeMetricFamily("gputrain_build_info", "The exporter's version; always 1.",
+                              labels=["version", "python_version", "backend"]),
+            GaugeMetricFamily("gputrain_collector_success",
+                              "1 when the collector's last cycle succeeded.",
+                              labels=["collector"]),
+            GaugeMetricFamily("gputrain_collector_duration_seconds",
+                              "How long the collector's last cycle took, in seconds.",
+                              labels=["collector"]),
+            GaugeMetricFamily("gputrain_collector_last_success_timestamp_seconds",
+                              "Unix time of the collector's last successful cycle.",
+                              labels=["collector"]))
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
-        yield _build(snap.backend)
+        build, success, duration, fresh = self._families()
+        build.add_metric([__version__, platform.python_version(), snap.backend], 1)
+        yield build
         statuses = dict(snap.collectors)
         if self._extra_status is not None:
             statuses.update(self._extra_status())
-        success = GaugeMetricFamily("gputrain_collector_success",
-                                    "1 when the collector's last cycle succeeded.",
-                                    labels=["collector"])
-        duration = GaugeMetricFamily("gputrain_collector_duration_seconds",
-                                     "How long the collector's last cycle took, in seconds.",
-                                     labels=["collector"])
-        fresh = GaugeMetricFamily(
-            "gputrain_collector_last_success_timestamp_seconds",
-            "Unix time of the collector's last successful cycle.", labels=["collector"])
         for name, st in sorted(statuses.items()):
             success.add_metric([name], 1 if st.success else 0)
             duration.add_metric([name], st.duration_seconds)
@@ -46,9 +53,3 @@ class SelfCollector:
         yield duration
         yield fresh
 
-
-def _build(backend: str) -> GaugeMetricFamily:
-    family = GaugeMetricFamily("gputrain_build_info", "The exporter's version; always 1.",
-                               labels=["version", "python_version", "backend"])
-    family.add_metric([__version__, platform.python_version(), backend], 1)
-    return family

@@ -45,17 +45,15 @@ class TrainingCollector:
         self._status = CollectorStatus(True, 0.0, time.time())
 
     def describe(self) -> list[Metric]:
-        return []
+        return list(self._families())
 
     @property
     def status(self) -> CollectorStatus:
         """The last render, as a collector status (the ingest has no sampling cycle)."""
         return self._status
 
-    def collect(self) -> Iterator[Metric]:
-        started = time.perf_counter()
-        states = sorted(self._store.states(), key=lambda s: (s.run, s.rank))
-        snap = self._snapshot()
+    def _families(self) -> tuple[Metric, ...]:
+        """Every family this collector exports, empty, in the order it exports them."""
         steps = CounterMetricFamily("gputrain_training_steps_total",
                                     "Training steps completed.", labels=LABELS)
         wait = CounterMetricFamily(
@@ -91,6 +89,20 @@ class TrainingCollector:
         gpu_info = GaugeMetricFamily(
             "gputrain_training_gpu_info", "The GPUs a rank uses; always 1. Join on gpu/uuid.",
             labels=[*LABELS, "gpu", "uuid"])
+        requests = CounterMetricFamily("gputrain_ingest_requests_total",
+                                       "Push requests received, by HTTP status code.",
+                                       labels=["code"])
+        series = GaugeMetricFamily("gputrain_ingest_series",
+                                   "Live (run, rank) pairs the daemon holds.", labels=[])
+        return (steps, wait, samples, hist, phases, last_step, last_push, cpu, rss, read,
+                gpu_info, requests, series)
+
+    def collect(self) -> Iterator[Metric]:
+        started = time.perf_counter()
+        states = sorted(self._store.states(), key=lambda s: (s.run, s.rank))
+        snap = self._snapshot()
+        (steps, wait, samples, hist, phases, last_step, last_push, cpu, rss, read, gpu_info,
+         requests, series) = self._families()
         for st in states:
             lv = [st.run, st.rank]
             steps.add_metric(lv, st.steps)
@@ -117,12 +129,9 @@ class TrainingCollector:
                        gpu_info):
             if family.samples:
                 yield family
-        requests = CounterMetricFamily("gputrain_ingest_requests_total",
-                                       "Push requests received, by HTTP status code.",
-                                       labels=["code"])
         for code, n in sorted(self._store.requests().items()):
             requests.add_metric([code], n)
         yield requests
-        yield GaugeMetricFamily("gputrain_ingest_series",
-                                "Live (run, rank) pairs the daemon holds.", value=len(states))
+        series.add_metric([], len(states))
+        yield series
         self._status = CollectorStatus(True, time.perf_counter() - started, time.time())
