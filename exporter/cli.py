@@ -4,12 +4,15 @@ generate."""
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import logging
 import signal
+import ssl
 import sys
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 from exporter import __version__
 from exporter.config import ConfigError, Settings, add_flags, parse_listen_address, resolve
@@ -17,6 +20,16 @@ from exporter.config import ConfigError, Settings, add_flags, parse_listen_addre
 log = logging.getLogger("exporter")
 
 SUBCOMMANDS = ("serve", "rules", "diagnose", "generate", "dashboards")
+
+
+def url_of(scheme: str, server: Any) -> str:
+    """An address a person can open: the real port, localhost for every-address binds."""
+    host, port = server.server_address[:2]
+    if host in ("", "0.0.0.0", "::"):
+        host = "localhost"
+    elif ":" in host:
+        host = f"[{host}]"
+    return f"{scheme}://{host}:{port}"
 
 
 def _is_loopback(host: str) -> bool:
@@ -123,29 +136,45 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     else:
         backend = NvmlBackend()
     host = host_collectors(settings.collectors, settings.values)
+    # before anything listens: a SIGTERM right after /healthz answers must stop us cleanly
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
     sampler = Sampler(backend, host, settings["sampler.interval"], settings.collectors)
     sampler.start()
     app = Exposition(sampler, store)
-    try:
-        servers = [make_server(web_host, web_port, MetricsHandler, app, tls)]
-        if store is not None:
-            servers.append(make_server(ingest_host, ingest_port, IngestHandler, app))
-    except (OSError, ValueError) as exc:
-        log.error("cannot listen: %s", exc)
+    servers = []
+    listen = [("web.listen-address", web_host, web_port, MetricsHandler, tls)]
+    if store is not None:
+        listen.append(("ingest.listen-address", ingest_host, ingest_port, IngestHandler, None))
+    for flag, host_, port, handler, tls_ in listen:
+        try:
+            servers.append(make_server(host_, port, handler, app, tls_))
+        except ssl.SSLError as exc:
+            log.error("--web.tls-cert-file %s / --web.tls-key-file %s: not a usable certificate "
+                      "and key (%s)", tls_[0], tls_[1], exc.reason or exc)
+        except OSError as exc:
+            if tls_ is not None and exc.errno in (errno.ENOENT, errno.EACCES, errno.EISDIR):
+                log.error("cannot read --web.tls-cert-file %s or --web.tls-key-file %s: %s",
+                          tls_[0], tls_[1], exc.strerror)
+            else:
+                log.error("cannot listen on --%s %s: %s", flag, settings[flag],
+                          exc.strerror or exc)
+        else:
+            continue
+        for srv in servers:
+            srv.server_close()
         sampler.stop()
         return 1
     for i, srv in enumerate(servers):
         serve_in_thread(srv, f"gputrain-http-{i}")
     scheme = "https" if tls else "http"
-    log.info("gputrain-exporter %s serving %s://%s/metrics (%s backend)", __version__, scheme,
-             settings["web.listen-address"], backend.name)
+    log.info("gputrain-exporter %s serving %s/metrics (%s backend)", __version__,
+             url_of(scheme, servers[0]), backend.name)
     if store is not None:
-        log.info("ingest for training clients on http://%s/api/v1/push%s",
-                 settings["ingest.listen-address"], " (token required)" if token else "")
-    stop = stop or threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+        log.info("ingest for training clients on %s/api/v1/push%s", url_of("http", servers[1]),
+                 " (token required)" if token else "")
     stop.wait()
     log.info("shutting down")
     for srv in servers:

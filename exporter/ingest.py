@@ -82,10 +82,10 @@ def _number(body: dict, key: str, *, integer: bool = False, required: bool = Tru
         raise PushRejected(400, f"field '{where}{key}' must be a number, got {_kind(v)}")
     if integer and not (isinstance(v, int) or float(v).is_integer()):
         raise PushRejected(400, f"field '{where}{key}' must be a whole number, got {v}")
+    if isinstance(v, int) and v > 2**63:  # before math.isfinite, which overflows on it
+        raise PushRejected(400, f"field '{where}{key}' is too large (over 2^63)")
     if not math.isfinite(v) or v < 0:
         raise PushRejected(400, f"field '{where}{key}' must be a finite number >= 0, got {v}")
-    if integer and v > 2**63:
-        raise PushRejected(400, f"field '{where}{key}' is too large")
     return int(v) if integer else float(v)
 
 
@@ -122,6 +122,8 @@ def parse_push(raw: bytes, now: float, now_unix: float) -> tuple[RankState, bool
                                 f"{exc.colno}") from None
     except RecursionError:
         raise PushRejected(400, "invalid JSON: nested too deeply") from None
+    except ValueError as exc:  # an integer over Python's digit limit (4,300 digits)
+        raise PushRejected(400, f"invalid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise PushRejected(400, f"the body must be a JSON object, got {_kind(body)}")
     version = body.get("version")
@@ -254,8 +256,10 @@ class IngestStore:
         return hmac.compare_digest(header[7:].strip().encode(), self._token.encode())
 
     def count(self, code: int) -> None:
+        """Count one push by its HTTP status; /metrics shows it at once."""
         with self._lock:
             self._requests[str(code)] = self._requests.get(str(code), 0) + 1
+            self.version += 1
 
     def requests(self) -> dict[str, int]:
         with self._lock:
@@ -270,7 +274,7 @@ class IngestStore:
             old = self._states.get(key)
             if old is not None and old.run_id == new.run_id:
                 _check_monotonic(old, new)
-            if old is None and not goodbye and len(self._states) >= self.max_series:
+            if old is None and len(self._states) >= self.max_series:
                 raise PushRejected(429, f"{len(self._states)} (run, rank) pairs are live, the "
                                         f"limit (--ingest.max-series) is {self.max_series}")
             if goodbye:
@@ -280,8 +284,7 @@ class IngestStore:
             else:
                 new.expires_at = new.received_at + self.ttl
                 message = "ok"
-            if old is not None or len(self._states) < self.max_series:
-                self._states[key] = new
+            self._states[key] = new
             self.version += 1
         return message
 

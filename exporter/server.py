@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import gzip
 import logging
+import re
 import socket
 import ssl
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -24,6 +26,22 @@ from exporter.protocol import MAX_BODY_BYTES, PUSH_PATH
 from exporter.sampler import CollectorStatus, Sampler
 
 log = logging.getLogger(__name__)
+
+_DIGITS = re.compile(r"[0-9]{1,12}")
+_CODING = re.compile(r"\s*([A-Za-z0-9*_-]+)\s*(?:;\s*q\s*=\s*([0-9.]+))?\s*")
+
+
+def accepts_gzip(header: str | None) -> bool:
+    """Whether an Accept-Encoding header takes gzip: listed (or ``*``) with q above 0."""
+    q = {}
+    for part in (header or "").split(","):
+        m = _CODING.fullmatch(part)
+        if m:
+            try:
+                q[m.group(1).lower()] = float(m.group(2)) if m.group(2) else 1.0
+            except ValueError:
+                continue
+    return q.get("gzip", q.get("*", 0.0)) > 0
 
 LANDING_PAGE = b"""<html><head><title>gputrain-exporter</title></head><body>
 <h1>gputrain-exporter</h1><p><a href="/metrics">Metrics</a> &middot;
@@ -86,8 +104,16 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s %s", self.address_string(), format % args)
 
+    def _has_body(self) -> bool:
+        """The request announces a body (which GET and HEAD handlers never read)."""
+        return bool(self.headers.get("Transfer-Encoding")) or \
+            self.headers.get("Content-Length", "0").strip() not in ("", "0")
+
     def _send(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8",
               headers: dict[str, str] | None = None) -> None:
+        if self.command in ("GET", "HEAD") and self._has_body():
+            # an unread body must never be parsed as the next request
+            self.close_connection = True
         self.send_response(code)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
@@ -109,9 +135,12 @@ class MetricsHandler(_Handler):
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
-            gzip_ok = "gzip" in (self.headers.get("Accept-Encoding") or "")
+            gzip_ok = accepts_gzip(self.headers.get("Accept-Encoding"))
             body, ctype = self.server.app.render(self.headers.get("Accept"), gzip_ok)
-            self._send(200, body, ctype, {"Content-Encoding": "gzip"} if gzip_ok else None)
+            headers = {"Vary": "Accept-Encoding"}
+            if gzip_ok:
+                headers["Content-Encoding"] = "gzip"
+            self._send(200, body, ctype, headers)
         elif path == "/healthz":
             self._health()
         elif path == "/":
@@ -138,16 +167,18 @@ class IngestHandler(_Handler):
         if not store.authorized(self.headers.get("Authorization")):
             self.close_connection = True
             return 401, "missing or wrong bearer token (Authorization: Bearer <token>)"
-        length_header = self.headers.get("Content-Length")
-        if self.headers.get("Transfer-Encoding") or length_header is None:
+        lengths = self.headers.get_all("Content-Length") or []
+        if self.headers.get("Transfer-Encoding") or not lengths:
             self.close_connection = True
-            return 411, "a Content-Length header is required"
-        try:
-            length = int(length_header)
-        except ValueError:
+            return 411, "a Content-Length header is required (no Transfer-Encoding)"
+        if len(lengths) > 1:
             self.close_connection = True
-            return 400, "Content-Length is not a number"
-        if length < 0 or length > MAX_BODY_BYTES:
+            return 400, "more than one Content-Length header"
+        if not _DIGITS.fullmatch(lengths[0].strip()):
+            self.close_connection = True
+            return 400, f"Content-Length must be digits only, got {lengths[0][:40]!r}"
+        length = int(lengths[0])
+        if length > MAX_BODY_BYTES:
             self.close_connection = True  # the unread body must not be parsed as a request
             return 413, f"the body is {length} bytes; the limit is {MAX_BODY_BYTES}"
         raw = self.rfile.read(length)
@@ -158,6 +189,9 @@ class IngestHandler(_Handler):
             return 200, store.push(raw)
         except PushRejected as exc:
             return exc.status, str(exc)
+        except Exception:  # a bug: still answer and count it
+            log.exception("processing a push failed")
+            return 500, "the daemon failed to process this push; its log says why"
 
     def do_GET(self) -> None:
         if self.path.split("?", 1)[0] == "/healthz":
@@ -171,6 +205,15 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 64
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that disconnects early, or speaks plain HTTP to the TLS port, is one line
+        at debug level; anything else is a bug worth a traceback."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (OSError, ssl.SSLError, TimeoutError)):
+            log.debug("connection from %s ended: %s", client_address, exc)
+        else:
+            log.exception("error while serving %s", client_address)
 
     def __init__(self, address: tuple[str, int], handler: type, app: Any,
                  family: int = socket.AF_INET) -> None:

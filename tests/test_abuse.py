@@ -1,0 +1,154 @@
+"""Bad input against the real daemon over raw sockets on loopback: every bad push gets a 4xx
+that says what is wrong, is counted at once, and changes nothing; framing is strict; a client
+that misbehaves costs one debug line, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+
+import pytest
+import requests
+from conftest import ROOT, sample_value, wait_until
+
+GOOD = {"version": 1, "run": "ok", "rank": "0", "run_id": "abc", "steps": 1,
+        "step_seconds": 0.1, "data_wait_seconds": 0.0, "samples": 8}
+
+
+def raw_exchange(port: int, payload: bytes, timeout: float = 10.0) -> bytes:
+    """Send raw bytes, read until the server closes or goes quiet; returns what came back."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(payload)
+        chunks = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                data = s.recv(65536)
+            except TimeoutError:
+                break
+            if not data:
+                break
+            chunks.append(data)
+            s.settimeout(1.0)  # after the first answer, stop when the server goes quiet
+        return b"".join(chunks)
+
+
+def post(body: bytes, **headers: str) -> bytes:
+    lines = ["POST /api/v1/push HTTP/1.1", "Host: x", "Content-Type: application/json",
+             *(f"{k.replace('_', '-')}: {v}" for k, v in headers.items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    from conftest import Daemon
+
+    d = Daemon("--gpu.backend=demo", "--demo.gpus=1", "--ingest.max-series=2",
+               "--log.level=debug").start()
+    yield d
+    d.stop()
+
+
+def pushed(d, code: str) -> float:
+    return sample_value(d.metrics(), "gputrain_ingest_requests_total", {"code": code}) or 0
+
+
+@pytest.mark.parametrize("case, body, reason", [
+    ("an integer over 1.8e308", json.dumps({**GOOD, "steps": 12345}).replace(
+        "12345", "1" + "0" * 400).encode(), "too large"),
+    ("an integer over 4,300 digits", json.dumps({**GOOD, "steps": 12345}).replace(
+        "12345", "1" + "0" * 5000).encode(), "invalid JSON"),
+    ("a run name with a final newline", json.dumps({**GOOD, "run": "evil\n"}).encode(),
+     "'run' may only hold"),
+])
+def test_bad_values_are_a_400_that_says_why_and_is_counted_at_once(daemon, case, body, reason):
+    before = pushed(daemon, "400")
+    r = requests.post(daemon.ingest_url + "/api/v1/push", data=body, timeout=10)
+    assert r.status_code == 400 and reason in r.text, (case, r.status_code, r.text)
+    assert pushed(daemon, "400") == before + 1  # not a sampler interval later
+    assert "evil" not in daemon.metrics()
+
+
+@pytest.mark.parametrize("length, reason", [
+    ("+8", "digits only"), ("1_0", "digits only"), ("-1", "digits only"),
+    ("8, 8", "digits only"),
+])
+def test_a_content_length_that_is_not_plain_digits_is_a_400(daemon, length, reason):
+    answer = raw_exchange(daemon.ingest_port, post(b"{}" * 4, Content_Length=length))
+    assert answer.startswith(b"HTTP/1.1 400") and reason.encode() in answer, answer[:200]
+
+
+def test_two_content_lengths_are_a_400(daemon):
+    req = post(b"{}", Content_Length="2").replace(b"Content-Length: 2",
+                                                    b"Content-Length: 2\r\nContent-Length: 2")
+    answer = raw_exchange(daemon.ingest_port, req)
+    assert answer.startswith(b"HTTP/1.1 400") and b"more than one Content-Length" in answer
+
+
+def test_a_body_on_a_get_is_never_read_as_the_next_request(daemon):
+    smuggled = json.dumps({**GOOD, "run": "smuggled"}).encode()
+    inner = post(smuggled, Content_Length=str(len(smuggled)))
+    outer = (f"GET /api/v1/push HTTP/1.1\r\nHost: x\r\nContent-Length: {len(inner)}\r\n\r\n"
+             .encode() + inner)
+    answer = raw_exchange(daemon.ingest_port, outer)
+    assert answer.startswith(b"HTTP/1.1 405")
+    assert answer.count(b"HTTP/1.1 ") == 1, "the body was parsed as a second request"
+    assert "smuggled" not in daemon.metrics()
+
+
+def test_gzip_only_when_the_client_takes_it(daemon):
+    for header, gzipped in (("gzip", True), ("gzip;q=0", False), ("br, *;q=0", False),
+                            ("identity", False), ("deflate, gzip;q=0.5", True)):
+        r = requests.get(daemon.url + "/metrics", headers={"Accept-Encoding": header},
+                         timeout=10)
+        assert (r.headers.get("Content-Encoding") == "gzip") == gzipped, header
+        assert r.headers.get("Vary") == "Accept-Encoding"
+        assert "gputrain_build_info" in r.text
+
+
+def test_a_goodbye_over_the_series_limit_is_refused_like_a_push(daemon):
+    for run in ("keep-a", "keep-b"):
+        r = requests.post(daemon.ingest_url + "/api/v1/push", json={**GOOD, "run": run},
+                          timeout=10)
+        assert r.status_code in (200, 429)
+    r = requests.post(daemon.ingest_url + "/api/v1/push",
+                      json={**GOOD, "run": "late", "goodbye": True}, timeout=10)
+    assert r.status_code == 429 and "--ingest.max-series" in r.text
+    assert 'run="late"' not in daemon.metrics()
+
+
+def test_clients_that_hang_up_cost_a_debug_line_not_a_traceback(daemon):
+    for partial in (b"POST /api/v1/push HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{",
+                    b"GET /metr", b"\x16\x03\x01\x00\x05hello"):
+        with socket.create_connection(("127.0.0.1", daemon.ingest_port), timeout=5) as s:
+            s.sendall(partial)
+    wait_until(lambda: requests.get(daemon.url + "/healthz", timeout=5).ok, timeout=20,
+               what="the daemon to keep serving")
+    assert requests.get(daemon.url + "/metrics", timeout=10).status_code == 200
+    assert "Traceback" not in daemon.log_text()
+
+
+def test_plain_http_to_the_tls_port_is_one_debug_line(tmp_path, daemon_factory):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    d = daemon_factory("--gpu.backend=demo", "--demo.gpus=1", "--log.level=debug",
+                       f"--web.tls-cert-file={cert}", f"--web.tls-key-file={key}",
+                       start=False)
+    d.url_scheme = "https"
+    d.proc = subprocess.Popen(d.args, cwd=ROOT, env=d.env,
+                              stdout=open(d.log_path, "w"),  # noqa: SIM115 - closed at exit
+                              stderr=subprocess.STDOUT)
+    url = f"https://127.0.0.1:{d.port}"
+    wait_until(lambda: requests.get(url + "/healthz", verify=str(cert), timeout=2).ok,
+               timeout=20, what="the TLS exporter")
+    answer = raw_exchange(d.port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", timeout=5)
+    assert not answer.startswith(b"HTTP/1.1 200")
+    assert requests.get(url + "/metrics", verify=str(cert), timeout=5).status_code == 200
+    log = wait_until(lambda: "ended" in d.log_text() and d.log_text(), timeout=20,
+                     what="the one debug line about the plain-HTTP client")
+    assert "Traceback" not in log
