@@ -14,12 +14,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from exporter.catalogue import show
+from exporter.catalogue import CATALOGUE, show
 from exporter.rules import DEFAULTS, merge
 
 DS = {"type": "prometheus", "uid": "${datasource}"}
 TAGS = ["gputrain"]
-ALERTS = 'ALERTS{alertname=~"GpuTrain.*", alertstate="firing"}'
+# the catalogue's alerts (a user's own GpuTrain-named rule is not one of them)
+ALERT_NAMES = "|".join(sorted({e.alert for e in CATALOGUE}))
+ALERTS = f'ALERTS{{alertname=~"{ALERT_NAMES}", alertstate="firing"}}'
 
 
 class Layout:
@@ -155,7 +157,7 @@ def dashboard(uid: str, title: str, description: str, variables: list[dict],
              "hide": True, "iconColor": "rgba(0, 211, 255, 1)",
              "datasource": {"type": "grafana", "uid": "-- Grafana --"}},
             {"name": "GpuTrain alerts", "enable": True, "iconColor": "red", "datasource": DS,
-             "expr": f'ALERTS{{alertname=~"GpuTrain.*", alertstate="firing"{alert_filter}}}',
+             "expr": f'ALERTS{{alertname=~"{ALERT_NAMES}", alertstate="firing"{alert_filter}}}',
              "step": "60s", "titleFormat": "{{alertname}}",
              "textFormat": "{{severity}}: run {{run}} rank {{rank}} gpu {{gpu}}",
              "useValueForTime": False}]},
