@@ -6,13 +6,17 @@ until the next sampler cycle or push, so many Prometheus servers cost little mor
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import gzip
+import http.client
 import logging
 import re
 import socket
 import ssl
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -28,6 +32,13 @@ from exporter.sampler import CollectorStatus, Sampler
 log = logging.getLogger(__name__)
 
 _DIGITS = re.compile(r"[0-9]{1,12}")
+# Bounds of one connection (module constants: the README's "Limits" says why these values).
+MAX_CONNECTIONS = 128  # per listening port; more are closed at once (--web.max-connections)
+IDLE_SECONDS = 60.0  # a keep-alive connection may wait this long for its next request
+REQUEST_SECONDS = 10.0  # from a request's first byte to its last, headers and body
+MAX_HEADER_BYTES = 16 * 1024  # request line excluded
+MAX_HEADERS = 64
+ACCEPT_BACKOFF_SECONDS = 0.1  # after accept() fails (no descriptors left): do not spin
 _CODING = re.compile(r"\s*([A-Za-z0-9*_-]+)\s*(?:;\s*q\s*=\s*([0-9.]+))?\s*")
 
 
@@ -93,13 +104,72 @@ class Exposition:
         return entry
 
 
+class _HeaderBudget:
+    """A request's headers, read from ``rfile`` within a byte and line budget: beyond it,
+    http.server answers 431 before any body is read or any token checked."""
+
+    def __init__(self, rfile: Any) -> None:
+        self._rfile = rfile
+        self._bytes = 0
+        self._lines = 0
+
+    def readline(self, limit: int = -1) -> bytes:
+        left = MAX_HEADER_BYTES - self._bytes
+        line = self._rfile.readline(min(limit, left + 1) if limit >= 0 else left + 1)
+        self._bytes += len(line)
+        self._lines += 1
+        if self._bytes > MAX_HEADER_BYTES:
+            raise http.client.LineTooLong(f"headers over {MAX_HEADER_BYTES} bytes")
+        if self._lines > MAX_HEADERS + 1:
+            raise http.client.HTTPException(f"more than {MAX_HEADERS} headers")
+        return line
+
+
 class _Handler(BaseHTTPRequestHandler):
     server_version = "gputrain-exporter"
     protocol_version = "HTTP/1.1"
     # Headers and body go out in two writes; without TCP_NODELAY, Nagle's algorithm and the
     # client's delayed ACK add ~40 ms to every keep-alive response.
     disable_nagle_algorithm = True
-    timeout = 30  # a client that stops sending mid-request does not hold a thread forever
+    timeout = REQUEST_SECONDS  # each read; the server's watchdog bounds a whole request
+
+    def handle_one_request(self) -> None:
+        """http.server's, with deadlines: the first byte of a request within IDLE_SECONDS,
+        the whole request within REQUEST_SECONDS of it, the headers within a budget."""
+        watchdog = self.server.watchdog
+        try:
+            watchdog.arm(self.connection, IDLE_SECONDS)
+            if not self.rfile.peek(1):
+                self.close_connection = True
+                return
+            watchdog.arm(self.connection, REQUEST_SECONDS)
+            self.raw_requestline = self.rfile.readline(8193)
+            if len(self.raw_requestline) > 8192:
+                self.requestline = self.request_version = self.command = ""
+                self.send_error(414)
+                return
+            if not self.raw_requestline:
+                self.close_connection = True
+                return
+            rfile, self.rfile = self.rfile, _HeaderBudget(self.rfile)
+            try:
+                parsed = self.parse_request()
+            finally:
+                self.rfile = rfile
+            if not parsed:
+                return
+            method = getattr(self, "do_" + self.command, None)
+            if method is None:
+                self.send_error(501, f"unsupported method ({self.command!r})")
+                return
+            method()
+            self.wfile.flush()
+        except (TimeoutError, OSError, ValueError) as exc:
+            # a deadline passed (the watchdog shut the socket), or the client went away
+            log.debug("connection from %s ended: %s", self.client_address, exc)
+            self.close_connection = True
+        finally:
+            watchdog.disarm(self.connection)
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s %s", self.address_string(), format % args)
@@ -201,10 +271,90 @@ class IngestHandler(_Handler):
                        f"POST JSON to {PUSH_PATH}\n".encode())
 
 
+class _Watchdog:
+    """One thread for all connections of a server: a connection whose deadline passes is shut
+    down, which ends the blocked read of the thread serving it (a slow client cannot hold a
+    thread and a descriptor past REQUEST_SECONDS, however slowly it trickles bytes in)."""
+
+    def __init__(self) -> None:
+        self._deadlines: dict[socket.socket, float] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gputrain-http-watchdog",
+                                        daemon=True)
+        self._thread.start()
+
+    def arm(self, conn: socket.socket, seconds: float) -> None:
+        with self._lock:
+            self._deadlines[conn] = time.monotonic() + seconds
+
+    def disarm(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._deadlines.pop(conn, None)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.25):
+            now = time.monotonic()
+            with self._lock:
+                expired = [c for c, t in self._deadlines.items() if t <= now]
+                for c in expired:
+                    del self._deadlines[c]
+            for c in expired:
+                with contextlib.suppress(OSError):
+                    c.shutdown(socket.SHUT_RDWR)
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 64
+    max_connections = MAX_CONNECTIONS
+
+    def server_activate(self) -> None:
+        super().server_activate()
+        self.watchdog = _Watchdog()
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+        self._refused = 0
+
+    def get_request(self) -> tuple[Any, Any]:
+        try:
+            return super().get_request()
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                log.warning("cannot accept a connection on %s: %s; backing off",
+                            self.server_address, exc.strerror)
+                time.sleep(ACCEPT_BACKOFF_SECONDS)  # serve_forever would spin on it
+            raise
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A thread per connection, at most max_connections at once: one more is closed at
+        once (the client sees a reset and retries), never queued behind a slow one."""
+        if not self._slots.acquire(blocking=False):
+            self._refused += 1
+            if self._refused in (1, 10, 100) or self._refused % 1000 == 0:
+                log.warning("%d connection(s) to %s refused: %d are open (the limit)",
+                            self._refused, self.server_address, self.max_connections)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except Exception:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def server_close(self) -> None:
+        super().server_close()
+        if hasattr(self, "watchdog"):
+            self.watchdog.stop()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that disconnects early, or speaks plain HTTP to the TLS port, is one line

@@ -152,3 +152,120 @@ def test_plain_http_to_the_tls_port_is_one_debug_line(tmp_path, daemon_factory):
     log = wait_until(lambda: "ended" in d.log_text() and d.log_text(), timeout=20,
                      what="the one debug line about the plain-HTTP client")
     assert "Traceback" not in log
+
+
+# -- capacity: connections, descriptors, memory --------------------------------------------------
+
+def peak_rss_mb(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status").read().splitlines():  # noqa: SIM115 - /proc
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+@pytest.fixture
+def limited_daemon():
+    """A daemon whose descriptor limit is systemd's default, 1,024."""
+    import resource
+
+    from conftest import Daemon
+
+    d = Daemon("--gpu.backend=demo", "--demo.gpus=1")
+    d._log = open(d.log_path, "w")  # noqa: SIM115 - closed by stop()
+    d.proc = subprocess.Popen(
+        d.args, cwd=ROOT, env=d.env, stdout=d._log, stderr=subprocess.STDOUT,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024)))
+    wait_until(lambda: requests.get(d.url + "/healthz", timeout=1).ok, timeout=20,
+               what="the exporter")
+    yield d
+    d.stop()
+
+
+def test_1100_slow_connections_do_not_take_the_daemon_down(limited_daemon):
+    """Slowloris: 1,100 connections that trickle a header byte every second and never finish,
+    against a daemon with 1,024 descriptors (a per-read timeout never fires on them). The
+    ingest port serves throughout; the metrics port serves again once the whole-request
+    deadline has cut the slow ones; memory stays bounded; no traceback."""
+    import threading
+
+    d = limited_daemon
+    slow: list[socket.socket] = []
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.wait(1.0):
+            for s in list(slow):
+                try:
+                    s.send(b"X")
+                except OSError:
+                    slow.remove(s)  # the daemon cut it
+
+    trickler = threading.Thread(target=trickle)
+    try:
+        for _ in range(1100):
+            try:
+                s = socket.create_connection(("127.0.0.1", d.port), timeout=2)
+                s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+                slow.append(s)
+            except OSError:
+                pass  # refused or reset by a full server: that is the point
+        trickler.start()
+        r = requests.post(d.ingest_url + "/api/v1/push", json=GOOD, timeout=10)
+        assert r.status_code == 200  # the other port is not starved
+        started = time.monotonic()
+        scrape = wait_until(lambda: requests.get(d.url + "/metrics", timeout=2), timeout=40,
+                            interval=0.5, what="a scrape to get through")
+        assert scrape.status_code == 200 and 'run="ok"' in scrape.text
+        assert time.monotonic() - started < 40
+        # the descriptors the slow clients could take are bounded: the host collectors,
+        # which open /proc files every cycle, kept working through the attack
+        assert 'gputrain_collector_success{collector="cpu"} 1.0' in scrape.text
+    finally:
+        stop.set()
+        if trickler.is_alive():
+            trickler.join(timeout=30)
+        for s in slow:
+            s.close()
+    assert d.proc.poll() is None
+    assert peak_rss_mb(d.proc.pid) < 200
+    assert "Traceback" not in d.log_text()
+    assert "Too many open files" not in d.log_text()
+
+
+def test_40_connections_of_6_mb_headers_are_refused_before_the_body(limited_daemon):
+    """40 clients each send 6 MB of headers that never end (99 lines of 60 KB, under the
+    standard library's own limits) and hold the connection: the daemon stops reading each at
+    16 KiB with a 431, so its memory stays bounded and both ports serve."""
+    import threading
+
+    d = limited_daemon
+    line = b"X-Padding: " + b"a" * 60000 + b"\r\n"
+    sent, done = [], threading.Event()
+
+    def attack() -> None:
+        try:
+            with socket.create_connection(("127.0.0.1", d.ingest_port), timeout=10) as s:
+                s.sendall(b"POST /api/v1/push HTTP/1.1\r\nHost: x\r\n")
+                for _ in range(99):
+                    s.sendall(line)
+                sent.append(True)
+                done.wait(30)  # hold it open, headers unfinished
+        except OSError:
+            sent.append(False)  # the daemon answered 431 and closed: the rest was not read
+
+    threads = [threading.Thread(target=attack) for _ in range(40)]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(lambda: len(sent) == 40, timeout=60, what="the 40 attackers to finish sending")
+        assert requests.post(d.ingest_url + "/api/v1/push", json=GOOD, timeout=10).status_code \
+            == 200
+        assert requests.get(d.url + "/metrics", timeout=10).status_code == 200
+        assert peak_rss_mb(d.proc.pid) < 150
+    finally:
+        done.set()
+        for t in threads:
+            t.join(timeout=60)
+    answer = raw_exchange(d.ingest_port, b"POST /api/v1/push HTTP/1.1\r\nHost: x\r\n" + line
+                          + b"\r\n")
+    assert answer.startswith(b"HTTP/1.1 431")
