@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     serve = sub.add_parser("serve", help="run the exporter daemon (the default)")
     add_flags(serve)
+    parser.serve_parser = serve  # --help shows its flags too
     from exporter import diagnose, generate, rules  # subcommands register their own flags
 
     rules.add_parser(sub)
@@ -60,9 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] not in (*SUBCOMMANDS, "-h", "--help", "--version"):
-        args.insert(0, "serve")
     parser = build_parser()
+    if args[:1] in (["-h"], ["--help"]):  # the commands, then the daemon's own flags
+        parser.print_help()
+        print("\nserve, the default command, runs the daemon and takes these flags:\n")
+        parser.serve_parser.print_help()
+        return 0
+    if not args or args[0] not in (*SUBCOMMANDS, "--version"):
+        args.insert(0, "serve")
     ns = parser.parse_args(args)
     if ns.command == "serve":
         try:

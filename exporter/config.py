@@ -133,6 +133,14 @@ def parse_link_speeds(value: Any) -> dict[str, float]:
     return out
 
 
+def format_duration(seconds: float) -> str:
+    """1.0 -> '1s', 600.0 -> '10m', 0.5 -> '500ms': durations as the README writes them."""
+    for unit, size in (("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds * 1000:g}ms"
+
+
 @dataclass(frozen=True)
 class Option:
     key: str
@@ -140,6 +148,12 @@ class Option:
     default: Any
     help: str
     metavar: str | None = None
+
+    def shown_default(self) -> str:
+        """The default as a user writes it on the command line."""
+        if self.parse is parse_duration:
+            return format_duration(self.default)
+        return str(self.default)
 
 
 OPTIONS: list[Option] = [
@@ -221,6 +235,9 @@ def load_file(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
     if data is None:
         return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a mapping of settings (key: value), "
+                          f"got a {type(data).__name__}")
     out = {}
     for key, raw in _flatten(data).items():
         option = OPTIONS_BY_KEY.get(key)
@@ -247,7 +264,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(f"--no-collector.{name}", dest=o.key, action="store_false",
                                 default=argparse.SUPPRESS, help=f"disable the {name} collector")
             continue
-        default = "" if o.default is None else f" (default: {o.default})"
+        default = "" if o.default is None else f" (default: {o.shown_default()})"
         parser.add_argument(f"--{o.key}", dest=o.key, metavar=o.metavar or "VALUE",
                             default=argparse.SUPPRESS, help=o.help + default)
 

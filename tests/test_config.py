@@ -60,6 +60,18 @@ def test_unparsable_yaml_and_missing_file(tmp_path):
         settings(f"--config.file={f}")
     with pytest.raises(ConfigError, match="cannot read"):
         settings(f"--config.file={tmp_path / 'nope.yml'}")
+    f.write_text("- sampler\n- interval\n")
+    with pytest.raises(ConfigError, match=f"{f}: expected a mapping"):
+        settings(f"--config.file={f}")
+
+
+def test_help_shows_the_serve_flags_and_defaults_as_the_readme_writes_them(capsys):
+    from exporter.cli import main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--sampler.interval" in out and "--collector.gpu" in out and "diagnose" in out
+    assert "(default: 1s)" in out and "(default: 10m)" in out
 
 
 def test_bad_flag_value_names_the_flag():

@@ -75,8 +75,9 @@ def batch_len(batch: Any) -> int:
 
 def cuda_gpu_refs() -> list[str]:
     """The GPUs this process uses: torch's current CUDA device UUID when torch has initialised
-    CUDA, else the entries of CUDA_VISIBLE_DEVICES. Call it from the training thread: CUDA's
-    current device is per thread."""
+    CUDA, else the entries of GPUTRAIN_GPUS (indices or UUIDs, comma-separated: a CPU-only
+    tour against the demo backend), else those of CUDA_VISIBLE_DEVICES. Call it from the
+    training thread: CUDA's current device is per thread."""
     torch = sys.modules.get("torch")
     if torch is not None:
         try:
@@ -85,7 +86,7 @@ def cuda_gpu_refs() -> list[str]:
                 return [uuid if uuid.startswith(("GPU-", "MIG-")) else "GPU-" + uuid]
         except Exception as exc:  # an old torch without .uuid, a broken driver
             log.debug("cannot read the CUDA device UUID: %s", exc)
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    visible = os.environ.get("GPUTRAIN_GPUS") or os.environ.get("CUDA_VISIBLE_DEVICES", "")
     refs = [v.strip() for v in visible.split(",") if v.strip()]
     return [r for r in refs if r.isdigit() or r.startswith(("GPU-", "MIG-"))]
 
