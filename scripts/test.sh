@@ -2,8 +2,8 @@
 # Install everything the test suite needs, then run all of it.
 #   - Debian packages: prometheus (server + promtool), prometheus-alertmanager (server + amtool),
 #     prometheus-node-exporter (the benchmark's anchor)
-#   - Python: this package with its [test] extra, and PyTorch, Lightning, Keras, transformers
-#     at the versions in tests/frameworks.txt
+#   - Python, into the virtual environment .venv (scripts/install.sh): this package with its
+#     [test] extra, and PyTorch, Lightning, Keras, transformers at tests/frameworks.txt's versions
 # Usage: scripts/test.sh [extra pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,20 +15,24 @@ command -v prometheus-node-exporter >/dev/null 2>&1 || missing+=(prometheus-node
 if [ ${#missing[@]} -gt 0 ]; then
     sudo=""
     [ "$(id -u)" -eq 0 ] || sudo="sudo"
-    echo "installing Debian packages: ${missing[*]}"
+    echo "installing Debian packages (apt-get${sudo:+ through sudo}): ${missing[*]}"
     $sudo apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
         "${missing[@]}" >/dev/null
 fi
 
-python3 -m pip install -q --disable-pip-version-check -e '.[test]'
+# Everything Python goes into ./.venv (scripts/install.sh makes it: a stock Debian python3
+# refuses pip installs, PEP 668), never into the system's python.
+bash scripts/install.sh -e '.[test]'
+py=.venv/bin/python
 # PyTorch and the frameworks the integration tests drive, at the versions pinned in one place
-python3 -m pip install -q --disable-pip-version-check -r tests/frameworks.txt
+echo "installing the test frameworks into .venv: $(grep -v '^#' tests/frameworks.txt | xargs)"
+$py -m pip install -q --disable-pip-version-check -r tests/frameworks.txt
 
-python3 -m ruff check .
+$py -m ruff check .
 
 set +e
-python3 -m pytest "$@"
+$py -m pytest "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
