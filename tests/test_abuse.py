@@ -269,3 +269,26 @@ def test_40_connections_of_6_mb_headers_are_refused_before_the_body(limited_daem
     answer = raw_exchange(d.ingest_port, b"POST /api/v1/push HTTP/1.1\r\nHost: x\r\n" + line
                           + b"\r\n")
     assert answer.startswith(b"HTTP/1.1 431")
+
+
+def test_a_body_that_trickles_in_is_cut_at_the_request_deadline(daemon):
+    """The whole request, body included, must arrive within the deadline (10 s): a client that
+    sends its body a byte a second loses the connection, and the port keeps serving."""
+    with socket.create_connection(("127.0.0.1", daemon.ingest_port), timeout=5) as s:
+        s.sendall(b"POST /api/v1/push HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+        started, closed = time.monotonic(), False
+        while time.monotonic() - started < 40:
+            try:
+                s.sendall(b"{")
+                s.settimeout(1.0)
+                if s.recv(4096) == b"":
+                    closed = True
+                    break
+            except TimeoutError:
+                continue  # nothing to read yet: keep trickling
+            except OSError:
+                closed = True
+                break
+        assert closed, "the trickling client kept its connection for 40 s"
+    assert requests.post(daemon.ingest_url + "/api/v1/push", json=GOOD, timeout=10).status_code \
+        in (200, 429)
