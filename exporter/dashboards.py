@@ -167,6 +167,21 @@ def dashboard(uid: str, title: str, description: str, variables: list[dict],
     }
 
 
+def pct(t: dict[str, float], name: str) -> str:
+    """Threshold ``name`` as the panel texts write it (``5 %``, ``1x``)."""
+    return show(name, t[name])
+
+
+def busy_pair(t: dict[str, float]) -> tuple[float, float]:
+    """The GPU-busy thresholds (low, target) that colour tables and draw busy lines."""
+    return t["gpu_busy_low"], t["gpu_busy_target"]
+
+
+def busy_lines(t: dict[str, float]) -> list[tuple[float, str]]:
+    low, target_ = busy_pair(t)
+    return [(low, "red"), (target_, "green")]
+
+
 def gpu_join(expr: str, sel: str) -> str:
     """``expr`` (per GPU) for the GPUs of the selected run and ranks (``sel``)."""
     return (f"({expr}) * on (job, instance, gpu, uuid) group_left (run, rank) "
@@ -177,9 +192,9 @@ def gpu_join(expr: str, sel: str) -> str:
 
 def overview(t: dict[str, float], js: str) -> dict:
     lay = Layout()
-    busy = [(None, "red"), (t["gpu_busy_low"], "orange"), (t["gpu_busy_target"], "green")]
-    low, target_ = show("gpu_busy_low", t["gpu_busy_low"]), show("gpu_busy_target",
-                                                                t["gpu_busy_target"])
+    low_t, target_t = busy_pair(t)
+    busy = [(None, "red"), (low_t, "orange"), (target_t, "green")]
+    low, target_ = pct(t, "gpu_busy_low"), pct(t, "gpu_busy_target")
     run_link = ("/d/gputrain-run/gputrain-run?${__url_time_range}&var-datasource=${datasource}"
                 "&var-run=${__data.fields.run}&var-instance=$__all&var-rank=$__all")
     node_link = ("/d/gputrain-node/gputrain-node?${__url_time_range}&var-datasource="
@@ -208,7 +223,7 @@ def overview(t: dict[str, float], js: str) -> dict:
             "Every (run, rank) on every node over 5m. Click a run for its dashboard, a node "
             "for its instance metrics. Sort by GPU busy to find the waste.",
             links={"run": run_link, "instance": node_link}, sort="GPU busy",
-            hide=("Time", "job"), busy_steps=(t["gpu_busy_low"], t["gpu_busy_target"])),
+            hide=("Time", "job"), busy_steps=busy_pair(t)),
             24, 9),
         lay.place(table("Firing GpuTrain alerts", [target(ALERTS, "firing", "A")],
                         {}, "What the rules say, with the labels that locate it.",
@@ -219,18 +234,17 @@ def overview(t: dict[str, float], js: str) -> dict:
             f"gputrain_training_gpu_info{{{js}}}", "busy", "A")], {"busy": "percentunit"},
             "GPUs with no training client reporting them: idle capacity, or a job that does "
             "not use the client.", links={"instance": node_link}, hide=("Time", "job"),
-            busy_steps=(t["gpu_busy_low"], t["gpu_busy_target"])),
+            busy_steps=busy_pair(t)),
             12, 8),
         lay.place(timeseries("GPU busy by run", [target(
             "run_rank:gputrain_gpu_busy_ratio:avg5m", "{{run}} rank {{rank}}")],
             "percentunit", f"{target_} is the goal (seed 002); under {low} the GPU is badly "
-            "used (seed 001).", lines=[(t["gpu_busy_low"], "red"),
-                                       (t["gpu_busy_target"], "green")], max_=1), 12, 8),
+            "used (seed 001).", lines=busy_lines(t), max_=1), 12, 8),
         lay.place(timeseries("Data wait by run", [target(
             "run_rank:gputrain_training_data_wait_ratio:rate5m", "{{run}} rank {{rank}}")],
             "percentunit", "Share of each step blocked on the data loader: "
-            f"{show('input_bound', t['input_bound'])} is moderately, "
-            f"{show('input_bound_high', t['input_bound_high'])} highly input-bound (TF "
+            f"{pct(t, 'input_bound')} is moderately, "
+            f"{pct(t, 'input_bound_high')} highly input-bound (TF "
             "Profiler).", lines=[(t["input_bound"], "orange"), (t["input_bound_high"], "red")],
             max_=1), 12, 8),
     ]
@@ -244,9 +258,6 @@ def run(t: dict[str, float], js: str) -> dict:
     lay = Layout()
     sel = f'{js}, run="$run", rank=~"$rank", instance=~"$instance"'
     node = f'{js}, instance=~"$instance"'
-
-    def pct(name: str) -> str:
-        return show(name, t[name])
 
     dominating = t["phase_dominates"] / (1 + t["phase_dominates"])
     q = "sum by (instance, rank, le) (rate(gputrain_training_step_duration_seconds_bucket" \
@@ -265,15 +276,15 @@ def run(t: dict[str, float], js: str) -> dict:
             "stall (checkpoints)."), 8, 8),
         lay.place(timeseries("Data wait", [target(
             f"run_rank:gputrain_training_data_wait_ratio:rate5m{{{sel}}}", "rank {{rank}}")],
-            "percentunit", f"{pct('input_bound')} moderately, {pct('input_bound_high')} "
+            "percentunit", f"{pct(t, 'input_bound')} moderately, {pct(t, 'input_bound_high')} "
             "highly input-bound.",
             lines=[(t["input_bound"], "orange"), (t["input_bound_high"], "red")], max_=1), 8, 8),
         lay.place(timeseries("Phases", [target(
             f"run_rank_phase:gputrain_training_phase_ratio:rate5m{{{sel}}}",
             "{{phase}} rank {{rank}}")], "percentunit",
             f"Share of the step in each named phase; a phase of the step over "
-            f"{dominating:.0%} ({pct('phase_dominates')} the rest) is host overhead; checkpoint "
-            f"saves over {pct('checkpoint_share')} are stalls.",
+            f"{dominating:.0%} ({pct(t, 'phase_dominates')} the rest) is host overhead; checkpoint "
+            f"saves over {pct(t, 'checkpoint_share')} are stalls.",
             lines=[(dominating, "red")], max_=1), 12, 8),
         lay.place(timeseries("Training processes", [
             target(f"run_rank:gputrain_training_process_cpu_cores:rate5m{{{sel}}}",
@@ -286,19 +297,19 @@ def run(t: dict[str, float], js: str) -> dict:
         lay.place(timeseries("GPU busy", [target(
             f"run_rank_gpu:gputrain_gpu_busy_ratio:rate5m{{{sel}}}",
             "GPU {{gpu}} rank {{rank}}")], "percentunit", "Any kernel running.",
-            lines=[(t["gpu_busy_low"], "red"), (t["gpu_busy_target"], "green")], max_=1), 8, 8),
+            lines=busy_lines(t), max_=1), 8, 8),
         lay.place(timeseries("SM and tensor activity", [
             target(f"run_rank_gpu:gputrain_gpu_sm_active_ratio:avg5m{{{sel}}}",
                    "SM GPU {{gpu}}", "A"),
             target(f"run_rank_gpu:gputrain_gpu_tensor_active_ratio:avg5m{{{sel}}}",
                    "tensor GPU {{gpu}}", "B")], "percentunit",
-            f"GPM (Hopper and newer). SM active < {pct('launch_sm_active_below')} while busy is "
-            f"launch-bound; tensor < {pct('tensor_active_below')} with SMs busy means no AMP.",
+            f"GPM (Hopper and newer). SM active < {pct(t, 'launch_sm_active_below')} while busy is "
+            f"launch-bound; tensor < {pct(t, 'tensor_active_below')} with SMs busy means no AMP.",
             lines=[(t["launch_sm_active_below"], "orange")], max_=1), 8, 8),
         lay.place(timeseries("GPU memory used", [target(
             f"run_rank_gpu:gputrain_gpu_memory_used:ratio{{{sel}}}", "GPU {{gpu}}")],
-            "percentunit", f"Under {pct('memory_underused')} the batch is likely too small; "
-            f"over {pct('memory_near_limit')} is near OOM.",
+            "percentunit", f"Under {pct(t, 'memory_underused')} the batch is likely too small; "
+            f"over {pct(t, 'memory_near_limit')} is near OOM.",
             lines=[(t["memory_underused"], "orange"), (t["memory_near_limit"], "red")],
             max_=1), 8, 8),
         lay.place(timeseries("Power against the limit", [target(
@@ -307,8 +318,8 @@ def run(t: dict[str, float], js: str) -> dict:
             lines=[(t["launch_power_below"], "orange")], max_=1), 8, 8),
         lay.place(timeseries("PCIe host-to-device against the link", [target(
             f"run_rank_gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m{{{sel}}}",
-            "GPU {{gpu}}")], "percentunit", f"Over {pct('pcie_rx_high')} of the link with the "
-            f"GPU under {pct('h2d_gpu_busy_below')} busy: the copy is the bottleneck.",
+            "GPU {{gpu}}")], "percentunit", f"Over {pct(t, 'pcie_rx_high')} of the link with the "
+            f"GPU under {pct(t, 'h2d_gpu_busy_below')} busy: the copy is the bottleneck.",
             lines=[(t["pcie_rx_high"], "red")], max_=1), 8, 8),
         lay.place(timeseries("SM clock", [target(
             gpu_join(f'gputrain_gpu_clock_hertz{{clock="sm", {node}}}', sel), "GPU {{gpu}}")],
@@ -319,7 +330,7 @@ def run(t: dict[str, float], js: str) -> dict:
                      f"gputrain_gpu_clock_event_seconds_total{{{node}}}[$__rate_interval]))",
                      sel),
             "{{reason}} GPU {{gpu}}")], "percentunit",
-            f"Share of time the clocks were held down, by reason; over {pct('throttle_ratio')} "
+            f"Share of time the clocks were held down, by reason; over {pct(t, 'throttle_ratio')} "
             "for power or thermal reasons is throttling.",
             lines=[(t["throttle_ratio"], "red")], max_=1), 8, 8),
         lay.row("Node"),
@@ -328,8 +339,8 @@ def run(t: dict[str, float], js: str) -> dict:
             f"[$__rate_interval])) / on (instance) group_left sum by (instance) "
             f"(rate(gputrain_host_cpu_seconds_total{{{node}}}[$__rate_interval]))",
             "{{mode}} {{instance}}")], "percentunit",
-            f"{pct('cpu_saturated')} busy with data wait is preprocessing-bound; iowait over "
-            f"{pct('iowait_high')} is disk-bound.",
+            f"{pct(t, 'cpu_saturated')} busy with data wait is preprocessing-bound; iowait over "
+            f"{pct(t, 'iowait_high')} is disk-bound.",
             stack=True, max_=1), 8, 8),
         lay.place(timeseries("Disk I/O", [
             target(f"sum by (instance, device) (rate(gputrain_host_disk_read_bytes_total"
@@ -341,7 +352,7 @@ def run(t: dict[str, float], js: str) -> dict:
             f"rate(gputrain_host_network_received_bytes_total{{{node}}}[$__rate_interval]) "
             f"/ gputrain_host_network_speed_bytes_per_second{{{node}}}",
             "{{interface}} {{instance}}")], "percentunit",
-            f"Over {pct('network_saturated')} of the interface with data wait: network input "
+            f"Over {pct(t, 'network_saturated')} of the interface with data wait: network input "
             "bound.", lines=[(t["network_saturated"], "red")], max_=1), 8, 8),
     ]
     variables = [
@@ -369,8 +380,7 @@ def node(t: dict[str, float], js: str) -> dict:
         lay.place(timeseries("GPU busy", [target(
             f"sum by (gpu, uuid) (rate(gputrain_gpu_busy_seconds_total{{{n}}}{r})) / "
             f"sum by (gpu, uuid) (rate(gputrain_gpu_sampled_seconds_total{{{n}}}{r}))",
-            per_gpu)], "percentunit", lines=[(t["gpu_busy_low"], "red"),
-                                             (t["gpu_busy_target"], "green")], max_=1), 8, 8),
+            per_gpu)], "percentunit", lines=busy_lines(t), max_=1), 8, 8),
         lay.place(timeseries("SM active", [target(
             f"gputrain_gpu_sm_active_ratio{{{n}}}", per_gpu)], "percentunit", max_=1), 8, 8),
         lay.place(timeseries("Tensor active", [target(
@@ -398,7 +408,7 @@ def node(t: dict[str, float], js: str) -> dict:
         lay.place(timeseries("Throttled time", [target(
             f"rate(gputrain_gpu_clock_event_seconds_total{{{n}}}{r})",
             "{{reason}} GPU {{gpu}}")], "percentunit", "Share of time the clocks were held "
-            f"down; over {show('throttle_ratio', t['throttle_ratio'])} for power or thermal "
+            f"down; over {pct(t, 'throttle_ratio')} for power or thermal "
             "reasons is throttling.", lines=[(t["throttle_ratio"], "red")], max_=1), 8, 8),
         lay.place(table("GPU health", [
             target(f"gputrain_gpu_up{{{n}}}", "up", "A"),
@@ -417,7 +427,7 @@ def node(t: dict[str, float], js: str) -> dict:
                           "${datasource}&var-run=${__data.fields.run}&var-instance=$instance"
                           "&var-rank=$__all"},
             hide=("Time", "job", "instance"),
-            busy_steps=(t["gpu_busy_low"], t["gpu_busy_target"])), 12, 7),
+            busy_steps=busy_pair(t)), 12, 7),
         lay.row("Host"),
         lay.place(timeseries("CPU by mode", [target(
             f"sum by (mode) (rate(gputrain_host_cpu_seconds_total{{{n}}}{r})) / scalar("

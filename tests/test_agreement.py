@@ -20,7 +20,7 @@ import sys
 import pytest
 import rule_cases
 from conftest import ROOT, require_binary
-from gpu.replay import Backfilled, inline_alerts
+from gpu.replay import Backfilled, inline_alerts, openmetrics_text
 
 from exporter.catalogue import BY_ALERT
 
@@ -67,11 +67,7 @@ def openmetrics(cases: list[rule_cases.Case]) -> str:
             for k, v in enumerate(expand(values)):
                 by_name.setdefault(name, []).append(
                     f"{name}{{{text}}} {v!r} {BASE + k * interval}")
-    lines = []
-    for name in sorted(by_name):
-        lines.append(f"# TYPE {name} unknown")
-        lines.extend(by_name[name])
-    return "\n".join([*lines, "# EOF"]) + "\n"
+    return openmetrics_text(by_name)
 
 
 def boundary_cases() -> list[rule_cases.Case]:

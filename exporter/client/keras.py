@@ -14,9 +14,7 @@ from exporter.client.monitor import HookTimer, TrainingMonitor
 
 log = logging.getLogger("exporter.client")
 
-# fit()'s CallbackList methods that bound a fetch, a step or a phase; wrapped on the instance
-_LIST_HOOKS = ("on_epoch_begin", "on_train_batch_begin", "on_train_batch_end", "on_test_begin",
-               "on_test_end")
+# the ModelCheckpoint methods that may save (wrapped as the phase "checkpoint")
 _CHECKPOINT_HOOKS = ("on_train_batch_end", "on_epoch_end")
 
 

@@ -28,6 +28,7 @@ from exporter.protocol import MAX_PHASE_NAME_LENGTH, sanitize
 log = logging.getLogger("exporter.client")
 
 T = TypeVar("T")
+_END = object()  # wrap()'s marker for the next() that raised StopIteration
 
 # Step-duration histogram bounds, in seconds: 1 ms to 60 s.
 DEFAULT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -237,14 +238,13 @@ class TrainingMonitor:
             try:
                 batch = next(it)
             except StopIteration:
-                self._pending_wait += clock() - t0
-                if self._boundary is None:
-                    self._boundary = t0
-                self._flush_wait()
-                return
+                batch = _END
             self._pending_wait += clock() - t0
             if self._boundary is None:
                 self._boundary = t0
+            if batch is _END:  # the fetch that ends the epoch: no step will claim it
+                self._flush_wait()
+                return
             n = batch_size if batch_size is not None else batch_len(batch)
             self._wrap_samples = n  # this step is open until the body asks for the next batch
             try:

@@ -41,6 +41,13 @@ def to_openmetrics(recording: Path, job: str = JOB, instance: str = INSTANCE) ->
             all_labels = {**dict(labels), "job": job, "instance": instance}
             text = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(all_labels.items()))
             by_name.setdefault(name, []).append(f"{name}{{{text}}} {value!r} {t:.3f}")
+    return openmetrics_text(by_name)
+
+
+def openmetrics_text(by_name: dict[str, list[str]]) -> str:
+    """Sample lines grouped by metric name (OpenMetrics wants a family's samples together) as
+    a file for ``promtool tsdb create-blocks-from openmetrics``: each an ``unknown`` family,
+    so the names stay exactly as given."""
     lines = []
     for name in sorted(by_name):
         lines.append(f"# TYPE {name} unknown")
