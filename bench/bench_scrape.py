@@ -1,20 +1,27 @@
-"""Scrape latency of the exporter (8 demo GPUs + host) and the sampler's CPU per cycle, with
-node_exporter scraped on the same host in the same run as the anchor.
+"""Scrape latency as Prometheus sees it, at 0, 64, 256 and 1,024 ranks pushing, beside the
+anchors measured in the same run: prometheus_client's own ``generate_latest`` on the same
+series (what a scrape cost when it rendered), and node_exporter scraped on the same host.
 
-    python bench/bench_scrape.py [--scrapes 300]
+    python bench/bench_scrape.py [--scrapes 60] [--ranks 0,64,256,1024]
 
+Each scrape is spaced more than one sampler interval after the last, as Prometheus' 15-60 s
+scrapes are, so every scrape meets a new snapshot (back-to-back scrapes would hide the
+render in a cache). Ranks push every 5 s from a separate process, like training processes.
 Needs Debian's prometheus-node-exporter (scripts/test.sh installs it).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gzip
+import json
 import os
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,6 +34,10 @@ from exporter.collectors import host_collectors  # noqa: E402
 from exporter.gpu_backends import DemoBackend  # noqa: E402
 from exporter.sampler import Sampler  # noqa: E402
 
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
+                     "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+PHASES = ("dataloader_start", "evaluation", "checkpoint", "callbacks")
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -35,7 +46,7 @@ def free_port() -> int:
 
 
 def wait_ready(url: str) -> None:
-    for _ in range(100):
+    for _ in range(200):
         try:
             if requests.get(url, timeout=1).status_code == 200:
                 return
@@ -45,18 +56,169 @@ def wait_ready(url: str) -> None:
     raise SystemExit(f"{url} did not come up")
 
 
-def scrape_stats(url: str, n: int, session: requests.Session) -> dict:
-    headers = {"Accept-Encoding": "gzip", "Accept": "text/plain;version=0.0.4"}
-    times, size, series = [], 0, 0
-    for _ in range(n):
+def payload(rank: int, steps: int, phases: int) -> dict:
+    """A rank as the client pushes it: 15 buckets, its phases, process figures, one GPU."""
+    bounds = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+              30.0, 60.0]
+    names = [*PHASES, *(f"hook_{i}" for i in range(phases - len(PHASES)))][:phases]
+    return {"version": 1, "run": "llama3-8b-pretrain", "rank": str(rank), "run_id": "bench",
+            "steps": steps, "step_seconds": 0.4 * steps, "data_wait_seconds": 0.05 * steps,
+            "samples": 32.0 * steps, "step_buckets": bounds,
+            "step_counts": [0] * 7 + [steps] * 8, "phases": {n: 0.01 * steps for n in names},
+            "last_step_timestamp": time.time(),
+            "process": {"cpu_seconds": 0.5 * steps, "resident_memory_bytes": 6.2e9,
+                        "read_bytes": 1e6 * steps, "pid": 100000 + rank},
+            "gpus": [str(rank % 8)]}
+
+
+def pushers(url: str, ranks: int, phases: int, interval: float, stop_file: str) -> None:
+    """Run in a child process: every rank pushes every ``interval`` seconds, spread evenly."""
+    if ranks == 0:
+        return
+    workers = min(16, ranks)
+
+    def work(w: int) -> None:
+        session = requests.Session()
+        mine = list(range(w, ranks, workers))
+        step = 0
+        while not os.path.exists(stop_file):
+            step += 10
+            for r in mine:
+                started = time.monotonic()
+                with contextlib.suppress(requests.RequestException):
+                    session.post(url, json=payload(r, step, phases), timeout=5)
+                time.sleep(max(0.0, interval / len(mine) - (time.monotonic() - started)))
+
+    threads = [threading.Thread(target=work, args=(w,), daemon=True) for w in range(workers)]
+    for t in threads:
+        t.start()
+    while not os.path.exists(stop_file):
+        time.sleep(0.2)
+
+
+def scrape(session: requests.Session, url: str) -> tuple[float, int, int, int]:
+    """One scrape as Prometheus makes it: (seconds, gzipped bytes, bytes, series)."""
+    t0 = time.perf_counter()
+    r = session.get(url, headers={"Accept": PROMETHEUS_ACCEPT, "Accept-Encoding": "gzip"},
+                    timeout=30, stream=True)
+    raw = r.raw.read(decode_content=False)
+    took = time.perf_counter() - t0
+    body = gzip.decompress(raw) if r.headers.get("Content-Encoding") == "gzip" else raw
+    series = sum(1 for ln in body.splitlines() if ln and not ln.startswith(b"#"))
+    return took, len(raw), len(body), series
+
+
+def pct(values: list[float], q: float) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, round(q * (len(v) - 1)))]
+
+
+def render_anchor(ranks: int, phases: int, repeats: int) -> tuple[list[float], list[float]]:
+    """Seconds to render the same page in-process: through prometheus_client's
+    generate_latest (the old scrape path), and the page thread's build (a push since the
+    last build, so the pushed rank's lines are written anew)."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.openmetrics.exposition import generate_latest
+
+    from exporter.exposition import Exposition
+    from exporter.ingest import IngestStore
+
+    sampler = Sampler(DemoBackend(8), host_collectors(), interval=1.0)
+    sampler.run_once()
+    store = IngestStore(max_series=max(ranks, 1))
+    for r in range(ranks):
+        store.push(json.dumps(payload(r, 10, phases)).encode())
+    app = Exposition(sampler, store)
+    registry = CollectorRegistry(auto_describe=False)
+    for c in app.collectors:  # the same collectors, training included
+        registry.register(c)
+    registry.register(app.training)
+    old, new = [], []
+    app.render(PROMETHEUS_ACCEPT, gzip_ok=True)
+    for i in range(repeats):
+        sampler.run_once()
         t0 = time.perf_counter()
-        r = session.get(url, headers=headers, timeout=10)
-        times.append(time.perf_counter() - t0)
-        size = len(r.content)
-        series = sum(1 for ln in r.text.splitlines() if ln and not ln.startswith("#"))
-    times.sort()
-    return {"median_ms": statistics.median(times) * 1e3,
-            "p99_ms": times[int(len(times) * 0.99) - 1] * 1e3, "series": series, "bytes": size}
+        generate_latest(registry)
+        old.append(time.perf_counter() - t0)
+        if ranks:
+            store.push(json.dumps(payload(i % ranks, 20 + i, phases)).encode())
+        t0 = time.perf_counter()
+        app.render(PROMETHEUS_ACCEPT, gzip_ok=True)
+        new.append(time.perf_counter() - t0)
+    sampler.stop()
+    return old, new
+
+
+def proc_cpu(pid: int) -> float:
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def measure(ranks: int, phases: int, scrapes: int, spacing: float) -> dict:
+    gp, ip = free_port(), free_port()
+    stop_file = f"/tmp/bench-scrape-stop-{os.getpid()}-{ranks}"
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "exporter", "--gpu.backend=demo",
+         f"--web.listen-address=127.0.0.1:{gp}", f"--ingest.listen-address=127.0.0.1:{ip}",
+         f"--ingest.max-series={max(ranks, 1)}"], cwd=ROOT,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    push = None
+    try:
+        url = f"http://127.0.0.1:{gp}/metrics"
+        wait_ready(url)
+        push = subprocess.Popen(
+            [sys.executable, __file__, "--push", f"http://127.0.0.1:{ip}/api/v1/push",
+             str(ranks), str(phases), stop_file], cwd=ROOT)
+        session = requests.Session()
+        want = 0 if ranks == 0 else ranks
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # every rank has pushed once
+            text = session.get(url, timeout=10).text
+            held = [ln for ln in text.splitlines() if ln.startswith("gputrain_ingest_series ")]
+            if held and float(held[0].split()[1]) >= want:
+                break
+            time.sleep(0.5)
+        cpu0, wall0 = proc_cpu(daemon.pid), time.monotonic()
+        rows = []
+        for _ in range(scrapes):
+            time.sleep(spacing)
+            rows.append(scrape(session, url))
+        cpu = (proc_cpu(daemon.pid) - cpu0) / (time.monotonic() - wall0)
+    finally:
+        Path(stop_file).touch()
+        if push is not None:
+            push.wait(timeout=30)
+        Path(stop_file).unlink(missing_ok=True)
+        daemon.terminate()
+        daemon.wait()
+    times = [r[0] for r in rows]
+    return {"p50": pct(times, 0.5), "p99": pct(times, 0.99), "gz": rows[-1][1],
+            "bytes": rows[-1][2], "series": rows[-1][3], "cpu": cpu}
+
+
+def node_exporter_row(scrapes: int, spacing: float) -> dict:
+    binary = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
+    if not binary:
+        raise SystemExit("install prometheus-node-exporter (Debian) for the anchor")
+    port = free_port()
+    proc = subprocess.Popen([binary, f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}/metrics"
+        wait_ready(url)
+        s = requests.Session()
+        rows = []
+        for _ in range(scrapes):
+            time.sleep(spacing)
+            rows.append(scrape(s, url))
+    finally:
+        proc.terminate()
+        proc.wait()
+    times = [r[0] for r in rows]
+    return {"p50": pct(times, 0.5), "p99": pct(times, 0.99), "gz": rows[-1][1],
+            "bytes": rows[-1][2], "series": rows[-1][3]}
 
 
 def sampler_cpu_per_cycle(cycles: int) -> tuple[float, float]:
@@ -72,63 +234,50 @@ def sampler_cpu_per_cycle(cycles: int) -> tuple[float, float]:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--push"]:
+        url, ranks, phases, stop_file = sys.argv[2:6]
+        pushers(url, int(ranks), int(phases), 5.0, stop_file)
+        return
     p = argparse.ArgumentParser()
-    p.add_argument("--scrapes", type=int, default=300)
+    p.add_argument("--scrapes", type=int, default=60)
+    p.add_argument("--spacing", type=float, default=1.05,
+                   help="seconds between scrapes: more than the 1 s sampler interval")
+    p.add_argument("--ranks", default="0,64,256,1024")
+    p.add_argument("--phases", type=int, default=4, help="phases per rank (16 at most)")
+    p.add_argument("--renders", type=int, default=20)
     p.add_argument("--cycles", type=int, default=200)
     args = p.parse_args()
-    node_exporter = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
-    if not node_exporter:
-        raise SystemExit("install prometheus-node-exporter (Debian) for the anchor")
-    gp, np_ = free_port(), free_port()
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "exporter", "--gpu.backend=demo",
-                          f"--web.listen-address=127.0.0.1:{gp}",
-                          f"--ingest.listen-address=127.0.0.1:{free_port()}"], cwd=ROOT,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-        subprocess.Popen([node_exporter, f"--web.listen-address=127.0.0.1:{np_}"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-    ]
-    try:
-        ours, anchor = f"http://127.0.0.1:{gp}/metrics", f"http://127.0.0.1:{np_}/metrics"
-        wait_ready(ours)
-        wait_ready(anchor)
-        time.sleep(2)
-        s = requests.Session()
-        rows = {"gputrain-exporter (8 demo GPUs + host)": [], "node_exporter (anchor)": []}
-        for _ in range(3):  # interleaved rounds
-            rows["gputrain-exporter (8 demo GPUs + host)"].append(
-                scrape_stats(ours, args.scrapes // 3, s))
-            rows["node_exporter (anchor)"].append(scrape_stats(anchor, args.scrapes // 3, s))
-        idle_cpu0 = _proc_cpu(procs[0].pid)
-        time.sleep(10)
-        idle_cpu = (_proc_cpu(procs[0].pid) - idle_cpu0) / 10
-    finally:
-        for proc in procs:
-            proc.terminate()
-            proc.wait()
+    print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, 8 demo GPUs + host, "
+          f"{args.scrapes} scrapes {args.spacing} s apart (OpenMetrics + gzip, Prometheus' "
+          f"headers), ranks push every 5 s with {args.phases} phases each")
+    print(f"{'target':30} {'p50 ms':>8} {'p99 ms':>8} {'series':>7} {'bytes':>10} "
+          f"{'gzip':>9} {'CPU %':>6}")
+    rows = {}
+    for n in (int(x) for x in args.ranks.split(",")):
+        r = rows[n] = measure(n, args.phases, args.scrapes, args.spacing)
+        print(f"{'gputrain, ' + str(n) + ' ranks':30} {r['p50'] * 1e3:8.2f} "
+              f"{r['p99'] * 1e3:8.2f} {r['series']:7d} {r['bytes']:10d} {r['gz']:9d} "
+              f"{r['cpu'] * 100:6.1f}", flush=True)
+    ne = node_exporter_row(args.scrapes, args.spacing)
+    print(f"{'node_exporter (anchor)':30} {ne['p50'] * 1e3:8.2f} {ne['p99'] * 1e3:8.2f} "
+          f"{ne['series']:7d} {ne['bytes']:10d} {ne['gz']:9d}")
+    base = rows.get(0)
+    if base:
+        for n, r in rows.items():
+            if n:
+                print(f"p99 at {n} ranks / p99 at 0 ranks: {r['p99'] / base['p99']:.2f}")
+    print("\nin-process render of the same page (ms), the anchor being prometheus_client's "
+          "generate_latest:")
+    print(f"{'ranks':>6} {'generate_latest p50':>20} {'p99':>8} {'page build p50':>15} "
+          f"{'p99':>8} {'ratio':>6}")
+    for n in rows:
+        old, new = render_anchor(n, args.phases, args.renders)
+        print(f"{n:6d} {pct(old, .5) * 1e3:20.2f} {pct(old, .99) * 1e3:8.2f} "
+              f"{pct(new, .5) * 1e3:15.2f} {pct(new, .99) * 1e3:8.2f} "
+              f"{pct(new, .5) / pct(old, .5):6.2f}", flush=True)
     cpu_ms, wall_ms = sampler_cpu_per_cycle(args.cycles)
-    print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, {args.scrapes} scrapes "
-          "each (gzip, like Prometheus), interleaved")
-    print(f"{'target':42} {'median ms':>10} {'p99 ms':>8} {'series':>7} {'bytes':>9}")
-    med = {}
-    for name, stats in rows.items():
-        m = statistics.median(x["median_ms"] for x in stats)
-        p99 = max(x["p99_ms"] for x in stats)
-        med[name] = m
-        print(f"{name:42} {m:10.2f} {p99:8.2f} {stats[-1]['series']:7d} "
-              f"{stats[-1]['bytes']:9d}")
-    a, b = med.values()
-    print(f"scrape median ratio gputrain/node_exporter: {a / b:.2f}")
-    print(f"sampler cycle (8 demo GPUs + host, in-process): {cpu_ms:.2f} ms CPU, "
+    print(f"\nsampler cycle (8 demo GPUs + host, in-process): {cpu_ms:.2f} ms CPU, "
           f"{wall_ms:.2f} ms wall")
-    print(f"exporter process CPU while idle at 1 s interval: {idle_cpu * 100:.2f} % of one core")
-
-
-def _proc_cpu(pid: int) -> float:
-    import psutil
-
-    t = psutil.Process(pid).cpu_times()
-    return t.user + t.system
 
 
 if __name__ == "__main__":

@@ -87,6 +87,14 @@ def setup_logging(level: str) -> None:
     )
 
 
+def _tls(settings: Settings, part: str) -> tuple[str, str] | None:
+    """(cert, key) of ``--<part>.tls-cert-file`` and ``--<part>.tls-key-file``, or None."""
+    cert, key = settings[f"{part}.tls-cert-file"], settings[f"{part}.tls-key-file"]
+    if bool(cert) != bool(key):
+        raise ConfigError(f"--{part}.tls-cert-file and --{part}.tls-key-file go together")
+    return (cert, key) if cert else None
+
+
 def _read_token(path: str) -> str:
     try:
         with open(path, encoding="utf-8") as fh:
@@ -102,26 +110,17 @@ def _read_token(path: str) -> str:
 def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     """Run the daemon until SIGTERM/SIGINT (or ``stop`` is set); returns the exit code."""
     from exporter.collectors import host_collectors
+    from exporter.exposition import Exposition
     from exporter.gpu_backends import DemoBackend, NvmlBackend
     from exporter.ingest import IngestStore
     from exporter.sampler import Sampler
-    from exporter.server import (
-        Exposition,
-        IngestHandler,
-        MetricsHandler,
-        make_server,
-        serve_in_thread,
-    )
+    from exporter.server import IngestHandler, MetricsHandler, make_server, serve_in_thread
 
     setup_logging(settings["log.level"])
     try:
         web_host, web_port = parse_listen_address(settings["web.listen-address"])
-        tls = None
-        cert, key = settings["web.tls-cert-file"], settings["web.tls-key-file"]
-        if bool(cert) != bool(key):
-            raise ConfigError("--web.tls-cert-file and --web.tls-key-file go together")
-        if cert:
-            tls = (cert, key)
+        tls = _tls(settings, "web")
+        ingest_tls = _tls(settings, "ingest")
         store = None
         if "training" in settings.collectors:
             ingest_host, ingest_port = parse_listen_address(settings["ingest.listen-address"])
@@ -139,6 +138,8 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
 
     if settings["gpu.backend"] == "demo":
         backend = DemoBackend(settings["demo.gpus"], settings["demo.load"])
+        if store is not None:
+            backend.follow(store.states)  # the laptop tour: training on the CPU uses a GPU
     else:
         backend = NvmlBackend()
     host = host_collectors(settings.collectors, settings.values)
@@ -150,20 +151,22 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     sampler = Sampler(backend, host, settings["sampler.interval"], settings.collectors)
     sampler.start()
     app = Exposition(sampler, store)
+    app.start()
     servers = []
-    listen = [("web.listen-address", web_host, web_port, MetricsHandler, tls)]
+    listen = [("web", web_host, web_port, MetricsHandler, tls)]
     if store is not None:
-        listen.append(("ingest.listen-address", ingest_host, ingest_port, IngestHandler, None))
-    for flag, host_, port, handler, tls_ in listen:
+        listen.append(("ingest", ingest_host, ingest_port, IngestHandler, ingest_tls))
+    for part, host_, port, handler, tls_ in listen:
+        flag = f"{part}.listen-address"
         try:
             servers.append(make_server(host_, port, handler, app, tls_))
         except ssl.SSLError as exc:
-            log.error("--web.tls-cert-file %s / --web.tls-key-file %s: not a usable certificate "
-                      "and key (%s)", tls_[0], tls_[1], exc.reason or exc)
+            log.error("--%s.tls-cert-file %s / --%s.tls-key-file %s: not a usable certificate "
+                      "and key (%s)", part, tls_[0], part, tls_[1], exc.reason or exc)
         except OSError as exc:
             if tls_ is not None and exc.errno in (errno.ENOENT, errno.EACCES, errno.EISDIR):
-                log.error("cannot read --web.tls-cert-file %s or --web.tls-key-file %s: %s",
-                          tls_[0], tls_[1], exc.strerror)
+                log.error("cannot read --%s.tls-cert-file %s or --%s.tls-key-file %s: %s",
+                          part, tls_[0], part, tls_[1], exc.strerror)
             else:
                 log.error("cannot listen on --%s %s: %s", flag, settings[flag],
                           exc.strerror or exc)
@@ -171,6 +174,7 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
             continue
         for srv in servers:
             srv.server_close()
+        app.stop()
         sampler.stop()
         return 1
     for i, srv in enumerate(servers):
@@ -179,12 +183,14 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     log.info("gputrain-exporter %s serving %s/metrics (%s backend)", __version__,
              url_of(scheme, servers[0]), backend.name)
     if store is not None:
-        log.info("ingest for training clients on %s/api/v1/push%s", url_of("http", servers[1]),
+        log.info("ingest for training clients on %s/api/v1/push%s",
+                 url_of("https" if ingest_tls else "http", servers[1]),
                  " (token required)" if token else "")
     stop.wait()
     log.info("shutting down")
     for srv in servers:
         srv.shutdown()
         srv.server_close()
+    app.stop()
     sampler.stop()
     return 0

@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 import uuid as uuidlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -445,12 +445,27 @@ class DemoBackend:
         self._energy: dict[str, float] = {}
         self._pcie: dict[str, list[float]] = {}
         self._host = host or socket.gethostname()  # demo UUIDs differ between nodes
+        self._ranks: Callable[[], Iterable[Any]] | None = None
+        self._rates: dict[tuple, tuple[float, float, float]] = {}  # rank -> (at, compute, busy)
+        self._work: tuple[float, dict[str, tuple[tuple[int, ...], float]]] = (-1.0, {})
+        self._work_lock = threading.Lock()
+
+    def follow(self, ranks: Callable[[], Iterable[Any]]) -> None:
+        """Attach the training processes that push to this daemon to demo GPUs, as NVML
+        lists a process on the GPU it uses, and let each such GPU's load follow its ranks.
+
+        ``ranks`` returns the ingest's live rank states. A rank that names demo GPUs (index
+        or UUID) uses those; any other rank with a pid uses GPU ``rank % gpus`` (rank 0 on
+        GPU 0). The load is the share of wall time the rank spent in steps but not waiting
+        for data, from its last two pushes; a rank that stopped pushing leaves its GPU idle
+        but held. A pinned ``load`` still wins."""
+        self._ranks = ranks
 
     def start(self) -> list[GpuIdentity]:
         return [
             GpuIdentity(
                 index=str(i),
-                uuid="GPU-" + str(uuidlib.uuid5(uuidlib.NAMESPACE_DNS, f"{self._host}.demo.{i}")),
+                uuid=self._uuid(i),
                 name="NVIDIA H100 80GB HBM3 (demo)",
                 pci_bus_id=f"00000000:{0x18 + 0x10 * i:02X}:00.0",
             )
@@ -463,10 +478,58 @@ class DemoBackend:
             return self.load
         return 0.55 + 0.4 * math.sin(t / 60.0 + index * 0.7)
 
+    def _workload(self, now: float) -> dict[str, tuple[tuple[int, ...], float]]:
+        """GPU index -> (pids, summed busy share) of the ranks followed, once per cycle."""
+        with self._work_lock:
+            at, work = self._work
+            if now - at < 0.2 or self._ranks is None:
+                return work
+            refs = {**{str(i): str(i) for i in range(self.gpus)},
+                    **{self._uuid(i): str(i) for i in range(self.gpus)}}
+            pids: dict[str, list[int]] = {}
+            busy: dict[str, float] = {}
+            rates = {}
+            for st in self._ranks():
+                if st.pid is None:
+                    continue
+                mine = [refs[r] for r in st.gpus if r in refs]
+                if not mine:
+                    n = int(st.rank) if st.rank.isdigit() else sum(map(ord, st.rank))
+                    mine = [str(n % self.gpus)]
+                key = (st.run, st.rank, st.run_id)
+                rates[key] = share = self._busy_share(key, st, now)
+                for index in mine:
+                    pids.setdefault(index, []).append(st.pid)
+                    busy[index] = busy.get(index, 0.0) + share[2] / len(mine)
+            self._rates = rates
+            work = {i: (tuple(p), min(1.0, busy[i])) for i, p in pids.items()}
+            self._work = (now, work)
+            return work
+
+    def _busy_share(self, key: tuple, st: Any, now: float) -> tuple[float, float, float]:
+        compute = max(0.0, st.step_seconds - st.data_wait_seconds)
+        prev = self._rates.get(key)
+        if now - st.received_at > 15.0:  # three push intervals of silence: stopped
+            return (st.received_at, compute, 0.0)
+        if prev is None or st.received_at <= prev[0]:
+            if prev is not None:
+                return prev
+            # the first push: the share of step time not spent waiting
+            return (st.received_at, compute,
+                    compute / st.step_seconds if st.step_seconds > 0 else 0.0)
+        return (st.received_at, compute,
+                min(1.0, (compute - prev[1]) / (st.received_at - prev[0])))
+
+    def _uuid(self, i: int) -> str:
+        return "GPU-" + str(uuidlib.uuid5(uuidlib.NAMESPACE_DNS, f"{self._host}.demo.{i}"))
+
     def sample(self, gpu: GpuIdentity) -> GpuSample:
         now = self._clock()
         i = int(gpu.index)
         load = self.load_of(i, now - self._start)
+        pids, followed = self._workload(now).get(gpu.index, ((), None))
+        if followed is not None and self.load is None:
+            load = followed
         dt = now - self._last.get(gpu.index, now)
         self._last[gpu.index] = now
         power = self.IDLE_POWER + (self.POWER_LIMIT * 0.9 - self.IDLE_POWER) * load
@@ -494,6 +557,7 @@ class DemoBackend:
             temperature_celsius=32.0 + 40.0 * load,
             clocks_hertz={"sm": (1155 + 825 * load) * 1e6, "memory": 2619e6},
             clock_event_seconds={"sw_power_cap": 0.0, "hw_thermal_slowdown": 0.0},
+            pids=pids,
         )
 
     def reopen(self, gpu: GpuIdentity) -> bool:

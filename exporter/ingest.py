@@ -246,6 +246,8 @@ class IngestStore:
         self._states: dict[tuple[str, str], RankState] = {}
         self._requests: dict[str, int] = {}
         self.version = 0
+        self._next_expiry = math.inf  # no state expires before this (monotonic)
+        self.listeners: list[Callable[[], None]] = []  # called after every change
 
     def authorized(self, header: str | None) -> bool:
         """True when no token is configured or the header carries it."""
@@ -260,6 +262,11 @@ class IngestStore:
         with self._lock:
             self._requests[str(code)] = self._requests.get(str(code), 0) + 1
             self.version += 1
+        self._changed()
+
+    def _changed(self) -> None:
+        for listener in self.listeners:
+            listener()
 
     def requests(self) -> dict[str, int]:
         with self._lock:
@@ -285,14 +292,21 @@ class IngestStore:
                 new.expires_at = new.received_at + self.ttl
                 message = "ok"
             self._states[key] = new
+            self._next_expiry = min(self._next_expiry, new.expires_at)
             self.version += 1
+        self._changed()
         return message
 
     def _expire_locked(self) -> None:
+        # A scan of every rank only when one may be due: not on every push and scrape.
         now = self._clock()
+        if now < self._next_expiry:
+            return
         stale = [k for k, st in self._states.items() if st.expires_at <= now]
         for k in stale:
             del self._states[k]
+        self._next_expiry = min((st.expires_at for st in self._states.values()),
+                                default=math.inf)
         if stale:
             self.version += 1
 

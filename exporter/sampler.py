@@ -122,6 +122,7 @@ class Sampler:
         self._threads: list[threading.Thread] = []
         self._xid_lock = threading.Lock()
         self._snapshot = Snapshot(0, wall_clock(), self._backend_name(), "")
+        self.listeners: list[Callable[[], None]] = []  # called after each new snapshot
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -202,6 +203,8 @@ class Sampler:
         )
         self._snapshot = snap
         self._last_cycle_at = self._clock()
+        for listener in self.listeners:
+            listener()
         return snap
 
     def _timed(self, name: str, fn: Callable):

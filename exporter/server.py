@@ -1,14 +1,13 @@
 """HTTP: /metrics and /healthz on the web address, the push endpoint on the ingest address.
 
-A scrape renders the sampler's latest snapshot (no NVML call); the rendered bytes are cached
-until the next sampler cycle or push, so many Prometheus servers cost little more than one.
+A scrape sends the page that exporter.exposition keeps ready (no NVML call, no rendering), so
+many Prometheus servers cost little more than one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import gzip
 import http.client
 import logging
 import re
@@ -20,20 +19,15 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CollectorRegistry, ProcessCollector
-from prometheus_client.exposition import choose_encoder
-
-from exporter.collectors import GpuCollector, Rendered, SelfCollector
-from exporter.collectors.training import TrainingCollector
 from exporter.ingest import IngestStore, PushRejected
 from exporter.protocol import MAX_BODY_BYTES, PUSH_PATH
-from exporter.sampler import CollectorStatus, Sampler
+from exporter.sampler import Sampler
 
 log = logging.getLogger(__name__)
 
 _DIGITS = re.compile(r"[0-9]{1,12}")
 # Bounds of one connection (module constants: the README's "Limits" says why these values).
-MAX_CONNECTIONS = 128  # per listening port; more are closed at once (--web.max-connections)
+MAX_CONNECTIONS = 128  # per listening port, each with its own thread
 IDLE_SECONDS = 60.0  # a keep-alive connection may wait this long for its next request
 REQUEST_SECONDS = 10.0  # from a request's first byte to its last, headers and body
 MAX_HEADER_BYTES = 16 * 1024  # request line excluded
@@ -58,50 +52,6 @@ LANDING_PAGE = b"""<html><head><title>gputrain-exporter</title></head><body>
 <h1>gputrain-exporter</h1><p><a href="/metrics">Metrics</a> &middot;
 <a href="/healthz">Health</a></p></body></html>
 """
-
-
-class Exposition:
-    """Builds the registry from the enabled collectors and renders it, cached."""
-
-    def __init__(self, sampler: Sampler, store: IngestStore | None = None) -> None:
-        self.sampler = sampler
-        self.store = store
-        self.registry = CollectorRegistry()
-        snap = lambda: sampler.snapshot  # noqa: E731 - read the latest at every scrape
-        self.registry.register(SelfCollector(snap, self._training_status))
-        self.registry.register(ProcessCollector(namespace="gputrain_exporter",
-                                                registry=None))
-        if "gpu" in sampler.collectors:
-            self.registry.register(GpuCollector(snap))
-        for collector in sampler.host:
-            self.registry.register(Rendered(collector, snap))
-        self.training = TrainingCollector(store, snap) if store is not None else None
-        if self.training is not None:
-            self.registry.register(self.training)
-        self._cache_lock = threading.Lock()
-        self._cache: dict[tuple, tuple[bytes, str]] = {}
-        self._cache_key: tuple | None = None
-
-    def _training_status(self) -> dict[str, CollectorStatus]:
-        return {} if self.training is None else {"training": self.training.status}
-
-    def render(self, accept: str | None = None, gzip_ok: bool = False) -> tuple[bytes, str]:
-        """The exposition for this Accept header: (body, content type)."""
-        encoder, content_type = choose_encoder(accept or "")
-        version = self.store.states_version() if self.store is not None else 0
-        key = (self.sampler.snapshot.cycle, version)
-        with self._cache_lock:
-            if key != self._cache_key:
-                self._cache.clear()
-                self._cache_key = key
-            entry = self._cache.get((content_type, gzip_ok))
-            if entry is None:
-                body = encoder(self.registry)
-                if gzip_ok:
-                    body = gzip.compress(body, compresslevel=1)
-                entry = (body, content_type)
-                self._cache[(content_type, gzip_ok)] = entry
-        return entry
 
 
 class _HeaderBudget:
@@ -133,15 +83,28 @@ class _Handler(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True
     timeout = REQUEST_SECONDS  # each read; the server's watchdog bounds a whole request
 
+    def setup(self) -> None:
+        super().setup()
+        self.requests_served = 0
+
     def handle_one_request(self) -> None:
-        """http.server's, with deadlines: the first byte of a request within IDLE_SECONDS,
-        the whole request within REQUEST_SECONDS of it, the headers within a budget."""
+        """http.server's, with deadlines: a new connection's first request within
+        REQUEST_SECONDS, a kept-alive one's next request within IDLE_SECONDS, each whole
+        request within REQUEST_SECONDS of its first byte, the headers within a budget. While
+        it waits for a request, the connection may be closed to make room for a new one."""
         watchdog = self.server.watchdog
         try:
-            watchdog.arm(self.connection, IDLE_SECONDS)
-            if not self.rfile.peek(1):
+            watchdog.arm(self.connection, IDLE_SECONDS if self.requests_served else
+                         REQUEST_SECONDS)
+            self.server.waiting(self.connection, True)
+            try:
+                started = self.rfile.peek(1)
+            finally:
+                self.server.waiting(self.connection, False)
+            if not started:
                 self.close_connection = True
                 return
+            self.requests_served += 1
             watchdog.arm(self.connection, REQUEST_SECONDS)
             self.raw_requestline = self.rfile.readline(8193)
             if len(self.raw_requestline) > 8192:
@@ -203,10 +166,11 @@ class _Handler(BaseHTTPRequestHandler):
 
 class MetricsHandler(_Handler):
     def do_GET(self) -> None:
-        path = self.path.split("?", 1)[0]
+        path, _, query = self.path.partition("?")
         if path == "/metrics":
             gzip_ok = accepts_gzip(self.headers.get("Accept-Encoding"))
-            body, ctype = self.server.app.render(self.headers.get("Accept"), gzip_ok)
+            body, ctype = self.server.app.page(self.headers.get("Accept"), gzip_ok,
+                                               fresh="fresh=1" in query.split("&"))
             headers = {"Vary": "Accept-Encoding"}
             if gzip_ok:
                 headers["Content-Encoding"] = "gzip"
@@ -318,6 +282,29 @@ class _Server(ThreadingHTTPServer):
         self.watchdog = _Watchdog()
         self._slots = threading.BoundedSemaphore(self.max_connections)
         self._refused = 0
+        self._idle: dict[socket.socket, None] = {}  # waiting for a request, oldest first
+        self._idle_lock = threading.Lock()
+
+    def waiting(self, conn: socket.socket, idle: bool) -> None:
+        """Mark a connection as waiting for its next request (or no longer)."""
+        with self._idle_lock:
+            if idle:
+                self._idle[conn] = None
+            else:
+                self._idle.pop(conn, None)
+
+    def _close_an_idle_connection(self) -> bool:
+        """Close the connection that has waited longest for a request, as nginx reclaims
+        keep-alive connections: its client reconnects on its next request. A connection in
+        the middle of a request is never taken."""
+        with self._idle_lock:
+            if not self._idle:
+                return False
+            conn = next(iter(self._idle))
+            del self._idle[conn]
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
+        return True
 
     def get_request(self) -> tuple[Any, Any]:
         try:
@@ -330,9 +317,11 @@ class _Server(ThreadingHTTPServer):
             raise
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        """A thread per connection, at most max_connections at once: one more is closed at
-        once (the client sees a reset and retries), never queued behind a slow one."""
-        if not self._slots.acquire(blocking=False):
+        """A thread per connection, at most max_connections at once. At the limit, the
+        longest-idle connection makes room; when every one is mid-request, the new one is
+        closed at once (the client sees a reset and retries), never queued behind them."""
+        if not self._slots.acquire(blocking=False) and not (
+                self._close_an_idle_connection() and self._slots.acquire(timeout=1.0)):
             self._refused += 1
             if self._refused in (1, 10, 100) or self._refused % 1000 == 0:
                 log.warning("%d connection(s) to %s refused: %d are open (the limit)",

@@ -128,7 +128,19 @@ class Daemon:
             return ""
 
     def metrics(self) -> str:
-        return requests.get(self.url + "/metrics", timeout=5).text
+        """The page, holding every push answered before this call (?fresh=1)."""
+        return requests.get(self.url + "/metrics?fresh=1", timeout=10).text
+
+    def wait_sample(self, name: str, labels: dict[str, str] | None = None, predicate=None,
+                    timeout: float = 10.0) -> float:
+        """Poll /metrics until the sample exists (and passes ``predicate``): the page is built
+        off the request path, a few tens of milliseconds after a push."""
+        def ready():
+            v = sample_value(self.metrics(), name, labels)
+            return v is not None and (predicate is None or predicate(v)) and (v,)
+
+        return wait_until(ready, timeout=timeout, interval=0.05,
+                          what=f"{name}{labels or ''} on {self.url}/metrics")[0]
 
 
 @pytest.fixture

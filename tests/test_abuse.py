@@ -45,8 +45,9 @@ def post(body: bytes, **headers: str) -> bytes:
 def daemon(tmp_path_factory):
     from conftest import Daemon
 
+    # a long sampler interval, so "counted at once" cannot mean "at the next snapshot"
     d = Daemon("--gpu.backend=demo", "--demo.gpus=1", "--ingest.max-series=2",
-               "--log.level=debug").start()
+               "--sampler.interval=30s", "--log.level=debug").start()
     yield d
     d.stop()
 
@@ -67,7 +68,8 @@ def test_bad_values_are_a_400_that_says_why_and_is_counted_at_once(daemon, case,
     before = pushed(daemon, "400")
     r = requests.post(daemon.ingest_url + "/api/v1/push", data=body, timeout=10)
     assert r.status_code == 400 and reason in r.text, (case, r.status_code, r.text)
-    assert pushed(daemon, "400") == before + 1  # not a sampler interval later
+    daemon.wait_sample("gputrain_ingest_requests_total", {"code": "400"},
+                       lambda v: v == before + 1, timeout=10)  # not a sampler interval later
     assert "evil" not in daemon.metrics()
 
 
@@ -230,6 +232,25 @@ def test_1100_slow_connections_do_not_take_the_daemon_down(limited_daemon):
     assert peak_rss_mb(d.proc.pid) < 200
     assert "Traceback" not in d.log_text()
     assert "Too many open files" not in d.log_text()
+
+
+def test_300_ranks_keeping_connections_alive_all_get_through(limited_daemon):
+    """300 ranks on one node, each with a kept-alive connection (as requests.Session keeps
+    it), against the 128-connection cap: the longest-idle connection makes room for a new
+    one, its client reconnects on its next push, and every push of two rounds is accepted."""
+    d = limited_daemon
+    sessions = [requests.Session() for _ in range(300)]
+    try:
+        for round_ in range(2):
+            codes = [s.post(d.ingest_url + "/api/v1/push", timeout=10,
+                            json={**GOOD, "rank": str(i), "steps": 10 + round_}).status_code
+                     for i, s in enumerate(sessions)]
+            assert codes == [200] * len(sessions), f"round {round_}: {set(codes)}"
+        d.wait_sample("gputrain_ingest_series", predicate=lambda v: v == 300)
+    finally:
+        for s in sessions:
+            s.close()
+    assert "Traceback" not in d.log_text()
 
 
 def test_40_connections_of_6_mb_headers_are_refused_before_the_body(limited_daemon):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -206,3 +207,23 @@ def test_totals_are_consistent_while_the_loop_runs():
     reader.join()
     assert bad == []
     assert m.totals()["steps"] == 200_000
+
+
+def test_phase_names_past_the_daemons_limit_are_counted_as_other(caplog):
+    """The daemon takes MAX_PHASES phase names per rank and refuses a push with more; the
+    client folds the extra names into 'other' (with one warning) so no push is refused."""
+    from exporter.ingest import parse_push
+    from exporter.protocol import MAX_PHASES, OTHER_PHASE
+
+    m = TrainingMonitor(run="phasey", start=False)
+    for i in range(MAX_PHASES + 5):
+        with m.phase(f"hook{i}"):
+            pass
+    phases = m.totals()["phases"]
+    assert len(phases) == MAX_PHASES and OTHER_PHASE in phases
+    assert sum("counted as phase 'other'" in r.getMessage() for r in caplog.records) == 1
+    body = json.dumps({"version": 1, "run": "phasey", "rank": "0", "run_id": "x",
+                       **m.totals()}).encode()
+    parse_push(body, 0.0, 0.0)  # the daemon accepts it
+    with pytest.raises(ValueError, match="at most"):
+        TrainingMonitor(run="phasey", start=False, buckets=[0.001 * i for i in range(1, 40)])

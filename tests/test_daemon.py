@@ -13,9 +13,10 @@ from conftest import ROOT, require_binary, sample_value, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.collectors import host_collectors
+from exporter.exposition import Exposition
 from exporter.gpu_backends import DemoBackend
 from exporter.sampler import Sampler
-from exporter.server import Exposition, MetricsHandler, make_server, serve_in_thread
+from exporter.server import MetricsHandler, make_server, serve_in_thread
 
 CONTRACT_GPU_METRICS = [
     "gputrain_gpu_info", "gputrain_gpu_up", "gputrain_gpu_utilization_ratio",
@@ -186,3 +187,84 @@ def test_sigterm_stops_the_daemon_cleanly(daemon_factory):
     assert d.proc.wait(timeout=10) == 0
     assert "shutting down" in d.log_text()
     time.sleep(0.1)
+
+
+def test_demo_gpus_follow_the_ranks_that_push(clock):
+    """The laptop tour: a CPU training process that pushes to a demo daemon is listed on a
+    demo GPU as NVML would list it (rank 0 on GPU 0, or the GPUs it names), and that GPU's
+    load follows the run: busy while it computes, idle once its pushes stop."""
+    import json
+
+    from exporter.collectors.training import resolve_gpus
+    from exporter.ingest import IngestStore
+
+    store = IngestStore(clock=clock)
+    backend = DemoBackend(4, clock=clock, host="follow-test")
+    backend.follow(store.states)
+    sampler = Sampler(backend, None, collectors={"gpu"}, clock=clock)
+
+    def push(rank: str, steps: int, pid: int, **over) -> None:
+        body = {"version": 1, "run": "tour", "rank": rank, "run_id": f"r{rank}",
+                "steps": steps, "step_seconds": 0.1 * steps,
+                "data_wait_seconds": 0.07 * steps, "samples": 8 * steps,
+                "process": {"pid": pid}, **over}
+        store.push(json.dumps(body).encode())
+
+    def gpu(snap, index):
+        return next(g for g in snap.gpus if g.identity.index == index).sample
+
+    push("0", 10, 111)  # input-bound: 70 % of each step waits for data
+    push("5", 10, 222, data_wait_seconds=0.0)  # rank 5 of 4 GPUs: GPU 1
+    push("2", 10, 333, gpus=["3"], data_wait_seconds=0.0)  # names its GPU
+    snap = sampler.run_once()
+    assert gpu(snap, "0").pids == (111,) and gpu(snap, "1").pids == (222,)
+    assert gpu(snap, "3").pids == (333,) and gpu(snap, "2").pids == ()
+    assert gpu(snap, "0").utilization == pytest.approx(0.3)
+    assert gpu(snap, "1").utilization == pytest.approx(1.0)
+    st = next(s for s in store.states() if s.rank == "0")
+    assert resolve_gpus(st, snap) == [("0", snap.gpus[0].identity.uuid)]
+    # in the next 5 s rank 0 computed 0.2 s and waited the rest: its GPU is 4 % busy
+    clock.advance(5.0)
+    push("0", 50, 111, step_seconds=5.0, data_wait_seconds=0.07 * 10 + 3.8)
+    snap = sampler.run_once()
+    assert gpu(snap, "0").utilization == pytest.approx((5.0 - 4.5 - (1.0 - 0.7)) / 5.0)
+    # its pushes stop: the GPU is idle but still held by the process
+    clock.advance(20.0)
+    snap = sampler.run_once()
+    assert gpu(snap, "0").utilization == 0.0 and gpu(snap, "0").pids == (111,)
+
+
+def test_pushes_over_tls_verified_by_server_name(tmp_path, daemon_factory, caplog):
+    """The Kubernetes set-up: the ingest serves HTTPS with its own certificate, which names
+    the service (not the node IP the client dials); the client verifies it with the CA file
+    and that name, and a client without the name is refused, its training unaffected."""
+    from exporter.client import TrainingMonitor
+
+    openssl = require_binary("openssl")
+    cert, key, token = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "token"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=gputrain-exporter", "-addext",
+                    "subjectAltName=DNS:gputrain-exporter", "-keyout", str(key), "-out",
+                    str(cert)], check=True, capture_output=True)
+    token.write_text("s3cret-token-of-16+chars\n")
+    d = daemon_factory("--gpu.backend=demo", "--demo.gpus=1", f"--ingest.token-file={token}",
+                       f"--ingest.tls-cert-file={cert}", f"--ingest.tls-key-file={key}")
+    wait_until(lambda: f"ingest for training clients on https://127.0.0.1:{d.ingest_port}"
+               in d.log_text(), timeout=10, what="the ingest's https address in the log")
+    endpoint = f"https://127.0.0.1:{d.ingest_port}"
+    m = TrainingMonitor(run="tls", endpoint=endpoint, push_interval=60, ca_file=str(cert),
+                        tls_server_name="gputrain-exporter", token="s3cret-token-of-16+chars")
+    for _ in m.wrap(range(5), batch_size=2):
+        pass
+    assert m.flush(10)
+    m.close()
+    assert sample_value(d.metrics(), "gputrain_training_steps_total", {"run": "tls"}) == 5
+    stranger = TrainingMonitor(run="tls-no-name", endpoint=endpoint, push_interval=60,
+                               ca_file=str(cert), token="s3cret-token-of-16+chars")
+    for _ in stranger.wrap(range(3), batch_size=2):
+        pass
+    assert not stranger.flush(5)  # 127.0.0.1 is not the certificate's name
+    stranger.close(timeout=1)
+    assert any("cannot push" in r.getMessage() for r in caplog.records)
+    with pytest.raises(requests.exceptions.ConnectionError):
+        requests.post(f"http://127.0.0.1:{d.ingest_port}/api/v1/push", json={}, timeout=5)

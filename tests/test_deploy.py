@@ -111,17 +111,29 @@ def test_the_dashboards_configmap_is_for_the_grafana_sidecar_and_current(manifes
         generate.configmap(), "stale: python3 -m exporter generate"
 
 
-def test_the_example_training_pod_gets_the_node_address_and_the_token():
+def test_the_example_training_pod_gets_the_node_address_the_token_and_tls():
     kv = require_module("kubernetes_validate")
     pod = yaml.safe_load((DEPLOY / "kubernetes" / "examples" / "training-pod.yaml").read_text())
     kv.validate(pod, "1.30.0", strict=True)
-    env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+    container = pod["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
     assert env["HOST_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
-    assert env["GPUTRAIN_URL"]["value"] == "http://$(HOST_IP):19401"
+    assert env["GPUTRAIN_URL"]["value"] == "https://$(HOST_IP):19401"
     assert env["GPUTRAIN_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "gputrain-ingest-token"
+    ca_dir = container["volumeMounts"][0]["mountPath"]
+    assert env["GPUTRAIN_CA_FILE"]["value"].startswith(ca_dir + "/")
     ds = yaml.safe_load((DEPLOY / "kubernetes" / "daemonset.yaml").read_text())
-    volumes = ds["spec"]["template"]["spec"]["volumes"]
-    assert any(v.get("secret", {}).get("secretName") == "gputrain-ingest-token" for v in volumes)
+    spec = ds["spec"]["template"]["spec"]
+    secrets = {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+    assert "gputrain-ingest-token" in secrets.values()
+    exporter = spec["containers"][0]
+    mounts = {m["mountPath"]: secrets.get(m["name"]) for m in exporter["volumeMounts"]}
+    flags = dict(a.split("=", 1) for a in exporter["args"] if "=" in a)
+    for flag in ("--ingest.tls-cert-file", "--ingest.tls-key-file", "--ingest.token-file"):
+        assert mounts.get(flags[flag].rsplit("/", 1)[0]), flag  # in a mounted secret
+    # the name the client verifies is the one the README's openssl command puts in the cert
+    kustomization = (DEPLOY / "kubernetes" / "kustomization.yaml").read_text()
+    assert f"subjectAltName=DNS:{env['GPUTRAIN_TLS_SERVER_NAME']['value']}" in kustomization
 
 
 class ComposeLoader(yaml.SafeLoader):

@@ -12,10 +12,11 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
 from exporter.collectors.training import TrainingCollector
+from exporter.exposition import Exposition
 from exporter.gpu_backends import DemoBackend
 from exporter.ingest import IngestStore, PushRejected
 from exporter.sampler import Sampler
-from exporter.server import Exposition, IngestHandler, make_server, serve_in_thread
+from exporter.server import IngestHandler, make_server, serve_in_thread
 
 TOKEN = "s3cret-token-0123456789"
 

@@ -79,3 +79,20 @@ def test_every_flag_is_in_the_readme():
                       table)
     assert names, "the collector flags' row is missing"
     assert set(re.findall(r"`(\w+)`", names.group(1))) == set(COLLECTORS)
+
+
+def test_the_push_limits_in_the_readme_are_the_protocols():
+    """The limits a client must respect, as exporter/protocol.py sets them."""
+    from exporter import protocol
+
+    section = README[README.index("### Push protocol"):]
+    section = section[:section.index("\n## ")]
+    for phrase in (f"at most {protocol.MAX_BUCKETS} histogram\nbuckets",
+                   f"{protocol.MAX_PHASES} phases and {protocol.MAX_GPUS} GPUs",
+                   f"at most {protocol.MAX_SERIES_PER_RANK} lines on the page",
+                   f"at most {protocol.MAX_PHASES} names",
+                   f"at most {protocol.MAX_GPUS} UUIDs",
+                   f"phase names past the {protocol.MAX_PHASES - 1}th",
+                   f"1-{protocol.MAX_NAME_LENGTH} characters",
+                   f"at most {protocol.MAX_BODY_BYTES // 2**20} MiB"):
+        assert phrase in section, phrase

@@ -51,18 +51,19 @@ def test_dataloader_loop_with_workers(daemon_factory, workers):
 
 
 def test_example_script_trains_on_cpu(daemon_factory):
-    """The README's laptop tour: the example on the CPU, tied to demo GPU 0 by GPUTRAIN_GPUS."""
+    """The README's laptop tour: the example on the CPU, with no variable to set, is listed on
+    demo GPU 0 (its rank) as NVML would list it."""
     d = daemon_factory("--gpu.backend=demo", "--demo.gpus=2")
     out = subprocess.run(
         [sys.executable, "examples/pytorch_train.py", "--steps", "6", "--batch-size", "16",
          "--workers", "2", "--pin-memory", "--uint8-transfer", "--amp", "--run", "example",
          "--device", "cpu"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={"GPUTRAIN_URL": d.ingest_url, "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin",
-             "GPUTRAIN_GPUS": "0"})
+        env={"GPUTRAIN_URL": d.ingest_url, "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
     assert "steps=6" in out.stdout
     text = d.metrics()
     assert sample_value(text, "gputrain_training_steps_total", {"run": "example"}) == 6
     assert sample_value(text, "gputrain_training_samples_total", {"run": "example"}) == 96
-    assert sample_value(text, "gputrain_training_gpu_info", {"run": "example", "gpu": "0"}) == 1
+    # listed on demo GPU 0 from the sampler cycle after its first push
+    assert d.wait_sample("gputrain_training_gpu_info", {"run": "example", "gpu": "0"}) == 1

@@ -23,7 +23,13 @@ from time import perf_counter as _now
 from typing import Any, TypeVar
 
 from exporter.client.pusher import Pusher
-from exporter.protocol import MAX_PHASE_NAME_LENGTH, sanitize
+from exporter.protocol import (
+    MAX_BUCKETS,
+    MAX_PHASE_NAME_LENGTH,
+    MAX_PHASES,
+    OTHER_PHASE,
+    sanitize,
+)
 
 log = logging.getLogger("exporter.client")
 
@@ -173,6 +179,9 @@ class TrainingMonitor:
     ``endpoint`` defaults to ``GPUTRAIN_URL``, then ``http://127.0.0.1:19401``; ``token`` to
     ``GPUTRAIN_TOKEN`` (or the file named by ``GPUTRAIN_TOKEN_FILE``). ``push_interval`` is in
     seconds. If the daemon is down, training goes on unslowed and the totals arrive later.
+    For an ``https://`` endpoint, ``ca_file`` (``GPUTRAIN_CA_FILE``) is the CA bundle that
+    signed the daemon's certificate, and ``tls_server_name`` (``GPUTRAIN_TLS_SERVER_NAME``)
+    the name to verify it against when the endpoint is a node IP (a DaemonSet).
 
     What is measured: a step runs from the end of the previous step (or its first fetch after
     a new epoch) to its own end, less the time spent in :data:`OUTSIDE_STEP_PHASES`
@@ -184,7 +193,8 @@ class TrainingMonitor:
     def __init__(self, run: str | None = None, rank: str | int | None = None,
                  endpoint: str | None = None, push_interval: float = 5.0,
                  token: str | None = None, buckets: Iterable[float] = DEFAULT_BUCKETS,
-                 start: bool = True) -> None:
+                 start: bool = True, ca_file: str | None = None,
+                 tls_server_name: str | None = None) -> None:
         self.run = sanitize(run or default_run())
         self.rank = sanitize(str(rank if rank is not None else default_rank()))
         self.endpoint = (endpoint or os.environ.get("GPUTRAIN_URL") or DEFAULT_ENDPOINT).rstrip(
@@ -194,6 +204,10 @@ class TrainingMonitor:
         self.run_id = os.urandom(8).hex()
         self._wall_offset = time.time() - time.perf_counter()
         self._bounds = tuple(float(b) for b in buckets)
+        if len(self._bounds) > MAX_BUCKETS or any(
+                b <= a for a, b in zip((0.0, *self._bounds), self._bounds, strict=False)):
+            raise ValueError(f"buckets must be at most {MAX_BUCKETS} positive, increasing "
+                             f"bounds in seconds, got {self._bounds}")
         self._counts = [0] * (len(self._bounds) + 1)  # per bucket, not cumulative; +Inf last
         self._step_seconds = 0.0
         self._wait_seconds = 0.0
@@ -214,7 +228,10 @@ class TrainingMonitor:
         self._pid = os.getpid()
         self._closed = False
         self._pusher = Pusher(self.totals, self.run, self.rank, self.run_id, self.endpoint,
-                              self.push_interval, self.token)
+                              self.push_interval, self.token,
+                              ca_file or os.environ.get("GPUTRAIN_CA_FILE") or None,
+                              tls_server_name or os.environ.get("GPUTRAIN_TLS_SERVER_NAME")
+                              or None)
         if start:
             self._pusher.start()
         ref = weakref.ref(self)
@@ -319,7 +336,17 @@ class TrainingMonitor:
 
     def _add_phase(self, name: str, seconds: float, outside: bool) -> None:
         """Count ``seconds`` of phase ``name`` that just ended."""
-        self._phases[name] = self._phases.get(name, 0.0) + seconds
+        phases = self._phases
+        if name in phases:
+            phases[name] += seconds
+        elif len(phases) < MAX_PHASES - 1 or name == OTHER_PHASE:
+            phases[name] = seconds
+        else:  # the daemon takes MAX_PHASES names per rank; the rest are counted together
+            if OTHER_PHASE not in phases:
+                log.warning("gputrain: more than %d phase names; %r and any later ones are "
+                            "counted as phase %r", MAX_PHASES - 1, name, OTHER_PHASE)
+                phases[OTHER_PHASE] = 0.0
+            phases[OTHER_PHASE] += seconds
         # only the outermost outside phase is taken out, and only of a step that is open
         if outside and self._outside_depth == 0 and self._boundary is not None:
             self._boundary += seconds

@@ -30,7 +30,8 @@ class Pusher:
     seconds."""
 
     def __init__(self, totals: Callable[[], dict[str, Any]], run: str, rank: str, run_id: str,
-                 endpoint: str, interval: float, token: str | None = None) -> None:
+                 endpoint: str, interval: float, token: str | None = None,
+                 ca_file: str | None = None, server_name: str | None = None) -> None:
         self._totals = totals
         self._identity = {"version": SCHEMA_VERSION, "run": run, "rank": rank,
                           "run_id": run_id}
@@ -39,6 +40,9 @@ class Pusher:
         self._headers = {"Content-Type": "application/json"}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
+        # per request: a session's own verify loses to REQUESTS_CA_BUNDLE in the environment
+        self._verify: str | bool = ca_file or True
+        self._server_name = server_name
         self._wake = threading.Event()
         self._stopping = threading.Event()
         # push_now() waits for a push whose totals were read after it asked: it takes ticket
@@ -119,8 +123,10 @@ class Pusher:
         try:
             if self._session is None:
                 self._session = requests.Session()
+                if self._server_name:
+                    self._session.mount("https://", _ServerName(self._server_name))
             r = self._session.post(self._url, json=self.payload(goodbye), headers=self._headers,
-                                   timeout=timeout)
+                                   timeout=timeout, verify=self._verify)
         except Exception as exc:  # connection refused, timeout, anything: never into training
             if not self._failing:
                 reason = type(exc).__name__
@@ -154,3 +160,17 @@ class Pusher:
                 0.1, deadline - time.monotonic())))
         if self._session is not None:
             self._session.close()
+
+
+class _ServerName(requests.adapters.HTTPAdapter):
+    """Verify the daemon's certificate against a fixed name rather than the URL's host: on
+    Kubernetes a rank reaches its node's daemon by the node's IP, which no certificate names."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        super().__init__()
+
+    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["server_hostname"] = self._name
+        kwargs["assert_hostname"] = self._name
+        super().init_poolmanager(*args, **kwargs)

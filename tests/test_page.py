@@ -1,0 +1,135 @@
+"""The /metrics page is built off the request path, and the training families written directly
+are the lines prometheus_client would write."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import FakeClock
+from fake_pynvml import FakeGpu, FakePynvml
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+
+from exporter.collectors.training import TrainingCollector
+from exporter.exposition import Exposition
+from exporter.gpu_backends import DemoBackend, NvmlBackend
+from exporter.ingest import IngestStore, PushRejected
+from exporter.nvml import Nvml
+from exporter.protocol import MAX_BUCKETS, MAX_GPUS, MAX_PHASES, MAX_SERIES_PER_RANK
+from exporter.sampler import Sampler
+
+OPENMETRICS = "application/openmetrics-text;version=1.0.0,text/plain;q=0.5"
+
+
+def push(store: IngestStore, **over) -> str:
+    body = {"version": 1, "run": "resnet18", "rank": "0", "run_id": "abc", "steps": 10,
+            "step_seconds": 2.5, "data_wait_seconds": 0.5, "samples": 320}
+    body.update(over)
+    return store.push(json.dumps(body).encode())
+
+
+def test_training_lines_are_what_prometheus_client_writes_in_both_formats():
+    clock = FakeClock()
+    gpus = [FakeGpu(uuid="GPU-00000000-aaaa-bbbb-cccc-000000000000", pids=[4242]),
+            FakeGpu(uuid="GPU-11111111-aaaa-bbbb-cccc-111111111111", bus_id="00000000:28:00.0")]
+    sampler = Sampler(NvmlBackend(Nvml(FakePynvml(gpus)), clock=clock), None, clock=clock)
+    sampler.run_once()
+    store = IngestStore(clock=clock)
+    push(store)  # nothing optional
+    push(store, rank="1", step_buckets=[0.1, 1, 2.5], step_counts=[1, 5, 10],
+         phases={"zeta": 1e-7, "checkpoint": 3}, last_step_timestamp=1.7e9,
+         process={"cpu_seconds": 1, "pid": 4242, "resident_memory_bytes": 12345678901,
+                  "read_bytes": 0})  # its GPU found by pid
+    push(store, run="alpha", rank="3", steps=10**15, samples=1e22,
+         gpus=["1", "GPU-00000000-aaaa-bbbb-cccc-000000000000", "7"])  # 7: not on this node
+    store.count(200)
+    store.count(429)
+    collector = TrainingCollector(store, lambda: sampler.snapshot)
+    registry = CollectorRegistry()
+    registry.register(collector)
+    for _ in range(2):  # the second time from the per-rank cache
+        assert collector.render(False) == generate_latest(registry)
+        assert collector.render(True) + b"# EOF\n" == generate_openmetrics(registry)
+    push(store, rank="1", steps=11, step_seconds=2.6, samples=352, step_buckets=[0.1, 1, 2.5],
+         step_counts=[1, 6, 11], phases={"zeta": 1e-7, "checkpoint": 3.5},
+         process={"cpu_seconds": 2, "pid": 4242})
+    assert collector.render(False) == generate_latest(registry)
+    assert b'gputrain_training_gpu_info{gpu="0",rank="1",run="resnet18"' in collector.render()
+
+
+def _rig(clock: FakeClock) -> tuple[Sampler, IngestStore, Exposition]:
+    sampler = Sampler(DemoBackend(2, 0.5, clock=clock, host="page-test"), None,
+                      collectors={"gpu"}, clock=clock)
+    sampler.run_once()
+    store = IngestStore(clock=clock)
+    return sampler, store, Exposition(sampler, store)
+
+
+def test_a_scrape_sends_the_page_built_off_the_request_path(clock):
+    sampler, store, app = _rig(clock)
+    first, _ = app.page()  # the very first request of a format is built once, here
+    builds = app.builds
+    push(store)
+    body, ctype = app.page()
+    assert body == first and app.builds == builds  # the scrape rendered nothing
+    assert ctype.startswith("text/plain")
+    app.rebuild()  # what the page thread does after the push
+    body, _ = app.page()
+    assert b'gputrain_training_steps_total{rank="0",run="resnet18"} 10.0' in body
+    sampler.run_once()
+    app.rebuild()
+    om, ctype = app.page(OPENMETRICS)
+    assert ctype.startswith("application/openmetrics-text") and om.endswith(b"# EOF\n")
+    assert om.count(b"# EOF") == 1
+
+
+def test_the_page_thread_follows_pushes_and_snapshots():
+    from conftest import wait_until
+
+    sampler = Sampler(DemoBackend(1, 0.5, host="page-thread"), None, collectors={"gpu"},
+                      interval=30.0)
+    sampler.start()
+    store = IngestStore()
+    app = Exposition(sampler, store)
+    app.start()
+    try:
+        app.page(gzip_ok=True)
+        push(store)
+        wait_until(lambda: b'run="resnet18"' in __import__("gzip").decompress(
+            app.page(gzip_ok=True)[0]), timeout=10, interval=0.02,
+            what="the push on the page, without a sampler cycle")
+        store.count(400)
+        wait_until(lambda: b'gputrain_ingest_requests_total{code="400"} 1.0'
+                   in app.page()[0], timeout=10, interval=0.02, what="a rejected push counted")
+        for steps in range(11, 31):  # ?fresh=1: every push answered before it is on the page
+            push(store, steps=steps)
+            store.count(200)
+            line = f'gputrain_training_steps_total{{rank="0",run="resnet18"}} {steps}.0'
+            assert line.encode() in app.page(OPENMETRICS, fresh=True)[0]
+    finally:
+        app.stop()
+        sampler.stop()
+
+
+def test_a_rank_is_bounded_to_max_series_per_rank_lines(clock):
+    _, store, app = _rig(clock)
+    full = {"step_buckets": [0.001 * (i + 1) for i in range(MAX_BUCKETS)],
+            "step_counts": [10] * MAX_BUCKETS,
+            "phases": {f"p{i}": 1.0 for i in range(MAX_PHASES)},
+            "last_step_timestamp": 1.7e9,
+            "process": {"cpu_seconds": 1, "resident_memory_bytes": 1, "read_bytes": 1},
+            "gpus": [str(i % 2) if i < 2 else f"GPU-x{i}" for i in range(MAX_GPUS)]}
+    push(store, **full)
+    lines = [ln for ln in app.render()[0].decode().splitlines()
+             if ln.startswith("gputrain_training_") and 'run="resnet18"' in ln]
+    assert len(lines) <= MAX_SERIES_PER_RANK
+    for key, value in (("phases", {**full["phases"], "one-more": 1.0}),
+                       ("step_buckets", [*full["step_buckets"], 1.0]),
+                       ("gpus", [*full["gpus"], "GPU-extra"])):
+        with pytest.raises(PushRejected) as err:
+            push(store, rank="1", **{**full, key: value,
+                                     "step_counts": [10] * len(full["step_buckets"])
+                                     if key != "step_buckets" else [10] * (MAX_BUCKETS + 1)})
+        assert err.value.status == 400 and "at most" in str(err.value)
