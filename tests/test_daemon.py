@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -268,3 +270,37 @@ def test_pushes_over_tls_verified_by_server_name(tmp_path, daemon_factory, caplo
     assert any("cannot push" in r.getMessage() for r in caplog.records)
     with pytest.raises(requests.exceptions.ConnectionError):
         requests.post(f"http://127.0.0.1:{d.ingest_port}/api/v1/push", json={}, timeout=5)
+
+
+@pytest.mark.parametrize("part", ["web", "ingest"])
+def test_every_startup_error_names_the_flag_and_the_value(tmp_path, part):
+    """A port in use, a missing certificate, a garbage one, a key without its certificate:
+    the exporter exits non-zero with one line naming the flag and the value or file."""
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    missing = tmp_path / "missing.pem"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = f"127.0.0.1:{taken.getsockname()[1]}"
+        other = "ingest" if part == "web" else "web"
+        cases = [
+            ([f"--{part}.listen-address={busy}", f"--{other}.listen-address=127.0.0.1:0"],
+             [f"--{part}.listen-address {busy}", "in use"]),
+            ([f"--{part}.tls-cert-file={missing}", f"--{part}.tls-key-file={missing}"],
+             [f"--{part}.tls-cert-file {missing}", "No such file"]),
+            ([f"--{part}.tls-cert-file={garbage}", f"--{part}.tls-key-file={garbage}"],
+             [f"--{part}.tls-cert-file {garbage}", "not a usable certificate"]),
+            ([f"--{part}.tls-cert-file={garbage}"],
+             [f"--{part}.tls-cert-file and --{part}.tls-key-file go together"]),
+        ]
+        for args, says in cases:
+            ports = [] if any("listen-address" in a for a in args) else [
+                "--web.listen-address=127.0.0.1:0", "--ingest.listen-address=127.0.0.1:0"]
+            out = subprocess.run([sys.executable, "-m", "exporter", "--gpu.backend=demo",
+                                  *ports, *args], cwd=ROOT, capture_output=True, text=True,
+                                 timeout=60)
+            assert out.returncode in (1, 2), (args, out.stderr)
+            for phrase in says:
+                assert phrase in out.stderr, (args, phrase, out.stderr)
+            assert "Traceback" not in out.stderr
