@@ -14,6 +14,7 @@ import gzip
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, ProcessCollector
@@ -58,8 +59,10 @@ class Exposition:
     :meth:`render` builds a page now, for tests and tools.
     """
 
-    def __init__(self, sampler: Sampler, store: IngestStore | None = None) -> None:
+    def __init__(self, sampler: Sampler, store: IngestStore | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.sampler = sampler
+        self._clock = clock
         self.store = store
         snap = lambda: sampler.snapshot  # noqa: E731 - read the latest at every build
         self.collectors: list = [  # the node's, in page order; training comes last
@@ -95,14 +98,16 @@ class Exposition:
         before this call: for scripts and tests that push and then read, never needed by
         Prometheus. It waits for the page thread; it never renders."""
         om = wants_openmetrics(accept)
-        self._wanted[(om, gzip_ok)] = time.monotonic()
+        now = self._clock()
+        last = self._wanted.get((om, gzip_ok))
+        self._wanted[(om, gzip_ok)] = now
         if fresh and self.store is not None:
             self._wait_for(om, gzip_ok, self.store.version)
         page = self._pages.get(om)
         body = None
-        if page is not None:
+        if page is not None and last is not None and now - last <= UNUSED_SECONDS:
             body = page.gzipped if gzip_ok else page.plain
-        if body is None:  # the first request of this variant: build it once, here
+        if body is None:  # the first request of this variant in a while: build it here
             page = self._build(om, gzip_ok)
             body = page.gzipped if gzip_ok else page.plain
         return body, OPENMETRICS_TYPE if om else CONTENT_TYPE_LATEST
@@ -185,7 +190,7 @@ class Exposition:
 
     def rebuild(self) -> None:
         """Build every variant a scraper asked for in the last UNUSED_SECONDS."""
-        now = time.monotonic()
+        now = self._clock()
         for (om, gz), seen in sorted(dict(self._wanted).items()):
             if now - seen <= UNUSED_SECONDS:
                 self._build(om, gz)

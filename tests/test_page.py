@@ -85,6 +85,23 @@ def test_a_scrape_sends_the_page_built_off_the_request_path(clock):
     assert om.count(b"# EOF") == 1
 
 
+def test_a_format_nobody_asked_for_in_a_while_is_built_for_its_next_request(clock):
+    """The page thread stops building a variant nobody asked for in UNUSED_SECONDS; its next
+    request must not get the page of then."""
+    from exporter.exposition import UNUSED_SECONDS
+
+    sampler = Sampler(DemoBackend(1, 0.5, clock=clock, host="page-test"), None,
+                      collectors={"gpu"}, clock=clock)
+    sampler.run_once()
+    store = IngestStore(clock=clock)
+    app = Exposition(sampler, store, clock=clock)
+    app.page()
+    clock.advance(UNUSED_SECONDS + 1)
+    push(store)
+    app.rebuild()  # builds nothing: nobody asked lately
+    assert b'run="resnet18"' in app.page()[0]
+
+
 def test_the_page_thread_follows_pushes_and_snapshots():
     from conftest import wait_until
 
