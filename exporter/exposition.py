@@ -18,9 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, ProcessCollector
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_TYPE
-from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from prometheus_client.exposition import choose_encoder
 
 from exporter.collectors import GpuCollector, Rendered, SelfCollector
 from exporter.collectors.training import TrainingCollector
@@ -34,15 +32,7 @@ BUILD_SHARE = 0.1  # of one core, at most, spent building pages under a storm of
 UNUSED_SECONDS = 600.0  # a format nobody asked for this long is no longer built
 FRESH_TIMEOUT_SECONDS = 5.0  # the longest /metrics?fresh=1 waits for the page thread
 _EOF = b"# EOF\n"
-
-
-def wants_openmetrics(accept: str | None) -> bool:
-    """Whether an Accept header asks for OpenMetrics (as prometheus_client decides it)."""
-    for part in (accept or "").split(","):
-        params = part.split(";")
-        if params[0].strip() == "application/openmetrics-text":
-            return True
-    return False
+_OPENMETRICS = "application/openmetrics-text"
 
 
 @dataclass
@@ -75,12 +65,14 @@ class Exposition:
         for collector in self.collectors:
             self.node.register(collector)
         self.training = TrainingCollector(store, snap) if store is not None else None
-        self._node_cache: dict[bool, tuple[int, bytes]] = {}
-        self._pages: dict[bool, _Page] = {}
+        # per content type, as prometheus_client's choose_encoder names it
+        self._encoders: dict[str, Callable[[CollectorRegistry], bytes]] = {}
+        self._node_cache: dict[str, tuple[int, bytes]] = {}
+        self._pages: dict[str, _Page] = {}
         self._lock = threading.Lock()  # one build at a time
         self._built = threading.Condition()  # notified after every build
-        # the variants scrapers asked for (openmetrics, gzip), and when they last did
-        self._wanted: dict[tuple[bool, bool], float] = {}
+        # the variants scrapers asked for (content type, gzip), and when they last did
+        self._wanted: dict[tuple[str, bool], float] = {}
         self._dirty = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -97,30 +89,37 @@ class Exposition:
         waits (at most FRESH_TIMEOUT_SECONDS) for a page that holds every push answered
         before this call: for scripts and tests that push and then read, never needed by
         Prometheus. It waits for the page thread; it never renders."""
-        om = wants_openmetrics(accept)
+        ctype = self._content_type(accept)
         now = self._clock()
-        last = self._wanted.get((om, gzip_ok))
-        self._wanted[(om, gzip_ok)] = now
+        last = self._wanted.get((ctype, gzip_ok))
+        self._wanted[(ctype, gzip_ok)] = now
         if fresh and self.store is not None:
-            self._wait_for(om, gzip_ok, self.store.version)
-        page = self._pages.get(om)
+            self._wait_for(ctype, gzip_ok, self.store.version)
+        page = self._pages.get(ctype)
         body = None
         if page is not None and last is not None and now - last <= UNUSED_SECONDS:
             body = page.gzipped if gzip_ok else page.plain
         if body is None:  # the first request of this variant in a while: build it here
-            page = self._build(om, gzip_ok)
+            page = self._build(ctype, gzip_ok)
             body = page.gzipped if gzip_ok else page.plain
-        return body, OPENMETRICS_TYPE if om else CONTENT_TYPE_LATEST
+        return body, ctype
 
-    def _wait_for(self, om: bool, gzip_ok: bool, version: int) -> None:
+    def _content_type(self, accept: str | None) -> str:
+        """The content type prometheus_client chooses for this Accept header (its encoder
+        kept for the builds)."""
+        encoder, ctype = choose_encoder(accept or "")
+        self._encoders.setdefault(ctype, encoder)
+        return ctype
+
+    def _wait_for(self, ctype: str, gzip_ok: bool, version: int) -> None:
         if self._thread is None:  # no page thread: build here (tests, tools)
-            self._build(om, gzip_ok)
+            self._build(ctype, gzip_ok)
             return
         deadline = time.monotonic() + FRESH_TIMEOUT_SECONDS
         with self._built:
             self._dirty.set()
             while True:
-                page = self._pages.get(om)
+                page = self._pages.get(ctype)
                 if page is not None and page.key[1] >= version and (
                         page.gzipped is not None or not gzip_ok):
                     return
@@ -131,10 +130,9 @@ class Exposition:
 
     def render(self, accept: str | None = None, gzip_ok: bool = False) -> tuple[bytes, str]:
         """A page built now from the latest state: (body, content type)."""
-        om = wants_openmetrics(accept)
-        page = self._build(om, gzip_ok)
-        return (page.gzipped if gzip_ok else page.plain,
-                OPENMETRICS_TYPE if om else CONTENT_TYPE_LATEST)
+        ctype = self._content_type(accept)
+        page = self._build(ctype, gzip_ok)
+        return page.gzipped if gzip_ok else page.plain, ctype
 
     # -- building --------------------------------------------------------------------------
 
@@ -142,27 +140,27 @@ class Exposition:
         return (self.sampler.snapshot.cycle,
                 self.store.states_version() if self.store is not None else 0)
 
-    def _build(self, om: bool, gzip_ok: bool) -> _Page:
+    def _build(self, ctype: str, gzip_ok: bool) -> _Page:
         with self._lock:
             key = self._key()
-            page = self._pages.get(om)
+            page = self._pages.get(ctype)
             if page is None or page.key != key:
-                page = _Page(key, self._plain(om, key[0]))
+                page = _Page(key, self._plain(ctype, key[0]))
             if gzip_ok and page.gzipped is None:
                 page.gzipped = gzip.compress(page.plain, compresslevel=1)
-            self._pages[om] = page
+            self._pages[ctype] = page
             self.builds += 1
         with self._built:
             self._built.notify_all()
         return page
 
-    def _plain(self, om: bool, cycle: int) -> bytes:
-        cached = self._node_cache.get(om)
+    def _plain(self, ctype: str, cycle: int) -> bytes:
+        om = ctype.startswith(_OPENMETRICS)
+        cached = self._node_cache.get(ctype)
         if cached is None or cached[0] != cycle:
-            encode = generate_openmetrics if om else generate_latest
-            body = encode(self.node)
+            body = self._encoders[ctype](self.node)
             cached = (cycle, body.removesuffix(_EOF) if om else body)
-            self._node_cache[om] = cached
+            self._node_cache[ctype] = cached
         parts = [cached[1]]
         if self.training is not None:
             parts.append(self.training.render(om))
@@ -191,9 +189,9 @@ class Exposition:
     def rebuild(self) -> None:
         """Build every variant a scraper asked for in the last UNUSED_SECONDS."""
         now = self._clock()
-        for (om, gz), seen in sorted(dict(self._wanted).items()):
+        for (ctype, gz), seen in sorted(dict(self._wanted).items()):
             if now - seen <= UNUSED_SECONDS:
-                self._build(om, gz)
+                self._build(ctype, gz)
 
     def _loop(self) -> None:
         while not self._stop.is_set():

@@ -74,14 +74,15 @@ def test_a_scrape_sends_the_page_built_off_the_request_path(clock):
     push(store)
     body, ctype = app.page()
     assert body == first and app.builds == builds  # the scrape rendered nothing
-    assert ctype.startswith("text/plain")
+    assert ctype == "text/plain; version=0.0.4; charset=utf-8"  # prometheus_client's choice
     app.rebuild()  # what the page thread does after the push
     body, _ = app.page()
     assert b'gputrain_training_steps_total{rank="0",run="resnet18"} 10.0' in body
     sampler.run_once()
     app.rebuild()
     om, ctype = app.page(OPENMETRICS)
-    assert ctype.startswith("application/openmetrics-text") and om.endswith(b"# EOF\n")
+    assert ctype.startswith("application/openmetrics-text; version=1.0.0")
+    assert om.endswith(b"# EOF\n")
     assert om.count(b"# EOF") == 1
 
 
