@@ -460,6 +460,9 @@ class DemoBackend:
         for data, from its last two pushes; a rank that stopped pushing leaves its GPU idle
         but held. A pinned ``load`` still wins."""
         self._ranks = ranks
+        # what a rank may name a demo GPU by -> its index
+        self._refs = {**{str(i): str(i) for i in range(self.gpus)},
+                      **{self._uuid(i): str(i) for i in range(self.gpus)}}
 
     def start(self) -> list[GpuIdentity]:
         return [
@@ -484,8 +487,7 @@ class DemoBackend:
             at, work = self._work
             if now - at < 0.2 or self._ranks is None:
                 return work
-            refs = {**{str(i): str(i) for i in range(self.gpus)},
-                    **{self._uuid(i): str(i) for i in range(self.gpus)}}
+            refs = self._refs
             pids: dict[str, list[int]] = {}
             busy: dict[str, float] = {}
             rates = {}
@@ -511,12 +513,11 @@ class DemoBackend:
         prev = self._rates.get(key)
         if now - st.received_at > 15.0:  # three push intervals of silence: stopped
             return (st.received_at, compute, 0.0)
-        if prev is None or st.received_at <= prev[0]:
-            if prev is not None:
-                return prev
-            # the first push: the share of step time not spent waiting
+        if prev is None:  # its first push: the share of step time not spent waiting
             return (st.received_at, compute,
                     compute / st.step_seconds if st.step_seconds > 0 else 0.0)
+        if st.received_at <= prev[0]:  # no push since the last cycle
+            return prev
         return (st.received_at, compute,
                 min(1.0, (compute - prev[1]) / (st.received_at - prev[0])))
 
