@@ -72,6 +72,10 @@ class Entry:
     confirm: tuple[str, ...]  # the series that confirm it
     panel: str  # where to see it on the dashboards (quoted titles are checked to exist)
     verdict: str | None = None  # diagnose's name for it (kind "bottleneck")
+    # where its rule is evaluated: "node" needs one node's raw series, so it runs where the
+    # node is scraped (each shard); "global" compares the ranks of a run across nodes, so it
+    # runs where every shard is seen (a single Prometheus, vmalert over VictoriaMetrics)
+    level: str = "node"
 
 
 CATALOGUE: tuple[Entry, ...] = (
@@ -224,7 +228,7 @@ CATALOGUE: tuple[Entry, ...] = (
            "run_rank:gputrain_training_compute_seconds:mean5m"),
           'GpuTrain / Run with all ranks selected: the rank whose "Data wait" or step time '
           'stands out; then GpuTrain / Node for its node.',
-          "straggler"),
+          "straggler", level="global"),
     Entry("GpuTrainHostMemoryLeak", "bottleneck", "warning", "30m",
           "A training process's memory keeps growing.",
           "Look for tensors kept across steps (losses appended without .item()) and growing "
@@ -305,6 +309,7 @@ CATALOGUE: tuple[Entry, ...] = (
 )
 
 BY_ALERT: dict[str, Entry] = {e.alert: e for e in CATALOGUE}
+LEVELS = ("node", "global")
 BY_VERDICT: dict[str, Entry] = {e.verdict: e for e in CATALOGUE if e.verdict}
 
 

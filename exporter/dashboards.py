@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from exporter.catalogue import CATALOGUE, show
-from exporter.rules import DEFAULTS, merge
+from exporter.rules import DEFAULTS, Identity, identity, merge
 
 DS = {"type": "prometheus", "uid": "${datasource}"}
 TAGS = ["gputrain"]
@@ -182,15 +182,15 @@ def busy_lines(t: dict[str, float]) -> list[tuple[float, str]]:
     return [(low, "red"), (target_, "green")]
 
 
-def gpu_join(expr: str, sel: str) -> str:
+def gpu_join(expr: str, sel: str, ids: Identity) -> str:
     """``expr`` (per GPU) for the GPUs of the selected run and ranks (``sel``)."""
-    return (f"({expr}) * on (job, instance, gpu, uuid) group_left (run, rank) "
-            f'max by (job, instance, gpu, uuid, run, rank) (gputrain_training_gpu_info{{{sel}}})')
+    return (f"({expr}) * on ({ids.gpu}) group_left (run, rank) "
+            f'max by ({ids.gpu}, run, rank) (gputrain_training_gpu_info{{{sel}}})')
 
 
 # --- overview ----------------------------------------------------------------------------------
 
-def overview(t: dict[str, float], js: str) -> dict:
+def overview(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict:
     lay = Layout()
     low_t, target_t = busy_pair(t)
     busy = [(None, "red"), (low_t, "orange"), (target_t, "green")]
@@ -200,24 +200,25 @@ def overview(t: dict[str, float], js: str) -> dict:
     node_link = ("/d/gputrain-node/gputrain-node?${__url_time_range}&var-datasource="
                  "${datasource}&var-instance=${__data.fields.instance}")
     panels = [
-        lay.place(stat("Fleet GPU busy", "avg(gpu:gputrain_gpu_busy_ratio:rate5m)",
+        lay.place(stat("Fleet GPU busy", f"avg(gpu:gputrain_gpu_busy_ratio:rate5m{{{js}}})",
                        "percentunit", busy,
                        f"Mean busy ratio of every GPU over 5m. Under {target_} is wasted money "
                        "(seed 002)."), 6, 4),
         lay.place(stat("Busy of GPUs that runs use",
-                       "avg(run_rank_gpu:gputrain_gpu_busy_ratio:rate5m)", "percentunit",
+                       f"avg(run_rank_gpu:gputrain_gpu_busy_ratio:rate5m{{{js}}})", "percentunit",
                        busy), 6, 4),
         lay.place(stat("GPUs no run uses",
-                       f"count(gputrain_gpu_up{{{js}}} == 1 unless on (job, instance, gpu, "
-                       f"uuid) gputrain_training_gpu_info{{{js}}}) or vector(0)", "none",
+                       f"count(gputrain_gpu_up{{{js}}} == 1 unless on ({ids.gpu}) "
+                       f"gputrain_training_gpu_info{{{js}}}) or vector(0)", "none",
                        [(None, "green"), (1, "orange")]), 6, 4),
         lay.place(stat("Firing GpuTrain alerts", f"count({ALERTS}) or vector(0)", "none",
                        [(None, "green"), (1, "red")]), 6, 4),
         lay.place(table("Runs", [
-            target("run_rank:gputrain_training_samples_per_second:rate5m", "samples/s", "A"),
-            target("run_rank:gputrain_training_step_seconds:mean5m", "step time", "B"),
-            target("run_rank:gputrain_training_data_wait_ratio:rate5m", "data wait", "C"),
-            target("run_rank:gputrain_gpu_busy_ratio:avg5m", "GPU busy", "D")],
+            target(f"run_rank:gputrain_training_samples_per_second:rate5m{{{js}}}", "samples/s",
+                   "A"),
+            target(f"run_rank:gputrain_training_step_seconds:mean5m{{{js}}}", "step time", "B"),
+            target(f"run_rank:gputrain_training_data_wait_ratio:rate5m{{{js}}}", "data wait", "C"),
+            target(f"run_rank:gputrain_gpu_busy_ratio:avg5m{{{js}}}", "GPU busy", "D")],
             {"samples/s": "none", "step time": "s", "data wait": "percentunit",
              "GPU busy": "percentunit"},
             "Every (run, rank) on every node over 5m. Click a run for its dashboard, a node "
@@ -230,18 +231,18 @@ def overview(t: dict[str, float], js: str) -> dict:
                         links={"run": run_link, "instance": node_link},
                         hide=("Time", "Value #A", "alertstate", "job")), 12, 8),
         lay.place(table("GPUs no run uses", [target(
-            "gpu:gputrain_gpu_busy_ratio:rate5m unless on (job, instance, gpu, uuid) "
+            f"gpu:gputrain_gpu_busy_ratio:rate5m{{{js}}} unless on ({ids.gpu}) "
             f"gputrain_training_gpu_info{{{js}}}", "busy", "A")], {"busy": "percentunit"},
             "GPUs with no training client reporting them: idle capacity, or a job that does "
             "not use the client.", links={"instance": node_link}, hide=("Time", "job"),
             busy_steps=busy_pair(t)),
             12, 8),
         lay.place(timeseries("GPU busy by run", [target(
-            "run_rank:gputrain_gpu_busy_ratio:avg5m", "{{run}} rank {{rank}}")],
+            f"run_rank:gputrain_gpu_busy_ratio:avg5m{{{js}}}", "{{run}} rank {{rank}}")],
             "percentunit", f"{target_} is the goal (seed 002); under {low} the GPU is badly "
             "used (seed 001).", lines=busy_lines(t), max_=1), 12, 8),
         lay.place(timeseries("Data wait by run", [target(
-            "run_rank:gputrain_training_data_wait_ratio:rate5m", "{{run}} rank {{rank}}")],
+            f"run_rank:gputrain_training_data_wait_ratio:rate5m{{{js}}}", "{{run}} rank {{rank}}")],
             "percentunit", "Share of each step blocked on the data loader: "
             f"{pct(t, 'input_bound')} is moderately, "
             f"{pct(t, 'input_bound_high')} highly input-bound (TF "
@@ -249,12 +250,12 @@ def overview(t: dict[str, float], js: str) -> dict:
             max_=1), 12, 8),
     ]
     return dashboard("gputrain-overview", "GpuTrain / Overview",
-                     "Every run on every node: which runs waste GPUs.", [], panels, "")
+                     "Every run on every node: which runs waste GPUs.", extra, panels, "")
 
 
 # --- run ---------------------------------------------------------------------------------------
 
-def run(t: dict[str, float], js: str) -> dict:
+def run(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict:
     lay = Layout()
     sel = f'{js}, run="$run", rank=~"$rank", instance=~"$instance"'
     node = f'{js}, instance=~"$instance"'
@@ -322,13 +323,14 @@ def run(t: dict[str, float], js: str) -> dict:
             f"GPU under {pct(t, 'h2d_gpu_busy_below')} busy: the copy is the bottleneck.",
             lines=[(t["pcie_rx_high"], "red")], max_=1), 8, 8),
         lay.place(timeseries("SM clock", [target(
-            gpu_join(f'gputrain_gpu_clock_hertz{{clock="sm", {node}}}', sel), "GPU {{gpu}}")],
+            gpu_join(f'gputrain_gpu_clock_hertz{{clock="sm", {node}}}', sel, ids),
+            "GPU {{gpu}}")],
             "hertz", "A clock well under its boost while busy is throttled: see the next "
             "panel."), 8, 8),
         lay.place(timeseries("Throttled time", [target(
-            gpu_join("sum by (job, instance, gpu, uuid, reason) (rate("
+            gpu_join(f"sum by ({ids.gpu}, reason) (rate("
                      f"gputrain_gpu_clock_event_seconds_total{{{node}}}[$__rate_interval]))",
-                     sel),
+                     sel, ids),
             "{{reason}} GPU {{gpu}}")], "percentunit",
             f"Share of time the clocks were held down, by reason; over {pct(t, 'throttle_ratio')} "
             "for power or thermal reasons is throttling.",
@@ -356,6 +358,7 @@ def run(t: dict[str, float], js: str) -> dict:
             "bound.", lines=[(t["network_saturated"], "red")], max_=1), 8, 8),
     ]
     variables = [
+        *extra,
         variable("run", f"label_values(gputrain_training_steps_total{{{js}}}, run)", "Run"),
         variable("instance",
                  f'label_values(gputrain_training_steps_total{{{js}, run="$run"}}, instance)',
@@ -370,7 +373,7 @@ def run(t: dict[str, float], js: str) -> dict:
 
 # --- node --------------------------------------------------------------------------------------
 
-def node(t: dict[str, float], js: str) -> dict:
+def node(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict:
     lay = Layout()
     n = f'{js}, instance="$instance"'
     r = "[$__rate_interval]"
@@ -454,7 +457,8 @@ def node(t: dict[str, float], js: str) -> dict:
             target(f"gputrain_host_network_speed_bytes_per_second{{{n}}}",
                    "speed {{interface}}", "C")], "Bps"), 12, 8),
     ]
-    variables = [variable("instance", f"label_values(gputrain_build_info{{{js}}}, instance)",
+    variables = [*extra,
+                 variable("instance", f"label_values(gputrain_build_info{{{js}}}, instance)",
                           "Node")]
     return dashboard("gputrain-node", "GpuTrain / Node",
                      "The instance metrics of one node: all its GPUs and its host.",
@@ -465,8 +469,14 @@ def dashboards(overrides: dict | None = None) -> dict[str, dict]:
     """The dashboards by file name, with the thresholds and selector of ``overrides`` (a
     thresholds file's content, as for ``rules --config``)."""
     cfg = merge(DEFAULTS, overrides or {})
-    t, js = cfg["thresholds"], cfg["selector"]
-    return {"overview.json": overview(t, js), "run.json": run(t, js), "node.json": node(t, js)}
+    t, ids = cfg["thresholds"], identity(cfg)
+    # a run label beyond `run` (cluster) is a variable of every dashboard and part of every
+    # selector, so same-named runs of two clusters stay apart
+    js = cfg["selector"] + "".join(f', {x}=~"${x}"' for x in ids.extra)
+    extra = [variable(x, f"label_values({x})", x.capitalize(), include_all=True)
+             for x in ids.extra]
+    return {"overview.json": overview(t, js, ids, extra), "run.json": run(t, js, ids, extra),
+            "node.json": node(t, js, ids, extra)}
 
 
 def render(d: dict) -> str:

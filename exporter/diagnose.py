@@ -3,9 +3,12 @@
 For every (run, rank) it reads samples/s, step time, data-wait ratio, phases, the busy / SM /
 tensor / memory / power / PCIe ratios of the rank's GPUs (joined through
 ``gputrain_training_gpu_info``) and the node's CPU, disk and network, then follows the decision
-order of HEURISTICS.md to one verdict with its advice. It queries the raw metrics, so it works
-whether or not the recording rules are loaded; thresholds come from the same file as
-``gputrain-exporter rules --config``.
+order of HEURISTICS.md to one verdict with its advice. It works against any layer: it queries
+the raw metrics where they exist (so the recording rules need not be loaded), else the
+recording rules' results (a global VictoriaMetrics or Thanos fed only those). It says when a
+run's ranks are only partly visible: ranks missing below the highest one it sees, or a
+Prometheus with external labels that remote-writes (a shard). Thresholds and the labels that
+identify a run (``run_labels``) come from the same file as ``gputrain-exporter rules --config``.
 
 Every finding is the condition of one catalogue alert (:mod:`exporter.catalogue`), evaluated on
 the same values, so the verdict and the findings beside it are the bottleneck alerts that fire.
@@ -24,19 +27,20 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import requests
+import yaml
 
 from exporter.catalogue import BY_ALERT, BY_VERDICT
 from exporter.client.monitor import OUTSIDE_STEP_PHASES
 from exporter.rules import (
     DEFAULTS,
+    Identity,
+    identity,
     inline,
     load_overrides,
     merge,
-    rank_gpu_join,
     recording_rules,
 )
 
-RANK = ("job", "instance", "run", "rank")
 # Verdicts that are no alert of the catalogue: the good case and the blind one.
 STATUS_ADVICE = {
     "gpu-bound": "The GPU is the bottleneck, as it should be. To make each GPU-second count, "
@@ -108,6 +112,9 @@ class RankReport:
     reason: str = ""
     advice: str = ""
     also: list[Finding] = field(default_factory=list)
+    labels: dict[str, str] = field(default_factory=dict)  # run labels beyond `run` (cluster)
+    source: str = "raw"  # "recorded" when read from the recording rules' results alone
+    partial: str = ""  # why the run's ranks are only partly visible here, if they are
 
     @property
     def bottleneck(self) -> bool:
@@ -128,6 +135,17 @@ class Prometheus:
         self.timeout = timeout
         self.at = at  # evaluate at this time (unix seconds or RFC 3339), else now
         self.session = requests.Session()
+
+    def external_labels(self) -> tuple[dict[str, str], bool]:
+        """This server's external labels and whether it remote-writes: a shard has both.
+        ({}, False) where the server does not say (VictoriaMetrics, an old Prometheus)."""
+        try:
+            r = self.session.get(f"{self.url}/api/v1/status/config", timeout=self.timeout)
+            config = yaml.safe_load(r.json()["data"]["yaml"]) or {}
+        except (requests.RequestException, ValueError, KeyError, TypeError, yaml.YAMLError):
+            return {}, False
+        labels = (config.get("global") or {}).get("external_labels") or {}
+        return {str(k): str(v) for k, v in labels.items()}, bool(config.get("remote_write"))
 
     def query(self, expr: str) -> list[tuple[dict[str, str], float]]:
         try:
@@ -152,74 +170,123 @@ class Prometheus:
         return out
 
 
-def queries(selector: str, window: str) -> dict[str, str]:
-    """The PromQL this command runs, by name: the recording rules' own expressions written
-    inline (over ``window`` instead of 5m), so it needs no rules loaded in Prometheus."""
-    records = recording_rules(selector)
+def queries(selector: str, window: str, ids: Identity | None = None) -> dict[str, str]:
+    """The PromQL this command runs on the raw series, by name: the recording rules' own
+    expressions written inline (over ``window`` instead of 5m), so it needs no rules loaded."""
+    ids = ids or Identity()
+    records = recording_rules(selector, ids)
 
     def rule(name: str) -> str:
         return inline(name, records).replace("[5m]", f"[{window}]")
 
-    s, w, r = selector, window, ", ".join(RANK)
-    per_gpu = {"busy": "gputrain_gpu_busy_ratio:rate5m",
-               "sm_active": "gputrain_gpu_sm_active_ratio:avg5m",
-               "tensor_active": "gputrain_gpu_tensor_active_ratio:avg5m",
-               "memory_used": "gputrain_gpu_memory_used:ratio",
-               "power_used": "gputrain_gpu_power_limit_used:ratio_avg5m",
-               "pcie_rx_used": "gputrain_gpu_pcie_rx_link_used:ratio_rate5m"}
+    s, r = selector, ids.rank
     return {
         # every rank that exports anything, then the step rate of those that step
         "ranks": f'group by ({r}) ({{__name__=~"gputrain_training_.+", {s}}})',
-        "steps": f"sum by ({r}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[{w}]))",
-        "samples_per_second": rule("run_rank:gputrain_training_samples_per_second:rate5m"),
-        "step_seconds": rule("run_rank:gputrain_training_step_seconds:mean5m"),
-        "data_wait_ratio": rule("run_rank:gputrain_training_data_wait_ratio:rate5m"),
-        "phases": rule("run_rank_phase:gputrain_training_phase_ratio:rate5m"),
-        **{name: rule(f"run_rank_gpu:{record}") for name, record in per_gpu.items()},
-        "throttled": rule(rank_gpu_join(s, "gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m")),
-        "step_p50_seconds": rule("run_rank:gputrain_training_step_seconds:p50_30m"),
-        "step_p99_seconds": rule("run_rank:gputrain_training_step_seconds:p99_30m"),
+        "steps": rule("run_rank:gputrain_training_steps:rate5m"),
+        **{name: rule(record) for name, record in RECORDED.items()
+           if name not in ("ranks", "steps", "seconds_since_step", "rss_growth_1h",
+                           "rss_growth_15m")},
         "seconds_since_step": f"max by ({r}) (time() - gputrain_training_last_step_timestamp_seconds{{{s}}})",  # noqa: E501
         "rss_growth_1h": f"sum by ({r}) (deriv(gputrain_training_process_resident_memory_bytes{{{s}}}[1h]))",  # noqa: E501
         "rss_growth_15m": f"sum by ({r}) (deriv(gputrain_training_process_resident_memory_bytes{{{s}}}[15m]))",  # noqa: E501
-        "memory_available": f"sum by (job, instance) (gputrain_host_memory_available_bytes{{{s}}})",
-        "cpu_busy": rule("instance:gputrain_host_cpu_busy:ratio_rate5m"),
-        "iowait": rule("instance:gputrain_host_cpu_iowait:ratio_rate5m"),
-        "disk_busy": rule("instance:gputrain_host_disk_busy:max_rate5m"),
-        "network_rx_used":
-            rule("instance:gputrain_host_network_receive_link_used:max_ratio_rate5m"),
     }
 
 
-def _rank_key(labels: dict[str, str]) -> tuple[str, ...]:
-    return tuple(labels.get(k, "") for k in RANK)
+# Every reading, as the recording rule that holds it (over 5m): what a layer fed only the
+# rules' results (results-only remote-write, federation of `:`-named series) can answer.
+RECORDED = {
+    "ranks": "run_rank:gputrain_training_steps:rate5m",
+    "steps": "run_rank:gputrain_training_steps:rate5m",
+    "samples_per_second": "run_rank:gputrain_training_samples_per_second:rate5m",
+    "step_seconds": "run_rank:gputrain_training_step_seconds:mean5m",
+    "data_wait_ratio": "run_rank:gputrain_training_data_wait_ratio:rate5m",
+    "phases": "run_rank_phase:gputrain_training_phase_ratio:rate5m",
+    "busy": "run_rank_gpu:gputrain_gpu_busy_ratio:rate5m",
+    "sm_active": "run_rank_gpu:gputrain_gpu_sm_active_ratio:avg5m",
+    "tensor_active": "run_rank_gpu:gputrain_gpu_tensor_active_ratio:avg5m",
+    "memory_used": "run_rank_gpu:gputrain_gpu_memory_used:ratio",
+    "power_used": "run_rank_gpu:gputrain_gpu_power_limit_used:ratio_avg5m",
+    "pcie_rx_used": "run_rank_gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m",
+    "throttled": "run_rank_gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m",
+    "step_p50_seconds": "run_rank:gputrain_training_step_seconds:p50_30m",
+    "step_p99_seconds": "run_rank:gputrain_training_step_seconds:p99_30m",
+    "seconds_since_step": "run_rank:gputrain_training_last_step_timestamp_seconds:max",
+    "rss_growth_1h": "run_rank:gputrain_training_process_resident_memory_bytes:sum",
+    "rss_growth_15m": "run_rank:gputrain_training_process_resident_memory_bytes:sum",
+    "memory_available": "instance:gputrain_host_memory_available_bytes:sum",
+    "cpu_busy": "instance:gputrain_host_cpu_busy:ratio_rate5m",
+    "iowait": "instance:gputrain_host_cpu_iowait:ratio_rate5m",
+    "disk_busy": "instance:gputrain_host_disk_busy:max_rate5m",
+    "network_rx_used": "instance:gputrain_host_network_receive_link_used:max_ratio_rate5m",
+}
 
 
-def collect(prom: Prometheus, selector: str, window: str, run: str | None) -> list[RankReport]:
+def recorded_queries(selector: str) -> dict[str, str]:
+    """The same readings from the recorded series alone (their 5m windows), by name."""
+    q = {name: f"{record}{{{selector}}}" for name, record in RECORDED.items()}
+    q["seconds_since_step"] = f"time() - {q['seconds_since_step']}"
+    q["rss_growth_1h"] = f"deriv({q['rss_growth_1h']}[1h])"
+    q["rss_growth_15m"] = f"deriv({q['rss_growth_15m']}[15m])"
+    return q
+
+
+GPU_READINGS = ("busy", "sm_active", "tensor_active", "memory_used", "power_used",
+                "pcie_rx_used", "throttled")
+HOST_READINGS = ("cpu_busy", "iowait", "disk_busy", "network_rx_used", "memory_available")
+
+
+def _read(prom: Prometheus, raw: str, recorded: str, key) -> tuple[list, set]:
+    """The raw query's results, and the recorded query's for every key the raw lacks; with
+    the keys answered only from the recorded series."""
+    out = prom.query(raw)
+    seen = {key(labels) for labels, _ in out}
+    filled = set()
+    for labels, value in prom.query(recorded):
+        k = key(labels)
+        if k not in seen:
+            seen.add(k)
+            filled.add(k)
+            out.append((labels, value))
+    return out, filled
+
+
+def collect(prom: Prometheus, selector: str, window: str, run: str | None,
+            ids: Identity | None = None) -> list[RankReport]:
     """One report per (run, rank) active in the window, readings filled, no verdict yet."""
-    q = queries(selector, window)
+    ids = ids or Identity()
+    q, qr = queries(selector, window, ids), recorded_queries(selector)
+
+    def rank_key(labels: dict[str, str]) -> tuple[str, ...]:
+        return tuple(labels.get(k, "") for k in ids.rank_tuple)
+
+    def node_key(labels: dict[str, str]) -> tuple[str, ...]:
+        return tuple(labels.get(k, "") for k in ids.node_tuple)
+
     reports: dict[tuple, RankReport] = {}
-    for labels, _ in prom.query(q["ranks"]):
+    ranks, recorded = _read(prom, q["ranks"], qr["ranks"], rank_key)
+    for labels, _ in ranks:
         if run is None or labels.get("run") == run:
-            reports[_rank_key(labels)] = RankReport(*_rank_key(labels))
-    for labels, steps in prom.query(q["steps"]):
-        rep = reports.get(_rank_key(labels))
-        if rep:
-            rep.steps_per_second = steps
-    for name in ("samples_per_second", "step_seconds", "data_wait_ratio", "step_p50_seconds",
-                 "step_p99_seconds", "seconds_since_step", "rss_growth_1h", "rss_growth_15m"):
-        for labels, value in prom.query(q[name]):
-            rep = reports.get(_rank_key(labels))
+            reports[rank_key(labels)] = RankReport(
+                labels.get("job", ""), labels.get("instance", ""), labels.get("run", ""),
+                labels.get("rank", ""), labels={k: labels.get(k, "") for k in ids.extra},
+                source="recorded" if rank_key(labels) in recorded else "raw")
+    for name in ("steps", "samples_per_second", "step_seconds", "data_wait_ratio",
+                 "step_p50_seconds", "step_p99_seconds", "seconds_since_step",
+                 "rss_growth_1h", "rss_growth_15m"):
+        for labels, value in _read(prom, q[name], qr[name], rank_key)[0]:
+            rep = reports.get(rank_key(labels))
             if rep:
-                setattr(rep, name, value)
-    for labels, value in prom.query(q["phases"]):
-        rep = reports.get(_rank_key(labels))
+                setattr(rep, "steps_per_second" if name == "steps" else name, value)
+    for labels, value in _read(prom, q["phases"], qr["phases"],
+                               lambda x: (*rank_key(x), x.get("phase", "")))[0]:
+        rep = reports.get(rank_key(labels))
         if rep:
             rep.phases[labels.get("phase", "")] = value
-    for name in ("busy", "sm_active", "tensor_active", "memory_used", "power_used",
-                 "pcie_rx_used", "throttled"):
-        for labels, value in prom.query(q[name]):
-            rep = reports.get(_rank_key(labels))
+    for name in GPU_READINGS:
+        gpu_key = lambda x: (*rank_key(x), x.get("gpu", ""), x.get("uuid", ""))  # noqa: E731
+        for labels, value in _read(prom, q[name], qr[name], gpu_key)[0]:
+            rep = reports.get(rank_key(labels))
             if not rep:
                 continue
             reading = next((x for x in rep.gpus if x.uuid == labels.get("uuid")
@@ -228,14 +295,58 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None) -> li
                 reading = GpuReading(labels.get("gpu", ""), labels.get("uuid", ""))
                 rep.gpus.append(reading)
             setattr(reading, name, value)
-    for name in ("cpu_busy", "iowait", "disk_busy", "network_rx_used", "memory_available"):
-        for labels, value in prom.query(q[name]):
-            for rep in reports.values():
-                if (rep.job, rep.instance) == (labels.get("job"), labels.get("instance")):
-                    rep.host[name] = value
+    by_node: dict[tuple, list[RankReport]] = {}
+    for key, rep in reports.items():
+        by_node.setdefault(key[:len(ids.node_tuple)], []).append(rep)
+    for name in HOST_READINGS:
+        for labels, value in _read(prom, q[name], qr[name], node_key)[0]:
+            for rep in by_node.get(node_key(labels), []):
+                rep.host[name] = value
     for rep in reports.values():
         rep.gpus.sort(key=lambda x: (len(x.gpu), x.gpu))
-    return sorted(reports.values(), key=lambda r: (r.run, r.instance, r.rank))
+    return sorted(reports.values(),
+                  key=lambda r: (r.run, sorted(r.labels.items()), _rank_order(r.rank),
+                                 r.instance))
+
+
+def _rank_order(rank: str) -> tuple[int, str]:
+    return (int(rank), "") if rank.isdigit() else (1 << 62, rank)
+
+
+def run_key(rep: RankReport) -> tuple:
+    """What identifies a report's run: ``run`` and the run labels beyond it."""
+    return (rep.run, *sorted(rep.labels.items()))
+
+
+def visibility(reports: list[RankReport], shard: str = "") -> list[RankReport]:
+    """Mark the ranks of every run that is only partly visible, with why: ranks missing
+    below the highest one seen, or ``shard`` (this server looks like one shard of several)."""
+    runs: dict[tuple, list[RankReport]] = {}
+    for rep in reports:
+        runs.setdefault(run_key(rep), []).append(rep)
+    for ranks in runs.values():
+        numbers = {int(r.rank) for r in ranks if r.rank.isdigit()}
+        missing = sorted(set(range(max(numbers) + 1)) - numbers) if numbers else []
+        why = []
+        if missing:
+            why.append(f"ranks {_ranges(missing)} of 0-{max(numbers)} are not visible")
+        if shard:
+            why.append(shard)
+        for r in ranks:
+            r.partial = "; ".join(why)
+    return reports
+
+
+def _ranges(numbers: list[int]) -> str:
+    """``[1, 2, 3, 7]`` as ``1-3, 7``."""
+    out, start = [], None
+    for i, n in enumerate(numbers):
+        if start is None:
+            start = n
+        if i + 1 == len(numbers) or numbers[i + 1] != n + 1:
+            out.append(str(start) if start == n else f"{start}-{n}")
+            start = None
+    return ", ".join(out)
 
 
 def _mean(values: list[float | None]) -> float | None:
@@ -330,11 +441,11 @@ def rank_findings(rep: RankReport, t: dict[str, float]) -> dict[str, str]:
 
 def stragglers(reports: list[RankReport], t: dict[str, float]) -> dict[int, str]:
     """The ranks that lag their run's others (by ``id``), with the reason: the straggler
-    alert's condition across each (job, run)."""
+    alert's condition across each run (``run`` and the run labels beyond it, never ``job``)."""
     out: dict[int, str] = {}
-    runs: dict[tuple[str, str], list[RankReport]] = {}
+    runs: dict[tuple, list[RankReport]] = {}
     for rep in reports:
-        runs.setdefault((rep.job, rep.run), []).append(rep)
+        runs.setdefault(run_key(rep), []).append(rep)
     for ranks in runs.values():
         waits = [r.data_wait_ratio for r in ranks if r.data_wait_ratio is not None]
         computes = {id(r): r.step_seconds * (1 - (r.data_wait_ratio or 0))
@@ -388,9 +499,20 @@ def _fmt(x: float | None, scale: float = 100, unit: str = "%", digits: int = 1) 
 
 def text_report(reports: list[RankReport]) -> str:
     lines = []
+    last_run = None
     for rep in reports:
-        lines.append(f"run {rep.run} rank {rep.rank} on {rep.instance} (job {rep.job}): "
-                     f"{rep.status}")
+        if run_key(rep) != last_run:
+            last_run = run_key(rep)
+            where = "".join(f" ({k} {v})" for k, v in sorted(rep.labels.items()))
+            ranks = [r for r in reports if run_key(r) == last_run]
+            lines.append(f"== run {rep.run}{where}: {len(ranks)} rank(s) visible")
+            if rep.partial:
+                lines.append(f"   partly visible: {rep.partial}. The straggler comparison "
+                             "covers only the ranks seen here.")
+            lines.append("")
+        source = ", from the recorded series (5m)" if rep.source == "recorded" else ""
+        lines.append(f"run {rep.run} rank {rep.rank} on {rep.instance} (job {rep.job}"
+                     f"{source}): {rep.status}")
         lines.append(f"  samples/s {_fmt(rep.samples_per_second, 1, '', 1)}   step time "
                      f"{_fmt(rep.step_seconds, 1000, ' ms', 1)}   data wait "
                      f"{_fmt(rep.data_wait_ratio)}")
@@ -419,12 +541,20 @@ EXIT_OK, EXIT_ACT, EXIT_NO_DATA, EXIT_NO_GPU_DATA = 0, 1, 2, 3
 
 def diagnose(url: str, run: str | None = None, window: str = "5m",
              overrides: dict[str, Any] | None = None, at: str | None = None) -> list[RankReport]:
-    """Reports with verdicts for every (run, rank) in the window ending ``at`` (default now);
-    raises PrometheusError."""
+    """Reports with verdicts for every (run, rank) in the window ending ``at`` (default now),
+    each marked where its run is only partly visible; raises PrometheusError."""
     cfg = merge(DEFAULTS, overrides or {})
     prom = Prometheus(url, at=at)
     prom.query("vector(1)")  # reachable and a Prometheus at all
-    return judge(collect(prom, cfg["selector"], window, run), cfg["thresholds"])
+    reports = collect(prom, cfg["selector"], window, run, identity(cfg))
+    external, remote_writes = prom.external_labels()
+    shard = ""
+    if external and remote_writes:
+        shown = ", ".join(f'{k}="{v}"' for k, v in sorted(external.items()))
+        shard = (f"this server has external labels ({shown}) and remote-writes, so it is "
+                 "likely one shard of several: ranks scraped by the other shards are missing; "
+                 "run diagnose against the layer that sees them all")
+    return judge(visibility(reports, shard), cfg["thresholds"])
 
 
 def exit_status(reports: list[RankReport]) -> int:

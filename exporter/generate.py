@@ -1,10 +1,11 @@
 """Every committed file that is made from the catalogue, written by one command.
 
 ``gputrain-exporter generate`` (in a checkout of the repository) rewrites them all: the rule
-file, the PrometheusRule, the promtool rule tests, the dashboards and their ConfigMap, the
-runbook and the README's alert and threshold tables; ``--check`` lists the stale ones and exits
-1 (a test does the same). ``gputrain-exporter dashboards --config FILE --out DIR`` writes the
-dashboards with your thresholds and selector.
+files (all, and the node and global levels), the PrometheusRule, the promtool rule tests, the
+dashboards and their ConfigMap, the runbook and the README's alert and threshold tables;
+``--check`` lists the stale ones and exits 1 (a test does the same).
+``gputrain-exporter dashboards --config FILE --out DIR`` writes the dashboards with your
+thresholds, selector and run labels.
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ def committed(root: Path) -> dict[Path, Callable[[], str]]:
 
     files: dict[Path, Callable[[], str]] = {
         root / "alerts" / "gputrain.rules.yml": render,
+        root / "alerts" / "gputrain.node.rules.yml": lambda: render(level="node"),
+        root / "alerts" / "gputrain.global.rules.yml": lambda: render(level="global"),
         root / "deploy" / "kubernetes" / "prometheusrule.yaml": render_prometheusrule,
         root / "alerts" / "runbook.md": runbook,
         root / "deploy" / "kubernetes" / "dashboards-configmap.yaml": dashboards.configmap,

@@ -1,10 +1,17 @@
 """Prometheus recording and alerting rules for the bottleneck heuristics, from thresholds.
 
-`gputrain-exporter rules [--config my-thresholds.yml]` prints the rule file; the shipped
-`alerts/gputrain.rules.yml` is that output with the defaults (a test keeps them identical).
-Every threshold, `for` duration and the scrape-job selector comes from :data:`DEFAULTS`,
-overridable key by key; the thresholds, `for` durations, summaries and advice are those of
+`gputrain-exporter rules [--config my-thresholds.yml] [--level node|global]` prints the rule
+file; the shipped `alerts/gputrain.rules.yml` is that output with the defaults (a test keeps
+them identical). Every threshold, `for` duration, the scrape-job selector and the labels that
+identify a run come from :data:`DEFAULTS`, overridable key by key; the thresholds, `for`
+durations, summaries, advice and the level each alert is evaluated at are those of
 :mod:`exporter.catalogue`.
+
+Levels: the recording rules and the ``node`` alerts need one node's raw series, so they run
+where the node is scraped (one Prometheus, or each shard); the ``global`` alerts compare the
+ranks of a run, so they run where every shard is seen (vmalert over VictoriaMetrics, a
+federating Prometheus, Thanos or Mimir ruler). ``all`` (the default) is both, for a single
+Prometheus.
 """
 
 from __future__ import annotations
@@ -18,23 +25,66 @@ from typing import Any
 
 import yaml
 
-from exporter.catalogue import BY_ALERT, CATALOGUE, defaults
+from exporter.catalogue import BY_ALERT, CATALOGUE, LEVELS, defaults
 from exporter.client.monitor import OUTSIDE_STEP_PHASES
 
 RUNBOOK = "https://github.com/gputrain/gputrain-exporter/blob/main/alerts/runbook.md"
 
 DEFAULTS: dict[str, Any] = {
     "selector": 'job=~"gputrain.*"',
+    # the labels that identify a run across nodes: `run`, plus any label that tells clusters
+    # apart (an external label such as `cluster`); never `job`, so a run spans scrape jobs
+    "run_labels": ["run"],
     "runbook_url": RUNBOOK,
     "recording_interval": "30s",
     "thresholds": defaults(),
     "for": {e.alert: e.for_ for e in CATALOGUE},
 }
 
-RANK = "job, instance, run, rank"
 # the phases that are part of a step (evaluation, checkpoint saves and start-up are not)
 IN_STEP = 'phase!~"' + "|".join(sorted(OUTSIDE_STEP_PHASES)) + '"'
-GPU = "job, instance, gpu, uuid"
+LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+
+class Identity:
+    """The label lists the rules group and join by, from the ``run_labels`` setting.
+
+    A run is ``run_labels`` (default ``run``); a node is the run labels other than ``run``
+    (``cluster``) with ``job, instance``; a rank is a node's labels with ``run, rank``."""
+
+    def __init__(self, run_labels: list[str] | tuple[str, ...] = ("run",)) -> None:
+        self.run_tuple = tuple(run_labels)
+        extra = [x for x in self.run_tuple if x != "run"]
+        self.node_tuple = tuple(dict.fromkeys([*extra, "job", "instance"]))
+        self.rank_tuple = (*self.node_tuple, "run", "rank")
+        self.gpu_tuple = (*self.node_tuple, "gpu", "uuid")
+        self.run = ", ".join(self.run_tuple)
+        self.node = ", ".join(self.node_tuple)
+        self.rank = ", ".join(self.rank_tuple)
+        self.gpu = ", ".join(self.gpu_tuple)
+        self.extra = tuple(extra)  # the labels beyond `run` that tell runs apart
+
+
+def check_run_labels(value: Any) -> list[str]:
+    """``run_labels`` as a checked list; ValueError says what is wrong."""
+    if isinstance(value, str):
+        value = [x.strip() for x in value.split(",") if x.strip()]
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise ValueError(f"'run_labels' must be a list of label names, got {value!r}")
+    bad = [x for x in value if not LABEL_NAME.fullmatch(x)]
+    if bad:
+        raise ValueError(f"'run_labels': {bad[0]!r} is not a label name")
+    if "run" not in value:
+        raise ValueError("'run_labels' must include 'run'")
+    for x in ("instance", "rank"):
+        if x in value:
+            raise ValueError(f"'run_labels' must not include '{x}': a run spans many of them")
+    return list(dict.fromkeys(value))
+
+
+def identity(cfg: dict) -> Identity:
+    """The grouping labels of a merged configuration."""
+    return Identity(cfg["run_labels"])
 
 
 def merge(base: dict, override: dict, path: str = "") -> dict:
@@ -47,6 +97,8 @@ def merge(base: dict, override: dict, path: str = "") -> dict:
             if not isinstance(value, dict):
                 raise ValueError(f"'{path}{key}' must be a mapping")
             out[key] = merge(base[key], value, f"{path}{key}.")
+        elif key == "run_labels":
+            out[key] = check_run_labels(value)
         elif isinstance(base[key], (int, float)) and not isinstance(base[key], bool):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"'{path}{key}' must be a number, got {value!r}")
@@ -56,16 +108,16 @@ def merge(base: dict, override: dict, path: str = "") -> dict:
     return out
 
 
-def rank_gpu_join(selector: str, per_gpu: str) -> str:
+def rank_gpu_join(selector: str, per_gpu: str, ids: Identity) -> str:
     """``per_gpu`` (a recording rule name) for the GPUs each rank uses, joined through
-    ``gputrain_training_gpu_info``: labels job, instance, run, rank, gpu, uuid."""
-    return (f"max by ({RANK}, gpu, uuid) (gputrain_training_gpu_info{{{selector}}}) "
-            f"* on (job, instance, gpu, uuid) group_left {per_gpu}")
+    ``gputrain_training_gpu_info``: a rank's labels and gpu, uuid."""
+    return (f"max by ({ids.rank}, gpu, uuid) (gputrain_training_gpu_info{{{selector}}}) "
+            f"* on ({ids.gpu}) group_left {per_gpu}")
 
 
-def recording_rules(selector: str) -> dict[str, str]:
+def recording_rules(selector: str, ids: Identity | None = None) -> dict[str, str]:
     """The recording rules' expressions by record name."""
-    return {r["record"]: r["expr"] for r in _recording(selector)}
+    return {r["record"]: r["expr"] for r in _recording(selector, ids or Identity())}
 
 
 # "group_left name" must not become "group_left (expr)": the parser reads a label list there
@@ -84,94 +136,107 @@ def inline(expr: str, records: dict[str, str]) -> str:
     raise ValueError(f"recording rules nested too deep in {expr!r}")
 
 
-def _recording(s: str) -> list[dict]:
+def _recording(s: str, ids: Identity) -> list[dict]:
     """Recording rules: level:metric:operation. Ratios divide separately-summed counters."""
+    rank, gpu, node = ids.rank, ids.gpu, ids.node
+
     def rec(name: str, expr: str) -> dict:
         return {"record": name, "expr": " ".join(expr.split())}
 
     return [
         # per (run, rank): the training client's signals
         rec("run_rank:gputrain_training_data_wait_ratio:rate5m", f"""
-            sum by ({RANK}) (rate(gputrain_training_data_wait_seconds_total{{{s}}}[5m]))
-            / sum by ({RANK}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m]))"""),
+            sum by ({rank}) (rate(gputrain_training_data_wait_seconds_total{{{s}}}[5m]))
+            / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m]))"""),
         # samples per second of step time: the training loop's throughput, exact from a run's
         # first minute (a bare rate() over 5m reads low until the run is 5m old)
         rec("run_rank:gputrain_training_samples_per_second:rate5m", f"""
-            sum by ({RANK}) (rate(gputrain_training_samples_total{{{s}}}[5m]))
-            / sum by ({RANK}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m]))"""),
+            sum by ({rank}) (rate(gputrain_training_samples_total{{{s}}}[5m]))
+            / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m]))"""),
         rec("run_rank:gputrain_training_step_seconds:mean5m", f"""
-            sum by ({RANK}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m]))
-            / sum by ({RANK}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[5m]))"""),
+            sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m]))
+            / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[5m]))"""),
         rec("run_rank:gputrain_training_compute_seconds:mean5m", f"""
-            (sum by ({RANK}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m]))
-             - sum by ({RANK}) (rate(gputrain_training_data_wait_seconds_total{{{s}}}[5m])))
-            / sum by ({RANK}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[5m]))"""),
+            (sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m]))
+             - sum by ({rank}) (rate(gputrain_training_data_wait_seconds_total{{{s}}}[5m])))
+            / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[5m]))"""),
         rec("run_rank:gputrain_training_step_seconds:p50_30m", f"""
-            histogram_quantile(0.5, sum by ({RANK}, le)
+            histogram_quantile(0.5, sum by ({rank}, le)
               (rate(gputrain_training_step_duration_seconds_bucket{{{s}}}[30m])))"""),
         rec("run_rank:gputrain_training_step_seconds:p99_30m", f"""
-            histogram_quantile(0.99, sum by ({RANK}, le)
+            histogram_quantile(0.99, sum by ({rank}, le)
               (rate(gputrain_training_step_duration_seconds_bucket{{{s}}}[30m])))"""),
         rec("run_rank_phase:gputrain_training_phase_ratio:rate5m", f"""
-            sum by ({RANK}, phase) (rate(gputrain_training_phase_seconds_total{{{s}}}[5m]))
-            / on ({RANK}) group_left
-            sum by ({RANK}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m]))"""),
+            sum by ({rank}, phase) (rate(gputrain_training_phase_seconds_total{{{s}}}[5m]))
+            / on ({rank}) group_left
+            sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m]))"""),
         rec("run_rank:gputrain_training_step_phase_ratio:max_rate5m", f"""
-            max by ({RANK}) (
-              sum by ({RANK}, phase) (rate(gputrain_training_phase_seconds_total{{{s},{IN_STEP}}}[5m]))
-              / on ({RANK}) group_left
-              sum by ({RANK}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m])))"""),
+            max by ({rank}) (
+              sum by ({rank}, phase) (rate(gputrain_training_phase_seconds_total{{{s},{IN_STEP}}}[5m]))
+              / on ({rank}) group_left
+              sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m])))"""),
         rec("run_rank:gputrain_training_checkpoint_ratio:rate5m", f"""
-            sum by ({RANK}) (rate(gputrain_training_phase_seconds_total{{{s},phase="checkpoint"}}[5m]))
-            / sum by ({RANK}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m]))"""),
+            sum by ({rank}) (rate(gputrain_training_phase_seconds_total{{{s},phase="checkpoint"}}[5m]))
+            / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m]))"""),
         rec("run_rank:gputrain_training_process_cpu_cores:rate5m", f"""
-            sum by ({RANK}) (rate(gputrain_training_process_cpu_seconds_total{{{s}}}[5m]))"""),
+            sum by ({rank}) (rate(gputrain_training_process_cpu_seconds_total{{{s}}}[5m]))"""),
+        # what diagnose reads where only the recorded series arrive (a global layer fed with
+        # the recording rules' results): steps, the last step, the process tree's memory
+        rec("run_rank:gputrain_training_steps:rate5m", f"""
+            sum by ({rank}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[5m]))"""),
+        rec("run_rank:gputrain_training_last_step_timestamp_seconds:max", f"""
+            max by ({rank}) (gputrain_training_last_step_timestamp_seconds{{{s}}})"""),
+        rec("run_rank:gputrain_training_process_resident_memory_bytes:sum", f"""
+            sum by ({rank}) (gputrain_training_process_resident_memory_bytes{{{s}}})"""),
         # per GPU
         # GPU ratios divide by the seconds the sampler watched: exact from the first scrapes
         # after an exporter (re)start, and blind time (a lost GPU) counts on neither side.
         rec("gpu:gputrain_gpu_busy_ratio:rate5m", f"""
-            sum by ({GPU}) (rate(gputrain_gpu_busy_seconds_total{{{s}}}[5m]))
-            / sum by ({GPU}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[5m]))"""),
+            sum by ({gpu}) (rate(gputrain_gpu_busy_seconds_total{{{s}}}[5m]))
+            / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[5m]))"""),
         rec("gpu:gputrain_gpu_memory_used:ratio", f"""
-            sum by ({GPU}) (gputrain_gpu_memory_used_bytes{{{s}}})
-            / sum by ({GPU}) (gputrain_gpu_memory_total_bytes{{{s}}})"""),
+            sum by ({gpu}) (gputrain_gpu_memory_used_bytes{{{s}}})
+            / sum by ({gpu}) (gputrain_gpu_memory_total_bytes{{{s}}})"""),
         rec("gpu:gputrain_gpu_power_limit_used:ratio_avg5m", f"""
-            sum by ({GPU}) (avg_over_time(gputrain_gpu_power_watts{{{s}}}[5m]))
-            / sum by ({GPU}) (gputrain_gpu_power_limit_watts{{{s}}})"""),
+            sum by ({gpu}) (avg_over_time(gputrain_gpu_power_watts{{{s}}}[5m]))
+            / sum by ({gpu}) (gputrain_gpu_power_limit_watts{{{s}}})"""),
         rec("gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m", f"""
-            sum by ({GPU}) (rate(gputrain_gpu_pcie_received_bytes_total{{{s}}}[5m]))
-            / sum by ({GPU}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[5m]))
-            / sum by ({GPU}) (gputrain_gpu_pcie_link_max_bytes_per_second{{{s}}})"""),
+            sum by ({gpu}) (rate(gputrain_gpu_pcie_received_bytes_total{{{s}}}[5m]))
+            / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[5m]))
+            / sum by ({gpu}) (gputrain_gpu_pcie_link_max_bytes_per_second{{{s}}})"""),
         rec("gpu:gputrain_gpu_sm_active_ratio:avg5m",
-            f"avg by ({GPU}) (avg_over_time(gputrain_gpu_sm_active_ratio{{{s}}}[5m]))"),
+            f"avg by ({gpu}) (avg_over_time(gputrain_gpu_sm_active_ratio{{{s}}}[5m]))"),
         rec("gpu:gputrain_gpu_tensor_active_ratio:avg5m",
-            f"avg by ({GPU}) (avg_over_time(gputrain_gpu_tensor_active_ratio{{{s}}}[5m]))"),
+            f"avg by ({gpu}) (avg_over_time(gputrain_gpu_tensor_active_ratio{{{s}}}[5m]))"),
         rec("gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m", f"""
-            sum by ({GPU}) (rate(gputrain_gpu_clock_event_seconds_total{{{s},
+            sum by ({gpu}) (rate(gputrain_gpu_clock_event_seconds_total{{{s},
               reason=~"sw_power_cap|sw_thermal_slowdown|hw_thermal_slowdown|hw_power_brake_slowdown"}}[5m]))
-            / sum by ({GPU}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[5m]))"""),
+            / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[5m]))"""),
         # a rank's GPUs, joined through gputrain_training_gpu_info
         *[rec(f"run_rank_gpu:{name.split(':', 1)[1].rsplit(':', 1)[0]}:{name.rsplit(':', 1)[1]}",
-              rank_gpu_join(s, name))
+              rank_gpu_join(s, name, ids))
           for name in ("gpu:gputrain_gpu_busy_ratio:rate5m",
                        "gpu:gputrain_gpu_memory_used:ratio",
                        "gpu:gputrain_gpu_power_limit_used:ratio_avg5m",
                        "gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m",
                        "gpu:gputrain_gpu_sm_active_ratio:avg5m",
-                       "gpu:gputrain_gpu_tensor_active_ratio:avg5m")],
+                       "gpu:gputrain_gpu_tensor_active_ratio:avg5m",
+                       "gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m")],
         rec("run_rank:gputrain_gpu_busy_ratio:avg5m",
-            f"avg by ({RANK}) (run_rank_gpu:gputrain_gpu_busy_ratio:rate5m)"),
+            f"avg by ({rank}) (run_rank_gpu:gputrain_gpu_busy_ratio:rate5m)"),
         # per node
         rec("instance:gputrain_host_cpu_busy:ratio_rate5m", f"""
-            1 - sum by (job, instance) (rate(gputrain_host_cpu_seconds_total{{{s},mode=~"idle|iowait"}}[5m]))
-            / sum by (job, instance) (rate(gputrain_host_cpu_seconds_total{{{s}}}[5m]))"""),
+            1 - sum by ({node}) (rate(gputrain_host_cpu_seconds_total{{{s},mode=~"idle|iowait"}}[5m]))
+            / sum by ({node}) (rate(gputrain_host_cpu_seconds_total{{{s}}}[5m]))"""),
+        rec("instance:gputrain_host_memory_available_bytes:sum",
+            f"sum by ({node}) (gputrain_host_memory_available_bytes{{{s}}})"),
         rec("instance:gputrain_host_cpu_iowait:ratio_rate5m", f"""
-            sum by (job, instance) (rate(gputrain_host_cpu_seconds_total{{{s},mode="iowait"}}[5m]))
-            / sum by (job, instance) (rate(gputrain_host_cpu_seconds_total{{{s}}}[5m]))"""),
+            sum by ({node}) (rate(gputrain_host_cpu_seconds_total{{{s},mode="iowait"}}[5m]))
+            / sum by ({node}) (rate(gputrain_host_cpu_seconds_total{{{s}}}[5m]))"""),
         rec("instance:gputrain_host_disk_busy:max_rate5m", f"""
-            max by (job, instance) (rate(gputrain_host_disk_io_time_seconds_total{{{s}}}[5m]))"""),
+            max by ({node}) (rate(gputrain_host_disk_io_time_seconds_total{{{s}}}[5m]))"""),
         rec("instance:gputrain_host_network_receive_link_used:max_ratio_rate5m", f"""
-            max by (job, instance) (
+            max by ({node}) (
               rate(gputrain_host_network_received_bytes_total{{{s}}}[5m])
               / gputrain_host_network_speed_bytes_per_second{{{s}}})"""),
     ]
@@ -194,15 +259,18 @@ def _alert(name: str, expr: str, severity: str, situation: str, cfg: dict) -> di
 
 
 def _alerts(cfg: dict) -> list[dict]:
-    s, t = cfg["selector"], cfg["thresholds"]
+    s, t, ids = cfg["selector"], cfg["thresholds"], identity(cfg)
+    rank, run = ids.rank, ids.run
     wait = "run_rank:gputrain_training_data_wait_ratio:rate5m"
     busy = "run_rank_gpu:gputrain_gpu_busy_ratio:rate5m"
-    who = "Run {{ $labels.run }} rank {{ $labels.rank }} on {{ $labels.instance }}"
-    gpu_who = ("GPU {{ $labels.gpu }} of run {{ $labels.run }} rank {{ $labels.rank }} on "
-               "{{ $labels.instance }}")
-    node_gpu = "GPU {{ $labels.gpu }} on {{ $labels.instance }}"
+    # "on node-1 (cluster a)": the run labels beyond `run` name where the node is
+    where = "{{ $labels.instance }}" + "".join(
+        f" ({x} {{{{ $labels.{x} }}}})" for x in ids.extra if x != "job")
+    who = f"Run {{{{ $labels.run }}}} rank {{{{ $labels.rank }}}} on {where}"
+    gpu_who = f"GPU {{{{ $labels.gpu }}}} of {who[0].lower()}{who[1:]}"
+    node_gpu = f"GPU {{{{ $labels.gpu }}}} on {where}"
     input_bound = f"{wait} >= {t['input_bound']}"
-    on_node = "on (job, instance) group_left"
+    on_node = f"on ({ids.node}) group_left"
     rss = f"gputrain_training_process_resident_memory_bytes{{{s}}}"
     a = _alert
     return [
@@ -219,22 +287,22 @@ def _alerts(cfg: dict) -> list[dict]:
           f"""{who} spends {{{{ $value | humanizePercentage }}}} of each step waiting for the
           data loader (highly input-bound at {t['input_bound_high']}).""", cfg),
         a("GpuTrainCPUPreprocessingBound",
-          f"""({input_bound}) and on (job, instance) (instance:gputrain_host_cpu_busy:ratio_rate5m >=
+          f"""({input_bound}) and on ({ids.node}) (instance:gputrain_host_cpu_busy:ratio_rate5m >=
           {t['cpu_saturated']})""", "warning",
           f"""{who} waits {{{{ $value | humanizePercentage }}}} of each step for data while the
           node's CPUs are {t['cpu_saturated']} or more busy: preprocessing is the
           bottleneck.""", cfg),
         a("GpuTrainDiskIOBound",
           f"""({input_bound})
-          and on (job, instance) (instance:gputrain_host_cpu_iowait:ratio_rate5m >= {t['iowait_high']}
+          and on ({ids.node}) (instance:gputrain_host_cpu_iowait:ratio_rate5m >= {t['iowait_high']}
                or instance:gputrain_host_disk_busy:max_rate5m >= {t['disk_busy_high']})
-          and on (job, instance) (instance:gputrain_host_cpu_busy:ratio_rate5m < {t['cpu_saturated']})""",
+          and on ({ids.node}) (instance:gputrain_host_cpu_busy:ratio_rate5m < {t['cpu_saturated']})""",
           "warning",
           f"""{who} waits {{{{ $value | humanizePercentage }}}} of each step for data while the
           node waits on its disks (iowait >= {t['iowait_high']} or a disk busy >=
           {t['disk_busy_high']}) and the CPUs are not saturated.""", cfg),
         a("GpuTrainNetworkInputBound",
-          f"""({input_bound}) and on (job, instance)
+          f"""({input_bound}) and on ({ids.node})
           (instance:gputrain_host_network_receive_link_used:max_ratio_rate5m >=
           {t['network_saturated']})""", "warning",
           f"""{who} waits {{{{ $value | humanizePercentage }}}} of each step for data while a
@@ -242,7 +310,7 @@ def _alerts(cfg: dict) -> list[dict]:
           cfg),
         a("GpuTrainHostToDeviceBound",
           f"""run_rank_gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m >= {t['pcie_rx_high']}
-          and on (job, instance, run, rank, gpu, uuid) {busy} < {t['h2d_gpu_busy_below']}""",
+          and on ({rank}, gpu, uuid) {busy} < {t['h2d_gpu_busy_below']}""",
           "warning", f"""{gpu_who} receives {{{{ $value | humanizePercentage }}}} of its PCIe
           link's capacity while busy less than {t['h2d_gpu_busy_below']}.""", cfg),
         a("GpuTrainGPUMemoryUnderused",
@@ -251,7 +319,7 @@ def _alerts(cfg: dict) -> list[dict]:
           {t['memory_underused']}).""", cfg),
         a("GpuTrainLaunchBound",
           f"""{busy} >= {t['launch_busy_above']}
-          and on (job, instance, run, rank, gpu, uuid)
+          and on ({rank}, gpu, uuid)
           (run_rank_gpu:gputrain_gpu_power_limit_used:ratio_avg5m < {t['launch_power_below']}
            or run_rank_gpu:gputrain_gpu_sm_active_ratio:avg5m < {t['launch_sm_active_below']})""",
           "info", f"""{gpu_who} is busy {{{{ $value | humanizePercentage }}}} of the time but
@@ -259,14 +327,14 @@ def _alerts(cfg: dict) -> list[dict]:
           than {t['launch_sm_active_below']} active).""", cfg),
         a("GpuTrainTensorCoresIdle",
           f"""run_rank_gpu:gputrain_gpu_sm_active_ratio:avg5m >= {t['tensor_sm_active_above']}
-          and on (job, instance, run, rank, gpu, uuid)
+          and on ({rank}, gpu, uuid)
           run_rank_gpu:gputrain_gpu_tensor_active_ratio:avg5m < {t['tensor_active_below']}""",
           "info", f"""{gpu_who} has its SMs {{{{ $value | humanizePercentage }}}} active but
           its tensor cores below {t['tensor_active_below']}.""", cfg),
         a("GpuTrainHostOverheadBound",
           f"""(run_rank:gputrain_gpu_busy_ratio:avg5m < {t['gpu_busy_low']}
-            and on ({RANK}) {wait} < {t['input_bound']})
-          or on ({RANK}) (run_rank:gputrain_training_step_phase_ratio:max_rate5m
+            and on ({rank}) {wait} < {t['input_bound']})
+          or on ({rank}) (run_rank:gputrain_training_step_phase_ratio:max_rate5m
             > {t['phase_dominates']} / (1 + {t['phase_dominates']}))""", "warning",
           f"""{who}: its GPUs are idle although it barely waits for data, or a phase of the
           step (callbacks, logging) takes more than {t['phase_dominates']}x the rest of
@@ -274,18 +342,18 @@ def _alerts(cfg: dict) -> list[dict]:
         a("GpuTrainStepTimeStalls",
           f"""run_rank:gputrain_training_step_seconds:p99_30m
           > {t['stall_p99_over_p50']} * run_rank:gputrain_training_step_seconds:p50_30m
-          or on ({RANK}) (run_rank:gputrain_training_checkpoint_ratio:rate5m
+          or on ({rank}) (run_rank:gputrain_training_checkpoint_ratio:rate5m
             > {t['checkpoint_share']})""",
           "info", f"""{who}: the p99 step time is more than {t['stall_p99_over_p50']}x the
           median over 30m, or checkpoint saves take more than {t['checkpoint_share']} of the
           step time ({{{{ $value | printf "%.3g" }}}}).""", cfg),
         a("GpuTrainStragglerRank",
           f"""({wait} >= {t['input_bound']}
-            and {wait} > on (job, run) group_left ()
-              ({t['straggler_wait_factor']} * quantile by (job, run) (0.5, {wait})))
-          or (run_rank:gputrain_training_compute_seconds:mean5m > on (job, run) group_left ()
+            and {wait} > on ({run}) group_left ()
+              ({t['straggler_wait_factor']} * quantile by ({run}) (0.5, {wait})))
+          or (run_rank:gputrain_training_compute_seconds:mean5m > on ({run}) group_left ()
               ({t['straggler_compute_factor']}
-               * quantile by (job, run) (0.5, run_rank:gputrain_training_compute_seconds:mean5m)))""",
+               * quantile by ({run}) (0.5, run_rank:gputrain_training_compute_seconds:mean5m)))""",
           "warning", f"""{who} lags its run's other ranks (it waits for data more than
           {t['straggler_wait_factor']}x their median, or computes more than
           {t['straggler_compute_factor']}x their median).""", cfg),
@@ -309,51 +377,82 @@ def _alerts(cfg: dict) -> list[dict]:
           f"""{who} made no step for {{{{ $value | humanizeDuration }}}} although it still
           reports.""", cfg),
         a("GpuTrainGPULost", f"gputrain_gpu_up{{{s}}} == 0", "critical",
-          """GPU {{ $labels.gpu }} ({{ $labels.uuid }}) on {{ $labels.instance }} does not
+          f"""GPU {{{{ $labels.gpu }}}} ({{{{ $labels.uuid }}}}) on {where} does not
           answer NVML (fallen off the bus).""", cfg),
         a("GpuTrainXidErrors", f"increase(gputrain_gpu_xid_errors_total{{{s}}}[10m]) > 0",
           "critical", f"""{node_gpu} reported Xid {{{{ $labels.xid }}}}
           {{{{ $value | printf "%.0f" }}}} time(s) in 10m.""", cfg),
         a("GpuTrainCollectorFailing", f"gputrain_collector_success{{{s}}} == 0", "warning",
-          """The {{ $labels.collector }} collector on {{ $labels.instance }} has failed for
-          a while; its metrics are missing.""", cfg),
+          f"""The {{{{ $labels.collector }}}} collector on {where} has failed for a while;
+          its metrics are missing.""", cfg),
         a("GpuTrainExporterDown", f"up{{{s}}} == 0", "critical",
-          """{{ $labels.instance }} has not been scraped: its GPUs and runs are
-          unmonitored.""", cfg),
+          f"""{where} has not been scraped: its GPUs and runs are unmonitored.""", cfg),
     ]
 
 
-def render(overrides: dict | None = None) -> str:
-    """The rule file (YAML) for DEFAULTS with ``overrides`` applied."""
+HEADERS = {
+    "all": "# Generated by `gputrain-exporter rules`: do not edit; change thresholds with\n"
+           "# `gputrain-exporter rules --config my-thresholds.yml > gputrain.rules.yml`.\n"
+           "# Everything, for a single Prometheus. Past one, load `--level node` on each shard\n"
+           "# and `--level global` where all shards are seen.\n",
+    "node": "# Generated by `gputrain-exporter rules --level node`: do not edit.\n"
+            "# The recording rules and the alerts that need one node's raw series: load it on\n"
+            "# every Prometheus that scrapes the exporters (each shard).\n",
+    "global": "# Generated by `gputrain-exporter rules --level global`: do not edit.\n"
+              "# The alerts that compare the ranks of a run across nodes: load it where every\n"
+              "# shard's recorded series are seen (vmalert over VictoriaMetrics, a federating\n"
+              "# Prometheus, Thanos or Mimir ruler). It needs no raw series and records nothing.\n",
+}
+
+
+def groups(overrides: dict | None = None, level: str = "all") -> list[dict]:
+    """The rule groups for one level: ``node``, ``global`` or ``all`` (both)."""
+    if level not in ("all", *LEVELS):
+        raise ValueError(f"unknown level {level!r} (known: all, {', '.join(LEVELS)})")
     cfg = merge(DEFAULTS, overrides or {})
-    doc = {"groups": [
-        {"name": "gputrain.recording", "interval": cfg["recording_interval"],
-         "rules": _recording(cfg["selector"])},
-        {"name": "gputrain.alerts", "rules": _alerts(cfg)},
-    ]}
-    header = ("# Generated by `gputrain-exporter rules`: do not edit; change thresholds with\n"
-              "# `gputrain-exporter rules --config my-thresholds.yml > gputrain.rules.yml`.\n")
-    return header + yaml.safe_dump(doc, sort_keys=False, width=100, allow_unicode=True)
+    alerts = _alerts(cfg)
+    out = []
+    if level in ("all", "node"):
+        out.append({"name": "gputrain.recording", "interval": cfg["recording_interval"],
+                    "rules": _recording(cfg["selector"], identity(cfg))})
+        out.append({"name": "gputrain.alerts",
+                    "rules": [a for a in alerts if BY_ALERT[a["alert"]].level == "node"]})
+    if level in ("all", "global"):
+        out.append({"name": "gputrain.global.alerts",
+                    "rules": [a for a in alerts if BY_ALERT[a["alert"]].level == "global"]})
+    return out
 
 
-def render_prometheusrule(overrides: dict | None = None) -> str:
+def render(overrides: dict | None = None, level: str = "all") -> str:
+    """The rule file (YAML) for DEFAULTS with ``overrides`` applied, for one level."""
+    doc = {"groups": groups(overrides, level)}
+    return HEADERS[level] + yaml.safe_dump(doc, sort_keys=False, width=100, allow_unicode=True)
+
+
+def render_prometheusrule(overrides: dict | None = None, level: str = "all") -> str:
     """The same groups as :func:`render`, as a Prometheus Operator PrometheusRule."""
-    groups = yaml.safe_load(render(overrides))["groups"]
+    name = "gputrain-exporter" + ("" if level == "all" else f"-{level}")
     doc = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
-           "metadata": {"name": "gputrain-exporter",
+           "metadata": {"name": name,
                         "labels": {"app.kubernetes.io/name": "gputrain-exporter",
                                    "app.kubernetes.io/component": "rules"}},
-           "spec": {"groups": groups}}
-    header = ("# Generated by `gputrain-exporter rules --format prometheusrule`: do not edit.\n"
-              "# Its groups are those of alerts/gputrain.rules.yml (a test keeps them equal).\n")
+           "spec": {"groups": groups(overrides, level)}}
+    flag = "" if level == "all" else f" --level {level}"
+    header = (f"# Generated by `gputrain-exporter rules --format prometheusrule{flag}`: do not "
+              "edit.\n# Its groups are those of the rule file of the same level (a test keeps "
+              "them equal).\n")
     return header + yaml.safe_dump(doc, sort_keys=False, width=100, allow_unicode=True)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("rules", help="print the Prometheus rule file with your thresholds")
     p.add_argument("--config", metavar="FILE",
-                   help="YAML with any of: selector, runbook_url, recording_interval, "
-                        "thresholds.<name>, for.<alert>")
+                   help="YAML with any of: selector, run_labels, runbook_url, "
+                        "recording_interval, thresholds.<name>, for.<alert>")
+    p.add_argument("--level", choices=("all", *LEVELS), default="all",
+                   help="all (default: one Prometheus does everything); node (recording rules "
+                        "and one-node alerts, for each shard); global (alerts comparing a "
+                        "run's ranks, where every shard is seen)")
     p.add_argument("--defaults", action="store_true", help="print the default settings")
     p.add_argument("--format", choices=("rules", "prometheusrule"), default="rules",
                    help="a Prometheus rule file, or a Prometheus Operator PrometheusRule")
@@ -385,8 +484,8 @@ def main(ns: argparse.Namespace) -> int:
         return 0
     try:
         overrides = load_overrides(ns.config)
-        text = (render_prometheusrule(overrides) if ns.format == "prometheusrule"
-                else render(overrides))
+        text = (render_prometheusrule(overrides, ns.level) if ns.format == "prometheusrule"
+                else render(overrides, ns.level))
     except ValueError as exc:
         print(f"gputrain-exporter rules: {exc}", file=sys.stderr)
         return 2

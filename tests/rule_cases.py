@@ -104,12 +104,13 @@ def gpu_of(run: str, r: str, g: str, uuid: str) -> dict[str, str]:
 
 
 def run_steps(run: str, wait: float, r: str = "0", step_sum: float = 60,
-              step_s: float = 1.0) -> dict[str, str]:
+              step_s: float = 1.0, **node: str) -> dict[str, str]:
     """A rank waiting ``wait`` of each minute for data, out of ``step_sum`` seconds of steps
-    of ``step_s`` seconds each."""
-    return {sel("gputrain_training_data_wait_seconds_total", run=run, rank=r): ramp(wait * 60),
-            sel("gputrain_training_step_duration_seconds_sum", run=run, rank=r): ramp(step_sum),
-            sel("gputrain_training_step_duration_seconds_count", run=run, rank=r):
+    of ``step_s`` seconds each (on ``node``'s job and instance, else NODE's)."""
+    where = {**node, "run": run, "rank": r}
+    return {sel("gputrain_training_data_wait_seconds_total", **where): ramp(wait * 60),
+            sel("gputrain_training_step_duration_seconds_sum", **where): ramp(step_sum),
+            sel("gputrain_training_step_duration_seconds_count", **where):
                 ramp(step_sum / step_s)}
 
 
@@ -257,6 +258,19 @@ def alert_cases() -> list[Case]:
              [Fire("GpuTrainStragglerRank", rank("ddp", "3"), "30%"),
               Fire("GpuTrainInputBound", rank("ddp", "3"), "30%", "warning"),
               Fire("GpuTrainStragglerRank", rank("async", "2"), "1.5")],
+             fire_at="30m", quiet_at="12m", quiet_alerts=["GpuTrainStragglerRank"]),
+        # a run is `run`, never `job`: a rack scraped under another job name is the same run
+        Case("GpuTrainStragglerRank: run 'span' has ranks 0-2 on n1 (job gputrain) and rank 3 "
+             "on n2, scraped as job gputrain-rack3, waiting 30% for data against a median of 2%",
+             {**run_steps("span", 0.02, "0"), **run_steps("span", 0.02, "1"),
+              **run_steps("span", 0.02, "2"),
+              **run_steps("span", 0.3, "3", job="gputrain-rack3", instance="n2:19400")},
+             [Fire("GpuTrainStragglerRank",
+                   {**rank("span", "3"), "job": "gputrain-rack3", "instance": "n2:19400"},
+                   "30%"),
+              Fire("GpuTrainInputBound",
+                   {**rank("span", "3"), "job": "gputrain-rack3", "instance": "n2:19400"},
+                   "30%", "warning")],
              fire_at="30m", quiet_at="12m", quiet_alerts=["GpuTrainStragglerRank"]),
         Case("GpuTrainHostMemoryLeak: RSS rising 300 MiB/min on a 512 GiB node with 40 GiB "
              "available (exhausted in about 2 h 15 min); a high flat RSS and one that grows "

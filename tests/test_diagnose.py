@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 
 from exporter.catalogue import BY_ALERT
-from exporter.diagnose import GpuReading, RankReport, exit_status, judge
+from exporter.diagnose import (
+    GpuReading,
+    RankReport,
+    exit_status,
+    judge,
+    text_report,
+    visibility,
+)
 from exporter.rules import DEFAULTS
 
 T = DEFAULTS["thresholds"]
@@ -137,3 +144,45 @@ def test_stalls_throttling_and_leaks_are_found_beside_the_verdict():
     healthy.host["memory_available"] = 40 * 2**30
     judged = judge_one(healthy)
     assert names(judged) == [] and not judged.bottleneck
+
+
+def test_same_named_runs_of_two_clusters_are_compared_apart():
+    """With run_labels [cluster, run], a run of cluster b whose ranks all wait is no straggler
+    against cluster a's run of the same name, and a's straggler is found among a's ranks."""
+    a = ranks((0.0, 0.1), (0.0, 0.1), (0.0, 0.1), (0.5, 0.1))
+    b = ranks((0.5, 0.1), (0.5, 0.1))
+    for rep in a:
+        rep.labels = {"cluster": "a"}
+    for rep in b:
+        rep.labels = {"cluster": "b"}
+    judged = judge(a + b, T)
+    stragglers = [(r.labels["cluster"], r.rank) for r in judged if "straggler" in names(r)]
+    assert stragglers == [("a", "3")]
+
+
+def test_a_run_spanning_two_jobs_is_one_run():
+    reps = [report(0.95, w) for w in (0.02, 0.02, 0.02, 0.3)]
+    for i, rep in enumerate(reps):
+        rep.rank, rep.job = str(i), "gputrain-rack3" if i == 3 else "gputrain"
+    assert "straggler" in names(judge(reps, T)[3])
+
+
+def test_ranks_missing_below_the_highest_make_a_run_partly_visible():
+    reps = [report(0.95, 0.01) for _ in range(3)]
+    for rep, r in zip(reps, ("0", "1", "5"), strict=True):
+        rep.rank = r
+    visibility(reps)
+    assert all(r.partial == "ranks 2-4 of 0-5 are not visible" for r in reps)
+    whole = [report(0.95, 0.01) for _ in range(2)]
+    whole[1].rank = "1"
+    assert [r.partial for r in visibility(whole)] == ["", ""]
+    shard = visibility(whole, "this server is one shard")
+    assert shard[0].partial == "this server is one shard"
+
+
+def test_text_report_says_a_run_is_partly_visible():
+    reps = [report(0.95, 0.01) for _ in range(2)]
+    reps[1].rank = "3"
+    text = text_report(judge(visibility(reps), T))
+    assert "== run r: 2 rank(s) visible" in text
+    assert "partly visible: ranks 1-2 of 0-3 are not visible" in text

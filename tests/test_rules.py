@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -158,3 +159,61 @@ def test_a_catalogue_change_reaches_every_surface():
     t = {**DEFAULTS["thresholds"], **mine["thresholds"]}
     (judged,) = diagnose.judge([rep], t)
     assert judged.verdict == "gpu-bound"  # 10 % data wait is under the user's 12 %
+
+
+def _rules_of(level: str, config: str | None = None, fmt: str = "rules") -> list[dict]:
+    args = [sys.executable, "-m", "exporter", "rules", "--level", level, "--format", fmt]
+    out = subprocess.run(args + (["--config", config] if config else []), cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    doc = yaml.safe_load(out)
+    return [r for g in (doc.get("spec") or doc)["groups"] for r in g["rules"]]
+
+
+@pytest.mark.parametrize("fmt", ["rules", "prometheusrule"])
+def test_levels_split_the_rules_by_where_they_are_evaluated(fmt):
+    """A shard loads --level node (records and one-node alerts), the global ruler --level
+    global (rank comparisons, no records: vmalert refuses records without remote-write); the
+    two together are exactly the single-Prometheus file."""
+    node, glob, every = (_rules_of(level, fmt=fmt) for level in ("node", "global", "all"))
+    assert {r["alert"] for r in glob} == {"GpuTrainStragglerRank"}
+    assert not [r for r in glob if "record" in r]
+    assert "GpuTrainStragglerRank" not in {r.get("alert") for r in node}
+    assert {r.get("alert") for r in node if "alert" in r} == ALERTS - {"GpuTrainStragglerRank"}
+    assert node + glob == every
+    assert every == [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
+
+
+def test_every_alert_of_the_global_level_reads_only_recorded_series():
+    """The global layer may hold only the recording rules' results."""
+    for rule in _rules_of("global"):
+        names = set(re.findall(r"[a-z_]+:[a-z_:0-9]+", rule["expr"]))
+        bare = re.sub(r"[a-z_]+:[a-z_:0-9]+", "", rule["expr"])
+        assert names and "gputrain_" not in bare, rule["alert"]
+
+
+def test_run_labels_group_runs_and_never_job(tmp_path):
+    cfg = tmp_path / "t.yml"
+    cfg.write_text("run_labels: [cluster, run]\n")
+    rules = {r.get("alert") or r.get("record"): r for r in _rules_of("all", str(cfg))}
+    straggler = rules["GpuTrainStragglerRank"]["expr"]
+    assert "quantile by (cluster, run)" in straggler and "job" not in straggler
+    assert "sum by (cluster, job, instance, run, rank)" in \
+        rules["run_rank:gputrain_training_data_wait_ratio:rate5m"]["expr"]
+    assert "(cluster {{ $labels.cluster }})" in \
+        rules["GpuTrainStragglerRank"]["annotations"]["description"]
+    default = {r.get("alert"): r for r in _rules_of("global")}
+    assert "quantile by (run)" in default["GpuTrainStragglerRank"]["expr"]
+
+
+@pytest.mark.parametrize("value, message", [
+    ("[cluster]", "'run_labels' must include 'run'"),
+    ("[run, rank]", "must not include 'rank'"),
+    ("[run, 'a-b']", "'a-b' is not a label name"),
+    ("{a: 1}", "must be a list of label names"),
+])
+def test_a_bad_run_labels_setting_is_named(tmp_path, value, message):
+    cfg = tmp_path / "t.yml"
+    cfg.write_text(f"run_labels: {value}\n")
+    out = subprocess.run([sys.executable, "-m", "exporter", "rules", "--config", str(cfg)],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
