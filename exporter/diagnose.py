@@ -264,20 +264,21 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
         return tuple(labels.get(k, "") for k in ids.node_tuple)
 
     reports: dict[tuple, RankReport] = {}
-    ranks, recorded = _read(prom, q["ranks"], qr["ranks"], rank_key)
-    for labels, _ in ranks:
+    for labels, _ in _read(prom, q["ranks"], qr["ranks"], rank_key)[0]:
         if run is None or labels.get("run") == run:
             reports[rank_key(labels)] = RankReport(
                 labels.get("job", ""), labels.get("instance", ""), labels.get("run", ""),
-                labels.get("rank", ""), labels={k: labels.get(k, "") for k in ids.extra},
-                source="recorded" if rank_key(labels) in recorded else "raw")
+                labels.get("rank", ""), labels={k: labels.get(k, "") for k in ids.extra})
     for name in ("steps", "samples_per_second", "step_seconds", "data_wait_ratio",
                  "step_p50_seconds", "step_p99_seconds", "seconds_since_step",
                  "rss_growth_1h", "rss_growth_15m"):
-        for labels, value in _read(prom, q[name], qr[name], rank_key)[0]:
+        results, recorded = _read(prom, q[name], qr[name], rank_key)
+        for labels, value in results:
             rep = reports.get(rank_key(labels))
             if rep:
                 setattr(rep, "steps_per_second" if name == "steps" else name, value)
+                if name == "steps" and rank_key(labels) in recorded:
+                    rep.source = "recorded"
     for labels, value in _read(prom, q["phases"], qr["phases"],
                                lambda x: (*rank_key(x), x.get("phase", "")))[0]:
         rep = reports.get(rank_key(labels))

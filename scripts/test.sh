@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install everything the test suite needs, then run all of it.
 #   - Debian packages: prometheus (server + promtool), prometheus-alertmanager (server + amtool),
-#     prometheus-node-exporter (the benchmark's anchor)
+#     prometheus-node-exporter (the benchmark's anchor), victoria-metrics (VictoriaMetrics and
+#     vmalert: the global layer of the scale-out test)
 #   - Python, into the virtual environment .venv (scripts/install.sh): this package with its
 #     [test] extra, and PyTorch, Lightning, Keras, transformers at tests/frameworks.txt's versions
 # Usage: scripts/test.sh [extra pytest args]
@@ -12,6 +13,7 @@ missing=()
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 command -v amtool >/dev/null 2>&1 || missing+=(prometheus-alertmanager)
 command -v prometheus-node-exporter >/dev/null 2>&1 || missing+=(prometheus-node-exporter)
+command -v vmalert >/dev/null 2>&1 || missing+=(victoria-metrics)
 if [ ${#missing[@]} -gt 0 ]; then
     sudo=""
     [ "$(id -u)" -eq 0 ] || sudo="sudo"

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -43,15 +46,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def require_binary(name: str, *alternatives: str) -> str:
+def require_binary(name: str, *alternatives: str,
+                   package: str = "prometheus prometheus-alertmanager") -> str:
     """The path of a tool the test needs (under any of its names). In CI its absence is a
     failure, not a skip."""
     for candidate in (name, *alternatives):
         path = shutil.which(candidate)
         if path:
             return path
-    message = (f"{name} is not installed (Debian: apt-get install prometheus "
-               "prometheus-alertmanager); the README's test command installs it")
+    message = (f"{name} is not installed (Debian: apt-get install {package}); the README's "
+               "test command installs it")
     if os.environ.get("CI"):
         pytest.fail(message)
     pytest.skip(message)
@@ -157,14 +161,15 @@ def daemon_factory() -> Iterator:
         d.stop()
 
 
-def synthetic_client(run: str, endpoint: str, *args: str) -> subprocess.Popen:
-    """``examples/synthetic_client.py`` pushing to ``endpoint`` every 0.5 s on "GPU 0" until
-    killed; ``args`` are its flags (--data-wait-ms, --compute-ms, ...)."""
+def synthetic_client(run: str, endpoint: str, *args: str, rank: int = 0,
+                     gpu: int = 0) -> subprocess.Popen:
+    """``examples/synthetic_client.py`` as rank ``rank`` pushing to ``endpoint`` every 0.5 s
+    on GPU ``gpu`` until killed; ``args`` are its flags (--data-wait-ms, --compute-ms, ...)."""
     return subprocess.Popen(
         [sys.executable, str(ROOT / "examples" / "synthetic_client.py"), "--run", run,
          "--push-interval", "0.5", *args], cwd=ROOT,
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "GPUTRAIN_URL": endpoint,
-             "CUDA_VISIBLE_DEVICES": "0"})
+             "CUDA_VISIBLE_DEVICES": str(gpu), "RANK": str(rank)})
 
 
 def sample_value(text: str, name: str, labels: dict[str, str] | None = None) -> float | None:
@@ -259,6 +264,42 @@ class Alertmanager:
         self.proc.terminate()
         self.proc.wait(timeout=15)
         self._log.close()
+
+
+class Webhook:
+    """An Alertmanager webhook receiver: keeps every alert it is sent."""
+
+    def __init__(self) -> None:
+        self.alerts: list[dict] = []
+        received = self.alerts
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                received.extend(body["alerts"])
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}/hook"
+
+    def find(self, alertname: str, **labels: str) -> list[dict]:
+        return [a for a in list(self.alerts) if a["labels"].get("alertname") == alertname
+                and all(a["labels"].get(k) == v for k, v in labels.items())]
+
+
+def stop_all(started: list) -> None:
+    """Stop what a fixture started, last first: processes are killed, servers stopped."""
+    for thing in reversed(started):
+        if isinstance(thing, subprocess.Popen):
+            thing.kill()
+            thing.wait()
+        else:
+            thing.stop()
 
 
 @pytest.fixture

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import yaml
@@ -17,36 +15,12 @@ from conftest import (
     Alertmanager,
     Daemon,
     Prometheus,
+    Webhook,
     free_port,
+    stop_all,
     synthetic_client,
     wait_until,
 )
-
-
-class Webhook:
-    """An Alertmanager webhook receiver: keeps every alert it is sent."""
-
-    def __init__(self) -> None:
-        self.alerts: list[dict] = []
-        received = self.alerts
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                received.extend(body["alerts"])
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_port}/hook"
-
-    def find(self, alertname: str, **labels: str) -> list[dict]:
-        return [a for a in list(self.alerts) if a["labels"].get("alertname") == alertname
-                and all(a["labels"].get(k) == v for k, v in labels.items())]
 
 
 @pytest.fixture(scope="module")
@@ -83,12 +57,7 @@ def stack(tmp_path_factory):
         started.append(prom)
         yield {"prom": prom, "hook": hook, "idle": idle, "busy": busy}
     finally:
-        for thing in reversed(started):
-            if isinstance(thing, subprocess.Popen):
-                thing.kill()
-                thing.wait()
-            else:
-                thing.stop()
+        stop_all(started)
 
 
 def test_alertmanager_delivers_input_bound_with_run_and_description(stack):

@@ -232,6 +232,36 @@ def test_systemd_unit_verifies_and_is_hardened(tmp_path):
     assert "gputrain-exporter.service" not in out.stderr, out.stderr
 
 
+def test_the_vmalert_unit_verifies_and_loads_the_global_rules_only(tmp_path):
+    """deploy/scale-out/vmalert.service (the integration test runs its flags for real)."""
+    analyze = require_binary("systemd-analyze")
+    require_binary("vmalert", package="victoria-metrics")
+    unit = (DEPLOY / "scale-out" / "vmalert.service").read_text()
+    assert "-rule=/etc/gputrain-exporter/gputrain.global.rules.yml" in unit
+    assert "DynamicUser=yes" in unit and "NoNewPrivileges=yes" in unit
+    local = tmp_path / "vmalert.service"
+    local.write_text(unit)
+    out = subprocess.run([analyze, "verify", str(local)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "vmalert.service" not in out.stderr, out.stderr
+
+
+def test_the_scale_out_prometheus_configs_pass_promtool(tmp_path):
+    """The shard and the federating global server, with their rule files beside them."""
+    promtool = require_binary("promtool")
+    from exporter.rules import render
+
+    for name, level in (("prometheus-shard.yml", "node"),
+                        ("prometheus-global-federate.yml", "global")):
+        d = tmp_path / name
+        (d / "rules").mkdir(parents=True)
+        (d / "rules" / f"gputrain.{level}.rules.yml").write_text(render(level=level))
+        (d / name).write_text((DEPLOY / "scale-out" / name).read_text())
+        out = subprocess.run([promtool, "check", "config", str(d / name)],
+                             capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout + out.stderr
+
+
 def test_slurm_task_prolog_names_the_run_after_the_job():
     prolog = DEPLOY / "slurm" / "gputrain-task-prolog.sh"
     env = {"PATH": os.environ["PATH"], "SLURM_JOB_ID": "81234", "SLURM_PROCID": "5"}
