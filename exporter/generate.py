@@ -45,7 +45,11 @@ def runbook(overrides: dict | None = None) -> str:
     for e in CATALOGUE:
         for_ = cfg["for"][e.alert]
         confirm = ", ".join(f"`{c}`" for c in e.confirm)
-        text = f"{fill(e.why, t, for_)} Confirm: {confirm}. Change: {e.advice}"
+        where = ("each Prometheus that scrapes the node (`rules --level node`)"
+                 if e.level == "node" else
+                 "where every shard is seen (`rules --level global`)")
+        text = (f"{fill(e.why, t, for_)} Confirm: {confirm}. Change: {e.advice} "
+                f"Evaluated: {where}.")
         parts.append(f"\n## {e.alert}\n{textwrap.fill(text, 96, break_on_hyphens=False)}\n"
                      f"Dashboard: {fill(e.panel, t, for_)}\n")
     return "".join(parts)
@@ -54,10 +58,10 @@ def runbook(overrides: dict | None = None) -> str:
 def alert_table(overrides: dict | None = None) -> str:
     """The README's alert table."""
     cfg = merge(DEFAULTS, overrides or {})
-    rows = ["| alert | severity | fires when (defaults) |", "| --- | --- | --- |"]
+    rows = ["| alert | severity | level | fires when (defaults) |", "| --- | --- | --- | --- |"]
     for e in CATALOGUE:
         when = fill(e.fires_when, cfg["thresholds"], cfg["for"][e.alert])
-        rows.append(f"| `{e.alert}` | {e.severity} | {when} |")
+        rows.append(f"| `{e.alert}` | {e.severity} | {e.level} | {when} |")
     return "\n".join(rows) + "\n"
 
 

@@ -328,8 +328,8 @@ def test_the_package_the_image_installs_runs_the_daemon(tmp_path):
 
 
 def test_the_example_configs_start_real_prometheus_and_alertmanager(tmp_path):
-    """Prometheus with the compose layout loads both rule groups; Alertmanager starts with the
-    example routes."""
+    """Prometheus with the compose layout loads every rule group (one server does all levels);
+    Alertmanager starts with the example routes."""
     etc = prometheus_as_compose_mounts_it(tmp_path / "etc")
     servers = [Prometheus(tmp_path, [], config_file=etc / "prometheus.yml"),
                Alertmanager(tmp_path, DEPLOY / "alertmanager" / "alertmanager.yml")]
@@ -338,7 +338,8 @@ def test_the_example_configs_start_real_prometheus_and_alertmanager(tmp_path):
             server.start()
         groups = requests.get(servers[0].url + "/api/v1/rules", timeout=2).json()["data"][
             "groups"]
-        assert {g["name"] for g in groups} == {"gputrain.recording", "gputrain.alerts"}
+        assert {g["name"] for g in groups} == {"gputrain.recording", "gputrain.alerts",
+                                               "gputrain.global.alerts"}
         status = requests.get(servers[1].url + "/api/v2/status", timeout=2).json()
         assert "severity" in status["config"]["original"]
     finally:
