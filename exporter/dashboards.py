@@ -473,10 +473,13 @@ def dashboards(overrides: dict | None = None) -> dict[str, dict]:
     # a run label beyond `run` (cluster) is a variable of every dashboard and part of every
     # selector, so same-named runs of two clusters stay apart
     js = cfg["selector"] + "".join(f', {x}=~"${x}"' for x in ids.extra)
-    extra = [variable(x, f"label_values({x})", x.capitalize(), include_all=True)
-             for x in ids.extra]
-    return {"overview.json": overview(t, js, ids, extra), "run.json": run(t, js, ids, extra),
-            "node.json": node(t, js, ids, extra)}
+    def extra(include_all: bool) -> list[dict]:
+        return [variable(x, f"label_values({x})", x.capitalize(), include_all=include_all)
+                for x in ids.extra]
+
+    # the overview may show every cluster; a run or a node is in one
+    return {"overview.json": overview(t, js, ids, extra(True)),
+            "run.json": run(t, js, ids, extra(False)), "node.json": node(t, js, ids, extra(False))}
 
 
 def render(d: dict) -> str:

@@ -111,6 +111,22 @@ def test_the_users_thresholds_and_selector_reach_the_dashboards(tmp_path):
     assert not (tmp_path / "e").exists()
 
 
+def test_run_labels_become_a_variable_and_part_of_every_selector():
+    """With run_labels [cluster, run], two clusters' same-named runs are apart on every
+    dashboard: a `cluster` variable, and every query of a gputrain series filters on it."""
+    for name, d in generate.dashboards({"run_labels": ["cluster", "run"]}).items():
+        names = [v["name"] for v in d["templating"]["list"]]
+        assert names[:2] == ["datasource", "cluster"], name
+        # a run or a node is in one cluster; the overview may show them all
+        assert d["templating"]["list"][1]["includeAll"] == (name == "overview.json")
+        exprs = [t["expr"] for p in d["panels"] for t in p.get("targets", [])]
+        for expr in exprs:
+            if re.search(r"\bgputrain_|:gputrain_", expr) and "ALERTS" not in expr:
+                assert 'cluster=~"$cluster"' in expr, (name, expr)
+        joins = [e for e in exprs if "on (job, instance" in e or "by (job, instance" in e]
+        assert not joins, (name, joins)
+
+
 def test_provisioning_points_at_the_dashboards():
     provider = yaml.safe_load((ROOT / "grafana/provisioning/dashboards/gputrain.yml")
                               .read_text())["providers"][0]
