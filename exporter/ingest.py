@@ -18,6 +18,7 @@ from itertools import pairwise
 from typing import Any
 
 from exporter.protocol import (
+    DEFAULT_PRECISION,
     GPU_REF_RE,
     MAX_BUCKETS,
     MAX_GPUS,
@@ -25,6 +26,7 @@ from exporter.protocol import (
     MAX_PHASE_NAME_LENGTH,
     MAX_PHASES,
     NAME_RE,
+    PRECISIONS,
     RUN_ID_RE,
     SCHEMA_VERSION,
 )
@@ -58,6 +60,8 @@ class RankState:
     step_seconds: float = 0.0
     data_wait_seconds: float = 0.0
     samples: float = 0.0
+    flops: float | None = None  # model FLOPs, when the client knows its FLOPs per sample
+    precision: str = DEFAULT_PRECISION
     bucket_bounds: tuple[float, ...] = ()
     bucket_counts: tuple[int, ...] = ()
     phases: dict[str, float] = field(default_factory=dict)
@@ -140,6 +144,12 @@ def parse_push(raw: bytes, now: float, now_unix: float) -> tuple[RankState, bool
     st.data_wait_seconds = _number(body, "data_wait_seconds")
     st.samples = _number(body, "samples")
     st.last_step_timestamp = _number(body, "last_step_timestamp", required=False)
+    st.flops = _number(body, "flops", required=False)
+    precision = body.get("precision", DEFAULT_PRECISION)
+    if precision not in PRECISIONS:
+        raise PushRejected(400, f"field 'precision' must be one of {', '.join(PRECISIONS)}, "
+                                f"got {precision!r}")
+    st.precision = precision
     _parse_histogram(body, st)
     _parse_phases(body, st)
     _parse_process(body, st)

@@ -227,3 +227,59 @@ def test_phase_names_past_the_daemons_limit_are_counted_as_other(caplog):
     parse_push(body, 0.0, 0.0)  # the daemon accepts it
     with pytest.raises(ValueError, match="at most"):
         TrainingMonitor(run="phasey", start=False, buckets=[0.001 * i for i in range(1, 40)])
+
+
+def test_model_flops_are_samples_times_flops_per_sample_from_when_they_are_known():
+    m = TrainingMonitor(run="mfu", start=False)
+    for _ in m.wrap([[0] * 4] * 3):  # 12 samples before the FLOPs are known
+        pass
+    assert "flops" not in m.totals() and m.totals()["precision"] == "bf16"
+    m.set_flops_per_sample(1e9, precision="fp8")
+    for _ in m.wrap([[0] * 4] * 5):  # 20 samples after
+        pass
+    totals = m.totals()
+    assert totals["flops"] == 20 * 1e9 and totals["precision"] == "fp8"
+    assert totals["samples"] == 32
+    m2 = TrainingMonitor(run="mfu", start=False, flops_per_sample=2.5e6)
+    with m2.step(samples=8):
+        pass
+    assert m2.totals()["flops"] == 8 * 2.5e6
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"flops_per_sample": -1}, "flops_per_sample must be a finite number >= 0"),
+    ({"flops_per_sample": float("nan")}, "flops_per_sample must be a finite number >= 0"),
+    ({"precision": "int8"}, "precision must be one of fp8, bf16, fp16, tf32, fp32"),
+])
+def test_bad_flops_or_precision_is_refused_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TrainingMonitor(start=False, **kwargs)
+
+
+def test_the_precision_is_autocasts_dtype_when_flops_are_set_inside_it():
+    torch = __import__("torch")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m = TrainingMonitor(start=False, flops_per_sample=1.0)
+    assert m.precision == "bf16"
+    with torch.autocast("cpu", dtype=torch.float16):
+        m.set_flops_per_sample(2.0)
+    assert m.precision == "fp16"
+    m.set_flops_per_sample(2.0, precision="tf32")
+    assert m.precision == "tf32"
+
+
+def test_flop_counter_agrees_with_a_hand_count_on_a_small_mlp():
+    """Linear(16, 32), ReLU, Linear(32, 4) on a batch of 8. A multiply-add is 2 FLOPs:
+    forward 2*8*16*32 + 2*8*32*4 = 10,240; backward: the second layer's input and weight
+    gradients (2 * 2,048) and the first layer's weight gradient (8,192; its input needs none);
+    22,528 in all, 2,816 per sample."""
+    torch = __import__("torch")
+    from exporter.client.flops import count_training_flops, transformer_flops_per_sample
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    assert count_training_flops(model, torch.randn(8, 16)) == 2816
+    assert all(p.grad is None for p in model.parameters())
+    loss = torch.nn.functional.cross_entropy
+    target = torch.zeros(8, dtype=torch.long)
+    assert count_training_flops(model, torch.randn(8, 16), lambda out: loss(out, target)) == 2816
+    assert transformer_flops_per_sample(8e9, 4096) == 6 * 8e9 * 4096

@@ -80,22 +80,44 @@ def test_a_push_is_exported_with_run_and_rank(rig):
     assert rig.v("gputrain_training_process_resident_memory_bytes") == 1e9
     assert rig.v("gputrain_training_process_read_bytes_total") == 4096
     uuid0 = rig.sampler.snapshot.gpus[0].identity.uuid
-    assert rig.v("gputrain_training_gpu_info", gpu="0", uuid=uuid0) == 1
+    assert rig.v("gputrain_training_gpu_info", precision="bf16", gpu="0", uuid=uuid0) == 1
     text = rig.exposition()
     assert "pid" not in text and 'job="' not in text
     assert rig.registry.get_sample_value("gputrain_ingest_requests_total", {"code": "200"}) == 1
 
 
+def test_model_flops_and_precision_are_exported(rig):
+    """A client that knows its FLOPs per sample pushes the cumulative model FLOPs and the
+    precision it trains in; one that does not exports no FLOPs line and the default."""
+    rig.push(body())
+    assert rig.v("gputrain_training_flops_total") is None
+    uuid0 = rig.sampler.snapshot.gpus[0].identity.uuid
+    r = rig.push(body(steps=11, step_counts=[2, 9, 11], flops=3.2e12, precision="fp8"))
+    assert r.status_code == 200, r.text
+    assert rig.v("gputrain_training_flops_total") == 3.2e12
+    assert rig.v("gputrain_training_gpu_info", precision="fp8", gpu="0", uuid=uuid0) == 1
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"precision": "int4"}, "field 'precision' must be one of fp8, bf16, fp16, tf32, fp32"),
+    ({"flops": -1}, "field 'flops' must be a finite number >= 0"),
+    ({"flops": "many"}, "field 'flops' must be a number"),
+])
+def test_bad_flops_or_precision_is_a_400_that_says_why(rig, over, message):
+    r = rig.push(body(**over))
+    assert r.status_code == 400 and message in r.text, r.text
+
+
 def test_gpus_resolve_from_uuids_and_from_the_nvml_process_list(rig):
     uuid1 = rig.sampler.snapshot.gpus[1].identity.uuid
     rig.push(body(gpus=[uuid1]))
-    assert rig.v("gputrain_training_gpu_info", gpu="1", uuid=uuid1) == 1
-    assert rig.v("gputrain_training_gpu_info", gpu="0",
+    assert rig.v("gputrain_training_gpu_info", precision="bf16", gpu="1", uuid=uuid1) == 1
+    assert rig.v("gputrain_training_gpu_info", precision="bf16", gpu="0",
                  uuid=rig.sampler.snapshot.gpus[0].identity.uuid) is None
     # no GPUs pushed: the GPUs whose process list holds the pid
     rig.sampler.snapshot.gpus[0].sample.pids = (4242,)
     rig.push(body(gpus=[], steps=11, step_counts=[2, 9, 11]))
-    assert rig.v("gputrain_training_gpu_info", gpu="0",
+    assert rig.v("gputrain_training_gpu_info", precision="bf16", gpu="0",
                  uuid=rig.sampler.snapshot.gpus[0].identity.uuid) == 1
 
 

@@ -56,7 +56,8 @@ def test_training_lines_are_what_prometheus_client_writes_in_both_formats():
          step_counts=[1, 6, 11], phases={"zeta": 1e-7, "checkpoint": 3.5},
          process={"cpu_seconds": 2, "pid": 4242})
     assert collector.render(False) == generate_latest(registry)
-    assert b'gputrain_training_gpu_info{gpu="0",rank="1",run="resnet18"' in collector.render()
+    line = b'gputrain_training_gpu_info{gpu="0",precision="bf16",rank="1",run="resnet18"'
+    assert line in collector.render()
 
 
 def _rig(clock: FakeClock) -> tuple[Sampler, IngestStore, Exposition]:

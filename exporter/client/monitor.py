@@ -24,10 +24,12 @@ from typing import Any, TypeVar
 
 from exporter.client.pusher import Pusher
 from exporter.protocol import (
+    DEFAULT_PRECISION,
     MAX_BUCKETS,
     MAX_PHASE_NAME_LENGTH,
     MAX_PHASES,
     OTHER_PHASE,
+    PRECISIONS,
     sanitize,
 )
 
@@ -40,6 +42,22 @@ _END = object()  # wrap()'s marker for the next() that raised StopIteration
 DEFAULT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0, 60.0)
 DEFAULT_ENDPOINT = "http://127.0.0.1:19401"
+_AUTOCAST_PRECISION = {"bfloat16": "bf16", "float16": "fp16"}
+
+
+def _autocast_precision() -> str | None:
+    """bf16 or fp16 when this thread is inside ``torch.autocast`` (torch already imported)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        for device in ("cuda", "cpu"):
+            if torch.is_autocast_enabled(device):
+                return _AUTOCAST_PRECISION.get(str(torch.get_autocast_dtype(device))
+                                               .removeprefix("torch."))
+    except (AttributeError, TypeError, RuntimeError):  # an older torch: no device argument
+        return None
+    return None
 
 
 def default_run() -> str:
@@ -142,6 +160,7 @@ class _Step:
         m._step_seconds += step_s
         m._wait_seconds += m._pending_wait
         m._samples += self.samples
+        m._flops += self.samples * m._flops_per_sample
         m._counts[bisect_left(m._bounds, step_s)] += 1
         m._last_step = now
         m._pending_wait = 0.0
@@ -194,7 +213,8 @@ class TrainingMonitor:
                  endpoint: str | None = None, push_interval: float = 5.0,
                  token: str | None = None, buckets: Iterable[float] = DEFAULT_BUCKETS,
                  start: bool = True, ca_file: str | None = None,
-                 tls_server_name: str | None = None) -> None:
+                 tls_server_name: str | None = None, flops_per_sample: float | None = None,
+                 precision: str | None = None) -> None:
         self.run = sanitize(run or default_run())
         self.rank = sanitize(str(rank if rank is not None else default_rank()))
         self.endpoint = (endpoint or os.environ.get("GPUTRAIN_URL") or DEFAULT_ENDPOINT).rstrip(
@@ -212,6 +232,11 @@ class TrainingMonitor:
         self._step_seconds = 0.0
         self._wait_seconds = 0.0
         self._samples = 0.0
+        self._flops = 0.0
+        self._flops_per_sample = 0.0
+        self._flops_known = False
+        self.precision = DEFAULT_PRECISION
+        self.set_flops_per_sample(flops_per_sample, precision)
         self._last_step = 0.0  # perf_counter of the last step's end; 0 = none yet
         self._phases: dict[str, float] = {}
         self._phase_timers: dict[str, _Phase] = {}
@@ -237,6 +262,22 @@ class TrainingMonitor:
         ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: _disable_in_child(ref))
         atexit.register(_close_at_exit, ref)
+
+    def set_flops_per_sample(self, flops: float | None, precision: str | None = None) -> None:
+        """The model FLOPs of one training sample (forward and backward; see
+        :mod:`exporter.client.flops`), from here on; ``None`` stops counting. ``precision``
+        (fp8, bf16, fp16, tf32, fp32) is the arithmetic the GPUs run it in: by default the
+        dtype of an active ``torch.autocast``, else bf16. MFU is the FLOPs' rate over the
+        GPUs' peak at that precision."""
+        if flops is not None and not (isinstance(flops, (int, float)) and flops >= 0
+                                      and flops == flops and flops != float("inf")):
+            raise ValueError(f"flops_per_sample must be a finite number >= 0, got {flops!r}")
+        if precision is not None and precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got "
+                             f"{precision!r}")
+        self.precision = precision or _autocast_precision() or self.precision
+        self._flops_known = self._flops_known or flops is not None
+        self._flops_per_sample = float(flops or 0.0)
 
     # -- measuring ---------------------------------------------------------------------------
 
@@ -327,6 +368,7 @@ class TrainingMonitor:
         self._step_seconds += step_s
         self._wait_seconds += self._pending_wait
         self._samples += samples
+        self._flops += samples * self._flops_per_sample
         self._counts[bisect_left(self._bounds, step_s)] += 1
         self._last_step = now
         self._pending_wait = 0.0
@@ -389,6 +431,8 @@ class TrainingMonitor:
             "step_buckets": list(self._bounds),
             "step_counts": cumulative,
             "gpus": list(self._gpus),
+            "precision": self.precision,
+            **({"flops": self._flops} if self._flops_known else {}),
         }
 
     # -- lifecycle ---------------------------------------------------------------------------

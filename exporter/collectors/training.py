@@ -78,6 +78,10 @@ class TrainingCollector:
             "time).", labels=LABELS)
         samples = CounterMetricFamily("gputrain_training_samples_total",
                                       "Training samples processed.", labels=LABELS)
+        flops = CounterMetricFamily(
+            "gputrain_training_flops_total",
+            "Model FLOPs of the training steps (forward and backward), from the FLOPs per "
+            "sample the client states.", labels=LABELS)
         hist = HistogramMetricFamily(
             "gputrain_training_step_duration_seconds",
             "Wall time of one training step, data wait included, in seconds.", labels=LABELS)
@@ -103,14 +107,14 @@ class TrainingCollector:
             "Bytes the training process and its children read (storage and page cache).",
             labels=LABELS)
         gpu_info = GaugeMetricFamily(
-            "gputrain_training_gpu_info", "The GPUs a rank uses; always 1. Join on gpu/uuid.",
-            labels=[*LABELS, "gpu", "uuid"])
+            "gputrain_training_gpu_info", "The GPUs a rank uses and the precision it trains "
+            "in; always 1. Join on gpu/uuid.", labels=[*LABELS, "gpu", "uuid", "precision"])
         requests = CounterMetricFamily("gputrain_ingest_requests_total",
                                        "Push requests received, by HTTP status code.",
                                        labels=["code"])
         series = GaugeMetricFamily("gputrain_ingest_series",
                                    "Live (run, rank) pairs the daemon holds.", labels=[])
-        return (steps, wait, samples, hist, phases, last_step, last_push, cpu, rss, read,
+        return (steps, wait, samples, flops, hist, phases, last_step, last_push, cpu, rss, read,
                 gpu_info, requests, series)
 
     def collect(self) -> Iterator[Metric]:
@@ -119,13 +123,15 @@ class TrainingCollector:
         started = time.perf_counter()
         states = sorted(self._store.states(), key=lambda s: (s.run, s.rank))
         gpus = GpuIndex(self._snapshot())
-        (steps, wait, samples, hist, phases, last_step, last_push, cpu, rss, read, gpu_info,
-         requests, series) = self._families()
+        (steps, wait, samples, flops, hist, phases, last_step, last_push, cpu, rss, read,
+         gpu_info, requests, series) = self._families()
         for st in states:
             lv = [st.run, st.rank]
             steps.add_metric(lv, st.steps)
             wait.add_metric(lv, st.data_wait_seconds)
             samples.add_metric(lv, st.samples)
+            if st.flops is not None:
+                flops.add_metric(lv, st.flops)
             pairs = zip(st.bucket_bounds, st.bucket_counts, strict=True)
             buckets = [(floatToGoString(b), c) for b, c in pairs]
             buckets.append(("+Inf", st.steps))
@@ -142,9 +148,9 @@ class TrainingCollector:
             if "read_bytes" in st.process:
                 read.add_metric(lv, st.process["read_bytes"])
             for index, uuid in resolve_gpus(st, gpus):
-                gpu_info.add_metric([*lv, index, uuid], 1)
-        for family in (steps, wait, samples, hist, phases, last_step, last_push, cpu, rss, read,
-                       gpu_info):
+                gpu_info.add_metric([*lv, index, uuid, st.precision], 1)
+        for family in (steps, wait, samples, flops, hist, phases, last_step, last_push, cpu,
+                       rss, read, gpu_info):
             if family.samples:
                 yield family
         for code, n in sorted(self._store.requests().items()):
@@ -172,7 +178,8 @@ class TrainingCollector:
             for i, chunk in enumerate(lines):
                 if chunk:
                     per_family[i].append(chunk)
-            info = [f'gputrain_training_gpu_info{{gpu="{_escape(index)}",{_labels(st)},'
+            info = [f'gputrain_training_gpu_info{{gpu="{_escape(index)}",'
+                    f'precision="{st.precision}",{_labels(st)},'
                     f'uuid="{_escape(uuid)}"}} 1.0\n' for index, uuid in resolve_gpus(st, gpus)]
             if info:
                 per_family[_RANK_FAMILIES].append("".join(info))
@@ -217,7 +224,7 @@ class _One:
         yield self._family
 
 
-_RANK_FAMILIES = 10  # the families before gputrain_training_gpu_info, in _families() order
+_RANK_FAMILIES = 11  # the families before gputrain_training_gpu_info, in _families() order
 
 
 def _labels(st: RankState) -> str:
@@ -246,6 +253,7 @@ def _rank_lines(st: RankState) -> tuple[str, ...]:
         line("gputrain_training_steps_total", st.steps),
         line("gputrain_training_data_wait_seconds_total", st.data_wait_seconds),
         line("gputrain_training_samples_total", st.samples),
+        line("gputrain_training_flops_total", st.flops),
         "".join(hist),
         phases,
         line("gputrain_training_last_step_timestamp_seconds", st.last_step_timestamp),
