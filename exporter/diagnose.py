@@ -180,17 +180,14 @@ def queries(selector: str, window: str, ids: Identity | None = None) -> dict[str
         return inline(name, records).replace("[5m]", f"[{window}]")
 
     s, r = selector, ids.rank
-    return {
-        # every rank that exports anything, then the step rate of those that step
-        "ranks": f'group by ({r}) ({{__name__=~"gputrain_training_.+", {s}}})',
-        "steps": rule("run_rank:gputrain_training_steps:rate5m"),
-        **{name: rule(record) for name, record in RECORDED.items()
-           if name not in ("ranks", "steps", "seconds_since_step", "rss_growth_1h",
-                           "rss_growth_15m")},
-        "seconds_since_step": f"max by ({r}) (time() - gputrain_training_last_step_timestamp_seconds{{{s}}})",  # noqa: E501
-        "rss_growth_1h": f"sum by ({r}) (deriv(gputrain_training_process_resident_memory_bytes{{{s}}}[1h]))",  # noqa: E501
-        "rss_growth_15m": f"sum by ({r}) (deriv(gputrain_training_process_resident_memory_bytes{{{s}}}[15m]))",  # noqa: E501
-    }
+    q = {name: rule(record) for name, record in RECORDED.items()}
+    # every rank that exports anything (a rank that never stepped too)
+    q["ranks"] = f'group by ({r}) ({{__name__=~"gputrain_training_.+", {s}}})'
+    q["seconds_since_step"] = f"time() - {q['seconds_since_step']}"
+    rss = f"gputrain_training_process_resident_memory_bytes{{{s}}}"
+    q["rss_growth_1h"] = f"sum by ({r}) (deriv({rss}[1h]))"
+    q["rss_growth_15m"] = f"sum by ({r}) (deriv({rss}[15m]))"
+    return q
 
 
 # Every reading, as the recording rule that holds it (over 5m): what a layer fed only the
@@ -284,8 +281,10 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
         rep = reports.get(rank_key(labels))
         if rep:
             rep.phases[labels.get("phase", "")] = value
+    def gpu_key(labels: dict[str, str]) -> tuple[str, ...]:
+        return (*rank_key(labels), labels.get("gpu", ""), labels.get("uuid", ""))
+
     for name in GPU_READINGS:
-        gpu_key = lambda x: (*rank_key(x), x.get("gpu", ""), x.get("uuid", ""))  # noqa: E731
         for labels, value in _read(prom, q[name], qr[name], gpu_key)[0]:
             rep = reports.get(rank_key(labels))
             if not rep:

@@ -53,16 +53,14 @@ class Identity:
     (``cluster``) with ``job, instance``; a rank is a node's labels with ``run, rank``."""
 
     def __init__(self, run_labels: list[str] | tuple[str, ...] = ("run",)) -> None:
-        self.run_tuple = tuple(run_labels)
-        extra = [x for x in self.run_tuple if x != "run"]
-        self.node_tuple = tuple(dict.fromkeys([*extra, "job", "instance"]))
+        self.extra = tuple(x for x in run_labels if x != "run")  # what tells runs apart
+        self.node_tuple = tuple(dict.fromkeys([*self.extra, "job", "instance"]))
         self.rank_tuple = (*self.node_tuple, "run", "rank")
-        self.gpu_tuple = (*self.node_tuple, "gpu", "uuid")
-        self.run = ", ".join(self.run_tuple)
+        # as PromQL label lists
+        self.run = ", ".join(run_labels)
         self.node = ", ".join(self.node_tuple)
         self.rank = ", ".join(self.rank_tuple)
-        self.gpu = ", ".join(self.gpu_tuple)
-        self.extra = tuple(extra)  # the labels beyond `run` that tell runs apart
+        self.gpu = f"{self.node}, gpu, uuid"
 
 
 def check_run_labels(value: Any) -> list[str]:

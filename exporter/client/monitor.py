@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import sys
 import time
@@ -270,7 +271,7 @@ class TrainingMonitor:
         dtype of an active ``torch.autocast``, else bf16. MFU is the FLOPs' rate over the
         GPUs' peak at that precision."""
         if flops is not None and not (isinstance(flops, (int, float)) and flops >= 0
-                                      and flops == flops and flops != float("inf")):
+                                      and math.isfinite(flops)):
             raise ValueError(f"flops_per_sample must be a finite number >= 0, got {flops!r}")
         if precision is not None and precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got "
