@@ -183,18 +183,42 @@ def sample_value(text: str, name: str, labels: dict[str, str] | None = None) -> 
     return None
 
 
-class Prometheus:
+class Server:
+    """A server binary on loopback as a user runs it: ``args``, its log in ``dir``, ready once
+    ``url + ready`` answers 200."""
+
+    def __init__(self, args: list[str], dir: Path, url: str, ready: str = "/-/ready") -> None:
+        self.args, self.dir, self.url, self.ready = args, dir, url, ready
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Server:
+        self._log = open(self.dir / "log.txt", "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT)
+        wait_until(lambda: requests.get(self.url + self.ready, timeout=1).status_code == 200,
+                   timeout=30, what=f"{Path(self.args[0]).name} on {self.url} to be ready "
+                                    f"({(self.dir / 'log.txt').read_text()[-500:]})")
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=15)
+        if getattr(self, "_log", None):
+            self._log.close()
+
+
+class Prometheus(Server):
     """A real Prometheus server on loopback, scraping what the test points it at."""
 
     def __init__(self, tmp_path: Path, targets: list[str], rule_files: list[str] | None = None,
                  scrape_interval: str = "1s", alertmanager: str | None = None,
                  extra_args: list[str] | None = None, config_file: Path | None = None) -> None:
         """Scrapes ``targets`` as job gputrain, or runs the given ``config_file`` as is."""
-        self.binary = require_binary("prometheus")
+        binary = require_binary("prometheus")
         self.port = free_port()
-        self.dir = tmp_path / f"prometheus-{self.port}"
-        self.dir.mkdir()
-        config_file = config_file or self.dir / "prometheus.yml"
+        dir = tmp_path / f"prometheus-{self.port}"
+        dir.mkdir()
+        config_file = config_file or dir / "prometheus.yml"
         config = {
             "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
             "scrape_configs": [{"job_name": "gputrain", "static_configs": [{"targets": targets}]}],
@@ -207,28 +231,10 @@ class Prometheus:
 
         if not config_file.exists():
             config_file.write_text(yaml.safe_dump(config))
-        self.args = [self.binary, f"--config.file={config_file}",
-                     f"--storage.tsdb.path={self.dir / 'data'}",
-                     f"--web.listen-address=127.0.0.1:{self.port}", *(extra_args or [])]
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> Prometheus:
-        self._log = open(self.dir / "log.txt", "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT)
-        wait_until(lambda: requests.get(self.url + "/-/ready", timeout=1).status_code == 200,
-                   timeout=30, what="Prometheus to be ready")
-        return self
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=15)
-        if getattr(self, "_log", None):
-            self._log.close()
+        super().__init__([binary, f"--config.file={config_file}",
+                          f"--storage.tsdb.path={dir / 'data'}",
+                          f"--web.listen-address=127.0.0.1:{self.port}", *(extra_args or [])],
+                         dir, f"http://127.0.0.1:{self.port}")
 
     def query(self, expr: str) -> list[dict]:
         r = requests.get(self.url + "/api/v1/query", params={"query": expr}, timeout=10)
@@ -237,33 +243,18 @@ class Prometheus:
         return body["data"]["result"]
 
 
-class Alertmanager:
+class Alertmanager(Server):
     """A real Alertmanager (Debian's prometheus-alertmanager) on loopback, without clustering."""
 
     def __init__(self, tmp_path: Path, config_file: Path) -> None:
-        self.binary = require_binary("prometheus-alertmanager", "alertmanager")
+        binary = require_binary("prometheus-alertmanager", "alertmanager")
         self.port = free_port()
-        self.dir = tmp_path / f"alertmanager-{self.port}"
-        self.dir.mkdir()
-        self.args = [self.binary, f"--config.file={config_file}",
-                     f"--storage.path={self.dir / 'data'}",
-                     f"--web.listen-address=127.0.0.1:{self.port}", "--cluster.listen-address="]
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> Alertmanager:
-        self._log = open(self.dir / "log.txt", "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT)
-        wait_until(lambda: requests.get(self.url + "/-/ready", timeout=1).status_code == 200,
-                   timeout=30, what="Alertmanager to be ready")
-        return self
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=15)
-        self._log.close()
+        dir = tmp_path / f"alertmanager-{self.port}"
+        dir.mkdir()
+        super().__init__([binary, f"--config.file={config_file}",
+                          f"--storage.path={dir / 'data'}",
+                          f"--web.listen-address=127.0.0.1:{self.port}",
+                          "--cluster.listen-address="], dir, f"http://127.0.0.1:{self.port}")
 
 
 class Webhook:

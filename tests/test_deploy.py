@@ -344,5 +344,4 @@ def test_the_example_configs_start_real_prometheus_and_alertmanager(tmp_path):
         assert "severity" in status["config"]["original"]
     finally:
         for server in servers:
-            if getattr(server, "proc", None):
-                server.stop()
+            server.stop()
