@@ -332,12 +332,26 @@ def test_sizes_at_the_global_layer(world):
             out[part] = max(values)
         return out
 
-    raw = counts(a1.query, 'job=~"gputrain.*", __name__!~".+:.+"')
     vm = world["vm"]
 
     def vm_query(q: str) -> list[dict]:
         body = requests.get(vm.url + "/api/v1/query", params={"query": q}, timeout=10).json()
         return body["data"]["result"]
+
+    # Count only once every series exists: the straggler fires 5 s after the rules' first
+    # results, by when each rule that has data has recorded; then VictoriaMetrics must hold
+    # every recorded series the shard holds for that rank (remote-write lags a little).
+    wait_until(lambda: firing(world["hook"], "GpuTrainStragglerRank"), timeout=240,
+               what="the straggler, as a sign that every rule has recorded")
+
+    def names(prom_query, selector: str) -> set[str]:
+        return {r["metric"]["__name__"] for r in prom_query(f'{{__name__=~".+:.+", {selector}}}')}
+
+    a2 = world["shards"]["a2"]
+    wait_until(lambda: names(vm_query, 'cluster="a", run="llm", rank="5"')
+               == names(a2.query, 'run="llm", rank="5"'), timeout=60,
+               what="VictoriaMetrics to hold every recorded series of rank 5")
+    raw = counts(a1.query, 'job=~"gputrain.*", __name__!~".+:.+"')
 
     recorded = counts(vm_query, 'cluster="a", job=~"gputrain.*"')
     assert raw["rank"] > recorded["rank"] > 0 and raw["gpu"] > recorded["gpu"] > 0
