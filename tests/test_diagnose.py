@@ -186,3 +186,10 @@ def test_text_report_says_a_run_is_partly_visible():
     text = text_report(judge(visibility(reps), T))
     assert "== run r: 2 rank(s) visible" in text
     assert "partly visible: ranks 1-2 of 0-3 are not visible" in text
+
+
+def test_every_recorded_series_diagnose_falls_back_to_is_a_shipped_recording_rule():
+    from exporter.diagnose import RECORDED
+    from exporter.rules import recording_rules
+
+    assert set(RECORDED.values()) <= set(recording_rules(DEFAULTS["selector"]))
