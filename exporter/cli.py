@@ -113,6 +113,7 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     from exporter.exposition import Exposition
     from exporter.gpu_backends import DemoBackend, NvmlBackend
     from exporter.ingest import IngestStore
+    from exporter.peak_flops import PeakTable
     from exporter.sampler import Sampler
     from exporter.server import IngestHandler, MetricsHandler, make_server, serve_in_thread
 
@@ -150,7 +151,7 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
             signal.signal(sig, lambda *_: stop.set())
     sampler = Sampler(backend, host, settings["sampler.interval"], settings.collectors)
     sampler.start()
-    app = Exposition(sampler, store)
+    app = Exposition(sampler, store, peaks=PeakTable(settings["gpu.peak-flops"]))
     app.start()
     servers = []
     listen = [("web", web_host, web_port, MetricsHandler, tls)]

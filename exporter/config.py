@@ -18,6 +18,7 @@ import yaml
 from exporter.collectors import COLLECTORS
 from exporter.collectors.disk import DEFAULT_DISK_EXCLUDE
 from exporter.collectors.network import DEFAULT_NETDEV_EXCLUDE
+from exporter.peak_flops import parse_peak_overrides
 
 
 class ConfigError(ValueError):
@@ -166,6 +167,10 @@ OPTIONS: list[Option] = [
            "how often GPUs and host are read (e.g. 1s, 500ms)", "DURATION"),
     Option("gpu.backend", _choice("nvml", "demo"), "nvml",
            "where GPU readings come from: nvml (real GPUs) or demo (simulated)"),
+    Option("gpu.peak-flops", parse_peak_overrides, None,
+           "dense peak FLOP/s of GPUs the shipped table lacks (or corrects), by NVML device "
+           "name: 'NVIDIA L40:bf16=181T,fp32=90.5T;OTHER NAME:...' (the config key takes a "
+           "mapping); MFU needs it, an unknown GPU exports no peak", "PEAKS"),
     Option("demo.gpus", _positive_int, 8, "number of simulated GPUs with --gpu.backend=demo",
            "N"),
     Option("demo.load", _fraction, None,

@@ -23,6 +23,7 @@ from prometheus_client.exposition import choose_encoder
 from exporter.collectors import GpuCollector, Rendered, SelfCollector
 from exporter.collectors.training import TrainingCollector
 from exporter.ingest import IngestStore
+from exporter.peak_flops import PeakTable
 from exporter.sampler import CollectorStatus, Sampler
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,8 @@ class Exposition:
     """
 
     def __init__(self, sampler: Sampler, store: IngestStore | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 peaks: PeakTable | None = None) -> None:
         self.sampler = sampler
         self._clock = clock
         self.store = store
@@ -59,7 +61,7 @@ class Exposition:
             SelfCollector(snap, self._training_status),
             ProcessCollector(namespace="gputrain_exporter", registry=None)]
         if "gpu" in sampler.collectors:
-            self.collectors.append(GpuCollector(snap))
+            self.collectors.append(GpuCollector(snap, peaks))
         self.collectors.extend(Rendered(collector, snap) for collector in sampler.host)
         self.node = CollectorRegistry()
         for collector in self.collectors:

@@ -90,3 +90,21 @@ def test_durations(text, seconds):
                                           ("[::1]:9", ("::1", 9))])
 def test_listen_addresses(text, parsed):
     assert parse_listen_address(text) == parsed
+
+
+def test_peak_flops_from_the_readme_example_and_the_flag(tmp_path):
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    example = re.search(r"Example `gputrain.yml`:\n\n```yaml\n(.*?)```", readme, re.S)[1]
+    f = tmp_path / "gputrain.yml"
+    f.write_text(example)
+    s = settings(f"--config.file={f}")
+    assert s["gpu.peak-flops"] == {"rtx 6000 ada generation": {
+        "bf16": 364.2e12, "fp16": 364.2e12, "fp32": 91.1e12}}
+    assert s["sampler.interval"] == 2.0
+    s = settings("--gpu.peak-flops=NVIDIA L40:bf16=181T")
+    assert s["gpu.peak-flops"] == {"l40": {"bf16": 181e12}}
+    with pytest.raises(ConfigError, match=r"gpu\.peak-flops.*unknown precision 'int4'"):
+        settings("--gpu.peak-flops=NVIDIA L40:int4=1P")

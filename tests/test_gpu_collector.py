@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from exporter.collectors import GpuCollector, SelfCollector
 from exporter.gpu_backends import NvmlBackend
 from exporter.nvml import Nvml
+from exporter.peak_flops import PeakTable, parse_peak_overrides
 from exporter.sampler import Sampler
 
 H100_GPM = {"sm_util": 62.0, "sm_occupancy": 31.0, "tensor_util": 12.5, "dram_bw_util": 40.0,
@@ -38,14 +39,15 @@ def gpu(i: int, **kw) -> FakeGpu:
 class Rig:
     """A sampler over the fake, and a registry of the GPU and self collectors."""
 
-    def __init__(self, fake: FakePynvml, clock, interval: float = 1.0) -> None:
+    def __init__(self, fake: FakePynvml, clock, interval: float = 1.0,
+                 peaks: PeakTable | None = None) -> None:
         self.fake = fake
         self.clock = clock
         self.backend = NvmlBackend(Nvml(fake), clock=clock)
         self.sampler = Sampler(self.backend, None, interval=interval,
                                collectors={"gpu"}, clock=clock)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(GpuCollector(lambda: self.sampler.snapshot))
+        self.registry.register(GpuCollector(lambda: self.sampler.snapshot, peaks))
         self.registry.register(SelfCollector(lambda: self.sampler.snapshot))
 
     def cycle(self, seconds: float = 1.0) -> None:
@@ -83,6 +85,54 @@ def test_readings_in_base_units(clock):
         "parent": ""}) == 1
     assert rig.sampler.snapshot.gpus[0].sample.pids == (4242,)
     assert rig.registry.get_sample_value("gputrain_collector_success", {"collector": "gpu"}) == 1
+
+
+def test_peak_flops_by_precision_for_known_models_and_nothing_for_unknown_ones(clock):
+    names = ["NVIDIA H100 80GB HBM3", "A100-SXM4-40GB", "NVIDIA GeForce RTX 4090", "NVIDIA B200"]
+    rig = Rig(FakePynvml([gpu(i, name=n) for i, n in enumerate(names)]), clock)
+    rig.cycle()
+    peak = lambda i, p: rig.value("gputrain_gpu_peak_flops", str(i), precision=p)  # noqa: E731
+    assert peak(0, "bf16") == pytest.approx(989.4e12)  # the datasheet's 1,979 with sparsity
+    assert peak(0, "fp8") == pytest.approx(1978.9e12)
+    assert peak(0, "fp32") == pytest.approx(66.9e12)
+    # an older driver's name without "NVIDIA "; the A100 has no FP8
+    assert peak(1, "bf16") == pytest.approx(312e12)
+    assert peak(1, "tf32") == pytest.approx(156e12)
+    assert peak(1, "fp8") is None
+    # never a guess for a model the table lacks, while its neighbours carry on
+    samples = [s for f in rig.registry.collect() if f.name == "gputrain_gpu_peak_flops"
+               for s in f.samples if s.labels["gpu"] == "2"]
+    assert samples == []
+    assert rig.value("gputrain_gpu_up", "2") == 1
+    assert peak(3, "fp8") == pytest.approx(4.5e15)
+
+
+def test_peak_flops_overrides_add_models_and_correct_single_precisions(clock):
+    overrides = parse_peak_overrides(
+        "NVIDIA GeForce RTX 4090:bf16=165.2T,fp32=82.6e12;NVIDIA H100 80GB HBM3:fp8=2P")
+    g = [gpu(0, name="NVIDIA GeForce RTX 4090"), gpu(1, name="NVIDIA H100 80GB HBM3")]
+    rig = Rig(FakePynvml(g), clock, peaks=PeakTable(overrides))
+    rig.cycle()
+    assert rig.value("gputrain_gpu_peak_flops", "0", precision="bf16") == pytest.approx(165.2e12)
+    assert rig.value("gputrain_gpu_peak_flops", "0", precision="fp32") == pytest.approx(82.6e12)
+    assert rig.value("gputrain_gpu_peak_flops", "0", precision="fp8") is None
+    assert rig.value("gputrain_gpu_peak_flops", "1", precision="fp8") == pytest.approx(2e15)
+    assert rig.value("gputrain_gpu_peak_flops", "1", precision="bf16") == pytest.approx(989.4e12)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("NVIDIA L40:bf16", "expected precision=FLOPS"),
+    ("NVIDIA L40:int8=10T", "unknown precision 'int8'"),
+    ("NVIDIA L40:bf16=0T", "positive"),
+    ("NVIDIA L40:bf16=-3T", "expected FLOP/s"),
+    ("NVIDIA L40:bf16=fast", "expected FLOP/s"),
+    ("bf16=181T", "expected 'DEVICE NAME:bf16=989T"),
+    ({"NVIDIA L40": {"bf16": 0}}, "positive"),
+    ({"NVIDIA L40": [181e12]}, "expected a mapping of precision"),
+])
+def test_bad_peak_flops_say_what_is_wrong(value, message):
+    with pytest.raises(ValueError, match=message):
+        parse_peak_overrides(value)
 
 
 def test_utilisation_is_the_mean_of_new_buffer_samples_only(clock):
@@ -321,6 +371,10 @@ def test_mig_parent_keeps_working_and_mig_devices_report_what_they_support(clock
         "pci_bus_id": "00000000:18:00.0", "driver_version": "570.86.15", "backend": "nvml",
         "parent": "0"}) == 1
     assert rig.value("gputrain_gpu_up", gpu="1") == 1
+    # a slice's share of the peak depends on its profile: no figure rather than a wrong one
+    assert rig.value("gputrain_gpu_peak_flops", gpu="0", precision="bf16") == pytest.approx(
+        989.4e12)
+    assert rig.value("gputrain_gpu_peak_flops", gpu="0/0", precision="bf16") is None
 
 
 def test_xid_events_are_counted_in_their_own_thread():

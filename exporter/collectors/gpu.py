@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from exporter.peak_flops import PeakTable
 from exporter.sampler import Snapshot
 
 LABELS = ["gpu", "uuid"]
@@ -59,8 +60,16 @@ STATE_COUNTERS = [
 class GpuCollector:
     """Renders every GPU of the latest snapshot; a down GPU exports only its info and up=0."""
 
-    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+    def __init__(self, snapshot: Callable[[], Snapshot], peaks: PeakTable | None = None) -> None:
         self._snapshot = snapshot
+        self._peak_table = peaks or PeakTable()
+        self._peaks: dict[str, list[tuple[str, float]]] = {}  # device name -> sorted peaks
+
+    def _peaks_of(self, name: str) -> list[tuple[str, float]]:
+        peaks = self._peaks.get(name)
+        if peaks is None:
+            peaks = self._peaks[name] = sorted(self._peak_table.peaks(name).items())
+        return peaks
 
     def describe(self) -> list[Metric]:
         return list(self._families())
@@ -86,6 +95,11 @@ class GpuCollector:
             CounterMetricFamily("gputrain_gpu_xid_errors_total",
                                 "Xid errors reported by the driver, by Xid code.",
                                 labels=[*LABELS, "xid"]),
+            GaugeMetricFamily(
+                "gputrain_gpu_peak_flops",
+                "Dense peak FLOP/s of the GPU at a precision (the datasheet figure without "
+                "sparsity; --gpu.peak-flops adds models). Absent for a GPU the table lacks.",
+                labels=[*LABELS, "precision"]),
         )
 
     def collect(self) -> Iterator[Metric]:
@@ -99,7 +113,7 @@ class GpuCollector:
                                                      strict=True)}
         counters = {attr: f for (attr, _, _), f in zip(STATE_COUNTERS, families[2 + n:2 + n + m],
                                                        strict=True)}
-        clocks, events, xids = families[2 + n + m:]
+        clocks, events, xids, peak = families[2 + n + m:]
         for g in snap.gpus:
             ident = g.identity
             labels = [ident.index, ident.uuid]
@@ -123,8 +137,11 @@ class GpuCollector:
                 clocks.add_metric([*labels, clock], hz)
             for reason, seconds in sorted(g.clock_event_seconds.items()):
                 events.add_metric([*labels, reason], seconds)
+            if not ident.parent:  # a MIG slice's share of the peak depends on its profile
+                for precision, flops in self._peaks_of(ident.name):
+                    peak.add_metric([*labels, precision], flops)
         yield info
         yield up
-        for family in (*gauges.values(), *counters.values(), clocks, events, xids):
+        for family in (*gauges.values(), *counters.values(), clocks, events, xids, peak):
             if family.samples:
                 yield family
