@@ -34,6 +34,7 @@ from exporter.protocol import (
 GOODBYE_GRACE_SECONDS = 60.0  # a finished rank's final totals stay this long, for one more scrape
 
 COUNTERS = ("steps", "step_seconds", "data_wait_seconds", "samples")
+OPTIONAL_COUNTERS = ("flops", "elapsed_seconds")  # only where the client sends them
 PROCESS_COUNTERS = ("cpu_seconds", "read_bytes")
 PROCESS_FIELDS = (*PROCESS_COUNTERS, "resident_memory_bytes")
 
@@ -61,6 +62,10 @@ class RankState:
     data_wait_seconds: float = 0.0
     samples: float = 0.0
     flops: float | None = None  # model FLOPs, when the client knows its FLOPs per sample
+    elapsed_seconds: float | None = None  # since the process started, by the client's clock
+    # wall seconds of the rank across its processes (see IngestStore.push): goodput's and
+    # MFU's denominator
+    wall_seconds: float = 0.0
     precision: str = DEFAULT_PRECISION
     bucket_bounds: tuple[float, ...] = ()
     bucket_counts: tuple[int, ...] = ()
@@ -145,6 +150,7 @@ def parse_push(raw: bytes, now: float, now_unix: float) -> tuple[RankState, bool
     st.samples = _number(body, "samples")
     st.last_step_timestamp = _number(body, "last_step_timestamp", required=False)
     st.flops = _number(body, "flops", required=False)
+    st.elapsed_seconds = _number(body, "elapsed_seconds", required=False)
     precision = body.get("precision", DEFAULT_PRECISION)
     if precision not in PRECISIONS:
         raise PushRejected(400, f"field 'precision' must be one of {', '.join(PRECISIONS)}, "
@@ -228,6 +234,11 @@ def _check_monotonic(old: RankState, new: RankState) -> None:
             raise PushRejected(409, f"'{key}' went down from {getattr(old, key)} to "
                                     f"{getattr(new, key)} within run_id {new.run_id}; a "
                                     "restarted process must use a new run_id")
+    for key in OPTIONAL_COUNTERS:
+        before, after = getattr(old, key), getattr(new, key)
+        if before is not None and (after is None or after < before):
+            raise PushRejected(409, f"'{key}' went {'missing' if after is None else 'down'} "
+                                    f"within run_id {new.run_id} (was {before})")
     if old.bucket_bounds and new.bucket_bounds != old.bucket_bounds:
         raise PushRejected(409, "'step_buckets' changed within one run_id")
     for a, b in zip(old.bucket_counts, new.bucket_counts, strict=False):
@@ -239,6 +250,20 @@ def _check_monotonic(old: RankState, new: RankState) -> None:
     for key in PROCESS_COUNTERS:
         if key in old.process and new.process.get(key, 0.0) < old.process[key]:
             raise PushRejected(409, f"'process.{key}' went down within one run_id")
+
+
+def _wall_seconds(old: RankState | None, new: RankState) -> float:
+    """The rank's wall seconds at ``new``: its process's age on its first push; then the
+    client's clock (the daemon's where the client sends none); and across a restart (a new
+    run_id) the whole gap from the old process's last push, so start-up, crash and restart
+    count as time outside steps."""
+    if old is None:
+        return new.elapsed_seconds or 0.0
+    if old.run_id != new.run_id:
+        return old.wall_seconds + max(0.0, new.received_at - old.received_at)
+    if new.elapsed_seconds is not None and old.elapsed_seconds is not None:
+        return old.wall_seconds + (new.elapsed_seconds - old.elapsed_seconds)
+    return old.wall_seconds + max(0.0, new.received_at - old.received_at)
 
 
 class IngestStore:
@@ -291,6 +316,7 @@ class IngestStore:
             old = self._states.get(key)
             if old is not None and old.run_id == new.run_id:
                 _check_monotonic(old, new)
+            new.wall_seconds = _wall_seconds(old, new)
             if old is None and len(self._states) >= self.max_series:
                 raise PushRejected(429, f"{len(self._states)} (run, rank) pairs are live, the "
                                         f"limit (--ingest.max-series) is {self.max_series}")

@@ -21,8 +21,6 @@ from typing import Any
 
 from exporter.protocol import PRECISIONS
 
-T = 1e12
-
 
 @dataclass(frozen=True)
 class Peak:
@@ -32,22 +30,22 @@ class Peak:
     source: str
 
 
-_H100_SXM = Peak({"fp8": 1978.9 * T, "bf16": 989.4 * T, "fp16": 989.4 * T, "tf32": 494.7 * T,
-                  "fp32": 66.9 * T},
+_H100_SXM = Peak({"fp8": 1978.9e12, "bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12,
+                  "fp32": 66.9e12},
                  "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column "
                  "(https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet)")
-_H100_NVL = Peak({"fp8": 1670.5 * T, "bf16": 835.5 * T, "fp16": 835.5 * T, "tf32": 417.5 * T,
-                  "fp32": 60 * T},
+_H100_NVL = Peak({"fp8": 1670.5e12, "bf16": 835.5e12, "fp16": 835.5e12, "tf32": 417.5e12,
+                  "fp32": 60e12},
                  "NVIDIA H100 Tensor Core GPU datasheet, H100 NVL column (per GPU)")
-_A100 = Peak({"bf16": 312 * T, "fp16": 312 * T, "tf32": 156 * T, "fp32": 19.5 * T},
+_A100 = Peak({"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
              "NVIDIA A100 Tensor Core GPU datasheet (40 GB and 80 GB, SXM and PCIe: the same "
              "peaks; no FP8) (https://www.nvidia.com/en-us/data-center/a100/)")
 
 # normalised NVML name -> peak
 PEAKS: dict[str, Peak] = {
     "h100 80gb hbm3": _H100_SXM,
-    "h100 pcie": Peak({"fp8": 1513 * T, "bf16": 756.5 * T, "fp16": 756.5 * T, "tf32": 378 * T,
-                       "fp32": 51 * T},
+    "h100 pcie": Peak({"fp8": 1513e12, "bf16": 756.5e12, "fp16": 756.5e12, "tf32": 378e12,
+                       "fp32": 51e12},
                       "NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe column"),
     "h100 nvl": _H100_NVL,
     # the H200 is the H100's GH100 with more and faster memory: the same compute peaks
@@ -58,14 +56,14 @@ PEAKS: dict[str, Peak] = {
     "a100-sxm4-80gb": _A100,
     "a100-pcie-40gb": _A100,
     "a100 80gb pcie": _A100,
-    "l4": Peak({"fp8": 242.5 * T, "bf16": 121 * T, "fp16": 121 * T, "tf32": 60 * T,
-                "fp32": 30.3 * T},
+    "l4": Peak({"fp8": 242.5e12, "bf16": 121e12, "fp16": 121e12, "tf32": 60e12,
+                "fp32": 30.3e12},
                "NVIDIA L4 Tensor Core GPU datasheet (https://www.nvidia.com/en-us/data-center/l4/)"),
-    "l40s": Peak({"fp8": 733 * T, "bf16": 366.5 * T, "fp16": 366.5 * T, "tf32": 183 * T,
-                  "fp32": 91.6 * T},
+    "l40s": Peak({"fp8": 733e12, "bf16": 366.5e12, "fp16": 366.5e12, "tf32": 183e12,
+                  "fp32": 91.6e12},
                  "NVIDIA L40S GPU datasheet (https://www.nvidia.com/en-us/data-center/l40s/)"),
-    "b200": Peak({"fp8": 4500 * T, "bf16": 2250 * T, "fp16": 2250 * T, "tf32": 1100 * T,
-                  "fp32": 75 * T},
+    "b200": Peak({"fp8": 4500e12, "bf16": 2250e12, "fp16": 2250e12, "tf32": 1100e12,
+                  "fp32": 75e12},
                  "NVIDIA Blackwell datasheet, HGX B200 per-GPU column "
                  "(https://www.nvidia.com/en-us/data-center/hgx/)"),
     # the demo backend's GPUs are H100 SXMs, so MFU can be tried on a laptop

@@ -246,6 +246,21 @@ def test_model_flops_are_samples_times_flops_per_sample_from_when_they_are_known
     assert m2.totals()["flops"] == 8 * 2.5e6
 
 
+def test_elapsed_seconds_run_from_the_process_start():
+    """Start-up (imports, model building) is time outside steps: the clock the client pushes
+    starts when the process did, not when the monitor was made."""
+    import psutil
+
+    age = time.time() - psutil.Process().create_time()
+    m = TrainingMonitor(run="wall", start=False)
+    first = m.totals()["elapsed_seconds"]
+    assert first >= age - 0.05  # psutil's start time is rounded to clock ticks
+    with m.step(samples=1):
+        time.sleep(0.01)
+    totals = m.totals()
+    assert totals["elapsed_seconds"] >= first + 0.01
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"flops_per_sample": -1}, "flops_per_sample must be a finite number >= 0"),
     ({"flops_per_sample": float("nan")}, "flops_per_sample must be a finite number >= 0"),

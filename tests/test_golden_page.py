@@ -51,7 +51,7 @@ def page(tmp_path) -> str:
         clock.advance(1.0)
     store.push(json.dumps({
         "version": 1, "run": "resnet18", "rank": "0", "run_id": "abc123", "steps": 10,
-        "step_seconds": 2.0, "data_wait_seconds": 0.5, "samples": 320,
+        "step_seconds": 2.0, "data_wait_seconds": 0.5, "samples": 320, "elapsed_seconds": 2.75,
         "step_buckets": [0.1, 0.25, 1.0], "step_counts": [2, 9, 10],
         "phases": {"checkpoint": 0.25, "callbacks": 0.1}, "last_step_timestamp": WALL,
         "process": {"cpu_seconds": 12.5, "resident_memory_bytes": 1e9, "read_bytes": 4096,

@@ -98,7 +98,41 @@ def test_model_flops_and_precision_are_exported(rig):
     assert rig.v("gputrain_training_gpu_info", precision="fp8", gpu="0", uuid=uuid0) == 1
 
 
+def test_elapsed_seconds_carry_across_a_restart(rig):
+    """The rank's wall seconds: its process's age at the first push, then the client's clock;
+    a restart (new run_id) adds the whole gap since the old process's last push, so the time
+    lost to the crash and the new start-up counts although both processes' other totals
+    restart from zero."""
+    elapsed = lambda: rig.v("gputrain_training_elapsed_seconds_total")  # noqa: E731
+    assert rig.push(body(elapsed_seconds=30.0)).status_code == 200
+    assert elapsed() == 30.0
+    rig.clock.advance(100.0)  # the daemon's clock does not count within one process
+    assert rig.push(body(elapsed_seconds=40.0, steps=12, step_counts=[2, 9, 12])).ok
+    assert elapsed() == 40.0
+    rig.clock.advance(25.0)  # crash; the new process's first push comes 25 s later
+    assert rig.push(body(run_id="def456", elapsed_seconds=8.0, steps=1, step_counts=[0, 1, 1],
+                         step_seconds=0.2, data_wait_seconds=0.0, samples=32)).ok
+    assert elapsed() == 65.0
+    assert rig.v("gputrain_training_steps_total") == 1  # a counter reset to Prometheus
+    assert rig.push(body(run_id="def456", elapsed_seconds=10.5, steps=1, step_counts=[0, 1, 1],
+                         step_seconds=0.2, data_wait_seconds=0.0, samples=32)).ok
+    assert elapsed() == 67.5
+    r = rig.push(body(run_id="def456", elapsed_seconds=9.0, steps=1, step_counts=[0, 1, 1],
+                      step_seconds=0.2, data_wait_seconds=0.0, samples=32))
+    assert r.status_code == 409 and "'elapsed_seconds' went down" in r.text
+    assert elapsed() == 67.5  # the rejected push changed nothing
+
+
+def test_a_client_without_elapsed_seconds_gets_the_daemons_clock(rig):
+    assert rig.push(body()).ok
+    assert rig.v("gputrain_training_elapsed_seconds_total") == 0.0
+    rig.clock.advance(5.0)
+    assert rig.push(body()).ok
+    assert rig.v("gputrain_training_elapsed_seconds_total") == 5.0
+
+
 @pytest.mark.parametrize("over, message", [
+    ({"elapsed_seconds": -2}, "field 'elapsed_seconds' must be a finite number >= 0"),
     ({"precision": "int4"}, "field 'precision' must be one of fp8, bf16, fp16, tf32, fp32"),
     ({"flops": -1}, "field 'flops' must be a finite number >= 0"),
     ({"flops": "many"}, "field 'flops' must be a number"),

@@ -192,6 +192,17 @@ class _Phase:
         m._add_phase(self._name, elapsed, self._outside)
 
 
+def _process_age() -> float:
+    """Seconds since this process started (psutil), so that start-up counts as time outside
+    steps; 0 where it cannot be read."""
+    try:
+        import psutil
+
+        return max(0.0, time.time() - psutil.Process().create_time())
+    except Exception:  # psutil missing or the process table unreadable: the monitor's age
+        return 0.0
+
+
 class TrainingMonitor:
     """Measures a training loop and pushes its totals to the gputrain-exporter daemon.
 
@@ -224,6 +235,7 @@ class TrainingMonitor:
         self.token = token or _env_token()
         self.run_id = os.urandom(8).hex()
         self._wall_offset = time.time() - time.perf_counter()
+        self._process_start = _now() - _process_age()  # on the perf_counter clock
         self._bounds = tuple(float(b) for b in buckets)
         if len(self._bounds) > MAX_BUCKETS or any(
                 b <= a for a, b in zip((0.0, *self._bounds), self._bounds, strict=False)):
@@ -433,6 +445,7 @@ class TrainingMonitor:
             "step_counts": cumulative,
             "gpus": list(self._gpus),
             "precision": self.precision,
+            "elapsed_seconds": max(0.0, _now() - self._process_start),
             **({"flops": self._flops} if self._flops_known else {}),
         }
 

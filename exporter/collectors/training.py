@@ -82,6 +82,11 @@ class TrainingCollector:
             "gputrain_training_flops_total",
             "Model FLOPs of the training steps (forward and backward), from the FLOPs per "
             "sample the client states.", labels=LABELS)
+        elapsed = CounterMetricFamily(
+            "gputrain_training_elapsed_seconds_total",
+            "Wall seconds of the rank since its process started, restarts included (the gap "
+            "between a process's last push and its successor's first counts): the "
+            "denominator of goodput and MFU.", labels=LABELS)
         hist = HistogramMetricFamily(
             "gputrain_training_step_duration_seconds",
             "Wall time of one training step, data wait included, in seconds.", labels=LABELS)
@@ -114,8 +119,8 @@ class TrainingCollector:
                                        labels=["code"])
         series = GaugeMetricFamily("gputrain_ingest_series",
                                    "Live (run, rank) pairs the daemon holds.", labels=[])
-        return (steps, wait, samples, flops, hist, phases, last_step, last_push, cpu, rss, read,
-                gpu_info, requests, series)
+        return (steps, wait, samples, flops, elapsed, hist, phases, last_step, last_push, cpu,
+                rss, read, gpu_info, requests, series)
 
     def collect(self) -> Iterator[Metric]:
         """The families through prometheus_client (for a registry; the daemon's page uses
@@ -123,8 +128,8 @@ class TrainingCollector:
         started = time.perf_counter()
         states = sorted(self._store.states(), key=lambda s: (s.run, s.rank))
         gpus = GpuIndex(self._snapshot())
-        (steps, wait, samples, flops, hist, phases, last_step, last_push, cpu, rss, read,
-         gpu_info, requests, series) = self._families()
+        (steps, wait, samples, flops, elapsed, hist, phases, last_step, last_push, cpu, rss,
+         read, gpu_info, requests, series) = self._families()
         for st in states:
             lv = [st.run, st.rank]
             steps.add_metric(lv, st.steps)
@@ -132,6 +137,7 @@ class TrainingCollector:
             samples.add_metric(lv, st.samples)
             if st.flops is not None:
                 flops.add_metric(lv, st.flops)
+            elapsed.add_metric(lv, st.wall_seconds)
             pairs = zip(st.bucket_bounds, st.bucket_counts, strict=True)
             buckets = [(floatToGoString(b), c) for b, c in pairs]
             buckets.append(("+Inf", st.steps))
@@ -149,8 +155,8 @@ class TrainingCollector:
                 read.add_metric(lv, st.process["read_bytes"])
             for index, uuid in resolve_gpus(st, gpus):
                 gpu_info.add_metric([*lv, index, uuid, st.precision], 1)
-        for family in (steps, wait, samples, flops, hist, phases, last_step, last_push, cpu,
-                       rss, read, gpu_info):
+        for family in (steps, wait, samples, flops, elapsed, hist, phases, last_step,
+                       last_push, cpu, rss, read, gpu_info):
             if family.samples:
                 yield family
         for code, n in sorted(self._store.requests().items()):
@@ -224,7 +230,7 @@ class _One:
         yield self._family
 
 
-_RANK_FAMILIES = 11  # the families before gputrain_training_gpu_info, in _families() order
+_RANK_FAMILIES = 12  # the families before gputrain_training_gpu_info, in _families() order
 
 
 def _labels(st: RankState) -> str:
@@ -254,6 +260,7 @@ def _rank_lines(st: RankState) -> tuple[str, ...]:
         line("gputrain_training_data_wait_seconds_total", st.data_wait_seconds),
         line("gputrain_training_samples_total", st.samples),
         line("gputrain_training_flops_total", st.flops),
+        line("gputrain_training_elapsed_seconds_total", st.wall_seconds),
         "".join(hist),
         phases,
         line("gputrain_training_last_step_timestamp_seconds", st.last_step_timestamp),
