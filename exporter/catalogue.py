@@ -41,6 +41,10 @@ THRESHOLDS: dict[str, Threshold] = {
     "tensor_sm_active_above": Threshold(0.5, "ratio", "seed 003 optimisation 6"),
     "tensor_active_below": Threshold(0.01, "ratio", "seed 003 optimisation 6 (0 % tensor "
                                                     "cores)"),
+    "mfu_busy_above": Threshold(0.9, "ratio", "HEURISTICS.md: a GPU busy enough that its "
+                                              "work, not its feeding, is the question"),
+    "mfu_low": Threshold(0.2, "ratio", "torchtitan: 33-39 % MFU for Llama 3.1 8B on H100 "
+                                       "(bf16, against the 989 TFLOP/s dense peak)"),
     "phase_dominates": Threshold(1.0, "factor", "Keras: a callback slow compared to the batch "
                                                 "time"),
     "stall_p99_over_p50": Threshold(5.0, "factor", "seed 002: periodic stalls hurt the "
@@ -186,6 +190,22 @@ CATALOGUE: tuple[Entry, ...] = (
           ("run_rank_gpu:gputrain_gpu_tensor_active_ratio:avg5m",),
           'GpuTrain / Run, "SM and tensor activity": the tensor series flat at zero.',
           "tensor-cores-idle"),
+    Entry("GpuTrainLowMFU", "bottleneck", "info", "15m",
+          "A busy GPU does little useful math: low model FLOPs utilisation.",
+          "Train in bf16 or with AMP (torch.autocast), raise the batch size, torch.compile the "
+          "model, use fused kernels (FlashAttention, fused optimizers) and fewer small ops.",
+          "busy >= {mfu_busy_above} and MFU < {mfu_low}, where the client reports FLOPs, "
+          "{for}",
+          "The rank's GPUs are busy at least {mfu_busy_above} of the time, yet its model's "
+          "FLOPs per second are under {mfu_low} of their dense peak at the precision it "
+          "trains in: the kernels run, but slowly (small or unfused ops, FP32 where bf16 would "
+          "do, memory-bound work). torchtitan reaches 33-39 % for Llama 3.1 8B on H100s; seed "
+          "003 gained 50 % from AMP and 32 % from torch.compile. Only ranks that report FLOPs "
+          "(flops_per_sample) on GPUs whose peak is known are judged.",
+          ("run_rank:gputrain_training_mfu:ratio_rate5m", "run_rank:gputrain_gpu_busy_ratio:avg5m"),
+          'GpuTrain / Run, "Model FLOPs utilisation" ({mfu_low} line) beside "SM and tensor '
+          'activity".',
+          "low-mfu"),
     Entry("GpuTrainHostOverheadBound", "bottleneck", "warning", "10m",
           "A training run's GPUs idle on host-side work, not on data.",
           "Move post-processing to a background thread, do it every N steps, keep metrics on "

@@ -43,6 +43,9 @@ DEFAULTS: dict[str, Any] = {
 
 # the phases that are part of a step (evaluation, checkpoint saves and start-up are not)
 IN_STEP = 'phase!~"' + "|".join(sorted(OUTSIDE_STEP_PHASES)) + '"'
+OUTSIDE_STEP = 'phase=~"' + "|".join(sorted(OUTSIDE_STEP_PHASES)) + '"'
+# badput causes beside the phases: what the rank's wall time went to when not stepping
+DATA_WAIT_CAUSE, OUTSIDE_STEPS_CAUSE = "data_wait", "outside_steps"
 LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
 
@@ -186,6 +189,7 @@ def _recording(s: str, ids: Identity) -> list[dict]:
             max by ({rank}) (gputrain_training_last_step_timestamp_seconds{{{s}}})"""),
         rec("run_rank:gputrain_training_process_resident_memory_bytes:sum", f"""
             sum by ({rank}) (gputrain_training_process_resident_memory_bytes{{{s}}})"""),
+        *_utilisation(s, ids),
         # per GPU
         # GPU ratios divide by the seconds the sampler watched: exact from the first scrapes
         # after an exporter (re)start, and blind time (a lost GPU) counts on neither side.
@@ -206,6 +210,10 @@ def _recording(s: str, ids: Identity) -> list[dict]:
             f"avg by ({gpu}) (avg_over_time(gputrain_gpu_sm_active_ratio{{{s}}}[5m]))"),
         rec("gpu:gputrain_gpu_tensor_active_ratio:avg5m",
             f"avg by ({gpu}) (avg_over_time(gputrain_gpu_tensor_active_ratio{{{s}}}[5m]))"),
+        # mean power from the energy counter: exact over the window, unlike sampled gauges
+        rec("gpu:gputrain_gpu_power_watts:rate5m", f"""
+            sum by ({gpu}) (rate(gputrain_gpu_energy_joules_total{{{s}}}[5m]))
+            / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[5m]))"""),
         rec("gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m", f"""
             sum by ({gpu}) (rate(gputrain_gpu_clock_event_seconds_total{{{s},
               reason=~"sw_power_cap|sw_thermal_slowdown|hw_thermal_slowdown|hw_power_brake_slowdown"}}[5m]))
@@ -219,9 +227,21 @@ def _recording(s: str, ids: Identity) -> list[dict]:
                        "gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m",
                        "gpu:gputrain_gpu_sm_active_ratio:avg5m",
                        "gpu:gputrain_gpu_tensor_active_ratio:avg5m",
+                       "gpu:gputrain_gpu_power_watts:rate5m",
                        "gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m")],
         rec("run_rank:gputrain_gpu_busy_ratio:avg5m",
             f"avg by ({rank}) (run_rank_gpu:gputrain_gpu_busy_ratio:rate5m)"),
+        # joules per sample: the rank's GPUs' mean power over its samples per wall second
+        # (each side over its own clock, so exact from a run's first minute)
+        rec("run_rank:gputrain_training_energy_joules_per_sample:rate5m", f"""
+            sum by ({rank}) (run_rank_gpu:gputrain_gpu_power_watts:rate5m)
+            / (sum by ({rank}) (rate(gputrain_training_samples_total{{{s}}}[5m]))
+               / sum by ({rank}) (rate(gputrain_training_elapsed_seconds_total{{{s}}}[5m])))"""),
+        # GPU-seconds per second that a run's GPUs sat idle while it held them (a GPU two
+        # ranks share counts once); sum_over_time(...[$range:1m]) * 60 is GPU-seconds
+        rec("run:gputrain_gpu_wasted_seconds:rate5m", f"""
+            sum by ({ids.run}) (max by ({ids.node}, run, gpu, uuid)
+              (1 - run_rank_gpu:gputrain_gpu_busy_ratio:rate5m))"""),
         # per node
         rec("instance:gputrain_host_cpu_busy:ratio_rate5m", f"""
             1 - sum by ({node}) (rate(gputrain_host_cpu_seconds_total{{{s},mode=~"idle|iowait"}}[5m]))
@@ -237,6 +257,45 @@ def _recording(s: str, ids: Identity) -> list[dict]:
             max by ({node}) (
               rate(gputrain_host_network_received_bytes_total{{{s}}}[5m])
               / gputrain_host_network_speed_bytes_per_second{{{s}}})"""),
+    ]
+
+
+def _utilisation(s: str, ids: Identity) -> list[dict]:
+    """MFU, goodput and badput by cause. Each divides by the rank's wall seconds
+    (``gputrain_training_elapsed_seconds_total``), so it is exact from a run's first minute
+    and a restart's gap counts as time outside steps."""
+    rank, gpu = ids.rank, ids.gpu
+    wall = f"sum by ({rank}) (rate(gputrain_training_elapsed_seconds_total{{{s}}}[5m]))"
+    steps = f"sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m]))"
+    wait = f"sum by ({rank}) (rate(gputrain_training_data_wait_seconds_total{{{s}}}[5m]))"
+
+    def phases(selector: str) -> str:
+        # 0 where the rank has no such phase, rather than no result at all
+        return (f"(sum by ({rank}) (rate(gputrain_training_phase_seconds_total{{{s},{selector}}}"
+                f"[5m])) or 0 * {wall})")
+
+    return [
+        # the summed peak of a rank's GPUs at the precision it trains in
+        {"record": "run_rank:gputrain_gpu_peak_flops:sum", "expr": " ".join(f"""
+            sum by ({rank}) (
+              max by ({rank}, gpu, uuid, precision) (gputrain_training_gpu_info{{{s}}})
+              * on ({gpu}, precision) group_left
+              max by ({gpu}, precision) (gputrain_gpu_peak_flops{{{s}}}))""".split())},
+        {"record": "run_rank:gputrain_training_mfu:ratio_rate5m", "expr": " ".join(f"""
+            sum by ({rank}) (rate(gputrain_training_flops_total{{{s}}}[5m])) / {wall}
+            / run_rank:gputrain_gpu_peak_flops:sum""".split())},
+        # productive: step time less data wait and the phases inside steps
+        {"record": "run_rank:gputrain_training_goodput:ratio_rate5m", "expr": " ".join(f"""
+            ({steps} - {wait} - {phases(IN_STEP)}) / {wall}""".split())},
+        # the rest of the wall time, by cause: it and goodput add up to 1
+        {"record": "run_rank_cause:gputrain_training_badput:ratio_rate5m", "expr": " ".join(f"""
+            (label_replace({wait}, "cause", "{DATA_WAIT_CAUSE}", "", "")
+             or sum by ({rank}, cause) (label_replace(
+                  rate(gputrain_training_phase_seconds_total{{{s}}}[5m]),
+                  "cause", "$1", "phase", "(.+)"))
+             or label_replace({wall} - {steps} - {phases(OUTSIDE_STEP)},
+                  "cause", "{OUTSIDE_STEPS_CAUSE}", "", ""))
+            / on ({rank}) group_left {wall}""".split())},
     ]
 
 
@@ -329,6 +388,12 @@ def _alerts(cfg: dict) -> list[dict]:
           run_rank_gpu:gputrain_gpu_tensor_active_ratio:avg5m < {t['tensor_active_below']}""",
           "info", f"""{gpu_who} has its SMs {{{{ $value | humanizePercentage }}}} active but
           its tensor cores below {t['tensor_active_below']}.""", cfg),
+        a("GpuTrainLowMFU",
+          f"""run_rank:gputrain_training_mfu:ratio_rate5m < {t['mfu_low']}
+          and on ({rank}) run_rank:gputrain_gpu_busy_ratio:avg5m >= {t['mfu_busy_above']}""",
+          "info", f"""{who} reaches {{{{ $value | humanizePercentage }}}} model FLOPs
+          utilisation (under {t['mfu_low']}) while its GPUs are busy {t['mfu_busy_above']} or
+          more of the time.""", cfg),
         a("GpuTrainHostOverheadBound",
           f"""(run_rank:gputrain_gpu_busy_ratio:avg5m < {t['gpu_busy_low']}
             and on ({rank}) {wait} < {t['input_bound']})

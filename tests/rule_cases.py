@@ -207,6 +207,28 @@ def alert_cases() -> list[Case]:
                               ("gputrain_gpu_tensor_active_ratio", tensor))}},
              [Fire("GpuTrainTensorCoresIdle", rank_gpu("r", "0", "0", "GPU-a"), "80%")],
              fire_at="30m", quiet_at="12m"),
+        Case("GpuTrainLowMFU: 95% busy at 10% MFU fires; 40% MFU, a 60% busy GPU at 5% and a "
+             "busy rank that reports no FLOPs stay silent",
+             {**{sel("gputrain_training_gpu_info", run=r, rank="0", gpu=g, uuid=u,
+                     precision="bf16"): flat(1)
+                 for r, g, u in (("slow", "0", "GPU-a"), ("fast", "1", "GPU-b"),
+                                 ("idle", "2", "GPU-c"), ("noflops", "3", "GPU-d"))},
+              **{sel("gputrain_gpu_peak_flops", gpu=g, uuid=u, precision=p): flat(v)
+                 for g, u in (("0", "GPU-a"), ("1", "GPU-b"), ("2", "GPU-c"), ("3", "GPU-d"))
+                 for p, v in (("bf16", 1e15), ("fp32", 6e13))},
+              **{sel("gputrain_gpu_busy_seconds_total", gpu=g, uuid=u): ramp(b)
+                 for g, u, b in (("0", "GPU-a", 57), ("1", "GPU-b", 57), ("2", "GPU-c", 36),
+                                 ("3", "GPU-d", 57))},
+              # FLOPs a minute over the 60 s of wall time: 1e14, 4e14 and 5e13 FLOP/s of a
+              # 1e15 peak at bf16
+              **{sel("gputrain_training_flops_total", run=r, rank="0"): ramp(f)
+                 for r, f in (("slow", 6e15), ("fast", 24e15), ("idle", 3e15))},
+              **{sel("gputrain_training_elapsed_seconds_total", run=r, rank="0"): ramp(60)
+                 for r in ("slow", "fast", "idle", "noflops")}},
+             [Fire("GpuTrainLowMFU", rank("slow"), "10%"),
+              Fire("GpuTrainGPUUnderutilized", rank_gpu("idle", "0", "2", "GPU-c"), "60%",
+                   "info")],
+             fire_at="30m", quiet_at="12m", quiet_alerts=["GpuTrainLowMFU"]),
         Case("GpuTrainHostOverheadBound: GPU 46% busy with 2% data wait (seed 002 "
              "post-processing), and a callbacks phase at 58.33% of the step; a healthy run with "
              "a 5% logging phase, and one whose evaluation (not part of a step) takes 66.67% of "
