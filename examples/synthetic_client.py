@@ -30,11 +30,17 @@ def main() -> None:
     p.add_argument("--data-wait-ms", type=float, default=30.0, help="time to get a batch")
     p.add_argument("--compute-ms", type=float, default=10.0, help="time of the step itself")
     p.add_argument("--callback-ms", type=float, default=0.0, help="a per-step callback phase")
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="save a checkpoint (a phase outside the steps) every N steps")
+    p.add_argument("--checkpoint-ms", type=float, default=200.0, help="time of one save")
+    p.add_argument("--flops-per-sample", type=float, default=None,
+                   help="model FLOPs per sample to report (for MFU on the demo H100s)")
     p.add_argument("--push-interval", type=float, default=5.0,
                    help="seconds between pushes to the exporter")
     args = p.parse_args()
 
-    monitor = TrainingMonitor(run=args.run, push_interval=args.push_interval)
+    monitor = TrainingMonitor(run=args.run, push_interval=args.push_interval,
+                              flops_per_sample=args.flops_per_sample)
     batches = monitor.wrap(slow_loader(args.data_wait_ms / 1000, args.batch_size),
                            batch_size=args.batch_size)
     for step, _batch in enumerate(batches, 1):
@@ -42,6 +48,9 @@ def main() -> None:
         if args.callback_ms:
             with monitor.phase("callbacks"):
                 time.sleep(args.callback_ms / 1000)
+        if args.checkpoint_every and step % args.checkpoint_every == 0:
+            with monitor.phase("checkpoint"):
+                time.sleep(args.checkpoint_ms / 1000)
         if args.steps and step >= args.steps:
             break
     monitor.close()
