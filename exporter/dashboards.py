@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from exporter.catalogue import CATALOGUE, show
+from exporter.config import parse_duration
 from exporter.rules import DEFAULTS, Identity, identity, merge
 
 DS = {"type": "prometheus", "uid": "${datasource}"}
@@ -69,11 +70,14 @@ def thresholds(*steps: tuple[float | None, str]) -> dict:
 
 def timeseries(title: str, targets: list[dict], unit: str, description: str = "",
                lines: list[tuple[float, str]] | None = None, max_: float | None = None,
-               stack: bool = False) -> dict:
-    """A time series; ``lines`` draws thresholds (value, colour) as dashed lines."""
+               stack: bool = False, bars: bool = False) -> dict:
+    """A time series; ``lines`` draws thresholds (value, colour) as dashed lines; ``bars``
+    draws stacked bars."""
     custom: dict[str, Any] = {"lineWidth": 1, "fillOpacity": 10, "showPoints": "never"}
-    if stack:
+    if stack or bars:
         custom["stacking"] = {"mode": "normal", "group": "A"}
+    if bars:
+        custom.update(drawStyle="bars", fillOpacity=80)
     defaults: dict[str, Any] = {"unit": unit, "custom": custom}
     if lines:
         custom["thresholdsStyle"] = {"mode": "dashed"}
@@ -96,6 +100,19 @@ def stat(title: str, expr: str, unit: str, steps: list[tuple[float | None, str]]
                             "overrides": []},
             "options": {"colorMode": "background", "graphMode": "none",
                         "reduceOptions": {"calcs": ["lastNotNull"]}}}
+
+
+def bargauge(title: str, expr: str, legend: str, unit: str, description: str = "",
+             links: list[dict] | None = None) -> dict:
+    """Horizontal bars, one per series of an instant query, largest first."""
+    return {"type": "bargauge", "title": title, "description": description, "datasource": DS,
+            "targets": [target(expr, legend, instant=True)],
+            "fieldConfig": {"defaults": {"unit": unit, "min": 0, "links": links or [],
+                                         "thresholds": thresholds((None, "orange"))},
+                            "overrides": []},
+            "options": {"orientation": "horizontal", "displayMode": "basic",
+                        "reduceOptions": {"calcs": ["lastNotNull"], "values": False},
+                        "showUnfilled": True}}
 
 
 def table(title: str, targets: list[dict], unit_by_field: dict[str, str],
@@ -190,10 +207,15 @@ def gpu_join(expr: str, sel: str, ids: Identity) -> str:
 
 # --- overview ----------------------------------------------------------------------------------
 
-def overview(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict:
+def overview(t: dict[str, float], js: str, ids: Identity, extra: list[dict],
+             every: float = 30.0) -> dict:
+    """``every``: the recording rules' interval in seconds (each recorded sample stands for
+    that long)."""
     lay = Layout()
     low_t, target_t = busy_pair(t)
     busy = [(None, "red"), (low_t, "orange"), (target_t, "green")]
+    # a run's series are summed over its jobs and nodes: only the labels beyond `run` remain
+    per_run = ", ".join(f'{x}=~"${x}"' for x in ids.extra)
     low, target_ = pct(t, "gpu_busy_low"), pct(t, "gpu_busy_target")
     run_link = ("/d/gputrain-run/gputrain-run?${__url_time_range}&var-datasource=${datasource}"
                 "&var-run=${__data.fields.run}&var-instance=$__all&var-rank=$__all")
@@ -218,14 +240,26 @@ def overview(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> 
                    "A"),
             target(f"run_rank:gputrain_training_step_seconds:mean5m{{{js}}}", "step time", "B"),
             target(f"run_rank:gputrain_training_data_wait_ratio:rate5m{{{js}}}", "data wait", "C"),
-            target(f"run_rank:gputrain_gpu_busy_ratio:avg5m{{{js}}}", "GPU busy", "D")],
+            target(f"run_rank:gputrain_gpu_busy_ratio:avg5m{{{js}}}", "GPU busy", "D"),
+            target(f"run_rank:gputrain_training_mfu:ratio_rate5m{{{js}}}", "MFU", "E"),
+            target(f"run_rank:gputrain_training_goodput:ratio_rate5m{{{js}}}", "goodput", "F")],
             {"samples/s": "none", "step time": "s", "data wait": "percentunit",
-             "GPU busy": "percentunit"},
+             "GPU busy": "percentunit", "MFU": "percentunit", "goodput": "percentunit"},
             "Every (run, rank) on every node over 5m. Click a run for its dashboard, a node "
-            "for its instance metrics. Sort by GPU busy to find the waste.",
+            "for its instance metrics. Sort by GPU busy to find the waste. MFU shows where the "
+            "client reports its FLOPs and the GPU's peak is known.",
             links={"run": run_link, "instance": node_link}, sort="GPU busy",
             hide=("Time", "job"), busy_steps=busy_pair(t)),
             24, 9),
+        lay.place(bargauge(
+            "Wasted GPU-hours by run",
+            f"sort_desc(sum by ({ids.run}) (sum_over_time("
+            f"run:gputrain_gpu_wasted_seconds:rate5m{{{per_run}}}[$__range])) * {every:g} / 3600)",
+            "{{run}}", "none",
+            "GPU-hours each run's GPUs sat idle while it held them, over the dashboard's time "
+            "range (1 - busy, summed over its GPUs). Click a run for its dashboard.",
+            links=[{"title": "open run", "url": run_link.replace(
+                "${__data.fields.run}", "${__field.labels.run}")}]), 24, 7),
         lay.place(table("Firing GpuTrain alerts", [target(ALERTS, "firing", "A")],
                         {}, "What the rules say, with the labels that locate it.",
                         links={"run": run_link, "instance": node_link},
@@ -287,6 +321,15 @@ def run(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict:
             f"{dominating:.0%} ({pct(t, 'phase_dominates')} the rest) is host overhead; checkpoint "
             f"saves over {pct(t, 'checkpoint_share')} are stalls.",
             lines=[(dominating, "red")], max_=1), 12, 8),
+        lay.place(timeseries("Goodput and badput", [
+            target(f"avg(run_rank:gputrain_training_goodput:ratio_rate5m{{{sel}}})",
+                   "productive steps", "A"),
+            target(f"avg by (cause) (run_rank_cause:gputrain_training_badput:ratio_rate5m"
+                   f"{{{sel}}})", "{{cause}}", "B")], "percentunit",
+            "Where the wall time of the selected ranks went (their mean): productive step time "
+            "(less data wait and the step's named phases), data wait, each phase, and time "
+            "outside steps (start-up, restarts: the gap until a restarted process reports "
+            "counts). The bars add up to 100 %.", bars=True, max_=1), 12, 8),
         lay.place(timeseries("Training processes", [
             target(f"run_rank:gputrain_training_process_cpu_cores:rate5m{{{sel}}}",
                    "CPU cores rank {{rank}}", "A")], "none",
@@ -307,6 +350,14 @@ def run(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict:
             f"GPM (Hopper and newer). SM active < {pct(t, 'launch_sm_active_below')} while busy is "
             f"launch-bound; tensor < {pct(t, 'tensor_active_below')} with SMs busy means no AMP.",
             lines=[(t["launch_sm_active_below"], "orange")], max_=1), 8, 8),
+        lay.place(timeseries("Model FLOPs utilisation", [target(
+            f"run_rank:gputrain_training_mfu:ratio_rate5m{{{sel}}}", "rank {{rank}}")],
+            "percentunit",
+            "The model's FLOPs per second of wall time over the dense peak of the rank's GPUs "
+            "at the precision it trains in (gputrain_gpu_peak_flops). Needs flops_per_sample "
+            f"in the client. Busy GPUs under {pct(t, 'mfu_low')} do little useful math; "
+            "torchtitan reaches 33-39 % on Llama 3.1 8B.",
+            lines=[(t["mfu_low"], "orange")], max_=1), 8, 8),
         lay.place(timeseries("GPU memory used", [target(
             f"run_rank_gpu:gputrain_gpu_memory_used:ratio{{{sel}}}", "GPU {{gpu}}")],
             "percentunit", f"Under {pct(t, 'memory_underused')} the batch is likely too small; "
@@ -335,6 +386,12 @@ def run(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict:
             f"Share of time the clocks were held down, by reason; over {pct(t, 'throttle_ratio')} "
             "for power or thermal reasons is throttling.",
             lines=[(t["throttle_ratio"], "red")], max_=1), 8, 8),
+        lay.place(timeseries("Energy per sample", [target(
+            f"run_rank:gputrain_training_energy_joules_per_sample:rate5m{{{sel}}}",
+            "rank {{rank}}")], "joule",
+            "Joules the rank's GPUs drew per training sample (their energy counters over the "
+            "samples per second of wall time). Idle GPUs still draw power, so waiting raises it."),
+            8, 8),
         lay.row("Node"),
         lay.place(timeseries("CPU by mode", [target(
             f"sum by (instance, mode) (rate(gputrain_host_cpu_seconds_total{{{node}}}"
@@ -478,7 +535,8 @@ def dashboards(overrides: dict | None = None) -> dict[str, dict]:
                 for x in ids.extra]
 
     # the overview may show every cluster; a run or a node is in one
-    return {"overview.json": overview(t, js, ids, extra(True)),
+    every = parse_duration(cfg["recording_interval"])
+    return {"overview.json": overview(t, js, ids, extra(True), every),
             "run.json": run(t, js, ids, extra(False)), "node.json": node(t, js, ids, extra(False))}
 
 

@@ -238,7 +238,8 @@ def _recording(s: str, ids: Identity) -> list[dict]:
             / (sum by ({rank}) (rate(gputrain_training_samples_total{{{s}}}[5m]))
                / sum by ({rank}) (rate(gputrain_training_elapsed_seconds_total{{{s}}}[5m])))"""),
         # GPU-seconds per second that a run's GPUs sat idle while it held them (a GPU two
-        # ranks share counts once); sum_over_time(...[$range:1m]) * 60 is GPU-seconds
+        # ranks share counts once); sum_over_time(...[range]) * the recording interval is
+        # GPU-seconds over the range
         rec("run:gputrain_gpu_wasted_seconds:rate5m", f"""
             sum by ({ids.run}) (max by ({ids.node}, run, gpu, uuid)
               (1 - run_rank_gpu:gputrain_gpu_busy_ratio:rate5m))"""),

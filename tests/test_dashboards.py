@@ -136,7 +136,8 @@ def test_provisioning_points_at_the_dashboards():
 
 
 def substitute(expr: str, instance: str) -> str:
-    return (expr.replace("$__rate_interval", "1m").replace("$run", "tour")
+    return (expr.replace("$__rate_interval", "1m").replace("$__range", "5m")
+            .replace("$run", "tour")
             .replace('rank=~"$rank"', 'rank=~".*"').replace("$instance", instance))
 
 
@@ -147,7 +148,8 @@ def fed_prometheus(tmp_path_factory):
     daemon = Daemon("--gpu.backend=demo", "--demo.gpus=2", "--demo.load=0.3",
                     "--host.netdev-speed=10Gbit").start()
     client = synthetic_client("tour", daemon.ingest_url, "--batch-size", "32",
-                              "--data-wait-ms", "20", "--compute-ms", "10", "--callback-ms", "5")
+                              "--data-wait-ms", "20", "--compute-ms", "10", "--callback-ms", "5",
+                              "--flops-per-sample", "1e9")
     cfg = tmp / "t.yml"
     cfg.write_text(yaml.safe_dump({"recording_interval": "1s",
                                    "for": {"GpuTrainInputBound": "1s"}}))
