@@ -31,6 +31,7 @@ import yaml
 
 from exporter.catalogue import BY_ALERT, BY_VERDICT
 from exporter.client.monitor import OUTSIDE_STEP_PHASES
+from exporter.config import parse_duration
 from exporter.rules import (
     DEFAULTS,
     Identity,
@@ -51,7 +52,8 @@ STATUS_ADVICE = {
 # The decision order of HEURISTICS.md: the first finding that holds is the verdict, the
 # others are listed beside it. Each finding is the condition of one catalogue alert.
 ORDER = ("stalled", "cpu-preprocessing", "disk-io", "network-input", "input-bound",
-         "host-to-device", "host-overhead", "launch-bound", "tensor-cores-idle", "small-batch",
+         "host-to-device", "host-overhead", "launch-bound", "tensor-cores-idle", "low-mfu",
+         "small-batch",
          "step-time-stalls", "straggler", "memory-leak", "throttling")
 UNDERUTILIZED = "underutilized"  # busy under the target, no stage to blame (the symptom alert)
 
@@ -107,6 +109,9 @@ class RankReport:
     seconds_since_step: float | None = None
     rss_growth_1h: float | None = None  # bytes per second, over the last hour
     rss_growth_15m: float | None = None  # ... and over the last 15 minutes
+    mfu: float | None = None  # model FLOPs utilisation, where the client reports FLOPs
+    goodput: float | None = None  # productive share of the rank's wall time
+    badput: dict[str, float] = field(default_factory=dict)  # the rest, by cause
     status: str = ""  # ok, bottleneck, underutilized or no-gpu-data
     verdict: str = ""
     reason: str = ""
@@ -211,6 +216,9 @@ RECORDED = {
     "seconds_since_step": "run_rank:gputrain_training_last_step_timestamp_seconds:max",
     "rss_growth_1h": "run_rank:gputrain_training_process_resident_memory_bytes:sum",
     "rss_growth_15m": "run_rank:gputrain_training_process_resident_memory_bytes:sum",
+    "mfu": "run_rank:gputrain_training_mfu:ratio_rate5m",
+    "goodput": "run_rank:gputrain_training_goodput:ratio_rate5m",
+    "badput": "run_rank_cause:gputrain_training_badput:ratio_rate5m",
     "memory_available": "instance:gputrain_host_memory_available_bytes:sum",
     "cpu_busy": "instance:gputrain_host_cpu_busy:ratio_rate5m",
     "iowait": "instance:gputrain_host_cpu_iowait:ratio_rate5m",
@@ -268,7 +276,7 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
                 labels.get("rank", ""), labels={k: labels.get(k, "") for k in ids.extra})
     for name in ("steps", "samples_per_second", "step_seconds", "data_wait_ratio",
                  "step_p50_seconds", "step_p99_seconds", "seconds_since_step",
-                 "rss_growth_1h", "rss_growth_15m"):
+                 "rss_growth_1h", "rss_growth_15m", "mfu", "goodput"):
         results, recorded = _read(prom, q[name], qr[name], rank_key)
         for labels, value in results:
             rep = reports.get(rank_key(labels))
@@ -281,6 +289,11 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
         rep = reports.get(rank_key(labels))
         if rep:
             rep.phases[labels.get("phase", "")] = value
+    for labels, value in _read(prom, q["badput"], qr["badput"],
+                               lambda x: (*rank_key(x), x.get("cause", "")))[0]:
+        rep = reports.get(rank_key(labels))
+        if rep:
+            rep.badput[labels.get("cause", "")] = value
     def gpu_key(labels: dict[str, str]) -> tuple[str, ...]:
         return (*rank_key(labels), labels.get("gpu", ""), labels.get("uuid", ""))
 
@@ -413,6 +426,9 @@ def rank_findings(rep: RankReport, t: dict[str, float]) -> dict[str, str]:
                 and x.tensor_active < t["tensor_active_below"]:
             out.setdefault("tensor-cores-idle", f"GPU {x.gpu} SM active {_pct(x.sm_active)}, "
                                                 f"tensor active {_pct(x.tensor_active)}")
+    if rep.mfu is not None and busy is not None and busy >= t["mfu_busy_above"] \
+            and rep.mfu < t["mfu_low"]:
+        out["low-mfu"] = f"MFU {_pct(rep.mfu)} while the GPUs are busy {_pct(busy)}"
     for x in rep.gpus:
         if x.memory_used is not None and x.memory_used < t["memory_underused"]:
             out.setdefault("small-batch", f"GPU {x.gpu}: {_pct(x.memory_used)} of its memory "
@@ -497,7 +513,16 @@ def _fmt(x: float | None, scale: float = 100, unit: str = "%", digits: int = 1) 
     return "n/a" if x is None else f"{x * scale:.{digits}f}{unit}"
 
 
-def text_report(reports: list[RankReport]) -> str:
+def wasted_gpus(ranks: list[RankReport]) -> float | None:
+    """GPU-seconds per second that the ranks' GPUs sat idle (1 - busy; a GPU that two ranks
+    share counts once), as ``run:gputrain_gpu_wasted_seconds:rate5m`` records it."""
+    idle = {(r.instance, x.gpu, x.uuid): 1 - x.busy
+            for r in ranks for x in r.gpus if x.busy is not None}
+    return sum(idle.values()) if idle else None
+
+
+def text_report(reports: list[RankReport], window_seconds: float = 300.0) -> str:
+    """The human report; ``window_seconds`` turns idle GPU-seconds per second into hours."""
     lines = []
     last_run = None
     for rep in reports:
@@ -506,6 +531,14 @@ def text_report(reports: list[RankReport]) -> str:
             where = "".join(f" ({k} {v})" for k, v in sorted(rep.labels.items()))
             ranks = [r for r in reports if run_key(r) == last_run]
             lines.append(f"== run {rep.run}{where}: {len(ranks)} rank(s) visible")
+            mfu = _mean([r.mfu for r in ranks])
+            goodput = _mean([r.goodput for r in ranks])
+            wasted = wasted_gpus(ranks)
+            lines.append(
+                f"   MFU {_fmt(mfu)}   goodput {_fmt(goodput)}   wasted "
+                + ("n/a" if wasted is None else
+                   f"{wasted * window_seconds / 3600:.3g} GPU-hours over the window "
+                   f"({wasted:.2f} GPUs idle on average)"))
             if rep.partial:
                 lines.append(f"   partly visible: {rep.partial}. The straggler comparison "
                              "covers only the ranks seen here.")
@@ -515,7 +548,11 @@ def text_report(reports: list[RankReport]) -> str:
                      f"{source}): {rep.status}")
         lines.append(f"  samples/s {_fmt(rep.samples_per_second, 1, '', 1)}   step time "
                      f"{_fmt(rep.step_seconds, 1000, ' ms', 1)}   data wait "
-                     f"{_fmt(rep.data_wait_ratio)}")
+                     f"{_fmt(rep.data_wait_ratio)}   MFU {_fmt(rep.mfu)}")
+        if rep.goodput is not None:
+            lost = ", ".join(f"{cause} {_fmt(v)}" for cause, v in
+                             sorted(rep.badput.items(), key=lambda kv: -kv[1]))
+            lines.append(f"  goodput {_fmt(rep.goodput)} of wall time; lost to {lost or 'n/a'}")
         for p, v in sorted(rep.phases.items()):
             lines.append(f"  phase {p}: {_fmt(v)} of each step")
         for x in rep.gpus:
@@ -600,5 +637,5 @@ def main(ns: argparse.Namespace) -> int:
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(text_report(reports))
+        sys.stdout.write(text_report(reports, parse_duration(ns.window)))
     return exit_status(reports)

@@ -20,9 +20,9 @@ T = DEFAULTS["thresholds"]
 
 
 def report(busy, wait, *, sm=None, tensor=None, memory=0.6, power=0.7, pcie=0.02,
-           cpu=0.4, iowait=0.0, disk=0.05, net=0.05, phases=None) -> RankReport:
+           cpu=0.4, iowait=0.0, disk=0.05, net=0.05, phases=None, mfu=None) -> RankReport:
     rep = RankReport("gputrain", "n1:19400", "r", "0", steps_per_second=10, data_wait_ratio=wait,
-                     phases=phases or {})
+                     phases=phases or {}, mfu=mfu)
     rep.gpus = [GpuReading("0", "GPU-0", busy, sm, tensor, memory, power, pcie)]
     rep.host = {"cpu_busy": cpu, "iowait": iowait, "disk_busy": disk, "network_rx_used": net}
     return rep
@@ -48,6 +48,9 @@ def judge_one(rep: RankReport, t: dict = T) -> RankReport:
     ("85 % busy at 30 % power: LaunchBound fires", report(0.85, 0.01, power=0.3),
      "launch-bound"),
     ("seed 003 after AMP", report(0.95, 0.01, sm=0.7, tensor=0.263), "gpu-bound"),
+    ("busy at 12 % MFU", report(0.95, 0.01, sm=0.7, tensor=0.3, mfu=0.12), "low-mfu"),
+    ("busy at 38 % MFU (torchtitan's Llama 3.1 8B)", report(0.95, 0.01, mfu=0.38), "gpu-bound"),
+    ("12 % MFU but 60 % busy: feed it first", report(0.6, 0.3, mfu=0.12), "input-bound"),
     ("seed 002 inefficient GPU graph", report(0.97, 0.01, power=0.9), "gpu-bound"),
 ])
 def test_decision_order(case, rep, verdict):
@@ -193,3 +196,17 @@ def test_every_recorded_series_diagnose_falls_back_to_is_a_shipped_recording_rul
     from exporter.rules import recording_rules
 
     assert set(RECORDED.values()) <= set(recording_rules(DEFAULTS["selector"]))
+
+
+def test_text_report_gives_each_runs_mfu_goodput_and_wasted_gpu_hours():
+    reps = [report(0.75, 0.01, mfu=0.3) for _ in range(2)]
+    reps[1].rank = "1"
+    reps[1].gpus[0] = GpuReading("1", "GPU-1", 0.25)
+    for r, good in zip(reps, (0.8, 0.6), strict=True):
+        r.goodput = good
+        r.badput = {"data_wait": 0.05, "checkpoint": 1 - good - 0.05}
+    text = text_report(judge(reps, T), window_seconds=3600)
+    # two GPUs idle 25 % and 75 % of an hour: one GPU-hour
+    assert "   MFU 30.0%   goodput 70.0%   wasted 1 GPU-hours over the window (1.00 GPUs " \
+           "idle on average)" in text
+    assert "goodput 60.0% of wall time; lost to checkpoint 35.0%, data_wait 5.0%" in text

@@ -4,6 +4,7 @@ a demo daemon (simulated H100s), a real Prometheus evaluating the shipped record
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -98,6 +99,14 @@ def test_mfu_of_a_client_at_a_known_flop_rate_within_2_percent(stack, monkeypatc
         # busy 100 % at 35 % MFU: nothing for the low-MFU alert to say (its case is promtool's)
         assert values(prom, 'run_rank:gputrain_gpu_busy_ratio:avg5m{run="paced"}') == {
             "paced": pytest.approx(1.0)}
+        out = subprocess.run([sys.executable, "-m", "exporter", "diagnose", "--prometheus",
+                              prom.url, "--run", "paced"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60)
+        header = re.search(r"MFU ([\d.]+)%   goodput ([\d.]+)%   wasted ([\d.]+) GPU-hours",
+                           out.stdout)
+        assert header, out.stdout + out.stderr
+        assert float(header[1]) == pytest.approx(MFU * 100, rel=0.02)
+        assert float(header[3]) < 0.01  # its GPU is never idle
     finally:
         stop.set()
         loop.join(5)
