@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from exporter.client import TrainingMonitor
+from exporter.client.flops import count_training_flops
 
 MEAN = torch.tensor([0.4914, 0.4822, 0.4465]).view(1, 3, 1, 1)
 STD = torch.tensor([0.2470, 0.2435, 0.2616]).view(1, 3, 1, 1)
@@ -117,12 +118,19 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         model = SmallCNN().to(device)
     waste = torch.randn(1024, 1024, device=device) / 32 if args.gpu_waste else None
+    amp_dtype = torch.bfloat16 if device.type == "cpu" or torch.cuda.is_bf16_supported() \
+        else torch.float16
+    # the model's FLOPs per sample, counted once on the eager model (a forward and backward
+    # pass), so the exporter can give its MFU; the injected waste is not the model's work
+    example = torch.randn(8, 3, args.image_size, args.image_size, device=device)
+    flops = count_training_flops(model, example, batch_size=8)
+    # MFU against the mixed-precision peak even without --amp, so that it shows what AMP
+    # would win (as torchtitan measures against the bf16 peak)
+    precision = "fp16" if args.amp and amp_dtype == torch.float16 else "bf16"
     if args.compile:
         model = torch.compile(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    amp_dtype = torch.bfloat16 if device.type == "cpu" or torch.cuda.is_bf16_supported() \
-        else torch.float16
-    monitor = TrainingMonitor(run=args.run)
+    monitor = TrainingMonitor(run=args.run, flops_per_sample=flops, precision=precision)
     profiler = contextlib.nullcontext()
     if args.torch_profiler:
         from torch.profiler import ProfilerActivity, profile
@@ -140,7 +148,8 @@ def main(argv: list[str] | None = None) -> dict:
     monitor.close()
     result = {"steps": steps, "seconds": elapsed,
               "samples_per_second": steps * args.batch_size / elapsed,
-              "data_wait_ratio": totals["data_wait_seconds"] / max(totals["step_seconds"], 1e-9)}
+              "data_wait_ratio": totals["data_wait_seconds"] / max(totals["step_seconds"], 1e-9),
+              "flops_per_sample": flops, "precision": precision}
     if args.torch_profiler:
         result["client_data_wait_seconds"] = totals["data_wait_seconds"]
         result["profiler_data_wait_seconds"] = sum(

@@ -6,7 +6,7 @@ from gpu.checks import check
 
 
 def result(name: str, power=(300.0, 305.0), memory=(10000.0, 10050.0), util=(90.0, 92.0),
-           sm=0.7, tensor=0.0, rx=1e9, gpu_name="NVIDIA H100 80GB HBM3") -> dict:
+           sm=0.7, tensor=0.0, rx=1e9, gpu_name="NVIDIA H100 80GB HBM3", mfu=0.1) -> dict:
     def cmp(pair):
         ours, theirs = pair
         return {"exporter": ours, "nvidia_smi": theirs, "samples": 30,
@@ -15,17 +15,18 @@ def result(name: str, power=(300.0, 305.0), memory=(10000.0, 10050.0), util=(90.
     return {"scenario": name, "returncode": 0, "trainer_errors": "", "gpu_name": gpu_name,
             "nvidia_smi": {"power": cmp(power), "memory": cmp(memory), "util": cmp(util)},
             "measured": {"sm_active": sm, "tensor_active": tensor,
-                         "pcie_rx_bytes_per_second": rx}}
+                         "pcie_rx_bytes_per_second": rx, "mfu": mfu}}
 
 
 def test_a_good_run_passes():
-    assert check([result("s003-5-uint8"), result("s003-6-amp", tensor=0.3),
+    assert check([result("s003-5-uint8"), result("s003-6-amp", tensor=0.3, mfu=0.15),
+                  result("s003-7-compile", tensor=0.3, mfu=0.2),
                   result("s002-h2d-copy", rx=9e9)]) == []
 
 
 def test_each_failure_is_named():
     failures = check([result("s003-5-uint8", power=(250.0, 300.0)),
-                      result("s003-6-amp", tensor=0.0, memory=(10000.0, 11000.0)),
+                      result("s003-6-amp", tensor=0.0, memory=(10000.0, 11000.0), mfu=0.15),
                       result("s002-h2d-copy", rx=1.5e9, sm=None, util=(40.0, 90.0))])
     text = "\n".join(failures)
     assert "s003-5-uint8: power" in text
@@ -39,3 +40,11 @@ def test_each_failure_is_named():
 
 def test_gpm_is_required_only_where_the_gpu_has_it():
     assert check([result("x", sm=None, gpu_name="Tesla V100-SXM2-16GB")]) == []
+
+
+def test_mfu_must_rise_up_the_ladder_and_be_there():
+    failures = check([result("s003-5-uint8", mfu=0.1), result("s003-6-amp", tensor=0.3, mfu=0.15),
+                      result("s003-7-compile", tensor=0.3, mfu=0.14)])
+    assert failures == ["MFU did not rise from s003-6-amp to s003-7-compile: 0.150 -> 0.140"]
+    failures = check([result("s003-5-uint8", mfu=None), result("s003-6-amp", tensor=0.3)])
+    assert failures == ["s003-5-uint8: no MFU (FLOPs, elapsed time or the GPU's peak missing)"]

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 
 POWER_TOLERANCE = 0.10    # relative, against nvidia-smi power.draw
@@ -42,6 +43,19 @@ def check(results: list[dict]) -> list[str]:
         failures.append("tensor activity did not rise with AMP: "
                         f"{plain['measured'].get('tensor_active')} -> "
                         f"{amp['measured'].get('tensor_active')}")
+    # the seed's ladder: AMP (+50 % throughput) and torch.compile (+32 %) each raise the MFU,
+    # which every step measures against the same bf16 peak
+    ladder = [by_name.get(n) for n in ("s003-5-uint8", "s003-6-amp", "s003-7-compile")]
+    for r in ladder:
+        if r and not r["returncode"] and r["measured"].get("mfu") is None:
+            failures.append(f"{r['scenario']}: no MFU (FLOPs, elapsed time or the GPU's peak "
+                            "missing)")
+    for a, b in itertools.pairwise(ladder):
+        x = a["measured"].get("mfu") if a else None
+        y = b["measured"].get("mfu") if b else None
+        if x is not None and y is not None and y <= x:
+            failures.append(f"MFU did not rise from {a['scenario']} to {b['scenario']}: "
+                            f"{x:.3f} -> {y:.3f}")
     h2d = by_name.get("s002-h2d-copy")
     if plain and h2d and (h2d["measured"].get("pcie_rx_bytes_per_second") or 0) <= 2 * (
             plain["measured"].get("pcie_rx_bytes_per_second") or 0):

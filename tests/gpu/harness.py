@@ -160,6 +160,15 @@ def summarize(scrapes, run: str, gpu: str, t0: float, t1: float) -> dict[str, An
     sampled = _delta(_series(scrapes, "gputrain_gpu_sampled_seconds_total", **g), t0, t1)
     link = _mean(_series(scrapes, "gputrain_gpu_pcie_link_max_bytes_per_second", **g), t0, t1)
     rx = _delta(_series(scrapes, "gputrain_gpu_pcie_received_bytes_total", **g), t0, t1)
+    # MFU: the run's FLOPs per second of its wall time over the GPU's peak at its precision
+    precisions = {dict(labels).get("precision") for _, samples in scrapes[-1:]
+                  for (n, labels) in samples if n == "gputrain_training_gpu_info"
+                  and dict(labels).get("run") == run}
+    precision = next(iter(precisions - {None}), None)
+    peak = _mean(_series(scrapes, "gputrain_gpu_peak_flops", **g, precision=precision or ""),
+                 t0, t1)
+    flops = _delta(_series(scrapes, "gputrain_training_flops_total", **r), t0, t1)
+    wall = _delta(_series(scrapes, "gputrain_training_elapsed_seconds_total", **r), t0, t1)
     return {
         "gpu_busy": ratio(_delta(_series(scrapes, "gputrain_gpu_busy_seconds_total", **g),
                                  t0, t1), sampled),
@@ -175,6 +184,8 @@ def summarize(scrapes, run: str, gpu: str, t0: float, t1: float) -> dict[str, An
         "pcie_rx_bytes_per_second": ratio(rx, sampled),
         "pcie_rx_link_used": ratio(ratio(rx, sampled), link),
         "host_cpu_busy": _cpu_busy(scrapes, t0, t1),
+        "precision": precision,
+        "mfu": ratio(ratio(flops, wall), peak),
     }
 
 
@@ -284,7 +295,7 @@ def markdown(results: list[dict], fired: dict[str, list[str]] | None = None) -> 
         return "n/a" if x is None else f"{100 * x:.1f}%"
 
     columns = ["scenario", "GPU busy", "SM active", "tensor active", "data wait", "samples/s",
-               "memory", "power", *(["alerts fired"] if fired is not None else []),
+               "memory", "power", "MFU", *(["alerts fired"] if fired is not None else []),
                "the seed reported"]
     lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     for r in results:
@@ -293,7 +304,7 @@ def markdown(results: list[dict], fired: dict[str, list[str]] | None = None) -> 
         cells = [r["scenario"], pct(m.get("gpu_busy")), pct(m.get("sm_active")),
                  pct(m.get("tensor_active")), pct(m.get("data_wait")),
                  "n/a" if sps is None else f"{sps:.0f}", pct(m.get("memory_used")),
-                 pct(m.get("power_used"))]
+                 pct(m.get("power_used")), pct(m.get("mfu"))]
         if fired is not None:
             cells.append(", ".join(fired.get(r["scenario"], [])) or "none")
         lines.append("| " + " | ".join([*cells, r["seed"]]) + " |")
