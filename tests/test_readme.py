@@ -96,3 +96,12 @@ def test_the_push_limits_in_the_readme_are_the_protocols():
                    f"1-{protocol.MAX_NAME_LENGTH} characters",
                    f"at most {protocol.MAX_BODY_BYTES // 2**20} MiB"):
         assert phrase in section, phrase
+
+
+def test_every_recording_rule_the_readme_names_is_shipped():
+    from exporter.rules import DEFAULTS, recording_rules
+
+    records = set(recording_rules(DEFAULTS["selector"]))
+    named = set(re.findall(r"`((?:run|run_rank|run_rank_gpu|run_rank_cause|run_rank_phase|gpu|"
+                           r"instance):gputrain_\w+:\w+)", README))
+    assert named and sorted(named - records) == []
