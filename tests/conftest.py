@@ -161,6 +161,20 @@ def daemon_factory() -> Iterator:
         d.stop()
 
 
+def rules_file(tmp: Path, overrides: dict) -> Path:
+    """The shipped rules as ``gputrain-exporter rules --config`` writes them for ``overrides``
+    (a thresholds file: short `for`s and recording interval for a test), in ``tmp``."""
+    import yaml
+
+    cfg = tmp / "thresholds.yml"
+    cfg.write_text(yaml.safe_dump(overrides))
+    rules = tmp / "gputrain.rules.yml"
+    rules.write_text(subprocess.run(
+        [sys.executable, "-m", "exporter", "rules", "--config", str(cfg)], cwd=ROOT,
+        check=True, capture_output=True, text=True).stdout)
+    return rules
+
+
 def synthetic_client(run: str, endpoint: str, *args: str, rank: int = 0,
                      gpu: int = 0) -> subprocess.Popen:
     """``examples/synthetic_client.py`` as rank ``rank`` pushing to ``endpoint`` every 0.5 s

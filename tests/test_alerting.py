@@ -17,6 +17,7 @@ from conftest import (
     Prometheus,
     Webhook,
     free_port,
+    rules_file,
     stop_all,
     synthetic_client,
     wait_until,
@@ -36,13 +37,8 @@ def stack(tmp_path_factory):
                                         "--data-wait-ms", "30", "--compute-ms", "10"))
         started.append(synthetic_client("fed", busy.ingest_url, "--batch-size", "16",
                                         "--data-wait-ms", "0", "--compute-ms", "20"))
-        cfg = tmp / "thresholds.yml"
-        cfg.write_text(yaml.safe_dump({"recording_interval": "1s", "for": {
-            "GpuTrainInputBound": "5s", "GpuTrainGPUUnderutilized": "5s"}}))
-        rules = tmp / "gputrain.rules.yml"
-        rules.write_text(subprocess.run(
-            [sys.executable, "-m", "exporter", "rules", "--config", str(cfg)], cwd=ROOT,
-            check=True, capture_output=True, text=True).stdout)
+        rules = rules_file(tmp, {"recording_interval": "1s", "for": {
+            "GpuTrainInputBound": "5s", "GpuTrainGPUUnderutilized": "5s"}})
         hook = Webhook()
         am_config = tmp / "alertmanager.yml"
         am_config.write_text(yaml.safe_dump({

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import yaml
-from conftest import ROOT, Daemon, Prometheus, synthetic_client, wait_until
+from conftest import ROOT, Daemon, Prometheus, rules_file, synthetic_client, wait_until
 
 from exporter import dashboards as generate
 from exporter.catalogue import THRESHOLDS
@@ -150,13 +150,7 @@ def fed_prometheus(tmp_path_factory):
     client = synthetic_client("tour", daemon.ingest_url, "--batch-size", "32",
                               "--data-wait-ms", "20", "--compute-ms", "10", "--callback-ms", "5",
                               "--flops-per-sample", "1e9")
-    cfg = tmp / "t.yml"
-    cfg.write_text(yaml.safe_dump({"recording_interval": "1s",
-                                   "for": {"GpuTrainInputBound": "1s"}}))
-    rules = tmp / "rules.yml"
-    rules.write_text(subprocess.run([sys.executable, "-m", "exporter", "rules", "--config",
-                                     str(cfg)], cwd=ROOT, check=True, capture_output=True,
-                                    text=True).stdout)
+    rules = rules_file(tmp, {"recording_interval": "1s", "for": {"GpuTrainInputBound": "1s"}})
     prom = Prometheus(tmp, [daemon.url.removeprefix("http://")], rule_files=[str(rules)])
     try:
         prom.start()

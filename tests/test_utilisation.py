@@ -12,8 +12,15 @@ import threading
 import time
 
 import pytest
-import yaml
-from conftest import ROOT, Daemon, Prometheus, stop_all, synthetic_client, wait_until
+from conftest import (
+    ROOT,
+    Daemon,
+    Prometheus,
+    rules_file,
+    stop_all,
+    synthetic_client,
+    wait_until,
+)
 
 from exporter.client import TrainingMonitor
 from exporter.peak_flops import PEAKS
@@ -32,12 +39,7 @@ def stack(tmp_path_factory):
         started.append(busy)
         quarter = Daemon("--gpu.backend=demo", "--demo.gpus=1", "--demo.load=0.25").start()
         started.append(quarter)
-        cfg = tmp / "thresholds.yml"
-        cfg.write_text(yaml.safe_dump({"recording_interval": "1s"}))
-        rules = tmp / "gputrain.rules.yml"
-        rules.write_text(subprocess.run(
-            [sys.executable, "-m", "exporter", "rules", "--config", str(cfg)], cwd=ROOT,
-            check=True, capture_output=True, text=True).stdout)
+        rules = rules_file(tmp, {"recording_interval": "1s"})
         prom = Prometheus(tmp, [d.url.removeprefix("http://") for d in (busy, quarter)],
                           rule_files=[str(rules)]).start()
         started.append(prom)
