@@ -249,7 +249,8 @@ def test_lightning_matches_simple_profiler(daemon_factory, tmp_path, delay):
         max_epochs=2, accelerator="cpu", logger=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=tmp_path, profiler=profiler,
         limit_val_batches=3,
-        callbacks=[GpuTrainCallback(run=run, endpoint=d.ingest_url, push_interval=60),
+        callbacks=[GpuTrainCallback(run=run, endpoint=d.ingest_url, push_interval=60,
+                                    flops_per_sample=1e6),
                    ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1)])
     trainer.fit(Tiny(), torch.utils.data.DataLoader(Data(160, delay), batch_size=8),
                 torch.utils.data.DataLoader(Data(24, 0.01), batch_size=8))
@@ -261,6 +262,7 @@ def test_lightning_matches_simple_profiler(daemon_factory, tmp_path, delay):
     report(f"Lightning, delay {delay}, checkpoint vs SimpleProfiler",
            got.phases["checkpoint"], sum(durations["save_checkpoint"]))
     assert got.steps == 40 and got.samples == 320
+    assert sample_value(d.metrics(), "gputrain_training_flops_total", {"run": run}) == 320e6
     assert got.wait == pytest.approx(sum(durations[FETCH_ACTION]), rel=0.02, abs=0.002)
     assert got.phases["checkpoint"] == pytest.approx(sum(durations["save_checkpoint"]),
                                                      rel=0.02)
@@ -364,7 +366,8 @@ def test_transformers_against_trainer_runtime_and_collator(daemon_factory, tmp_p
     trainer = transformers.Trainer(
         model=Tiny(), args=args, train_dataset=Data(64, False), eval_dataset=Data(16, True),
         data_collator=collator,
-        callbacks=[GpuTrainCallback(run="hf", endpoint=d.ingest_url, push_interval=60)])
+        callbacks=[GpuTrainCallback(run="hf", endpoint=d.ingest_url, push_interval=60,
+                                    flops_per_sample=2e6, precision="fp32")])
     out = trainer.train()
     runtime = trainer.state.global_step / out.metrics["train_steps_per_second"]
     got = measured(d, "hf")
@@ -373,6 +376,7 @@ def test_transformers_against_trainer_runtime_and_collator(daemon_factory, tmp_p
            + got.phases.get("evaluation", 0) + got.phases.get("checkpoint", 0), runtime)
     assert got.steps == trainer.state.global_step == 12
     assert got.samples == 12 * 4 * 2
+    assert sample_value(d.metrics(), "gputrain_training_flops_total", {"run": "hf"}) == 96 * 2e6
     assert got.wait == pytest.approx(collate.total, rel=0.05)
     assert got.phases["evaluation"] > 0 and got.phases["checkpoint"] > 0
     accounted = got.step_seconds + got.phases["evaluation"] + got.phases["checkpoint"]

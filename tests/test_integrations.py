@@ -33,7 +33,9 @@ def test_keras_callback(daemon_factory):
     model.compile(optimizer="sgd", loss="mse")
     x, y = np.random.rand(40, 4).astype("float32"), np.random.rand(40, 1).astype("float32")
     model.fit(x, y, batch_size=8, epochs=2, verbose=0, validation_data=(x, y),
-              callbacks=[GpuTrainCallback(batch_size=8, run="keras", endpoint=d.ingest_url)])
+              callbacks=[GpuTrainCallback(batch_size=8, run="keras", endpoint=d.ingest_url,
+                                          flops_per_sample=1e3)])
     text = _check(d, "keras", steps=10, samples=80)
+    assert sample_value(text, "gputrain_training_flops_total", {"run": "keras"}) == 80e3
     assert sample_value(text, "gputrain_training_phase_seconds_total",
                         {"run": "keras", "phase": "evaluation"}) > 0

