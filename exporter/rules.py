@@ -141,85 +141,82 @@ def _recording(s: str, ids: Identity) -> list[dict]:
     """Recording rules: level:metric:operation. Ratios divide separately-summed counters."""
     rank, gpu, node = ids.rank, ids.gpu, ids.node
 
-    def rec(name: str, expr: str) -> dict:
-        return {"record": name, "expr": " ".join(expr.split())}
-
     return [
         # per (run, rank): the training client's signals
-        rec("run_rank:gputrain_training_data_wait_ratio:rate5m", f"""
+        _rec("run_rank:gputrain_training_data_wait_ratio:rate5m", f"""
             sum by ({rank}) (rate(gputrain_training_data_wait_seconds_total{{{s}}}[5m]))
             / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m]))"""),
         # samples per second of step time: the training loop's throughput, exact from a run's
         # first minute (a bare rate() over 5m reads low until the run is 5m old)
-        rec("run_rank:gputrain_training_samples_per_second:rate5m", f"""
+        _rec("run_rank:gputrain_training_samples_per_second:rate5m", f"""
             sum by ({rank}) (rate(gputrain_training_samples_total{{{s}}}[5m]))
             / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m]))"""),
-        rec("run_rank:gputrain_training_step_seconds:mean5m", f"""
+        _rec("run_rank:gputrain_training_step_seconds:mean5m", f"""
             sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m]))
             / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[5m]))"""),
-        rec("run_rank:gputrain_training_compute_seconds:mean5m", f"""
+        _rec("run_rank:gputrain_training_compute_seconds:mean5m", f"""
             (sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m]))
              - sum by ({rank}) (rate(gputrain_training_data_wait_seconds_total{{{s}}}[5m])))
             / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[5m]))"""),
-        rec("run_rank:gputrain_training_step_seconds:p50_30m", f"""
+        _rec("run_rank:gputrain_training_step_seconds:p50_30m", f"""
             histogram_quantile(0.5, sum by ({rank}, le)
               (rate(gputrain_training_step_duration_seconds_bucket{{{s}}}[30m])))"""),
-        rec("run_rank:gputrain_training_step_seconds:p99_30m", f"""
+        _rec("run_rank:gputrain_training_step_seconds:p99_30m", f"""
             histogram_quantile(0.99, sum by ({rank}, le)
               (rate(gputrain_training_step_duration_seconds_bucket{{{s}}}[30m])))"""),
-        rec("run_rank_phase:gputrain_training_phase_ratio:rate5m", f"""
+        _rec("run_rank_phase:gputrain_training_phase_ratio:rate5m", f"""
             sum by ({rank}, phase) (rate(gputrain_training_phase_seconds_total{{{s}}}[5m]))
             / on ({rank}) group_left
             sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m]))"""),
-        rec("run_rank:gputrain_training_step_phase_ratio:max_rate5m", f"""
+        _rec("run_rank:gputrain_training_step_phase_ratio:max_rate5m", f"""
             max by ({rank}) (
               sum by ({rank}, phase) (rate(gputrain_training_phase_seconds_total{{{s},{IN_STEP}}}[5m]))
               / on ({rank}) group_left
               sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m])))"""),
-        rec("run_rank:gputrain_training_checkpoint_ratio:rate5m", f"""
+        _rec("run_rank:gputrain_training_checkpoint_ratio:rate5m", f"""
             sum by ({rank}) (rate(gputrain_training_phase_seconds_total{{{s},phase="checkpoint"}}[5m]))
             / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[5m]))"""),
-        rec("run_rank:gputrain_training_process_cpu_cores:rate5m", f"""
+        _rec("run_rank:gputrain_training_process_cpu_cores:rate5m", f"""
             sum by ({rank}) (rate(gputrain_training_process_cpu_seconds_total{{{s}}}[5m]))"""),
         # what diagnose reads where only the recorded series arrive (a global layer fed with
         # the recording rules' results): steps, the last step, the process tree's memory
-        rec("run_rank:gputrain_training_steps:rate5m", f"""
+        _rec("run_rank:gputrain_training_steps:rate5m", f"""
             sum by ({rank}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[5m]))"""),
-        rec("run_rank:gputrain_training_last_step_timestamp_seconds:max", f"""
+        _rec("run_rank:gputrain_training_last_step_timestamp_seconds:max", f"""
             max by ({rank}) (gputrain_training_last_step_timestamp_seconds{{{s}}})"""),
-        rec("run_rank:gputrain_training_process_resident_memory_bytes:sum", f"""
+        _rec("run_rank:gputrain_training_process_resident_memory_bytes:sum", f"""
             sum by ({rank}) (gputrain_training_process_resident_memory_bytes{{{s}}})"""),
         *_utilisation(s, ids),
         # per GPU
         # GPU ratios divide by the seconds the sampler watched: exact from the first scrapes
         # after an exporter (re)start, and blind time (a lost GPU) counts on neither side.
-        rec("gpu:gputrain_gpu_busy_ratio:rate5m", f"""
+        _rec("gpu:gputrain_gpu_busy_ratio:rate5m", f"""
             sum by ({gpu}) (rate(gputrain_gpu_busy_seconds_total{{{s}}}[5m]))
             / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[5m]))"""),
-        rec("gpu:gputrain_gpu_memory_used:ratio", f"""
+        _rec("gpu:gputrain_gpu_memory_used:ratio", f"""
             sum by ({gpu}) (gputrain_gpu_memory_used_bytes{{{s}}})
             / sum by ({gpu}) (gputrain_gpu_memory_total_bytes{{{s}}})"""),
-        rec("gpu:gputrain_gpu_power_limit_used:ratio_avg5m", f"""
+        _rec("gpu:gputrain_gpu_power_limit_used:ratio_avg5m", f"""
             sum by ({gpu}) (avg_over_time(gputrain_gpu_power_watts{{{s}}}[5m]))
             / sum by ({gpu}) (gputrain_gpu_power_limit_watts{{{s}}})"""),
-        rec("gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m", f"""
+        _rec("gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m", f"""
             sum by ({gpu}) (rate(gputrain_gpu_pcie_received_bytes_total{{{s}}}[5m]))
             / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[5m]))
             / sum by ({gpu}) (gputrain_gpu_pcie_link_max_bytes_per_second{{{s}}})"""),
-        rec("gpu:gputrain_gpu_sm_active_ratio:avg5m",
+        _rec("gpu:gputrain_gpu_sm_active_ratio:avg5m",
             f"avg by ({gpu}) (avg_over_time(gputrain_gpu_sm_active_ratio{{{s}}}[5m]))"),
-        rec("gpu:gputrain_gpu_tensor_active_ratio:avg5m",
+        _rec("gpu:gputrain_gpu_tensor_active_ratio:avg5m",
             f"avg by ({gpu}) (avg_over_time(gputrain_gpu_tensor_active_ratio{{{s}}}[5m]))"),
         # mean power from the energy counter: exact over the window, unlike sampled gauges
-        rec("gpu:gputrain_gpu_power_watts:rate5m", f"""
+        _rec("gpu:gputrain_gpu_power_watts:rate5m", f"""
             sum by ({gpu}) (rate(gputrain_gpu_energy_joules_total{{{s}}}[5m]))
             / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[5m]))"""),
-        rec("gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m", f"""
+        _rec("gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m", f"""
             sum by ({gpu}) (rate(gputrain_gpu_clock_event_seconds_total{{{s},
               reason=~"sw_power_cap|sw_thermal_slowdown|hw_thermal_slowdown|hw_power_brake_slowdown"}}[5m]))
             / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[5m]))"""),
         # a rank's GPUs, joined through gputrain_training_gpu_info
-        *[rec(f"run_rank_gpu:{name.split(':', 1)[1].rsplit(':', 1)[0]}:{name.rsplit(':', 1)[1]}",
+        *[_rec(f"run_rank_gpu:{name.split(':', 1)[1].rsplit(':', 1)[0]}:{name.rsplit(':', 1)[1]}",
               rank_gpu_join(s, name, ids))
           for name in ("gpu:gputrain_gpu_busy_ratio:rate5m",
                        "gpu:gputrain_gpu_memory_used:ratio",
@@ -229,36 +226,41 @@ def _recording(s: str, ids: Identity) -> list[dict]:
                        "gpu:gputrain_gpu_tensor_active_ratio:avg5m",
                        "gpu:gputrain_gpu_power_watts:rate5m",
                        "gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m")],
-        rec("run_rank:gputrain_gpu_busy_ratio:avg5m",
+        _rec("run_rank:gputrain_gpu_busy_ratio:avg5m",
             f"avg by ({rank}) (run_rank_gpu:gputrain_gpu_busy_ratio:rate5m)"),
         # joules per sample: the rank's GPUs' mean power over its samples per wall second
         # (each side over its own clock, so exact from a run's first minute)
-        rec("run_rank:gputrain_training_energy_joules_per_sample:rate5m", f"""
+        _rec("run_rank:gputrain_training_energy_joules_per_sample:rate5m", f"""
             sum by ({rank}) (run_rank_gpu:gputrain_gpu_power_watts:rate5m)
             / (sum by ({rank}) (rate(gputrain_training_samples_total{{{s}}}[5m]))
                / sum by ({rank}) (rate(gputrain_training_elapsed_seconds_total{{{s}}}[5m])))"""),
         # GPU-seconds per second that a run's GPUs sat idle while it held them (a GPU two
         # ranks share counts once); sum_over_time(...[range]) * the recording interval is
         # GPU-seconds over the range
-        rec("run:gputrain_gpu_wasted_seconds:rate5m", f"""
+        _rec("run:gputrain_gpu_wasted_seconds:rate5m", f"""
             sum by ({ids.run}) (max by ({ids.node}, run, gpu, uuid)
               (1 - run_rank_gpu:gputrain_gpu_busy_ratio:rate5m))"""),
         # per node
-        rec("instance:gputrain_host_cpu_busy:ratio_rate5m", f"""
+        _rec("instance:gputrain_host_cpu_busy:ratio_rate5m", f"""
             1 - sum by ({node}) (rate(gputrain_host_cpu_seconds_total{{{s},mode=~"idle|iowait"}}[5m]))
             / sum by ({node}) (rate(gputrain_host_cpu_seconds_total{{{s}}}[5m]))"""),
-        rec("instance:gputrain_host_memory_available_bytes:sum",
+        _rec("instance:gputrain_host_memory_available_bytes:sum",
             f"sum by ({node}) (gputrain_host_memory_available_bytes{{{s}}})"),
-        rec("instance:gputrain_host_cpu_iowait:ratio_rate5m", f"""
+        _rec("instance:gputrain_host_cpu_iowait:ratio_rate5m", f"""
             sum by ({node}) (rate(gputrain_host_cpu_seconds_total{{{s},mode="iowait"}}[5m]))
             / sum by ({node}) (rate(gputrain_host_cpu_seconds_total{{{s}}}[5m]))"""),
-        rec("instance:gputrain_host_disk_busy:max_rate5m", f"""
+        _rec("instance:gputrain_host_disk_busy:max_rate5m", f"""
             max by ({node}) (rate(gputrain_host_disk_io_time_seconds_total{{{s}}}[5m]))"""),
-        rec("instance:gputrain_host_network_receive_link_used:max_ratio_rate5m", f"""
+        _rec("instance:gputrain_host_network_receive_link_used:max_ratio_rate5m", f"""
             max by ({node}) (
               rate(gputrain_host_network_received_bytes_total{{{s}}}[5m])
               / gputrain_host_network_speed_bytes_per_second{{{s}}})"""),
     ]
+
+
+def _rec(name: str, expr: str) -> dict:
+    """A recording rule, its expression on one line."""
+    return {"record": name, "expr": " ".join(expr.split())}
 
 
 def _utilisation(s: str, ids: Identity) -> list[dict]:
@@ -277,26 +279,26 @@ def _utilisation(s: str, ids: Identity) -> list[dict]:
 
     return [
         # the summed peak of a rank's GPUs at the precision it trains in
-        {"record": "run_rank:gputrain_gpu_peak_flops:sum", "expr": " ".join(f"""
+        _rec("run_rank:gputrain_gpu_peak_flops:sum", f"""
             sum by ({rank}) (
               max by ({rank}, gpu, uuid, precision) (gputrain_training_gpu_info{{{s}}})
               * on ({gpu}, precision) group_left
-              max by ({gpu}, precision) (gputrain_gpu_peak_flops{{{s}}}))""".split())},
-        {"record": "run_rank:gputrain_training_mfu:ratio_rate5m", "expr": " ".join(f"""
+              max by ({gpu}, precision) (gputrain_gpu_peak_flops{{{s}}}))"""),
+        _rec("run_rank:gputrain_training_mfu:ratio_rate5m", f"""
             sum by ({rank}) (rate(gputrain_training_flops_total{{{s}}}[5m])) / {wall}
-            / run_rank:gputrain_gpu_peak_flops:sum""".split())},
+            / run_rank:gputrain_gpu_peak_flops:sum"""),
         # productive: step time less data wait and the phases inside steps
-        {"record": "run_rank:gputrain_training_goodput:ratio_rate5m", "expr": " ".join(f"""
-            ({steps} - {wait} - {phases(IN_STEP)}) / {wall}""".split())},
+        _rec("run_rank:gputrain_training_goodput:ratio_rate5m", f"""
+            ({steps} - {wait} - {phases(IN_STEP)}) / {wall}"""),
         # the rest of the wall time, by cause: it and goodput add up to 1
-        {"record": "run_rank_cause:gputrain_training_badput:ratio_rate5m", "expr": " ".join(f"""
+        _rec("run_rank_cause:gputrain_training_badput:ratio_rate5m", f"""
             (label_replace({wait}, "cause", "{DATA_WAIT_CAUSE}", "", "")
              or sum by ({rank}, cause) (label_replace(
                   rate(gputrain_training_phase_seconds_total{{{s}}}[5m]),
                   "cause", "$1", "phase", "(.+)"))
              or label_replace({wall} - {steps} - {phases(OUTSIDE_STEP)},
                   "cause", "{OUTSIDE_STEPS_CAUSE}", "", ""))
-            / on ({rank}) group_left {wall}""".split())},
+            / on ({rank}) group_left {wall}"""),
     ]
 
 
