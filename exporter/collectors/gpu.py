@@ -62,14 +62,7 @@ class GpuCollector:
 
     def __init__(self, snapshot: Callable[[], Snapshot], peaks: PeakTable | None = None) -> None:
         self._snapshot = snapshot
-        self._peak_table = peaks or PeakTable()
-        self._peaks: dict[str, list[tuple[str, float]]] = {}  # device name -> sorted peaks
-
-    def _peaks_of(self, name: str) -> list[tuple[str, float]]:
-        peaks = self._peaks.get(name)
-        if peaks is None:
-            peaks = self._peaks[name] = sorted(self._peak_table.peaks(name).items())
-        return peaks
+        self._peaks = peaks or PeakTable()
 
     def describe(self) -> list[Metric]:
         return list(self._families())
@@ -138,7 +131,7 @@ class GpuCollector:
             for reason, seconds in sorted(g.clock_event_seconds.items()):
                 events.add_metric([*labels, reason], seconds)
             if not ident.parent:  # a MIG slice's share of the peak depends on its profile
-                for precision, flops in self._peaks_of(ident.name):
+                for precision, flops in sorted(self._peaks.peaks(ident.name).items()):
                     peak.add_metric([*labels, precision], flops)
         yield info
         yield up
