@@ -192,15 +192,15 @@ class _Phase:
         m._add_phase(self._name, elapsed, self._outside)
 
 
-def _process_age() -> float:
+def _process_age() -> float | None:
     """Seconds since this process started (psutil), so that start-up counts as time outside
-    steps; 0 where it cannot be read."""
+    steps; None where it cannot be read."""
     try:
         import psutil
 
         return max(0.0, time.time() - psutil.Process().create_time())
-    except Exception:  # psutil missing or the process table unreadable: the monitor's age
-        return 0.0
+    except Exception:  # psutil missing or the process table unreadable
+        return None
 
 
 class TrainingMonitor:
@@ -235,7 +235,10 @@ class TrainingMonitor:
         self.token = token or _env_token()
         self.run_id = os.urandom(8).hex()
         self._wall_offset = time.time() - time.perf_counter()
-        self._process_start = _now() - _process_age()  # on the perf_counter clock
+        self._created = _now()
+        # when the process started, on the perf_counter clock: looked up by the first push
+        # (psutil's import and /proc read stay off the training thread), else the monitor's birth
+        self._process_start: float | None = None
         self._bounds = tuple(float(b) for b in buckets)
         if len(self._bounds) > MAX_BUCKETS or any(
                 b <= a for a, b in zip((0.0, *self._bounds), self._bounds, strict=False)):
@@ -445,9 +448,15 @@ class TrainingMonitor:
             "step_counts": cumulative,
             "gpus": list(self._gpus),
             "precision": self.precision,
-            "elapsed_seconds": max(0.0, _now() - self._process_start),
+            "elapsed_seconds": max(0.0, _now() - self._started()),
             **({"flops": self._flops} if self._flops_known else {}),
         }
+
+    def _started(self) -> float:
+        if self._process_start is None:  # two threads may both look: the same answer
+            age = _process_age()
+            self._process_start = self._created if age is None else _now() - age
+        return self._process_start
 
     # -- lifecycle ---------------------------------------------------------------------------
 
