@@ -8,6 +8,7 @@ import errno
 import ipaddress
 import logging
 import signal
+import socket
 import ssl
 import sys
 import threading
@@ -19,7 +20,7 @@ from exporter.config import ConfigError, Settings, add_flags, parse_listen_addre
 
 log = logging.getLogger("exporter")
 
-SUBCOMMANDS = ("serve", "rules", "diagnose", "generate", "dashboards")
+SUBCOMMANDS = ("serve", "rules", "diagnose", "top", "generate", "dashboards")
 
 
 def url_of(scheme: str, server: Any) -> str:
@@ -51,10 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the exporter daemon (the default)")
     add_flags(serve)
     parser.serve_parser = serve  # --help shows its flags too
-    from exporter import diagnose, generate, rules  # subcommands register their own flags
+    from exporter import diagnose, generate, rules, top  # subcommands register their flags
 
     rules.add_parser(sub)
     diagnose.add_parser(sub)
+    top.add_parser(sub)
     generate.add_parser(sub)
     return parser
 
@@ -107,15 +109,35 @@ def _read_token(path: str) -> str:
     return token
 
 
+def _thresholds(path: str | None) -> dict[str, float]:
+    """The thresholds of a `rules --config` file (the catalogue's defaults without one)."""
+    from exporter.rules import DEFAULTS, load_overrides, merge
+
+    try:
+        return merge(DEFAULTS, load_overrides(path))["thresholds"]
+    except ValueError as exc:
+        raise ConfigError(f"--status.rules-config {exc}") from None
+
+
+def _observe(history: Any, sampler: Any, store: Any) -> None:
+    """Note the sampler's new snapshot and the live ranks in the status history."""
+    try:
+        history.observe(sampler.snapshot, store.states() if store is not None else ())
+    except Exception:  # the sampler must outlive a bug here
+        log.exception("recording the status history failed")
+
+
 def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     """Run the daemon until SIGTERM/SIGINT (or ``stop`` is set); returns the exit code."""
     from exporter.collectors import host_collectors
     from exporter.exposition import Exposition
     from exporter.gpu_backends import DemoBackend, NvmlBackend
+    from exporter.history import History
     from exporter.ingest import IngestStore
     from exporter.peak_flops import PeakTable
     from exporter.sampler import Sampler
     from exporter.server import IngestHandler, MetricsHandler, make_server, serve_in_thread
+    from exporter.status import StatusView
 
     setup_logging(settings["log.level"])
     try:
@@ -133,6 +155,7 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
                     "loopback address: set --ingest.token-file so that only your training "
                     "jobs can push")
             store = IngestStore(settings["ingest.max-series"], settings["ingest.ttl"], token)
+        thresholds = _thresholds(settings["status.rules-config"])
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
@@ -150,8 +173,13 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
     sampler = Sampler(backend, host, settings["sampler.interval"], settings.collectors)
+    peaks = PeakTable(settings["gpu.peak-flops"])
+    history = History(settings["status.window"], peaks=peaks, instance=socket.gethostname())
+    sampler.listeners.append(lambda: _observe(history, sampler, store))
     sampler.start()
-    app = Exposition(sampler, store, peaks=PeakTable(settings["gpu.peak-flops"]))
+    status = StatusView(history, thresholds, lambda: sampler.gpu_error, backend.name,
+                        lambda: sampler.snapshot.driver_version)
+    app = Exposition(sampler, store, peaks=peaks, status=status)
     app.start()
     servers = []
     listen = [("web", web_host, web_port, MetricsHandler, tls)]

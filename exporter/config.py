@@ -71,6 +71,13 @@ def _positive_int(value: Any) -> int:
     return n
 
 
+def _status_window(value: Any) -> float:
+    seconds = parse_duration(value)
+    if not 30.0 <= seconds <= 3600.0:
+        raise ValueError(f"expected a window between 30s and 1h, got {value!r}")
+    return seconds
+
+
 def _fraction(value: Any) -> float | None:
     if value is None or (isinstance(value, str) and value.lower() in ("", "auto", "moving")):
         return None
@@ -152,7 +159,7 @@ class Option:
 
     def shown_default(self) -> str:
         """The default as a user writes it on the command line."""
-        if self.parse is parse_duration:
+        if self.parse in (parse_duration, _status_window):
             return format_duration(self.default)
         return str(self.default)
 
@@ -195,6 +202,12 @@ OPTIONS: list[Option] = [
     Option("host.netdev-speed", parse_link_speeds, None,
            "link speed of interfaces whose driver does not report it (cloud NICs such as "
            "AWS ENA): '25Gbit' for all, or 'eth0=25Gbit,eth1=10Gbit'", "SPEEDS"),
+    Option("status.window", _status_window, 300.0,
+           "the window the status page, /api/v1/status and `top` judge each run over (the "
+           "daemon keeps this much history; 30s-1h)", "DURATION"),
+    Option("status.rules-config", _text, None,
+           "the settings file of `gputrain-exporter rules --config`: its thresholds make the "
+           "status page's verdicts those of your alerts", "FILE"),
     Option("log.level", _choice("debug", "info", "warning", "error"), "info", "log level"),
     *[
         Option(f"collector.{name}", _bool, entry.default,

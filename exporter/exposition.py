@@ -25,6 +25,7 @@ from exporter.collectors.training import TrainingCollector
 from exporter.ingest import IngestStore
 from exporter.peak_flops import PeakTable
 from exporter.sampler import CollectorStatus, Sampler
+from exporter.status import StatusView
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,9 @@ class Exposition:
 
     def __init__(self, sampler: Sampler, store: IngestStore | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 peaks: PeakTable | None = None) -> None:
+                 peaks: PeakTable | None = None, status: StatusView | None = None) -> None:
         self.sampler = sampler
+        self.status = status  # the daemon's own view (/, /api/v1/status), served beside
         self._clock = clock
         self.store = store
         snap = lambda: sampler.snapshot  # noqa: E731 - read the latest at every build

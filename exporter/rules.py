@@ -47,6 +47,9 @@ OUTSIDE_STEP = 'phase=~"' + "|".join(sorted(OUTSIDE_STEP_PHASES)) + '"'
 # badput causes beside the phases: what the rank's wall time went to when not stepping
 DATA_WAIT_CAUSE, OUTSIDE_STEPS_CAUSE = "data_wait", "outside_steps"
 LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+# the clock-event reasons that are throttling (sync boost is not: it aligns clocks on purpose)
+THROTTLE_REASONS = ("sw_power_cap", "sw_thermal_slowdown", "hw_thermal_slowdown",
+                    "hw_power_brake_slowdown")
 
 
 class Identity:
@@ -213,7 +216,7 @@ def _recording(s: str, ids: Identity) -> list[dict]:
             / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[5m]))"""),
         _rec("gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m", f"""
             sum by ({gpu}) (rate(gputrain_gpu_clock_event_seconds_total{{{s},
-              reason=~"sw_power_cap|sw_thermal_slowdown|hw_thermal_slowdown|hw_power_brake_slowdown"}}[5m]))
+              reason=~"{'|'.join(THROTTLE_REASONS)}"}}[5m]))
             / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[5m]))"""),
         # a rank's GPUs, joined through gputrain_training_gpu_info
         *[_rec(f"run_rank_gpu:{name.split(':', 1)[1].rsplit(':', 1)[0]}:{name.rsplit(':', 1)[1]}",

@@ -22,6 +22,7 @@ from typing import Any
 from exporter.ingest import IngestStore, PushRejected
 from exporter.protocol import MAX_BODY_BYTES, PUSH_PATH
 from exporter.sampler import Sampler
+from exporter.status import CONTENT_SECURITY_POLICY, STATUS_PATH
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +49,11 @@ def accepts_gzip(header: str | None) -> bool:
                 continue
     return q.get("gzip", q.get("*", 0.0)) > 0
 
+
 LANDING_PAGE = b"""<html><head><title>gputrain-exporter</title></head><body>
 <h1>gputrain-exporter</h1><p><a href="/metrics">Metrics</a> &middot;
 <a href="/healthz">Health</a></p></body></html>
-"""
+"""  # where no status view is wired (tests that serve the metrics page alone)
 
 
 class _HeaderBudget:
@@ -177,10 +179,18 @@ class MetricsHandler(_Handler):
             self._send(200, body, ctype, headers)
         elif path == "/healthz":
             self._health()
+        elif path == STATUS_PATH and self.server.app.status is not None:
+            self._send(200, self.server.app.status.json_bytes(), "application/json",
+                       {"Cache-Control": "no-store"})
+        elif self.server.app.status is not None and \
+                (asset := self.server.app.status.asset(path)) is not None:
+            self._send(200, asset[0], asset[1], {
+                "Content-Security-Policy": CONTENT_SECURITY_POLICY,
+                "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"})
         elif path == "/":
             self._send(200, LANDING_PAGE, "text/html; charset=utf-8")
         else:
-            self._send(404, b"not found: try /metrics\n")
+            self._send(404, b"not found: try /metrics, or / for the status page\n")
 
     do_HEAD = do_GET
 

@@ -31,6 +31,22 @@ ORDER = ("stalled", "cpu-preprocessing", "disk-io", "network-input", "input-boun
 UNDERUTILIZED = "underutilized"  # busy under the target, no stage to blame (the symptom alert)
 
 
+# What the two verdicts that are no catalogue alert mean, in words (the others: the summary)
+STATUS_SUMMARY = {
+    "gpu-bound": "The GPUs are busy: the model's own work sets the pace.",
+    "no-gpu-data": "The exporter knows no GPU of this rank.",
+}
+
+
+def summary(verdict: str) -> str:
+    """A verdict in one sentence: the catalogue alert's summary, for the page and ``top``."""
+    if verdict in STATUS_SUMMARY:
+        return STATUS_SUMMARY[verdict]
+    if verdict == UNDERUTILIZED:
+        return BY_ALERT["GpuTrainGPUUnderutilized"].summary
+    return BY_VERDICT[verdict].summary
+
+
 def advice(verdict: str) -> str:
     """What to change for a verdict: the catalogue's advice, the same text the alert gives."""
     if verdict in STATUS_ADVICE:

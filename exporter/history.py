@@ -1,0 +1,437 @@
+"""The daemon's short memory of its node and ranks, read as diagnose reads Prometheus.
+
+Every sampler cycle (in the sampler's thread, never on a request) the daemon notes what a window
+needs: each GPU's integrated counters and running sums of its gauges, the node's counters, each
+live rank's pushed totals. A point is kept every ``point_seconds`` for ``window`` seconds (and a
+rank's resident memory once a minute for an hour, for the leak rule), so memory is bounded by the
+GPUs and the ingest's live ranks (``--ingest.max-series``), however many ranks come and go.
+
+:meth:`History.reports` turns the window into :class:`~exporter.verdict.RankReport` readings by
+the recording rules' own definitions (the same ratios of counters, over this window instead of
+5m), and :func:`exporter.verdict.judge` gives the verdicts: the code ``diagnose`` runs.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from exporter.client.monitor import OUTSIDE_STEP_PHASES
+from exporter.collectors.training import GpuIndex, resolve_gpus
+from exporter.ingest import RankState
+from exporter.peak_flops import PeakTable
+from exporter.rules import THROTTLE_REASONS
+from exporter.sampler import GpuState, Snapshot
+from exporter.verdict import GpuReading, RankReport, rank_order
+
+WINDOW_SECONDS = 300.0  # the recording rules' 5m
+POINT_SECONDS = 5.0
+RSS_POINT_SECONDS = 60.0
+RSS_SECONDS = 3600.0  # the leak rule's longer range (1h)
+LEAK_MIN_SECONDS = 900.0  # its shorter range (15m): the leak is judged once this much is seen
+
+
+class _GpuPoint(NamedTuple):
+    t: float  # unix seconds
+    sampled: float  # seconds the sampler watched the GPU
+    busy: float | None
+    rx: float | None  # PCIe bytes received
+    tx: float | None
+    throttle: float  # seconds throttled (THROTTLE_REASONS)
+    sm: float  # running sums of the gauges, and how many readings they hold
+    sm_n: int
+    tensor: float
+    tensor_n: int
+    power: float
+    power_n: int
+
+
+class _HostPoint(NamedTuple):
+    t: float
+    cpu_total: float | None
+    cpu_idle: float  # idle and iowait
+    cpu_iowait: float
+    disks: dict[str, tuple[float, float, float | None]]  # read, written, io time
+    nics: dict[str, tuple[float, float]]  # received, transmitted
+
+
+class _RankPoint(NamedTuple):
+    t: float
+    steps: float
+    step_seconds: float
+    wait: float
+    samples: float
+    flops: float | None
+    wall: float
+    phases: dict[str, float]
+    buckets: tuple[int, ...]
+    epoch: int  # buckets of points of one epoch share their bounds
+
+
+@dataclass
+class _GpuTrack:
+    state: GpuState
+    sums: list[float] = field(default_factory=lambda: [0.0, 0, 0.0, 0, 0.0, 0])
+    last_sample: object = None
+    points: deque = field(default_factory=deque)
+    previous: _GpuPoint | None = None  # one cycle ago
+    current: _GpuPoint | None = None
+
+
+@dataclass
+class _RankTrack:
+    state: RankState
+    offsets: dict[str, float] = field(default_factory=dict)  # earlier processes' totals
+    phase_offsets: dict[str, float] = field(default_factory=dict)
+    bucket_offsets: tuple[int, ...] = ()
+    epoch: int = 0
+    points: deque = field(default_factory=deque)
+    rss: deque = field(default_factory=deque)  # (t, bytes), a point a minute
+
+
+_COUNTERS = ("steps", "step_seconds", "data_wait_seconds", "samples", "flops")
+
+
+class History:
+    """A bounded window of snapshots and rank totals (see the module docstring)."""
+
+    def __init__(self, window: float = WINDOW_SECONDS, point_seconds: float = POINT_SECONDS,
+                 peaks: PeakTable | None = None, instance: str = "") -> None:
+        self.window = window
+        self.point_seconds = point_seconds
+        self.peaks = peaks or PeakTable()
+        self.instance = instance
+        self._points = math.ceil(window / point_seconds) + 1  # per track, at most
+        self._gpus: dict[str, _GpuTrack] = {}
+        self._host: deque = deque(maxlen=self._points)
+        self._host_previous: _HostPoint | None = None
+        self._host_current: _HostPoint | None = None
+        self._ranks: dict[tuple[str, str], _RankTrack] = {}
+        self._snapshot: Snapshot | None = None
+        self._lock = threading.Lock()
+        self.first_seen: float | None = None
+        self.version = 0
+
+    # -- recording (the sampler's thread) ---------------------------------------------------
+
+    def observe(self, snap: Snapshot, states: Iterable[RankState]) -> None:
+        """Note one sampler cycle and the ranks live at its end."""
+        t = snap.timestamp
+        with self._lock:
+            if self.first_seen is None:
+                self.first_seen = t
+            self._snapshot = snap
+            seen = set()
+            for st in snap.gpus:
+                key = st.identity.uuid or st.identity.index
+                seen.add(key)
+                track = self._gpus.get(key)
+                if track is None:
+                    track = self._gpus[key] = _GpuTrack(st, points=deque(maxlen=self._points))
+                self._note_gpu(track, st, t)
+            for key in [k for k in self._gpus if k not in seen]:
+                del self._gpus[key]
+            self._note_host(snap, t)
+            live = {}
+            for st in states:
+                key = (st.run, st.rank)
+                track = self._ranks.get(key)
+                if track is None:
+                    track = _RankTrack(st, points=deque(maxlen=self._points),
+                                       rss=deque(maxlen=int(RSS_SECONDS / RSS_POINT_SECONDS) + 1))
+                    track.points.append(self._rank_point(track, t))
+                elif st is not track.state:
+                    self._note_push(track, st)
+                    if t - track.points[-1].t >= self.point_seconds:
+                        track.points.append(self._rank_point(track, t))
+                rss = st.process.get("resident_memory_bytes")
+                if rss is not None and (not track.rss or t - track.rss[-1][0] >= RSS_POINT_SECONDS):
+                    track.rss.append((t, rss))
+                live[key] = track
+            self._ranks = live  # a rank the ingest forgot is forgotten here too
+            self.version += 1
+
+    def _note_gpu(self, track: _GpuTrack, st: GpuState, t: float) -> None:
+        track.state = st
+        s = st.sample
+        sums = track.sums
+        if s is not None and s is not track.last_sample and st.up:
+            track.last_sample = s
+            for i, value in ((0, s.sm_active), (2, s.tensor_active), (4, s.power_watts)):
+                if value is not None:
+                    sums[i] += value
+                    sums[i + 1] += 1
+        throttle = sum(st.clock_event_seconds.get(r, 0.0) for r in THROTTLE_REASONS)
+        point = _GpuPoint(t, st.sampled_seconds, st.busy_seconds, st.pcie_rx_bytes,
+                          st.pcie_tx_bytes, throttle, *sums)
+        track.previous, track.current = track.current, point
+        if not track.points or t - track.points[-1].t >= self.point_seconds:
+            track.points.append(point)
+
+    def _note_host(self, snap: Snapshot, t: float) -> None:
+        cpu = snap.host.get("cpu")
+        modes = cpu.seconds_by_mode if cpu is not None else {}
+        disks = {d: (r.read_bytes, r.written_bytes, r.io_time_seconds)
+                 for d, r in (snap.host.get("disk") or {}).items()}
+        nics = {n: (r.received_bytes, r.transmitted_bytes)
+                for n, r in (snap.host.get("network") or {}).items()}
+        point = _HostPoint(t, sum(modes.values()) if modes else None,
+                           modes.get("idle", 0.0) + modes.get("iowait", 0.0),
+                           modes.get("iowait", 0.0), disks, nics)
+        self._host_previous, self._host_current = self._host_current, point
+        if not self._host or t - self._host[-1].t >= self.point_seconds:
+            self._host.append(point)
+
+    def _note_push(self, track: _RankTrack, st: RankState) -> None:
+        old = track.state
+        if st.run_id != old.run_id:  # a restarted process counts from 0: carry the old totals
+            for key in _COUNTERS:
+                track.offsets[key] = track.offsets.get(key, 0.0) + (getattr(old, key) or 0.0)
+            for name, seconds in old.phases.items():
+                track.phase_offsets[name] = track.phase_offsets.get(name, 0.0) + seconds
+            if st.bucket_bounds == old.bucket_bounds and old.bucket_counts:
+                track.bucket_offsets = tuple(
+                    a + b for a, b in zip(track.bucket_offsets or (0,) * len(old.bucket_counts),
+                                          old.bucket_counts, strict=True))
+            else:
+                track.bucket_offsets, track.epoch = (), track.epoch + 1
+        elif st.bucket_bounds != old.bucket_bounds:
+            track.epoch += 1
+        track.state = st
+
+    def _rank_point(self, track: _RankTrack, t: float) -> _RankPoint:
+        st, off = track.state, track.offsets
+        phases = dict(track.phase_offsets)
+        for name, seconds in st.phases.items():
+            phases[name] = phases.get(name, 0.0) + seconds
+        buckets = st.bucket_counts
+        if track.bucket_offsets and len(track.bucket_offsets) == len(buckets):
+            buckets = tuple(a + b for a, b in zip(buckets, track.bucket_offsets, strict=True))
+        flops = None if st.flops is None else st.flops + off.get("flops", 0.0)
+        return _RankPoint(t, st.steps + off.get("steps", 0.0),
+                          st.step_seconds + off.get("step_seconds", 0.0),
+                          st.data_wait_seconds + off.get("data_wait_seconds", 0.0),
+                          st.samples + off.get("samples", 0.0), flops, st.wall_seconds, phases,
+                          (*buckets, st.steps + off.get("steps", 0.0)), track.epoch)
+
+    # -- reading (a request's thread) -------------------------------------------------------
+
+    @property
+    def snapshot(self) -> Snapshot | None:
+        return self._snapshot
+
+    def rank_states(self) -> dict[tuple[str, str], RankState]:
+        """The latest pushed state of every live (run, rank)."""
+        with self._lock:
+            return {key: tr.state for key, tr in self._ranks.items()}
+
+    def seconds_seen(self) -> float:
+        """How much of the window the history covers, in seconds."""
+        snap = self._snapshot
+        if snap is None or self.first_seen is None:
+            return 0.0
+        return min(self.window, snap.timestamp - self.first_seen)
+
+    def _since(self, points: deque, now: float):
+        """The oldest point still inside the window ending at ``now``."""
+        for p in points:
+            if now - p.t <= self.window + self.point_seconds / 2:
+                return p
+        return None
+
+    def gpu_readings(self) -> dict[str, tuple[GpuState, GpuReading, dict[str, float | None]]]:
+        """Per GPU (uuid, else index): its state, its readings over the window (as the rules'
+        ``gpu:`` series) and its rates over the last cycle (PCIe bytes/s)."""
+        with self._lock:
+            out = {}
+            for key, tr in self._gpus.items():
+                st, now = tr.state, tr.current
+                old = self._since(tr.points, now.t) if now is not None else None
+                reading = GpuReading(st.identity.index, st.identity.uuid)
+                s = st.sample
+                if s is not None and s.memory_total_bytes and s.memory_used_bytes is not None:
+                    reading.memory_used = s.memory_used_bytes / s.memory_total_bytes
+                if old is not None and now is not None:
+                    _gpu_window(reading, old, now, s)
+                rates: dict[str, float | None] = {"rx": None, "tx": None}
+                prev = tr.previous
+                if prev is not None and now is not None and now.sampled > prev.sampled:
+                    dt = now.sampled - prev.sampled
+                    for name, a, b in (("rx", prev.rx, now.rx), ("tx", prev.tx, now.tx)):
+                        if a is not None and b is not None:
+                            rates[name] = max(0.0, b - a) / dt
+                out[key] = (st, reading, rates)
+            return out
+
+    def host_readings(self, recent: bool = False) -> dict[str, float]:
+        """The node's readings as the rules' ``instance:`` series: over the window, or with
+        ``recent`` over the last cycle (with byte rates added)."""
+        with self._lock:
+            now = self._host_current
+            if now is None:
+                return {}
+            old = self._host_previous if recent else self._since(self._host, now.t)
+            snap = self._snapshot
+        out: dict[str, float] = {}
+        mem = snap.host.get("memory") if snap is not None else None
+        if mem is not None:
+            out["memory_available"] = mem.available_bytes
+        if old is None or now.t <= old.t:
+            return out
+        dt = now.t - old.t
+        if now.cpu_total is not None and old.cpu_total is not None \
+                and now.cpu_total > old.cpu_total:
+            total = now.cpu_total - old.cpu_total
+            out["cpu_busy"] = 1 - (now.cpu_idle - old.cpu_idle) / total
+            out["iowait"] = (now.cpu_iowait - old.cpu_iowait) / total
+        busy = [(n[2] - o[2]) / dt for d, n in now.disks.items()
+                if (o := old.disks.get(d)) is not None and None not in (n[2], o[2])]
+        if busy:
+            out["disk_busy"] = max(busy)
+        speeds = {n: r.speed_bytes_per_second
+                  for n, r in ((snap.host.get("network") or {}) if snap else {}).items()}
+        used = [(n[0] - o[0]) / dt / speeds[nic] for nic, n in now.nics.items()
+                if (o := old.nics.get(nic)) is not None and speeds.get(nic)]
+        if used:
+            out["network_rx_used"] = max(used)
+        if recent:
+            for name, i, parts in (("disk_read_bytes_per_second", 0, "disks"),
+                                   ("disk_written_bytes_per_second", 1, "disks"),
+                                   ("network_received_bytes_per_second", 0, "nics"),
+                                   ("network_transmitted_bytes_per_second", 1, "nics")):
+                new_, old_ = getattr(now, parts), getattr(old, parts)
+                out[name] = sum(max(0.0, v[i] - old_[k][i]) for k, v in new_.items()
+                                if k in old_) / dt
+        return out
+
+    def reports(self) -> list[RankReport]:
+        """One report per live (run, rank), its readings over the window; no verdict yet."""
+        gpus = self.gpu_readings()
+        host = self.host_readings()
+        with self._lock:
+            snap = self._snapshot
+            ranks = list(self._ranks.values())
+            tracks = {key: (tr.state, tr.current) for key, tr in self._gpus.items()}
+        if snap is None:
+            return []
+        index = GpuIndex(snap)
+        out = []
+        for tr in ranks:
+            with self._lock:
+                st = tr.state
+                now = self._rank_point(tr, snap.timestamp)
+                old = self._since(tr.points, now.t)
+                rss = list(tr.rss)
+            rep = RankReport("", self.instance, st.run, st.rank, host=dict(host))
+            if old is not None:
+                _rank_window(rep, old, now, st.bucket_bounds)
+            if st.last_step_timestamp is not None:
+                rep.seconds_since_step = max(0.0, snap.timestamp - st.last_step_timestamp)
+            current_rss = st.process.get("resident_memory_bytes")
+            if current_rss is not None and rss:
+                rss.append((snap.timestamp, current_rss))
+                if snap.timestamp - rss[0][0] >= LEAK_MIN_SECONDS:
+                    rep.rss_growth_1h = _deriv(rss, snap.timestamp - RSS_SECONDS)
+                    rep.rss_growth_15m = _deriv(rss, snap.timestamp - LEAK_MIN_SECONDS)
+            peak = 0.0
+            for index_, uuid in resolve_gpus(st, index):
+                entry = gpus.get(uuid or index_)
+                if entry is not None:
+                    rep.gpus.append(entry[1])
+                state = tracks.get(uuid or index_, (None, None))[0]
+                if state is not None and not state.identity.parent:
+                    peak += self.peaks.peaks(state.identity.name).get(st.precision, 0.0)
+            if rep.mfu is not None:
+                rep.mfu = rep.mfu / peak if peak > 0 else None
+            rep.gpus.sort(key=lambda x: (len(x.gpu), x.gpu))
+            out.append(rep)
+        return sorted(out, key=lambda r: (r.run, rank_order(r.rank)))
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def _gpu_window(reading: GpuReading, old: _GpuPoint, now: _GpuPoint, sample) -> None:
+    """The rules' ``gpu:`` ratios over the window from ``old`` to ``now``."""
+    sampled = now.sampled - old.sampled
+    if sampled > 0:
+        if now.busy is not None:
+            reading.busy = (now.busy - (old.busy or 0.0)) / sampled
+        link = sample.pcie_link_max_bytes_per_second if sample is not None else None
+        if now.rx is not None and link:
+            reading.pcie_rx_used = (now.rx - (old.rx or 0.0)) / sampled / link
+        reading.throttled = (now.throttle - old.throttle) / sampled
+    reading.sm_active = _ratio(now.sm - old.sm, now.sm_n - old.sm_n)
+    reading.tensor_active = _ratio(now.tensor - old.tensor, now.tensor_n - old.tensor_n)
+    power = _ratio(now.power - old.power, now.power_n - old.power_n)
+    limit = sample.power_limit_watts if sample is not None else None
+    reading.power_used = _ratio(power, limit)
+
+
+def _rank_window(rep: RankReport, old: _RankPoint, now: _RankPoint,
+                 bounds: tuple[float, ...]) -> None:
+    """The rules' ``run_rank:`` readings over the window from ``old`` to ``now``; ``bounds``
+    are the step histogram's (p50 and p99 over this window, where the rules take 30m)."""
+    dt, steps = now.t - old.t, now.steps - old.steps
+    step_s, wait = now.step_seconds - old.step_seconds, now.wait - old.wait
+    wall = now.wall - old.wall
+    phases = {p: v - old.phases.get(p, 0.0) for p, v in now.phases.items()}
+    if dt > 0:
+        rep.steps_per_second = steps / dt
+    if step_s > 0:
+        rep.samples_per_second = (now.samples - old.samples) / step_s
+        rep.data_wait_ratio = wait / step_s
+        rep.phases = {p: v / step_s for p, v in phases.items()}
+    if steps > 0:
+        rep.step_seconds = step_s / steps
+    if now.epoch == old.epoch and len(now.buckets) == len(bounds) + 1 == len(old.buckets) \
+            and steps > 0:
+        counts = tuple(a - b for a, b in zip(now.buckets, old.buckets, strict=True))
+        rep.step_p50_seconds = histogram_quantile(0.5, bounds, counts)
+        rep.step_p99_seconds = histogram_quantile(0.99, bounds, counts)
+    if wall > 0:
+        if now.flops is not None and old.flops is not None:
+            rep.mfu = (now.flops - old.flops) / wall  # FLOP/s; divided by the peak later
+        in_step = sum(v for p, v in phases.items() if p not in OUTSIDE_STEP_PHASES)
+        outside = sum(v for p, v in phases.items() if p in OUTSIDE_STEP_PHASES)
+        rep.goodput = (step_s - wait - in_step) / wall
+        rep.badput = {"data_wait": wait / wall, **{p: v / wall for p, v in phases.items()},
+                      "outside_steps": (wall - step_s - outside) / wall}
+
+
+def histogram_quantile(q: float, bounds: tuple[float, ...], counts: tuple[float, ...]) -> \
+        float | None:
+    """Prometheus' histogram_quantile on cumulative ``counts`` (the last one +Inf's) over
+    finite upper ``bounds``: linear within the bucket, the highest finite bound past it."""
+    total = counts[-1] if counts else 0
+    if total <= 0:
+        return None
+    rank = q * total
+    for i, c in enumerate(counts):
+        if c >= rank:
+            if i == len(bounds):
+                return bounds[-1] if bounds else None
+            lower = bounds[i - 1] if i > 0 else 0.0
+            below = counts[i - 1] if i > 0 else 0
+            inside = c - below
+            if inside <= 0:
+                return bounds[i]
+            return lower + (bounds[i] - lower) * (rank - below) / inside
+    return bounds[-1] if bounds else None
+
+
+def _deriv(points: list[tuple[float, float]], since: float) -> float | None:
+    """Prometheus' deriv(): the least-squares slope of the points at or after ``since``."""
+    xs = [(t, v) for t, v in points if t >= since]
+    if len(xs) < 2:
+        return None
+    n = len(xs)
+    mt = sum(t for t, _ in xs) / n
+    mv = sum(v for _, v in xs) / n
+    den = sum((t - mt) ** 2 for t, _ in xs)
+    return sum((t - mt) * (v - mv) for t, v in xs) / den if den else None

@@ -1,0 +1,166 @@
+// The status page: reads api/v1/status every REFRESH_MS and redraws. No inline code, no
+// external assets: it runs under the page's Content-Security-Policy, offline.
+"use strict";
+
+const REFRESH_MS = 2000;
+let lastOk = null;
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === null || v === undefined || v === false) continue;
+    if (k === "class") node.className = v; else node.setAttribute(k, v === true ? "" : v);
+  }
+  for (const c of children) {
+    if (c === null || c === undefined) continue;
+    node.append(c instanceof Node ? c : String(c));
+  }
+  return node;
+}
+
+const pct = (x) => (x === null || x === undefined ? "n/a" : (x * 100).toFixed(1) + "%");
+const num = (x, digits) => (x === null || x === undefined ? "n/a" : x.toFixed(digits));
+function bytes(x) {
+  if (x === null || x === undefined) return "n/a";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (Math.abs(x) >= 1024 && i < units.length - 1) { x /= 1024; i++; }
+  return x.toFixed(i ? 1 : 0) + " " + units[i];
+}
+const rate = (x) => (x === null || x === undefined ? "n/a" : bytes(x) + "/s");
+function ago(s) {
+  if (s === null || s === undefined) return "n/a";
+  if (s < 90) return Math.round(s) + " s";
+  if (s < 5400) return Math.round(s / 60) + " min";
+  return (s / 3600).toFixed(1) + " h";
+}
+
+// A bar of a 0-1 ratio; "good" says which end is healthy ("high", "low" or "none").
+function bar(ratio, label, good) {
+  const fill = el("div", { class: "fill" });
+  const r = ratio === null || ratio === undefined ? 0 : Math.max(0, Math.min(1, ratio));
+  fill.style.width = (r * 100).toFixed(1) + "%";
+  if (good === "high") fill.classList.add(r >= 0.9 ? "ok" : r >= 0.5 ? "mid" : "low");
+  else fill.classList.add("plain");
+  return el("div", { class: "bar", title: label }, fill, el("span", {}, label));
+}
+
+function gpuRow(g) {
+  const name = (g.name || "").replace(/^NVIDIA /, "");
+  const who = el("td", {}, ...(g.ranks.length ? g.ranks.map((r, i) =>
+    (i ? ", " : "") + r.run + "/" + r.rank) : [el("span", { class: "muted" }, "idle")]));
+  if (!g.up) {
+    return el("tr", { class: "lost", "data-gpu": g.gpu },
+      el("td", {}, el("b", {}, g.gpu), " ", name),
+      el("td", { colspan: 7 }, "lost: the GPU does not answer NVML (see the log)"), who);
+  }
+  const memRatio = g.memory_total_bytes ? g.memory_used_bytes / g.memory_total_bytes : null;
+  const powRatio = g.power_limit_watts ? g.power_watts / g.power_limit_watts : null;
+  return el("tr", { "data-gpu": g.gpu },
+    el("td", { title: g.uuid }, el("b", {}, g.gpu), " ", name),
+    el("td", {}, bar(g.busy, pct(g.busy), "high")),
+    el("td", {}, bar(g.sm_active, pct(g.sm_active), "high")),
+    el("td", {}, bar(g.tensor_active, pct(g.tensor_active), "none")),
+    el("td", {}, bar(memRatio, bytes(g.memory_used_bytes) + " / " + bytes(g.memory_total_bytes),
+                     "none")),
+    el("td", {}, bar(powRatio, num(g.power_watts, 0) + " / " + num(g.power_limit_watts, 0) + " W",
+                     "none")),
+    el("td", {}, rate(g.pcie_rx_bytes_per_second) + " / " + rate(g.pcie_tx_bytes_per_second)),
+    el("td", {}, g.temperature_celsius === null ? "n/a" : Math.round(g.temperature_celsius) + " °C"),
+    who);
+}
+
+function runCard(run) {
+  const top = run.verdicts[0];
+  const card = el("div", { class: "card " + top.status, "data-run": run.run },
+    el("h3", {}, "run ", run.run, el("span", { class: "muted" },
+      " · " + run.ranks.length + " rank" + (run.ranks.length === 1 ? "" : "s") + " here")));
+  for (const v of run.verdicts) {
+    const ranks = run.ranks.length > 1 ? " (rank " + v.ranks.join(", ") + ")" : "";
+    card.append(
+      el("p", { class: "verdict", "data-verdict": v.verdict }, v.summary, " ",
+         el("code", {}, v.verdict + ranks)),
+      el("p", { class: "muted" }, v.reason),
+      el("p", { class: "advice" }, el("b", {}, "What to change: "), v.advice));
+  }
+  card.append(el("p", { class: "numbers" },
+    "samples/s ", el("b", {}, num(run.samples_per_second, 1)),
+    " · MFU ", el("b", {}, pct(run.mfu)),
+    " · goodput ", el("b", {}, pct(run.goodput)),
+    " · GPUs idle ", el("b", {}, num(run.gpus_idle, 2))));
+  if (run.partial) card.append(el("p", { class: "muted" }, "Partly visible: " + run.partial));
+  const rows = run.ranks.map((r) => el("tr", { "data-rank": r.rank },
+    el("td", {}, r.rank),
+    el("td", {}, num(r.samples_per_second, 1)),
+    el("td", {}, r.step_seconds === null ? "n/a" : num(r.step_seconds * 1000, 1) + " ms"),
+    el("td", {}, pct(r.data_wait_ratio)),
+    el("td", {}, Object.entries(r.phases).map(([p, v]) => p + " " + pct(v)).join(", ") || "—"),
+    el("td", {}, pct(r.mfu)),
+    el("td", {}, r.gpus.map((g) => g.gpu).join(", ") || "none known"),
+    el("td", {}, r.verdict),
+    el("td", r.pushing ? {} : { class: "stale" },
+       r.pushing ? ago(r.seconds_since_push) + " ago" :
+       "stopped pushing " + ago(r.seconds_since_push) + " ago")));
+  card.append(el("table", {}, el("thead", {}, el("tr", {},
+    ...["rank", "samples/s", "step", "data wait", "phases", "MFU", "GPUs", "verdict",
+        "last push"].map((h) => el("th", {}, h)))), el("tbody", {}, ...rows)));
+  return card;
+}
+
+function hostRows(h) {
+  const memUsed = h.memory_total_bytes && h.memory_available !== null
+    ? 1 - h.memory_available / h.memory_total_bytes : null;
+  const row = (k, ...v) => el("tr", {}, el("th", {}, k), el("td", {}, ...v));
+  return [
+    row("CPU", bar(h.cpu_busy, pct(h.cpu_busy) + " busy", "none"),
+        " iowait " + pct(h.iowait) + (h.cpus ? " · " + h.cpus + " CPUs" : "")),
+    row("Memory", bar(memUsed, bytes(h.memory_available) + " available", "none"),
+        " of " + bytes(h.memory_total_bytes)),
+    row("Disk", "read " + rate(h.disk_read_bytes_per_second) + " · write "
+        + rate(h.disk_written_bytes_per_second) + " · busiest disk " + pct(h.disk_busy)),
+    row("Network", "receive " + rate(h.network_received_bytes_per_second) + " · send "
+        + rate(h.network_transmitted_bytes_per_second) + " · busiest link receiving "
+        + pct(h.network_rx_used)),
+  ];
+}
+
+function draw(s) {
+  document.getElementById("instance").textContent = s.instance ? "on " + s.instance : "";
+  document.title = "gputrain-exporter" + (s.instance ? " · " + s.instance : "");
+  document.getElementById("meta").textContent =
+    s.backend + " backend" + (s.driver_version ? ", driver " + s.driver_version : "")
+    + " · verdicts over the last " + ago(Math.min(s.seconds_seen, s.window_seconds))
+    + " · updated " + new Date(s.time * 1000).toLocaleTimeString();
+  const runs = document.getElementById("runs");
+  runs.replaceChildren(...(s.runs.length ? s.runs.map(runCard) : [el("p", { class: "muted" },
+    "No training run is pushing to this daemon. Add the client to the training loop "
+    + "(README, \"Instrument your training loop\") and its verdict appears here.")]));
+  const gpus = document.querySelector("#gpus tbody");
+  gpus.replaceChildren(...s.gpus.map(gpuRow));
+  const nogpu = document.getElementById("nogpu");
+  nogpu.hidden = s.gpus.length > 0;
+  nogpu.textContent = s.gpu_error ? "No GPU can be read: " + s.gpu_error
+    + ". Host metrics only." : "No GPU.";
+  document.getElementById("gpus").hidden = s.gpus.length === 0;
+  document.querySelector("#host tbody").replaceChildren(...hostRows(s.host));
+}
+
+async function refresh() {
+  const banner = document.getElementById("banner");
+  try {
+    const r = await fetch("api/v1/status", { cache: "no-store" });
+    if (!r.ok) throw new Error("HTTP " + r.status);
+    draw(await r.json());
+    lastOk = new Date();
+    banner.hidden = true;
+    document.body.dataset.ready = "1";
+  } catch (err) {
+    banner.hidden = false;
+    banner.className = "banner down";
+    banner.textContent = "Cannot reach the daemon (" + err.message + ")"
+      + (lastOk ? "; showing what it said at " + lastOk.toLocaleTimeString() : "") + ".";
+  }
+  setTimeout(refresh, REFRESH_MS);
+}
+
+refresh();

@@ -1,0 +1,209 @@
+"""The daemon's own view, for one person on one box: ``/api/v1/status`` (JSON), the status
+page at ``/`` and what ``gputrain-exporter top`` reads.
+
+The document is built from :class:`~exporter.history.History` when a request meets a newer
+history than the last build (at most once per sampler cycle, however many viewers), and the
+verdicts come from :func:`exporter.verdict.judge`, the code ``diagnose`` runs. The scrape path
+never touches any of it. The page is three small files served from the package, so it needs
+no network and runs under the strict Content-Security-Policy it is sent with.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from importlib import resources
+from typing import Any
+
+from exporter import __version__
+from exporter.history import History
+from exporter.verdict import (
+    ORDER,
+    UNDERUTILIZED,
+    RankReport,
+    judge,
+    mean,
+    summary,
+    visibility,
+    wasted_gpus,
+)
+
+STATUS_PATH = "/api/v1/status"
+SCHEMA_VERSION = 1
+# A rank not heard from this long is shown as stopped (six missed pushes at the client's 5 s)
+STALE_PUSH_SECONDS = 30.0
+# Where each kind of verdict sorts on a run's card: what to act on first
+_RANKING = {**{name: i for i, name in enumerate(ORDER)}, UNDERUTILIZED: len(ORDER),
+            "no-gpu-data": len(ORDER) + 1, "gpu-bound": len(ORDER) + 2}
+# The page: path -> (file in exporter/static, content type)
+ASSETS = {"/": ("index.html", "text/html; charset=utf-8"),
+          "/static/status.css": ("status.css", "text/css; charset=utf-8"),
+          "/static/status.js": ("status.js", "text/javascript; charset=utf-8")}
+# Nothing but this origin's own script, style and JSON: no inline code, no CDN
+CONTENT_SECURITY_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; "
+                           "connect-src 'self'; img-src 'self'; base-uri 'none'; "
+                           "form-action 'none'; frame-ancestors 'none'")
+
+
+class StatusView:
+    """Builds the status document from the history, cached until the history moves on."""
+
+    def __init__(self, history: History, thresholds: dict[str, float],
+                 gpu_error: Any = None, backend: str = "", driver: Any = None) -> None:
+        self.history = history
+        self.thresholds = thresholds
+        self._gpu_error = gpu_error or (lambda: None)
+        self.backend = backend
+        self._driver = driver or (lambda: "")
+        self._lock = threading.Lock()
+        self._cached: tuple[int, bytes] | None = None
+        self.builds = 0
+        self._assets: dict[str, bytes] = {}
+
+    def asset(self, path: str) -> tuple[bytes, str] | None:
+        """A file of the page by its URL path: (body, content type), or None."""
+        if path not in ASSETS:
+            return None
+        name, ctype = ASSETS[path]
+        if name not in self._assets:
+            self._assets[name] = resources.files("exporter").joinpath(
+                "static", name).read_bytes()
+        return self._assets[name], ctype
+
+    def json_bytes(self) -> bytes:
+        """The document as JSON, rebuilt only when the history has moved on."""
+        with self._lock:
+            version = self.history.version
+            if self._cached is None or self._cached[0] != version:
+                body = json.dumps(self.document(), separators=(",", ":")).encode()
+                self._cached = (version, body)
+                self.builds += 1
+            return self._cached[1]
+
+    def document(self) -> dict[str, Any]:
+        """The status document (README, "Status page and API")."""
+        h = self.history
+        snap = h.snapshot
+        now = snap.timestamp if snap is not None else time.time()
+        reports = judge(visibility(h.reports()), self.thresholds)
+        states = h.rank_states()
+        users: dict[str, list[dict[str, str]]] = {}
+        for rep in reports:
+            for g in rep.gpus:
+                users.setdefault(g.uuid or g.gpu, []).append({"run": rep.run, "rank": rep.rank})
+        gpus = []
+        for key, (st, window, rates) in h.gpu_readings().items():
+            s = st.sample if st.up else None
+            ident = st.identity
+            gpus.append({
+                "gpu": ident.index, "uuid": ident.uuid, "name": ident.name,
+                "parent": ident.parent or None, "up": st.up,
+                "busy": _get(s, "utilization"), "sm_active": _get(s, "sm_active"),
+                "tensor_active": _get(s, "tensor_active"),
+                "memory_used_bytes": _get(s, "memory_used_bytes"),
+                "memory_total_bytes": _get(s, "memory_total_bytes"),
+                "power_watts": _get(s, "power_watts"),
+                "power_limit_watts": _get(s, "power_limit_watts"),
+                "pcie_rx_bytes_per_second": rates["rx"] if st.up else None,
+                "pcie_tx_bytes_per_second": rates["tx"] if st.up else None,
+                "pcie_link_bytes_per_second": _get(s, "pcie_link_max_bytes_per_second"),
+                "temperature_celsius": _get(s, "temperature_celsius"),
+                "window": {"busy": window.busy, "sm_active": window.sm_active,
+                           "tensor_active": window.tensor_active,
+                           "memory_used": window.memory_used, "power_used": window.power_used,
+                           "pcie_rx_used": window.pcie_rx_used, "throttled": window.throttled},
+                "ranks": users.get(key, []),
+            })
+        gpus.sort(key=lambda g: (g["parent"] or g["gpu"], g["parent"] is not None,
+                                 len(g["gpu"]), g["gpu"]))
+        runs: dict[str, list[RankReport]] = {}
+        for rep in reports:
+            runs.setdefault(rep.run, []).append(rep)
+        host_now = h.host_readings(recent=True)
+        cpu = snap.host.get("cpu") if snap is not None else None
+        mem = snap.host.get("memory") if snap is not None else None
+        return {
+            "version": SCHEMA_VERSION,
+            "exporter_version": __version__,
+            "time": now,
+            "instance": h.instance,
+            "backend": self.backend,
+            "driver_version": self._driver() or None,
+            "gpu_error": self._gpu_error(),
+            "window_seconds": h.window,
+            "seconds_seen": h.seconds_seen(),
+            "host": {
+                "cpus": cpu.count if cpu is not None else None,
+                "memory_total_bytes": mem.total_bytes if mem is not None else None,
+                **{k: host_now.get(k) for k in (
+                    "cpu_busy", "iowait", "memory_available", "disk_busy",
+                    "disk_read_bytes_per_second", "disk_written_bytes_per_second",
+                    "network_rx_used", "network_received_bytes_per_second",
+                    "network_transmitted_bytes_per_second")},
+                "window": h.host_readings(),
+            },
+            "gpus": gpus,
+            "runs": [_run(name, ranks, states, now) for name, ranks in sorted(runs.items())],
+        }
+
+
+def _get(sample: Any, name: str) -> Any:
+    return None if sample is None else getattr(sample, name)
+
+
+def _run(name: str, ranks: list[RankReport], states: dict, now: float) -> dict[str, Any]:
+    """One run's card: its verdicts, worst first, and its ranks."""
+    by_verdict: dict[str, list[RankReport]] = {}
+    for rep in ranks:
+        by_verdict.setdefault(rep.verdict, []).append(rep)
+    verdicts = [{"verdict": v, "summary": summary(v), "advice": reps[0].advice,
+                 "reason": reps[0].reason, "status": reps[0].status,
+                 "ranks": [r.rank for r in reps]}
+                for v, reps in sorted(by_verdict.items(), key=lambda kv: _RANKING[kv[0]])]
+    wasted = wasted_gpus(ranks)
+    return {
+        "run": name,
+        "status": verdicts[0]["status"],
+        "verdicts": verdicts,
+        "partial": ranks[0].partial or None,
+        "samples_per_second": _sum([r.samples_per_second for r in ranks]),
+        "mfu": mean([r.mfu for r in ranks]),
+        "goodput": mean([r.goodput for r in ranks]),
+        "gpus_idle": wasted,
+        "ranks": [_rank(rep, states.get((rep.run, rep.rank)), now) for rep in ranks],
+    }
+
+
+def _sum(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def _rank(rep: RankReport, st: Any, now: float) -> dict[str, Any]:
+    since_push = max(0.0, now - st.received_unix) if st is not None else None
+    return {
+        "rank": rep.rank,
+        "samples_per_second": rep.samples_per_second,
+        "steps_per_second": rep.steps_per_second,
+        "step_seconds": rep.step_seconds,
+        "data_wait_ratio": rep.data_wait_ratio,
+        "phases": rep.phases,
+        "mfu": rep.mfu,
+        "goodput": rep.goodput,
+        "badput": rep.badput,
+        "precision": st.precision if st is not None else None,
+        "gpus": [{"gpu": g.gpu, "uuid": g.uuid} for g in rep.gpus],
+        "step_p50_seconds": rep.step_p50_seconds,
+        "step_p99_seconds": rep.step_p99_seconds,
+        "seconds_since_step": rep.seconds_since_step,
+        "seconds_since_push": since_push,
+        "pushing": since_push is not None and since_push <= STALE_PUSH_SECONDS,
+        "status": rep.status,
+        "verdict": rep.verdict,
+        "summary": summary(rep.verdict),
+        "reason": rep.reason,
+        "advice": rep.advice,
+        "also": [{"verdict": f.name, "reason": f.reason, "advice": f.advice}
+                 for f in rep.also],
+    }

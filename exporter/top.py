@@ -1,0 +1,218 @@
+"""`gputrain-exporter top`: the node's GPUs, runs and verdicts in the terminal, live.
+
+It reads a daemon's ``/api/v1/status`` (the metrics address; read-only, no token) once a second
+and draws it with rich (the ``top`` extra: tables, bars and colour, redrawn in place). ``--once``
+prints one frame and exits, for scripts and tests.
+
+Exit status: 0 after a frame (or Ctrl-C); 2 when the daemon cannot be read or rich is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import requests
+
+from exporter.status import STATUS_PATH
+
+DEFAULT_URL = "http://localhost:19400"
+TIMEOUT_SECONDS = 3.0
+
+
+class Unreachable(Exception):
+    """The daemon did not answer with a status document; the message says why."""
+
+
+def fetch(url: str, session: requests.Session | None = None) -> dict[str, Any]:
+    """The status document of the daemon at ``url`` (its metrics address)."""
+    target = url.rstrip("/") + STATUS_PATH
+    try:
+        r = (session or requests).get(target, timeout=TIMEOUT_SECONDS)
+    except requests.RequestException as exc:
+        raise Unreachable(f"cannot reach {target}: {exc}") from None
+    if r.status_code != 200:
+        raise Unreachable(f"{target} answered HTTP {r.status_code}: is it a gputrain-exporter "
+                          "0.1 or newer, on its metrics address (not the ingest one)?")
+    try:
+        doc = r.json()
+    except ValueError:
+        raise Unreachable(f"{target} did not answer JSON") from None
+    if not isinstance(doc, dict) or doc.get("version") != 1:
+        raise Unreachable(f"{target} answered a status document this top cannot read "
+                          f"(version {doc.get('version') if isinstance(doc, dict) else '?'})")
+    return doc
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x * 100:.1f}%"
+
+
+def _bytes(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(x) < 1024 or unit == "TiB":
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    return ""
+
+
+def _ago(s: float | None) -> str:
+    if s is None:
+        return "n/a"
+    if s < 90:
+        return f"{s:.0f} s"
+    return f"{s / 60:.0f} min" if s < 5400 else f"{s / 3600:.1f} h"
+
+
+def _num(x: float | None, fmt: str = ".1f", scale: float = 1.0, unit: str = "") -> str:
+    return "n/a" if x is None else f"{x * scale:{fmt}}{unit}"
+
+
+def frame(doc: dict[str, Any], error: str | None = None) -> Any:
+    """One screen of ``top`` as a rich renderable."""
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.table import Table
+    from rich.text import Text
+
+    def bar(ratio: float | None, label: str, good_high: bool = False, width: int = 10) -> Text:
+        r = 0.0 if ratio is None else max(0.0, min(1.0, ratio))
+        filled = round(r * width)
+        style = "grey50"
+        if good_high and ratio is not None:
+            style = "green" if r >= 0.9 else "yellow" if r >= 0.5 else "red"
+        return Text.assemble(("█" * filled, style), ("░" * (width - filled), "grey23"),
+                             f" {label}")
+
+    seen = min(doc["seconds_seen"], doc["window_seconds"])
+    head = Text.assemble(
+        ("gputrain-exporter", "bold"), f" on {doc['instance']} · {doc['backend']} backend",
+        f", driver {doc['driver_version']}" if doc.get("driver_version") else "",
+        f" · verdicts over the last {_ago(seen)} · "
+        f"{time.strftime('%H:%M:%S', time.localtime(doc['time']))}")
+    parts: list[Any] = [head]
+    if error:
+        parts.append(Text(f"{error}; showing the last answer", style="bold red"))
+
+    gpus = Table(expand=False, box=None, header_style="bold", pad_edge=False)
+    for col in ("GPU", "Name", "Busy", "SM", "Tensor", "Memory", "Power", "PCIe RX/TX",
+                "Temp", "Used by"):
+        gpus.add_column(col, no_wrap=True)
+    for g in doc["gpus"]:
+        name = (g["name"] or "").removeprefix("NVIDIA ")
+        users = ", ".join(f"{u['run']}/{u['rank']}" for u in g["ranks"]) or "idle"
+        if not g["up"]:
+            gpus.add_row(g["gpu"], name, Text("lost: does not answer NVML", style="bold red"),
+                         "", "", "", "", "", "", users)
+            continue
+        mem = (g["memory_used_bytes"] / g["memory_total_bytes"]
+               if g["memory_total_bytes"] and g["memory_used_bytes"] is not None else None)
+        power = (g["power_watts"] / g["power_limit_watts"]
+                 if g["power_limit_watts"] and g["power_watts"] is not None else None)
+        gpus.add_row(
+            g["gpu"], name, bar(g["busy"], _pct(g["busy"]), True),
+            bar(g["sm_active"], _pct(g["sm_active"]), True, 6),
+            bar(g["tensor_active"], _pct(g["tensor_active"]), False, 6),
+            bar(mem, f"{_bytes(g['memory_used_bytes'])}", False, 6),
+            bar(power, _num(g["power_watts"], ".0f", unit=" W"), False, 6),
+            f"{_bytes(g['pcie_rx_bytes_per_second'])}/s / "
+            f"{_bytes(g['pcie_tx_bytes_per_second'])}/s",
+            _num(g["temperature_celsius"], ".0f", unit=" °C"), users)
+    if doc["gpus"]:
+        parts.append(gpus)
+    else:
+        why = doc.get("gpu_error")
+        parts.append(Text(f"No GPU can be read: {why}. Host metrics only." if why
+                          else "No GPU.", style="yellow"))
+
+    h = doc["host"]
+    parts.append(Text(
+        f"node: CPU {_pct(h['cpu_busy'])} busy (iowait {_pct(h['iowait'])}"
+        f"{', ' + str(h['cpus']) + ' CPUs' if h.get('cpus') else ''}) · memory "
+        f"{_bytes(h['memory_available'])} available of {_bytes(h['memory_total_bytes'])} · "
+        f"disk read {_bytes(h['disk_read_bytes_per_second'])}/s, busiest "
+        f"{_pct(h['disk_busy'])} · network receive "
+        f"{_bytes(h['network_received_bytes_per_second'])}/s, busiest link "
+        f"{_pct(h['network_rx_used'])}", style="grey70"))
+
+    if not doc["runs"]:
+        parts.append(Text("No training run is pushing to this daemon.", style="grey70"))
+    colour = {"bottleneck": "red", "underutilized": "yellow", "ok": "green",
+              "no-gpu-data": "grey50"}
+    for run in doc["runs"]:
+        body: list[Any] = []
+        for v in run["verdicts"]:
+            ranks = f" (rank {', '.join(v['ranks'])})" if len(run["ranks"]) > 1 else ""
+            body.append(Text.assemble((v["summary"], f"bold {colour[v['status']]}"),
+                                      (f" {v['verdict']}{ranks}", "grey50")))
+            body.append(Text(f"  {v['reason']}", style="grey70"))
+            body.append(Text.assemble(("  What to change: ", "bold"), v["advice"]))
+        body.append(Text(
+            f"samples/s {_num(run['samples_per_second'])} · MFU {_pct(run['mfu'])} · "
+            f"goodput {_pct(run['goodput'])} · GPUs idle {_num(run['gpus_idle'], '.2f')}",
+            style="grey70"))
+        if run.get("partial"):
+            body.append(Text(f"partly visible: {run['partial']}", style="grey50"))
+        ranks = Table(box=None, header_style="bold", pad_edge=False)
+        for col in ("rank", "samples/s", "step", "data wait", "MFU", "GPUs", "verdict",
+                    "last push"):
+            ranks.add_column(col, no_wrap=True)
+        for r in run["ranks"]:
+            push = _ago(r["seconds_since_push"]) + " ago"
+            ranks.add_row(
+                r["rank"], _num(r["samples_per_second"]),
+                _num(r["step_seconds"], ".1f", 1000, " ms"), _pct(r["data_wait_ratio"]),
+                _pct(r["mfu"]), ", ".join(g["gpu"] for g in r["gpus"]) or "none known",
+                r["verdict"], push if r["pushing"] else Text(f"stopped pushing {push}",
+                                                             style="bold red"))
+        body.append(ranks)
+        parts.append(Panel(Group(*body), title=f"run {run['run']}", title_align="left",
+                           border_style=colour[run["status"]]))
+    return Group(*parts)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("top", help="the node's GPUs, runs and verdicts in the terminal, live")
+    p.add_argument("--url", default=DEFAULT_URL,
+                   help=f"the daemon's metrics address (default {DEFAULT_URL}); read-only, no "
+                        "token needed")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (1)")
+    p.set_defaults(func=main)
+
+
+def main(ns: argparse.Namespace) -> int:
+    try:
+        from rich.console import Console
+        from rich.live import Live
+    except ImportError:
+        print("gputrain-exporter top: it needs rich: pip install 'gputrain-exporter[top]' "
+              "(or pip install rich)", file=sys.stderr)
+        return 2
+    session = requests.Session()
+    try:
+        doc = fetch(ns.url, session)
+    except Unreachable as exc:
+        print(f"gputrain-exporter top: {exc}", file=sys.stderr)
+        return 2
+    # a pipe gets a wide plain frame, a terminal its own width and colour
+    console = Console() if sys.stdout.isatty() else Console(width=160, color_system=None)
+    if ns.once:
+        console.print(frame(doc))
+        return 0
+    interval = max(0.2, ns.interval)
+    try:
+        with Live(frame(doc), console=console, screen=True, auto_refresh=False) as live:
+            while True:
+                time.sleep(interval)
+                try:
+                    doc, error = fetch(ns.url, session), None
+                except Unreachable as exc:
+                    error = str(exc)
+                live.update(frame(doc, error), refresh=True)
+    except KeyboardInterrupt:
+        return 0
