@@ -20,6 +20,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -54,6 +55,7 @@ class Case:
     quiet_at: str | None = "8m"
     quiet_alerts: list[str] = field(default_factory=list)  # silent at quiet_at; default: fires'
     interval: str = "1m"
+    signals: dict[str, Any] | None = None  # a seed case's training_run() arguments
 
     def __post_init__(self) -> None:
         # The exporter exports the seconds it watched each GPU beside its counters; the GPU
@@ -397,7 +399,7 @@ def training_run(run: str, *, busy: float, wait: float, samples_per_s: float, st
 def seed_case(name: str, run: str, fires: list[Fire], **signals) -> Case:
     """A scenario run for 60 minutes: silent at 8m, exactly ``fires`` at 45m."""
     return Case(name, training_run(run, **signals), fires, fire_at="45m", quiet_at="8m",
-                quiet_alerts=sorted(alert_names()))
+                quiet_alerts=sorted(alert_names()), signals={"run": run, **signals})
 
 
 def seed_cases() -> list[Case]:

@@ -12,6 +12,7 @@ each case's promtool expectations is test_rules.py's job.
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import subprocess
@@ -23,6 +24,16 @@ from conftest import ROOT, require_binary
 from gpu.replay import Backfilled, inline_alerts, openmetrics_text
 
 from exporter.catalogue import BY_ALERT
+from exporter.collectors.cpu import CpuReading
+from exporter.collectors.disk import DiskReading
+from exporter.collectors.network import NetworkReading
+from exporter.gpu_backends import GpuIdentity, GpuSample
+from exporter.history import History
+from exporter.ingest import IngestStore
+from exporter.protocol import SCHEMA_VERSION
+from exporter.rules import DEFAULTS
+from exporter.sampler import GpuState, Snapshot
+from exporter.verdict import RankReport, judge, visibility
 
 BASE = 1_700_000_000  # the backfilled series start here (unix seconds)
 _SERIES = re.compile(r'^([a-zA-Z_:][\w:]*)\{(.*)\}$')
@@ -164,3 +175,64 @@ def test_diagnose_names_exactly_the_alerts_that_fire(results, i):
             assert rep["status"] == "underutilized", f"{who}: {rep['status']}"
         else:
             assert rep["status"] in ("ok", "no-gpu-data"), f"{who}: {rep['status']}"
+
+
+# --- the daemon's own verdict (/, /api/v1/status, top) on the same seed scenarios --------------
+
+def local_report(signals: dict) -> RankReport:
+    """A seed scenario lived by the daemon: six minutes of snapshots (its GPU, CPUs, disk and
+    NIC at the scenario's ratios) and of the rank's pushes through the ingest, every 5 s, then
+    judged from the daemon's history by the verdict code diagnose runs."""
+    s = {name: p.default for name, p in inspect.signature(rule_cases.training_run).parameters
+         .items() if p.default is not inspect.Parameter.empty} | signals
+    link, speed, cores = 15.75e9, 1.25e9, 8  # as training_run's series
+    now = [float(BASE)]
+    store = IngestStore(clock=lambda: now[0], wall_clock=lambda: now[0])
+    history = History(window=300.0, point_seconds=5.0, instance="n1:19400")
+    idle = 1 - s["cpu_busy"]
+    for k in range(73):
+        t = 5.0 * k
+        now[0] = BASE + t
+        store.push(json.dumps({
+            "version": SCHEMA_VERSION, "run": s["run"], "rank": "0", "run_id": "a1",
+            "steps": int(t / s["step_s"]), "step_seconds": t, "data_wait_seconds": s["wait"] * t,
+            "samples": s["samples_per_s"] * t, "elapsed_seconds": t,
+            "last_step_timestamp": now[0], "gpus": ["0"],
+            "phases": {p: r * t for p, r in (s["phases"] or {}).items()}}).encode())
+        sample = GpuSample(now[0], utilization=s["busy"], sm_active=s["sm"],
+                           tensor_active=None if s["sm"] is None else s["tensor"] or 0.0,
+                           memory_used_bytes=s["mem_gb"] * 1e9,
+                           memory_total_bytes=s["mem_total_gb"] * 1e9,
+                           power_watts=s["power_w"], power_limit_watts=s["power_limit_w"],
+                           pcie_link_max_bytes_per_second=link)
+        gpu = GpuState(GpuIdentity("0", "GPU-0"), up=True, sample=sample, sampled_seconds=t,
+                       busy_seconds=s["busy"] * t, pcie_rx_bytes=s["pcie_rx"] * link * t,
+                       pcie_tx_bytes=0.0)
+        host = {"cpu": CpuReading({"user": cores * s["cpu_busy"] * t, "idle": cores * idle * t,
+                                   "iowait": 0.0}, cores),
+                "disk": {"nvme0n1": DiskReading(0.0, 0.0, 3 / 60 * t)},
+                "network": {"eth0": NetworkReading(s["net_rx"] * speed * t, 0.0, speed)}}
+        history.observe(Snapshot(k, now[0], "test", "", (gpu,), host), store.states())
+    (rep,) = judge(visibility(history.reports()), DEFAULTS["thresholds"])
+    return rep
+
+
+SEEDS = [(i, c) for i, c in enumerate(CASES) if c.signals is not None]
+
+
+@pytest.mark.parametrize("i, case", SEEDS, ids=[c.name[:70] for _, c in SEEDS])
+def test_the_daemon_judges_each_seed_scenario_as_diagnose_does(results, i, case):
+    (remote,) = [r for r in results[f"{job_of(i)}@{case.fire_at}"][0]
+                 if r["run"] == case.signals["run"]]
+    local = local_report(case.signals)
+    assert (local.status, local.verdict, set(local.findings())) == \
+        (remote["status"], remote["verdict"], set(remote["findings"])), \
+        f"{case.name}: the daemon says {local.verdict} ({local.reason}), diagnose " \
+        f"{remote['verdict']} ({remote['reason']})"
+    assert local.data_wait_ratio == pytest.approx(remote["data_wait_ratio"], rel=1e-6)
+    assert local.samples_per_second == pytest.approx(remote["samples_per_second"], rel=1e-6)
+    assert local.gpus[0].busy == pytest.approx(remote["gpus"][0]["busy"], rel=1e-6)
+
+
+def test_every_seed_scenario_is_judged_locally():
+    assert len(SEEDS) == len(rule_cases.seed_cases()) >= 13
