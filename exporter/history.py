@@ -224,6 +224,13 @@ class History:
     def snapshot(self) -> Snapshot | None:
         return self._snapshot
 
+    def size(self) -> int:
+        """Points held, all tracks together: bounded by the GPUs, the live ranks and the
+        window (see the module docstring)."""
+        with self._lock:
+            return (sum(len(tr.points) for tr in self._gpus.values()) + len(self._host)
+                    + sum(len(tr.points) + len(tr.rss) for tr in self._ranks.values()))
+
     def rank_states(self) -> dict[tuple[str, str], RankState]:
         """The latest pushed state of every live (run, rank)."""
         with self._lock:

@@ -6,7 +6,8 @@
 #     through sudo; it says so first)
 #   - Python: this package and its dependencies (prometheus-client, nvidia-ml-py, psutil,
 #     pyyaml, requests), into .venv only
-# Usage: scripts/install.sh [what to pip install, default .]   (PYTHON=python3.12 to choose)
+# Usage: scripts/install.sh [what to pip install, default ".[top]": this package and rich for
+#        `gputrain-exporter top`]   (PYTHON=python3.12 to choose)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
@@ -23,6 +24,6 @@ if [ ! -x .venv/bin/python ]; then
     echo "created the virtual environment .venv (with $("$python" --version))"
 fi
 echo "installing gputrain-exporter and its dependencies into .venv"
-if [ $# -eq 0 ]; then set -- .; fi
+if [ $# -eq 0 ]; then set -- ".[top]"; fi
 .venv/bin/python -m pip install -q --disable-pip-version-check "$@"
 echo "installed: .venv/bin/gputrain-exporter (or: .venv/bin/python -m exporter)"

@@ -2,9 +2,9 @@
 # Install everything the test suite needs, then run all of it.
 #   - Debian packages: prometheus (server + promtool), prometheus-alertmanager (server + amtool),
 #     prometheus-node-exporter (the benchmark's anchor), victoria-metrics (VictoriaMetrics and
-#     vmalert: the global layer of the scale-out test)
+#     vmalert: the global layer of the scale-out test), chromium (draws the status page headless)
 #   - Python, into the virtual environment .venv (scripts/install.sh): this package with its
-#     [test] extra, and PyTorch, Lightning, Keras, transformers at tests/frameworks.txt's versions
+#     [test] and [top] extras, and PyTorch, Lightning, Keras, transformers at tests/frameworks.txt's versions
 # Usage: scripts/test.sh [extra pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +14,7 @@ command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 command -v amtool >/dev/null 2>&1 || missing+=(prometheus-alertmanager)
 command -v prometheus-node-exporter >/dev/null 2>&1 || missing+=(prometheus-node-exporter)
 command -v vmalert >/dev/null 2>&1 || missing+=(victoria-metrics)
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 if [ ${#missing[@]} -gt 0 ]; then
     sudo=""
     [ "$(id -u)" -eq 0 ] || sudo="sudo"
@@ -25,7 +26,7 @@ fi
 
 # Everything Python goes into ./.venv (scripts/install.sh makes it: a stock Debian python3
 # refuses pip installs, PEP 668), never into the system's python.
-bash scripts/install.sh -e '.[test]'
+bash scripts/install.sh -e '.[test,top]'
 py=.venv/bin/python
 # PyTorch and the frameworks the integration tests drive, at the versions pinned in one place
 echo "installing the test frameworks into .venv: $(grep -v '^#' tests/frameworks.txt | xargs)"

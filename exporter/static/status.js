@@ -36,13 +36,13 @@ function ago(s) {
 }
 
 // A bar of a 0-1 ratio; "good" says which end is healthy ("high", "low" or "none").
-function bar(ratio, label, good) {
+function bar(ratio, label, good, wide) {
   const fill = el("div", { class: "fill" });
   const r = ratio === null || ratio === undefined ? 0 : Math.max(0, Math.min(1, ratio));
   fill.style.width = (r * 100).toFixed(1) + "%";
   if (good === "high") fill.classList.add(r >= 0.9 ? "ok" : r >= 0.5 ? "mid" : "low");
   else fill.classList.add("plain");
-  return el("div", { class: "bar", title: label }, fill, el("span", {}, label));
+  return el("div", { class: wide ? "bar wide" : "bar", title: label }, fill, el("span", {}, label));
 }
 
 function gpuRow(g) {
@@ -62,7 +62,7 @@ function gpuRow(g) {
     el("td", {}, bar(g.sm_active, pct(g.sm_active), "high")),
     el("td", {}, bar(g.tensor_active, pct(g.tensor_active), "none")),
     el("td", {}, bar(memRatio, bytes(g.memory_used_bytes) + " / " + bytes(g.memory_total_bytes),
-                     "none")),
+                     "none", true)),
     el("td", {}, bar(powRatio, num(g.power_watts, 0) + " / " + num(g.power_limit_watts, 0) + " W",
                      "none")),
     el("td", {}, rate(g.pcie_rx_bytes_per_second) + " / " + rate(g.pcie_tx_bytes_per_second)),
@@ -112,9 +112,9 @@ function hostRows(h) {
     ? 1 - h.memory_available / h.memory_total_bytes : null;
   const row = (k, ...v) => el("tr", {}, el("th", {}, k), el("td", {}, ...v));
   return [
-    row("CPU", bar(h.cpu_busy, pct(h.cpu_busy) + " busy", "none"),
+    row("CPU", bar(h.cpu_busy, pct(h.cpu_busy) + " busy", "none", true),
         " iowait " + pct(h.iowait) + (h.cpus ? " · " + h.cpus + " CPUs" : "")),
-    row("Memory", bar(memUsed, bytes(h.memory_available) + " available", "none"),
+    row("Memory", bar(memUsed, bytes(h.memory_available) + " available", "none", true),
         " of " + bytes(h.memory_total_bytes)),
     row("Disk", "read " + rate(h.disk_read_bytes_per_second) + " · write "
         + rate(h.disk_written_bytes_per_second) + " · busiest disk " + pct(h.disk_busy)),

@@ -1,0 +1,291 @@
+"""The daemon's own view: its history's readings, /api/v1/status, `top` and the status page
+(in a real headless Chromium). That its verdicts are diagnose's on every seed scenario is in
+test_agreement.py."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import requests
+from conftest import ROOT, require_binary, synthetic_client, wait_until
+from fake_pynvml import FakeGpu, FakePynvml
+
+from exporter.catalogue import BY_VERDICT
+from exporter.gpu_backends import NvmlBackend
+from exporter.history import History, histogram_quantile
+from exporter.ingest import IngestStore
+from exporter.nvml import Nvml
+from exporter.protocol import SCHEMA_VERSION
+from exporter.rules import DEFAULTS
+from exporter.sampler import Sampler
+from exporter.status import CONTENT_SECURITY_POLICY, StatusView
+
+T = DEFAULTS["thresholds"]
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def push(store: IngestStore, **fields) -> None:
+    body = {"version": SCHEMA_VERSION, "run": "r", "rank": "0", "run_id": "a", "steps": 0,
+            "step_seconds": 0.0, "data_wait_seconds": 0.0, "samples": 0.0, **fields}
+    store.push(json.dumps(body).encode())
+
+
+class Node:
+    """A sampler over scripted GPUs, an ingest and a history, all on one fake clock."""
+
+    def __init__(self, clock, gpus: list[FakeGpu], window: float = 60.0) -> None:
+        self.clock = clock
+        self.fake = FakePynvml(gpus)
+        self.sampler = Sampler(NvmlBackend(Nvml(self.fake), clock=clock), None, interval=1.0,
+                               collectors={"gpu"}, clock=clock, wall_clock=clock)
+        self.store = IngestStore(clock=clock, wall_clock=clock)
+        self.history = History(window=window, point_seconds=5.0, instance="n1")
+        self.view = StatusView(self.history, T, lambda: self.sampler.gpu_error, "nvml")
+
+    def cycle(self, seconds: float = 1.0) -> None:
+        self.sampler.run_once()
+        self.history.observe(self.sampler.snapshot, self.store.states())
+        self.clock.advance(seconds)
+
+    def document(self) -> dict:
+        return json.loads(self.view.json_bytes())
+
+
+def test_history_reads_a_rank_over_its_window_across_a_restart(clock):
+    """Ratios of the rank's own counters over the window, as the recording rules define them,
+    with a restart (new run_id, counters from 0) inside the window counted like rate()."""
+    node = Node(clock, [FakeGpu("GPU-a", name=H100, util_rate=95)], window=60.0)
+    peak = 989.4e12
+    bounds = [0.05, 0.1, 0.2]
+    state = {"steps": 0, "step_seconds": 0.0, "data_wait_seconds": 0.0, "samples": 0.0,
+             "flops": 0.0, "elapsed_seconds": 0.0, "phases": {"callbacks": 0.0}}
+    run_id = "a"
+    for second in range(90):
+        if second == 40:  # the process restarts: its totals start again from zero
+            run_id = "b"
+            state = {k: ({"callbacks": 0.0} if k == "phases" else 0) for k in state}
+        # 10 steps a second of 0.1 s: 0.03 s waiting for data, 0.01 s in callbacks
+        state["steps"] += 10
+        state["step_seconds"] += 1.0
+        state["data_wait_seconds"] += 0.3
+        state["samples"] += 320
+        state["flops"] += 0.25 * peak
+        state["elapsed_seconds"] += 1.0
+        state["phases"]["callbacks"] += 0.1
+        push(node.store, run_id=run_id, gpus=["0"], precision="bf16",
+             step_buckets=bounds, step_counts=[0, 0, state["steps"]],
+             **{k: v for k, v in state.items()})
+        node.cycle()
+    (rep,) = node.history.reports()
+    assert rep.data_wait_ratio == pytest.approx(0.3)
+    assert rep.samples_per_second == pytest.approx(320)
+    assert rep.step_seconds == pytest.approx(0.1)
+    assert rep.phases == {"callbacks": pytest.approx(0.1)}
+    assert rep.mfu == pytest.approx(0.25)  # the H100's bf16 peak, from the shipped table
+    assert rep.goodput == pytest.approx(1 - 0.3 - 0.1)
+    assert rep.goodput + sum(rep.badput.values()) == pytest.approx(1.0)
+    assert rep.step_p50_seconds == pytest.approx(histogram_quantile(0.5, (0.05, 0.1, 0.2),
+                                                                     (0, 0, 1, 1)))
+    assert rep.gpus[0].busy == pytest.approx(0.95)
+    assert [g.uuid for g in rep.gpus] == ["GPU-a"]
+
+
+def test_histogram_quantile_matches_prometheus():
+    # 100 steps: 20 under 0.1 s, 70 in (0.1, 0.2], 10 above 0.2 s
+    counts = (20, 90, 100)
+    assert histogram_quantile(0.5, (0.1, 0.2), counts) == pytest.approx(0.1 + 0.1 * 30 / 70)
+    assert histogram_quantile(0.1, (0.1, 0.2), counts) == pytest.approx(0.05)
+    assert histogram_quantile(0.99, (0.1, 0.2), counts) == 0.2  # in +Inf: the highest bound
+    assert histogram_quantile(0.5, (0.1,), (0, 0)) is None
+
+
+def test_history_is_bounded_however_many_ranks_come_and_go(clock):
+    node = Node(clock, [FakeGpu("GPU-a")], window=60.0)
+    node.store = IngestStore(max_series=40, ttl=20.0, clock=clock, wall_clock=clock)
+    per_track = 60 / 5 + 1
+    bound = per_track * (1 + 1) + 40 * (per_track + 61)  # the GPU, the node, 40 ranks
+    for second in range(600):
+        for k in range(8):  # 8 new ranks a second, each pushing once: 4,800 in all
+            name = f"job{second}-{k}"
+            try:
+                push(node.store, run=name, steps=second)
+            except Exception as exc:  # the ingest's own bound (429) while old ranks expire
+                assert getattr(exc, "status", None) == 429
+        node.cycle()
+        assert len(node.history.rank_states()) <= 40
+        assert node.history.size() <= bound
+    assert len(node.document()["runs"]) <= 40
+
+
+def test_status_marks_a_lost_gpu_and_a_rank_that_stopped_pushing(clock):
+    gpus = [FakeGpu("GPU-a", util_rate=90), FakeGpu("GPU-b", util_rate=40)]
+    node = Node(clock, gpus)
+    push(node.store, gpus=["1"], steps=10, step_seconds=1.0)
+    for _ in range(3):
+        node.cycle()
+    gpus[1].lost = True
+    for _ in range(40):
+        node.cycle()
+    doc = node.document()
+    up = {g["gpu"]: g["up"] for g in doc["gpus"]}
+    assert up == {"0": True, "1": False}
+    assert doc["gpus"][0]["busy"] == pytest.approx(0.9)
+    assert doc["gpus"][1]["busy"] is None  # no reading of a lost GPU is shown as current
+    (rank,) = doc["runs"][0]["ranks"]
+    assert rank["pushing"] is False and rank["seconds_since_push"] >= 40
+    assert doc["gpus"][1]["ranks"] == [{"run": "r", "rank": "0"}]
+
+
+def test_the_document_is_built_once_per_cycle_however_many_requests(clock):
+    node = Node(clock, [FakeGpu("GPU-a")])
+    node.cycle()
+    first = node.view.json_bytes()
+    for _ in range(50):
+        assert node.view.json_bytes() is first
+    node.cycle()
+    assert node.view.json_bytes() is not first
+    assert node.view.builds == 2
+
+
+# --- the daemon as a user runs it -------------------------------------------------------------
+
+@pytest.fixture
+def busy_node(daemon_factory):
+    """The demo's 8 GPUs and a run that waits on its data loader three quarters of each step."""
+    daemon = daemon_factory("--gpu.backend=demo", "--demo.gpus=8")
+    client = synthetic_client("input-starved", daemon.ingest_url,
+                              "--data-wait-ms", "30", "--compute-ms", "10",
+                              "--flops-per-sample", "1e11")
+    try:
+        def judged():
+            doc = requests.get(daemon.url + "/api/v1/status", timeout=5).json()
+            runs = [r for r in doc["runs"] if r["run"] == "input-starved"]
+            return runs and runs[0]["ranks"][0]["verdict"] == "input-bound" and doc
+
+        wait_until(judged, timeout=30, what="an input-bound verdict in /api/v1/status")
+        yield daemon
+    finally:
+        client.kill()
+        client.wait()
+
+
+def test_status_api_and_top_show_the_gpus_and_the_runs_verdict(busy_node):
+    r = requests.get(busy_node.url + "/api/v1/status", timeout=5)
+    assert r.headers["Content-Type"] == "application/json"
+    doc = r.json()
+    assert [g["gpu"] for g in doc["gpus"]] == [str(i) for i in range(8)]
+    assert all(g["up"] and 0 <= g["busy"] <= 1 for g in doc["gpus"])
+    (run,) = [x for x in doc["runs"] if x["run"] == "input-starved"]
+    verdict = run["verdicts"][0]
+    assert verdict["verdict"] == "input-bound"
+    assert verdict["advice"] == BY_VERDICT["input-bound"].advice
+    assert verdict["summary"] == BY_VERDICT["input-bound"].summary
+    rank = run["ranks"][0]
+    assert rank["data_wait_ratio"] > 0.5 and rank["pushing"]
+    assert rank["gpus"] == [{"gpu": "0", "uuid": doc["gpus"][0]["uuid"]}]
+    assert doc["host"]["cpus"] >= 1 and doc["host"]["cpu_busy"] is not None
+
+    out = subprocess.run([sys.executable, "-m", "exporter", "top", "--once", "--url",
+                          busy_node.url], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if re.match(r"^[0-7] +H100", line)]
+    assert len(rows) == 8, out.stdout
+    assert "input-starved/0" in rows[0]
+    assert BY_VERDICT["input-bound"].summary in out.stdout
+    assert "What to change: Use more DataLoader workers" in out.stdout
+
+
+def test_top_says_when_the_daemon_cannot_be_read(daemon_factory):
+    daemon = daemon_factory("--gpu.backend=demo", "--demo.gpus=1")
+    for url, why in ((f"http://127.0.0.1:{daemon.ingest_port}", "HTTP 404"),
+                     ("http://127.0.0.1:9", "cannot reach")):
+        out = subprocess.run([sys.executable, "-m", "exporter", "top", "--once", "--url", url],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2
+        assert why in out.stderr and out.stdout == ""
+
+
+def test_the_page_is_self_contained_under_a_strict_policy(daemon_factory):
+    daemon = daemon_factory("--gpu.backend=demo", "--demo.gpus=1")
+    page = requests.get(daemon.url + "/", timeout=5)
+    assert page.headers["Content-Security-Policy"] == CONTENT_SECURITY_POLICY
+    assert "'unsafe-inline'" not in CONTENT_SECURITY_POLICY
+    html = page.text
+    assert "<script>" not in html and "<style" not in html and " style=" not in html
+    for ref in re.findall(r'(?:src|href)="([^"]+)"', html):
+        assert "://" not in ref and not ref.startswith("//"), f"external asset {ref}"
+        assert requests.get(f"{daemon.url}/{ref}", timeout=5).status_code == 200, ref
+    assert requests.get(daemon.url + "/static/nothing.js", timeout=5).status_code == 404
+
+
+# --- the page in a real headless Chromium -----------------------------------------------------
+
+def chromium(url: str, *args: str) -> subprocess.CompletedProcess:
+    """Debian's chromium, headless, given a few seconds of (virtual) time to draw ``url``."""
+    binary = require_binary("chromium", "chromium-browser", package="chromium")
+    return subprocess.run(
+        [binary, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+         "--no-first-run", "--disable-extensions", "--enable-logging=stderr", "--v=0",
+         "--virtual-time-budget=5000", "--window-size=1400,1150", *args, url],
+        capture_output=True, text=True, timeout=120)
+
+
+def policy_violations(run: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in run.stderr.splitlines() if "Content Security Policy" in line
+            or "Refused to" in line]
+
+
+def test_status_page_in_chromium_shows_the_gpus_and_the_verdict(busy_node, tmp_path,
+                                                                  update_golden):
+    run = chromium(busy_node.url + "/", "--dump-dom")
+    dom = run.stdout
+    assert 'data-ready="1"' in dom, run.stderr[-2000:]
+    assert len(re.findall(r'<tr data-gpu="\d"', dom)) == 8
+    assert 'data-run="input-starved"' in dom
+    assert 'data-verdict="input-bound"' in dom
+    assert BY_VERDICT["input-bound"].summary in dom
+    assert 'href="metrics"' in dom
+    assert policy_violations(run) == []
+    shot = tmp_path / "status-page.png"
+    run = chromium(busy_node.url + "/", f"--screenshot={shot}")
+    assert shot.stat().st_size > 10_000, run.stderr[-2000:]
+    if update_golden:
+        shutil.copy(shot, ROOT / "docs" / "status-page.png")
+
+
+def test_status_page_in_chromium_without_a_gpu_or_a_run(daemon_factory):
+    """Here no NVIDIA driver: host metrics and the reason (on a GPU machine, its GPUs)."""
+    daemon = daemon_factory("--gpu.backend=nvml")
+    doc = requests.get(daemon.url + "/api/v1/status", timeout=5).json()
+    assert doc["runs"] == [] and doc["host"]["cpus"] >= 1
+    assert bool(doc["gpus"]) != bool(doc["gpu_error"])
+    run = chromium(daemon.url + "/", "--dump-dom")
+    assert 'data-ready="1"' in run.stdout, run.stderr[-2000:]
+    if doc["gpu_error"]:
+        assert "No GPU can be read" in run.stdout
+    assert "No training run is pushing to this daemon" in run.stdout
+    assert policy_violations(run) == []
+
+
+def test_the_readme_shows_the_status_page():
+    readme = (ROOT / "README.md").read_text()
+    assert "docs/status-page.png" in readme
+    assert Path(ROOT / "docs" / "status-page.png").stat().st_size > 10_000
+
+
+def test_the_wheel_carries_the_page(tmp_path):
+    """A pip-installed daemon (the container's) serves the page from its package."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(tmp_path), str(ROOT)], check=True,
+                   capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("gputrain_exporter-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"exporter/static/index.html", "exporter/static/status.js",
+            "exporter/static/status.css"} <= names
