@@ -119,12 +119,13 @@ def _thresholds(path: str | None) -> dict[str, float]:
         raise ConfigError(f"--status.rules-config {exc}") from None
 
 
-def _observe(history: Any, sampler: Any, store: Any) -> None:
+def _observe(history: Any, sampler: Any, store: Any, status: Any) -> None:
     """Note the sampler's new snapshot and the live ranks in the status history."""
     try:
         history.observe(sampler.snapshot, store.states() if store is not None else ())
     except Exception:  # the sampler must outlive a bug here
         log.exception("recording the status history failed")
+    status.changed()
 
 
 def serve(settings: Settings, stop: threading.Event | None = None) -> int:
@@ -175,10 +176,11 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     sampler = Sampler(backend, host, settings["sampler.interval"], settings.collectors)
     peaks = PeakTable(settings["gpu.peak-flops"])
     history = History(settings["status.window"], peaks=peaks, instance=socket.gethostname())
-    sampler.listeners.append(lambda: _observe(history, sampler, store))
-    sampler.start()
     status = StatusView(history, thresholds, lambda: sampler.gpu_error, backend.name,
                         lambda: sampler.snapshot.driver_version)
+    sampler.listeners.append(lambda: _observe(history, sampler, store, status))
+    sampler.start()
+    status.start()
     app = Exposition(sampler, store, peaks=peaks, status=status)
     app.start()
     servers = []
@@ -204,6 +206,7 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
         for srv in servers:
             srv.server_close()
         app.stop()
+        status.stop()
         sampler.stop()
         return 1
     for i, srv in enumerate(servers):
@@ -221,5 +224,6 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
         srv.shutdown()
         srv.server_close()
     app.stop()
+    status.stop()
     sampler.stop()
     return 0

@@ -29,7 +29,7 @@ from exporter.sampler import GpuState, Snapshot
 from exporter.verdict import GpuReading, RankReport, rank_order
 
 WINDOW_SECONDS = 300.0  # the recording rules' 5m
-POINT_SECONDS = 5.0
+POINT_SECONDS = 10.0  # a ratio over the window is exact to its end; its start may be this late
 RSS_POINT_SECONDS = 60.0
 RSS_SECONDS = 3600.0  # the leak rule's longer range (1h)
 LEAK_MIN_SECONDS = 900.0  # its shorter range (15m): the leak is judged once this much is seen

@@ -11,6 +11,8 @@ no network and runs under the strict Content-Security-Policy it is sent with.
 from __future__ import annotations
 
 import json
+import logging
+import math
 import threading
 import time
 from importlib import resources
@@ -29,7 +31,10 @@ from exporter.verdict import (
     wasted_gpus,
 )
 
+log = logging.getLogger(__name__)
+
 STATUS_PATH = "/api/v1/status"
+VIEWER_SECONDS = 30.0  # the builder thread works this long after the last request
 SCHEMA_VERSION = 1
 # A rank not heard from this long is shown as stopped (six missed pushes at the client's 5 s)
 STALE_PUSH_SECONDS = 30.0
@@ -47,7 +52,9 @@ CONTENT_SECURITY_POLICY = ("default-src 'none'; script-src 'self'; style-src 'se
 
 
 class StatusView:
-    """Builds the status document from the history, cached until the history moves on."""
+    """Builds the status document from the history. While someone watches (a request in the
+    last VIEWER_SECONDS), a thread of its own rebuilds it after every sampler cycle, so a
+    request only sends bytes; the first request after a quiet spell builds it inline."""
 
     def __init__(self, history: History, thresholds: dict[str, float],
                  gpu_error: Any = None, backend: str = "", driver: Any = None) -> None:
@@ -56,8 +63,12 @@ class StatusView:
         self._gpu_error = gpu_error or (lambda: None)
         self.backend = backend
         self._driver = driver or (lambda: "")
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one build at a time
         self._cached: tuple[int, bytes] | None = None
+        self._asked = -math.inf  # monotonic time of the last request
+        self._changed = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         self.builds = 0
         self._assets: dict[str, bytes] = {}
 
@@ -72,7 +83,17 @@ class StatusView:
         return self._assets[name], ctype
 
     def json_bytes(self) -> bytes:
-        """The document as JSON, rebuilt only when the history has moved on."""
+        """The document as JSON: the latest build while the builder thread keeps it fresh
+        for a viewer, else built now if the history has moved on since the last one."""
+        now = time.monotonic()
+        watched = now - self._asked <= VIEWER_SECONDS and self._thread is not None
+        self._asked = now
+        cached = self._cached
+        if cached is not None and (watched or cached[0] == self.history.version):
+            return cached[1]
+        return self._build()
+
+    def _build(self) -> bytes:
         with self._lock:
             version = self.history.version
             if self._cached is None or self._cached[0] != version:
@@ -80,6 +101,35 @@ class StatusView:
                 self._cached = (version, body)
                 self.builds += 1
             return self._cached[1]
+
+    def changed(self) -> None:
+        """The history moved on (a sampler cycle): rebuild soon if someone watches."""
+        self._changed.set()
+
+    def start(self) -> None:
+        """Keep the document fresh for viewers in a background thread until :meth:`stop`."""
+        self._thread = threading.Thread(target=self._loop, name="gputrain-status",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._changed.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._changed.wait()
+            self._changed.clear()
+            if self._stop.is_set():
+                return
+            if time.monotonic() - self._asked > VIEWER_SECONDS:
+                continue  # nobody watches: build nothing
+            try:
+                self._build()
+            except Exception:  # the loop must outlive a bug in one build
+                log.exception("building the status document failed")
 
     def document(self) -> dict[str, Any]:
         """The status document (README, "Status page and API")."""

@@ -1,0 +1,177 @@
+"""What the daemon's own view costs: /api/v1/status and the status page per request, the
+history per sampler cycle and in memory, and whether a viewer slows the scrape, beside the
+anchors measured in the same run (a /metrics scrape and /healthz of the same daemon).
+
+    python bench/bench_status.py [--requests 40] [--ranks 0,64]
+
+Requests are spaced more than one sampler interval apart, as a page refreshing every 2 s and
+`top` every second are, so each one meets a newer history and the document is built anew (the
+worst case: back-to-back requests would be answered from the cache). Ranks push every 5 s
+from a separate process (bench_scrape.py's pushers: 15 buckets, 4 phases, one GPU each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+import tracemalloc
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_scrape import free_port, payload, pct, scrape, wait_ready  # noqa: E402
+
+from exporter.collectors import host_collectors  # noqa: E402
+from exporter.gpu_backends import DemoBackend  # noqa: E402
+from exporter.history import History  # noqa: E402
+from exporter.ingest import IngestStore  # noqa: E402
+from exporter.rules import DEFAULTS  # noqa: E402
+from exporter.sampler import Sampler  # noqa: E402
+from exporter.status import StatusView  # noqa: E402
+
+
+def timed_get(session: requests.Session, url: str) -> float:
+    t0 = time.perf_counter()
+    r = session.get(url, timeout=30)
+    r.raise_for_status()
+    return time.perf_counter() - t0
+
+
+def over_http(ranks: int, n: int, spacing: float) -> dict[str, list[float]]:
+    """Per kind of request, its latencies against one demo daemon with ``ranks`` pushing;
+    the scrape is also timed while a viewer reads the status every 0.25 s."""
+    gp, ip = free_port(), free_port()
+    stop_file = f"/tmp/bench-status-stop-{os.getpid()}-{ranks}"
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "exporter", "--gpu.backend=demo",
+         f"--web.listen-address=127.0.0.1:{gp}", f"--ingest.listen-address=127.0.0.1:{ip}",
+         f"--ingest.max-series={max(ranks, 1)}"], cwd=ROOT,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    push = None
+    out: dict[str, list[float]] = {k: [] for k in (
+        "status", "page", "metrics", "healthz", "metrics_with_viewer")}
+    try:
+        base = f"http://127.0.0.1:{gp}"
+        wait_ready(base + "/healthz")
+        push = subprocess.Popen(
+            [sys.executable, str(ROOT / "bench" / "bench_scrape.py"), "--push",
+             f"http://127.0.0.1:{ip}/api/v1/push", str(ranks), "4", stop_file], cwd=ROOT)
+        s = requests.Session()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # every rank is in the history
+            doc = s.get(base + "/api/v1/status", timeout=10).json()
+            if sum(len(r["ranks"]) for r in doc["runs"]) >= ranks:
+                break
+            time.sleep(0.5)
+        for _ in range(n):
+            time.sleep(spacing)
+            out["status"].append(timed_get(s, base + "/api/v1/status"))
+            out["page"].append(timed_get(s, base + "/"))
+            out["healthz"].append(timed_get(s, base + "/healthz"))
+            time.sleep(spacing)
+            out["metrics"].append(scrape(s, base + "/metrics")[0])
+        stop = threading.Event()
+
+        def viewer() -> None:
+            v = requests.Session()
+            while not stop.wait(0.25):
+                v.get(base + "/api/v1/status", timeout=10)
+
+        t = threading.Thread(target=viewer, daemon=True)
+        t.start()
+        for _ in range(n):
+            time.sleep(spacing)
+            out["metrics_with_viewer"].append(scrape(s, base + "/metrics")[0])
+        stop.set()
+        t.join()
+    finally:
+        Path(stop_file).touch()
+        if push is not None:
+            push.wait(timeout=30)
+        Path(stop_file).unlink(missing_ok=True)
+        daemon.terminate()
+        daemon.wait()
+    return out
+
+
+def in_process(ranks: int, cycles: int) -> dict[str, float]:
+    """The history's cost per sampler cycle, a document build, and the history's memory once
+    its window is full, with ``ranks`` live and pushing every 5 s (in-process, demo GPUs)."""
+    now = [1_000_000.0]
+    sampler = Sampler(DemoBackend(8), host_collectors(), interval=1.0)
+    store = IngestStore(max_series=max(ranks, 1), clock=lambda: now[0],
+                        wall_clock=lambda: now[0])
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    history = History(300.0)
+    view = StatusView(history, DEFAULTS["thresholds"], backend="demo")
+    observe = []
+    for cycle in range(cycles):
+        now[0] += 1.0
+        for r in range(ranks):
+            if (r + cycle) % 5 == 0:  # each rank pushes every 5 s
+                store.push(json.dumps(payload(r, 10 * (cycle + 1), 4)).encode())
+        snap = sampler.run_once()
+        snap = type(snap)(snap.cycle, now[0], snap.backend, snap.driver_version, snap.gpus,
+                          snap.host, snap.collectors)
+        t0 = time.perf_counter()
+        history.observe(snap, store.states())
+        observe.append(time.perf_counter() - t0)
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    memory = sum(s.size_diff for s in after.compare_to(before, "filename")
+                 if "history.py" in s.traceback[0].filename)
+    builds = []
+    for _ in range(20):
+        history.version += 1  # as a new cycle would: the next request builds anew
+        t0 = time.perf_counter()
+        view.json_bytes()
+        builds.append(time.perf_counter() - t0)
+    sampler.stop()
+    return {"observe_ms": pct(observe[-60:], 0.5) * 1e3, "build_ms": pct(builds, 0.5) * 1e3,
+            "bytes": len(view.json_bytes()), "memory_mb": memory / 1e6,
+            "points": history.size()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=40)
+    ap.add_argument("--ranks", default="0,64")
+    ap.add_argument("--spacing", type=float, default=1.1)
+    ns = ap.parse_args()
+    levels = [int(x) for x in ns.ranks.split(",")]
+    print(f"python {platform.python_version()}, {os.cpu_count()} CPUs, 8 demo GPUs, "
+          f"{ns.requests} requests of each kind {ns.spacing} s apart")
+    print(f"{'ranks':>5}  {'request':<32} {'median ms':>9} {'p99 ms':>8}  ratio to /metrics")
+    for ranks in levels:
+        got = over_http(ranks, ns.requests, ns.spacing)
+        anchor = pct(got["metrics"], 0.5)
+        for kind, label in (("metrics", "/metrics scrape (anchor)"),
+                            ("healthz", "/healthz (anchor)"),
+                            ("status", "/api/v1/status (a viewer's)"),
+                            ("page", "/ (the page's HTML)"),
+                            ("metrics_with_viewer", "/metrics with a viewer at 4/s")):
+            v = got[kind]
+            print(f"{ranks:>5}  {label:<32} {pct(v, 0.5) * 1e3:>9.2f} "
+                  f"{pct(v, 0.99) * 1e3:>8.2f}  {pct(v, 0.5) / anchor:.2f}")
+    print()
+    print(f"{'ranks':>5}  {'observe/cycle ms':>16} {'build ms':>9} {'JSON bytes':>10} "
+          f"{'history MB':>10} {'points':>7}")
+    for ranks in sorted({*levels, 1024}):
+        r = in_process(ranks, 330)
+        print(f"{ranks:>5}  {r['observe_ms']:>16.3f} {r['build_ms']:>9.2f} {r['bytes']:>10} "
+              f"{r['memory_mb']:>10.2f} {r['points']:>7}")
+
+
+if __name__ == "__main__":
+    main()
