@@ -156,9 +156,12 @@ def proc_cpu(pid: int) -> float:
     return t.user + t.system
 
 
-def measure(ranks: int, phases: int, scrapes: int, spacing: float) -> dict:
+@contextlib.contextmanager
+def demo_daemon(ranks: int, phases: int = 4, tag: str = "scrape"):
+    """A demo daemon (8 GPUs) with ``ranks`` pushing every 5 s from a separate process;
+    yields (the daemon's process, its web address). Stops both on exit."""
     gp, ip = free_port(), free_port()
-    stop_file = f"/tmp/bench-scrape-stop-{os.getpid()}-{ranks}"
+    stop_file = f"/tmp/bench-{tag}-stop-{os.getpid()}-{ranks}"
     daemon = subprocess.Popen(
         [sys.executable, "-m", "exporter", "--gpu.backend=demo",
          f"--web.listen-address=127.0.0.1:{gp}", f"--ingest.listen-address=127.0.0.1:{ip}",
@@ -166,11 +169,25 @@ def measure(ranks: int, phases: int, scrapes: int, spacing: float) -> dict:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     push = None
     try:
-        url = f"http://127.0.0.1:{gp}/metrics"
-        wait_ready(url)
+        base = f"http://127.0.0.1:{gp}"
+        wait_ready(base + "/healthz")
         push = subprocess.Popen(
-            [sys.executable, __file__, "--push", f"http://127.0.0.1:{ip}/api/v1/push",
-             str(ranks), str(phases), stop_file], cwd=ROOT)
+            [sys.executable, str(Path(__file__).resolve()), "--push",
+             f"http://127.0.0.1:{ip}/api/v1/push", str(ranks), str(phases), stop_file],
+            cwd=ROOT)
+        yield daemon, base
+    finally:
+        Path(stop_file).touch()
+        if push is not None:
+            push.wait(timeout=30)
+        Path(stop_file).unlink(missing_ok=True)
+        daemon.terminate()
+        daemon.wait()
+
+
+def measure(ranks: int, phases: int, scrapes: int, spacing: float) -> dict:
+    with demo_daemon(ranks, phases) as (daemon, base):
+        url = base + "/metrics"
         session = requests.Session()
         want = 0 if ranks == 0 else ranks
         deadline = time.monotonic() + 60
@@ -186,13 +203,6 @@ def measure(ranks: int, phases: int, scrapes: int, spacing: float) -> dict:
             time.sleep(spacing)
             rows.append(scrape(session, url))
         cpu = (proc_cpu(daemon.pid) - cpu0) / (time.monotonic() - wall0)
-    finally:
-        Path(stop_file).touch()
-        if push is not None:
-            push.wait(timeout=30)
-        Path(stop_file).unlink(missing_ok=True)
-        daemon.terminate()
-        daemon.wait()
     times = [r[0] for r in rows]
     return {"p50": pct(times, 0.5), "p99": pct(times, 0.99), "gz": rows[-1][1],
             "bytes": rows[-1][2], "series": rows[-1][3], "cpu": cpu}

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import threading
 import time
@@ -29,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_scrape import free_port, payload, pct, scrape, wait_ready  # noqa: E402
+from bench_scrape import demo_daemon, payload, pct, scrape  # noqa: E402
 
 from exporter.collectors import host_collectors  # noqa: E402
 from exporter.gpu_backends import DemoBackend  # noqa: E402
@@ -50,22 +49,9 @@ def timed_get(session: requests.Session, url: str) -> float:
 def over_http(ranks: int, n: int, spacing: float) -> dict[str, list[float]]:
     """Per kind of request, its latencies against one demo daemon with ``ranks`` pushing;
     the scrape is also timed while a viewer reads the status every 0.25 s."""
-    gp, ip = free_port(), free_port()
-    stop_file = f"/tmp/bench-status-stop-{os.getpid()}-{ranks}"
-    daemon = subprocess.Popen(
-        [sys.executable, "-m", "exporter", "--gpu.backend=demo",
-         f"--web.listen-address=127.0.0.1:{gp}", f"--ingest.listen-address=127.0.0.1:{ip}",
-         f"--ingest.max-series={max(ranks, 1)}"], cwd=ROOT,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    push = None
     out: dict[str, list[float]] = {k: [] for k in (
         "status", "page", "metrics", "healthz", "metrics_with_viewer")}
-    try:
-        base = f"http://127.0.0.1:{gp}"
-        wait_ready(base + "/healthz")
-        push = subprocess.Popen(
-            [sys.executable, str(ROOT / "bench" / "bench_scrape.py"), "--push",
-             f"http://127.0.0.1:{ip}/api/v1/push", str(ranks), "4", stop_file], cwd=ROOT)
+    with demo_daemon(ranks, 4, "status") as (_, base):
         s = requests.Session()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # every rank is in the history
@@ -94,13 +80,6 @@ def over_http(ranks: int, n: int, spacing: float) -> dict[str, list[float]]:
             out["metrics_with_viewer"].append(scrape(s, base + "/metrics")[0])
         stop.set()
         t.join()
-    finally:
-        Path(stop_file).touch()
-        if push is not None:
-            push.wait(timeout=30)
-        Path(stop_file).unlink(missing_ok=True)
-        daemon.terminate()
-        daemon.wait()
     return out
 
 

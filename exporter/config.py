@@ -166,7 +166,8 @@ class Option:
 
 OPTIONS: list[Option] = [
     Option("web.listen-address", _listen, ":19400",
-           "address for /metrics and /healthz (host:port; ':19400' is every address)"),
+           "address for /metrics, /healthz, the status page / and /api/v1/status (host:port; "
+           "':19400' is every address)"),
     Option("web.tls-cert-file", _text, None, "TLS certificate (PEM) to serve HTTPS", "FILE"),
     Option("web.tls-key-file", _text, None, "TLS private key (PEM) for --web.tls-cert-file",
            "FILE"),

@@ -1,4 +1,5 @@
-"""HTTP: /metrics and /healthz on the web address, the push endpoint on the ingest address.
+"""HTTP: /metrics, /healthz, the status page (/) and /api/v1/status on the web address, the
+push endpoint on the ingest address.
 
 A scrape sends the page that exporter.exposition keeps ready (no NVML call, no rendering), so
 many Prometheus servers cost little more than one.
