@@ -146,8 +146,10 @@ class History:
                     track.points.append(self._rank_point(track, t))
                 elif st is not track.state:
                     self._note_push(track, st)
-                    if t - track.points[-1].t >= self.point_seconds:
-                        track.points.append(self._rank_point(track, t))
+                # a rank that stopped pushing keeps its points coming, its rates falling to
+                # 0, as a scraped counter that stopped growing does
+                if t - track.points[-1].t >= self.point_seconds:
+                    track.points.append(self._rank_point(track, t))
                 rss = st.process.get("resident_memory_bytes")
                 if rss is not None and (not track.rss or t - track.rss[-1][0] >= RSS_POINT_SECONDS):
                     track.rss.append((t, rss))

@@ -209,7 +209,8 @@ def _run(name: str, ranks: list[RankReport], states: dict, now: float) -> dict[s
         by_verdict.setdefault(rep.verdict, []).append(rep)
     verdicts = [{"verdict": v, "summary": summary(v), "advice": reps[0].advice,
                  "reason": reps[0].reason, "status": reps[0].status,
-                 "ranks": [r.rank for r in reps]}
+                 "ranks": [r.rank for r in reps],
+                 "also": list(dict.fromkeys(f.name for r in reps for f in r.also))}
                 for v, reps in sorted(by_verdict.items(), key=lambda kv: _RANKING[kv[0]])]
     wasted = wasted_gpus(ranks)
     return {

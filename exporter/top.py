@@ -149,7 +149,8 @@ def frame(doc: dict[str, Any], error: str | None = None) -> Any:
             ranks = f" (rank {', '.join(v['ranks'])})" if len(run["ranks"]) > 1 else ""
             body.append(Text.assemble((v["summary"], f"bold {colour[v['status']]}"),
                                       (f" {v['verdict']}{ranks}", "grey50")))
-            body.append(Text(f"  {v['reason']}", style="grey70"))
+            also = f"; also found: {', '.join(v['also'])}" if v["also"] else ""
+            body.append(Text(f"  {v['reason']}{also}", style="grey70"))
             body.append(Text.assemble(("  What to change: ", "bold"), v["advice"]))
         body.append(Text(
             f"samples/s {_num(run['samples_per_second'])} · MFU {_pct(run['mfu'])} · "

@@ -80,7 +80,9 @@ function runCard(run) {
     card.append(
       el("p", { class: "verdict", "data-verdict": v.verdict }, v.summary, " ",
          el("code", {}, v.verdict + ranks)),
-      el("p", { class: "muted" }, v.reason),
+      el("p", { class: "muted" }, v.reason,
+         ...(v.also.length ? ["; also found: ", ...v.also.map((a, i) =>
+           el("span", { "data-also": a }, (i ? ", " : "") + a))] : [])),
       el("p", { class: "advice" }, el("b", {}, "What to change: "), v.advice));
   }
   card.append(el("p", { class: "numbers" },
