@@ -302,3 +302,14 @@ def test_the_wheel_carries_the_page(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"exporter/static/index.html", "exporter/static/status.js",
             "exporter/static/status.css"} <= names
+
+
+def test_top_without_rich_says_how_to_get_it(monkeypatch, capsys):
+    from exporter import top
+
+    monkeypatch.setitem(sys.modules, "rich.console", None)  # as if rich were not installed
+    from exporter.cli import build_parser
+
+    ns = build_parser().parse_args(["top", "--once", "--url", "http://127.0.0.1:9"])
+    assert top.main(ns) == 2
+    assert "pip install 'gputrain-exporter[top]'" in capsys.readouterr().err
