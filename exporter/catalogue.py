@@ -307,6 +307,20 @@ CATALOGUE: tuple[Entry, ...] = (
           "The driver reported Xid errors.",
           ("gputrain_gpu_xid_errors_total",),
           'GpuTrain / Node, table "GPU health" (Xid errors in the last hour).'),
+    Entry("GpuTrainGPUMemoryFault", "health", "warning / critical", "0m",
+          "A GPU's memory has a fault: drain it, or reset it when the job ends.",
+          "Critical (an uncorrectable ECC error or a failed row remap): drain the node and "
+          "have the GPU checked. Warning (a row remap or page retirement pending): reset the "
+          "GPU (nvidia-smi -r, or reboot) when the job ends, so the remap takes effect.",
+          "an uncorrectable ECC error in 10m (or found by an exporter started in the last "
+          "10m) or a failed remap (critical); a remap or page retirement pending (warning)",
+          "NVML's row remapper (Ampere and newer) replaces a faulty memory row at the next GPU "
+          "reset: until then the remap is pending, and a failed remap means the GPU cannot "
+          "heal itself. An uncorrectable ECC error can crash the job (Xid 48, 63, 94, 95). "
+          "GPUs before Ampere retire pages instead, also at the next reset.",
+          ("gputrain_gpu_ecc_errors_total", "gputrain_gpu_remapped_rows",
+           "gputrain_gpu_retired_pages_pending"),
+          'GpuTrain / Node, table "GPU health" (uncorrected ECC, remap pending and failed).'),
     Entry("GpuTrainCollectorFailing", "health", "warning", "10m",
           "A gputrain-exporter collector fails.",
           "See the exporter's log; for gpu fix the driver or the container's GPU access "

@@ -162,7 +162,8 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
         return 2
 
     if settings["gpu.backend"] == "demo":
-        backend = DemoBackend(settings["demo.gpus"], settings["demo.load"])
+        backend = DemoBackend(settings["demo.gpus"], settings["demo.load"],
+                              memory_fault=settings["demo.memory-fault"])
         if store is not None:
             backend.follow(store.states)  # the laptop tour: training on the CPU uses a GPU
     else:

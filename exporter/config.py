@@ -183,6 +183,9 @@ OPTIONS: list[Option] = [
            "N"),
     Option("demo.load", _fraction, None,
            "busy ratio 0-1 of the demo GPUs (default: a load that moves over time)", "RATIO"),
+    Option("demo.memory-fault", _bool, False,
+           "the last demo GPU reports an uncorrectable ECC error and a row remap pending (to "
+           "try the GpuTrainGPUMemoryFault alert)"),
     Option("ingest.listen-address", _listen, "127.0.0.1:19401",
            "address for the training clients' pushes; anything but loopback needs "
            "--ingest.token-file"),
@@ -279,13 +282,14 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config.file", dest="config.file", metavar="FILE",
                         default=argparse.SUPPRESS, help="YAML file with any of these settings")
     for o in OPTIONS:
-        if o.key.startswith("collector."):
-            name = o.key.split(".", 1)[1]
+        if o.parse is _bool:  # --name and --no-name
             state = "on" if o.default else "off"
-            parser.add_argument(f"--collector.{name}", dest=o.key, action="store_true",
+            parser.add_argument(f"--{o.key}", dest=o.key, action="store_true",
                                 default=argparse.SUPPRESS, help=f"{o.help} (default: {state})")
-            parser.add_argument(f"--no-collector.{name}", dest=o.key, action="store_false",
-                                default=argparse.SUPPRESS, help=f"disable the {name} collector")
+            off = (f"disable the {o.key.split('.', 1)[1]} collector"
+                   if o.key.startswith("collector.") else f"the opposite of --{o.key}")
+            parser.add_argument(f"--no-{o.key}", dest=o.key, action="store_false",
+                                default=argparse.SUPPRESS, help=off)
             continue
         default = "" if o.default is None else f" (default: {o.shown_default()})"
         parser.add_argument(f"--{o.key}", dest=o.key, metavar=o.metavar or "VALUE",

@@ -461,6 +461,16 @@ def node(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict
                    "device-to-host GPU {{gpu}}", "B"),
             target(f"gputrain_gpu_pcie_link_max_bytes_per_second{{{n}}}",
                    "link max GPU {{gpu}}", "C")], "Bps"), 8, 8),
+        lay.place(timeseries("NVLink", [
+            target(f"rate(gputrain_gpu_nvlink_received_bytes_total{{{n}}}{r})",
+                   "received GPU {{gpu}}", "A"),
+            target(f"rate(gputrain_gpu_nvlink_transmitted_bytes_total{{{n}}}{r})",
+                   "sent GPU {{gpu}}", "B"),
+            target(f"gputrain_gpu_nvlink_links{{{n}}} * "
+                   f"gputrain_gpu_nvlink_link_max_bytes_per_second{{{n}}}",
+                   "all links max GPU {{gpu}}", "C")], "Bps",
+            "Data over NVLink (the gradients' all-reduce inside the node): busy GPUs and flat "
+            "NVLink while a run waits points at the input, not the collectives."), 8, 8),
         lay.place(timeseries("Temperature", [target(
             f"gputrain_gpu_temperature_celsius{{{n}}}", per_gpu)], "celsius"), 8, 8),
         lay.place(timeseries("Clocks", [target(
@@ -474,7 +484,19 @@ def node(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict
             target(f"gputrain_gpu_up{{{n}}}", "up", "A"),
             target(f"sum by (gpu, uuid) (increase(gputrain_gpu_xid_errors_total{{{n}}}[1h])) "
                    f"or sum by (gpu, uuid) (0 * gputrain_gpu_up{{{n}}})", "Xid errors 1h", "B"),
-        ], {"up": "none", "Xid errors 1h": "none"}, "up 0: the GPU fell off the bus.",
+            target(f"sum by (gpu, uuid) (increase(gputrain_gpu_ecc_errors_total{{{n},"
+                   f'type="uncorrected"}}[1h]))', "uncorrected ECC 1h", "C"),
+            target(f"sum by (gpu, uuid) (increase(gputrain_gpu_ecc_errors_total{{{n},"
+                   f'type="corrected"}}[1h]))', "corrected ECC 1h", "D"),
+            target(f'max by (gpu, uuid) (gputrain_gpu_remapped_rows{{{n},state="pending"}}) '
+                   f"or max by (gpu, uuid) (gputrain_gpu_retired_pages_pending{{{n}}})",
+                   "remap pending", "E"),
+            target(f'max by (gpu, uuid) (gputrain_gpu_remapped_rows{{{n},state="failed"}})',
+                   "remap failed", "F"),
+        ], {"up": "none", "Xid errors 1h": "none", "uncorrected ECC 1h": "none",
+            "corrected ECC 1h": "none", "remap pending": "none", "remap failed": "none"},
+            "up 0: the GPU fell off the bus. An uncorrected ECC error or a failed remap: drain "
+            "the node; a pending remap (or page retirement): reset the GPU when the job ends.",
             hide=("Time", "job", "instance")), 12, 7),
         lay.place(table("Runs on this node", [
             target(f"run_rank:gputrain_training_samples_per_second:rate5m{{{n}}}",

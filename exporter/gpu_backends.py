@@ -55,8 +55,23 @@ GPM_METRICS = {
     "dram_active": "NVML_GPM_METRIC_DRAM_BW_UTIL",
     "pcie_tx_mib_per_second": "NVML_GPM_METRIC_PCIE_TX_PER_SEC",
     "pcie_rx_mib_per_second": "NVML_GPM_METRIC_PCIE_RX_PER_SEC",
+    "nvlink_rx_mib_per_second": "NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC",
+    "nvlink_tx_mib_per_second": "NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC",
 }
 MIB = 1024 * 1024
+# NVLink through field values: data (not raw) KiB counters summed over every link (scope
+# UINT_MAX), the active link count and the common per-link speed (MB/s)
+NVLINK_ALL_LINKS = 0xFFFFFFFF
+NVLINK_FIELDS = {"rx": "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX",
+                 "tx": "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX"}
+# ECC error counts by the `type` label: nvmlMemoryErrorType_t
+ECC_TYPES = {"corrected": "NVML_MEMORY_ERROR_TYPE_CORRECTED",
+             "uncorrected": "NVML_MEMORY_ERROR_TYPE_UNCORRECTED"}
+# retired pages (pre-Ampere) by the `cause` label: nvmlPageRetirementCause_t
+RETIREMENT_CAUSES = {
+    "multiple_single_bit_ecc": "NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS",
+    "double_bit_ecc": "NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR"}
+REMAP_STATES = ("correctable", "uncorrectable", "pending", "failed")
 # newest first (see Nvml.call_versioned); older drivers lack the later ones
 COMPUTE_PROCESS_VARIANTS = (("nvmlDeviceGetComputeRunningProcesses_v3", {}),
                             ("nvmlDeviceGetComputeRunningProcesses_v2", {}),
@@ -107,6 +122,16 @@ class GpuSample:
     clocks_hertz: dict[str, float] = field(default_factory=dict)
     clock_event_seconds: dict[str, float] = field(default_factory=dict)
     pids: tuple[int, ...] = ()
+    nvlink_rx_bytes: float | None = None  # cumulative, all links (field values)
+    nvlink_tx_bytes: float | None = None
+    nvlink_rx_bytes_per_second: float | None = None  # or rates (GPM)
+    nvlink_tx_bytes_per_second: float | None = None
+    nvlink_links: int | None = None  # active links; None (and no NVLink series) without any
+    nvlink_link_max_bytes_per_second: float | None = None  # per link and direction
+    ecc_errors: dict[str, float] = field(default_factory=dict)  # volatile counts, by type
+    remapped_rows: dict[str, float] = field(default_factory=dict)  # by REMAP_STATES
+    retired_pages: dict[str, float] = field(default_factory=dict)  # by cause (pre-Ampere)
+    retired_pages_pending: float | None = None
 
 
 class GpuBackend(Protocol):
@@ -253,6 +278,7 @@ class NvmlBackend:
         self._fields(dev, s)
         self._gpm(dev, s)
         self._pcie_fallback(dev, s)
+        self._memory_health(dev, s)
         procs = nv.call_versioned(COMPUTE_PROCESS_VARIANTS, h, device=key)
         if procs:
             s.pids = tuple(int(p.pid) for p in procs)
@@ -289,6 +315,7 @@ class NvmlBackend:
                 s.clock_event_seconds[label] = float(values[fid]) / 1e9
         if rx_id in values and tx_id in values:
             s.pcie_rx_bytes, s.pcie_tx_bytes = float(values[rx_id]), float(values[tx_id])
+        self._nvlink(dev, s)
         if not s.clock_event_seconds:
             for label, const in VIOLATION_POLICIES.items():
                 if not hasattr(lib, const):
@@ -297,6 +324,58 @@ class NvmlBackend:
                             device=key)
                 if v is not None:
                     s.clock_event_seconds[label] = float(v.violationTime) / 1e9
+
+    def _nvlink(self, dev: _NvmlDevice, s: GpuSample) -> None:
+        """Active links and their speed; the byte counters where the driver has them (else
+        GPM's rates fill them in). A GPU with no active link reports nothing."""
+        nv, lib, key = self.nvml, self.nvml.lib, dev.identity.index
+        count_id = getattr(lib, "NVML_FI_DEV_NVLINK_LINK_COUNT", None)
+        speed_id = getattr(lib, "NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON", None)
+        if count_id is None or nv.is_unsupported(key, "nvlink"):
+            return
+        got = nv.field_values(dev.handle, [f for f in (count_id, speed_id) if f is not None],
+                              device=key)
+        links = int(got.get(count_id, 0) or 0)
+        if links <= 0:
+            nv.mark_unsupported(key, "nvlink")  # no NVLink on this GPU: not asked again
+            return
+        s.nvlink_links = links
+        if got.get(speed_id):
+            s.nvlink_link_max_bytes_per_second = float(got[speed_id]) * 1e6
+        ids = {d: (getattr(lib, c), NVLINK_ALL_LINKS) for d, c in NVLINK_FIELDS.items()
+               if hasattr(lib, c)}
+        counters = nv.field_values(dev.handle, list(ids.values()), device=key)
+        if len(counters) == 2:  # KiB
+            s.nvlink_rx_bytes = float(counters[ids["rx"]]) * 1024
+            s.nvlink_tx_bytes = float(counters[ids["tx"]]) * 1024
+
+    def _memory_health(self, dev: _NvmlDevice, s: GpuSample) -> None:
+        """ECC error counts (volatile: since the driver loaded), row remapping (Ampere and
+        newer) or retired pages (older GPUs)."""
+        nv, lib, h, key = self.nvml, self.nvml.lib, dev.handle, dev.identity.index
+        volatile = getattr(lib, "NVML_VOLATILE_ECC", None)
+        for label, const in ECC_TYPES.items():
+            if volatile is None or not hasattr(lib, const):
+                continue
+            n = nv.call("nvmlDeviceGetTotalEccErrors", h, getattr(lib, const), volatile,
+                        device=key, query=("ecc", label))
+            if n is not None:
+                s.ecc_errors[label] = float(n)
+        rows = nv.call("nvmlDeviceGetRemappedRows", h, device=key)
+        if rows is not None:
+            s.remapped_rows = {state: float(v) for state, v in zip(REMAP_STATES, rows,
+                                                                   strict=True)}
+            return  # a GPU that remaps rows retires no pages
+        for label, const in RETIREMENT_CAUSES.items():
+            if not hasattr(lib, const):
+                continue
+            pages = nv.call("nvmlDeviceGetRetiredPages", h, getattr(lib, const), device=key,
+                            query=("retired", label))
+            if pages is not None:
+                s.retired_pages[label] = float(len(pages))
+        if s.retired_pages:
+            pending = nv.call("nvmlDeviceGetRetiredPagesPendingStatus", h, device=key)
+            s.retired_pages_pending = None if pending is None else float(int(pending))
 
     def _gpm(self, dev: _NvmlDevice, s: GpuSample) -> None:
         """GPM metrics between this reading and the last (Hopper and newer)."""
@@ -342,6 +421,9 @@ class NvmlBackend:
         for n in ("sm_active", "sm_occupancy", "tensor_active", "dram_active"):
             if n in values:
                 setattr(s, n, _ratio(values[n]))
+        if s.nvlink_links and s.nvlink_rx_bytes is None and "nvlink_rx_mib_per_second" in values:
+            s.nvlink_rx_bytes_per_second = values["nvlink_rx_mib_per_second"] * MIB
+            s.nvlink_tx_bytes_per_second = values.get("nvlink_tx_mib_per_second", 0.0) * MIB
         dev.gpm_has_pcie = "pcie_rx_mib_per_second" in values
         if dev.gpm_has_pcie and "pcie_tx_mib_per_second" in values:
             s.pcie_rx_bytes_per_second = values["pcie_rx_mib_per_second"] * MIB
@@ -433,8 +515,13 @@ class DemoBackend:
     POWER_LIMIT = 700.0
     IDLE_POWER = 70.0
 
+    NVLINK_LINKS = 18  # H100 SXM: NVLink 4, 18 links of 26.5625 GB/s per direction
+    NVLINK_LINK_SPEED = 26.5625e9
+    ECC_EVERY_SECONDS = 600.0  # the last demo GPU corrects one ECC error this often
+
     def __init__(self, gpus: int = 8, load: float | None = None,
-                 clock: Callable[[], float] = time.monotonic, host: str | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, host: str | None = None,
+                 memory_fault: bool = False) -> None:
         if load is not None and not 0.0 <= load <= 1.0:
             raise ValueError(f"demo load must be between 0 and 1, got {load}")
         self.gpus = gpus
@@ -444,6 +531,8 @@ class DemoBackend:
         self._last: dict[str, float] = {}
         self._energy: dict[str, float] = {}
         self._pcie: dict[str, list[float]] = {}
+        self._nvlink: dict[str, list[float]] = {}
+        self.memory_fault = memory_fault  # the last GPU: an uncorrectable error, a remap pending
         self._host = host or socket.gethostname()  # demo UUIDs differ between nodes
         self._ranks: Callable[[], Iterable[Any]] | None = None
         self._rates: dict[tuple, tuple[float, float, float]] = {}  # rank -> (at, compute, busy)
@@ -540,8 +629,27 @@ class DemoBackend:
         pcie = self._pcie.setdefault(gpu.index, [0.0, 0.0])
         pcie[0] += rx_rate * dt
         pcie[1] += tx_rate * dt
+        # gradients all-reduced over NVLink while busy: a third of the links' bandwidth at full load
+        nvlink_rate = 0.33 * self.NVLINK_LINKS * self.NVLINK_LINK_SPEED * load
+        nvlink = self._nvlink.setdefault(gpu.index, [0.0, 0.0])
+        nvlink[0] += nvlink_rate * dt
+        nvlink[1] += nvlink_rate * dt
+        # the last GPU has remapped a row and corrects an ECC error now and then; with
+        # memory_fault it has an uncorrectable error and a remap waiting for a reset
+        last = i == self.gpus - 1
+        fault = last and self.memory_fault
+        ecc = {"corrected": float(int((now - self._start) / self.ECC_EVERY_SECONDS)) if last
+               else 0.0, "uncorrected": 1.0 if fault else 0.0}
+        remapped = {"correctable": 1.0 if last else 0.0, "uncorrectable": 1.0 if fault else 0.0,
+                    "pending": 1.0 if fault else 0.0, "failed": 0.0}
         return GpuSample(
             timestamp=now,
+            nvlink_rx_bytes=nvlink[0],
+            nvlink_tx_bytes=nvlink[1],
+            nvlink_links=self.NVLINK_LINKS,
+            nvlink_link_max_bytes_per_second=self.NVLINK_LINK_SPEED,
+            ecc_errors=ecc,
+            remapped_rows=remapped,
             utilization=load,
             sm_active=0.85 * load,
             sm_occupancy=0.45 * load,

@@ -335,6 +335,9 @@ def _alerts(cfg: dict) -> list[dict]:
     input_bound = f"{wait} >= {t['input_bound']}"
     on_node = f"on ({ids.node}) group_left"
     rss = f"gputrain_training_process_resident_memory_bytes{{{s}}}"
+    # uncorrectable ECC errors: new ones, and those since the driver loaded that an exporter
+    # (re)started in the last 10m finds (a counter's first sample is no increase)
+    ecc = f'gputrain_gpu_ecc_errors_total{{{s},type="uncorrected"}}'
     a = _alert
     return [
         a("GpuTrainGPUUnderutilized", f"{busy} >= {t['gpu_busy_low']} < {t['gpu_busy_target']}",
@@ -451,6 +454,16 @@ def _alerts(cfg: dict) -> list[dict]:
         a("GpuTrainXidErrors", f"increase(gputrain_gpu_xid_errors_total{{{s}}}[10m]) > 0",
           "critical", f"""{node_gpu} reported Xid {{{{ $labels.xid }}}}
           {{{{ $value | printf "%.0f" }}}} time(s) in 10m.""", cfg),
+        a("GpuTrainGPUMemoryFault",
+          f"""increase({ecc}[10m]) > 0
+          or ({ecc} > 0 unless {ecc} offset 10m)
+          or gputrain_gpu_remapped_rows{{{s},state="failed"}} > 0""", "critical",
+          f"""{node_gpu} has an uncorrectable memory error or a failed row remap.""", cfg),
+        a("GpuTrainGPUMemoryFault",
+          f"""gputrain_gpu_remapped_rows{{{s},state="pending"}} > 0
+          or gputrain_gpu_retired_pages_pending{{{s}}} > 0""", "warning",
+          f"""{node_gpu} has a memory row remap (or page retirement) waiting for a GPU
+          reset.""", cfg),
         a("GpuTrainCollectorFailing", f"gputrain_collector_success{{{s}}} == 0", "warning",
           f"""The {{{{ $labels.collector }}}} collector on {where} has failed for a while;
           its metrics are missing.""", cfg),

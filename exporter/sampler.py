@@ -56,6 +56,11 @@ class GpuState:
     pcie_tx_bytes: float | None = None
     clock_event_seconds: dict[str, float] = field(default_factory=dict)
     xid_errors: dict[int, int] = field(default_factory=dict)
+    nvlink_rx_bytes: float | None = None
+    nvlink_tx_bytes: float | None = None
+    # from the driver's volatile count at the first reading, then its increases: monotonic
+    # across a driver reload, where the volatile count starts again from 0
+    ecc_errors: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -280,7 +285,8 @@ class Sampler:
             self._absorb(slot, fut)
         with self._xid_lock:
             return tuple(replace(s.state, clock_event_seconds=dict(s.state.clock_event_seconds),
-                                 xid_errors=dict(s.state.xid_errors)) for s in self._slots)
+                                 xid_errors=dict(s.state.xid_errors),
+                                 ecc_errors=dict(s.state.ecc_errors)) for s in self._slots)
 
     def _reopen_and_sample(self, identity: GpuIdentity) -> GpuSample:
         if not self.backend.reopen(identity):
@@ -326,6 +332,22 @@ class Sampler:
             st.pcie_rx_bytes = (st.pcie_rx_bytes or 0.0) + sample.pcie_rx_bytes_per_second * dt_seen
             st.pcie_tx_bytes = (st.pcie_tx_bytes or 0.0) + (
                 sample.pcie_tx_bytes_per_second or 0.0) * dt_seen
+        if sample.nvlink_rx_bytes is not None and sample.nvlink_tx_bytes is not None:
+            st.nvlink_rx_bytes = (st.nvlink_rx_bytes or 0.0) + _delta(
+                sample.nvlink_rx_bytes, prev.nvlink_rx_bytes if prev else None)
+            st.nvlink_tx_bytes = (st.nvlink_tx_bytes or 0.0) + _delta(
+                sample.nvlink_tx_bytes, prev.nvlink_tx_bytes if prev else None)
+        elif sample.nvlink_rx_bytes_per_second is not None:
+            st.nvlink_rx_bytes = (st.nvlink_rx_bytes or 0.0) + \
+                sample.nvlink_rx_bytes_per_second * dt_seen
+            st.nvlink_tx_bytes = (st.nvlink_tx_bytes or 0.0) + (
+                sample.nvlink_tx_bytes_per_second or 0.0) * dt_seen
+        for kind, count in sample.ecc_errors.items():
+            before = prev.ecc_errors.get(kind) if prev else None
+            if kind not in st.ecc_errors:
+                st.ecc_errors[kind] = count  # the errors since the driver loaded
+            else:
+                st.ecc_errors[kind] += _delta(count, before)
         for reason, seconds in sample.clock_event_seconds.items():
             before = prev.clock_event_seconds.get(reason) if prev else None
             st.clock_event_seconds[reason] = st.clock_event_seconds.get(reason, 0.0) + _delta(

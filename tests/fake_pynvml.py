@@ -51,8 +51,21 @@ NVML_GPM_METRIC_ANY_TENSOR_UTIL = 5
 NVML_GPM_METRIC_DRAM_BW_UTIL = 10
 NVML_GPM_METRIC_PCIE_TX_PER_SEC = 20
 NVML_GPM_METRIC_PCIE_RX_PER_SEC = 21
+NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC = 60
+NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC = 61
 NVML_GPM_METRICS_GET_VERSION = 1
 NVML_GPM_METRIC_MAX = 477
+NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON = 90
+NVML_FI_DEV_NVLINK_LINK_COUNT = 91
+NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX = 138
+NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX = 139
+NVML_MEMORY_ERROR_TYPE_CORRECTED = 0
+NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
+NVML_VOLATILE_ECC = 0
+NVML_AGGREGATE_ECC = 1
+NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS = 0
+NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR = 1
+ALL_LINKS = 0xFFFFFFFF
 nvmlEventTypeXidCriticalError = 8
 nvmlMemory_v2 = 0x2000028  # the struct version pynvml passes for nvmlDeviceGetMemoryInfo_v2
 
@@ -70,6 +83,8 @@ GPM_NAMES = {
     NVML_GPM_METRIC_DRAM_BW_UTIL: "dram_bw_util",
     NVML_GPM_METRIC_PCIE_TX_PER_SEC: "pcie_tx_mib_s",
     NVML_GPM_METRIC_PCIE_RX_PER_SEC: "pcie_rx_mib_s",
+    NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC: "nvlink_rx_mib_s",
+    NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC: "nvlink_tx_mib_s",
 }
 
 
@@ -114,6 +129,17 @@ class FakeGpu:
     lost: bool = False
     delay_s: float = 0.0  # every call on this GPU blocks this long (a hung GPU)
     mig: list[FakeGpu] | None = None  # MIG devices when MIG mode is on
+    nvlink_links: int = 0  # active NVLink links (0: none, as on a PCIe card)
+    nvlink_speed_mbps: int = 26_562  # per link and direction (H100 NVLink 4)
+    nvlink_rx_kib: int | None = 0  # None: the throughput fields are not supported
+    nvlink_tx_kib: int | None = 0
+    # volatile ECC counts by nvmlMemoryErrorType_t; None: ECC not supported (or off)
+    ecc_volatile: dict[int, int] | None = field(default_factory=lambda: {0: 0, 1: 0})
+    # (correctable, uncorrectable, pending, failed); None: no row remapper (pre-Ampere)
+    remapped_rows: tuple[int, int, int, int] | None = (0, 0, 0, 0)
+    # retired page addresses by cause; None: not supported (Ampere and newer)
+    retired_pages: dict[int, list[int]] | None = None
+    retired_pending: int = 0
     gpu_instance_id: int = 0
     parent: FakeGpu | None = None
 
@@ -281,13 +307,25 @@ class FakePynvml:
         g = self._dev("nvmlDeviceGetPcieThroughput", h)
         return g.pcie_rx_kbs if counter == NVML_PCIE_UTIL_RX_BYTES else g.pcie_tx_kbs
 
-    def nvmlDeviceGetFieldValues(self, h: FakeGpu, field_ids: list[int]) -> list:
+    def nvmlDeviceGetFieldValues(self, h: FakeGpu, field_ids: list) -> list:
         g = self._dev("nvmlDeviceGetFieldValues", h)
         out = []
-        for fid in field_ids:
+        for ref in field_ids:
+            fid, scope = ref if isinstance(ref, tuple) else (ref, 0)
             self.calls[f"field:{fid}"] += 1
             value: int | None = None
-            if fid == NVML_FI_DEV_PCIE_COUNT_RX_BYTES:
+            nvlink = {NVML_FI_DEV_NVLINK_LINK_COUNT: g.nvlink_links,
+                      NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON: g.nvlink_speed_mbps,
+                      NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX: g.nvlink_rx_kib,
+                      NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX: g.nvlink_tx_kib}
+            if fid in nvlink:
+                # a GPU without NVLink answers a link count of 0 and nothing else
+                if fid == NVML_FI_DEV_NVLINK_LINK_COUNT or g.nvlink_links:
+                    value = nvlink[fid]
+                if fid in (NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
+                           NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX):
+                    assert scope == ALL_LINKS, "the throughput counters are asked for all links"
+            elif fid == NVML_FI_DEV_PCIE_COUNT_RX_BYTES:
                 value = g.pcie_rx_bytes
             elif fid == NVML_FI_DEV_PCIE_COUNT_TX_BYTES:
                 value = g.pcie_tx_bytes
@@ -298,6 +336,31 @@ class FakePynvml:
             out.append(SimpleNamespace(fieldId=fid, nvmlReturn=ret, valueType=3,
                                        value=SimpleNamespace(ullVal=value or 0)))
         return out
+
+    def nvmlDeviceGetTotalEccErrors(self, h: FakeGpu, error_type: int, counter: int) -> int:
+        g = self._dev("nvmlDeviceGetTotalEccErrors", h)
+        assert counter == NVML_VOLATILE_ECC
+        if g.ecc_volatile is None:
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        return g.ecc_volatile[error_type]
+
+    def nvmlDeviceGetRemappedRows(self, h: FakeGpu) -> tuple[int, int, int, int]:
+        g = self._dev("nvmlDeviceGetRemappedRows", h)
+        if g.remapped_rows is None:
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        return g.remapped_rows
+
+    def nvmlDeviceGetRetiredPages(self, h: FakeGpu, cause: int) -> list[int]:
+        g = self._dev("nvmlDeviceGetRetiredPages", h)
+        if g.retired_pages is None:
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        return list(g.retired_pages.get(cause, []))
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, h: FakeGpu) -> int:
+        g = self._dev("nvmlDeviceGetRetiredPagesPendingStatus", h)
+        if g.retired_pages is None:
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        return g.retired_pending
 
     def nvmlDeviceGetViolationStatus(self, h: FakeGpu, policy: int) -> Any:
         g = self._dev("nvmlDeviceGetViolationStatus", h)

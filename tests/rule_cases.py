@@ -347,6 +347,41 @@ def alert_cases() -> list[Case]:
                   flat(2, 20)},
              [Fire("GpuTrainXidErrors", {**gpu("1", "GPU-b"), "xid": "79"}, "1")],
              fire_at="7m", quiet_at="4m"),
+        Case("GpuTrainGPUMemoryFault: from 5m an uncorrectable ECC error on GPU 0 and a failed "
+             "remap on GPU 2 (critical), remaps pending on GPU 1 and a page retirement on "
+             "GPU 4 (warning); GPU 3's corrected errors and old remapped rows stay silent",
+             {sel("gputrain_gpu_ecc_errors_total", gpu="0", uuid="GPU-a", type="uncorrected"):
+                  "0x4 1x15",
+              sel("gputrain_gpu_remapped_rows", gpu="1", uuid="GPU-b", state="pending"):
+                  "0x4 1x15",
+              sel("gputrain_gpu_remapped_rows", gpu="2", uuid="GPU-c", state="failed"):
+                  "0x4 1x15",
+              sel("gputrain_gpu_ecc_errors_total", gpu="3", uuid="GPU-d", type="corrected"):
+                  ramp(3, 20),
+              sel("gputrain_gpu_ecc_errors_total", gpu="3", uuid="GPU-d", type="uncorrected"):
+                  flat(0, 20),
+              sel("gputrain_gpu_remapped_rows", gpu="3", uuid="GPU-d", state="correctable"):
+                  flat(2, 20),
+              sel("gputrain_gpu_remapped_rows", gpu="3", uuid="GPU-d", state="uncorrectable"):
+                  flat(1, 20),
+              sel("gputrain_gpu_remapped_rows", gpu="3", uuid="GPU-d", state="pending"):
+                  flat(0, 20),
+              sel("gputrain_gpu_retired_pages_pending", gpu="4", uuid="GPU-e"): "0x4 1x15"},
+             [Fire("GpuTrainGPUMemoryFault", {**gpu("0", "GPU-a"), "type": "uncorrected"},
+                   severity="critical"),
+              Fire("GpuTrainGPUMemoryFault", {**gpu("2", "GPU-c"), "state": "failed"},
+                   severity="critical"),
+              Fire("GpuTrainGPUMemoryFault", {**gpu("1", "GPU-b"), "state": "pending"},
+                   severity="warning"),
+              Fire("GpuTrainGPUMemoryFault", gpu("4", "GPU-e"), severity="warning")],
+             fire_at="7m", quiet_at="4m"),
+        Case("GpuTrainGPUMemoryFault: 2 uncorrectable errors since the driver loaded, found "
+             "by an exporter that started at 0m, are critical for 10m, then quiet",
+             {sel("gputrain_gpu_ecc_errors_total", gpu="5", uuid="GPU-f", type="uncorrected"):
+                  flat(2, 20)},
+             [Fire("GpuTrainGPUMemoryFault", {**gpu("5", "GPU-f"), "type": "uncorrected"},
+                   severity="critical")],
+             fire_at="5m", quiet_at="12m"),
         Case("GpuTrainCollectorFailing: the gpu collector fails for 10m; cpu succeeds",
              {sel("gputrain_collector_success", collector="gpu"): flat(0, 20),
               sel("gputrain_collector_success", collector="cpu"): flat(1, 20)},

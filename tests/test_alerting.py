@@ -130,3 +130,22 @@ def test_diagnose_exits_2_with_a_reason_when_it_cannot_answer(stack, tmp_path):
         assert out.returncode == 2 and "holds no gputrain training data" in out.stderr
     finally:
         empty.stop()
+
+
+def test_a_demo_memory_fault_fires_both_severities_on_the_last_gpu(daemon_factory,
+                                                                   prometheus_factory, tmp_path):
+    """`--demo.memory-fault`, as a user tries the alert on a laptop: the last GPU's new
+    uncorrectable error is critical, its pending remap a warning; the other GPU is quiet."""
+    daemon = daemon_factory("--gpu.backend=demo", "--demo.gpus=2", "--demo.memory-fault")
+    rules = rules_file(tmp_path, {"recording_interval": "1s"})
+    prom = prometheus_factory([daemon.url.removeprefix("http://")], rule_files=[str(rules)])
+
+    def firing():
+        got = prom.query('ALERTS{alertname="GpuTrainGPUMemoryFault",alertstate="firing"}')
+        severities = {a["metric"]["severity"] for a in got}
+        return severities == {"critical", "warning"} and got
+
+    alerts = wait_until(firing, timeout=90, what="GpuTrainGPUMemoryFault, both severities")
+    assert {a["metric"]["gpu"] for a in alerts} == {"1"}
+    (critical,) = [a for a in alerts if a["metric"]["severity"] == "critical"]
+    assert critical["metric"]["type"] == "uncorrected"

@@ -37,9 +37,13 @@ def page(tmp_path) -> str:
     gpus = [FakeGpu(uuid="GPU-00000000-aaaa-bbbb-cccc-000000000000", pids=[4242],
                     util_samples=[(100, 40), (200, 60)],
                     gpm={"sm_util": 62.0, "sm_occupancy": 31.0, "tensor_util": 12.5,
-                         "dram_bw_util": 40.0, "pcie_rx_mib_s": 100.0, "pcie_tx_mib_s": 10.0}),
+                         "dram_bw_util": 40.0, "pcie_rx_mib_s": 100.0, "pcie_tx_mib_s": 10.0},
+                    nvlink_links=18, nvlink_rx_kib=2**20, nvlink_tx_kib=2**19,
+                    ecc_volatile={0: 3, 1: 0}, remapped_rows=(2, 0, 0, 0)),
             FakeGpu(uuid="GPU-11111111-aaaa-bbbb-cccc-111111111111", bus_id="00000000:28:00.0",
-                    pcie_rx_bytes=10**9, pcie_tx_bytes=10**8)]
+                    pcie_rx_bytes=10**9, pcie_tx_bytes=10**8, name="Tesla V100-SXM2-16GB",
+                    remapped_rows=None, retired_pages={0: [0x1000, 0x2000], 1: []},
+                    retired_pending=1)]
     (tmp_path / "virtual").mkdir()
     host = host_collectors(psutil_module=FakePsutil(),
                            network={"virtual_net_dir": str(tmp_path / "virtual")})

@@ -476,3 +476,98 @@ def test_the_fake_matches_the_real_pynvml_signatures():
             f"pynvml {inspect.signature(real)}"
         optional = [p.name for p in want if p.default is not inspect.Parameter.empty]
         assert [p.name for p in got if p.default is not inspect.Parameter.empty] == optional
+
+
+# --- NVLink and memory health ---------------------------------------------------------------
+
+def test_nvlink_bytes_come_from_the_all_links_counters(clock):
+    g = gpu(0, nvlink_links=18, nvlink_rx_kib=1000, nvlink_tx_kib=500)
+    rig = Rig(FakePynvml([g, gpu(1)]), clock)
+    rig.cycle()
+    g.nvlink_rx_kib += 2**20  # 1 GiB in a second
+    g.nvlink_tx_kib += 2**19
+    rig.cycle()
+    assert rig.value("gputrain_gpu_nvlink_received_bytes_total") == 2**30
+    assert rig.value("gputrain_gpu_nvlink_transmitted_bytes_total") == 2**29
+    assert rig.value("gputrain_gpu_nvlink_links") == 18
+    assert rig.value("gputrain_gpu_nvlink_link_max_bytes_per_second") == 26_562e6
+    # a GPU without NVLink exports none of it, and is asked for its links once
+    for name in ("gputrain_gpu_nvlink_received_bytes_total", "gputrain_gpu_nvlink_links",
+                 "gputrain_gpu_nvlink_link_max_bytes_per_second"):
+        assert rig.value(name, gpu="1") is None
+    for _ in range(3):
+        rig.cycle()
+    assert rig.fake.calls["field:91"] == 5 + 1  # GPU 0 each of 5 cycles, GPU 1 once
+
+
+def test_nvlink_from_gpm_where_the_counters_are_not_supported(clock):
+    g = gpu(0, nvlink_links=18, nvlink_rx_kib=None, nvlink_tx_kib=None,
+            gpm={**H100_GPM, "nvlink_rx_mib_s": 1024.0, "nvlink_tx_mib_s": 512.0})
+    rig = Rig(FakePynvml([g]), clock)
+    for _ in range(4):
+        rig.cycle()
+    # GPM's rates from its second reading, integrated over the seconds watched
+    rx = rig.value("gputrain_gpu_nvlink_received_bytes_total")
+    watched = rig.value("gputrain_gpu_sampled_seconds_total")
+    assert watched == 3 and rx == pytest.approx(watched * 1024 * 2**20)
+    assert rig.value("gputrain_gpu_nvlink_transmitted_bytes_total") == pytest.approx(rx / 2)
+
+
+def test_ecc_counts_stay_monotonic_across_a_driver_reload(clock):
+    g = gpu(0, ecc_volatile={0: 3, 1: 0})
+    rig = Rig(FakePynvml([g]), clock)
+    rig.cycle()
+    assert rig.value("gputrain_gpu_ecc_errors_total", type="corrected") == 3  # since load
+    g.ecc_volatile = {0: 5, 1: 1}
+    rig.cycle()
+    g.ecc_volatile = {0: 0, 1: 0}  # the driver reloaded: its volatile counts start again
+    rig.cycle()
+    g.ecc_volatile = {0: 2, 1: 0}
+    rig.cycle()
+    assert rig.value("gputrain_gpu_ecc_errors_total", type="corrected") == 7
+    assert rig.value("gputrain_gpu_ecc_errors_total", type="uncorrected") == 1
+
+
+def test_ecc_not_supported_is_asked_once_and_exports_nothing(clock):
+    rig = Rig(FakePynvml([gpu(0, ecc_volatile=None)]), clock)
+    for _ in range(4):
+        rig.cycle()
+    assert rig.value("gputrain_gpu_ecc_errors_total", type="corrected") is None
+    assert rig.fake.calls["nvmlDeviceGetTotalEccErrors"] == 2  # each type once
+
+
+def test_row_remapping_states(clock):
+    g = gpu(0, remapped_rows=(3, 1, 1, 0))
+    rig = Rig(FakePynvml([g]), clock)
+    rig.cycle()
+    assert {s: rig.value("gputrain_gpu_remapped_rows", state=s) for s in
+            ("correctable", "uncorrectable", "pending", "failed")} == {
+        "correctable": 3, "uncorrectable": 1, "pending": 1, "failed": 0}
+    assert rig.value("gputrain_gpu_retired_pages", cause="double_bit_ecc") is None
+
+
+def test_retired_pages_on_a_gpu_before_ampere_and_a_driver_without_the_remapper(clock, caplog):
+    g = gpu(0, remapped_rows=None, retired_pages={0: [1, 2, 3], 1: [4]}, retired_pending=1)
+    fake = FakePynvml([g, gpu(1, retired_pages={0: [], 1: []})],
+                      missing=("nvmlDeviceGetRemappedRows",))
+    rig = Rig(fake, clock)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            rig.cycle()
+    assert rig.value("gputrain_gpu_retired_pages", cause="multiple_single_bit_ecc") == 3
+    assert rig.value("gputrain_gpu_retired_pages", cause="double_bit_ecc") == 1
+    assert rig.value("gputrain_gpu_retired_pages_pending") == 1
+    assert rig.value("gputrain_gpu_remapped_rows", state="pending") is None
+    missing = [r for r in caplog.records if "nvmlDeviceGetRemappedRows" in r.getMessage()]
+    assert len(missing) == 1  # the missing function is logged once, not per GPU or cycle
+
+
+def test_a_gpu_lost_while_reading_its_memory_health_goes_down_alone(clock):
+    g = gpu(0, nvlink_links=4)
+    rig = Rig(FakePynvml([g, gpu(1, nvlink_links=4)]), clock)
+    rig.cycle()
+    g.errors["nvmlDeviceGetRemappedRows"] = 15  # GPU_IS_LOST
+    rig.cycle()
+    assert rig.value("gputrain_gpu_up") == 0
+    assert rig.value("gputrain_gpu_up", gpu="1") == 1
+    assert rig.value("gputrain_gpu_nvlink_links", gpu="1") == 4

@@ -21,7 +21,7 @@ ALERTS = {
     "GpuTrainHostOverheadBound", "GpuTrainStepTimeStalls", "GpuTrainStragglerRank",
     "GpuTrainHostMemoryLeak", "GpuTrainGPUMemoryNearLimit", "GpuTrainThrottling",
     "GpuTrainStalled", "GpuTrainGPULost", "GpuTrainXidErrors", "GpuTrainCollectorFailing",
-    "GpuTrainExporterDown", "GpuTrainLowMFU",
+    "GpuTrainExporterDown", "GpuTrainLowMFU", "GpuTrainGPUMemoryFault",
 }
 
 

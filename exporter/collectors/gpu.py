@@ -37,6 +37,14 @@ SAMPLE_GAUGES = [
      "bytes per second."),
     ("temperature_celsius", "gputrain_gpu_temperature_celsius",
      "GPU die temperature, in degrees Celsius (nvmlDeviceGetTemperature)."),
+    ("nvlink_links", "gputrain_gpu_nvlink_links",
+     "Active NVLink links (NVML field NVLINK_LINK_COUNT); absent on a GPU without NVLink."),
+    ("nvlink_link_max_bytes_per_second", "gputrain_gpu_nvlink_link_max_bytes_per_second",
+     "Bandwidth of one NVLink link per direction, in bytes per second (NVML field "
+     "NVLINK_SPEED_MBPS_COMMON)."),
+    ("retired_pages_pending", "gputrain_gpu_retired_pages_pending",
+     "1 when a page retirement waits for the next driver reload or GPU reset (GPUs before "
+     "Ampere; nvmlDeviceGetRetiredPagesPendingStatus)."),
 ]
 
 # (attribute of GpuState, metric name, help). Counters integrated by the sampler.
@@ -54,6 +62,11 @@ STATE_COUNTERS = [
      "Bytes the GPU received over PCIe (host-to-device), since the exporter started."),
     ("pcie_tx_bytes", "gputrain_gpu_pcie_transmitted_bytes_total",
      "Bytes the GPU sent over PCIe (device-to-host), since the exporter started."),
+    ("nvlink_rx_bytes", "gputrain_gpu_nvlink_received_bytes_total",
+     "Data bytes the GPU received over all its NVLink links, since the exporter started "
+     "(NVML field NVLINK_THROUGHPUT_DATA_RX, or GPM NVLINK_TOTAL_RX_PER_SEC integrated)."),
+    ("nvlink_tx_bytes", "gputrain_gpu_nvlink_transmitted_bytes_total",
+     "Data bytes the GPU sent over all its NVLink links, since the exporter started."),
 ]
 
 
@@ -69,7 +82,7 @@ class GpuCollector:
 
     def _families(self) -> tuple[Metric, ...]:
         """Every family this collector can export, empty: info, up, the sample gauges, the
-        integrated counters, clocks, clock events and Xid errors."""
+        integrated counters, clocks, clock events, Xid errors, memory health and peaks."""
         return (
             GaugeMetricFamily(
                 "gputrain_gpu_info", "GPU identity; always 1.",
@@ -88,6 +101,21 @@ class GpuCollector:
             CounterMetricFamily("gputrain_gpu_xid_errors_total",
                                 "Xid errors reported by the driver, by Xid code.",
                                 labels=[*LABELS, "xid"]),
+            CounterMetricFamily(
+                "gputrain_gpu_ecc_errors_total",
+                "Memory ECC errors by type (corrected, uncorrected): the driver's volatile "
+                "count at the exporter's first reading, then its increases, so it never "
+                "goes down (nvmlDeviceGetTotalEccErrors).", labels=[*LABELS, "type"]),
+            GaugeMetricFamily(
+                "gputrain_gpu_remapped_rows",
+                "Memory rows remapped by state (Ampere and newer, nvmlDeviceGetRemappedRows): "
+                "correctable and uncorrectable count rows; pending is 1 while a remap waits "
+                "for a GPU reset, failed is 1 when a remap failed.",
+                labels=[*LABELS, "state"]),
+            GaugeMetricFamily(
+                "gputrain_gpu_retired_pages",
+                "Memory pages retired by cause (GPUs before Ampere, nvmlDeviceGetRetiredPages).",
+                labels=[*LABELS, "cause"]),
             GaugeMetricFamily(
                 "gputrain_gpu_peak_flops",
                 "Dense peak FLOP/s of the GPU at a precision (the datasheet figure without "
@@ -106,7 +134,7 @@ class GpuCollector:
                                                      strict=True)}
         counters = {attr: f for (attr, _, _), f in zip(STATE_COUNTERS, families[2 + n:2 + n + m],
                                                        strict=True)}
-        clocks, events, xids, peak = families[2 + n + m:]
+        clocks, events, xids, ecc, remapped, retired, peak = families[2 + n + m:]
         for g in snap.gpus:
             ident = g.identity
             labels = [ident.index, ident.uuid]
@@ -130,11 +158,18 @@ class GpuCollector:
                 clocks.add_metric([*labels, clock], hz)
             for reason, seconds in sorted(g.clock_event_seconds.items()):
                 events.add_metric([*labels, reason], seconds)
+            for kind, count in sorted(g.ecc_errors.items()):
+                ecc.add_metric([*labels, kind], count)
+            for state, rows in s.remapped_rows.items():
+                remapped.add_metric([*labels, state], rows)
+            for cause, pages in sorted(s.retired_pages.items()):
+                retired.add_metric([*labels, cause], pages)
             if not ident.parent:  # a MIG slice's share of the peak depends on its profile
                 for precision, flops in sorted(self._peaks.peaks(ident.name).items()):
                     peak.add_metric([*labels, precision], flops)
         yield info
         yield up
-        for family in (*gauges.values(), *counters.values(), clocks, events, xids, peak):
+        for family in (*gauges.values(), *counters.values(), clocks, events, xids, ecc,
+                       remapped, retired, peak):
             if family.samples:
                 yield family
