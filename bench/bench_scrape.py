@@ -243,6 +243,31 @@ def sampler_cpu_per_cycle(cycles: int) -> tuple[float, float]:
     return cpu * 1e3, wall * 1e3
 
 
+def nvml_cycle_ms(cycles: int, health: bool) -> float:
+    """CPU ms per sampler cycle through the real NVML backend on 8 scripted H100s (the test
+    suite's fake pynvml, so no GPU is needed): with NVLink, ECC and row remapping answered
+    (``health``), or all three NOT_SUPPORTED and so asked once, as before they existed."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from fake_pynvml import FakeGpu, FakePynvml
+
+    from exporter.gpu_backends import NvmlBackend
+    from exporter.nvml import Nvml
+
+    extra = ({"nvlink_links": 18, "remapped_rows": (0, 0, 0, 0)} if health else
+             {"nvlink_links": 0, "ecc_volatile": None, "remapped_rows": None})
+    gpus = [FakeGpu(f"GPU-{i}", util_rate=50, gpm={"sm_util": 50.0, "tensor_util": 10.0},
+                    **extra) for i in range(8)]
+    sampler = Sampler(NvmlBackend(Nvml(FakePynvml(gpus))), None, interval=1.0,
+                      collectors={"gpu"})
+    for _ in range(3):
+        sampler.run_once()
+    cpu0 = time.process_time()
+    for _ in range(cycles):
+        sampler.run_once()
+    sampler.stop()
+    return (time.process_time() - cpu0) / cycles * 1e3
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--push"]:
         url, ranks, phases, stop_file = sys.argv[2:6]
@@ -288,6 +313,10 @@ def main() -> None:
     cpu_ms, wall_ms = sampler_cpu_per_cycle(args.cycles)
     print(f"\nsampler cycle (8 demo GPUs + host, in-process): {cpu_ms:.2f} ms CPU, "
           f"{wall_ms:.2f} ms wall")
+    before, after = nvml_cycle_ms(args.cycles, False), nvml_cycle_ms(args.cycles, True)
+    print(f"sampler cycle through the NVML backend, 8 scripted H100s: {after:.2f} ms CPU with "
+          f"NVLink, ECC and remapping answered, {before:.2f} ms without them (anchor); "
+          f"ratio {after / before:.2f}")
 
 
 if __name__ == "__main__":
