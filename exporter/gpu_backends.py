@@ -59,6 +59,7 @@ GPM_METRICS = {
     "nvlink_tx_mib_per_second": "NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC",
 }
 MIB = 1024 * 1024
+NVML_VALUE_NOT_AVAILABLE = 2**64 - 1  # usedGpuMemory where the driver cannot tell (WDDM, MIG)
 # NVLink through field values: data (not raw) KiB counters summed over every link (scope
 # UINT_MAX), the active link count and the common per-link speed (MB/s)
 NVLINK_ALL_LINKS = 0xFFFFFFFF
@@ -122,6 +123,7 @@ class GpuSample:
     clocks_hertz: dict[str, float] = field(default_factory=dict)
     clock_event_seconds: dict[str, float] = field(default_factory=dict)
     pids: tuple[int, ...] = ()
+    process_memory: dict[int, float] = field(default_factory=dict)  # pid -> bytes it holds
     nvlink_rx_bytes: float | None = None  # cumulative, all links (field values)
     nvlink_tx_bytes: float | None = None
     nvlink_rx_bytes_per_second: float | None = None  # or rates (GPM)
@@ -282,6 +284,10 @@ class NvmlBackend:
         procs = nv.call_versioned(COMPUTE_PROCESS_VARIANTS, h, device=key)
         if procs:
             s.pids = tuple(int(p.pid) for p in procs)
+            for p in procs:
+                used = getattr(p, "usedGpuMemory", None)
+                if used is not None and used < NVML_VALUE_NOT_AVAILABLE:
+                    s.process_memory[int(p.pid)] = s.process_memory.get(int(p.pid), 0.0) + used
         return s
 
     def _utilization(self, dev: _NvmlDevice) -> float | None:
@@ -667,6 +673,9 @@ class DemoBackend:
             clocks_hertz={"sm": (1155 + 825 * load) * 1e6, "memory": 2619e6},
             clock_event_seconds={"sw_power_cap": 0.0, "hw_thermal_slowdown": 0.0},
             pids=pids,
+            # the ranks on it hold what the simulated GPU uses, less a context's 512 MiB
+            process_memory={pid: max(0.0, self.MEMORY_TOTAL * (0.05 + 0.7 * min(1.0, load * 1.5))
+                                     - 512 * MIB) / len(pids) for pid in pids},
         )
 
     def reopen(self, gpu: GpuIdentity) -> bool:

@@ -32,6 +32,10 @@ UNPINNED = [
 ]
 
 
+# a process no rank owns, with a pid over Linux's largest (so no real process is its parent)
+STRANGER = 2**22 + 100
+
+
 def page(tmp_path) -> str:
     clock = FakeClock()
     gpus = [FakeGpu(uuid="GPU-00000000-aaaa-bbbb-cccc-000000000000", pids=[4242],
@@ -43,7 +47,7 @@ def page(tmp_path) -> str:
             FakeGpu(uuid="GPU-11111111-aaaa-bbbb-cccc-111111111111", bus_id="00000000:28:00.0",
                     pcie_rx_bytes=10**9, pcie_tx_bytes=10**8, name="Tesla V100-SXM2-16GB",
                     remapped_rows=None, retired_pages={0: [0x1000, 0x2000], 1: []},
-                    retired_pending=1)]
+                    retired_pending=1, pids=[STRANGER])]
     (tmp_path / "virtual").mkdir()
     host = host_collectors(psutil_module=FakePsutil(),
                            network={"virtual_net_dir": str(tmp_path / "virtual")})

@@ -47,6 +47,70 @@ def resolve_gpus(st: RankState, gpus: Snapshot | GpuIndex) -> list[tuple[str, st
     return out
 
 
+def _ppid(pid: int) -> int | None:
+    """The parent of ``pid`` (psutil, from /proc), or None when it cannot be read."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).ppid()
+    except (psutil.Error, OSError):
+        return None
+
+
+GpuKey = tuple[str, str]  # (gpu index, uuid)
+
+
+class Owners:
+    """Which rank holds each process on a GPU: the one whose pushed pid is the process or an
+    ancestor of it (a launcher's child, a compile or DataLoader worker that touched CUDA). A
+    process's parent is read once (psutil) and kept while the process is on a GPU. Pids are
+    never labels: they only join NVML's process list to the pushed ranks."""
+
+    MAX_DEPTH = 16
+
+    def __init__(self, parent_of: Callable[[int], int | None] = _ppid) -> None:
+        self._parent_of = parent_of
+        self._parents: dict[int, int | None] = {}
+
+    def attribute(self, snap: Snapshot, states: list[RankState]) -> tuple[
+            dict[tuple[str, str], dict[GpuKey, float]], dict[GpuKey, tuple[int, float]]]:
+        """Bytes each (run, rank) holds per GPU, and per GPU the count and bytes of the
+        processes no rank owns."""
+        by_pid = {st.pid: (st.run, st.rank) for st in states if st.pid is not None}
+        ranks: dict[tuple[str, str], dict[GpuKey, float]] = {}
+        others: dict[GpuKey, tuple[int, float]] = {}
+        seen: set[int] = set()
+        for g in snap.gpus:
+            if not g.up or g.sample is None:
+                continue
+            key = (g.identity.index, g.identity.uuid)
+            count, held = 0, 0.0
+            for pid in dict.fromkeys((*g.sample.pids, *g.sample.process_memory)):
+                used = g.sample.process_memory.get(pid, 0.0)
+                owner = self._owner(pid, by_pid, seen)
+                if owner is None:
+                    count, held = count + 1, held + used
+                else:
+                    mine = ranks.setdefault(owner, {})
+                    mine[key] = mine.get(key, 0.0) + used
+            others[key] = (count, held)
+        self._parents = {pid: ppid for pid, ppid in self._parents.items() if pid in seen}
+        return ranks, others
+
+    def _owner(self, pid: int, by_pid: dict, seen: set[int]) -> tuple[str, str] | None:
+        for _ in range(self.MAX_DEPTH):
+            seen.add(pid)
+            if pid in by_pid:
+                return by_pid[pid]
+            if pid not in self._parents:
+                self._parents[pid] = self._parent_of(pid)
+            parent = self._parents[pid]
+            if parent is None or parent <= 1:
+                return None
+            pid = parent
+        return None
+
+
 def _escape(value: str) -> str:
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
 
@@ -54,9 +118,11 @@ def _escape(value: str) -> str:
 class TrainingCollector:
     """Renders every live (run, rank) the ingest holds, plus the ingest's own counters."""
 
-    def __init__(self, store: IngestStore, snapshot: Callable[[], Snapshot]) -> None:
+    def __init__(self, store: IngestStore, snapshot: Callable[[], Snapshot],
+                 owners: Owners | None = None) -> None:
         self._store = store
         self._snapshot = snapshot
+        self._owners = owners or Owners()
         self._status = CollectorStatus(True, 0.0, time.time())
         self._lines: dict[tuple[str, str], tuple[RankState, tuple[str, ...]]] = {}
 
@@ -114,22 +180,37 @@ class TrainingCollector:
         gpu_info = GaugeMetricFamily(
             "gputrain_training_gpu_info", "The GPUs a rank uses and the precision it trains "
             "in; always 1. Join on gpu/uuid.", labels=[*LABELS, "gpu", "uuid", "precision"])
+        gpu_memory = GaugeMetricFamily(
+            "gputrain_training_gpu_memory_bytes",
+            "GPU memory the rank's processes hold on each GPU, in bytes (NVML's compute "
+            "processes whose pid is the rank's pushed pid or a descendant of it).",
+            labels=[*LABELS, "gpu", "uuid"])
+        unattributed = GaugeMetricFamily(
+            "gputrain_gpu_unattributed_memory_bytes",
+            "GPU memory held by processes that no pushing rank owns, in bytes: someone else "
+            "on the GPU (or a job without the client).", labels=["gpu", "uuid"])
+        strangers = GaugeMetricFamily(
+            "gputrain_gpu_unattributed_processes",
+            "Compute processes on the GPU that no pushing rank owns.", labels=["gpu", "uuid"])
         requests = CounterMetricFamily("gputrain_ingest_requests_total",
                                        "Push requests received, by HTTP status code.",
                                        labels=["code"])
         series = GaugeMetricFamily("gputrain_ingest_series",
                                    "Live (run, rank) pairs the daemon holds.", labels=[])
         return (steps, wait, samples, flops, elapsed, hist, phases, last_step, last_push, cpu,
-                rss, read, gpu_info, requests, series)
+                rss, read, gpu_info, gpu_memory, unattributed, strangers, requests, series)
 
     def collect(self) -> Iterator[Metric]:
         """The families through prometheus_client (for a registry; the daemon's page uses
         :meth:`render`, which writes the same lines directly)."""
         started = time.perf_counter()
         states = sorted(self._store.states(), key=lambda s: (s.run, s.rank))
-        gpus = GpuIndex(self._snapshot())
+        snap = self._snapshot()
+        gpus = GpuIndex(snap)
+        held, others = self._owners.attribute(snap, states)
         (steps, wait, samples, flops, elapsed, hist, phases, last_step, last_push, cpu, rss,
-         read, gpu_info, requests, series) = self._families()
+         read, gpu_info, gpu_memory, unattributed, strangers, requests,
+         series) = self._families()
         for st in states:
             lv = [st.run, st.rank]
             steps.add_metric(lv, st.steps)
@@ -155,8 +236,13 @@ class TrainingCollector:
                 read.add_metric(lv, st.process["read_bytes"])
             for index, uuid in resolve_gpus(st, gpus):
                 gpu_info.add_metric([*lv, index, uuid, st.precision], 1)
+            for (index, uuid), used in sorted(held.get((st.run, st.rank), {}).items()):
+                gpu_memory.add_metric([*lv, index, uuid], used)
+        for (index, uuid), (count, used) in others.items():
+            unattributed.add_metric([index, uuid], used)
+            strangers.add_metric([index, uuid], count)
         for family in (steps, wait, samples, flops, elapsed, hist, phases, last_step,
-                       last_push, cpu, rss, read, gpu_info):
+                       last_push, cpu, rss, read, gpu_info, gpu_memory, unattributed, strangers):
             if family.samples:
                 yield family
         for code, n in sorted(self._store.requests().items()):
@@ -172,9 +258,12 @@ class TrainingCollector:
         formatting through prometheus_client, which matters at hundreds of ranks)."""
         started = time.perf_counter()
         states = sorted(self._store.states(), key=lambda s: (s.run, s.rank))
-        gpus = GpuIndex(self._snapshot())
+        snap = self._snapshot()
+        gpus = GpuIndex(snap)
+        held, others = self._owners.attribute(snap, states)
         headers = self._headers[openmetrics]
-        per_family: list[list[str]] = [[] for _ in range(_RANK_FAMILIES + 1)]
+        # the per-rank families, then gpu_info and the ranks' GPU memory
+        per_family: list[list[str]] = [[] for _ in range(_RANK_FAMILIES + 2)]
         cache: dict[tuple[str, str], tuple[RankState, tuple[str, ...]]] = {}
         for st in states:
             key = (st.run, st.rank)
@@ -189,12 +278,23 @@ class TrainingCollector:
                     f'uuid="{_escape(uuid)}"}} 1.0\n' for index, uuid in resolve_gpus(st, gpus)]
             if info:
                 per_family[_RANK_FAMILIES].append("".join(info))
+            memory = [f'gputrain_training_gpu_memory_bytes{{gpu="{_escape(index)}",'
+                      f'{_labels(st)},uuid="{_escape(uuid)}"}} {floatToGoString(used)}\n'
+                      for (index, uuid), used in sorted(held.get(key, {}).items())]
+            if memory:
+                per_family[_RANK_FAMILIES + 1].append("".join(memory))
         self._lines = cache  # forgets ranks that are gone
         out: list[str] = []
         for header, chunks in zip(headers, per_family, strict=False):
             if chunks:
                 out.append(header)
                 out.extend(chunks)
+        for i, (name, field) in enumerate((("gputrain_gpu_unattributed_memory_bytes", 1),
+                                            ("gputrain_gpu_unattributed_processes", 0))):
+            if others:
+                out.append(headers[_RANK_FAMILIES + 2 + i])
+                out.extend(f'{name}{{gpu="{_escape(index)}",uuid="{_escape(uuid)}"}} '
+                           f"{floatToGoString(v[field])}\n" for (index, uuid), v in others.items())
         out.append(headers[-2])
         for code, n in sorted(self._store.requests().items()):
             out.append(f'gputrain_ingest_requests_total{{code="{code}"}} {floatToGoString(n)}\n')
