@@ -206,6 +206,12 @@ OPTIONS: list[Option] = [
     Option("host.netdev-speed", parse_link_speeds, None,
            "link speed of interfaces whose driver does not report it (cloud NICs such as "
            "AWS ENA): '25Gbit' for all, or 'eth0=25Gbit,eth1=10Gbit'", "SPEEDS"),
+    Option("kubernetes.pod-resources-socket", _text,
+           "/var/lib/kubelet/pod-resources/kubelet.sock",
+           "the kubelet's pod-resources socket, read by --collector.kubernetes", "PATH"),
+    Option("slurm.job-mapping-dir", _text, "/run/gputrain/slurm-gpus",
+           "a file per GPU (named by index or UUID) listing the Slurm jobs using it, read by "
+           "--collector.slurm; deploy/slurm/gputrain-prolog.sh writes it", "DIR"),
     Option("status.window", _status_window, 300.0,
            "the window the status page, /api/v1/status and `top` judge each run over (the "
            "daemon keeps this much history; 30s-1h)", "DURATION"),

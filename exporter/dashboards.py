@@ -271,6 +271,14 @@ def overview(t: dict[str, float], js: str, ids: Identity, extra: list[dict],
             "not use the client.", links={"instance": node_link}, hide=("Time", "job"),
             busy_steps=busy_pair(t)),
             12, 8),
+        lay.place(table("Idle GPUs and who holds them", [target(
+            _owners(f"gpu:gputrain_gpu_busy_ratio:rate5m{{{js}}} < {t['gpu_busy_low']}",
+                    js, ids.gpu), "busy", "A")], {"busy": "percentunit"},
+            f"Every GPU busy under {low}, with what holds it: a run and rank (the client), a "
+            "Kubernetes pod (--collector.kubernetes) or a Slurm job (--collector.slurm, "
+            "exported_job); a row with none of them is held by nobody we know of.",
+            links={"run": run_link, "instance": node_link}, hide=("Time", "job"),
+            busy_steps=busy_pair(t)), 24, 8),
         lay.place(timeseries("GPU busy by run", [target(
             f"run_rank:gputrain_gpu_busy_ratio:avg5m{{{js}}}", "{{run}} rank {{rank}}")],
             "percentunit", f"{target_} is the goal (seed 002); under {low} the GPU is badly "
@@ -285,6 +293,18 @@ def overview(t: dict[str, float], js: str, ids: Identity, extra: list[dict],
     ]
     return dashboard("gputrain-overview", "GpuTrain / Overview",
                      "Every run on every node: which runs waste GPUs.", extra, panels, "")
+
+
+def _owners(idle: str, js: str, gpu: str) -> str:
+    """``idle`` (a per-GPU query) with who holds each GPU as labels: a row per run and rank,
+    pod or Slurm job, and the GPUs none of them claims."""
+    held = [("run, rank", "gputrain_training_gpu_info"),
+            ("namespace, pod, container", "gputrain_gpu_pod_info"),
+            ("exported_job", "gputrain_gpu_job_info")]
+    rows = [f"({idle}) * on ({gpu}) group_left ({labels}) max by ({gpu}, {labels}) "
+            f"({metric}{{{js}}})" for labels, metric in held]
+    anyone = " or ".join(f"{metric}{{{js}}}" for _, metric in held)
+    return " or ".join(rows) + f" or (({idle}) unless on ({gpu}) ({anyone}))"
 
 
 # --- run ---------------------------------------------------------------------------------------

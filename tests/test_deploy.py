@@ -345,3 +345,21 @@ def test_the_example_configs_start_real_prometheus_and_alertmanager(tmp_path):
     finally:
         for server in servers:
             server.stop()
+
+
+def test_the_pod_owners_overlay_reads_the_kubelet_socket_read_only():
+    kubectl = require_binary("kubectl")
+    out = subprocess.run([kubectl, "kustomize", str(DEPLOY / "kubernetes-pod-owners")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    (ds,) = [d for d in yaml.safe_load_all(out.stdout) if d["kind"] == "DaemonSet"]
+    pod = ds["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert "--collector.kubernetes" in c["args"]
+    socket = next(a for a in c["args"] if a.startswith("--kubernetes.pod-resources-socket="))
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "pod-resources")
+    assert mount["readOnly"] is True
+    assert socket.split("=", 1)[1].startswith(mount["mountPath"] + "/")
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False  # root, not privileged
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert "--ingest.token-file=/etc/gputrain/token/token" in c["args"]  # the base's, kept

@@ -138,7 +138,9 @@ def test_the_collector_table_gives_every_collector_a_flag_and_its_own_health_ser
     add_flags(parser)
     ns = parser.parse_args(["--no-collector.disk"])
     settings: Settings = resolve(ns)
-    assert settings.collectors == set(COLLECTORS) - {"disk"}
+    off_by_default = {name for name, entry in COLLECTORS.items() if not entry.default}
+    assert off_by_default == {"kubernetes", "slurm"}
+    assert settings.collectors == set(COLLECTORS) - {"disk"} - off_by_default
     collectors = host_collectors(settings.collectors, settings.values,
                                  psutil_module=FakePsutil())
     assert [c.name for c in collectors] == ["cpu", "memory", "network"]

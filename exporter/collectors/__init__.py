@@ -20,6 +20,7 @@ from exporter.collectors.disk import DiskCollector
 from exporter.collectors.gpu import GpuCollector
 from exporter.collectors.memory import MemoryCollector
 from exporter.collectors.network import NetworkCollector
+from exporter.collectors.owners import KubernetesCollector, SlurmCollector
 from exporter.collectors.selfmetrics import SelfCollector
 
 
@@ -44,6 +45,12 @@ COLLECTORS: dict[str, CollectorEntry] = {
                                                  ("host.netdev-speed", "speed"))),
     "training": CollectorEntry(True, "what training clients push: steps, step time, data wait, "
                                      "samples, phases, process tree, their GPUs"),
+    "kubernetes": CollectorEntry(False, "the pod and container each GPU is allocated to, from "
+                                        "the kubelet's pod-resources socket",
+                                 KubernetesCollector,
+                                 (("kubernetes.pod-resources-socket", "socket_path"),)),
+    "slurm": CollectorEntry(False, "the Slurm job using each GPU, from a job-mapping directory",
+                            SlurmCollector, (("slurm.job-mapping-dir", "directory"),)),
 }
 
 

@@ -36,6 +36,10 @@ class HostCollector:
     def render(self, reading: Any) -> Iterator[Metric]:
         raise NotImplementedError
 
+    def render_snapshot(self, reading: Any, snapshot: Snapshot) -> Iterator[Metric]:
+        """:meth:`render`, for collectors that also need the snapshot (its GPUs)."""
+        return self.render(reading)
+
 
 class Rendered:
     """A host collector as prometheus_client's registry sees it: its part of the latest
@@ -49,6 +53,7 @@ class Rendered:
         return list(self.collector.families())
 
     def collect(self) -> Iterator[Metric]:
-        reading = self._snapshot().host.get(self.collector.name)
+        snap = self._snapshot()
+        reading = snap.host.get(self.collector.name)
         if reading is not None:
-            yield from self.collector.render(reading)
+            yield from self.collector.render_snapshot(reading, snap)
