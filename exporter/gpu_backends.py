@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import socket
 import threading
 import time
@@ -79,6 +80,9 @@ COMPUTE_PROCESS_VARIANTS = (("nvmlDeviceGetComputeRunningProcesses_v3", {}),
                             ("nvmlDeviceGetComputeRunningProcesses", {}))
 
 
+_MIG_PROFILE = re.compile(r"\bMIG (\d+g\.\d+gb(?:\+\w+)*)", re.IGNORECASE)
+
+
 class BackendUnavailable(RuntimeError):
     """The backend cannot read any GPU on this machine; the reason is the message."""
 
@@ -92,6 +96,7 @@ class GpuIdentity:
     name: str = ""
     pci_bus_id: str = ""
     parent: str = ""  # for a MIG device: the index of its physical GPU
+    profile: str = ""  # for a MIG device: its profile, such as 1g.10gb
 
 
 @dataclass
@@ -229,7 +234,12 @@ class NvmlBackend:
         name = _text(nv.call("nvmlDeviceGetName", handle, device=index) or "")
         pci = nv.call("nvmlDeviceGetPciInfo", handle, device=index)
         bus_id = _text(getattr(pci, "busId", "") or "") if pci is not None else ""
-        return GpuIdentity(index=index, uuid=uuid, name=name, pci_bus_id=bus_id, parent=parent)
+        profile = ""
+        if parent:  # NVML names a MIG device after its GPU and profile: "... MIG 1g.10gb"
+            m = _MIG_PROFILE.search(name)
+            profile = m.group(1) if m else ""
+        return GpuIdentity(index=index, uuid=uuid, name=name, pci_bus_id=bus_id, parent=parent,
+                           profile=profile)
 
     def _mig_devices(self, index: str, handle: Any) -> list[GpuIdentity]:
         nv = self.nvml

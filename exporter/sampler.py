@@ -218,7 +218,11 @@ class Sampler:
             result = fn()
             ok = result is not None
         except Exception as exc:
-            log.warning("collector %s failed: %s", name, exc, exc_info=log.isEnabledFor(10))
+            # a warning when it starts failing, not every cycle while it goes on failing
+            failing = name in self._status and not self._status[name].success
+            log.log(logging.DEBUG if failing else logging.WARNING, "collector %s failed: %s%s",
+                    name, exc, " (logged again only after it recovers)" if not failing else "",
+                    exc_info=log.isEnabledFor(10))
             result, ok = None, False
         duration = self._clock() - started
         previous = self._status.get(name)

@@ -82,7 +82,7 @@ def test_readings_in_base_units(clock):
     assert rig.registry.get_sample_value("gputrain_gpu_info", {
         "gpu": "0", "uuid": g.uuid, "name": "NVIDIA H100 80GB HBM3",
         "pci_bus_id": "00000000:18:00.0", "driver_version": "570.86.15", "backend": "nvml",
-        "parent": ""}) == 1
+        "parent": "", "profile": ""}) == 1
     assert rig.sampler.snapshot.gpus[0].sample.pids == (4242,)
     assert rig.registry.get_sample_value("gputrain_collector_success", {"collector": "gpu"}) == 1
 
@@ -345,6 +345,7 @@ def test_a_hung_gpu_does_not_hold_up_the_others(clock):
 
 def test_mig_parent_keeps_working_and_mig_devices_report_what_they_support(clock):
     migs = [FakeGpu(uuid="MIG-11111111-2222-3333-4444-555555555555", gpu_instance_id=1,
+                    name="NVIDIA H100 80GB HBM3 MIG 3g.40gb",
                     gpm={"sm_util": 80.0},
                     errors={"nvmlDeviceGetPowerUsage": NVML_ERROR_NOT_SUPPORTED,
                             "nvmlDeviceGetSamples": NVML_ERROR_NOT_SUPPORTED,
@@ -367,9 +368,11 @@ def test_mig_parent_keeps_working_and_mig_devices_report_what_they_support(clock
     assert rig.value("gputrain_gpu_power_watts", gpu="0/0") is None
     assert rig.value("gputrain_gpu_up", gpu="0/1") == 1
     assert rig.registry.get_sample_value("gputrain_gpu_info", {
-        "gpu": "0/0", "uuid": migs[0].uuid, "name": "NVIDIA H100 80GB HBM3",
+        "gpu": "0/0", "uuid": migs[0].uuid, "name": "NVIDIA H100 80GB HBM3 MIG 3g.40gb",
         "pci_bus_id": "00000000:18:00.0", "driver_version": "570.86.15", "backend": "nvml",
-        "parent": "0"}) == 1
+        "parent": "0", "profile": "3g.40gb"}) == 1
+    # a MIG device's processes and memory, as the physical GPU's
+    assert rig.value("gputrain_gpu_memory_total_bytes", gpu="0/1") == 10 * 1024**3
     assert rig.value("gputrain_gpu_up", gpu="1") == 1
     # a slice's share of the peak depends on its profile: no figure rather than a wrong one
     assert rig.value("gputrain_gpu_peak_flops", gpu="0", precision="bf16") == pytest.approx(

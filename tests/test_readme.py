@@ -18,7 +18,7 @@ README = (ROOT / "README.md").read_text()
 def exported() -> dict[str, tuple[str, list[str]]]:
     """Every family any collector can export: name -> (type, labels)."""
     collectors = [GpuCollector(lambda: None), SelfCollector(lambda: None),
-                  TrainingCollector(IngestStore(), lambda: None), *host_collectors()]
+                  TrainingCollector(IngestStore(), lambda: None), *host_collectors(COLLECTORS)]
     out = {}
     for c in collectors:
         families = c.describe() if hasattr(c, "describe") else c.families()

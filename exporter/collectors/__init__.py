@@ -56,9 +56,10 @@ COLLECTORS: dict[str, CollectorEntry] = {
 
 def host_collectors(enabled: Iterable[str] | None = None, settings: dict[str, Any] | None = None,
                     psutil_module: Any = None, **overrides: dict[str, Any]) -> list[HostCollector]:
-    """The enabled host collectors, in table order, built from ``settings`` (flag values by
-    key); ``overrides`` maps a collector name to extra constructor arguments (tests)."""
-    wanted = set(COLLECTORS if enabled is None else enabled)
+    """The enabled host collectors (by default those on by default), in table order, built
+    from ``settings`` (flag values by key); ``overrides`` maps a collector name to extra
+    constructor arguments (tests)."""
+    wanted = {n for n, e in COLLECTORS.items() if e.default} if enabled is None else set(enabled)
     out = []
     for name, entry in COLLECTORS.items():
         if entry.host is None or name not in wanted:

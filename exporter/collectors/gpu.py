@@ -86,7 +86,8 @@ class GpuCollector:
         return (
             GaugeMetricFamily(
                 "gputrain_gpu_info", "GPU identity; always 1.",
-                labels=[*LABELS, "name", "pci_bus_id", "driver_version", "backend", "parent"]),
+                labels=[*LABELS, "name", "pci_bus_id", "driver_version", "backend", "parent",
+                        "profile"]),
             GaugeMetricFamily(
                 "gputrain_gpu_up", "1 when the GPU answered the last sampling cycle, 0 when it "
                 "is lost or unreadable.", labels=LABELS),
@@ -139,7 +140,7 @@ class GpuCollector:
             ident = g.identity
             labels = [ident.index, ident.uuid]
             info.add_metric([*labels, ident.name, ident.pci_bus_id, snap.driver_version,
-                             snap.backend, ident.parent], 1)
+                             snap.backend, ident.parent, ident.profile], 1)
             up.add_metric(labels, 1 if g.up else 0)
             for xid, count in sorted(g.xid_errors.items()):
                 xids.add_metric([*labels, str(xid)], count)
