@@ -88,6 +88,26 @@ class _GpuSlot:
         self.next_retry = 0.0
 
 
+def _integrate_link(st: GpuState, sample: GpuSample, prev: GpuSample | None, link: str,
+                    dt: float) -> None:
+    """Add a link's received and transmitted bytes since ``prev`` to the GPU's counters
+    (``<link>_rx_bytes``, ``<link>_tx_bytes``): the increase of the source's cumulative
+    counters where it has them, else its rates (bytes/s) times the ``dt`` seconds seen."""
+    rx, tx = getattr(sample, f"{link}_rx_bytes"), getattr(sample, f"{link}_tx_bytes")
+    if rx is not None and tx is not None:
+        before = (getattr(prev, f"{link}_rx_bytes"), getattr(prev, f"{link}_tx_bytes")) \
+            if prev else (None, None)
+        add = (_delta(rx, before[0]), _delta(tx, before[1]))
+    elif getattr(sample, f"{link}_rx_bytes_per_second") is not None:
+        add = (getattr(sample, f"{link}_rx_bytes_per_second") * dt,
+               (getattr(sample, f"{link}_tx_bytes_per_second") or 0.0) * dt)
+    else:
+        return
+    for direction, inc in zip(("rx", "tx"), add, strict=True):
+        name = f"{link}_{direction}_bytes"
+        setattr(st, name, (getattr(st, name) or 0.0) + inc)
+
+
 def _delta(current: float | None, previous: float | None) -> float:
     """The increase of a source counter; 0 across a reset or a missing value."""
     if current is None or previous is None or current < previous:
@@ -327,25 +347,8 @@ class Sampler:
             st.energy_joules = (st.energy_joules or 0.0) + inc
         elif sample.power_watts is not None:
             st.energy_joules = (st.energy_joules or 0.0) + sample.power_watts * dt_seen
-        if sample.pcie_rx_bytes is not None and sample.pcie_tx_bytes is not None:
-            st.pcie_rx_bytes = (st.pcie_rx_bytes or 0.0) + _delta(
-                sample.pcie_rx_bytes, prev.pcie_rx_bytes if prev else None)
-            st.pcie_tx_bytes = (st.pcie_tx_bytes or 0.0) + _delta(
-                sample.pcie_tx_bytes, prev.pcie_tx_bytes if prev else None)
-        elif sample.pcie_rx_bytes_per_second is not None:
-            st.pcie_rx_bytes = (st.pcie_rx_bytes or 0.0) + sample.pcie_rx_bytes_per_second * dt_seen
-            st.pcie_tx_bytes = (st.pcie_tx_bytes or 0.0) + (
-                sample.pcie_tx_bytes_per_second or 0.0) * dt_seen
-        if sample.nvlink_rx_bytes is not None and sample.nvlink_tx_bytes is not None:
-            st.nvlink_rx_bytes = (st.nvlink_rx_bytes or 0.0) + _delta(
-                sample.nvlink_rx_bytes, prev.nvlink_rx_bytes if prev else None)
-            st.nvlink_tx_bytes = (st.nvlink_tx_bytes or 0.0) + _delta(
-                sample.nvlink_tx_bytes, prev.nvlink_tx_bytes if prev else None)
-        elif sample.nvlink_rx_bytes_per_second is not None:
-            st.nvlink_rx_bytes = (st.nvlink_rx_bytes or 0.0) + \
-                sample.nvlink_rx_bytes_per_second * dt_seen
-            st.nvlink_tx_bytes = (st.nvlink_tx_bytes or 0.0) + (
-                sample.nvlink_tx_bytes_per_second or 0.0) * dt_seen
+        for link in ("pcie", "nvlink"):  # bytes each way: the source's counters, else rates
+            _integrate_link(st, sample, prev, link, dt_seen)
         for kind, count in sample.ecc_errors.items():
             before = prev.ecc_errors.get(kind) if prev else None
             if kind not in st.ecc_errors:

@@ -212,35 +212,26 @@ def _varint(data: bytes, i: int) -> tuple[int, int]:
         shift += 7
 
 
+def _group(data: bytes) -> dict[int, list[bytes]]:
+    """A message's length-delimited fields (strings, bytes, sub-messages) by field number."""
+    out: dict[int, list[bytes]] = {}
+    for number, value in _fields(data):
+        if isinstance(value, bytes):
+            out.setdefault(number, []).append(value)
+    return out
+
+
+def _text(fields: dict[int, list[bytes]], number: int) -> str:
+    return fields[number][-1].decode() if fields.get(number) else ""
+
+
 def parse_list_response(data: bytes) -> list[tuple[str, str, str, str, tuple[str, ...]]]:
     """(namespace, pod, container, resource name, device ids) for every device group of a
     ``ListPodResourcesResponse``."""
     out = []
-    for number, pod in _fields(data):
-        if number != 1 or not isinstance(pod, bytes):
-            continue
-        name = namespace = ""
-        containers = []
-        for f, v in _fields(pod):
-            if f == 1 and isinstance(v, bytes):
-                name = v.decode()
-            elif f == 2 and isinstance(v, bytes):
-                namespace = v.decode()
-            elif f == 3 and isinstance(v, bytes):
-                containers.append(v)
-        for c in containers:
-            cname, groups = "", []
-            for f, v in _fields(c):
-                if f == 1 and isinstance(v, bytes):
-                    cname = v.decode()
-                elif f == 2 and isinstance(v, bytes):
-                    groups.append(v)
-            for g in groups:
-                resource, ids = "", []
-                for f, v in _fields(g):
-                    if f == 1 and isinstance(v, bytes):
-                        resource = v.decode()
-                    elif f == 2 and isinstance(v, bytes):
-                        ids.append(v.decode())
-                out.append((namespace, name, cname, resource, tuple(ids)))
+    for pod in map(_group, _group(data).get(1, [])):
+        for container in map(_group, pod.get(3, [])):
+            for devices in map(_group, container.get(2, [])):
+                out.append((_text(pod, 2), _text(pod, 1), _text(container, 1),
+                            _text(devices, 1), tuple(d.decode() for d in devices.get(2, []))))
     return out
