@@ -513,11 +513,15 @@ def node(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict
                    "remap pending", "E"),
             target(f'max by (gpu, uuid) (gputrain_gpu_remapped_rows{{{n},state="failed"}})',
                    "remap failed", "F"),
+            # the model, and for a MIG instance its GPU and profile
+            target(f"max by (gpu, uuid, name, parent, profile) (gputrain_gpu_info{{{n}}})",
+                   "info", "G"),
         ], {"up": "none", "Xid errors 1h": "none", "uncorrected ECC 1h": "none",
             "corrected ECC 1h": "none", "remap pending": "none", "remap failed": "none"},
             "up 0: the GPU fell off the bus. An uncorrected ECC error or a failed remap: drain "
-            "the node; a pending remap (or page retirement): reset the GPU when the job ends.",
-            hide=("Time", "job", "instance")), 12, 7),
+            "the node; a pending remap (or page retirement): reset the GPU when the job ends. "
+            "A MIG instance is a row of its own (gpu 0/1), with its GPU (parent) and profile.",
+            hide=("Time", "job", "instance", "info")), 12, 7),
         lay.place(table("Runs on this node", [
             target(f"run_rank:gputrain_training_samples_per_second:rate5m{{{n}}}",
                    "samples/s", "A"),
