@@ -317,6 +317,7 @@ class NvmlBackend:
         return None if rates is None else _ratio(rates.gpu)
 
     def _fields(self, dev: _NvmlDevice, s: GpuSample) -> None:
+        """Clock events, PCIe and NVLink from one nvmlDeviceGetFieldValues call."""
         nv, lib, key = self.nvml, self.nvml.lib, dev.identity.index
         ids: dict[int, str] = {}
         for label, const in CLOCK_EVENT_FIELDS.items():
@@ -324,14 +325,17 @@ class NvmlBackend:
                 ids[getattr(lib, const)] = label
         rx_id = getattr(lib, "NVML_FI_DEV_PCIE_COUNT_RX_BYTES", None)
         tx_id = getattr(lib, "NVML_FI_DEV_PCIE_COUNT_TX_BYTES", None)
-        wanted = list(ids) + [f for f in (rx_id, tx_id) if f is not None]
+        nvlink = self._nvlink_fields(dev)
+        wanted = list(ids) + [f for f in (rx_id, tx_id) if f is not None] + \
+            [f for f in nvlink.values() if f is not None]
         values = nv.field_values(dev.handle, wanted, device=key)
         for fid, label in ids.items():
             if fid in values:
                 s.clock_event_seconds[label] = float(values[fid]) / 1e9
         if rx_id in values and tx_id in values:
             s.pcie_rx_bytes, s.pcie_tx_bytes = float(values[rx_id]), float(values[tx_id])
-        self._nvlink(dev, s)
+        if nvlink:
+            self._nvlink(dev, s, nvlink, values)
         if not s.clock_event_seconds:
             for label, const in VIOLATION_POLICIES.items():
                 if not hasattr(lib, const):
@@ -341,29 +345,32 @@ class NvmlBackend:
                 if v is not None:
                     s.clock_event_seconds[label] = float(v.violationTime) / 1e9
 
-    def _nvlink(self, dev: _NvmlDevice, s: GpuSample) -> None:
+    def _nvlink_fields(self, dev: _NvmlDevice) -> dict[str, Any]:
+        """The NVLink field ids to ask (the byte counters with scope all links), or none on a
+        GPU known to have no active link."""
+        lib = self.nvml.lib
+        count_id = getattr(lib, "NVML_FI_DEV_NVLINK_LINK_COUNT", None)
+        if count_id is None or self.nvml.is_unsupported(dev.identity.index, "nvlink"):
+            return {}
+        return {"count": count_id,
+                "speed": getattr(lib, "NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON", None),
+                **{d: (getattr(lib, c), NVLINK_ALL_LINKS) for d, c in NVLINK_FIELDS.items()
+                   if hasattr(lib, c)}}
+
+    def _nvlink(self, dev: _NvmlDevice, s: GpuSample, ids: dict[str, Any],
+                values: dict) -> None:
         """Active links and their speed; the byte counters where the driver has them (else
         GPM's rates fill them in). A GPU with no active link reports nothing."""
-        nv, lib, key = self.nvml, self.nvml.lib, dev.identity.index
-        count_id = getattr(lib, "NVML_FI_DEV_NVLINK_LINK_COUNT", None)
-        speed_id = getattr(lib, "NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON", None)
-        if count_id is None or nv.is_unsupported(key, "nvlink"):
-            return
-        got = nv.field_values(dev.handle, [f for f in (count_id, speed_id) if f is not None],
-                              device=key)
-        links = int(got.get(count_id, 0) or 0)
+        links = int(values.get(ids["count"], 0) or 0)
         if links <= 0:
-            nv.mark_unsupported(key, "nvlink")  # no NVLink on this GPU: not asked again
+            self.nvml.mark_unsupported(dev.identity.index, "nvlink")  # not asked again
             return
         s.nvlink_links = links
-        if got.get(speed_id):
-            s.nvlink_link_max_bytes_per_second = float(got[speed_id]) * 1e6
-        ids = {d: (getattr(lib, c), NVLINK_ALL_LINKS) for d, c in NVLINK_FIELDS.items()
-               if hasattr(lib, c)}
-        counters = nv.field_values(dev.handle, list(ids.values()), device=key)
-        if len(counters) == 2:  # KiB
-            s.nvlink_rx_bytes = float(counters[ids["rx"]]) * 1024
-            s.nvlink_tx_bytes = float(counters[ids["tx"]]) * 1024
+        if values.get(ids["speed"]):
+            s.nvlink_link_max_bytes_per_second = float(values[ids["speed"]]) * 1e6
+        if ids.get("rx") in values and ids.get("tx") in values:  # KiB
+            s.nvlink_rx_bytes = float(values[ids["rx"]]) * 1024
+            s.nvlink_tx_bytes = float(values[ids["tx"]]) * 1024
 
     def _memory_health(self, dev: _NvmlDevice, s: GpuSample) -> None:
         """ECC error counts (volatile: since the driver loaded), row remapping (Ampere and
