@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import tracemalloc
+from dataclasses import replace
 from pathlib import Path
 
 import requests
@@ -100,9 +101,7 @@ def in_process(ranks: int, cycles: int) -> dict[str, float]:
         for r in range(ranks):
             if (r + cycle) % 5 == 0:  # each rank pushes every 5 s
                 store.push(json.dumps(payload(r, 10 * (cycle + 1), 4)).encode())
-        snap = sampler.run_once()
-        snap = type(snap)(snap.cycle, now[0], snap.backend, snap.driver_version, snap.gpus,
-                          snap.host, snap.collectors)
+        snap = replace(sampler.run_once(), timestamp=now[0])
         t0 = time.perf_counter()
         history.observe(snap, store.states())
         observe.append(time.perf_counter() - t0)

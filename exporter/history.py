@@ -324,7 +324,6 @@ class History:
         with self._lock:
             snap = self._snapshot
             ranks = list(self._ranks.values())
-            tracks = {key: (tr.state, tr.current) for key, tr in self._gpus.items()}
         if snap is None:
             return []
         index = GpuIndex(snap)
@@ -349,10 +348,11 @@ class History:
             peak = 0.0
             for index_, uuid in resolve_gpus(st, index):
                 entry = gpus.get(uuid or index_)
-                if entry is not None:
-                    rep.gpus.append(entry[1])
-                state = tracks.get(uuid or index_, (None, None))[0]
-                if state is not None and not state.identity.parent:
+                if entry is None:
+                    continue
+                state, reading, _ = entry
+                rep.gpus.append(reading)
+                if not state.identity.parent:  # a MIG slice has no peak of its own
                     peak += self.peaks.peaks(state.identity.name).get(st.precision, 0.0)
             if rep.mfu is not None:
                 rep.mfu = rep.mfu / peak if peak > 0 else None

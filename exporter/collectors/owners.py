@@ -99,9 +99,6 @@ class SlurmCollector(_Refreshing):
             "directory (--slurm.job-mapping-dir); always 1. Prometheus stores the `job` label "
             "as `exported_job` (honor_labels: false).", labels=["gpu", "uuid", "job"]),)
 
-    def render(self, reading: Any) -> Iterator[Metric]:
-        return iter(())
-
     def render_snapshot(self, reading: dict[str, tuple[str, ...]],
                         snapshot: Snapshot) -> Iterator[Metric]:
         (info,) = self.families()
@@ -153,9 +150,6 @@ class KubernetesCollector(_Refreshing):
             "gputrain_gpu_pod_info", "The Kubernetes pod and container a GPU is allocated to, "
             "from the kubelet's pod-resources API; always 1.",
             labels=["gpu", "uuid", "namespace", "pod", "container"]),)
-
-    def render(self, reading: Any) -> Iterator[Metric]:
-        return iter(())
 
     def render_snapshot(self, reading: list[tuple[str, str, str, str]],
                         snapshot: Snapshot) -> Iterator[Metric]:
