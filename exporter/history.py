@@ -317,10 +317,13 @@ class History:
                                 if k in old_) / dt
         return out
 
-    def reports(self) -> list[RankReport]:
-        """One report per live (run, rank), its readings over the window; no verdict yet."""
-        gpus = self.gpu_readings()
-        host = self.host_readings()
+    def reports(self, gpus: dict | None = None,
+                host: dict[str, float] | None = None) -> list[RankReport]:
+        """One report per live (run, rank), its readings over the window; no verdict yet.
+        ``gpus`` and ``host`` are :meth:`gpu_readings` and :meth:`host_readings` where the
+        caller has them already."""
+        gpus = self.gpu_readings() if gpus is None else gpus
+        host = self.host_readings() if host is None else host
         with self._lock:
             snap = self._snapshot
             ranks = list(self._ranks.values())

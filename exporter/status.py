@@ -132,18 +132,20 @@ class StatusView:
                 log.exception("building the status document failed")
 
     def document(self) -> dict[str, Any]:
-        """The status document (README, "Status page and API")."""
+        """The status document (the README's "Without Prometheus or Grafana" has an
+        example)."""
         h = self.history
         snap = h.snapshot
         now = snap.timestamp if snap is not None else time.time()
-        reports = judge(visibility(h.reports()), self.thresholds)
+        readings, host_window = h.gpu_readings(), h.host_readings()
+        reports = judge(visibility(h.reports(readings, host_window)), self.thresholds)
         states = h.rank_states()
         users: dict[str, list[dict[str, str]]] = {}
         for rep in reports:
             for g in rep.gpus:
                 users.setdefault(g.uuid or g.gpu, []).append({"run": rep.run, "rank": rep.rank})
         gpus = []
-        for key, (st, window, rates) in h.gpu_readings().items():
+        for key, (st, window, rates) in readings.items():
             s = st.sample if st.up else None
             ident = st.identity
             gpus.append({
@@ -191,7 +193,7 @@ class StatusView:
                     "disk_read_bytes_per_second", "disk_written_bytes_per_second",
                     "network_rx_used", "network_received_bytes_per_second",
                     "network_transmitted_bytes_per_second")},
-                "window": h.host_readings(),
+                "window": host_window,
             },
             "gpus": gpus,
             "runs": [_run(name, ranks, states, now) for name, ranks in sorted(runs.items())],

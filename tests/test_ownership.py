@@ -205,3 +205,17 @@ def test_a_missing_kubelet_socket_fails_the_collector_with_the_reason(tmp_path):
     collector = KubernetesCollector(socket_path=str(tmp_path / "absent.sock"))
     with pytest.raises(RuntimeError, match=r"pod-resources socket .*absent\.sock: UNAVAILABLE"):
         collector.read()
+
+
+def test_a_failing_source_is_retried_every_ten_seconds_not_every_cycle(tmp_path):
+    now = [0.0]
+    collector = KubernetesCollector(socket_path=str(tmp_path / "absent.sock"),
+                                    clock=lambda: now[0])
+    fetched = []
+    real = collector.fetch
+    collector.fetch = lambda: fetched.append(now[0]) or real()
+    for _ in range(12):  # a cycle a second: failing every time, asked at 0 s and 10 s
+        with pytest.raises(RuntimeError, match="UNAVAILABLE"):
+            collector.read()
+        now[0] += 1.0
+    assert fetched == [0.0, 10.0]

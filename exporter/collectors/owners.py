@@ -49,12 +49,19 @@ class _Refreshing(HostCollector):
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(psutil_module)
         self._clock = clock
-        self._cached: tuple[float, Any] | None = None
+        self._cached: tuple[float, Any, Exception | None] | None = None
 
     def read(self) -> Any:
+        """The last fetch's reading, or its error again, until it is REFRESH_SECONDS old: a
+        source that fails (no kubelet socket) is not retried every cycle either."""
         now = self._clock()
         if self._cached is None or now - self._cached[0] >= REFRESH_SECONDS:
-            self._cached = (now, self.fetch())
+            try:
+                self._cached = (now, self.fetch(), None)
+            except Exception as exc:
+                self._cached = (now, None, exc)
+        if self._cached[2] is not None:
+            raise self._cached[2]
         return self._cached[1]
 
     def fetch(self) -> Any:
