@@ -80,6 +80,14 @@ class Entry:
     # node is scraped (each shard); "global" compares the ranks of a run across nodes, so it
     # runs where every shard is seen (a single Prometheus, vmalert over VictoriaMetrics)
     level: str = "node"
+    # a firing alert of a rank asks the daemon for a profile of it (Alertmanager's webhook):
+    # None means every bottleneck; a profile cannot explain a leak, a throttle or a stall
+    profile: bool | None = None
+
+    @property
+    def profiled(self) -> bool:
+        """Whether this alert, firing for a rank, triggers a profile of it."""
+        return self.kind == "bottleneck" if self.profile is None else self.profile
 
 
 CATALOGUE: tuple[Entry, ...] = (
@@ -262,7 +270,7 @@ CATALOGUE: tuple[Entry, ...] = (
           ("gputrain_training_process_resident_memory_bytes",
            "gputrain_host_memory_available_bytes"),
           'GpuTrain / Run, "Training process memory" rising steadily.',
-          "memory-leak"),
+          "memory-leak", profile=False),
     Entry("GpuTrainGPUMemoryNearLimit", "health", "warning", "5m",
           "A GPU's memory is nearly full.",
           "Use activation checkpointing, AMP, or a smaller micro-batch with gradient "
@@ -283,7 +291,7 @@ CATALOGUE: tuple[Entry, ...] = (
            "gputrain_gpu_temperature_celsius"),
           'GpuTrain / Run, "SM clock" and "Throttled time" ({throttle_ratio} line); GpuTrain / '
           'Node, "Temperature" and "Power".',
-          "throttling"),
+          "throttling", profile=False),
     Entry("GpuTrainStalled", "bottleneck", "critical", "1m",
           "A training run stopped making steps while its process lives.",
           "Look for a hang in a collective, a dead DataLoader worker or a deadlock "
@@ -292,7 +300,7 @@ CATALOGUE: tuple[Entry, ...] = (
           "A rank still reports but made no step for {stalled_seconds}.",
           ("gputrain_training_last_step_timestamp_seconds",),
           'GpuTrain / Run, "Samples per second" at zero while the rank is still listed.',
-          "stalled"),
+          "stalled", profile=False),
     Entry("GpuTrainGPULost", "health", "critical", "1m",
           "A GPU stopped answering.",
           "Drain the node; check dmesg for Xid 79.",
@@ -345,6 +353,8 @@ CATALOGUE: tuple[Entry, ...] = (
 BY_ALERT: dict[str, Entry] = {e.alert: e for e in CATALOGUE}
 LEVELS = ("node", "global")
 BY_VERDICT: dict[str, Entry] = {e.verdict: e for e in CATALOGUE if e.verdict}
+# the alerts whose firing for a rank asks for a profile of it (Alertmanager's webhook)
+PROFILED_ALERTS: frozenset[str] = frozenset(e.alert for e in CATALOGUE if e.profiled)
 
 
 def show(name: str, value: float) -> str:

@@ -1,5 +1,5 @@
-"""The `gputrain-exporter` command: serve (the default), rules, diagnose, dashboards,
-generate."""
+"""The `gputrain-exporter` command: serve (the default), rules, diagnose, top, profile,
+dashboards, generate."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from exporter.config import ConfigError, Settings, add_flags, parse_listen_addre
 
 log = logging.getLogger("exporter")
 
-SUBCOMMANDS = ("serve", "rules", "diagnose", "top", "generate", "dashboards")
+SUBCOMMANDS = ("serve", "rules", "diagnose", "top", "profile", "generate", "dashboards")
 
 
 def url_of(scheme: str, server: Any) -> str:
@@ -52,11 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the exporter daemon (the default)")
     add_flags(serve)
     parser.serve_parser = serve  # --help shows its flags too
-    from exporter import diagnose, generate, rules, top  # subcommands register their flags
+    from exporter import diagnose, generate, profile, rules, top  # subcommands register flags
 
     rules.add_parser(sub)
     diagnose.add_parser(sub)
     top.add_parser(sub)
+    profile.add_parser(sub)
     generate.add_parser(sub)
     return parser
 
@@ -130,6 +131,7 @@ def _observe(history: Any, sampler: Any, store: Any, status: Any) -> None:
 
 def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     """Run the daemon until SIGTERM/SIGINT (or ``stop`` is set); returns the exit code."""
+    from exporter.catalogue import PROFILED_ALERTS
     from exporter.collectors import host_collectors
     from exporter.exposition import Exposition
     from exporter.gpu_backends import DemoBackend, NvmlBackend
@@ -155,7 +157,9 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
                     f"--ingest.listen-address {settings['ingest.listen-address']} is not a "
                     "loopback address: set --ingest.token-file so that only your training "
                     "jobs can push")
-            store = IngestStore(settings["ingest.max-series"], settings["ingest.ttl"], token)
+            store = IngestStore(settings["ingest.max-series"], settings["ingest.ttl"], token,
+                                alert_interval=settings["profile.alert-interval"],
+                                profiled_alerts=PROFILED_ALERTS)
         thresholds = _thresholds(settings["status.rules-config"])
     except ConfigError as exc:
         log.error("%s", exc)

@@ -198,6 +198,9 @@ OPTIONS: list[Option] = [
     Option("ingest.max-series", _positive_int, 1024, "most live (run, rank) pairs kept", "N"),
     Option("ingest.ttl", parse_duration, 600.0,
            "forget a rank whose pushes stopped this long ago", "DURATION"),
+    Option("profile.alert-interval", parse_duration, 3600.0,
+           "at most one profile per run in this time for the alerts Alertmanager sends to "
+           "/api/v1/alerts on the ingest address (0s: no limit)", "DURATION"),
     Option("host.disk-exclude", _regex, DEFAULT_DISK_EXCLUDE,
            "regular expression of block devices to leave out", "REGEX"),
     Option("host.netdev-exclude", _regex, DEFAULT_NETDEV_EXCLUDE,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
+from exporter.profiles import ProfileBoard, ProfileRefused, parse_report
 from exporter.protocol import (
     DEFAULT_PRECISION,
     GPU_REF_RE,
@@ -31,6 +32,7 @@ from exporter.protocol import (
     SCHEMA_VERSION,
 )
 
+MAX_CAPABILITIES = 8
 GOODBYE_GRACE_SECONDS = 60.0  # a finished rank's final totals stay this long, for one more scrape
 
 COUNTERS = ("steps", "step_seconds", "data_wait_seconds", "samples")
@@ -74,6 +76,8 @@ class RankState:
     process: dict[str, float] = field(default_factory=dict)
     pid: int | None = None
     gpus: tuple[str, ...] = ()
+    capabilities: tuple[str, ...] = ()  # what the client understands in a push answer
+    profile_report: dict[str, Any] | None = None  # the client's state of a profile, this push
 
 
 def _reject_constant(name: str) -> Any:
@@ -160,6 +164,7 @@ def parse_push(raw: bytes, now: float, now_unix: float) -> tuple[RankState, bool
     _parse_phases(body, st)
     _parse_process(body, st)
     _parse_gpus(body, st)
+    _parse_profile(body, st)
     goodbye = body.get("goodbye", False)
     if not isinstance(goodbye, bool):
         raise PushRejected(400, f"field 'goodbye' must be true or false, got {_kind(goodbye)}")
@@ -227,6 +232,20 @@ def _parse_gpus(body: dict, st: RankState) -> None:
     st.gpus = tuple(dict.fromkeys(gpus))
 
 
+def _parse_profile(body: dict, st: RankState) -> None:
+    caps = body.get("capabilities") or []
+    if not isinstance(caps, list) or len(caps) > MAX_CAPABILITIES or not all(
+            isinstance(c, str) and 0 < len(c) <= MAX_PHASE_NAME_LENGTH for c in caps):
+        raise PushRejected(400, f"field 'capabilities' must be an array of at most "
+                                f"{MAX_CAPABILITIES} short strings")
+    st.capabilities = tuple(dict.fromkeys(caps))
+    if body.get("profile") is not None:
+        try:
+            st.profile_report = parse_report(body["profile"])
+        except ProfileRefused as exc:
+            raise PushRejected(exc.status, str(exc)) from None
+
+
 def _check_monotonic(old: RankState, new: RankState) -> None:
     """Within one run_id every total only grows; a decrease means a client bug."""
     for key in COUNTERS:
@@ -269,7 +288,9 @@ class IngestStore:
 
     def __init__(self, max_series: int = 1024, ttl: float = 600.0, token: str | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time,
+                 alert_interval: float = 3600.0,
+                 profiled_alerts: frozenset[str] = frozenset()) -> None:
         self.max_series = max_series
         self.ttl = ttl
         self._token = token
@@ -281,6 +302,8 @@ class IngestStore:
         self.version = 0
         self._next_expiry = math.inf  # no state expires before this (monotonic)
         self.listeners: list[Callable[[], None]] = []  # called after every change
+        self.profiles = ProfileBoard(self.states, alert_interval, profiled_alerts, clock,
+                                     wall_clock)
 
     def authorized(self, header: str | None) -> bool:
         """True when no token is configured or the header carries it."""
@@ -307,6 +330,11 @@ class IngestStore:
 
     def push(self, raw: bytes) -> str:
         """Apply one push; returns a short message, raises PushRejected (state untouched)."""
+        return self.accept(raw)[0]
+
+    def accept(self, raw: bytes) -> tuple[str, RankState, list[dict[str, Any]]]:
+        """Apply one push: its message, the state it set, and the instructions for the
+        answer (a profile to take). Raises PushRejected, the state untouched."""
         new, goodbye = parse_push(raw, self._clock(), self._wall())
         key = (new.run, new.rank)
         with self._lock:
@@ -328,8 +356,10 @@ class IngestStore:
             self._states[key] = new
             self._next_expiry = min(self._next_expiry, new.expires_at)
             self.version += 1
+        instructions = self.profiles.on_push(new, new.profile_report)
+        new.profile_report = None
         self._changed()
-        return message
+        return message, new, instructions
 
     def _expire_locked(self) -> None:
         # A scan of every rank only when one may be due: not on every push and scrape.

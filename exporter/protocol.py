@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 
 PUSH_PATH = "/api/v1/push"
+PROFILE_PATH = "/api/v1/profile"  # POST a request; GET PROFILE_PATH/<id> its state
+ALERTS_PATH = "/api/v1/alerts"  # Alertmanager's webhook
 SCHEMA_VERSION = 1
 MAX_BODY_BYTES = 1024 * 1024
 MAX_NAME_LENGTH = 128  # run and rank
@@ -16,11 +18,11 @@ MAX_PHASE_NAME_LENGTH = 64
 # Per rank, so that the page stays bounded at --ingest.max-series ranks: at most
 # MAX_SERIES_PER_RANK lines each (steps, data wait, samples, FLOPs, elapsed, the histogram's
 # buckets + Inf + count + sum, phases, two timestamps, three process figures, two per GPU:
-# its info and the memory the rank's processes hold on it).
+# its info and the memory the rank's processes hold on it), and its last profile.
 MAX_PHASES = 16
 MAX_BUCKETS = 32
 MAX_GPUS = 16
-MAX_SERIES_PER_RANK = 5 + MAX_BUCKETS + 3 + MAX_PHASES + 2 + 3 + 2 * MAX_GPUS
+MAX_SERIES_PER_RANK = 5 + MAX_BUCKETS + 3 + MAX_PHASES + 2 + 3 + 2 * MAX_GPUS + 1
 # the arithmetic a rank states it trains in: its GPUs' peak FLOP/s at this precision is the
 # denominator of its model FLOPs utilisation
 PRECISIONS = ("fp8", "bf16", "fp16", "tf32", "fp32")
@@ -31,6 +33,22 @@ NAME_CHARS = "A-Za-z0-9_.:-"  # run, rank and phase names
 NAME_RE = re.compile(f"[{NAME_CHARS}]+")
 RUN_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 GPU_REF_RE = re.compile(r"\d{1,4}|(GPU|MIG)-[A-Za-z0-9/-]{1,120}")
+
+
+# Profiles (see exporter.client.profiling). A push that lists PROFILE_CAPABILITY in
+# "capabilities" gets a JSON answer whose "instructions" may hold
+# {"type": "profile", "version": PROFILE_VERSION, "id": ..., "steps": N}; a client ignores a
+# type it does not know or a version above its own.
+PROFILE_CAPABILITY = "profile"
+PROFILE_VERSION = 1
+PROFILE_ID_RE = re.compile(r"p-[0-9a-f]{12}")
+DEFAULT_PROFILE_STEPS = 5
+MAX_PROFILE_STEPS = 50
+MAX_PROFILE_TOP_OPS = 10
+MAX_TRACE_PATH_LENGTH = 512
+MAX_PROFILE_ERROR_LENGTH = 500
+# where a profiled step's time went, in seconds; they sum to the step
+STEP_PARTS = ("data_loading", "forward", "backward", "optimizer", "other", "idle")
 
 
 def is_name(value: str, max_length: int = MAX_NAME_LENGTH) -> bool:

@@ -1,5 +1,5 @@
-"""HTTP: /metrics, /healthz, the status page (/) and /api/v1/status on the web address, the
-push endpoint on the ingest address.
+"""HTTP: /metrics, /healthz, the status page (/) and /api/v1/status on the web address; the
+push endpoint, profile requests and Alertmanager's webhook on the ingest address.
 
 A scrape sends the page that exporter.exposition keeps ready (no NVML call, no rendering), so
 many Prometheus servers cost little more than one.
@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import http.client
+import json
 import logging
 import re
 import socket
@@ -21,7 +22,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from exporter.ingest import IngestStore, PushRejected
-from exporter.protocol import MAX_BODY_BYTES, PUSH_PATH
+from exporter.profiles import ProfileBoard, ProfileRefused
+from exporter.protocol import (
+    ALERTS_PATH,
+    DEFAULT_PROFILE_STEPS,
+    MAX_BODY_BYTES,
+    PROFILE_PATH,
+    PUSH_PATH,
+)
 from exporter.sampler import Sampler
 from exporter.status import CONTENT_SECURITY_POLICY, STATUS_PATH
 
@@ -196,53 +204,133 @@ class MetricsHandler(_Handler):
     do_HEAD = do_GET
 
 
+class _Refused(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+MAX_WAIT_SECONDS = 5.0  # a GET of a profile may wait this long for it to finish (< REQUEST_SECONDS)
+
+
 class IngestHandler(_Handler):
     def do_POST(self) -> None:
         store: IngestStore = self.server.app.store
-        code, message = self._push(store)
-        store.count(code)
-        self._send(code, (message + "\n").encode())
-        if code >= 400:
-            log.debug("push rejected (%d): %s", code, message)
-
-    def _push(self, store: IngestStore) -> tuple[int, str]:
-        if self.path.split("?", 1)[0] != PUSH_PATH:
+        path = self.path.split("?", 1)[0]
+        if path == PUSH_PATH:
+            code, body, ctype = self._push(store)
+            store.count(code)
+            self._send(code, body, ctype)
+            if code >= 400:
+                log.debug("push rejected (%d): %s", code, body[:300])
+        elif path in (PROFILE_PATH, ALERTS_PATH):
+            try:
+                raw = self._body(store)
+                if path == PROFILE_PATH:
+                    answer = self._ask_profile(store.profiles, raw)
+                else:
+                    answer = store.profiles.alerts(raw)
+            except (_Refused, ProfileRefused) as exc:
+                self._json(exc.status, {"error": str(exc)})
+            else:
+                self._json(200, answer)
+        else:
             self.close_connection = True
-            return 404, f"not found: push to {PUSH_PATH}"
+            self._send(404, f"not found: push to {PUSH_PATH}; profiles at {PROFILE_PATH}, "
+                            f"Alertmanager's webhook at {ALERTS_PATH}\n".encode())
+
+    def _json(self, code: int, doc: Any) -> None:
+        self._send(code, (json.dumps(doc) + "\n").encode(), "application/json",
+                   {"Cache-Control": "no-store"})
+
+    def _body(self, store: IngestStore) -> bytes:
+        """The request's body, after the token and the framing are checked."""
         if not store.authorized(self.headers.get("Authorization")):
             self.close_connection = True
-            return 401, "missing or wrong bearer token (Authorization: Bearer <token>)"
+            raise _Refused(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
         lengths = self.headers.get_all("Content-Length") or []
         if self.headers.get("Transfer-Encoding") or not lengths:
             self.close_connection = True
-            return 411, "a Content-Length header is required (no Transfer-Encoding)"
+            raise _Refused(411, "a Content-Length header is required (no Transfer-Encoding)")
         if len(lengths) > 1:
             self.close_connection = True
-            return 400, "more than one Content-Length header"
+            raise _Refused(400, "more than one Content-Length header")
         if not _DIGITS.fullmatch(lengths[0].strip()):
             self.close_connection = True
-            return 400, f"Content-Length must be digits only, got {lengths[0][:40]!r}"
+            raise _Refused(400, f"Content-Length must be digits only, got {lengths[0][:40]!r}")
         length = int(lengths[0])
         if length > MAX_BODY_BYTES:
             self.close_connection = True  # the unread body must not be parsed as a request
-            return 413, f"the body is {length} bytes; the limit is {MAX_BODY_BYTES}"
+            raise _Refused(413, f"the body is {length} bytes; the limit is {MAX_BODY_BYTES}")
         raw = self.rfile.read(length)
         if len(raw) != length:
             self.close_connection = True
-            return 400, "the body is shorter than Content-Length"
+            raise _Refused(400, "the body is shorter than Content-Length")
+        return raw
+
+    def _push(self, store: IngestStore) -> tuple[int, bytes, str]:
+        text = "text/plain; charset=utf-8"
         try:
-            return 200, store.push(raw)
-        except PushRejected as exc:
-            return exc.status, str(exc)
+            message, state, instructions = store.accept(self._body(store))
+        except (_Refused, PushRejected) as exc:
+            return exc.status, (str(exc) + "\n").encode(), text
         except Exception:  # a bug: still answer and count it
             log.exception("processing a push failed")
-            return 500, "the daemon failed to process this push; its log says why"
+            return 500, b"the daemon failed to process this push; its log says why\n", text
+        if state.capabilities:  # a client that reads a JSON answer
+            return 200, json.dumps({"result": message, "instructions": instructions}).encode(), \
+                "application/json"
+        return 200, (message + "\n").encode(), text
+
+    @staticmethod
+    def _ask_profile(board: ProfileBoard, raw: bytes) -> dict[str, Any]:
+        try:
+            ask = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            raise _Refused(400, 'the body must be JSON: {"run": ..., "rank": ..., '
+                                '"steps": ...}') from None
+        if not isinstance(ask, dict) or not isinstance(ask.get("run"), str):
+            raise _Refused(400, "field 'run' (a string) is required")
+        rank = ask.get("rank")
+        if isinstance(rank, int) and not isinstance(rank, bool):
+            rank = str(rank)
+        if rank is not None and not isinstance(rank, str):
+            raise _Refused(400, "field 'rank' must be a string or a whole number")
+        steps = ask.get("steps", DEFAULT_PROFILE_STEPS)
+        if isinstance(steps, bool) or not isinstance(steps, int):
+            raise _Refused(400, f"field 'steps' must be a whole number, got {steps!r}")
+        return board.request(ask["run"], rank, steps, "cli").document()
 
     def do_GET(self) -> None:
-        if self.path.split("?", 1)[0] == "/healthz":
+        path, _, query = self.path.partition("?")
+        if path == "/healthz":
             self._health()
+        elif path == PROFILE_PATH or path.startswith(PROFILE_PATH + "/"):
+            store: IngestStore = self.server.app.store
+            if not store.authorized(self.headers.get("Authorization")):
+                self._json(401, {"error": "missing or wrong bearer token"})
+                return
+            pid = path[len(PROFILE_PATH) + 1:]
+            if not pid:
+                self._json(200, {"profiles": [p.document() for p in store.profiles.recent()]})
+                return
+            wait = 0.0
+            for item in query.split("&"):
+                key, _, value = item.partition("=")
+                if key == "wait":
+                    try:
+                        wait = min(MAX_WAIT_SECONDS, max(0.0, float(value)))
+                    except ValueError:
+                        self._json(400, {"error": f"wait must be seconds, got {value!r}"})
+                        return
+            profile = store.profiles.wait(pid, wait)
+            if profile is None:
+                self._json(404, {"error": f"no profile {pid!r} on this daemon (it keeps the "
+                                          "last ones only)"})
+            else:
+                self._json(200, profile.document())
         else:
-            self._send(405 if self.path.startswith(PUSH_PATH) else 404,
+            self._send(405 if path in (PUSH_PATH, ALERTS_PATH) else 404,
                        f"POST JSON to {PUSH_PATH}\n".encode())
 
 

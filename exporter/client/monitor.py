@@ -23,6 +23,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from time import perf_counter as _now
 from typing import Any, TypeVar
 
+from exporter.client.profiling import RankProfiler
 from exporter.client.pusher import Pusher
 from exporter.protocol import (
     DEFAULT_PRECISION,
@@ -164,10 +165,10 @@ class _Step:
         m._flops += self.samples * m._flops_per_sample
         m._counts[bisect_left(m._bounds, step_s)] += 1
         m._last_step = now
+        if m._attention:  # GPUs to look for, or a profile asked for
+            m._attend(step_s)
         m._pending_wait = 0.0
         m._boundary = now
-        if m._redetect:
-            m._detect_gpus()
 
 
 class _Phase:
@@ -266,13 +267,17 @@ class TrainingMonitor:
         self._step = _Step(self)
         self._gpus: list[str] = []
         self._redetect = True  # look for the GPUs again after the first step (CUDA is up then)
+        # the step's end calls _attend while this is set: one test on the hot path for both
+        self._attention = True
         self._pid = os.getpid()
         self._closed = False
+        self._profiler = RankProfiler(self.run, self.rank, lambda: self._pusher.wake(),
+                                      self._want_attention)
         self._pusher = Pusher(self.totals, self.run, self.rank, self.run_id, self.endpoint,
                               self.push_interval, self.token,
                               ca_file or os.environ.get("GPUTRAIN_CA_FILE") or None,
                               tls_server_name or os.environ.get("GPUTRAIN_TLS_SERVER_NAME")
-                              or None)
+                              or None, profiler=self._profiler)
         if start:
             self._pusher.start()
         ref = weakref.ref(self)
@@ -387,10 +392,10 @@ class TrainingMonitor:
         self._flops += samples * self._flops_per_sample
         self._counts[bisect_left(self._bounds, step_s)] += 1
         self._last_step = now
+        if self._attention:
+            self._attend(step_s)
         self._pending_wait = 0.0
         self._boundary = now
-        if self._redetect:
-            self._detect_gpus()
 
     def _add_phase(self, name: str, seconds: float, outside: bool) -> None:
         """Count ``seconds`` of phase ``name`` that just ended."""
@@ -425,6 +430,22 @@ class TrainingMonitor:
         """Called on the training thread at the start of a wrap and after the first step."""
         self._gpus = cuda_gpu_refs()
         self._redetect = self._redetect and not any(self._counts)
+        self._attention = self._redetect or self._profiler.wanted
+
+    def _attend(self, step_s: float) -> None:
+        """At a step's end, while :attr:`_attention` is set (training thread): look for the
+        GPUs again, and drive a profile the daemon asked for (this step's fetch is still in
+        ``_pending_wait``)."""
+        if self._redetect:
+            self._detect_gpus()
+        profiler = self._profiler
+        if profiler.wanted:
+            profiler.at_boundary(step_s, self._pending_wait)
+        self._attention = self._redetect or profiler.wanted
+
+    def _want_attention(self) -> None:
+        """The pusher thread has a profile for the training thread to start."""
+        self._attention = True
 
     # -- reading (pusher thread) -------------------------------------------------------------
 
@@ -470,6 +491,7 @@ class TrainingMonitor:
             return
         self._closed = True
         self._flush_wait()
+        self._profiler.close()
         self._pusher.stop(goodbye=True, timeout=timeout)
 
     def __enter__(self) -> TrainingMonitor:

@@ -17,7 +17,8 @@ from typing import Any
 import requests
 
 from exporter.client.process_tree import ProcessTree
-from exporter.protocol import PUSH_PATH, SCHEMA_VERSION
+from exporter.client.profiling import RankProfiler, torch_available
+from exporter.protocol import PROFILE_CAPABILITY, PUSH_PATH, SCHEMA_VERSION
 
 log = logging.getLogger("exporter.client")
 
@@ -31,8 +32,11 @@ class Pusher:
 
     def __init__(self, totals: Callable[[], dict[str, Any]], run: str, rank: str, run_id: str,
                  endpoint: str, interval: float, token: str | None = None,
-                 ca_file: str | None = None, server_name: str | None = None) -> None:
+                 ca_file: str | None = None, server_name: str | None = None,
+                 profiler: RankProfiler | None = None) -> None:
         self._totals = totals
+        self._profiler = profiler
+        self._capabilities: list[str] | None = None  # looked up at the first push
         self._identity = {"version": SCHEMA_VERSION, "run": run, "rank": rank,
                           "run_id": run_id}
         self.interval = interval
@@ -63,6 +67,10 @@ class Pusher:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="gputrain-pusher", daemon=True)
         self._thread.start()
+
+    def wake(self) -> None:
+        """Push soon, from the pusher thread (a profile's state changed)."""
+        self._wake.set()
 
     def disable(self) -> None:
         """After fork: this process is not the one that measures; never push."""
@@ -102,6 +110,14 @@ class Pusher:
             log.debug("gputrain: process stats unavailable: %s", exc)
         if goodbye:
             body["goodbye"] = True
+        if self._profiler is not None:
+            if self._capabilities is None:  # find_spec, not an import: off the training thread
+                self._capabilities = [PROFILE_CAPABILITY] if torch_available() else []
+            if self._capabilities:
+                body["capabilities"] = self._capabilities
+            report = self._profiler.report()
+            if report is not None:
+                body["profile"] = report
         return body
 
     def push_once(self, goodbye: bool = False, timeout: Any = TIMEOUT) -> bool:
@@ -125,7 +141,8 @@ class Pusher:
                 self._session = requests.Session()
                 if self._server_name:
                     self._session.mount("https://", _ServerName(self._server_name))
-            r = self._session.post(self._url, json=self.payload(goodbye), headers=self._headers,
+            body = self.payload(goodbye)
+            r = self._session.post(self._url, json=body, headers=self._headers,
                                    timeout=timeout, verify=self._verify)
         except Exception as exc:  # connection refused, timeout, anything: never into training
             if not self._failing:
@@ -140,6 +157,7 @@ class Pusher:
             if self._failing:
                 log.info("gputrain: pushing to %s again", self._url)
             self._failing = False
+            self._answered(r, body)
             return True
         if r.status_code not in self._warned_codes:
             self._warned_codes.add(r.status_code)
@@ -147,6 +165,23 @@ class Pusher:
                         r.text.strip()[:300])
         self._failing = True
         return False
+
+    def _answered(self, r: requests.Response, body: dict[str, Any]) -> None:
+        """Hand the answer's instructions to the profiler (a JSON answer, for a push that
+        listed capabilities; anything not understood is ignored)."""
+        if self._profiler is None:
+            return
+        if "profile" in body:
+            self._profiler.reported(body["profile"])
+        if not r.headers.get("Content-Type", "").startswith("application/json"):
+            return
+        try:
+            answer = r.json()
+        except ValueError:
+            return
+        instructions = answer.get("instructions") if isinstance(answer, dict) else None
+        for instruction in instructions if isinstance(instructions, list) else ():
+            self._profiler.offer(instruction)
 
     def stop(self, goodbye: bool, timeout: float) -> None:
         """Stop the thread and send the final state once (short timeout)."""

@@ -1,0 +1,406 @@
+"""Profiles of running ranks: asked for by ``gputrain-exporter profile`` or by an alert,
+handed to the rank in the answer to its next push, and kept with their results.
+
+A profile goes queued (asked for) -> accepted (the rank's client has it and waits for a step
+boundary) -> running -> done or failed; one that no client takes in time is expired. The
+client does the profiling (:mod:`exporter.client.profiling`); this module only queues,
+delivers, validates what comes back and keeps a bounded record of it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from exporter.protocol import (
+    DEFAULT_PROFILE_STEPS,
+    MAX_NAME_LENGTH,
+    MAX_PROFILE_ERROR_LENGTH,
+    MAX_PROFILE_STEPS,
+    MAX_PROFILE_TOP_OPS,
+    MAX_TRACE_PATH_LENGTH,
+    NAME_RE,
+    PROFILE_CAPABILITY,
+    PROFILE_ID_RE,
+    PROFILE_VERSION,
+    STEP_PARTS,
+)
+
+if TYPE_CHECKING:
+    from exporter.ingest import RankState
+
+FINAL = ("done", "failed", "expired")
+QUEUE_TIMEOUT = 60.0  # seconds for the rank to take it: it pushes every few seconds
+START_TIMEOUT = 600.0  # seconds from taking it to the first step boundary
+RUN_TIMEOUT = 1800.0  # seconds from the start to the result
+MAX_OPEN = 64  # profiles queued, accepted or running at once, over all ranks
+KEEP = 64  # finished profiles kept for the API and the status page
+MAX_ALERTS = 1000  # alerts in one webhook call
+OP_NAME_LENGTH = 200
+
+
+class ProfileRefused(Exception):
+    """A request or report that cannot be taken; ``status`` is the HTTP code, the message
+    says why."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Profile:
+    """One profile request and, once the rank has sent it, its result."""
+
+    id: str
+    run: str
+    rank: str
+    steps: int
+    trigger: str  # "cli", or "alert:<alertname>"
+    requested: float  # unix seconds
+    requested_at: float  # monotonic
+    state: str = "queued"
+    run_id: str | None = None  # the process it was handed to
+    changed_at: float = 0.0  # monotonic, of the last state change
+    started: float | None = None
+    finished: float | None = None
+    error: str | None = None
+    trace: str | None = None
+    trace_bytes: int | None = None
+    device: str | None = None
+    step_parts: list[dict[str, float]] = field(default_factory=list)
+    top_ops: list[dict[str, Any]] = field(default_factory=list)
+
+    def document(self) -> dict[str, Any]:
+        """The JSON the API answers with."""
+        doc: dict[str, Any] = {
+            "id": self.id, "run": self.run, "rank": self.rank, "steps": self.steps,
+            "trigger": self.trigger, "state": self.state, "requested": self.requested,
+            "started": self.started, "finished": self.finished}
+        if self.error:
+            doc["error"] = self.error
+        if self.state == "done":
+            doc.update(trace=self.trace, trace_bytes=self.trace_bytes, device=self.device,
+                       step_parts=self.step_parts, mean=mean_parts(self.step_parts),
+                       top_ops=self.top_ops)
+        return doc
+
+
+def mean_parts(steps: list[dict[str, float]]) -> dict[str, float]:
+    """The mean of each part (and of ``seconds``, ``gpu_busy``) over the profiled steps."""
+    if not steps:
+        return {}
+    keys = ("seconds", *STEP_PARTS, *(("gpu_busy",) if all("gpu_busy" in s for s in steps)
+                                      else ()))
+    return {k: sum(s.get(k, 0.0) for s in steps) / len(steps) for k in keys}
+
+
+def _number(value: Any, where: str, integer: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value) or value < 0 or value > 2**63:
+        raise ProfileRefused(400, f"'{where}' must be a finite number >= 0, got {value!r}")
+    if integer and not float(value).is_integer():
+        raise ProfileRefused(400, f"'{where}' must be a whole number, got {value!r}")
+    return int(value) if integer else float(value)
+
+
+def parse_report(report: Any) -> dict[str, Any]:
+    """Validate the ``profile`` field of a push (the client's state of one profile)."""
+    if not isinstance(report, dict):
+        raise ProfileRefused(400, "field 'profile' must be an object")
+    pid, state = report.get("id"), report.get("state")
+    if not isinstance(pid, str) or not PROFILE_ID_RE.fullmatch(pid):
+        raise ProfileRefused(400, "'profile.id' must be a profile id (p- and 12 hex digits)")
+    if state not in ("accepted", "running", "done", "failed"):
+        raise ProfileRefused(400, "'profile.state' must be accepted, running, done or failed, "
+                                f"got {state!r}")
+    out: dict[str, Any] = {"id": pid, "state": state}
+    for key in ("started", "finished"):
+        if report.get(key) is not None:
+            out[key] = _number(report[key], f"profile.{key}")
+    if state == "failed":
+        error = report.get("error", "")
+        if not isinstance(error, str):
+            raise ProfileRefused(400, "'profile.error' must be a string")
+        out["error"] = error[:MAX_PROFILE_ERROR_LENGTH]
+    if state != "done":
+        return out
+    trace = report.get("trace")
+    if not isinstance(trace, str) or not trace or len(trace) > MAX_TRACE_PATH_LENGTH or \
+            any(ord(c) < 32 for c in trace):
+        raise ProfileRefused(400, f"'profile.trace' must be a path of 1-{MAX_TRACE_PATH_LENGTH} "
+                                "printable characters")
+    out["trace"] = trace
+    out["trace_bytes"] = _number(report.get("trace_bytes"), "profile.trace_bytes", True)
+    device = report.get("device", "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ProfileRefused(400, f"'profile.device' must be cpu or cuda, got {device!r}")
+    out["device"] = device
+    steps = report.get("steps")
+    if not isinstance(steps, list) or len(steps) > MAX_PROFILE_STEPS:
+        raise ProfileRefused(400, f"'profile.steps' must be an array of at most "
+                                f"{MAX_PROFILE_STEPS} steps")
+    out["steps"] = []
+    for i, step in enumerate(steps):
+        if not isinstance(step, dict):
+            raise ProfileRefused(400, f"'profile.steps[{i}]' must be an object")
+        keys = ("seconds", *STEP_PARTS) + (("gpu_busy",) if "gpu_busy" in step else ())
+        out["steps"].append({k: _number(step.get(k), f"profile.steps[{i}].{k}")
+                             for k in keys})
+    ops = report.get("top_ops", [])
+    if not isinstance(ops, list) or len(ops) > MAX_PROFILE_TOP_OPS:
+        raise ProfileRefused(400, f"'profile.top_ops' must be an array of at most "
+                                f"{MAX_PROFILE_TOP_OPS} operators")
+    out["top_ops"] = []
+    for i, op in enumerate(ops):
+        if not isinstance(op, dict) or not isinstance(op.get("name"), str):
+            raise ProfileRefused(400, f"'profile.top_ops[{i}]' must be an object with a name")
+        out["top_ops"].append({
+            "name": op["name"][:OP_NAME_LENGTH],
+            "calls": _number(op.get("calls"), f"profile.top_ops[{i}].calls", True),
+            "self_cpu_seconds": _number(op.get("self_cpu_seconds"),
+                                        f"profile.top_ops[{i}].self_cpu_seconds"),
+            "self_device_seconds": _number(op.get("self_device_seconds", 0.0),
+                                           f"profile.top_ops[{i}].self_device_seconds")})
+    return out
+
+
+def _rank_order(rank: str) -> tuple[int, int | str]:
+    return (0, int(rank)) if rank.isdigit() else (1, rank)
+
+
+class ProfileBoard:
+    """The daemon's profiles: requests, delivery in push answers, results, the alert
+    webhook's rate limit. ``states`` gives the live ranks (the ingest's)."""
+
+    def __init__(self, states: Callable[[], list[RankState]], alert_interval: float = 3600.0,
+                 profiled_alerts: frozenset[str] = frozenset(),
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self._states = states
+        self.alert_interval = alert_interval
+        self.profiled_alerts = profiled_alerts
+        self._clock = clock
+        self._wall = wall_clock
+        self._cond = threading.Condition()
+        self._profiles: OrderedDict[str, Profile] = OrderedDict()
+        self._open: dict[tuple[str, str], Profile] = {}  # per rank, not final
+        self._last_alert: dict[str, float] = {}  # run -> monotonic time of its alert profile
+        self.version = 0  # changes when a profile is asked for or changes state
+        self.listeners: list[Callable[[], None]] = []
+
+    # -- asking -------------------------------------------------------------------------------
+
+    def request(self, run: str, rank: str | None = None, steps: int = DEFAULT_PROFILE_STEPS,
+                trigger: str = "cli") -> Profile:
+        """Queue a profile of ``rank`` of ``run`` (its lowest rank here when None); a rank
+        with one queued or running gets that one back. Raises ProfileRefused."""
+        if not 1 <= steps <= MAX_PROFILE_STEPS:
+            raise ProfileRefused(400, f"steps must be 1-{MAX_PROFILE_STEPS}, got {steps}")
+        live = [s for s in self._states() if s.run == run]
+        if not live:
+            runs = sorted({s.run for s in self._states()})
+            raise ProfileRefused(404, f"no rank of run {run!r} pushes to this daemon; runs "
+                                      f"here: {', '.join(runs) or 'none'}")
+        ranks = sorted((s.rank for s in live), key=_rank_order)
+        rank = ranks[0] if rank is None else rank
+        state = next((s for s in live if s.rank == rank), None)
+        if state is None:
+            raise ProfileRefused(404, f"run {run!r} has no rank {rank!r} pushing to this "
+                                      f"daemon; its ranks here: {', '.join(ranks)}")
+        if PROFILE_CAPABILITY not in state.capabilities:
+            raise ProfileRefused(409, f"rank {rank} of run {run} cannot be profiled: its "
+                                      "client does not offer it (a gputrain client from before "
+                                      "profiles, or one where torch cannot be imported)")
+        with self._cond:
+            self._expire_locked()
+            existing = self._open.get((run, rank))
+            if existing is not None:
+                return existing
+            if len(self._open) >= MAX_OPEN:
+                raise ProfileRefused(429, f"{len(self._open)} profiles are already queued or "
+                                          "running on this daemon; try again later")
+            now = self._clock()
+            profile = Profile(id="p-" + os.urandom(6).hex(), run=run, rank=rank, steps=steps,
+                              trigger=trigger, requested=self._wall(), requested_at=now,
+                              changed_at=now)
+            self._profiles[profile.id] = profile
+            self._open[(run, rank)] = profile
+            self._trim_locked()
+            self._changed_locked()
+        self._notify()
+        return profile
+
+    def get(self, pid: str) -> Profile | None:
+        with self._cond:
+            self._expire_locked()
+            return self._profiles.get(pid)
+
+    def wait(self, pid: str, timeout: float) -> Profile | None:
+        """The profile once it is final, or as it is after ``timeout`` seconds."""
+        deadline = self._clock() + timeout
+        with self._cond:
+            while True:
+                self._expire_locked()
+                profile = self._profiles.get(pid)
+                left = deadline - self._clock()
+                if profile is None or profile.state in FINAL or left <= 0:
+                    return profile
+                # expiry is judged by the clock, not by a push: look again within a second
+                self._cond.wait(min(left, 1.0))
+
+    def recent(self, n: int = 20) -> list[Profile]:
+        """The last ``n`` profiles asked for, newest first."""
+        with self._cond:
+            self._expire_locked()
+            return list(reversed(self._profiles.values()))[:n]
+
+    def latest_done(self) -> dict[tuple[str, str], Profile]:
+        """Per (run, rank), its last finished profile."""
+        with self._cond:
+            out: dict[tuple[str, str], Profile] = {}
+            for p in self._profiles.values():
+                if p.state == "done":
+                    out[(p.run, p.rank)] = p
+            return out
+
+    # -- the push path ------------------------------------------------------------------------
+
+    def on_push(self, state: RankState, report: dict[str, Any] | None) -> list[dict[str, Any]]:
+        """Apply a rank's report and return the instructions for its push answer."""
+        key = (state.run, state.rank)
+        changed = False
+        with self._cond:
+            self._expire_locked()
+            if report is not None:
+                changed = self._apply_locked(state, report)
+            profile = self._open.get(key)
+            instructions = []
+            if profile is not None and profile.state in ("queued", "accepted") and \
+                    PROFILE_CAPABILITY in state.capabilities:
+                if profile.run_id != state.run_id:  # first delivery, or the rank restarted
+                    profile.run_id = state.run_id
+                    if profile.state == "accepted":
+                        profile.state, profile.changed_at = "queued", self._clock()
+                instructions.append({"type": "profile", "version": PROFILE_VERSION,
+                                     "id": profile.id, "steps": profile.steps})
+            if changed:
+                self._changed_locked()
+        if changed:
+            self._notify()
+        return instructions
+
+    def _apply_locked(self, state: RankState, report: dict[str, Any]) -> bool:
+        profile = self._profiles.get(report["id"])
+        if profile is None or (profile.run, profile.rank) != (state.run, state.rank) or \
+                profile.state in FINAL or profile.run_id not in (None, state.run_id):
+            return False  # unknown, finished, or from a process it was not handed to
+        order = ("queued", "accepted", "running", "done", "failed")
+        if order.index(report["state"]) <= order.index(profile.state):
+            return False
+        profile.state = report["state"]
+        profile.changed_at = self._clock()
+        profile.started = report.get("started", profile.started)
+        if profile.state in FINAL:
+            self._open.pop((profile.run, profile.rank), None)
+            profile.finished = report.get("finished") or self._wall()
+        if profile.state == "failed":
+            profile.error = report.get("error") or "the client gave no reason"
+        elif profile.state == "done":
+            profile.trace = report["trace"]
+            profile.trace_bytes = report["trace_bytes"]
+            profile.device = report["device"]
+            profile.step_parts = report["steps"]
+            profile.top_ops = report["top_ops"]
+        return True
+
+    # -- Alertmanager -------------------------------------------------------------------------
+
+    def alerts(self, raw: bytes) -> dict[str, Any]:
+        """Alertmanager's webhook: each firing alert of ``profiled_alerts`` naming a run and
+        a rank that push here starts one profile, at most one per run per
+        ``alert_interval`` seconds. Returns what was started and what was skipped, and why."""
+        try:
+            body = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            raise ProfileRefused(400, "the body must be Alertmanager's webhook JSON") from None
+        alerts = body.get("alerts") if isinstance(body, dict) else None
+        if not isinstance(alerts, list):
+            raise ProfileRefused(400, "the body must be Alertmanager's webhook JSON: an object "
+                                      "with an 'alerts' array")
+        if len(alerts) > MAX_ALERTS:
+            raise ProfileRefused(413, f"{len(alerts)} alerts in one call; the limit is "
+                                      f"{MAX_ALERTS}")
+        started: list[dict[str, Any]] = []
+        skipped: list[dict[str, Any]] = []
+        for alert in alerts:
+            labels = alert.get("labels") if isinstance(alert, dict) else None
+            if not isinstance(labels, dict) or alert.get("status") != "firing":
+                continue
+            name, run, rank = labels.get("alertname"), labels.get("run"), labels.get("rank")
+            if name not in self.profiled_alerts:
+                continue
+            about = {"alertname": name, "run": run, "rank": rank}
+            if not all(isinstance(v, str) and len(v) <= MAX_NAME_LENGTH and NAME_RE.fullmatch(v)
+                       for v in (run, rank)):
+                skipped.append({**about, "reason": "the alert names no valid run and rank"})
+                continue
+            now = self._clock()
+            with self._cond:
+                last = self._last_alert.get(run)
+            if last is not None and now - last < self.alert_interval:
+                skipped.append({**about, "reason": f"run {run} was profiled for an alert "
+                                f"{now - last:.0f} s ago; at most one per "
+                                f"{self.alert_interval:.0f} s"})
+                continue
+            try:
+                profile = self.request(run, rank, DEFAULT_PROFILE_STEPS, f"alert:{name}")
+            except ProfileRefused as exc:
+                skipped.append({**about, "reason": str(exc)})
+                continue
+            with self._cond:
+                self._last_alert[run] = now
+            started.append({**about, "id": profile.id})
+        return {"started": started, "skipped": skipped}
+
+    # -- housekeeping -------------------------------------------------------------------------
+
+    def _expire_locked(self) -> None:
+        now = self._clock()
+        changed = False
+        for key, p in list(self._open.items()):
+            waited = now - p.changed_at
+            why = None
+            if p.state == "queued" and waited > QUEUE_TIMEOUT:
+                why = (f"rank {p.rank} did not take it within {QUEUE_TIMEOUT:.0f} s (it "
+                       "stopped pushing?)")
+            elif p.state == "accepted" and waited > START_TIMEOUT:
+                why = f"no step of rank {p.rank} ended in {START_TIMEOUT:.0f} s"
+            elif p.state == "running" and waited > RUN_TIMEOUT:
+                why = f"rank {p.rank} sent no result in {RUN_TIMEOUT:.0f} s"
+            if why:
+                p.state, p.error, p.finished, p.changed_at = "expired", why, self._wall(), now
+                del self._open[key]
+                changed = True
+        if changed:
+            self._changed_locked()
+
+    def _trim_locked(self) -> None:
+        finished = [pid for pid, p in self._profiles.items() if p.state in FINAL]
+        for pid in finished[:max(0, len(self._profiles) - KEEP - MAX_OPEN)]:
+            del self._profiles[pid]
+
+    def _changed_locked(self) -> None:
+        self.version += 1
+        self._cond.notify_all()
+
+    def _notify(self) -> None:
+        for listener in self.listeners:
+            listener()
