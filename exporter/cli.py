@@ -182,7 +182,8 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     peaks = PeakTable(settings["gpu.peak-flops"])
     history = History(settings["status.window"], peaks=peaks, instance=socket.gethostname())
     status = StatusView(history, thresholds, lambda: sampler.gpu_error, backend.name,
-                        lambda: sampler.snapshot.driver_version)
+                        lambda: sampler.snapshot.driver_version,
+                        (lambda: store.profiles.recent(10)) if store is not None else None)
     sampler.listeners.append(lambda: _observe(history, sampler, store, status))
     sampler.start()
     status.start()

@@ -33,6 +33,14 @@ names in Prometheus, or open the run's Grafana dashboard (GpuTrain / Run), which
 thresholds. The advice is the alert's own, and the one `gputrain-exporter diagnose` gives.
 """
 
+PROFILE_LINE = """\
+Why: `gputrain-exporter profile --run <run> --rank <rank>` on the rank's node records its
+steps with torch.profiler and prints where their time went (data loading, forward, backward,
+optimizer, other, idle) and the top operators; with the example Alertmanager config this alert
+asks for that profile by itself (at most once per run per hour): read it on the status page, in
+`/api/v1/profile`, or open the trace the profile names (README, "From what to why").
+"""
+
 BEGIN = "<!-- BEGIN generated: {name} (gputrain-exporter generate) -->"
 END = "<!-- END generated: {name} -->"
 
@@ -52,6 +60,8 @@ def runbook(overrides: dict | None = None) -> str:
                 f"Evaluated: {where}.")
         parts.append(f"\n## {e.alert}\n{textwrap.fill(text, 96, break_on_hyphens=False)}\n"
                      f"Dashboard: {fill(e.panel, t, for_)}\n")
+        if e.profiled:
+            parts.append(PROFILE_LINE)
     return "".join(parts)
 
 

@@ -57,8 +57,10 @@ class StatusView:
     request only sends bytes; the first request after a quiet spell builds it inline."""
 
     def __init__(self, history: History, thresholds: dict[str, float],
-                 gpu_error: Any = None, backend: str = "", driver: Any = None) -> None:
+                 gpu_error: Any = None, backend: str = "", driver: Any = None,
+                 profiles: Any = None) -> None:
         self.history = history
+        self._profiles = profiles or (lambda: [])
         self.thresholds = thresholds
         self._gpu_error = gpu_error or (lambda: None)
         self.backend = backend
@@ -197,6 +199,8 @@ class StatusView:
             },
             "gpus": gpus,
             "runs": [_run(name, ranks, states, now) for name, ranks in sorted(runs.items())],
+            # the last profiles asked for (`gputrain-exporter profile`, alerts), newest first
+            "profiles": [p.document() for p in self._profiles()],
         }
 
 

@@ -212,6 +212,12 @@ def test_alertmanager_config_passes_amtool_and_routes_every_severity(tmp_path):
                               "alertname=GpuTrainInputBound", f"severity={severity}"],
                              capture_output=True, text=True)
         assert out.stdout.strip() == receiver, out.stdout + out.stderr
+    # an alert naming a rank also goes to the daemon, which profiles it (README, "From what
+    # to why"); people still get it
+    out = subprocess.run([amtool, "config", "routes", "test", f"--config.file={path}",
+                          "alertname=GpuTrainInputBound", "severity=warning", "run=llm",
+                          "rank=3"], capture_output=True, text=True)
+    assert out.stdout.strip() == "gputrain-profile,team", out.stdout + out.stderr
 
 
 def test_systemd_unit_verifies_and_is_hardened(tmp_path):

@@ -30,6 +30,19 @@ def push(store: IngestStore, **over) -> str:
     return store.push(json.dumps(body).encode())
 
 
+def finish_a_profile(store: IngestStore, run: str, rank: str, trace: str, **over) -> None:
+    """A profile of (run, rank), asked for and reported done by the rank's next push."""
+    profile = store.profiles.request(run, rank, 1)
+    state = next(s for s in store.states() if (s.run, s.rank) == (run, rank))
+    step = {"seconds": 1.0, "data_loading": 0.5, "forward": 0.2, "backward": 0.2,
+            "optimizer": 0.1, "other": 0.0, "idle": 0.0}
+    push(store, **{**over, "run": run, "rank": rank, "steps": state.steps,
+                   "samples": state.samples}, capabilities=["profile"],
+         profile={"id": profile.id, "state": "done", "finished": 1.7e9 + 0.5, "trace": trace,
+                  "trace_bytes": 1234, "steps": [step], "top_ops": []})
+    assert store.profiles.get(profile.id).state == "done"
+
+
 def test_training_lines_are_what_prometheus_client_writes_in_both_formats():
     clock = FakeClock()
     gpus = [FakeGpu(uuid="GPU-00000000-aaaa-bbbb-cccc-000000000000", pids=[4242]),
@@ -43,7 +56,9 @@ def test_training_lines_are_what_prometheus_client_writes_in_both_formats():
          process={"cpu_seconds": 1, "pid": 4242, "resident_memory_bytes": 12345678901,
                   "read_bytes": 0})  # its GPU found by pid
     push(store, run="alpha", rank="3", steps=10**15, samples=1e22,
-         gpus=["1", "GPU-00000000-aaaa-bbbb-cccc-000000000000", "7"])  # 7: not on this node
+         gpus=["1", "GPU-00000000-aaaa-bbbb-cccc-000000000000", "7"],  # 7: not on this node
+         capabilities=["profile"])
+    finish_a_profile(store, "alpha", "3", trace='/tmp/a "quoted" \\ path.pt.trace.json.gz')
     store.count(200)
     store.count(429)
     collector = TrainingCollector(store, lambda: sampler.snapshot)
@@ -58,6 +73,8 @@ def test_training_lines_are_what_prometheus_client_writes_in_both_formats():
     assert collector.render(False) == generate_latest(registry)
     line = b'gputrain_training_gpu_info{gpu="0",precision="bf16",rank="1",run="resnet18"'
     assert line in collector.render()
+    assert (b'gputrain_training_profile_info{rank="3",run="alpha",trace="/tmp/a \\"quoted\\" '
+            b'\\\\ path.pt.trace.json.gz"} 1.7000000005e+09\n') in collector.render()
 
 
 def _rig(clock: FakeClock) -> tuple[Sampler, IngestStore, Exposition]:
@@ -140,7 +157,8 @@ def test_a_rank_is_bounded_to_max_series_per_rank_lines(clock):
             "last_step_timestamp": 1.7e9,
             "process": {"cpu_seconds": 1, "resident_memory_bytes": 1, "read_bytes": 1},
             "gpus": [str(i % 2) if i < 2 else f"GPU-x{i}" for i in range(MAX_GPUS)]}
-    push(store, **full)
+    push(store, **full, capabilities=["profile"])
+    finish_a_profile(store, "resnet18", "0", "/traces/" + "x" * 400, **full)
     lines = [ln for ln in app.render()[0].decode().splitlines()
              if ln.startswith("gputrain_training_") and 'run="resnet18"' in ln]
     assert len(lines) <= MAX_SERIES_PER_RANK

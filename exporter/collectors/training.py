@@ -185,6 +185,11 @@ class TrainingCollector:
             "GPU memory the rank's processes hold on each GPU, in bytes (NVML's compute "
             "processes whose pid is the rank's pushed pid or a descendant of it).",
             labels=[*LABELS, "gpu", "uuid"])
+        profile = GaugeMetricFamily(
+            "gputrain_training_profile_info",
+            "The rank's last finished profile (`gputrain-exporter profile`, or an alert): "
+            "the trace's path on the rank's machine; the value is the Unix time it finished.",
+            labels=[*LABELS, "trace"])
         unattributed = GaugeMetricFamily(
             "gputrain_gpu_unattributed_memory_bytes",
             "GPU memory held by processes that no pushing rank owns, in bytes: someone else "
@@ -198,7 +203,8 @@ class TrainingCollector:
         series = GaugeMetricFamily("gputrain_ingest_series",
                                    "Live (run, rank) pairs the daemon holds.", labels=[])
         return (steps, wait, samples, flops, elapsed, hist, phases, last_step, last_push, cpu,
-                rss, read, gpu_info, gpu_memory, unattributed, strangers, requests, series)
+                rss, read, gpu_info, gpu_memory, profile, unattributed, strangers, requests,
+                series)
 
     def collect(self) -> Iterator[Metric]:
         """The families through prometheus_client (for a registry; the daemon's page uses
@@ -209,8 +215,9 @@ class TrainingCollector:
         gpus = GpuIndex(snap)
         held, others = self._owners.attribute(snap, states)
         (steps, wait, samples, flops, elapsed, hist, phases, last_step, last_push, cpu, rss,
-         read, gpu_info, gpu_memory, unattributed, strangers, requests,
+         read, gpu_info, gpu_memory, profile, unattributed, strangers, requests,
          series) = self._families()
+        profiles = self._store.profiles.latest_done()
         for st in states:
             lv = [st.run, st.rank]
             steps.add_metric(lv, st.steps)
@@ -238,11 +245,14 @@ class TrainingCollector:
                 gpu_info.add_metric([*lv, index, uuid, st.precision], 1)
             for (index, uuid), used in sorted(held.get((st.run, st.rank), {}).items()):
                 gpu_memory.add_metric([*lv, index, uuid], used)
+            if (done := profiles.get((st.run, st.rank))) is not None:
+                profile.add_metric([*lv, done.trace], done.finished)
         for (index, uuid), (count, used) in others.items():
             unattributed.add_metric([index, uuid], used)
             strangers.add_metric([index, uuid], count)
         for family in (steps, wait, samples, flops, elapsed, hist, phases, last_step,
-                       last_push, cpu, rss, read, gpu_info, gpu_memory, unattributed, strangers):
+                       last_push, cpu, rss, read, gpu_info, gpu_memory, profile, unattributed,
+                       strangers):
             if family.samples:
                 yield family
         for code, n in sorted(self._store.requests().items()):
@@ -262,8 +272,9 @@ class TrainingCollector:
         gpus = GpuIndex(snap)
         held, others = self._owners.attribute(snap, states)
         headers = self._headers[openmetrics]
-        # the per-rank families, then gpu_info and the ranks' GPU memory
-        per_family: list[list[str]] = [[] for _ in range(_RANK_FAMILIES + 2)]
+        profiles = self._store.profiles.latest_done()
+        # the per-rank families, then gpu_info, the ranks' GPU memory and their last profiles
+        per_family: list[list[str]] = [[] for _ in range(_RANK_FAMILIES + 3)]
         cache: dict[tuple[str, str], tuple[RankState, tuple[str, ...]]] = {}
         for st in states:
             key = (st.run, st.rank)
@@ -283,6 +294,10 @@ class TrainingCollector:
                       for (index, uuid), used in sorted(held.get(key, {}).items())]
             if memory:
                 per_family[_RANK_FAMILIES + 1].append("".join(memory))
+            if (done := profiles.get(key)) is not None:
+                per_family[_RANK_FAMILIES + 2].append(
+                    f'gputrain_training_profile_info{{{_labels(st)},trace="{_escape(done.trace)}"'
+                    f"}} {floatToGoString(done.finished)}\n")
         self._lines = cache  # forgets ranks that are gone
         out: list[str] = []
         for header, chunks in zip(headers, per_family, strict=False):
@@ -292,7 +307,7 @@ class TrainingCollector:
         for i, (name, field) in enumerate((("gputrain_gpu_unattributed_memory_bytes", 1),
                                             ("gputrain_gpu_unattributed_processes", 0))):
             if others:
-                out.append(headers[_RANK_FAMILIES + 2 + i])
+                out.append(headers[_RANK_FAMILIES + 3 + i])
                 out.extend(f'{name}{{gpu="{_escape(index)}",uuid="{_escape(uuid)}"}} '
                            f"{floatToGoString(v[field])}\n" for (index, uuid), v in others.items())
         out.append(headers[-2])

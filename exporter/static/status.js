@@ -109,6 +109,40 @@ function runCard(run) {
   return card;
 }
 
+const PARTS = ["data_loading", "forward", "backward", "optimizer", "other", "idle"];
+const PART_NAMES = { data_loading: "data", forward: "forward", backward: "backward",
+                     optimizer: "optimizer", other: "other", idle: "idle" };
+
+// One profile: where the mean profiled step's time went, as a stacked bar and in words.
+function profileRow(p, now) {
+  const cells = [el("td", {}, p.run + "/" + p.rank),
+    el("td", {}, p.trigger === "cli" ? "gputrain-exporter profile" : p.trigger.slice(6)),
+    el("td", { class: "state-" + p.state }, p.state),
+    el("td", {}, ago(now - (p.finished || p.requested)) + " ago")];
+  if (p.state !== "done") {
+    cells.push(el("td", { colspan: 3, class: "muted" }, p.error ||
+      (p.state === "running" ? "recording " + p.steps + " steps" : "waiting for the rank")));
+    return el("tr", { "data-profile": p.id }, ...cells);
+  }
+  const m = p.mean;
+  const stack = el("div", { class: "stack", title: PARTS.map((k) =>
+    PART_NAMES[k] + " " + pct(m[k] / m.seconds)).join(", ") });
+  for (const k of PARTS) {
+    const seg = el("div", { class: "seg " + k });
+    seg.style.width = (m.seconds ? 100 * m[k] / m.seconds : 0).toFixed(1) + "%";
+    stack.append(seg);
+  }
+  const top = PARTS.reduce((a, b) => (m[b] > m[a] ? b : a));
+  const op = p.top_ops[0];
+  cells.push(el("td", {}, stack, " ", el("span", { "data-top-part": top },
+      PART_NAMES[top] + " " + pct(m.seconds ? m[top] / m.seconds : null)),
+      " of " + num(m.seconds * 1000, 1) + " ms"
+      + (m.gpu_busy !== undefined ? " · GPU busy " + pct(m.gpu_busy / m.seconds) : "")),
+    el("td", {}, op ? op.name : "—"),
+    el("td", {}, el("code", {}, p.trace), " (" + bytes(p.trace_bytes) + ")"));
+  return el("tr", { "data-profile": p.id }, ...cells);
+}
+
 function hostRows(h) {
   const memUsed = h.memory_total_bytes && h.memory_available !== null
     ? 1 - h.memory_available / h.memory_total_bytes : null;
@@ -145,6 +179,10 @@ function draw(s) {
     + ". Host metrics only." : "No GPU.";
   document.getElementById("gpus").hidden = s.gpus.length === 0;
   document.querySelector("#host tbody").replaceChildren(...hostRows(s.host));
+  const profiles = s.profiles || [];
+  document.getElementById("profiles-section").hidden = profiles.length === 0;
+  document.querySelector("#profiles tbody").replaceChildren(
+    ...profiles.map((p) => profileRow(p, s.time)));
 }
 
 async function refresh() {

@@ -1,0 +1,385 @@
+"""Profiles of a running rank: `gputrain-exporter profile`, the push answer that carries the
+request, the client's torch.profiler run and summary, Alertmanager's webhook, and where the
+result shows (/api/v1/profile, /api/v1/status, the status page's data, /metrics).
+
+Real parts: the daemon, real HTTP, real torch (CPU) training in a subprocess, Debian's
+Alertmanager routing the shipped example config.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+from conftest import Alertmanager, require_module, sample_value, stop_all, wait_until
+
+from exporter.client.profiling import RankProfiler, split_step, trace_dir, trace_path
+from exporter.protocol import PROFILE_PATH, PUSH_PATH, STEP_PARTS
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+
+
+# -- where a step's time went, on intervals whose answer is known -----------------------------
+
+def test_a_step_splits_into_parts_that_sum_to_it():
+    """10 ms step (times in µs): 4 ms fetch, forward ops 4.2-5.0, zero_grad 5.0-5.2, backward
+    5.5-7.0, optimizer 7.2-7.6, an op after it 8.0-8.5 (a loss.item()), nothing after."""
+    ops = [("enumerate(DataLoader)#x", 0, 4000), ("aten::linear", 4200, 4700),
+           ("aten::relu", 4800, 5000), ("Optimizer.zero_grad#SGD.zero_grad", 5000, 5200),
+           ("autograd::engine::evaluate_function: AddmmBackward0", 5500, 6000),
+           ("autograd::engine::evaluate_function: ReluBackward0", 6500, 7000),
+           ("Optimizer.step#SGD.step", 7200, 7600), ("aten::item", 8000, 8500)]
+    parts = split_step((0, 10_000), 0.004, ops, [])
+    assert parts["data_loading"] == pytest.approx(0.004)
+    # from the first op after the fetch to the backward, less the zero_grad inside it
+    assert parts["forward"] == pytest.approx(0.0013 - 0.0002)
+    assert parts["backward"] == pytest.approx(0.0015)  # first to last autograd function
+    assert parts["optimizer"] == pytest.approx(0.0002 + 0.0004)
+    assert parts["other"] == pytest.approx(0.0005)
+    # 4.0-4.2 (before the forward's first op), 7.0-7.2, 7.6-8.0 and 8.5-10
+    assert parts["idle"] == pytest.approx(0.0002 + 0.0002 + 0.0004 + 0.0015)
+    assert sum(parts[p] for p in STEP_PARTS) == pytest.approx(parts["seconds"]) == 0.01
+    assert "gpu_busy" not in parts
+
+
+def test_a_step_without_backward_is_forward_and_idle_and_the_gpu_busy_is_a_union():
+    parts = split_step((0, 1000), 0.0, [("aten::mm", 100, 400), ("aten::add", 350, 500)],
+                       [(0, 300), (200, 600), (900, 2000)])
+    assert parts["forward"] == pytest.approx(0.0004) and parts["backward"] == 0
+    assert parts["idle"] == pytest.approx(0.0006)
+    assert parts["gpu_busy"] == pytest.approx(0.0007)  # 0-600 and 900-1000 of the step
+
+
+def test_ops_of_other_steps_do_not_leak_into_a_step():
+    ops = [("autograd::engine::evaluate_function: A", 100, 200),
+           ("autograd::engine::evaluate_function: A", 1100, 1200)]
+    first, second = split_step((0, 1000), 0, ops, []), split_step((1000, 2000), 0, ops, [])
+    assert first["backward"] == second["backward"] == pytest.approx(0.0001)
+
+
+# -- the client's side of the protocol -------------------------------------------------------
+
+def _profiler() -> tuple[RankProfiler, list[str]]:
+    calls: list[str] = []
+    return RankProfiler("r", "0", lambda: calls.append("wake"),
+                        lambda: calls.append("attention")), calls
+
+
+@pytest.mark.parametrize("instruction", [
+    {"type": "profile", "version": 2, "id": "p-0123456789ab", "steps": 3},  # a newer version
+    {"type": "memory-snapshot", "version": 1, "id": "p-0123456789ab"},  # an unknown type
+    {"type": "profile", "version": 1, "id": "../../x", "steps": 3},
+    {"type": "profile", "version": 1, "id": "p-0123456789ab", "steps": 10_000},
+    "profile", None,
+])
+def test_the_client_ignores_instructions_it_does_not_understand(instruction):
+    prof, calls = _profiler()
+    prof.offer(instruction)
+    assert not prof.wanted and prof.report() is None and calls == []
+
+
+def test_the_client_takes_one_profile_once_and_reports_until_the_daemon_has_it():
+    prof, calls = _profiler()
+    instruction = {"type": "profile", "version": 1, "id": "p-0123456789ab", "steps": 3}
+    prof.offer(instruction)
+    assert prof.wanted and prof.report() == {"id": "p-0123456789ab", "state": "accepted"}
+    prof.offer(instruction)  # repeated by every answer until it runs: still one profile
+    prof.offer({**instruction, "id": "p-ffffffffffff"})  # one at a time
+    assert prof.report()["id"] == "p-0123456789ab" and calls.count("attention") == 2
+    prof.close()  # training ended before a step boundary
+    report = prof.report()
+    assert report["state"] == "failed" and "training ended" in report["error"]
+    prof.reported(report)
+    assert prof.report() is None and not prof.wanted
+
+
+def test_trace_files_stay_inside_the_trace_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUTRAIN_TRACE_DIR", str(tmp_path))
+    directory = trace_dir("../../etc")
+    assert directory == tmp_path.resolve()
+    path = trace_path(directory, "../../etc/passwd", "0/../../x", "p-0123456789ab")
+    assert path.parent == tmp_path.resolve() and path.name.endswith(".pt.trace.json.gz")
+    monkeypatch.delenv("GPUTRAIN_TRACE_DIR")
+    default = trace_dir("../../etc")
+    assert default.name == ".._.._etc" and default.parent.name.startswith("gputrain-traces-")
+
+
+# -- end to end: a real training process, the daemon, the command -----------------------------
+
+def _train(daemon, run: str, trace: Path, *args: str) -> subprocess.Popen:
+    require_module("torch")
+    env = {**os.environ, "GPUTRAIN_URL": daemon.ingest_url, "GPUTRAIN_TRACE_DIR": str(trace),
+           "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        [sys.executable, "examples/pytorch_train.py", "--device", "cpu", "--run", run,
+         "--seconds", "600", "--batch-size", "8", *args],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "exporter", "profile", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def training(tmp_path_factory, request):
+    """A demo daemon and a CPU training run whose input is slow (20 ms per sample, 8 per
+    batch): most of every step is data loading."""
+    from conftest import Daemon
+
+    tmp = tmp_path_factory.mktemp("profile")
+    started: list = []
+    try:
+        d = Daemon("--gpu.backend=demo", "--demo.gpus=2", "--profile.alert-interval=1h").start()
+        started.append(d)
+        proc = _train(d, "slow-input", tmp / "traces", "--input-sleep-ms", "20")
+        started.append(proc)
+        d.wait_sample("gputrain_training_steps_total", {"run": "slow-input"},
+                      lambda v: v >= 2, timeout=180)
+        yield {"daemon": d, "proc": proc, "traces": tmp / "traces"}
+    finally:
+        for s in started:
+            if isinstance(s, subprocess.Popen):
+                s.kill()
+                s.wait(timeout=30)
+        stop_all([s for s in started if not isinstance(s, subprocess.Popen)])
+
+
+def test_the_profile_command_prints_where_the_time_went_and_the_trace_is_written(training):
+    d = training["daemon"]
+    out = _cli("--run", "slow-input", "--rank", "0", "--steps", "3", "--url", d.ingest_url,
+               "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["state"] == "done" and doc["trigger"] == "cli" and doc["device"] == "cpu"
+    assert len(doc["step_parts"]) == 3
+    for step in doc["step_parts"]:
+        assert sum(step[p] for p in STEP_PARTS) == pytest.approx(step["seconds"], rel=1e-6)
+        # 8 samples x 20 ms of sleep per batch: at least 160 ms of each step is data loading
+        assert step["data_loading"] >= 0.15
+        assert step["forward"] > 0 and step["backward"] > 0 and step["optimizer"] > 0
+    assert doc["mean"]["data_loading"] / doc["mean"]["seconds"] > 0.5
+    assert any(op["name"].startswith("aten::") for op in doc["top_ops"])
+    # the trace: gzipped Chrome JSON, inside GPUTRAIN_TRACE_DIR, its size as reported
+    trace = Path(doc["trace"])
+    assert trace.parent == training["traces"].resolve()
+    assert trace.stat().st_size == doc["trace_bytes"]
+    with gzip.open(trace, "rt") as fh:
+        events = json.load(fh)["traceEvents"]
+    assert sum(1 for e in events if str(e.get("name", "")).startswith("ProfilerStep")) == 3
+    assert not list(trace.parent.glob("*.partial")) and not list(trace.parent.glob("*.json"))
+
+    # where the result shows: the API, the status document, /metrics
+    got = requests.get(f"{d.ingest_url}{PROFILE_PATH}/{doc['id']}", timeout=5).json()
+    assert got["state"] == "done" and got["trace"] == doc["trace"]
+    status = requests.get(f"{d.url}/api/v1/status", timeout=5).json()
+    assert status["profiles"][0]["id"] == doc["id"]
+    assert d.wait_sample("gputrain_training_profile_info",
+                         {"run": "slow-input", "rank": "0", "trace": doc["trace"]},
+                         lambda v: abs(v - doc["finished"]) < 1) is not None
+    # training went on
+    assert training["proc"].poll() is None
+
+
+def test_the_status_page_in_chromium_draws_the_profile(training):
+    from test_status import chromium, policy_violations
+
+    d = training["daemon"]
+    out = _cli("--run", "slow-input", "--steps", "2", "--url", d.ingest_url, "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    run = chromium(d.url + "/", "--dump-dom")
+    dom = run.stdout
+    assert 'data-ready="1"' in dom, run.stderr[-2000:]
+    assert f'data-profile="{doc["id"]}"' in dom
+    assert 'data-top-part="data_loading"' in dom and doc["trace"] in dom
+    assert policy_violations(run) == []
+
+
+def test_the_text_output_names_the_biggest_part_and_the_top_operators(training):
+    out = _cli("--run", "slow-input", "--steps", "2", "--url", training["daemon"].ingest_url)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Where each step's time went (ms):" in out.stdout
+    assert "Most of a step: data loading" in out.stdout
+    assert "Top operators by self CPU time" in out.stdout
+    assert "queued; the rank takes it with its next push" in out.stderr
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["--run", "nope"], 2, "no rank of run 'nope' pushes to this daemon; runs here: "
+                           "slow-input"),
+    (["--run", "slow-input", "--rank", "7"], 2, "its ranks here: 0"),
+    (["--run", "slow-input", "--steps", "0"], 2, "--steps must be 1-50"),
+])
+def test_the_command_says_what_is_wrong(training, args, code, message):
+    out = _cli(*args, "--url", training["daemon"].ingest_url)
+    assert out.returncode == code and message in out.stderr, out.stderr
+
+
+def test_the_command_says_when_the_daemon_is_not_there():
+    out = _cli("--run", "x", "--url", "http://127.0.0.1:9", timeout=60)
+    assert out.returncode == 2 and "cannot reach the daemon" in out.stderr
+
+
+def test_a_client_without_the_capability_gets_text_and_cannot_be_profiled(training):
+    """An old client (no 'capabilities') gets the plain 'ok' answer it always had, and a
+    profile of it is refused at once, saying why."""
+    d = training["daemon"]
+    body = {"version": 1, "run": "old-client", "rank": "0", "run_id": "abc", "steps": 1,
+            "step_seconds": 0.1, "data_wait_seconds": 0.0, "samples": 8}
+    r = requests.post(d.ingest_url + PUSH_PATH, json=body, timeout=5)
+    assert r.status_code == 200 and r.text == "ok\n"
+    r = requests.post(d.ingest_url + PROFILE_PATH, json={"run": "old-client"}, timeout=5)
+    assert r.status_code == 409 and "client does not offer it" in r.json()["error"]
+    r = requests.post(d.ingest_url + PUSH_PATH, json={**body, "steps": 2,
+                                                      "capabilities": ["profile"]}, timeout=5)
+    assert r.headers["Content-Type"] == "application/json"
+    assert r.json() == {"result": "ok", "instructions": []}
+
+
+@pytest.mark.parametrize("payload, code, message", [
+    (b"{", 400, "must be JSON"),
+    (b'{"rank": "0"}', 400, "field 'run'"),
+    (b'{"run": "slow-input", "steps": "5"}', 400, "'steps' must be a whole number"),
+    (b'{"run": "slow-input", "steps": 51}', 400, "steps must be 1-50"),
+])
+def test_bad_profile_requests_are_400s_that_say_why(training, payload, code, message):
+    r = requests.post(training["daemon"].ingest_url + PROFILE_PATH, data=payload, timeout=5)
+    assert r.status_code == code and message in r.json()["error"]
+
+
+def test_a_bad_report_in_a_push_is_refused_and_changes_nothing(training):
+    d = training["daemon"]
+    body = {"version": 1, "run": "liar", "rank": "0", "run_id": "abc", "steps": 1,
+            "step_seconds": 0.1, "data_wait_seconds": 0.0, "samples": 8,
+            "profile": {"id": "p-0123456789ab", "state": "done", "trace": "/t",
+                        "trace_bytes": -1, "steps": []}}
+    r = requests.post(d.ingest_url + PUSH_PATH, json=body, timeout=5)
+    assert r.status_code == 400 and "profile.trace_bytes" in r.text
+    assert sample_value(d.metrics(), "gputrain_training_steps_total", {"run": "liar"}) is None
+
+
+# -- Alertmanager ------------------------------------------------------------------------------
+
+def _alert(name: str, run: str, rank: str, status: str = "firing") -> dict:
+    return {"status": status, "labels": {"alertname": name, "run": run, "rank": rank,
+                                         "severity": "warning"}}
+
+
+def test_the_webhook_profiles_once_per_run_and_says_what_it_skipped(daemon_factory, tmp_path):
+    d = daemon_factory("--gpu.backend=demo", "--demo.gpus=1")
+    body = {"version": 1, "run": "hooked", "rank": "0", "run_id": "abc", "steps": 1,
+            "step_seconds": 0.1, "data_wait_seconds": 0.0, "samples": 8,
+            "capabilities": ["profile"]}
+    assert requests.post(d.ingest_url + PUSH_PATH, json=body, timeout=5).ok
+    payload = {"version": "4", "status": "firing", "alerts": [
+        _alert("GpuTrainInputBound", "hooked", "0"),
+        _alert("GpuTrainHostMemoryLeak", "hooked", "0"),  # a profile cannot explain a leak
+        _alert("GpuTrainLaunchBound", "hooked", "0", status="resolved"),
+        _alert("GpuTrainInputBound", "elsewhere", "3"),  # a rank of another node
+    ]}
+    r = requests.post(d.ingest_url + "/api/v1/alerts", json=payload, timeout=5)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert [(s["alertname"], s["run"], s["rank"]) for s in answer["started"]] == [
+        ("GpuTrainInputBound", "hooked", "0")]
+    assert [s["run"] for s in answer["skipped"]] == ["elsewhere"]
+    assert "no rank of run 'elsewhere'" in answer["skipped"][0]["reason"]
+    # a second alert for the run within the hour: no second profile
+    r = requests.post(d.ingest_url + "/api/v1/alerts", json={"alerts": [
+        _alert("GpuTrainLowMFU", "hooked", "0")]}, timeout=5)
+    assert r.json()["started"] == [] and "at most one per 3600 s" in \
+        r.json()["skipped"][0]["reason"]
+    profiles = requests.get(d.ingest_url + PROFILE_PATH, timeout=5).json()["profiles"]
+    assert [(p["run"], p["trigger"], p["state"]) for p in profiles] == [
+        ("hooked", "alert:GpuTrainInputBound", "queued")]
+    # the rank's next push carries it
+    r = requests.post(d.ingest_url + PUSH_PATH, json={**body, "steps": 2}, timeout=5)
+    (instruction,) = r.json()["instructions"]
+    assert instruction == {"type": "profile", "version": 1, "id": profiles[0]["id"],
+                           "steps": 5}
+    assert requests.post(d.ingest_url + "/api/v1/alerts", data=b"[]",
+                         timeout=5).status_code == 400
+
+
+def test_the_webhook_needs_the_ingest_token_when_one_is_set(daemon_factory, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret-token-of-16+")
+    d = daemon_factory("--gpu.backend=demo", "--demo.gpus=1", f"--ingest.token-file={token}")
+    r = requests.post(d.ingest_url + "/api/v1/alerts", json={"alerts": []}, timeout=5)
+    assert r.status_code == 401
+    r = requests.post(d.ingest_url + "/api/v1/alerts", json={"alerts": []}, timeout=5,
+                      headers={"Authorization": "Bearer s3cret-token-of-16+"})
+    assert r.status_code == 200 and r.json() == {"started": [], "skipped": []}
+
+
+def test_alertmanager_with_the_shipped_config_asks_the_daemon_for_a_profile(training,
+                                                                           tmp_path):
+    """The example config's profile route, pointed at this daemon: an alert sent to a real
+    Alertmanager (as Prometheus would) ends in a finished profile of that rank."""
+    d = training["daemon"]
+    config = yaml.safe_load((DEPLOY / "alertmanager" / "alertmanager.yml").read_text())
+    (receiver,) = [r for r in config["receivers"] if r["name"] == "gputrain-profile"]
+    assert receiver["webhook_configs"][0]["url"] == "http://127.0.0.1:19401/api/v1/alerts"
+    receiver["webhook_configs"][0]["url"] = d.ingest_url + "/api/v1/alerts"
+    for r in config["receivers"]:  # the people's receivers: nowhere, in a test
+        if r["name"] != "gputrain-profile":
+            r["webhook_configs"] = [{"url": "http://127.0.0.1:9/"}]
+    path = tmp_path / "alertmanager.yml"
+    path.write_text(yaml.safe_dump(config))
+    am = Alertmanager(tmp_path, path).start()
+    try:
+        before = {p["id"] for p in requests.get(d.ingest_url + PROFILE_PATH,
+                                                timeout=5).json()["profiles"]}
+        alert = {"labels": {"alertname": "GpuTrainInputBound", "run": "slow-input",
+                            "rank": "0", "severity": "warning", "instance": "node-1"},
+                 "annotations": {"summary": "A training run waits on its data loader."}}
+        r = requests.post(am.url + "/api/v2/alerts", json=[alert], timeout=5)
+        assert r.status_code == 200, r.text
+
+        def finished():
+            docs = requests.get(d.ingest_url + PROFILE_PATH, timeout=5).json()["profiles"]
+            new = [p for p in docs if p["id"] not in before
+                   and p["trigger"] == "alert:GpuTrainInputBound"]
+            return new if new and new[0]["state"] in ("done", "failed", "expired") else None
+
+        (profile,) = wait_until(finished, timeout=120, what="the alert's profile")
+        assert profile["state"] == "done", profile
+        assert profile["mean"]["data_loading"] / profile["mean"]["seconds"] > 0.5
+        assert Path(profile["trace"]).is_file()
+        status = requests.get(d.url + "/api/v1/status", timeout=5).json()
+        assert any(p["id"] == profile["id"] for p in status["profiles"])
+    finally:
+        stop_all([am])
+
+
+def test_a_daemon_that_dies_mid_profile_does_not_stop_training(daemon_factory, tmp_path):
+    d = daemon_factory("--gpu.backend=demo", "--demo.gpus=1")
+    proc = _train(d, "orphan", tmp_path, "--input-sleep-ms", "5")
+    try:
+        d.wait_sample("gputrain_training_steps_total", {"run": "orphan"}, lambda v: v >= 1,
+                      timeout=180)
+        r = requests.post(d.ingest_url + PROFILE_PATH, json={"run": "orphan", "steps": 50},
+                          timeout=5)
+        assert r.ok
+        pid = r.json()["id"]
+        wait_until(lambda: requests.get(f"{d.ingest_url}{PROFILE_PATH}/{pid}", timeout=5)
+                   .json()["state"] == "running", timeout=60, what="the profile to start")
+        d.kill()
+        # the trace is still written, and training goes on without the daemon
+        wait_until(lambda: list(tmp_path.glob("orphan-rank0-*.pt.trace.json.gz")),
+                   timeout=120, what="the trace")
+        time.sleep(1.0)  # not a race: the process must merely still be alive afterwards
+        assert proc.poll() is None, proc.stderr.read() if proc.poll() is not None else ""
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
