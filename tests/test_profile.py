@@ -59,6 +59,20 @@ def test_a_step_without_backward_is_forward_and_idle_and_the_gpu_busy_is_a_union
     assert parts["gpu_busy"] == pytest.approx(0.0007)  # 0-600 and 900-1000 of the step
 
 
+def test_an_optimizer_step_that_runs_the_closure_is_optimizer_only_outside_it():
+    """Lightning's automatic optimisation: Optimizer.step runs training_step and backward in
+    its closure, then updates the weights."""
+    ops = [("Optimizer.step#SGD.step", 1000, 9000), ("aten::linear", 1100, 3000),
+           ("autograd::engine::evaluate_function: AddmmBackward0", 4000, 6000),
+           ("aten::add_", 6500, 8500)]
+    parts = split_step((0, 10_000), 0.001, ops, [])
+    assert parts["forward"] == pytest.approx(0.0029)  # 1.1-4.0: first op to the backward
+    assert parts["backward"] == pytest.approx(0.002)
+    assert parts["optimizer"] == pytest.approx(0.0031)  # 1.0-1.1 and the update, 6.0-9.0
+    assert parts["idle"] == pytest.approx(0.001)  # 9.0-10
+    assert sum(parts[p] for p in STEP_PARTS) == pytest.approx(0.01)
+
+
 def test_ops_of_other_steps_do_not_leak_into_a_step():
     ops = [("autograd::engine::evaluate_function: A", 100, 200),
            ("autograd::engine::evaluate_function: A", 1100, 1200)]
@@ -383,3 +397,62 @@ def test_a_daemon_that_dies_mid_profile_does_not_stop_training(daemon_factory, t
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+def test_a_lightning_run_is_profiled_through_its_callback(daemon_factory, tmp_path,
+                                                         monkeypatch):
+    """The step boundaries of the Lightning integration drive the profile as wrap()'s do:
+    asked for from inside training, it finishes while Lightning trains on."""
+    pl = require_module("lightning.pytorch")
+    import torch
+
+    from exporter.client.lightning import GpuTrainCallback
+
+    monkeypatch.setenv("GPUTRAIN_TRACE_DIR", str(tmp_path / "traces"))
+    d = daemon_factory("--gpu.backend=demo", "--demo.gpus=1")
+    asked: dict = {}
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 100_000
+
+        def __getitem__(self, i: int):
+            time.sleep(0.002)  # 16 ms of input per batch of 8
+            return torch.randn(16), torch.randn(1)
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(16, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.layer(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    class AskAndStop(pl.Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            if not asked:  # until the rank's first push has reached the daemon
+                r = requests.post(d.ingest_url + PROFILE_PATH, json={"run": "lit", "steps": 3},
+                                  timeout=5)
+                if r.ok:
+                    asked.update(r.json())
+            if asked and requests.get(f"{d.ingest_url}{PROFILE_PATH}/{asked['id']}",
+                                      timeout=5).json()["state"] in ("done", "failed"):
+                trainer.should_stop = True
+
+    trainer = pl.Trainer(max_steps=3000, accelerator="cpu", logger=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, default_root_dir=tmp_path,
+                         callbacks=[GpuTrainCallback(run="lit", endpoint=d.ingest_url,
+                                                     push_interval=0.2), AskAndStop()])
+    trainer.fit(Tiny(), torch.utils.data.DataLoader(Data(), batch_size=8))
+    doc = requests.get(f"{d.ingest_url}{PROFILE_PATH}/{asked['id']}", timeout=5).json()
+    assert doc["state"] == "done", doc
+    assert trainer.global_step < 3000
+    mean = doc["mean"]
+    assert mean["data_loading"] >= 0.012  # the 16 ms fetch, as the client measured it
+    assert mean["backward"] > 0 and mean["optimizer"] > 0
+    assert Path(doc["trace"]).parent == (tmp_path / "traces").resolve()

@@ -21,6 +21,7 @@ import shutil
 import tempfile
 import threading
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -115,42 +116,48 @@ def split_step(window: tuple[float, float], data_wait: float,
 
     ``window`` is the step (one ``ProfilerStep``), ``data_wait`` the client's own measure of
     its fetch (seconds, at the step's start, where every integration fetches), ``ops`` the
-    training thread's top-level operations and the backward pass's (name, start, end), and
+    training thread's operations at any depth and the backward pass's (name, start, end), and
     ``device`` the GPU's kernel and copy intervals. The parts, in this order of precedence:
-    data_loading; optimizer (``Optimizer.step``/``zero_grad``); backward (from the first to
-    the last autograd function); forward (from the first operation after the fetch to the
-    backward, or every other operation when there is none); other (operations after the
+    data_loading; backward (from the first to the last autograd function); optimizer
+    (``Optimizer.step``/``zero_grad``); forward (from the first operation after the fetch to
+    the backward, or every other operation when there is none); other (operations after the
     backward); idle (no operation recorded on the training thread: Python that calls no torch
-    op, sleeps). They sum to the step. ``gpu_busy``: seconds the GPU ran anything (with CUDA).
+    op, sleeps). An optimizer step that runs the forward and backward in its closure
+    (Lightning's) counts as optimizer only outside them. They sum to the step. ``gpu_busy``:
+    seconds the GPU ran anything (with CUDA).
     """
     lo, hi = window
-    whole = [(lo, hi)]
+    inside = [(n, a, b) for n, a, b in ops if b > lo and a < hi]
     data = [(lo, min(hi, lo + data_wait * 1e6))]
     taken = list(data)
-    optimizer = _minus(_union(_clip([(a, b) for n, a, b in ops if n.startswith(_OPTIMIZER)],
-                                    lo, hi)), taken)
-    taken = _union(taken + optimizer)
-    backward_ops = [(a, b) for n, a, b in ops if n.startswith(_BACKWARD) and b > lo and a < hi]
     backward: list[tuple[float, float]] = []
-    if backward_ops:
-        span = _clip([(min(a for a, _ in backward_ops), max(b for _, b in backward_ops))],
-                     lo, hi)
+    autograd = [(a, b) for n, a, b in inside if n.startswith(_BACKWARD)]
+    if autograd:
+        span = _clip([(min(a for a, _ in autograd), max(b for _, b in autograd))], lo, hi)
         backward = _minus(span, taken)
-    taken = _union(taken + backward)
-    rest = [(a, b) for n, a, b in ops
-            if not n.startswith(_OPTIMIZER) and not n.startswith(_BACKWARD)]
-    busy = _minus(_union(_clip(rest, lo, hi)), taken)
+        taken = _union(taken + backward)
+    steps = [(a, b) for n, a, b in inside if n.startswith(_OPTIMIZER)]
+    closures = [(a, b) for a, b in steps if any(a <= c and d <= b for c, d in autograd)]
+    optimizer = _minus(_union(_clip([r for r in steps if r not in closures], lo, hi)), taken)
+    taken = _union(taken + optimizer)
+    rest = _union(_clip([(a, b) for n, a, b in inside if not n.startswith(_OPTIMIZER)
+                         and not n.startswith(_BACKWARD)], lo, hi))
+    busy = _minus(rest, taken)
     if backward:
         first = min((a for a, _ in busy if a < backward[0][0]), default=None)
         forward = [] if first is None else _minus([(first, backward[0][0])], taken)
-        other = _minus(busy, _union(taken + forward))
     else:
-        forward, other = busy, []
-    taken = _union(taken + forward + other)
+        forward = busy
+    taken = _union(taken + forward)
+    in_closure = _minus(_union(_clip(closures, lo, hi)), taken)
+    optimizer = _union(optimizer + in_closure)
+    taken = _union(taken + in_closure)
+    other = _minus(rest, taken)
+    taken = _union(taken + other)
     parts = {
         "data_loading": _length(data), "forward": _length(forward),
         "backward": _length(backward), "optimizer": _length(optimizer),
-        "other": _length(other), "idle": _length(_minus(whole, taken)),
+        "other": _length(other), "idle": _length(_minus([(lo, hi)], taken)),
     }
     out = {k: v / 1e6 for k, v in parts.items()}
     out["seconds"] = (hi - lo) / 1e6
@@ -167,21 +174,27 @@ def summarise(prof: Any, data_waits: list[float]) -> dict[str, Any]:
     steps = sorted((e for e in events if e.name.startswith("ProfilerStep")),
                    key=lambda e: e.time_range.start)
     main_threads = {e.thread for e in steps}
-    ops: list[tuple[str, float, float]] = []
+    ops: list[tuple[float, str, float]] = []
     device: list[tuple[float, float]] = []
     for e in events:
         start, end = e.time_range.start, e.time_range.end
         if e.device_type != DeviceType.CPU:
             device.append((start, end))
-        elif e.name.startswith(_BACKWARD) and (e.cpu_parent is None or
-                                               e.cpu_parent.name.startswith("ProfilerStep")):
-            ops.append((e.name, start, end))  # on any thread: CUDA runs it on its own
-        elif e.thread in main_threads and e.cpu_parent is not None and \
-                e.cpu_parent.name.startswith("ProfilerStep"):
-            ops.append((e.name, start, end))
-    split = [split_step((s.time_range.start, s.time_range.end),
-                        data_waits[i] if i < len(data_waits) else 0.0, ops, device)
-             for i, s in enumerate(steps[:MAX_PROFILE_STEPS])]
+        elif e.name.startswith(_BACKWARD) or (e.thread in main_threads and
+                                              not e.name.startswith("ProfilerStep")):
+            ops.append((start, e.name, end))  # autograd on any thread: CUDA runs its own
+    ops.sort()
+    device.sort()
+    starts = [a for a, _, _ in ops]
+    device_starts = [a for a, _ in device]
+    split = []
+    for i, s in enumerate(steps[:MAX_PROFILE_STEPS]):
+        lo, hi = s.time_range.start, s.time_range.end
+        # an operation belongs to the step it starts in (the profiler's ranges nest in steps)
+        mine = [(n, a, b) for a, n, b in ops[bisect_left(starts, lo):bisect_left(starts, hi)]]
+        gpu = device[bisect_left(device_starts, lo):bisect_left(device_starts, hi)]
+        split.append(split_step((lo, hi), data_waits[i] if i < len(data_waits) else 0.0,
+                                mine, gpu))
     return {"device": "cuda" if device else "cpu", "steps": split,
             "top_ops": top_operators(prof.key_averages())}
 
