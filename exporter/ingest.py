@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
-from exporter.profiles import ProfileBoard, ProfileRefused, parse_report
+from exporter.profiles import ProfileBoard, parse_report
 from exporter.protocol import (
     DEFAULT_PRECISION,
     GPU_REF_RE,
@@ -30,6 +30,7 @@ from exporter.protocol import (
     PRECISIONS,
     RUN_ID_RE,
     SCHEMA_VERSION,
+    Refused,
 )
 
 MAX_CAPABILITIES = 8
@@ -41,12 +42,7 @@ PROCESS_COUNTERS = ("cpu_seconds", "read_bytes")
 PROCESS_FIELDS = (*PROCESS_COUNTERS, "resident_memory_bytes")
 
 
-class PushRejected(Exception):
-    """A push that cannot be accepted; ``status`` is the HTTP code, the message says why."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
+PushRejected = Refused  # a push that cannot be accepted (the name the push path uses)
 
 
 @dataclass
@@ -240,10 +236,7 @@ def _parse_profile(body: dict, st: RankState) -> None:
                                 f"{MAX_CAPABILITIES} short strings")
     st.capabilities = tuple(dict.fromkeys(caps))
     if body.get("profile") is not None:
-        try:
-            st.profile_report = parse_report(body["profile"])
-        except ProfileRefused as exc:
-            raise PushRejected(exc.status, str(exc)) from None
+        st.profile_report = parse_report(body["profile"])
 
 
 def _check_monotonic(old: RankState, new: RankState) -> None:

@@ -31,6 +31,7 @@ from exporter.protocol import (
     PROFILE_ID_RE,
     PROFILE_VERSION,
     STEP_PARTS,
+    Refused,
 )
 
 if TYPE_CHECKING:
@@ -46,13 +47,6 @@ MAX_ALERTS = 1000  # alerts in one webhook call
 OP_NAME_LENGTH = 200
 
 
-class ProfileRefused(Exception):
-    """A request or report that cannot be taken; ``status`` is the HTTP code, the message
-    says why."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass
@@ -105,21 +99,21 @@ def mean_parts(steps: list[dict[str, float]]) -> dict[str, float]:
 def _number(value: Any, where: str, integer: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or \
             not math.isfinite(value) or value < 0 or value > 2**63:
-        raise ProfileRefused(400, f"'{where}' must be a finite number >= 0, got {value!r}")
+        raise Refused(400, f"'{where}' must be a finite number >= 0, got {value!r}")
     if integer and not float(value).is_integer():
-        raise ProfileRefused(400, f"'{where}' must be a whole number, got {value!r}")
+        raise Refused(400, f"'{where}' must be a whole number, got {value!r}")
     return int(value) if integer else float(value)
 
 
 def parse_report(report: Any) -> dict[str, Any]:
     """Validate the ``profile`` field of a push (the client's state of one profile)."""
     if not isinstance(report, dict):
-        raise ProfileRefused(400, "field 'profile' must be an object")
+        raise Refused(400, "field 'profile' must be an object")
     pid, state = report.get("id"), report.get("state")
     if not isinstance(pid, str) or not PROFILE_ID_RE.fullmatch(pid):
-        raise ProfileRefused(400, "'profile.id' must be a profile id (p- and 12 hex digits)")
+        raise Refused(400, "'profile.id' must be a profile id (p- and 12 hex digits)")
     if state not in ("accepted", "running", "done", "failed"):
-        raise ProfileRefused(400, "'profile.state' must be accepted, running, done or failed, "
+        raise Refused(400, "'profile.state' must be accepted, running, done or failed, "
                                 f"got {state!r}")
     out: dict[str, Any] = {"id": pid, "state": state}
     for key in ("started", "finished"):
@@ -128,40 +122,40 @@ def parse_report(report: Any) -> dict[str, Any]:
     if state == "failed":
         error = report.get("error", "")
         if not isinstance(error, str):
-            raise ProfileRefused(400, "'profile.error' must be a string")
+            raise Refused(400, "'profile.error' must be a string")
         out["error"] = error[:MAX_PROFILE_ERROR_LENGTH]
     if state != "done":
         return out
     trace = report.get("trace")
     if not isinstance(trace, str) or not trace or len(trace) > MAX_TRACE_PATH_LENGTH or \
             any(ord(c) < 32 for c in trace):
-        raise ProfileRefused(400, f"'profile.trace' must be a path of 1-{MAX_TRACE_PATH_LENGTH} "
+        raise Refused(400, f"'profile.trace' must be a path of 1-{MAX_TRACE_PATH_LENGTH} "
                                 "printable characters")
     out["trace"] = trace
     out["trace_bytes"] = _number(report.get("trace_bytes"), "profile.trace_bytes", True)
     device = report.get("device", "cpu")
     if device not in ("cpu", "cuda"):
-        raise ProfileRefused(400, f"'profile.device' must be cpu or cuda, got {device!r}")
+        raise Refused(400, f"'profile.device' must be cpu or cuda, got {device!r}")
     out["device"] = device
     steps = report.get("steps")
     if not isinstance(steps, list) or len(steps) > MAX_PROFILE_STEPS:
-        raise ProfileRefused(400, f"'profile.steps' must be an array of at most "
+        raise Refused(400, f"'profile.steps' must be an array of at most "
                                 f"{MAX_PROFILE_STEPS} steps")
     out["steps"] = []
     for i, step in enumerate(steps):
         if not isinstance(step, dict):
-            raise ProfileRefused(400, f"'profile.steps[{i}]' must be an object")
+            raise Refused(400, f"'profile.steps[{i}]' must be an object")
         keys = ("seconds", *STEP_PARTS) + (("gpu_busy",) if "gpu_busy" in step else ())
         out["steps"].append({k: _number(step.get(k), f"profile.steps[{i}].{k}")
                              for k in keys})
     ops = report.get("top_ops", [])
     if not isinstance(ops, list) or len(ops) > MAX_PROFILE_TOP_OPS:
-        raise ProfileRefused(400, f"'profile.top_ops' must be an array of at most "
+        raise Refused(400, f"'profile.top_ops' must be an array of at most "
                                 f"{MAX_PROFILE_TOP_OPS} operators")
     out["top_ops"] = []
     for i, op in enumerate(ops):
         if not isinstance(op, dict) or not isinstance(op.get("name"), str):
-            raise ProfileRefused(400, f"'profile.top_ops[{i}]' must be an object with a name")
+            raise Refused(400, f"'profile.top_ops[{i}]' must be an object with a name")
         out["top_ops"].append({
             "name": op["name"][:OP_NAME_LENGTH],
             "calls": _number(op.get("calls"), f"profile.top_ops[{i}].calls", True),
@@ -201,22 +195,22 @@ class ProfileBoard:
     def request(self, run: str, rank: str | None = None, steps: int = DEFAULT_PROFILE_STEPS,
                 trigger: str = "cli") -> Profile:
         """Queue a profile of ``rank`` of ``run`` (its lowest rank here when None); a rank
-        with one queued or running gets that one back. Raises ProfileRefused."""
+        with one queued or running gets that one back. Raises Refused."""
         if not 1 <= steps <= MAX_PROFILE_STEPS:
-            raise ProfileRefused(400, f"steps must be 1-{MAX_PROFILE_STEPS}, got {steps}")
+            raise Refused(400, f"steps must be 1-{MAX_PROFILE_STEPS}, got {steps}")
         live = [s for s in self._states() if s.run == run]
         if not live:
             runs = sorted({s.run for s in self._states()})
-            raise ProfileRefused(404, f"no rank of run {run!r} pushes to this daemon; runs "
+            raise Refused(404, f"no rank of run {run!r} pushes to this daemon; runs "
                                       f"here: {', '.join(runs) or 'none'}")
         ranks = sorted((s.rank for s in live), key=_rank_order)
         rank = ranks[0] if rank is None else rank
         state = next((s for s in live if s.rank == rank), None)
         if state is None:
-            raise ProfileRefused(404, f"run {run!r} has no rank {rank!r} pushing to this "
+            raise Refused(404, f"run {run!r} has no rank {rank!r} pushing to this "
                                       f"daemon; its ranks here: {', '.join(ranks)}")
         if PROFILE_CAPABILITY not in state.capabilities:
-            raise ProfileRefused(409, f"rank {rank} of run {run} cannot be profiled: its "
+            raise Refused(409, f"rank {rank} of run {run} cannot be profiled: its "
                                       "client does not offer it (a gputrain client from before "
                                       "profiles, or one where torch cannot be imported)")
         with self._cond:
@@ -225,7 +219,7 @@ class ProfileBoard:
             if existing is not None:
                 return existing
             if len(self._open) >= MAX_OPEN:
-                raise ProfileRefused(429, f"{len(self._open)} profiles are already queued or "
+                raise Refused(429, f"{len(self._open)} profiles are already queued or "
                                           "running on this daemon; try again later")
             now = self._clock()
             profile = Profile(id="p-" + os.urandom(6).hex(), run=run, rank=rank, steps=steps,
@@ -330,13 +324,13 @@ class ProfileBoard:
         try:
             body = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError):
-            raise ProfileRefused(400, "the body must be Alertmanager's webhook JSON") from None
+            raise Refused(400, "the body must be Alertmanager's webhook JSON") from None
         alerts = body.get("alerts") if isinstance(body, dict) else None
         if not isinstance(alerts, list):
-            raise ProfileRefused(400, "the body must be Alertmanager's webhook JSON: an object "
+            raise Refused(400, "the body must be Alertmanager's webhook JSON: an object "
                                       "with an 'alerts' array")
         if len(alerts) > MAX_ALERTS:
-            raise ProfileRefused(413, f"{len(alerts)} alerts in one call; the limit is "
+            raise Refused(413, f"{len(alerts)} alerts in one call; the limit is "
                                       f"{MAX_ALERTS}")
         started: list[dict[str, Any]] = []
         skipped: list[dict[str, Any]] = []
@@ -362,7 +356,7 @@ class ProfileBoard:
                 continue
             try:
                 profile = self.request(run, rank, DEFAULT_PROFILE_STEPS, f"alert:{name}")
-            except ProfileRefused as exc:
+            except Refused as exc:
                 skipped.append({**about, "reason": str(exc)})
                 continue
             with self._cond:

@@ -51,6 +51,15 @@ MAX_PROFILE_ERROR_LENGTH = 500
 STEP_PARTS = ("data_loading", "forward", "backward", "optimizer", "other", "idle")
 
 
+class Refused(Exception):
+    """A request the daemon refuses: ``status`` is the HTTP code, the message says why (a push,
+    a profile request, an Alertmanager call)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 def is_name(value: str, max_length: int = MAX_NAME_LENGTH) -> bool:
     """A valid run, rank or phase name."""
     return len(value) <= max_length and NAME_RE.fullmatch(value) is not None

@@ -21,14 +21,15 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from exporter.ingest import IngestStore, PushRejected
-from exporter.profiles import ProfileBoard, ProfileRefused
+from exporter.ingest import IngestStore
+from exporter.profiles import ProfileBoard
 from exporter.protocol import (
     ALERTS_PATH,
     DEFAULT_PROFILE_STEPS,
     MAX_BODY_BYTES,
     PROFILE_PATH,
     PUSH_PATH,
+    Refused,
 )
 from exporter.sampler import Sampler
 from exporter.status import CONTENT_SECURITY_POLICY, STATUS_PATH
@@ -204,12 +205,6 @@ class MetricsHandler(_Handler):
     do_HEAD = do_GET
 
 
-class _Refused(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 MAX_WAIT_SECONDS = 5.0  # a GET of a profile may wait this long for it to finish (< REQUEST_SECONDS)
 
 
@@ -230,7 +225,7 @@ class IngestHandler(_Handler):
                     answer = self._ask_profile(store.profiles, raw)
                 else:
                     answer = store.profiles.alerts(raw)
-            except (_Refused, ProfileRefused) as exc:
+            except Refused as exc:
                 self._json(exc.status, {"error": str(exc)})
             else:
                 self._json(200, answer)
@@ -247,32 +242,32 @@ class IngestHandler(_Handler):
         """The request's body, after the token and the framing are checked."""
         if not store.authorized(self.headers.get("Authorization")):
             self.close_connection = True
-            raise _Refused(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
+            raise Refused(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
         lengths = self.headers.get_all("Content-Length") or []
         if self.headers.get("Transfer-Encoding") or not lengths:
             self.close_connection = True
-            raise _Refused(411, "a Content-Length header is required (no Transfer-Encoding)")
+            raise Refused(411, "a Content-Length header is required (no Transfer-Encoding)")
         if len(lengths) > 1:
             self.close_connection = True
-            raise _Refused(400, "more than one Content-Length header")
+            raise Refused(400, "more than one Content-Length header")
         if not _DIGITS.fullmatch(lengths[0].strip()):
             self.close_connection = True
-            raise _Refused(400, f"Content-Length must be digits only, got {lengths[0][:40]!r}")
+            raise Refused(400, f"Content-Length must be digits only, got {lengths[0][:40]!r}")
         length = int(lengths[0])
         if length > MAX_BODY_BYTES:
             self.close_connection = True  # the unread body must not be parsed as a request
-            raise _Refused(413, f"the body is {length} bytes; the limit is {MAX_BODY_BYTES}")
+            raise Refused(413, f"the body is {length} bytes; the limit is {MAX_BODY_BYTES}")
         raw = self.rfile.read(length)
         if len(raw) != length:
             self.close_connection = True
-            raise _Refused(400, "the body is shorter than Content-Length")
+            raise Refused(400, "the body is shorter than Content-Length")
         return raw
 
     def _push(self, store: IngestStore) -> tuple[int, bytes, str]:
         text = "text/plain; charset=utf-8"
         try:
             message, state, instructions = store.accept(self._body(store))
-        except (_Refused, PushRejected) as exc:
+        except Refused as exc:
             return exc.status, (str(exc) + "\n").encode(), text
         except Exception:  # a bug: still answer and count it
             log.exception("processing a push failed")
@@ -287,18 +282,18 @@ class IngestHandler(_Handler):
         try:
             ask = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError):
-            raise _Refused(400, 'the body must be JSON: {"run": ..., "rank": ..., '
+            raise Refused(400, 'the body must be JSON: {"run": ..., "rank": ..., '
                                 '"steps": ...}') from None
         if not isinstance(ask, dict) or not isinstance(ask.get("run"), str):
-            raise _Refused(400, "field 'run' (a string) is required")
+            raise Refused(400, "field 'run' (a string) is required")
         rank = ask.get("rank")
         if isinstance(rank, int) and not isinstance(rank, bool):
             rank = str(rank)
         if rank is not None and not isinstance(rank, str):
-            raise _Refused(400, "field 'rank' must be a string or a whole number")
+            raise Refused(400, "field 'rank' must be a string or a whole number")
         steps = ask.get("steps", DEFAULT_PROFILE_STEPS)
         if isinstance(steps, bool) or not isinstance(steps, int):
-            raise _Refused(400, f"field 'steps' must be a whole number, got {steps!r}")
+            raise Refused(400, f"field 'steps' must be a whole number, got {steps!r}")
         return board.request(ask["run"], rank, steps, "cli").document()
 
     def do_GET(self) -> None:
