@@ -457,3 +457,24 @@ def test_a_lightning_run_is_profiled_through_its_callback(daemon_factory, tmp_pa
     assert mean["data_loading"] >= 0.012  # the 16 ms fetch, as the client measured it
     assert mean["backward"] > 0 and mean["optimizer"] > 0
     assert Path(doc["trace"]).parent == (tmp_path / "traces").resolve()
+
+
+def test_a_report_the_daemon_refuses_is_dropped_and_the_totals_go_on(daemon_factory):
+    """A client whose report the daemon cannot read (a bug, a newer field) must not have
+    every later push refused with it."""
+    from exporter.client import TrainingMonitor
+
+    d = daemon_factory("--gpu.backend=demo", "--demo.gpus=1")
+    monitor = TrainingMonitor(run="dropped", rank=0, endpoint=d.ingest_url, start=False)
+    try:
+        monitor._profiler._report = {"id": "p-0123456789ab", "state": "done",
+                                     "trace": "/t", "trace_bytes": -1}
+        with monitor.step(samples=8):
+            pass
+        assert not monitor.flush()  # refused with the report: a 400 that names it
+        assert monitor._profiler.report() is None
+        assert monitor.flush()  # without it
+        assert sample_value(d.metrics(), "gputrain_training_steps_total",
+                            {"run": "dropped"}) == 1
+    finally:
+        monitor.close()

@@ -280,11 +280,16 @@ class RankProfiler:
         """The state to send with the next push."""
         return self._report
 
-    def reported(self, report: dict[str, Any]) -> None:
-        """The daemon took ``report``: a final one is not sent again."""
+    def reported(self, report: dict[str, Any], refused: str | None = None) -> None:
+        """The daemon took ``report`` (a final one is not sent again), or ``refused`` it (it
+        is dropped, so that the totals' pushes go on)."""
         with self._lock:
-            if self._report is report and report["state"] in ("done", "failed"):
+            if self._report is report and (refused is not None or
+                                           report["state"] in ("done", "failed")):
                 self._report = None
+        if refused is not None:
+            log.warning("gputrain: the daemon refused profile %s's report: %s", report.get("id"),
+                        refused)
 
     def at_boundary(self, step_seconds: float, data_wait: float) -> None:
         """A step just ended (training thread). Never raises."""

@@ -159,6 +159,9 @@ class Pusher:
             self._failing = False
             self._answered(r, body)
             return True
+        if r.status_code == 400 and self._profiler is not None and "profile" in body:
+            # never let a report the daemon cannot read block the totals' pushes
+            self._profiler.reported(body["profile"], refused=r.text.strip()[:300])
         if r.status_code not in self._warned_codes:
             self._warned_codes.add(r.status_code)
             log.warning("gputrain: the daemon refused a push (%d): %s", r.status_code,
