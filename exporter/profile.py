@@ -17,6 +17,7 @@ from typing import Any
 
 import requests
 
+from exporter.client.pusher import ServerName
 from exporter.protocol import DEFAULT_PROFILE_STEPS, MAX_PROFILE_STEPS, PROFILE_PATH, STEP_PARTS
 
 DEFAULT_URL = "http://127.0.0.1:19401"
@@ -45,6 +46,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                         "GPUTRAIN_TOKEN_FILE)")
     p.add_argument("--ca-file", default=os.environ.get("GPUTRAIN_CA_FILE"),
                    help="CA bundle for an https:// daemon (GPUTRAIN_CA_FILE)")
+    p.add_argument("--tls-server-name", default=os.environ.get("GPUTRAIN_TLS_SERVER_NAME"),
+                   help="the name to verify the daemon's certificate against where --url is an "
+                        "address it does not name, a node IP (GPUTRAIN_TLS_SERVER_NAME)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds to wait for the result (600)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -64,7 +68,11 @@ def _token(path: str | None) -> str | None:
 
 def _call(session: requests.Session, method: str, url: str, **kwargs: Any) -> dict[str, Any]:
     try:
-        r = session.request(method, url, timeout=(3.0, 15.0), **kwargs)
+        # verify per request: a session's own loses to REQUESTS_CA_BUNDLE in the environment
+        r = session.request(method, url, timeout=(3.0, 15.0), verify=session.verify, **kwargs)
+    except requests.exceptions.SSLError as exc:
+        raise Failed(f"the TLS handshake with {url} failed ({exc.__context__ or exc}); check "
+                     "--ca-file and --tls-server-name") from None
     except requests.RequestException as exc:
         raise Failed(f"cannot reach the daemon at {url} ({type(exc).__name__}); is it "
                      "running, and is --url its ingest address (port 19401 by default)?") \
@@ -82,7 +90,7 @@ def _call(session: requests.Session, method: str, url: str, **kwargs: Any) -> di
 
 def ask(url: str, run: str, rank: str | None, steps: int, timeout: float,
         token: str | None = None, ca_file: str | None = None,
-        progress: Any = None) -> dict[str, Any]:
+        progress: Any = None, server_name: str | None = None) -> dict[str, Any]:
     """Ask for a profile and wait for it: the daemon's final document of it (state done,
     failed or expired), or the last one seen after ``timeout`` seconds. Raises Failed."""
     session = requests.Session()
@@ -91,6 +99,8 @@ def ask(url: str, run: str, rank: str | None, steps: int, timeout: float,
         session.headers["Authorization"] = f"Bearer {token}"
     if ca_file:
         session.verify = ca_file
+    if server_name:
+        session.mount("https://", ServerName(server_name))
     base = url.rstrip("/") + PROFILE_PATH
     body: dict[str, Any] = {"run": run, "steps": steps}
     if rank is not None:
@@ -170,7 +180,7 @@ def main(ns: argparse.Namespace) -> int:
         return 2
     try:
         doc = ask(ns.url, ns.run, ns.rank, ns.steps, ns.timeout, _token(ns.token_file),
-                  ns.ca_file, None if ns.json else _progress)
+                  ns.ca_file, None if ns.json else _progress, ns.tls_server_name)
     except Failed as exc:
         print(f"gputrain-exporter profile: {exc}", file=sys.stderr)
         return 2

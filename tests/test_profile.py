@@ -478,3 +478,26 @@ def test_a_report_the_daemon_refuses_is_dropped_and_the_totals_go_on(daemon_fact
                             {"run": "dropped"}) == 1
     finally:
         monitor.close()
+
+
+def test_the_command_reaches_an_https_ingest_with_a_token_by_server_name(daemon_factory,
+                                                                         tmp_path):
+    """As on Kubernetes: the ingest's certificate names `gputrain-exporter`, not the address
+    dialled, and it wants the token. The request gets through (to a 404 that names the run)
+    with --ca-file, --tls-server-name and --token-file, and not without the name."""
+    cert, key, token = tmp_path / "tls.crt", tmp_path / "tls.key", tmp_path / "token"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=gputrain-exporter", "-addext",
+                    "subjectAltName=DNS:gputrain-exporter", "-keyout", str(key), "-out",
+                    str(cert)], check=True, capture_output=True)
+    token.write_text("a-token-of-sixteen-or-more")
+    d = daemon_factory("--gpu.backend=demo", "--demo.gpus=1", f"--ingest.token-file={token}",
+                       f"--ingest.tls-cert-file={cert}", f"--ingest.tls-key-file={key}")
+    url = d.ingest_url.replace("http://", "https://")
+    common = ["--run", "somewhere", "--url", url, "--ca-file", str(cert)]
+    out = _cli(*common, "--token-file", str(token), "--tls-server-name", "gputrain-exporter")
+    assert out.returncode == 2 and "no rank of run 'somewhere'" in out.stderr, out.stderr
+    out = _cli(*common, "--token-file", str(token))
+    assert out.returncode == 2 and "the TLS handshake" in out.stderr  # 127.0.0.1: no
+    out = _cli(*common, "--tls-server-name", "gputrain-exporter")
+    assert out.returncode == 2 and "missing or wrong bearer token" in out.stderr

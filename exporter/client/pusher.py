@@ -140,7 +140,7 @@ class Pusher:
             if self._session is None:
                 self._session = requests.Session()
                 if self._server_name:
-                    self._session.mount("https://", _ServerName(self._server_name))
+                    self._session.mount("https://", ServerName(self._server_name))
             body = self.payload(goodbye)
             r = self._session.post(self._url, json=body, headers=self._headers,
                                    timeout=timeout, verify=self._verify)
@@ -200,7 +200,7 @@ class Pusher:
             self._session.close()
 
 
-class _ServerName(requests.adapters.HTTPAdapter):
+class ServerName(requests.adapters.HTTPAdapter):
     """Verify the daemon's certificate against a fixed name rather than the URL's host: on
     Kubernetes a rank reaches its node's daemon by the node's IP, which no certificate names."""
 
