@@ -16,6 +16,7 @@ from typing import Any
 
 import requests
 
+from exporter.protocol import STEP_PARTS
 from exporter.status import STATUS_PATH
 
 DEFAULT_URL = "http://localhost:19400"
@@ -173,7 +174,22 @@ def frame(doc: dict[str, Any], error: str | None = None) -> Any:
         body.append(ranks)
         parts.append(Panel(Group(*body), title=f"run {run['run']}", title_align="left",
                            border_style=colour[run["status"]]))
+    for p in doc.get("profiles", [])[:3]:  # the last profiles asked for (newest first)
+        parts.append(Text(f"profile {p['id']} of {p['run']}/{p['rank']}: {profile_line(p)}",
+                          style="red" if p["state"] in ("failed", "expired") else "grey70"))
     return Group(*parts)
+
+
+def profile_line(p: dict[str, Any]) -> str:
+    """One profile in a line: where the mean step's time went, or its state."""
+    if p["state"] != "done":
+        return p["state"] + (f": {p['error']}" if p.get("error") else "")
+    mean = p["mean"]
+    seconds = mean.get("seconds") or 0.0
+    parts = sorted(STEP_PARTS, key=lambda k: -mean.get(k, 0.0))[:3]
+    split = ", ".join(f"{k.replace('_', ' ')} {mean[k] / seconds:.0%}" for k in parts
+                      if seconds)
+    return f"{_num(seconds, '.1f', 1000, ' ms')} a step: {split}; trace {p['trace']}"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

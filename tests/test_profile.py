@@ -205,7 +205,7 @@ def test_the_profile_command_prints_where_the_time_went_and_the_trace_is_written
     assert training["proc"].poll() is None
 
 
-def test_the_status_page_in_chromium_draws_the_profile(training):
+def test_the_status_page_in_chromium_and_top_show_the_profile(training):
     from test_status import chromium, policy_violations
 
     d = training["daemon"]
@@ -218,6 +218,12 @@ def test_the_status_page_in_chromium_draws_the_profile(training):
     assert f'data-profile="{doc["id"]}"' in dom
     assert 'data-top-part="data_loading"' in dom and doc["trace"] in dom
     assert policy_violations(run) == []
+    top = subprocess.run([sys.executable, "-m", "exporter", "top", "--once", "--url", d.url],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert top.returncode == 0, top.stderr
+    line = next(ln for ln in top.stdout.splitlines() if doc["id"] in ln)
+    assert "slow-input/0" in line and "a step: data loading" in line
+    assert doc["trace"] in "".join(top.stdout.split())  # rich may wrap the long path
 
 
 def test_the_text_output_names_the_biggest_part_and_the_top_operators(training):
