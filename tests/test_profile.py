@@ -507,3 +507,34 @@ def test_the_command_reaches_an_https_ingest_with_a_token_by_server_name(daemon_
     assert out.returncode == 2 and "the TLS handshake" in out.stderr  # 127.0.0.1: no
     out = _cli(*common, "--tls-server-name", "gputrain-exporter")
     assert out.returncode == 2 and "missing or wrong bearer token" in out.stderr
+
+
+def test_a_keras_fit_on_torch_is_profiled_through_its_callback(tmp_path, monkeypatch):
+    """Keras 3 on the torch backend: the callback's step boundaries drive the profile (the
+    instruction handed over as the pusher does; no daemon needed for the client's side)."""
+    require_module("torch")
+    monkeypatch.setenv("KERAS_BACKEND", "torch")
+    keras = require_module("keras")
+    import numpy as np
+
+    from exporter.client import TrainingMonitor
+    from exporter.client.keras import GpuTrainCallback
+
+    monkeypatch.setenv("GPUTRAIN_TRACE_DIR", str(tmp_path))
+    monitor = TrainingMonitor(run="keras-prof", endpoint="http://127.0.0.1:9", start=False)
+    callback = GpuTrainCallback(batch_size=8, monitor=monitor)
+    profiler = monitor._profiler
+    profiler.offer({"type": "profile", "version": 1, "id": "p-00000000000a", "steps": 3})
+    model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.random.rand(400, 32).astype("float32"), np.random.rand(400, 1).astype("float32")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[callback])
+    wait_until(lambda: (profiler.report() or {}).get("state") in ("done", "failed"),
+               timeout=60, what="the profile's summary")
+    report = profiler.report()
+    assert report["state"] == "done", report
+    assert len(report["steps"]) == 3
+    for step in report["steps"]:
+        assert sum(step[p] for p in STEP_PARTS) == pytest.approx(step["seconds"], rel=1e-6)
+    assert Path(report["trace"]).parent == tmp_path.resolve()
