@@ -62,11 +62,13 @@ def run(steps: int, width: int, batch: int) -> dict[str, float]:
             break
     monitor.close(timeout=0.1)
     base = statistics.median(times[50:asked_at])
-    # the step after the offer ends runs start(); then one warm-up and `steps` recorded steps;
-    # the boundary after them stops the profiler; then the trace is written in the background
-    start = asked_at + 1
-    recorded = times[start + 1:start + 1 + steps]  # the warm-up step is left out
-    stop = start + 2 + steps
+    # times[i] runs from the end of body i-1 to the end of body i, so it holds the boundary
+    # work done when body i-1 ended: times[asked_at] starts the profiler (and is the warm-up
+    # step), the next `steps` are recorded, the one after them stops the profiler; then the
+    # trace is written in the background
+    start = asked_at
+    recorded = times[start + 1:start + 1 + steps]
+    stop = start + 1 + steps
     writing = times[stop + 1:done_at]
     return {"base_ms": base * 1e3, "start_ms": times[start] * 1e3,
             "recorded_ms": statistics.median(recorded) * 1e3, "stop_ms": times[stop] * 1e3,
@@ -90,11 +92,13 @@ def main() -> None:
     for r in range(ns.repeats):
         f = run(ns.steps, ns.width, ns.batch)
         b = f["base_ms"]
+        writing = f["writing_steps"] > 0  # else written within the stopping step
         print(f"{r + 1:>4}{b:>12.2f}{f['start_ms']:>10.2f}{f['recorded_ms']:>10.2f}"
-              f"{f['stop_ms']:>10.2f}{f['writing_ms']:>10.2f}{f['writing_steps']:>9}"
-              f"{f['after_ms']:>10.2f}")
+              f"{f['stop_ms']:>10.2f}{format(f['writing_ms'], '.2f') if writing else '-':>10}"
+              f"{f['writing_steps']:>9}{f['after_ms']:>10.2f}")
         print(f"{'':>4}{'1.00x':>12}{f['start_ms'] / b:>9.2f}x{f['recorded_ms'] / b:>9.2f}x"
-              f"{f['stop_ms'] / b:>9.2f}x{f['writing_ms'] / b:>9.2f}x{'':>9}"
+              f"{f['stop_ms'] / b:>9.2f}x"
+              f"{(format(f['writing_ms'] / b, '.2f') + 'x') if writing else '-':>10}{'':>9}"
               f"{f['after_ms'] / b:>9.2f}x")
 
 
