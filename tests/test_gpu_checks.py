@@ -48,3 +48,21 @@ def test_mfu_must_rise_up_the_ladder_and_be_there():
     assert failures == ["MFU did not rise from s003-6-amp to s003-7-compile: 0.150 -> 0.140"]
     failures = check([result("s003-5-uint8", mfu=None), result("s003-6-amp", tensor=0.3)])
     assert failures == ["s003-5-uint8: no MFU (FLOPs, elapsed time or the GPU's peak missing)"]
+
+
+def test_a_cuda_profile_must_see_the_gpu():
+    step = {"seconds": 0.1, "data_loading": 0.0, "forward": 0.03, "backward": 0.05,
+            "optimizer": 0.01, "other": 0.01, "idle": 0.0, "gpu_busy": 0.09}
+    good = {"state": "done", "device": "cuda", "step_parts": [step],
+            "top_ops": [{"name": "sm90_xmma_gemm", "calls": 5, "self_cpu_seconds": 0.0,
+                         "self_device_seconds": 0.2}]}
+    assert check([{**result("a"), "profile": good}]) == []
+    cpu_only = {**good, "device": "cpu", "step_parts": [{**step, "gpu_busy": 0.0}],
+                "top_ops": [{**good["top_ops"][0], "self_device_seconds": 0.0}]}
+    text = "\n".join(check([{**result("b"), "profile": cpu_only},
+                            {**result("c"), "profile": {"state": "expired",
+                                                        "error": "no step ended"}}]))
+    assert "b: the profile recorded no CUDA activity" in text
+    assert "b: profiled step 1: GPU busy 0.0 s" in text
+    assert "b: no top operator has GPU time" in text
+    assert "c: the profile did not finish: expired no step ended" in text

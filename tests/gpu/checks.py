@@ -34,6 +34,7 @@ def check(results: list[dict]) -> list[str]:
         if util and abs(util["exporter"] - util["nvidia_smi"]) > UTIL_TOLERANCE:
             failures.append(f"{name}: utilisation {util['exporter']:.1f}% vs nvidia-smi "
                             f"{util['nvidia_smi']:.1f}%")
+        failures += check_profile(name, r.get("profile"))
         m = r.get("measured", {})
         if GPM_GPUS.search(r.get("gpu_name", "")) and m.get("sm_active") is None:
             failures.append(f"{name}: no GPM SM activity on a {r['gpu_name']}")
@@ -61,3 +62,22 @@ def check(results: list[dict]) -> list[str]:
             plain["measured"].get("pcie_rx_bytes_per_second") or 0):
         failures.append("PCIe received bytes did not rise with the ten times larger input")
     return failures
+
+
+def check_profile(name: str, doc: dict | None) -> list[str]:
+    """A profile of a CUDA trainer (issue 18): done, with CUDA activity, each step's GPU busy
+    time within the step, and top operators timed on the GPU."""
+    if doc is None:
+        return []  # not asked for (--no-profile, or a run too short)
+    if doc.get("state") != "done":
+        return [f"{name}: the profile did not finish: {doc.get('state')} {doc.get('error')}"]
+    out = []
+    if doc.get("device") != "cuda":
+        out.append(f"{name}: the profile recorded no CUDA activity")
+    for i, step in enumerate(doc.get("step_parts", [])):
+        if not 0 < step.get("gpu_busy", 0) <= step["seconds"] * 1.001:
+            out.append(f"{name}: profiled step {i + 1}: GPU busy {step.get('gpu_busy')} s of a "
+                       f"{step['seconds']} s step")
+    if not any(op["self_device_seconds"] > 0 for op in doc.get("top_ops", [])):
+        out.append(f"{name}: no top operator has GPU time")
+    return out

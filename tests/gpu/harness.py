@@ -33,6 +33,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+from exporter.profile import Failed, ask  # noqa: E402
 from gpu.checks import check  # noqa: E402
 from gpu.scenarios import ALL, BY_NAME, CPU_BY_NAME, CPU_DEMO, Scenario  # noqa: E402
 
@@ -262,8 +264,18 @@ def run_scenario(sc: Scenario, args, exporter_url: str, ingest_url: str, out: Pa
     cmd = [sys.executable, str(ROOT / "examples" / "pytorch_train.py"), *sc.args,
            "--run", sc.name, "--seconds", str(seconds), "--device", args.device]
     started = time.time()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                          timeout=seconds + 600)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    profile = None
+    if args.profile and seconds > (sc.warmup or args.warmup) + 10:
+        # a profile of the running trainer, as `gputrain-exporter profile` asks for one
+        time.sleep(sc.warmup or args.warmup)
+        try:
+            profile = ask(ingest_url, sc.name, "0", 5, timeout=120)
+        except Failed as exc:
+            profile = {"state": "failed", "error": str(exc)}
+    stdout, stderr = proc.communicate(timeout=seconds + 600)
+    proc = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     ended = time.time()
     time.sleep(3)  # the client's last push, then one more scrape
     recorder.stop()
@@ -273,7 +285,7 @@ def run_scenario(sc: Scenario, args, exporter_url: str, ingest_url: str, out: Pa
               "returncode": proc.returncode, "trainer_output": proc.stdout.strip()[-500:],
               "trainer_errors": proc.stderr.strip()[-2000:] if proc.returncode else "",
               "started": started, "ended": ended, "scrapes": recorder.scrapes,
-              "scrape_errors": recorder.errors}
+              "scrape_errors": recorder.errors, "profile": profile}
     scrapes = read_recording(rec_path)
     names = {dict(labels).get("name") for t, samples in scrapes[-1:]
              for (n, labels) in samples if n == "gputrain_gpu_info"
@@ -311,6 +323,22 @@ def markdown(results: list[dict], fired: dict[str, list[str]] | None = None) -> 
     return "\n".join(lines) + "\n"
 
 
+def record_hardware(out: Path, url: str) -> dict[str, Any]:
+    """NVLink, ECC and row-remapping as nvidia-smi reports them (its text, in the output
+    folder) beside the exporter's series, for the comparison issue 17 asks for."""
+    for name, args in (("nvidia-smi-nvlink.txt", ["nvlink", "-gt", "d"]),
+                       ("nvidia-smi-ecc-remap.txt", ["-q", "-d", "ECC,ROW_REMAPPER"])):
+        run = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=60)
+        (out / name).write_text(run.stdout + run.stderr)
+    try:
+        text = requests.get(url + "/metrics", timeout=10).text
+    except requests.RequestException as exc:
+        return {"error": str(exc)}
+    prefixes = ("gputrain_gpu_nvlink_", "gputrain_gpu_ecc_errors_total",
+                "gputrain_gpu_remapped_rows", "gputrain_gpu_retired_pages")
+    return {"exporter": [line for line in text.splitlines() if line.startswith(prefixes)]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, type=Path, help="directory for the recordings")
@@ -323,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds left out of the summary (start-up, compile, first epoch)")
     p.add_argument("--gpu", default="0", help="the GPU index the trainer uses")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--no-profile", dest="profile", action="store_false",
+                   help="do not profile each trainer (5 steps, after the warm-up)")
     p.add_argument("--cpu-demo", action="store_true",
                    help="no GPU: the demo GPU backend, torch on the CPU, the CPU scenarios")
     args = p.parse_args(argv)
@@ -362,9 +392,10 @@ def main(argv: list[str] | None = None) -> int:
         exporter.terminate()
         exporter.wait(timeout=15)
         log.close()
+    hardware = record_hardware(args.out, url) if shutil.which("nvidia-smi") else None
     failures = [] if args.cpu_demo else check(results)
     (args.out / "summary.json").write_text(json.dumps(
-        {"scenarios": results, "failures": failures}, indent=2) + "\n")
+        {"scenarios": results, "failures": failures, "hardware": hardware}, indent=2) + "\n")
     (args.out / "summary.md").write_text(markdown(results))
     print(markdown(results))
     for failure in failures:
