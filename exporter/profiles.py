@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from exporter.protocol import (
     DEFAULT_PROFILE_STEPS,
@@ -34,8 +34,14 @@ from exporter.protocol import (
     Refused,
 )
 
-if TYPE_CHECKING:
-    from exporter.ingest import RankState
+
+class Rank(Protocol):
+    """What the board reads of a live rank (the ingest's RankState)."""
+
+    run: str
+    rank: str
+    run_id: str
+    capabilities: tuple[str, ...]
 
 FINAL = ("done", "failed", "expired")
 QUEUE_TIMEOUT = 60.0  # seconds for the rank to take it: it pushes every few seconds
@@ -174,7 +180,7 @@ class ProfileBoard:
     """The daemon's profiles: requests, delivery in push answers, results, the alert
     webhook's rate limit. ``states`` gives the live ranks (the ingest's)."""
 
-    def __init__(self, states: Callable[[], list[RankState]], alert_interval: float = 3600.0,
+    def __init__(self, states: Callable[[], list[Rank]], alert_interval: float = 3600.0,
                  profiled_alerts: frozenset[str] = frozenset(),
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time) -> None:
@@ -267,7 +273,7 @@ class ProfileBoard:
 
     # -- the push path ------------------------------------------------------------------------
 
-    def on_push(self, state: RankState, report: dict[str, Any] | None) -> list[dict[str, Any]]:
+    def on_push(self, state: Rank, report: dict[str, Any] | None) -> list[dict[str, Any]]:
         """Apply a rank's report and return the instructions for its push answer."""
         key = (state.run, state.rank)
         changed = False
@@ -291,7 +297,7 @@ class ProfileBoard:
             self._notify()
         return instructions
 
-    def _apply_locked(self, state: RankState, report: dict[str, Any]) -> bool:
+    def _apply_locked(self, state: Rank, report: dict[str, Any]) -> bool:
         profile = self._profiles.get(report["id"])
         if profile is None or (profile.run, profile.rank) != (state.run, state.rank) or \
                 profile.state in FINAL or profile.run_id not in (None, state.run_id):
