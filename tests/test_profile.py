@@ -538,3 +538,35 @@ def test_a_keras_fit_on_torch_is_profiled_through_its_callback(tmp_path, monkeyp
     for step in report["steps"]:
         assert sum(step[p] for p in STEP_PARTS) == pytest.approx(step["seconds"], rel=1e-6)
     assert Path(report["trace"]).parent == tmp_path.resolve()
+
+
+def test_a_profile_that_ends_with_training_is_still_delivered(daemon_factory, tmp_path,
+                                                             monkeypatch):
+    """Training stops right after the last profiled step: close() waits for the trace (a
+    few seconds at most) and its goodbye push carries the result."""
+    require_module("torch")
+    import torch
+
+    from exporter.client import TrainingMonitor
+    from exporter.client.profiling import _FINISHING
+
+    monkeypatch.setenv("GPUTRAIN_TRACE_DIR", str(tmp_path))
+    d = daemon_factory("--gpu.backend=demo", "--demo.gpus=1")
+    monitor = TrainingMonitor(run="last", rank=0, endpoint=d.ingest_url, push_interval=0.2)
+    # many small ops: a trace that takes a while to write (longer than close()'s own second)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(60)])
+    asked = None
+    for _ in range(5000):
+        with monitor.step(samples=8):
+            model(torch.randn(8, 8)).sum().backward()
+        if asked is None:
+            r = requests.post(d.ingest_url + PROFILE_PATH, json={"run": "last", "steps": 10},
+                              timeout=5)
+            asked = r.json()["id"] if r.ok else None
+        if monitor._profiler._prof is _FINISHING:
+            break
+        time.sleep(0.01)
+    monitor.close()
+    doc = requests.get(f"{d.ingest_url}{PROFILE_PATH}/{asked}", timeout=5).json()
+    assert doc["state"] == "done", doc
+    assert Path(doc["trace"]).is_file()

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from exporter.protocol import (
+    MAX_PROFILE_ERROR_LENGTH,
     MAX_PROFILE_STEPS,
     MAX_PROFILE_TOP_OPS,
     MAX_TRACE_PATH_LENGTH,
@@ -244,6 +245,7 @@ class RankProfiler:
         self._ready = False
         self._records: list[tuple[float, float]] = []  # (step seconds, data wait) per step
         self._started = 0.0
+        self._writer: threading.Thread | None = None
 
     @property
     def wanted(self) -> bool:
@@ -304,9 +306,13 @@ class RankProfiler:
         except Exception as exc:  # torch missing, a profiler already running, anything
             self._fail(f"{type(exc).__name__}: {exc}")
 
-    def close(self) -> None:
-        """Training ended (training thread): a profile under way cannot finish."""
-        if self._state in ("accepted", "running") and self._prof is not _FINISHING:
+    def close(self, timeout: float = 10.0) -> None:
+        """Training ended (training thread): a profile still recording cannot finish; one
+        being written gets up to ``timeout`` seconds, so the last push can carry it."""
+        writer = self._writer
+        if self._prof is _FINISHING and writer is not None:
+            writer.join(timeout)
+        elif self._state in ("accepted", "running"):
             done = max(0, len(self._records) - 1)
             self._fail(f"training ended after {done} of {self._steps} profiled steps")
 
@@ -336,10 +342,12 @@ class RankProfiler:
         self._prof = _FINISHING
         prof.stop()
         waits = [w for _, w in self._records[1:]]  # the first step was the warm-up
-        threading.Thread(target=self._finish, args=(prof, waits, self._id),
-                         name="gputrain-profile", daemon=True).start()
+        self._writer = threading.Thread(target=self._finish, args=(prof, waits, self._id),
+                                        name="gputrain-profile", daemon=True)
+        self._writer.start()
 
     def _finish(self, prof: Any, waits: list[float], pid: str) -> None:
+        partial: Path | None = None
         try:
             summary = summarise(prof, waits)
             directory = trace_dir(self.run)
@@ -356,6 +364,8 @@ class RankProfiler:
                 partial.replace(path)
         except Exception as exc:
             log.warning("gputrain: profile %s could not be written: %s", pid, exc)
+            if partial is not None:
+                partial.unlink(missing_ok=True)
             self._fail(f"{type(exc).__name__}: {exc}")
             return
         size = path.stat().st_size
@@ -376,7 +386,8 @@ class RankProfiler:
         log.warning("gputrain: profile %s failed: %s", self._id, message)
         with self._lock:
             self._state = "failed"
-            self._report = {"id": self._id, "state": "failed", "error": message[:500]}
+            self._report = {"id": self._id, "state": "failed",
+                            "error": message[:MAX_PROFILE_ERROR_LENGTH]}
         self._wake()
 
 
