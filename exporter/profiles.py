@@ -353,8 +353,13 @@ class ProfileBoard:
                 skipped.append({**about, "reason": "the alert names no valid run and rank"})
                 continue
             now = self._clock()
-            with self._cond:
+            with self._cond:  # take the run's slot before asking: concurrent calls race
                 last = self._last_alert.get(run)
+                if last is None or now - last >= self.alert_interval:
+                    # runs whose slot is free again are forgotten (Slurm job ids never recur)
+                    self._last_alert = {r: t for r, t in self._last_alert.items()
+                                        if now - t < self.alert_interval}
+                    self._last_alert[run] = now
             if last is not None and now - last < self.alert_interval:
                 skipped.append({**about, "reason": f"run {run} was profiled for an alert "
                                 f"{now - last:.0f} s ago; at most one per "
@@ -363,10 +368,11 @@ class ProfileBoard:
             try:
                 profile = self.request(run, rank, DEFAULT_PROFILE_STEPS, f"alert:{name}")
             except Refused as exc:
+                with self._cond:  # nothing started: the slot stays free
+                    if self._last_alert.get(run) == now:
+                        del self._last_alert[run]
                 skipped.append({**about, "reason": str(exc)})
                 continue
-            with self._cond:
-                self._last_alert[run] = now
             started.append({**about, "id": profile.id})
         return {"started": started, "skipped": skipped}
 

@@ -570,3 +570,28 @@ def test_a_profile_that_ends_with_training_is_still_delivered(daemon_factory, tm
     doc = requests.get(f"{d.ingest_url}{PROFILE_PATH}/{asked}", timeout=5).json()
     assert doc["state"] == "done", doc
     assert Path(doc["trace"]).is_file()
+
+
+def test_the_alert_rate_limit_frees_a_run_after_the_interval_and_on_a_refusal(clock):
+    """On the board itself with a fake clock: a refused request (its rank not here yet) takes
+    no slot; a run is profiled again once the interval has passed, and a profile that nobody
+    takes expires, saying why."""
+    from types import SimpleNamespace
+
+    from exporter.profiles import QUEUE_TIMEOUT, ProfileBoard
+
+    ranks: list = []
+    board = ProfileBoard(lambda: ranks, alert_interval=600, clock=clock,
+                         profiled_alerts=frozenset({"GpuTrainInputBound"}))
+    call = json.dumps({"alerts": [_alert("GpuTrainInputBound", "r", "0")]}).encode()
+    assert board.alerts(call)["started"] == []  # no rank of r here yet
+    ranks.append(SimpleNamespace(run="r", rank="0", run_id="a", capabilities=("profile",)))
+    (first,) = board.alerts(call)["started"]  # the refusal took no slot
+    clock.advance(QUEUE_TIMEOUT + 1)
+    expired = board.get(first["id"])
+    assert expired.state == "expired" and "did not take it" in expired.error
+    clock.advance(100)
+    assert board.alerts(call)["started"] == []  # 161 s after the first: rate-limited
+    clock.advance(600)
+    (again,) = board.alerts(call)["started"]  # a new profile once the interval has passed
+    assert again["id"] != first["id"] and board.get(again["id"]).state == "queued"
