@@ -183,7 +183,9 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     history = History(settings["status.window"], peaks=peaks, instance=socket.gethostname())
     status = StatusView(history, thresholds, lambda: sampler.gpu_error, backend.name,
                         lambda: sampler.snapshot.driver_version,
-                        (lambda: store.profiles.recent(10)) if store is not None else None)
+                        store.profiles if store is not None else None)
+    if store is not None:  # a profile asked for or finished: a viewer sees it at once
+        store.profiles.listeners.append(status.changed)
     sampler.listeners.append(lambda: _observe(history, sampler, store, status))
     sampler.start()
     status.start()

@@ -60,13 +60,13 @@ class StatusView:
                  gpu_error: Any = None, backend: str = "", driver: Any = None,
                  profiles: Any = None) -> None:
         self.history = history
-        self._profiles = profiles or (lambda: [])
+        self.profiles = profiles  # the ingest's ProfileBoard (recent(), version), if any
         self.thresholds = thresholds
         self._gpu_error = gpu_error or (lambda: None)
         self.backend = backend
         self._driver = driver or (lambda: "")
         self._lock = threading.Lock()  # one build at a time
-        self._cached: tuple[int, bytes] | None = None
+        self._cached: tuple[tuple[int, int], bytes] | None = None
         self._asked = -math.inf  # monotonic time of the last request
         self._changed = threading.Event()
         self._stop = threading.Event()
@@ -90,14 +90,20 @@ class StatusView:
         now = time.monotonic()
         watched = now - self._asked <= VIEWER_SECONDS and self._thread is not None
         self._asked = now
-        cached = self._cached
-        if cached is not None and (watched or cached[0] == self.history.version):
+        cached, version = self._cached, self._version()
+        # a watched document may lag the history by a cycle, never a profile's change
+        if cached is not None and (cached[0] == version or
+                                   (watched and cached[0][1] == version[1])):
             return cached[1]
         return self._build()
 
+    def _version(self) -> tuple[int, int]:
+        """What the document is built from: the history, and the profiles."""
+        return self.history.version, self.profiles.version if self.profiles else 0
+
     def _build(self) -> bytes:
         with self._lock:
-            version = self.history.version
+            version = self._version()
             if self._cached is None or self._cached[0] != version:
                 body = json.dumps(self.document(), separators=(",", ":")).encode()
                 self._cached = (version, body)
@@ -200,7 +206,8 @@ class StatusView:
             "gpus": gpus,
             "runs": [_run(name, ranks, states, now) for name, ranks in sorted(runs.items())],
             # the last profiles asked for (`gputrain-exporter profile`, alerts), newest first
-            "profiles": [p.document() for p in self._profiles()],
+            "profiles": [p.document() for p in self.profiles.recent(10)]
+            if self.profiles else [],
         }
 
 

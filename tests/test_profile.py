@@ -595,3 +595,23 @@ def test_the_alert_rate_limit_frees_a_run_after_the_interval_and_on_a_refusal(cl
     clock.advance(600)
     (again,) = board.alerts(call)["started"]  # a new profile once the interval has passed
     assert again["id"] != first["id"] and board.get(again["id"]).state == "queued"
+
+
+def test_the_status_document_shows_a_profile_at_once(clock):
+    """A profile asked for (or finished) between two sampler cycles is in the very next
+    /api/v1/status, watched or not: the document is keyed on the profiles too."""
+    from types import SimpleNamespace
+
+    from exporter.history import History
+    from exporter.profiles import ProfileBoard
+    from exporter.rules import DEFAULTS
+    from exporter.status import StatusView
+
+    ranks = [SimpleNamespace(run="r", rank="0", run_id="a", capabilities=("profile",))]
+    board = ProfileBoard(lambda: ranks, clock=clock)
+    view = StatusView(History(300), DEFAULTS["thresholds"], profiles=board)
+    assert json.loads(view.json_bytes())["profiles"] == []
+    view._thread = object()  # as if the builder thread kept it fresh for a viewer
+    profile = board.request("r", "0", 3)
+    (shown,) = json.loads(view.json_bytes())["profiles"]
+    assert shown["id"] == profile.id and shown["state"] == "queued"
