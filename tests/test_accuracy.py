@@ -99,7 +99,9 @@ def test_wrap_matches_torch_profiler(daemon_factory, workers):
     from torch.profiler import ProfilerActivity, profile
     from torch.utils.data import DataLoader, Dataset
 
-    per_sample = 0.002 if workers == 0 else 0.010
+    # with workers, 20 ms a sample keeps a loaded scheduler's preemption (a fixed few ms over
+    # the 26 fetches) well inside the 2 %
+    per_sample = 0.002 if workers == 0 else 0.020
 
     class Slow(Dataset):
         def __len__(self) -> int:
