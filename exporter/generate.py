@@ -37,8 +37,9 @@ PROFILE_LINE = """\
 Why: `gputrain-exporter profile --run <run> --rank <rank>` on the rank's node records its
 steps with torch.profiler and prints where their time went (data loading, forward, backward,
 optimizer, other, idle) and the top operators; with the example Alertmanager config this alert
-asks for that profile by itself (at most once per run per hour): read it on the status page, in
-`/api/v1/profile`, or open the trace the profile names (README, "From what to why").
+asks for that profile by itself (at most once per run per hour): read it on the status page,
+in `/api/v1/profile`, or open the trace the profile names (README, "Why is it slow? Ask for a
+profile").
 """
 
 BEGIN = "<!-- BEGIN generated: {name} (gputrain-exporter generate) -->"

@@ -21,6 +21,8 @@ from exporter.client.pusher import ServerName
 from exporter.protocol import DEFAULT_PROFILE_STEPS, MAX_PROFILE_STEPS, PROFILE_PATH, STEP_PARTS
 
 DEFAULT_URL = "http://127.0.0.1:19401"
+TABLE_STEPS = 20  # a profile of more steps prints only its slowest
+SLOWEST_STEPS = 10
 PART_TITLES = {"data_loading": "data", "forward": "forward", "backward": "backward",
                "optimizer": "optimizer", "other": "other", "idle": "idle"}
 PART_WORDS = {"data_loading": "data loading", "forward": "the forward pass",
@@ -146,9 +148,16 @@ def render(doc: dict[str, Any]) -> str:
     gpu = all("gpu_busy" in s for s in doc["step_parts"]) and doc["step_parts"]
     head = ["step", "total", *(PART_TITLES[p] for p in STEP_PARTS)] + (["GPU busy"] if gpu
                                                                         else [])
-    lines.append("Where each step's time went (ms):")
+    rows = list(enumerate(doc["step_parts"], 1))
+    if len(rows) > TABLE_STEPS:  # a long profile: its slowest steps are the ones to look at
+        slowest = sorted(rows, key=lambda r: r[1]["seconds"])[-SLOWEST_STEPS:]
+        rows = sorted(slowest, key=lambda r: r[0])
+        lines.append(f"Where the {SLOWEST_STEPS} slowest of the {len(doc['step_parts'])} "
+                     "steps' time went (ms; --json has every step):")
+    else:
+        lines.append("Where each step's time went (ms):")
     lines.append("  " + "".join(f"{h:>10}" for h in head))
-    rows = [(str(i + 1), s) for i, s in enumerate(doc["step_parts"])] + [("mean", doc["mean"])]
+    rows = [(str(i), s) for i, s in rows] + [("mean", doc["mean"])]
     for name, s in rows:
         cells = [name, f"{s['seconds'] * 1e3:.1f}",
                  *(f"{s[p] * 1e3:.1f}" for p in STEP_PARTS)]

@@ -29,6 +29,7 @@ from exporter.protocol import (
     NAME_RE,
     PROFILE_CAPABILITY,
     PROFILE_ID_RE,
+    PROFILE_PATH,
     PROFILE_VERSION,
     STEP_PARTS,
     Refused,
@@ -78,8 +79,9 @@ class Profile:
     step_parts: list[dict[str, float]] = field(default_factory=list)
     top_ops: list[dict[str, Any]] = field(default_factory=list)
 
-    def document(self) -> dict[str, Any]:
-        """The JSON the API answers with."""
+    def document(self, brief: bool = False) -> dict[str, Any]:
+        """The JSON the API answers with; ``brief`` leaves out the per-step parts (up to
+        MAX_PROFILE_STEPS of them) and keeps their mean, for the status document."""
         doc: dict[str, Any] = {
             "id": self.id, "run": self.run, "rank": self.rank, "steps": self.steps,
             "trigger": self.trigger, "state": self.state, "requested": self.requested,
@@ -88,8 +90,9 @@ class Profile:
             doc["error"] = self.error
         if self.state == "done":
             doc.update(trace=self.trace, trace_bytes=self.trace_bytes, device=self.device,
-                       step_parts=self.step_parts, mean=mean_parts(self.step_parts),
-                       top_ops=self.top_ops)
+                       mean=mean_parts(self.step_parts), top_ops=self.top_ops)
+            if not brief:
+                doc["step_parts"] = self.step_parts
         return doc
 
 
@@ -200,8 +203,8 @@ class ProfileBoard:
 
     def request(self, run: str, rank: str | None = None, steps: int = DEFAULT_PROFILE_STEPS,
                 trigger: str = "cli") -> Profile:
-        """Queue a profile of ``rank`` of ``run`` (its lowest rank here when None); a rank
-        with one queued or running gets that one back. Raises Refused."""
+        """Queue a profile of ``rank`` of ``run`` (its lowest rank here when None), one per
+        rank at a time. Raises Refused."""
         if not 1 <= steps <= MAX_PROFILE_STEPS:
             raise Refused(400, f"steps must be 1-{MAX_PROFILE_STEPS}, got {steps}")
         live = [s for s in self._states() if s.run == run]
@@ -218,12 +221,15 @@ class ProfileBoard:
         if PROFILE_CAPABILITY not in state.capabilities:
             raise Refused(409, f"rank {rank} of run {run} cannot be profiled: its "
                                       "client does not offer it (a gputrain client from before "
-                                      "profiles, or one where torch cannot be imported)")
+                                      "profiles)")
         with self._cond:
             self._expire_locked()
             existing = self._open.get((run, rank))
             if existing is not None:
-                return existing
+                raise Refused(409, f"rank {rank} of run {run} is already being profiled "
+                                   f"({existing.id}, {existing.state}, asked for by "
+                                   f"{existing.trigger}); one profile per rank at a time: "
+                                   f"wait for it with GET {PROFILE_PATH}/{existing.id}")
             if len(self._open) >= MAX_OPEN:
                 raise Refused(429, f"{len(self._open)} profiles are already queued or "
                                           "running on this daemon; try again later")

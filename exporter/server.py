@@ -307,7 +307,8 @@ class IngestHandler(_Handler):
                 return
             pid = path[len(PROFILE_PATH) + 1:]
             if not pid:
-                self._json(200, {"profiles": [p.document() for p in store.profiles.recent()]})
+                self._json(200, {"profiles": [p.document(brief=True)
+                                               for p in store.profiles.recent()]})
                 return
             wait = 0.0
             for item in query.split("&"):

@@ -206,7 +206,7 @@ class StatusView:
             "gpus": gpus,
             "runs": [_run(name, ranks, states, now) for name, ranks in sorted(runs.items())],
             # the last profiles asked for (`gputrain-exporter profile`, alerts), newest first
-            "profiles": [p.document() for p in self.profiles.recent(10)]
+            "profiles": [p.document(brief=True) for p in self.profiles.recent(10)]
             if self.profiles else [],
         }
 

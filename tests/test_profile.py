@@ -21,8 +21,21 @@ import requests
 import yaml
 from conftest import Alertmanager, require_module, sample_value, stop_all, wait_until
 
-from exporter.client.profiling import RankProfiler, split_step, trace_dir, trace_path
-from exporter.protocol import PROFILE_PATH, PUSH_PATH, STEP_PARTS
+from exporter.client.profiling import (
+    RankProfiler,
+    prune_traces,
+    split_step,
+    trace_budget,
+    trace_dir,
+    trace_path,
+)
+from exporter.protocol import (
+    DEFAULT_PROFILE_STEPS,
+    MAX_PROFILE_STEPS,
+    PROFILE_PATH,
+    PUSH_PATH,
+    STEP_PARTS,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -171,12 +184,12 @@ def training(tmp_path_factory, request):
 
 def test_the_profile_command_prints_where_the_time_went_and_the_trace_is_written(training):
     d = training["daemon"]
-    out = _cli("--run", "slow-input", "--rank", "0", "--steps", "3", "--url", d.ingest_url,
+    out = _cli("--run", "slow-input", "--rank", "0", "--steps", "5", "--url", d.ingest_url,
                "--json")
     assert out.returncode == 0, out.stdout + out.stderr
     doc = json.loads(out.stdout)
     assert doc["state"] == "done" and doc["trigger"] == "cli" and doc["device"] == "cpu"
-    assert len(doc["step_parts"]) == 3
+    assert len(doc["step_parts"]) == 5
     for step in doc["step_parts"]:
         assert sum(step[p] for p in STEP_PARTS) == pytest.approx(step["seconds"], rel=1e-6)
         # 8 samples x 50 ms of sleep per batch: at least 400 ms of each step is data loading
@@ -190,7 +203,11 @@ def test_the_profile_command_prints_where_the_time_went_and_the_trace_is_written
     assert trace.stat().st_size == doc["trace_bytes"]
     with gzip.open(trace, "rt") as fh:
         events = json.load(fh)["traceEvents"]
-    assert sum(1 for e in events if str(e.get("name", "")).startswith("ProfilerStep")) == 3
+    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep")]
+    assert len(steps) == 5 and all(e["ph"] == "X" and e["dur"] > 0 for e in steps)
+    # the recorded steps' spans match the summary's step times (microseconds)
+    assert sorted(e["dur"] / 1e6 for e in steps) == pytest.approx(
+        sorted(s["seconds"] for s in doc["step_parts"]), rel=0.05, abs=0.002)
     assert not list(trace.parent.glob("*.partial")) and not list(trace.parent.glob("*.json"))
 
     # where the result shows: the API, the status document, /metrics
@@ -239,7 +256,9 @@ def test_the_text_output_names_the_biggest_part_and_the_top_operators(training):
     (["--run", "nope"], 2, "no rank of run 'nope' pushes to this daemon; runs here: "
                            "slow-input"),
     (["--run", "slow-input", "--rank", "7"], 2, "its ranks here: 0"),
-    (["--run", "slow-input", "--steps", "0"], 2, "--steps must be 1-50"),
+    (["--run", "slow-input", "--steps", "0"], 2, f"--steps must be 1-{MAX_PROFILE_STEPS}"),
+    (["--run", "slow-input", "--steps", str(MAX_PROFILE_STEPS + 1)], 2,
+     f"--steps must be 1-{MAX_PROFILE_STEPS}"),
 ])
 def test_the_command_says_what_is_wrong(training, args, code, message):
     out = _cli(*args, "--url", training["daemon"].ingest_url)
@@ -267,11 +286,194 @@ def test_a_client_without_the_capability_gets_text_and_cannot_be_profiled(traini
     assert r.json() == {"result": "ok", "instructions": []}
 
 
+def _final(d, pid: str, timeout: float = 120) -> dict:
+    def done():
+        doc = requests.get(f"{d.ingest_url}{PROFILE_PATH}/{pid}?wait=2", timeout=10).json()
+        return doc if doc["state"] in ("done", "failed", "expired") else None
+    return wait_until(done, timeout=timeout, what=f"profile {pid} to finish")
+
+
+def test_one_profile_per_rank_at_a_time_a_second_request_is_a_409(training):
+    d = training["daemon"]
+    first = requests.post(d.ingest_url + PROFILE_PATH,
+                          json={"run": "slow-input", "rank": "0", "steps": 1}, timeout=5)
+    assert first.status_code == 200, first.text
+    pid = first.json()["id"]
+    second = requests.post(d.ingest_url + PROFILE_PATH,
+                           json={"run": "slow-input", "rank": 0, "steps": 3}, timeout=5)
+    assert second.status_code == 409
+    assert f"rank 0 of run slow-input is already being profiled ({pid}" in \
+        second.json()["error"]
+    out = _cli("--run", "slow-input", "--url", d.ingest_url)
+    assert out.returncode == 2 and "one profile per rank at a time" in out.stderr
+    assert _final(d, pid)["state"] == "done"
+    # the rank is free again
+    third = requests.post(d.ingest_url + PROFILE_PATH, json={"run": "slow-input", "steps": 1},
+                          timeout=5)
+    assert third.status_code == 200, third.text
+    assert _final(d, third.json()["id"])["state"] == "done"
+
+
+NO_TORCH = """
+import sys, time
+sys.modules["torch"] = None  # as on a machine where torch is not installed
+from exporter.client import TrainingMonitor
+monitor = TrainingMonitor(run="no-torch", rank=0, endpoint=sys.argv[1], push_interval=0.2)
+while True:
+    with monitor.step(samples=8):
+        time.sleep(0.02)
+"""
+
+
+def test_a_client_without_torch_answers_profiling_unavailable(daemon_factory):
+    """A client that cannot import torch still takes the request, and answers it at once:
+    the command says why, and the loop goes on as before."""
+    d = daemon_factory("--gpu.backend=demo", "--demo.gpus=1")
+    proc = subprocess.Popen([sys.executable, "-c", NO_TORCH, d.ingest_url], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        d.wait_sample("gputrain_training_steps_total", {"run": "no-torch"}, lambda v: v >= 1,
+                      timeout=60)
+        out = _cli("--run", "no-torch", "--url", d.ingest_url)
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert "failed: profiling unavailable: torch cannot be imported" in out.stderr
+        before = sample_value(d.metrics(), "gputrain_training_steps_total", {"run": "no-torch"})
+        d.wait_sample("gputrain_training_steps_total", {"run": "no-torch"},
+                      lambda v: v > before, timeout=60)
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        _, err = proc.communicate(timeout=30)
+    assert "Traceback" not in err, err
+
+
+def test_dataloader_workers_never_profile_and_old_traces_are_pruned(daemon_factory, tmp_path,
+                                                                     monkeypatch):
+    """Workers forked while the rank records inherit torch's profiler, which then records
+    (and slows) every op they run for nobody: the client turns it off in them. The trace
+    directory's oldest traces of ours go past GPUTRAIN_TRACE_BUDGET_MB; a user's own stay."""
+    torch = require_module("torch")
+    from torch.utils.data import DataLoader, Dataset
+
+    from exporter.client import TrainingMonitor
+
+    mib = 1024 * 1024
+    monkeypatch.setenv("GPUTRAIN_TRACE_DIR", str(tmp_path))
+    monkeypatch.setenv("GPUTRAIN_TRACE_BUDGET_MB", "1")
+    oldest = tmp_path / "workers-rank0-p-000000000001.pt.trace.json.gz"
+    older = tmp_path / "workers-rank0-p-000000000002.pt.trace.json.gz"
+    mine = tmp_path / "my-own.pt.trace.json.gz"  # not ours: never pruned
+    for age, f in enumerate((mine, oldest, older)):
+        f.write_bytes(b"\0" * (mib * 6 // 10))
+        os.utime(f, (1_000_000 + age, 1_000_000 + age))
+
+    class Flagged(Dataset):
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int):
+            time.sleep(0.005)
+            return torch.tensor(float(torch._C._autograd._profiler_enabled()))
+
+    d = daemon_factory("--gpu.backend=demo", "--demo.gpus=1")
+    monitor = TrainingMonitor(run="workers", rank=0, endpoint=d.ingest_url, push_interval=0.2)
+    # two batches an epoch, workers not persistent: each epoch forks them again, so some are
+    # forked while the profile records
+    loader = DataLoader(Flagged(), batch_size=4, num_workers=2,
+                        multiprocessing_context="fork")
+    model = torch.nn.Linear(1, 1)
+    asked, forked_while_recording, flags = None, 0, []
+    deadline = time.monotonic() + 180
+    try:
+        while time.monotonic() < deadline:
+            recording = torch._C._autograd._profiler_enabled()  # when iter() forks them
+            for x in monitor.wrap(loader):
+                model(x.unsqueeze(1)).sum().backward()
+                if recording:
+                    flags += x.tolist()
+            forked_while_recording += recording
+            if asked is None:
+                r = requests.post(d.ingest_url + PROFILE_PATH,
+                                  json={"run": "workers", "steps": 5}, timeout=5)
+                asked = r.json()["id"] if r.ok else None
+            elif monitor._profiler._state in ("done", "failed"):
+                break
+        assert asked is not None
+        doc = _final(d, asked)
+    finally:
+        monitor.close()
+    assert doc["state"] == "done", doc
+    assert forked_while_recording >= 1 and flags and not any(flags), flags
+    traces = sorted(tmp_path.glob("workers-rank0-p-*.pt.trace.json.gz"))
+    assert Path(doc["trace"]) in traces
+    with gzip.open(doc["trace"], "rt") as fh:
+        pids = {e["pid"] for e in json.load(fh)["traceEvents"] if e.get("cat") == "cpu_op"}
+    assert pids == {os.getpid()}
+    assert not oldest.exists() and mine.exists()
+    assert sum(f.stat().st_size for f in traces) <= mib or traces == [Path(doc["trace"])]
+
+
+def test_old_traces_are_pruned_oldest_first_and_only_ours(tmp_path, monkeypatch):
+    """The budget counts our traces in the trace directory (or, by default, under every run's
+    directory beside it); the one just written always stays."""
+    def put(directory: Path, name: str, size: int, age: int) -> Path:
+        directory.mkdir(parents=True, exist_ok=True)
+        f = directory / name
+        f.write_bytes(b"x" * size)
+        os.utime(f, (1_000_000 + age, 1_000_000 + age))
+        return f
+
+    monkeypatch.setenv("GPUTRAIN_TRACE_DIR", str(tmp_path / "set"))
+    here = trace_dir("r")
+    user = put(here, "mine.pt.trace.json.gz", 5000, 0)
+    a = put(here, "r-rank0-p-00000000000a.pt.trace.json.gz", 400, 1)
+    b = put(here, "r-rank1-p-00000000000b.pt.trace.json.gz", 300, 2)
+    c = put(here, "r-rank0-p-00000000000c.pt.trace.json.gz", 500, 3)
+    assert prune_traces(here, 900, keep=c) == [a]
+    assert b.exists() and c.exists() and user.exists()
+    assert prune_traces(here, 100, keep=c) == [b]  # over budget, but the new one stays
+    assert c.exists() and user.exists()
+
+    monkeypatch.delenv("GPUTRAIN_TRACE_DIR")
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    old_run, new_run = trace_dir("old-run"), trace_dir("new-run")
+    assert old_run.parent == new_run.parent
+    gone = put(old_run, "old-run-rank0-p-00000000000d.pt.trace.json.gz", 700, 1)
+    new = put(new_run, "new-run-rank0-p-00000000000e.pt.trace.json.gz", 700, 2)
+    assert prune_traces(new_run, 1000, keep=new) == [gone]
+
+    for raw, budget in (("0.5", 512 * 1024), ("nonsense", 1024 * 1024 * 1024),
+                        ("-1", 1024 * 1024 * 1024)):
+        monkeypatch.setenv("GPUTRAIN_TRACE_BUDGET_MB", raw)
+        assert trace_budget() == budget
+
+
+def test_a_long_profile_prints_its_slowest_steps():
+    from exporter.profile import render
+    from exporter.profiles import mean_parts
+
+    steps = [{"seconds": 0.010 + (0.1 if i in (4, 17, 25) else 0.0), "data_loading": 0.0,
+              "forward": 0.005, "backward": 0.003, "optimizer": 0.001, "other": 0.0,
+              "idle": 0.001 + (0.1 if i in (4, 17, 25) else 0.0)} for i in range(30)]
+    doc = {"id": "p-00000000000f", "run": "r", "rank": "0", "trigger": "cli", "device": "cpu",
+           "trace": "/t/r.pt.trace.json.gz", "trace_bytes": 2048, "step_parts": steps,
+           "mean": mean_parts(steps), "top_ops": []}
+    text = render(doc)
+    assert "Where the 10 slowest of the 30 steps' time went" in text
+    rows = [line.split() for line in text.splitlines() if line.startswith("  ")
+            and line.split()[0].isdigit()]
+    assert len(rows) == 10
+    assert {"5", "18", "26"} <= {r[0] for r in rows}  # 1-based step numbers
+    doc["step_parts"] = steps[:20]
+    assert "Where each step's time went" in render(doc)
+
+
 @pytest.mark.parametrize("payload, code, message", [
     (b"{", 400, "must be JSON"),
     (b'{"rank": "0"}', 400, "field 'run'"),
     (b'{"run": "slow-input", "steps": "5"}', 400, "'steps' must be a whole number"),
-    (b'{"run": "slow-input", "steps": 51}', 400, "steps must be 1-50"),
+    (b'{"run": "slow-input", "steps": 201}', 400, "steps must be 1-200"),
 ])
 def test_bad_profile_requests_are_400s_that_say_why(training, payload, code, message):
     r = requests.post(training["daemon"].ingest_url + PROFILE_PATH, data=payload, timeout=5)
@@ -327,7 +529,7 @@ def test_the_webhook_profiles_once_per_run_and_says_what_it_skipped(daemon_facto
     r = requests.post(d.ingest_url + PUSH_PATH, json={**body, "steps": 2}, timeout=5)
     (instruction,) = r.json()["instructions"]
     assert instruction == {"type": "profile", "version": 1, "id": profiles[0]["id"],
-                           "steps": 5}
+                           "steps": DEFAULT_PROFILE_STEPS}
     assert requests.post(d.ingest_url + "/api/v1/alerts", data=b"[]",
                          timeout=5).status_code == 400
 

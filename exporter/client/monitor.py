@@ -514,11 +514,13 @@ def _env_token() -> str | None:
 
 
 def _disable_in_child(ref: weakref.ref) -> None:
-    """In a forked child (a DataLoader worker) the monitor must never push."""
+    """In a forked child (a DataLoader worker) the monitor must never push or profile."""
     monitor = ref()
     if monitor is not None:
         monitor._closed = True
         monitor._pusher.disable()
+        monitor._attention = False
+        monitor._profiler.in_child()
 
 
 def _close_at_exit(ref: weakref.ref) -> None:

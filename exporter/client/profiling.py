@@ -39,11 +39,15 @@ from exporter.protocol import (
 log = logging.getLogger("exporter.client")
 
 TRACE_DIR_ENV = "GPUTRAIN_TRACE_DIR"
+TRACE_BUDGET_ENV = "GPUTRAIN_TRACE_BUDGET_MB"
+DEFAULT_TRACE_BUDGET_MB = 1024
 OP_NAME_LENGTH = 200  # characters of an operator's name in the summary
 # Ranges that are not operators: the profiler's own step marks
 _NOT_OPERATORS = re.compile(r"ProfilerStep[#*]")
 _OPTIMIZER = ("Optimizer.step#", "Optimizer.zero_grad#")
 _BACKWARD = "autograd::engine::evaluate_function"
+UNAVAILABLE = ("profiling unavailable: torch cannot be imported in this training process "
+               "(the profile uses torch.profiler)")
 
 
 def torch_available() -> bool:
@@ -71,6 +75,56 @@ def trace_path(directory: Path, run: str, rank: str, profile_id: str) -> Path:
     if path.parent != directory:
         raise ValueError(f"trace path {path} is outside the trace directory {directory}")
     return path
+
+
+# A trace of ours, and only ours: a user's own torch.profiler traces beside them are never pruned
+_OUR_TRACE = re.compile(r".+-rank.+-p-[0-9a-f]{12}\.pt\.trace\.json\.gz")
+
+
+def trace_budget() -> int:
+    """Bytes the traces may take (``GPUTRAIN_TRACE_BUDGET_MB``, default 1024 MiB)."""
+    raw = os.environ.get(TRACE_BUDGET_ENV)
+    if raw:
+        try:
+            mib = float(raw)
+            if mib > 0:
+                return int(mib * 1024 * 1024)
+        except ValueError:
+            pass
+        log.warning("gputrain: %s=%r is not a size in MiB above 0; using %d", TRACE_BUDGET_ENV,
+                    raw, DEFAULT_TRACE_BUDGET_MB)
+    return DEFAULT_TRACE_BUDGET_MB * 1024 * 1024
+
+
+def prune_traces(directory: Path, budget: int, keep: Path) -> list[Path]:
+    """Delete the oldest of our traces until they take at most ``budget`` bytes, never
+    ``keep`` (the one just written). Counts ``directory`` and, where it is a run's directory
+    under the default ``<tmp>/gputrain-traces-<uid>``, every run's beside it. Returns what
+    it deleted."""
+    configured = os.environ.get(TRACE_DIR_ENV)
+    files = (directory.glob("*.pt.trace.json.gz") if configured else
+             directory.parent.glob("*/*.pt.trace.json.gz"))
+    found = []
+    for f in files:
+        if _OUR_TRACE.fullmatch(f.name):
+            with contextlib.suppress(OSError):  # another rank pruned it first
+                st = f.stat()
+                found.append((st.st_mtime, f, st.st_size))
+    total = sum(size for _, _, size in found)
+    pruned = []
+    for _, f, size in sorted(found):
+        if total <= budget:
+            break
+        if f == keep:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            f.unlink()
+        total -= size
+        pruned.append(f)
+    if pruned:
+        log.info("gputrain: deleted %d old trace(s) to keep the traces within %d MiB (%s)",
+                 len(pruned), budget // (1024 * 1024), TRACE_BUDGET_ENV)
+    return pruned
 
 
 # -- reducing a profile to where each step's time went ----------------------------------------
@@ -246,6 +300,8 @@ class RankProfiler:
         self._records: list[tuple[float, float]] = []  # (step seconds, data wait) per step
         self._started = 0.0
         self._writer: threading.Thread | None = None
+        self._torch: bool | None = None  # torch can be imported here; looked up when asked
+        self._cuda = False  # the profile records CUDA activities
 
     @property
     def wanted(self) -> bool:
@@ -263,6 +319,8 @@ class RankProfiler:
                 not isinstance(steps, int) or isinstance(steps, bool) or \
                 not 1 <= steps <= MAX_PROFILE_STEPS:
             return
+        if self._torch is None:  # find_spec, not an import: this is the pusher thread
+            self._torch = torch_available()
         with self._lock:
             if pid == self._id and self._state == "accepted":
                 self._attention()  # the monitor may have missed the first call
@@ -270,6 +328,13 @@ class RankProfiler:
             if pid in self._seen or self._state in ("accepted", "running"):
                 return
             self._seen.add(pid)
+            if not self._torch:
+                self._id, self._state = pid, "failed"
+                self._report = {"id": pid, "state": "failed", "error": UNAVAILABLE}
+                log.warning("gputrain: the daemon asks for a profile (%s): %s", pid,
+                            UNAVAILABLE)
+                self._wake()
+                return
             self._id, self._steps, self._state = pid, steps, "accepted"
             self._report = {"id": pid, "state": "accepted"}
             self._ready = False
@@ -316,12 +381,33 @@ class RankProfiler:
             done = max(0, len(self._records) - 1)
             self._fail(f"training ended after {done} of {self._steps} profiled steps")
 
+    def in_child(self) -> None:
+        """After a fork (a DataLoader worker): never profile here. torch leaves a recording
+        profiler on in a forked child, where nobody collects what it records and it slows
+        the worker's ops (1.5-2x on a CPU, so the profile's own data loading would grow):
+        stop it here, and only here."""
+        prof, self._prof = self._prof, None
+        self._state, self._report, self._torch = None, None, False
+        if prof is None or prof is _FINISHING:
+            return
+        with contextlib.suppress(Exception):
+            import torch  # imported already: the parent was profiling with it
+            from torch.profiler import ProfilerActivity
+
+            if not torch._C._autograd._profiler_enabled():  # the warm-up step: not yet on
+                return
+            if self._cuda:  # CUPTI after a fork is not to be touched: only the CPU callbacks
+                torch._C._autograd._toggle_collection_dynamic(False, {ProfilerActivity.CPU})
+            else:
+                torch._C._autograd._disable_profiler()
+
     def _start(self) -> None:
         import torch
         from torch.profiler import ProfilerActivity, profile, schedule
 
         activities = [ProfilerActivity.CPU]
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        self._cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if self._cuda:
             activities.append(ProfilerActivity.CUDA)
         prof = profile(activities=activities,
                        schedule=schedule(wait=0, warmup=1, active=self._steps, repeat=1),
@@ -370,6 +456,10 @@ class RankProfiler:
             return
         size = path.stat().st_size
         log.info("gputrain: profile %s written to %s (%d bytes)", pid, path, size)
+        try:
+            prune_traces(directory, trace_budget(), path)
+        except OSError as exc:  # the profile itself is written; pruning is housekeeping
+            log.warning("gputrain: could not prune old traces in %s: %s", directory, exc)
         with self._lock:
             self._state = "done"
             self._report = {"id": pid, "state": "done", "started": self._started,

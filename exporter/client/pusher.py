@@ -17,7 +17,7 @@ from typing import Any
 import requests
 
 from exporter.client.process_tree import ProcessTree
-from exporter.client.profiling import RankProfiler, torch_available
+from exporter.client.profiling import RankProfiler
 from exporter.protocol import PROFILE_CAPABILITY, PUSH_PATH, SCHEMA_VERSION
 
 log = logging.getLogger("exporter.client")
@@ -36,7 +36,6 @@ class Pusher:
                  profiler: RankProfiler | None = None) -> None:
         self._totals = totals
         self._profiler = profiler
-        self._capabilities: list[str] | None = None  # looked up at the first push
         self._identity = {"version": SCHEMA_VERSION, "run": run, "rank": rank,
                           "run_id": run_id}
         self.interval = interval
@@ -111,10 +110,8 @@ class Pusher:
         if goodbye:
             body["goodbye"] = True
         if self._profiler is not None:
-            if self._capabilities is None:  # find_spec, not an import: off the training thread
-                self._capabilities = [PROFILE_CAPABILITY] if torch_available() else []
-            if self._capabilities:
-                body["capabilities"] = self._capabilities
+            # without torch too: its client then answers "profiling unavailable"
+            body["capabilities"] = [PROFILE_CAPABILITY]
             report = self._profiler.report()
             if report is not None:
                 body["profile"] = report
