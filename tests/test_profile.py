@@ -474,6 +474,8 @@ def test_a_long_profile_prints_its_slowest_steps():
     (b'{"rank": "0"}', 400, "field 'run'"),
     (b'{"run": "slow-input", "steps": "5"}', 400, "'steps' must be a whole number"),
     (b'{"run": "slow-input", "steps": 201}', 400, "steps must be 1-200"),
+    (b'{"run": "nope"}', 404, "no rank of run 'nope' pushes to this daemon"),
+    (b'{"run": "slow-input", "rank": "7"}', 404, "run 'slow-input' has no rank '7'"),
 ])
 def test_bad_profile_requests_are_400s_that_say_why(training, payload, code, message):
     r = requests.post(training["daemon"].ingest_url + PROFILE_PATH, data=payload, timeout=5)
