@@ -61,6 +61,18 @@ def require_binary(name: str, *alternatives: str,
     pytest.skip(message)
 
 
+def self_signed_cert(directory: Path, alt_name: str) -> tuple[Path, Path]:
+    """A one-day self-signed certificate and its key, written in ``directory``, for
+    ``alt_name`` (``DNS:gputrain-exporter``, ``IP:127.0.0.1``; also its common name)."""
+    openssl = require_binary("openssl", package="openssl")
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", f"/CN={alt_name.partition(':')[2]}", "-addext",
+                    f"subjectAltName={alt_name}", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return cert, key
+
+
 def wait_until(predicate, timeout: float = 30.0, interval: float = 0.2, what: str = "condition"):
     """Poll until predicate() returns a truthy value; fail the test after timeout seconds."""
     deadline = time.monotonic() + timeout

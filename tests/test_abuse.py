@@ -11,7 +11,7 @@ import time
 
 import pytest
 import requests
-from conftest import ROOT, sample_value, wait_until
+from conftest import ROOT, sample_value, self_signed_cert, wait_until
 
 GOOD = {"version": 1, "run": "ok", "rank": "0", "run_id": "abc", "steps": 1,
         "step_seconds": 0.1, "data_wait_seconds": 0.0, "samples": 8}
@@ -133,11 +133,7 @@ def test_clients_that_hang_up_cost_a_debug_line_not_a_traceback(daemon):
 
 
 def test_plain_http_to_the_tls_port_is_one_debug_line(tmp_path, daemon_factory):
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-                    "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
+    cert, key = self_signed_cert(tmp_path, "IP:127.0.0.1")
     d = daemon_factory("--gpu.backend=demo", "--demo.gpus=1", "--log.level=debug",
                        f"--web.tls-cert-file={cert}", f"--web.tls-key-file={key}",
                        start=False)

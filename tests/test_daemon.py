@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import socket
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import time
 
 import pytest
 import requests
-from conftest import ROOT, require_binary, sample_value, wait_until
+from conftest import ROOT, require_binary, sample_value, self_signed_cert, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.collectors import host_collectors
@@ -163,13 +162,7 @@ def test_concurrent_scrapes_are_safe():
 
 
 def test_https_with_the_tls_flags(tmp_path, daemon_factory):
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.skip("openssl is not installed")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    cert, key = self_signed_cert(tmp_path, "IP:127.0.0.1")
     d = daemon_factory("--gpu.backend=demo", f"--web.tls-cert-file={cert}",
                        f"--web.tls-key-file={key}", start=False)
     d.url_scheme = "https"
@@ -242,12 +235,8 @@ def test_pushes_over_tls_verified_by_server_name(tmp_path, daemon_factory, caplo
     and that name, and a client without the name is refused, its training unaffected."""
     from exporter.client import TrainingMonitor
 
-    openssl = require_binary("openssl")
-    cert, key, token = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "token"
-    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=gputrain-exporter", "-addext",
-                    "subjectAltName=DNS:gputrain-exporter", "-keyout", str(key), "-out",
-                    str(cert)], check=True, capture_output=True)
+    cert, key = self_signed_cert(tmp_path, "DNS:gputrain-exporter")
+    token = tmp_path / "token"
     token.write_text("s3cret-token-of-16+chars\n")
     d = daemon_factory("--gpu.backend=demo", "--demo.gpus=1", f"--ingest.token-file={token}",
                        f"--ingest.tls-cert-file={cert}", f"--ingest.tls-key-file={key}")

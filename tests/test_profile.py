@@ -19,7 +19,14 @@ from pathlib import Path
 import pytest
 import requests
 import yaml
-from conftest import Alertmanager, require_module, sample_value, stop_all, wait_until
+from conftest import (
+    Alertmanager,
+    require_module,
+    sample_value,
+    self_signed_cert,
+    stop_all,
+    wait_until,
+)
 
 from exporter.client.profiling import (
     RankProfiler,
@@ -695,11 +702,8 @@ def test_the_command_reaches_an_https_ingest_with_a_token_by_server_name(daemon_
     """As on Kubernetes: the ingest's certificate names `gputrain-exporter`, not the address
     dialled, and it wants the token. The request gets through (to a 404 that names the run)
     with --ca-file, --tls-server-name and --token-file, and not without the name."""
-    cert, key, token = tmp_path / "tls.crt", tmp_path / "tls.key", tmp_path / "token"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=gputrain-exporter", "-addext",
-                    "subjectAltName=DNS:gputrain-exporter", "-keyout", str(key), "-out",
-                    str(cert)], check=True, capture_output=True)
+    cert, key = self_signed_cert(tmp_path, "DNS:gputrain-exporter")
+    token = tmp_path / "token"
     token.write_text("a-token-of-sixteen-or-more")
     d = daemon_factory("--gpu.backend=demo", "--demo.gpus=1", f"--ingest.token-file={token}",
                        f"--ingest.tls-cert-file={cert}", f"--ingest.tls-key-file={key}")
