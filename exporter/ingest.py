@@ -42,9 +42,6 @@ PROCESS_COUNTERS = ("cpu_seconds", "read_bytes")
 PROCESS_FIELDS = (*PROCESS_COUNTERS, "resident_memory_bytes")
 
 
-PushRejected = Refused  # a push that cannot be accepted (the name the push path uses)
-
-
 @dataclass
 class RankState:
     """The latest accepted state of one (run, rank)."""
@@ -77,24 +74,24 @@ class RankState:
 
 
 def _reject_constant(name: str) -> Any:
-    raise PushRejected(400, f"invalid JSON: {name} is not a number JSON allows")
+    raise Refused(400, f"invalid JSON: {name} is not a number JSON allows")
 
 
 def _number(body: dict, key: str, *, integer: bool = False, required: bool = True,
             where: str = "") -> float | int | None:
     if key not in body or body[key] is None:
         if required:
-            raise PushRejected(400, f"missing field '{where}{key}'")
+            raise Refused(400, f"missing field '{where}{key}'")
         return None
     v = body[key]
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise PushRejected(400, f"field '{where}{key}' must be a number, got {_kind(v)}")
+        raise Refused(400, f"field '{where}{key}' must be a number, got {_kind(v)}")
     if integer and not (isinstance(v, int) or float(v).is_integer()):
-        raise PushRejected(400, f"field '{where}{key}' must be a whole number, got {v}")
+        raise Refused(400, f"field '{where}{key}' must be a whole number, got {v}")
     if isinstance(v, int) and v > 2**63:  # before math.isfinite, which overflows on it
-        raise PushRejected(400, f"field '{where}{key}' is too large (over 2^63)")
+        raise Refused(400, f"field '{where}{key}' is too large (over 2^63)")
     if not math.isfinite(v) or v < 0:
-        raise PushRejected(400, f"field '{where}{key}' must be a finite number >= 0, got {v}")
+        raise Refused(400, f"field '{where}{key}' must be a finite number >= 0, got {v}")
     return int(v) if integer else float(v)
 
 
@@ -108,15 +105,15 @@ def _name(body: dict, key: str, what: str) -> str:
     if isinstance(v, int) and not isinstance(v, bool) and key == "rank":
         v = str(v)
     if not isinstance(v, str):
-        raise PushRejected(400, f"field '{key}' must be a string, got {_kind(v)}")
+        raise Refused(400, f"field '{key}' must be a string, got {_kind(v)}")
     if not v:
-        raise PushRejected(400, f"field '{key}' must not be empty")
+        raise Refused(400, f"field '{key}' must not be empty")
     if len(v) > MAX_NAME_LENGTH:
-        raise PushRejected(400, f"field '{key}' is {len(v)} characters; the limit is "
-                                f"{MAX_NAME_LENGTH}")
+        raise Refused(400, f"field '{key}' is {len(v)} characters; the limit is "
+                           f"{MAX_NAME_LENGTH}")
     if not NAME_RE.fullmatch(v):
-        raise PushRejected(400, f"field '{key}' may only hold letters, digits and _ . : - "
-                                f"({what}), got {v!r}")
+        raise Refused(400, f"field '{key}' may only hold letters, digits and _ . : - "
+                           f"({what}), got {v!r}")
     return v
 
 
@@ -125,24 +122,24 @@ def parse_push(raw: bytes, now: float, now_unix: float) -> tuple[RankState, bool
     try:
         body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
     except UnicodeDecodeError:
-        raise PushRejected(400, "the body must be UTF-8 JSON") from None
+        raise Refused(400, "the body must be UTF-8 JSON") from None
     except json.JSONDecodeError as exc:
-        raise PushRejected(400, f"invalid JSON: {exc.msg} at line {exc.lineno} column "
-                                f"{exc.colno}") from None
+        raise Refused(400, f"invalid JSON: {exc.msg} at line {exc.lineno} column "
+                           f"{exc.colno}") from None
     except RecursionError:
-        raise PushRejected(400, "invalid JSON: nested too deeply") from None
+        raise Refused(400, "invalid JSON: nested too deeply") from None
     except ValueError as exc:  # an integer over Python's digit limit (4,300 digits)
-        raise PushRejected(400, f"invalid JSON: {exc}") from None
+        raise Refused(400, f"invalid JSON: {exc}") from None
     if not isinstance(body, dict):
-        raise PushRejected(400, f"the body must be a JSON object, got {_kind(body)}")
+        raise Refused(400, f"the body must be a JSON object, got {_kind(body)}")
     version = body.get("version")
     if version != SCHEMA_VERSION or isinstance(version, bool):
-        raise PushRejected(400, f"field 'version' must be {SCHEMA_VERSION}, got {version!r}")
+        raise Refused(400, f"field 'version' must be {SCHEMA_VERSION}, got {version!r}")
     run = _name(body, "run", "the run's name")
     rank = _name(body, "rank", "the rank")
     run_id = body.get("run_id")
     if not isinstance(run_id, str) or not RUN_ID_RE.fullmatch(run_id):
-        raise PushRejected(400, "field 'run_id' must be 1-64 letters, digits, _ or -")
+        raise Refused(400, "field 'run_id' must be 1-64 letters, digits, _ or -")
     st = RankState(run=run, rank=rank, run_id=run_id, received_at=now, received_unix=now_unix)
     st.steps = _number(body, "steps", integer=True)
     st.step_seconds = _number(body, "step_seconds")
@@ -153,8 +150,8 @@ def parse_push(raw: bytes, now: float, now_unix: float) -> tuple[RankState, bool
     st.elapsed_seconds = _number(body, "elapsed_seconds", required=False)
     precision = body.get("precision", DEFAULT_PRECISION)
     if precision not in PRECISIONS:
-        raise PushRejected(400, f"field 'precision' must be one of {', '.join(PRECISIONS)}, "
-                                f"got {precision!r}")
+        raise Refused(400, f"field 'precision' must be one of {', '.join(PRECISIONS)}, "
+                           f"got {precision!r}")
     st.precision = precision
     _parse_histogram(body, st)
     _parse_phases(body, st)
@@ -163,7 +160,7 @@ def parse_push(raw: bytes, now: float, now_unix: float) -> tuple[RankState, bool
     _parse_profile(body, st)
     goodbye = body.get("goodbye", False)
     if not isinstance(goodbye, bool):
-        raise PushRejected(400, f"field 'goodbye' must be true or false, got {_kind(goodbye)}")
+        raise Refused(400, f"field 'goodbye' must be true or false, got {_kind(goodbye)}")
     return st, goodbye
 
 
@@ -172,33 +169,33 @@ def _parse_histogram(body: dict, st: RankState) -> None:
     if bounds is None and counts is None:
         return
     if not isinstance(bounds, list) or not isinstance(counts, list):
-        raise PushRejected(400, "fields 'step_buckets' and 'step_counts' must both be arrays")
+        raise Refused(400, "fields 'step_buckets' and 'step_counts' must both be arrays")
     if len(bounds) != len(counts):
-        raise PushRejected(400, f"'step_buckets' has {len(bounds)} bounds but 'step_counts' "
-                                f"has {len(counts)} counts")
+        raise Refused(400, f"'step_buckets' has {len(bounds)} bounds but 'step_counts' "
+                           f"has {len(counts)} counts")
     if len(bounds) > MAX_BUCKETS:
-        raise PushRejected(400, f"at most {MAX_BUCKETS} histogram buckets, got {len(bounds)}")
+        raise Refused(400, f"at most {MAX_BUCKETS} histogram buckets, got {len(bounds)}")
     b = [_number({"b": x}, "b", where="step_buckets ") for x in bounds]
     c = [_number({"c": x}, "c", integer=True, where="step_counts ") for x in counts]
     if any(x >= y for x, y in pairwise(b)) or (b and b[0] <= 0):
-        raise PushRejected(400, "'step_buckets' must be positive and strictly increasing")
+        raise Refused(400, "'step_buckets' must be positive and strictly increasing")
     if any(x > y for x, y in pairwise(c)):
-        raise PushRejected(400, "'step_counts' must be cumulative (never decreasing)")
+        raise Refused(400, "'step_counts' must be cumulative (never decreasing)")
     if c and c[-1] > st.steps:
-        raise PushRejected(400, f"'step_counts' counts {c[-1]} steps but 'steps' is "
-                                f"{st.steps}")
+        raise Refused(400, f"'step_counts' counts {c[-1]} steps but 'steps' is "
+                           f"{st.steps}")
     st.bucket_bounds, st.bucket_counts = tuple(b), tuple(c)
 
 
 def _parse_phases(body: dict, st: RankState) -> None:
     phases = body.get("phases") or {}
     if not isinstance(phases, dict):
-        raise PushRejected(400, f"field 'phases' must be an object, got {_kind(phases)}")
+        raise Refused(400, f"field 'phases' must be an object, got {_kind(phases)}")
     if len(phases) > MAX_PHASES:
-        raise PushRejected(400, f"at most {MAX_PHASES} phases, got {len(phases)}")
+        raise Refused(400, f"at most {MAX_PHASES} phases, got {len(phases)}")
     for name in phases:
         if not NAME_RE.fullmatch(name) or len(name) > MAX_PHASE_NAME_LENGTH:
-            raise PushRejected(400, f"phase name {name!r} must be 1-64 letters, digits, _ . : -")
+            raise Refused(400, f"phase name {name!r} must be 1-64 letters, digits, _ . : -")
         st.phases[name] = _number(phases, name, where="phases.")
 
 
@@ -207,7 +204,7 @@ def _parse_process(body: dict, st: RankState) -> None:
     if proc is None:
         return
     if not isinstance(proc, dict):
-        raise PushRejected(400, f"field 'process' must be an object, got {_kind(proc)}")
+        raise Refused(400, f"field 'process' must be an object, got {_kind(proc)}")
     for key in PROCESS_FIELDS:
         v = _number(proc, key, required=False, where="process.")
         if v is not None:
@@ -219,12 +216,12 @@ def _parse_process(body: dict, st: RankState) -> None:
 def _parse_gpus(body: dict, st: RankState) -> None:
     gpus = body.get("gpus") or []
     if not isinstance(gpus, list) or len(gpus) > MAX_GPUS:
-        raise PushRejected(400, f"field 'gpus' must be an array of at most {MAX_GPUS} GPU "
-                                "UUIDs or indices")
+        raise Refused(400, f"field 'gpus' must be an array of at most {MAX_GPUS} GPU "
+                           "UUIDs or indices")
     for g in gpus:
         if not isinstance(g, str) or not GPU_REF_RE.fullmatch(g):
-            raise PushRejected(400, f"'gpus' entries must be a GPU index or a GPU-/MIG- UUID, "
-                                    f"got {g!r}")
+            raise Refused(400, f"'gpus' entries must be a GPU index or a GPU-/MIG- UUID, "
+                               f"got {g!r}")
     st.gpus = tuple(dict.fromkeys(gpus))
 
 
@@ -232,8 +229,8 @@ def _parse_profile(body: dict, st: RankState) -> None:
     caps = body.get("capabilities") or []
     if not isinstance(caps, list) or len(caps) > MAX_CAPABILITIES or not all(
             isinstance(c, str) and 0 < len(c) <= MAX_PHASE_NAME_LENGTH for c in caps):
-        raise PushRejected(400, f"field 'capabilities' must be an array of at most "
-                                f"{MAX_CAPABILITIES} short strings")
+        raise Refused(400, f"field 'capabilities' must be an array of at most "
+                           f"{MAX_CAPABILITIES} short strings")
     st.capabilities = tuple(dict.fromkeys(caps))
     if body.get("profile") is not None:
         st.profile_report = parse_report(body["profile"])
@@ -243,25 +240,25 @@ def _check_monotonic(old: RankState, new: RankState) -> None:
     """Within one run_id every total only grows; a decrease means a client bug."""
     for key in COUNTERS:
         if getattr(new, key) < getattr(old, key):
-            raise PushRejected(409, f"'{key}' went down from {getattr(old, key)} to "
-                                    f"{getattr(new, key)} within run_id {new.run_id}; a "
-                                    "restarted process must use a new run_id")
+            raise Refused(409, f"'{key}' went down from {getattr(old, key)} to "
+                               f"{getattr(new, key)} within run_id {new.run_id}; a "
+                               "restarted process must use a new run_id")
     for key in OPTIONAL_COUNTERS:
         before, after = getattr(old, key), getattr(new, key)
         if before is not None and (after is None or after < before):
-            raise PushRejected(409, f"'{key}' went {'missing' if after is None else 'down'} "
-                                    f"within run_id {new.run_id} (was {before})")
+            raise Refused(409, f"'{key}' went {'missing' if after is None else 'down'} "
+                               f"within run_id {new.run_id} (was {before})")
     if old.bucket_bounds and new.bucket_bounds != old.bucket_bounds:
-        raise PushRejected(409, "'step_buckets' changed within one run_id")
+        raise Refused(409, "'step_buckets' changed within one run_id")
     for a, b in zip(old.bucket_counts, new.bucket_counts, strict=False):
         if b < a:
-            raise PushRejected(409, "'step_counts' went down within one run_id")
+            raise Refused(409, "'step_counts' went down within one run_id")
     for name, seconds in old.phases.items():
         if new.phases.get(name, 0.0) < seconds:
-            raise PushRejected(409, f"phase '{name}' went down within one run_id")
+            raise Refused(409, f"phase '{name}' went down within one run_id")
     for key in PROCESS_COUNTERS:
         if key in old.process and new.process.get(key, 0.0) < old.process[key]:
-            raise PushRejected(409, f"'process.{key}' went down within one run_id")
+            raise Refused(409, f"'process.{key}' went down within one run_id")
 
 
 def _wall_seconds(old: RankState | None, new: RankState) -> float:
@@ -322,12 +319,12 @@ class IngestStore:
             return dict(self._requests)
 
     def push(self, raw: bytes) -> str:
-        """Apply one push; returns a short message, raises PushRejected (state untouched)."""
+        """Apply one push; returns a short message, raises Refused (state untouched)."""
         return self.accept(raw)[0]
 
     def accept(self, raw: bytes) -> tuple[str, RankState, list[dict[str, Any]]]:
         """Apply one push: its message, the state it set, and the instructions for the
-        answer (a profile to take). Raises PushRejected, the state untouched."""
+        answer (a profile to take). Raises Refused, the state untouched."""
         new, goodbye = parse_push(raw, self._clock(), self._wall())
         key = (new.run, new.rank)
         with self._lock:
@@ -337,8 +334,8 @@ class IngestStore:
                 _check_monotonic(old, new)
             new.wall_seconds = _wall_seconds(old, new)
             if old is None and len(self._states) >= self.max_series:
-                raise PushRejected(429, f"{len(self._states)} (run, rank) pairs are live, the "
-                                        f"limit (--ingest.max-series) is {self.max_series}")
+                raise Refused(429, f"{len(self._states)} (run, rank) pairs are live, the "
+                                   f"limit (--ingest.max-series) is {self.max_series}")
             if goodbye:
                 # Keep the final totals a little, so the last increments reach Prometheus.
                 new.expires_at = new.received_at + min(self.ttl, GOODBYE_GRACE_SECONDS)

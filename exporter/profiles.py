@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from exporter.protocol import (
     DEFAULT_PROFILE_STEPS,
     MAX_NAME_LENGTH,
+    MAX_OP_NAME_LENGTH,
     MAX_PROFILE_ERROR_LENGTH,
     MAX_PROFILE_STEPS,
     MAX_PROFILE_TOP_OPS,
@@ -44,6 +45,7 @@ class Rank(Protocol):
     run_id: str
     capabilities: tuple[str, ...]
 
+
 FINAL = ("done", "failed", "expired")
 QUEUE_TIMEOUT = 60.0  # seconds for the rank to take it: it pushes every few seconds
 START_TIMEOUT = 600.0  # seconds from taking it to the first step boundary
@@ -51,10 +53,6 @@ RUN_TIMEOUT = 1800.0  # seconds from the start to the result
 MAX_OPEN = 64  # profiles queued, accepted or running at once, over all ranks
 KEEP = 64  # finished profiles kept for the API and the status page
 MAX_ALERTS = 1000  # alerts in one webhook call
-OP_NAME_LENGTH = 200
-
-
-
 
 @dataclass
 class Profile:
@@ -123,7 +121,7 @@ def parse_report(report: Any) -> dict[str, Any]:
         raise Refused(400, "'profile.id' must be a profile id (p- and 12 hex digits)")
     if state not in ("accepted", "running", "done", "failed"):
         raise Refused(400, "'profile.state' must be accepted, running, done or failed, "
-                                f"got {state!r}")
+                           f"got {state!r}")
     out: dict[str, Any] = {"id": pid, "state": state}
     for key in ("started", "finished"):
         if report.get(key) is not None:
@@ -139,7 +137,7 @@ def parse_report(report: Any) -> dict[str, Any]:
     if not isinstance(trace, str) or not trace or len(trace) > MAX_TRACE_PATH_LENGTH or \
             any(ord(c) < 32 for c in trace):
         raise Refused(400, f"'profile.trace' must be a path of 1-{MAX_TRACE_PATH_LENGTH} "
-                                "printable characters")
+                           "printable characters")
     out["trace"] = trace
     out["trace_bytes"] = _number(report.get("trace_bytes"), "profile.trace_bytes", True)
     device = report.get("device", "cpu")
@@ -149,7 +147,7 @@ def parse_report(report: Any) -> dict[str, Any]:
     steps = report.get("steps")
     if not isinstance(steps, list) or len(steps) > MAX_PROFILE_STEPS:
         raise Refused(400, f"'profile.steps' must be an array of at most "
-                                f"{MAX_PROFILE_STEPS} steps")
+                           f"{MAX_PROFILE_STEPS} steps")
     out["steps"] = []
     for i, step in enumerate(steps):
         if not isinstance(step, dict):
@@ -160,13 +158,13 @@ def parse_report(report: Any) -> dict[str, Any]:
     ops = report.get("top_ops", [])
     if not isinstance(ops, list) or len(ops) > MAX_PROFILE_TOP_OPS:
         raise Refused(400, f"'profile.top_ops' must be an array of at most "
-                                f"{MAX_PROFILE_TOP_OPS} operators")
+                           f"{MAX_PROFILE_TOP_OPS} operators")
     out["top_ops"] = []
     for i, op in enumerate(ops):
         if not isinstance(op, dict) or not isinstance(op.get("name"), str):
             raise Refused(400, f"'profile.top_ops[{i}]' must be an object with a name")
         out["top_ops"].append({
-            "name": op["name"][:OP_NAME_LENGTH],
+            "name": op["name"][:MAX_OP_NAME_LENGTH],
             "calls": _number(op.get("calls"), f"profile.top_ops[{i}].calls", True),
             "self_cpu_seconds": _number(op.get("self_cpu_seconds"),
                                         f"profile.top_ops[{i}].self_cpu_seconds"),
@@ -211,17 +209,17 @@ class ProfileBoard:
         if not live:
             runs = sorted({s.run for s in self._states()})
             raise Refused(404, f"no rank of run {run!r} pushes to this daemon; runs "
-                                      f"here: {', '.join(runs) or 'none'}")
+                               f"here: {', '.join(runs) or 'none'}")
         ranks = sorted((s.rank for s in live), key=_rank_order)
         rank = ranks[0] if rank is None else rank
         state = next((s for s in live if s.rank == rank), None)
         if state is None:
             raise Refused(404, f"run {run!r} has no rank {rank!r} pushing to this "
-                                      f"daemon; its ranks here: {', '.join(ranks)}")
+                               f"daemon; its ranks here: {', '.join(ranks)}")
         if PROFILE_CAPABILITY not in state.capabilities:
             raise Refused(409, f"rank {rank} of run {run} cannot be profiled: its "
-                                      "client does not offer it (a gputrain client from before "
-                                      "profiles)")
+                               "client does not offer it (a gputrain client from before "
+                               "profiles)")
         with self._cond:
             self._expire_locked()
             existing = self._open.get((run, rank))
@@ -232,7 +230,7 @@ class ProfileBoard:
                                    f"wait for it with GET {PROFILE_PATH}/{existing.id}")
             if len(self._open) >= MAX_OPEN:
                 raise Refused(429, f"{len(self._open)} profiles are already queued or "
-                                          "running on this daemon; try again later")
+                                   "running on this daemon; try again later")
             now = self._clock()
             profile = Profile(id="p-" + os.urandom(6).hex(), run=run, rank=rank, steps=steps,
                               trigger=trigger, requested=self._wall(), requested_at=now,
@@ -340,10 +338,10 @@ class ProfileBoard:
         alerts = body.get("alerts") if isinstance(body, dict) else None
         if not isinstance(alerts, list):
             raise Refused(400, "the body must be Alertmanager's webhook JSON: an object "
-                                      "with an 'alerts' array")
+                               "with an 'alerts' array")
         if len(alerts) > MAX_ALERTS:
             raise Refused(413, f"{len(alerts)} alerts in one call; the limit is "
-                                      f"{MAX_ALERTS}")
+                               f"{MAX_ALERTS}")
         started: list[dict[str, Any]] = []
         skipped: list[dict[str, Any]] = []
         for alert in alerts:

@@ -45,6 +45,7 @@ PROFILE_ID_RE = re.compile(r"p-[0-9a-f]{12}")
 DEFAULT_PROFILE_STEPS = 20
 MAX_PROFILE_STEPS = 200
 MAX_PROFILE_TOP_OPS = 10
+MAX_OP_NAME_LENGTH = 200  # characters of an operator's name in a profile's summary
 MAX_TRACE_PATH_LENGTH = 512
 MAX_PROFILE_ERROR_LENGTH = 500
 # where a profiled step's time went, in seconds; they sum to the step

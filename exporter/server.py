@@ -283,7 +283,7 @@ class IngestHandler(_Handler):
             ask = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError):
             raise Refused(400, 'the body must be JSON: {"run": ..., "rank": ..., '
-                                '"steps": ...}') from None
+                               '"steps": ...}') from None
         if not isinstance(ask, dict) or not isinstance(ask.get("run"), str):
             raise Refused(400, "field 'run' (a string) is required")
         rank = ask.get("rank")
@@ -308,7 +308,7 @@ class IngestHandler(_Handler):
             pid = path[len(PROFILE_PATH) + 1:]
             if not pid:
                 self._json(200, {"profiles": [p.document(brief=True)
-                                               for p in store.profiles.recent()]})
+                                              for p in store.profiles.recent()]})
                 return
             wait = 0.0
             for item in query.split("&"):

@@ -14,7 +14,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from exporter.collectors.training import TrainingCollector
 from exporter.exposition import Exposition
 from exporter.gpu_backends import DemoBackend
-from exporter.ingest import IngestStore, PushRejected
+from exporter.ingest import IngestStore
+from exporter.protocol import Refused
 from exporter.sampler import Sampler
 from exporter.server import IngestHandler, make_server, serve_in_thread
 
@@ -289,5 +290,5 @@ def test_fuzzed_pushes_never_5xx_and_rejected_ones_change_nothing(rig, mutations
 
 def test_parse_errors_are_push_rejected_not_crashes():
     store = IngestStore()
-    with pytest.raises(PushRejected):
+    with pytest.raises(Refused):
         store.push(b"[" * 100000)

@@ -15,9 +15,9 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 from exporter.collectors.training import TrainingCollector
 from exporter.exposition import Exposition
 from exporter.gpu_backends import DemoBackend, NvmlBackend
-from exporter.ingest import IngestStore, PushRejected
+from exporter.ingest import IngestStore
 from exporter.nvml import Nvml
-from exporter.protocol import MAX_BUCKETS, MAX_GPUS, MAX_PHASES, MAX_SERIES_PER_RANK
+from exporter.protocol import MAX_BUCKETS, MAX_GPUS, MAX_PHASES, MAX_SERIES_PER_RANK, Refused
 from exporter.sampler import Sampler
 
 OPENMETRICS = "application/openmetrics-text;version=1.0.0,text/plain;q=0.5"
@@ -165,7 +165,7 @@ def test_a_rank_is_bounded_to_max_series_per_rank_lines(clock):
     for key, value in (("phases", {**full["phases"], "one-more": 1.0}),
                        ("step_buckets", [*full["step_buckets"], 1.0]),
                        ("gpus", [*full["gpus"], "GPU-extra"])):
-        with pytest.raises(PushRejected) as err:
+        with pytest.raises(Refused) as err:
             push(store, rank="1", **{**full, key: value,
                                      "step_counts": [10] * len(full["step_buckets"])
                                      if key != "step_buckets" else [10] * (MAX_BUCKETS + 1)})

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from exporter.protocol import (
+    MAX_OP_NAME_LENGTH,
     MAX_PROFILE_ERROR_LENGTH,
     MAX_PROFILE_STEPS,
     MAX_PROFILE_TOP_OPS,
@@ -41,7 +42,6 @@ log = logging.getLogger("exporter.client")
 TRACE_DIR_ENV = "GPUTRAIN_TRACE_DIR"
 TRACE_BUDGET_ENV = "GPUTRAIN_TRACE_BUDGET_MB"
 DEFAULT_TRACE_BUDGET_MB = 1024
-OP_NAME_LENGTH = 200  # characters of an operator's name in the summary
 # Ranges that are not operators: the profiler's own step marks
 _NOT_OPERATORS = re.compile(r"ProfilerStep[#*]")
 _OPTIMIZER = ("Optimizer.step#", "Optimizer.zero_grad#")
@@ -263,7 +263,7 @@ def top_operators(averages: Iterable[Any], n: int = MAX_PROFILE_TOP_OPS) -> list
         dev = getattr(a, "self_device_time_total", None)
         if dev is None:  # torch before 2.4
             dev = getattr(a, "self_cuda_time_total", 0.0)
-        rows.append({"name": a.key[:OP_NAME_LENGTH], "calls": int(a.count),
+        rows.append({"name": a.key[:MAX_OP_NAME_LENGTH], "calls": int(a.count),
                      "self_cpu_seconds": a.self_cpu_time_total / 1e6,
                      "self_device_seconds": (dev or 0.0) / 1e6})
     on_device = any(r["self_device_seconds"] > 0 for r in rows)
