@@ -388,11 +388,12 @@ def main(argv: list[str] | None = None) -> int:
             result = run_scenario(table[name], args, url, ingest_url, args.out)
             results.append(result)
             print(json.dumps(result["measured"]), flush=True)
+        # while the exporter still serves: its series beside nvidia-smi's
+        hardware = record_hardware(args.out, url) if shutil.which("nvidia-smi") else None
     finally:
         exporter.terminate()
         exporter.wait(timeout=15)
         log.close()
-    hardware = record_hardware(args.out, url) if shutil.which("nvidia-smi") else None
     failures = [] if args.cpu_demo else check(results)
     (args.out / "summary.json").write_text(json.dumps(
         {"scenarios": results, "failures": failures, "hardware": hardware}, indent=2) + "\n")
