@@ -265,7 +265,11 @@ def test_lightning_matches_simple_profiler(daemon_factory, tmp_path, delay):
            got.phases["checkpoint"], sum(durations["save_checkpoint"]))
     assert got.steps == 40 and got.samples == 320
     assert sample_value(d.metrics(), "gputrain_training_flops_total", {"run": run}) == 320e6
-    assert got.wait == pytest.approx(sum(durations[FETCH_ACTION]), rel=0.02, abs=0.002)
+    # ours encloses Lightning's own timing of each fetch: never less, and more only by its
+    # start()/stop() calls, which a loaded scheduler may preempt (up to 0.1 ms a fetch seen
+    # under two CPU burners), so the bound is 2 % or 0.25 ms a fetch
+    reference, fetches = sum(durations[FETCH_ACTION]), len(durations[FETCH_ACTION])
+    assert reference - 1e-6 <= got.wait <= reference + max(0.02 * reference, 0.00025 * fetches)
     assert got.phases["checkpoint"] == pytest.approx(sum(durations["save_checkpoint"]),
                                                      rel=0.02)
     assert got.phases["checkpoint"] > 8 * 0.05
