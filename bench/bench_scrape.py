@@ -30,9 +30,9 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from exporter.collectors import host_collectors  # noqa: E402
-from exporter.gpu_backends import DemoBackend  # noqa: E402
-from exporter.sampler import Sampler  # noqa: E402
+from exporter.reading.collectors import host_collectors  # noqa: E402
+from exporter.reading.gpu_backends import DemoBackend  # noqa: E402
+from exporter.reading.sampler import Sampler  # noqa: E402
 
 PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
                      "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
@@ -120,8 +120,8 @@ def render_anchor(ranks: int, phases: int, repeats: int) -> tuple[list[float], l
     from prometheus_client import CollectorRegistry
     from prometheus_client.openmetrics.exposition import generate_latest
 
-    from exporter.exposition import Exposition
-    from exporter.ingest import IngestStore
+    from exporter.serving.exposition import Exposition
+    from exporter.serving.ingest import IngestStore
 
     sampler = Sampler(DemoBackend(8), host_collectors(), interval=1.0)
     sampler.run_once()
@@ -250,8 +250,8 @@ def nvml_cycle_ms(cycles: int, health: bool) -> float:
     sys.path.insert(0, str(ROOT / "tests"))
     from fake_pynvml import FakeGpu, FakePynvml
 
-    from exporter.gpu_backends import NvmlBackend
-    from exporter.nvml import Nvml
+    from exporter.reading.gpu_backends import NvmlBackend
+    from exporter.reading.nvml import Nvml
 
     extra = ({"nvlink_links": 18, "remapped_rows": (0, 0, 0, 0)} if health else
              {"nvlink_links": 0, "ecc_volatile": None, "remapped_rows": None})

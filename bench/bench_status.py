@@ -31,13 +31,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_scrape import demo_daemon, payload, pct, scrape  # noqa: E402
 
-from exporter.collectors import host_collectors  # noqa: E402
-from exporter.gpu_backends import DemoBackend  # noqa: E402
-from exporter.history import History  # noqa: E402
-from exporter.ingest import IngestStore  # noqa: E402
-from exporter.rules import DEFAULTS  # noqa: E402
-from exporter.sampler import Sampler  # noqa: E402
-from exporter.status import StatusView  # noqa: E402
+from exporter.heuristics.rules import DEFAULTS  # noqa: E402
+from exporter.reading.collectors import host_collectors  # noqa: E402
+from exporter.reading.gpu_backends import DemoBackend  # noqa: E402
+from exporter.reading.sampler import Sampler  # noqa: E402
+from exporter.serving.history import History  # noqa: E402
+from exporter.serving.ingest import IngestStore  # noqa: E402
+from exporter.serving.status import StatusView  # noqa: E402
 
 
 def timed_get(session: requests.Session, url: str) -> float:

@@ -2,7 +2,7 @@
 
 import sys
 
-from exporter.cli import main
+from exporter.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

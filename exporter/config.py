@@ -15,10 +15,10 @@ from typing import Any
 
 import yaml
 
-from exporter.collectors import COLLECTORS
-from exporter.collectors.disk import DEFAULT_DISK_EXCLUDE
-from exporter.collectors.network import DEFAULT_NETDEV_EXCLUDE
-from exporter.peak_flops import parse_peak_overrides
+from exporter.reading.collectors import COLLECTORS
+from exporter.reading.collectors.disk import DEFAULT_DISK_EXCLUDE
+from exporter.reading.collectors.network import DEFAULT_NETDEV_EXCLUDE
+from exporter.reading.peak_flops import parse_peak_overrides
 
 
 class ConfigError(ValueError):

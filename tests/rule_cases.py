@@ -27,7 +27,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from exporter.rules import render  # noqa: E402
+from exporter.heuristics.rules import render  # noqa: E402
 
 NODE = {"job": "gputrain", "instance": "n1:19400"}
 HEADER = """\

@@ -395,10 +395,10 @@ def test_flush_waits_for_the_totals_it_was_called_with():
     """With pushes constantly in flight, every flush() that returns True leaves the daemon
     holding at least the steps done before it was called (read from the daemon's store: its
     page is built a moment later, off the request path)."""
-    from exporter.exposition import Exposition
-    from exporter.ingest import IngestStore
-    from exporter.sampler import Sampler
-    from exporter.server import IngestHandler, make_server, serve_in_thread
+    from exporter.reading.sampler import Sampler
+    from exporter.serving.exposition import Exposition
+    from exporter.serving.ingest import IngestStore
+    from exporter.serving.server import IngestHandler, make_server, serve_in_thread
 
     store = IngestStore()
     server = make_server("127.0.0.1", 0, IngestHandler, Exposition(Sampler(None), store))

@@ -23,17 +23,17 @@ import rule_cases
 from conftest import ROOT, require_binary
 from gpu.replay import Backfilled, inline_alerts, openmetrics_text
 
-from exporter.catalogue import BY_ALERT
-from exporter.collectors.cpu import CpuReading
-from exporter.collectors.disk import DiskReading
-from exporter.collectors.network import NetworkReading
-from exporter.gpu_backends import GpuIdentity, GpuSample
-from exporter.history import History
-from exporter.ingest import IngestStore
+from exporter.heuristics.catalogue import BY_ALERT
+from exporter.heuristics.rules import DEFAULTS
+from exporter.heuristics.verdict import RankReport, judge, visibility
 from exporter.protocol import SCHEMA_VERSION
-from exporter.rules import DEFAULTS
-from exporter.sampler import GpuState, Snapshot
-from exporter.verdict import RankReport, judge, visibility
+from exporter.reading.collectors.cpu import CpuReading
+from exporter.reading.collectors.disk import DiskReading
+from exporter.reading.collectors.network import NetworkReading
+from exporter.reading.gpu_backends import GpuIdentity, GpuSample
+from exporter.reading.sampler import GpuState, Snapshot
+from exporter.serving.history import History
+from exporter.serving.ingest import IngestStore
 
 BASE = 1_700_000_000  # the backfilled series start here (unix seconds)
 _SERIES = re.compile(r'^([a-zA-Z_:][\w:]*)\{(.*)\}$')

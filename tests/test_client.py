@@ -212,8 +212,8 @@ def test_totals_are_consistent_while_the_loop_runs():
 def test_phase_names_past_the_daemons_limit_are_counted_as_other(caplog):
     """The daemon takes MAX_PHASES phase names per rank and refuses a push with more; the
     client folds the extra names into 'other' (with one warning) so no push is refused."""
-    from exporter.ingest import parse_push
     from exporter.protocol import MAX_PHASES, OTHER_PHASE
+    from exporter.serving.ingest import parse_push
 
     m = TrainingMonitor(run="phasey", start=False)
     for i in range(MAX_PHASES + 5):

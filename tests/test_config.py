@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from exporter.cli import build_parser
+from exporter.cli.main import build_parser
 from exporter.config import ConfigError, parse_duration, parse_listen_address, resolve
 
 
@@ -66,7 +66,7 @@ def test_unparsable_yaml_and_missing_file(tmp_path):
 
 
 def test_help_shows_the_serve_flags_and_defaults_as_the_readme_writes_them(capsys):
-    from exporter.cli import main
+    from exporter.cli.main import main
 
     assert main(["--help"]) == 0
     out = capsys.readouterr().out

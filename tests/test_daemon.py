@@ -13,11 +13,11 @@ import requests
 from conftest import ROOT, require_binary, sample_value, self_signed_cert, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.collectors import host_collectors
-from exporter.exposition import Exposition
-from exporter.gpu_backends import DemoBackend
-from exporter.sampler import Sampler
-from exporter.server import MetricsHandler, make_server, serve_in_thread
+from exporter.reading.collectors import host_collectors
+from exporter.serving.exposition import Exposition
+from exporter.reading.gpu_backends import DemoBackend
+from exporter.reading.sampler import Sampler
+from exporter.serving.server import MetricsHandler, make_server, serve_in_thread
 
 CONTRACT_GPU_METRICS = [
     "gputrain_gpu_info", "gputrain_gpu_up", "gputrain_gpu_utilization_ratio",
@@ -190,8 +190,8 @@ def test_demo_gpus_follow_the_ranks_that_push(clock):
     load follows the run: busy while it computes, idle once its pushes stop."""
     import json
 
-    from exporter.collectors.training import resolve_gpus
-    from exporter.ingest import IngestStore
+    from exporter.reading.collectors.training import resolve_gpus
+    from exporter.serving.ingest import IngestStore
 
     store = IngestStore(clock=clock)
     backend = DemoBackend(4, clock=clock, host="follow-test")

@@ -12,8 +12,8 @@ import pytest
 import yaml
 from conftest import ROOT, Daemon, Prometheus, rules_file, synthetic_client, wait_until
 
-from exporter import dashboards as generate
-from exporter.catalogue import THRESHOLDS
+from exporter.heuristics import dashboards as generate
+from exporter.heuristics.catalogue import THRESHOLDS
 
 DASHBOARDS = ROOT / "grafana" / "dashboards"
 def load() -> dict[str, dict]:
@@ -195,7 +195,7 @@ def test_no_metric_name_that_nothing_produces(fed_prometheus):
     text = daemon.metrics()
     produced = set(re.findall(r"^(\w+)[{ ]", text, re.M))
     # families with no series yet (Xid errors) are declared in the collectors
-    for path in (ROOT / "exporter" / "collectors").glob("*.py"):
+    for path in (ROOT / "exporter" / "reading" / "collectors").glob("*.py"):
         produced |= set(re.findall(r'"(gputrain_\w+)"', path.read_text()))
     rules = yaml.safe_load((ROOT / "alerts" / "gputrain.rules.yml").read_text())
     produced |= {r["record"] for g in rules["groups"] for r in g["rules"] if "record" in r}

@@ -25,7 +25,7 @@ from conftest import (
     wait_until,
 )
 
-from exporter.rules import render, render_prometheusrule
+from exporter.heuristics.rules import render, render_prometheusrule
 
 DEPLOY = ROOT / "deploy"
 CORE_KINDS = {"Namespace", "ServiceAccount", "DaemonSet", "Service", "ConfigMap"}
@@ -102,7 +102,7 @@ def test_the_prometheusrule_carries_exactly_the_rule_groups_of_alerts(manifests,
 
 
 def test_the_dashboards_configmap_is_for_the_grafana_sidecar_and_current(manifests):
-    from exporter import dashboards as generate
+    from exporter.heuristics import dashboards as generate
 
     cm = manifests["ConfigMap"]
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
@@ -255,7 +255,7 @@ def test_the_vmalert_unit_verifies_and_loads_the_global_rules_only(tmp_path):
 def test_the_scale_out_prometheus_configs_pass_promtool(tmp_path):
     """The shard and the federating global server, with their rule files beside them."""
     promtool = require_binary("promtool")
-    from exporter.rules import render
+    from exporter.heuristics.rules import render
 
     for name, level in (("prometheus-shard.yml", "node"),
                         ("prometheus-global-federate.yml", "global")):
@@ -325,7 +325,7 @@ def test_the_package_the_image_installs_runs_the_daemon(tmp_path):
             what="a GPU sample")
         assert "gputrain_host_cpu_seconds_total" in text
         probe = subprocess.run([str(python), "-c", "import exporter, exporter.client, "
-                                "exporter.collectors; print(exporter.__file__)"],
+                                "exporter.reading.collectors; print(exporter.__file__)"],
                                cwd=tmp_path, capture_output=True, text=True, check=True)
         assert str(env_dir) in probe.stdout  # the installed copy, not the checkout
     finally:

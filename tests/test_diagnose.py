@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from exporter.catalogue import BY_ALERT
-from exporter.diagnose import (
+from exporter.heuristics.catalogue import BY_ALERT
+from exporter.heuristics.diagnose import (
     GpuReading,
     RankReport,
     exit_status,
@@ -14,7 +14,7 @@ from exporter.diagnose import (
     text_report,
     visibility,
 )
-from exporter.rules import DEFAULTS
+from exporter.heuristics.rules import DEFAULTS
 
 T = DEFAULTS["thresholds"]
 
@@ -192,8 +192,8 @@ def test_text_report_says_a_run_is_partly_visible():
 
 
 def test_every_recorded_series_diagnose_falls_back_to_is_a_shipped_recording_rule():
-    from exporter.diagnose import RECORDED
-    from exporter.rules import recording_rules
+    from exporter.heuristics.diagnose import RECORDED
+    from exporter.heuristics.rules import recording_rules
 
     assert set(RECORDED.values()) <= set(recording_rules(DEFAULTS["selector"]))
 

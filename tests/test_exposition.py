@@ -8,9 +8,9 @@ from conftest import FakeClock, wait_until
 from prometheus_client import CollectorRegistry, generate_latest
 from test_daemon import CONTRACT_GPU_METRICS
 
-from exporter.collectors import GpuCollector
-from exporter.gpu_backends import DemoBackend
-from exporter.sampler import Sampler
+from exporter.reading.collectors import GpuCollector
+from exporter.reading.gpu_backends import DemoBackend
+from exporter.reading.sampler import Sampler
 
 GOLDEN = Path(__file__).parent / "golden" / "demo_gpus.prom"
 

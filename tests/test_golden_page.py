@@ -13,12 +13,12 @@ from conftest import FakeClock
 from fake_pynvml import FakeGpu, FakePynvml
 from test_host_collector import FakePsutil
 
-from exporter.collectors import host_collectors
-from exporter.exposition import Exposition
-from exporter.gpu_backends import NvmlBackend
-from exporter.ingest import IngestStore
-from exporter.nvml import Nvml
-from exporter.sampler import Sampler
+from exporter.reading.collectors import host_collectors
+from exporter.reading.gpu_backends import NvmlBackend
+from exporter.reading.nvml import Nvml
+from exporter.reading.sampler import Sampler
+from exporter.serving.exposition import Exposition
+from exporter.serving.ingest import IngestStore
 
 GOLDEN = Path(__file__).parent / "golden" / "metrics_page.prom"
 WALL = 1_795_000_000.0

@@ -21,11 +21,11 @@ from fake_pynvml import (
 )
 from prometheus_client import CollectorRegistry, generate_latest
 
-from exporter.collectors import GpuCollector, SelfCollector
-from exporter.gpu_backends import NvmlBackend
-from exporter.nvml import Nvml
-from exporter.peak_flops import PeakTable, parse_peak_overrides
-from exporter.sampler import Sampler
+from exporter.reading.collectors import GpuCollector, SelfCollector
+from exporter.reading.gpu_backends import NvmlBackend
+from exporter.reading.nvml import Nvml
+from exporter.reading.peak_flops import PeakTable, parse_peak_overrides
+from exporter.reading.sampler import Sampler
 
 H100_GPM = {"sm_util": 62.0, "sm_occupancy": 31.0, "tensor_util": 12.5, "dram_bw_util": 40.0,
             "pcie_rx_mib_s": 100.0, "pcie_tx_mib_s": 10.0}
@@ -299,7 +299,7 @@ def test_lost_gpu_turns_up_to_zero_while_others_carry_on_and_is_retried(clock, c
 
 @pytest.mark.parametrize("code", [NVML_ERROR_LIBRARY_NOT_FOUND, NVML_ERROR_DRIVER_NOT_LOADED])
 def test_no_driver_means_host_only_one_log_line_and_gpu_collector_failing(clock, caplog, code):
-    from exporter.collectors import host_collectors
+    from exporter.reading.collectors import host_collectors
 
     fake = FakePynvml([], init_error=code)
     sampler = Sampler(NvmlBackend(Nvml(fake), clock=clock), host_collectors(), interval=1.0,
@@ -418,12 +418,12 @@ def test_a_scrape_makes_no_nvml_call(clock):
 def test_nvml_is_not_touched_at_import():
     import importlib
 
-    import exporter.gpu_backends
-    import exporter.nvml
+    import exporter.reading.gpu_backends
+    import exporter.reading.nvml
 
-    importlib.reload(exporter.nvml)
-    importlib.reload(exporter.gpu_backends)
-    nv = exporter.nvml.Nvml(FakePynvml([gpu(0)]))
+    importlib.reload(exporter.reading.nvml)
+    importlib.reload(exporter.reading.gpu_backends)
+    nv = exporter.reading.nvml.Nvml(FakePynvml([gpu(0)]))
     assert not nv.initialized and nv.lib is None
 
 

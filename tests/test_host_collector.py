@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry
 
-from exporter.collectors import COLLECTORS, Rendered, SelfCollector, host_collectors
-from exporter.collectors.cpu import CpuCollector
-from exporter.collectors.memory import MemoryCollector
-from exporter.collectors.network import NetworkCollector
-from exporter.sampler import Sampler
+from exporter.reading.collectors import COLLECTORS, Rendered, SelfCollector, host_collectors
+from exporter.reading.collectors.cpu import CpuCollector
+from exporter.reading.collectors.memory import MemoryCollector
+from exporter.reading.collectors.network import NetworkCollector
+from exporter.reading.sampler import Sampler
 
 CpuTimes = namedtuple("scputimes",
                       "user nice system idle iowait irq softirq steal guest guest_nice")

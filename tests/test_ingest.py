@@ -11,13 +11,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
-from exporter.collectors.training import TrainingCollector
-from exporter.exposition import Exposition
-from exporter.gpu_backends import DemoBackend
-from exporter.ingest import IngestStore
 from exporter.protocol import Refused
-from exporter.sampler import Sampler
-from exporter.server import IngestHandler, make_server, serve_in_thread
+from exporter.reading.collectors.training import TrainingCollector
+from exporter.reading.gpu_backends import DemoBackend
+from exporter.reading.sampler import Sampler
+from exporter.serving.exposition import Exposition
+from exporter.serving.ingest import IngestStore
+from exporter.serving.server import IngestHandler, make_server, serve_in_thread
 
 TOKEN = "s3cret-token-0123456789"
 

@@ -11,11 +11,11 @@ import pytest
 from conftest import ROOT, synthetic_client
 from prometheus_client import CollectorRegistry
 
-from exporter.collectors.owners import KubernetesCollector, SlurmCollector
-from exporter.collectors.training import Owners, TrainingCollector
-from exporter.gpu_backends import GpuIdentity, GpuSample
-from exporter.ingest import IngestStore
-from exporter.sampler import GpuState, Snapshot
+from exporter.reading.collectors.owners import KubernetesCollector, SlurmCollector
+from exporter.reading.collectors.training import Owners, TrainingCollector
+from exporter.reading.gpu_backends import GpuIdentity, GpuSample
+from exporter.reading.sampler import GpuState, Snapshot
+from exporter.serving.ingest import IngestStore
 
 GIB = 2**30
 

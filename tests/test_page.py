@@ -12,13 +12,13 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
-from exporter.collectors.training import TrainingCollector
-from exporter.exposition import Exposition
-from exporter.gpu_backends import DemoBackend, NvmlBackend
-from exporter.ingest import IngestStore
-from exporter.nvml import Nvml
 from exporter.protocol import MAX_BUCKETS, MAX_GPUS, MAX_PHASES, MAX_SERIES_PER_RANK, Refused
-from exporter.sampler import Sampler
+from exporter.reading.collectors.training import TrainingCollector
+from exporter.reading.gpu_backends import DemoBackend, NvmlBackend
+from exporter.reading.nvml import Nvml
+from exporter.reading.sampler import Sampler
+from exporter.serving.exposition import Exposition
+from exporter.serving.ingest import IngestStore
 
 OPENMETRICS = "application/openmetrics-text;version=1.0.0,text/plain;q=0.5"
 
@@ -107,7 +107,7 @@ def test_a_scrape_sends_the_page_built_off_the_request_path(clock):
 def test_a_format_nobody_asked_for_in_a_while_is_built_for_its_next_request(clock):
     """The page thread stops building a variant nobody asked for in UNUSED_SECONDS; its next
     request must not get the page of then."""
-    from exporter.exposition import UNUSED_SECONDS
+    from exporter.serving.exposition import UNUSED_SECONDS
 
     sampler = Sampler(DemoBackend(1, 0.5, clock=clock, host="page-test"), None,
                       collectors={"gpu"}, clock=clock)

@@ -457,8 +457,8 @@ def test_old_traces_are_pruned_oldest_first_and_only_ours(tmp_path, monkeypatch)
 
 
 def test_a_long_profile_prints_its_slowest_steps():
-    from exporter.profile import render
-    from exporter.profiles import mean_parts
+    from exporter.cli.profile import render
+    from exporter.serving.profiles import mean_parts
 
     steps = [{"seconds": 0.010 + (0.1 if i in (4, 17, 25) else 0.0), "data_loading": 0.0,
               "forward": 0.005, "backward": 0.003, "optimizer": 0.001, "other": 0.0,
@@ -786,7 +786,7 @@ def test_the_alert_rate_limit_frees_a_run_after_the_interval_and_on_a_refusal(cl
     takes expires, saying why."""
     from types import SimpleNamespace
 
-    from exporter.profiles import QUEUE_TIMEOUT, ProfileBoard
+    from exporter.serving.profiles import QUEUE_TIMEOUT, ProfileBoard
 
     ranks: list = []
     board = ProfileBoard(lambda: ranks, alert_interval=600, clock=clock,
@@ -810,10 +810,10 @@ def test_the_status_document_shows_a_profile_at_once(clock):
     /api/v1/status, watched or not: the document is keyed on the profiles too."""
     from types import SimpleNamespace
 
-    from exporter.history import History
-    from exporter.profiles import ProfileBoard
-    from exporter.rules import DEFAULTS
-    from exporter.status import StatusView
+    from exporter.heuristics.rules import DEFAULTS
+    from exporter.serving.history import History
+    from exporter.serving.profiles import ProfileBoard
+    from exporter.serving.status import StatusView
 
     ranks = [SimpleNamespace(run="r", rank="0", run_id="a", capabilities=("profile",))]
     board = ProfileBoard(lambda: ranks, clock=clock)

@@ -7,10 +7,10 @@ import re
 
 from conftest import ROOT
 
-from exporter.collectors import COLLECTORS, GpuCollector, SelfCollector, host_collectors
-from exporter.collectors.training import TrainingCollector
 from exporter.config import OPTIONS
-from exporter.ingest import IngestStore
+from exporter.reading.collectors import COLLECTORS, GpuCollector, SelfCollector, host_collectors
+from exporter.reading.collectors.training import TrainingCollector
+from exporter.serving.ingest import IngestStore
 
 README = (ROOT / "README.md").read_text()
 
@@ -99,7 +99,7 @@ def test_the_push_limits_in_the_readme_are_the_protocols():
 
 
 def test_every_recording_rule_the_readme_names_is_shipped():
-    from exporter.rules import DEFAULTS, recording_rules
+    from exporter.heuristics.rules import DEFAULTS, recording_rules
 
     records = set(recording_rules(DEFAULTS["selector"]))
     named = set(re.findall(r"`((?:run|run_rank|run_rank_gpu|run_rank_cause|run_rank_phase|gpu|"

@@ -11,7 +11,7 @@ import rule_cases
 import yaml
 from conftest import ROOT, require_binary
 
-from exporter.rules import DEFAULTS, render
+from exporter.heuristics.rules import DEFAULTS, render
 
 RULES = ROOT / "alerts" / "gputrain.rules.yml"
 ALERTS = {
@@ -122,7 +122,7 @@ def test_rules_command_names_a_bad_key(tmp_path):
 
 def test_inlining_leaves_no_recording_rule_names():
     """diagnose and the GPU replay run the alerts' formulas without the rules loaded."""
-    from exporter.rules import inline, recording_rules
+    from exporter.heuristics.rules import inline, recording_rules
 
     records = recording_rules(DEFAULTS["selector"])
     groups = yaml.safe_load(render())["groups"]
@@ -135,7 +135,7 @@ def test_inlining_leaves_no_recording_rule_names():
 def test_every_generated_file_is_current():
     """`gputrain-exporter generate --check`: rules, PrometheusRule, promtool tests, dashboards,
     their ConfigMap, runbook and README tables all match the catalogue."""
-    from exporter import generate
+    from exporter.heuristics import generate
 
     stale = [str(p.relative_to(ROOT)) for p in generate.stale(ROOT)]
     assert stale == [], f"stale (run `python3 -m exporter generate`): {stale}"
@@ -144,8 +144,8 @@ def test_every_generated_file_is_current():
 def test_a_catalogue_change_reaches_every_surface():
     """One threshold, changed once, moves the rule, the runbook, the README table, the
     dashboards' line and diagnose's verdict."""
-    from exporter import dashboards, diagnose, generate
-    from exporter.rules import render as render_rules
+    from exporter.heuristics import dashboards, diagnose, generate
+    from exporter.heuristics.rules import render as render_rules
 
     mine = {"thresholds": {"input_bound": 0.12}}
     assert ">= 0.12" in render_rules(mine)

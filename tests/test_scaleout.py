@@ -293,7 +293,7 @@ def test_diagnose_against_one_shard_says_it_sees_part_of_the_run(world):
 def test_the_overview_dashboard_reads_the_global_layer(world):
     """Its queries need only what the shards send (results and info series): each answers on
     VictoriaMetrics, and the Runs table lists both clusters' ranks."""
-    from exporter.dashboards import dashboards
+    from exporter.heuristics.dashboards import dashboards
 
     overview = dashboards(THRESHOLDS)["overview.json"]
     assert overview["templating"]["list"][1]["name"] == "cluster"

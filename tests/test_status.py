@@ -17,15 +17,15 @@ import requests
 from conftest import ROOT, require_binary, synthetic_client, wait_until
 from fake_pynvml import FakeGpu, FakePynvml
 
-from exporter.catalogue import BY_VERDICT
-from exporter.gpu_backends import NvmlBackend
-from exporter.history import History, histogram_quantile
-from exporter.ingest import IngestStore
-from exporter.nvml import Nvml
+from exporter.heuristics.catalogue import BY_VERDICT
+from exporter.heuristics.rules import DEFAULTS
 from exporter.protocol import SCHEMA_VERSION
-from exporter.rules import DEFAULTS
-from exporter.sampler import Sampler
-from exporter.status import CONTENT_SECURITY_POLICY, StatusView
+from exporter.reading.gpu_backends import NvmlBackend
+from exporter.reading.nvml import Nvml
+from exporter.reading.sampler import Sampler
+from exporter.serving.history import History, histogram_quantile
+from exporter.serving.ingest import IngestStore
+from exporter.serving.status import CONTENT_SECURITY_POLICY, StatusView
 
 T = DEFAULTS["thresholds"]
 H100 = "NVIDIA H100 80GB HBM3"
@@ -300,15 +300,15 @@ def test_the_wheel_carries_the_page(tmp_path):
                    capture_output=True, timeout=300)
     (wheel,) = tmp_path.glob("gputrain_exporter-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"exporter/static/index.html", "exporter/static/status.js",
-            "exporter/static/status.css"} <= names
+    assert {"exporter/serving/static/index.html", "exporter/serving/static/status.js",
+            "exporter/serving/static/status.css"} <= names
 
 
 def test_top_without_rich_says_how_to_get_it(monkeypatch, capsys):
-    from exporter import top
+    from exporter.cli import top
 
     monkeypatch.setitem(sys.modules, "rich.console", None)  # as if rich were not installed
-    from exporter.cli import build_parser
+    from exporter.cli.main import build_parser
 
     ns = build_parser().parse_args(["top", "--once", "--url", "http://127.0.0.1:9"])
     assert top.main(ns) == 2

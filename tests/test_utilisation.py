@@ -23,7 +23,7 @@ from conftest import (
 )
 
 from exporter.client import TrainingMonitor
-from exporter.peak_flops import PEAKS
+from exporter.reading.peak_flops import PEAKS
 
 H100_BF16 = PEAKS["h100 80gb hbm3"].flops["bf16"]
 MFU = 0.35  # what the paced client below runs at

@@ -34,7 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
-from exporter.profile import Failed, ask  # noqa: E402
+from exporter.cli.profile import Failed, ask  # noqa: E402
 from gpu.checks import check  # noqa: E402
 from gpu.scenarios import ALL, BY_NAME, CPU_BY_NAME, CPU_DEMO, Scenario  # noqa: E402
 

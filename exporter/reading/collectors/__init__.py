@@ -3,9 +3,9 @@ on by default, what it exports, and for host collectors the class that reads and
 
 Each name gets a ``--collector.<name>`` / ``--no-collector.<name>`` flag and its own
 ``gputrain_collector_success``, ``_duration_seconds`` and ``_last_success_timestamp_seconds``
-series. Adding a host collector is one file (a :class:`~exporter.collectors.base.HostCollector`)
-and one row here. Every collector only renders already-sampled data, so a scrape costs the same
-whatever NVML or psutil are doing.
+series. Adding a host collector is one file (a
+:class:`~exporter.reading.collectors.base.HostCollector`) and one row here. Every collector only
+renders already-sampled data, so a scrape costs the same whatever NVML or psutil are doing.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from exporter.collectors.base import HostCollector, Rendered
-from exporter.collectors.cpu import CpuCollector
-from exporter.collectors.disk import DiskCollector
-from exporter.collectors.gpu import GpuCollector
-from exporter.collectors.memory import MemoryCollector
-from exporter.collectors.network import NetworkCollector
-from exporter.collectors.owners import KubernetesCollector, SlurmCollector
-from exporter.collectors.selfmetrics import SelfCollector
+from exporter.reading.collectors.base import HostCollector, Rendered
+from exporter.reading.collectors.cpu import CpuCollector
+from exporter.reading.collectors.disk import DiskCollector
+from exporter.reading.collectors.gpu import GpuCollector
+from exporter.reading.collectors.memory import MemoryCollector
+from exporter.reading.collectors.network import NetworkCollector
+from exporter.reading.collectors.owners import KubernetesCollector, SlurmCollector
+from exporter.reading.collectors.selfmetrics import SelfCollector
 
 
 @dataclass(frozen=True)

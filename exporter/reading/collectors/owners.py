@@ -18,8 +18,8 @@ from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from exporter.collectors.base import HostCollector
-from exporter.sampler import Snapshot
+from exporter.reading.collectors.base import HostCollector
+from exporter.reading.sampler import Snapshot
 
 log = logging.getLogger(__name__)
 

@@ -17,11 +17,11 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from exporter.gpu_backends import BackendUnavailable, GpuBackend, GpuIdentity, GpuSample
-from exporter.nvml import GpuLostError
+from exporter.reading.gpu_backends import BackendUnavailable, GpuBackend, GpuIdentity, GpuSample
+from exporter.reading.nvml import GpuLostError
 
 if TYPE_CHECKING:
-    from exporter.collectors.base import HostCollector
+    from exporter.reading.collectors.base import HostCollector
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from exporter.collectors.base import HostCollector
+from exporter.reading.collectors.base import HostCollector
 
 # Interfaces that carry no traffic from outside the host.
 DEFAULT_NETDEV_EXCLUDE = (

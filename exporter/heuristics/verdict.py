@@ -2,18 +2,19 @@
 
 A :class:`RankReport` holds one (run, rank)'s readings over a window: its training signals, its
 GPUs' ratios and its node's. They come from Prometheus (``diagnose`` queries the recording
-rules' values) or from the daemon's own history (:mod:`exporter.history`, for ``/``,
+rules' values) or from the daemon's own history (:mod:`exporter.serving.history`, for ``/``,
 ``/api/v1/status`` and ``top``); :func:`judge` turns either into the same verdict and findings.
-Every finding is the condition of one catalogue alert (:mod:`exporter.catalogue`), evaluated on
-the same values, so the verdict and the findings beside it are the bottleneck alerts that fire.
+Every finding is the condition of one catalogue alert (:mod:`exporter.heuristics.catalogue`),
+evaluated on the same values, so the verdict and the findings beside it are the bottleneck
+alerts that fire.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from exporter.catalogue import BY_ALERT, BY_VERDICT
 from exporter.client.monitor import OUTSIDE_STEP_PHASES
+from exporter.heuristics.catalogue import BY_ALERT, BY_VERDICT
 
 # Verdicts that are no alert of the catalogue: the good case and the blind one.
 STATUS_ADVICE = {

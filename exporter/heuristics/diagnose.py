@@ -10,8 +10,8 @@ run's ranks are only partly visible: ranks missing below the highest one it sees
 Prometheus with external labels that remote-writes (a shard). Thresholds and the labels that
 identify a run (``run_labels``) come from the same file as ``gputrain-exporter rules --config``.
 
-The verdicts come from :mod:`exporter.verdict`, the decision order written once: the daemon's
-own view (``/``, ``/api/v1/status``, ``top``) judges its history with the same code.
+The verdicts come from :mod:`exporter.heuristics.verdict`, the decision order written once: the
+daemon's own view (``/``, ``/api/v1/status``, ``top``) judges its history with the same code.
 
 Exit status: 0 nothing to act on (every rank ``ok``); 1 a rank has a bottleneck, or its GPUs are
 under-used with no stage to blame; 2 Prometheus unreachable or without gputrain data; 3 no
@@ -30,7 +30,7 @@ import requests
 import yaml
 
 from exporter.config import parse_duration
-from exporter.rules import (
+from exporter.heuristics.rules import (
     DEFAULTS,
     Identity,
     identity,
@@ -39,7 +39,7 @@ from exporter.rules import (
     merge,
     recording_rules,
 )
-from exporter.verdict import (  # noqa: F401 - diagnose's API: the reports and their verdicts
+from exporter.heuristics.verdict import (  # noqa: F401 - diagnose's API: the reports and their verdicts
     ORDER,
     STATUS_ADVICE,
     UNDERUTILIZED,

@@ -1,9 +1,9 @@
 """GPU backends: where per-GPU readings come from.
 
 Two backends stand behind one small protocol: :class:`NvmlBackend` reads real GPUs through
-:mod:`exporter.nvml`, and :class:`DemoBackend` simulates plausible H100-like GPUs so the whole
-bundle can be tried (and tested end to end) on a machine without one. The sampler only ever
-sees :class:`GpuIdentity` and :class:`GpuSample`.
+:mod:`exporter.reading.nvml`, and :class:`DemoBackend` simulates plausible H100-like GPUs so the
+whole bundle can be tried (and tested end to end) on a machine without one. The sampler only
+ever sees :class:`GpuIdentity` and :class:`GpuSample`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from exporter.nvml import VALUE_MEMBER, GpuLostError, Nvml, NvmlUnavailable
+from exporter.reading.nvml import VALUE_MEMBER, GpuLostError, Nvml, NvmlUnavailable
 
 log = logging.getLogger(__name__)
 

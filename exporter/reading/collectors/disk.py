@@ -9,7 +9,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from exporter.collectors.base import HostCollector
+from exporter.reading.collectors.base import HostCollector
 
 # node_exporter's default: whole disks only, not partitions, RAM disks or loop devices.
 DEFAULT_DISK_EXCLUDE = r"^(z?ram|loop|fd|sr|(h|s|v|xv)d[a-z]+\d|nvme\d+n\d+p|mmcblk\d+p)\d*$"

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from exporter import __version__
-from exporter.sampler import CollectorStatus, Snapshot
+from exporter.reading.sampler import CollectorStatus, Snapshot
 
 
 class SelfCollector:

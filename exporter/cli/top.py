@@ -17,7 +17,7 @@ from typing import Any
 import requests
 
 from exporter.protocol import STEP_PARTS
-from exporter.status import STATUS_PATH
+from exporter.serving.status import STATUS_PATH
 
 DEFAULT_URL = "http://localhost:19400"
 TIMEOUT_SECONDS = 3.0

@@ -14,8 +14,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.utils import floatToGoString
 
-from exporter.ingest import IngestStore, RankState
-from exporter.sampler import CollectorStatus, Snapshot
+from exporter.reading.sampler import CollectorStatus, Snapshot
+from exporter.serving.ingest import IngestStore, RankState
 
 LABELS = ["run", "rank"]
 

@@ -1,11 +1,11 @@
 """The daemon's own view, for one person on one box: ``/api/v1/status`` (JSON), the status
 page at ``/`` and what ``gputrain-exporter top`` reads.
 
-The document is built from :class:`~exporter.history.History` when a request meets a newer
-history than the last build (at most once per sampler cycle, however many viewers), and the
-verdicts come from :func:`exporter.verdict.judge`, the code ``diagnose`` runs. The scrape path
-never touches any of it. The page is three small files served from the package, so it needs
-no network and runs under the strict Content-Security-Policy it is sent with.
+The document is built from :class:`~exporter.serving.history.History` when a request meets a
+newer history than the last build (at most once per sampler cycle, however many viewers), and
+the verdicts come from :func:`exporter.heuristics.verdict.judge`, the code ``diagnose`` runs.
+The scrape path never touches any of it. The page is three small files served from the package,
+so it needs no network and runs under the strict Content-Security-Policy it is sent with.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from importlib import resources
 from typing import Any
 
 from exporter import __version__
-from exporter.history import History
-from exporter.verdict import (
+from exporter.heuristics.verdict import (
     ORDER,
     UNDERUTILIZED,
     RankReport,
@@ -30,6 +29,7 @@ from exporter.verdict import (
     visibility,
     wasted_gpus,
 )
+from exporter.serving.history import History
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ STALE_PUSH_SECONDS = 30.0
 # Where each kind of verdict sorts on a run's card: what to act on first
 _RANKING = {**{name: i for i, name in enumerate(ORDER)}, UNDERUTILIZED: len(ORDER),
             "no-gpu-data": len(ORDER) + 1, "gpu-bound": len(ORDER) + 2}
-# The page: path -> (file in exporter/static, content type)
+# The page: path -> (file in exporter/serving/static, content type)
 ASSETS = {"/": ("index.html", "text/html; charset=utf-8"),
           "/static/status.css": ("status.css", "text/css; charset=utf-8"),
           "/static/status.js": ("status.js", "text/javascript; charset=utf-8")}
@@ -80,7 +80,7 @@ class StatusView:
             return None
         name, ctype = ASSETS[path]
         if name not in self._assets:
-            self._assets[name] = resources.files("exporter").joinpath(
+            self._assets[name] = resources.files("exporter.serving").joinpath(
                 "static", name).read_bytes()
         return self._assets[name], ctype
 

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.exposition import choose_encoder
 
-from exporter.collectors import GpuCollector, Rendered, SelfCollector
-from exporter.collectors.training import TrainingCollector
-from exporter.ingest import IngestStore
-from exporter.peak_flops import PeakTable
-from exporter.sampler import CollectorStatus, Sampler
-from exporter.status import StatusView
+from exporter.reading.collectors import GpuCollector, Rendered, SelfCollector
+from exporter.reading.collectors.training import TrainingCollector
+from exporter.reading.peak_flops import PeakTable
+from exporter.reading.sampler import CollectorStatus, Sampler
+from exporter.serving.ingest import IngestStore
+from exporter.serving.status import StatusView
 
 log = logging.getLogger(__name__)
 

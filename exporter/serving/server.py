@@ -1,8 +1,8 @@
 """HTTP: /metrics, /healthz, the status page (/) and /api/v1/status on the web address; the
 push endpoint, profile requests and Alertmanager's webhook on the ingest address.
 
-A scrape sends the page that exporter.exposition keeps ready (no NVML call, no rendering), so
-many Prometheus servers cost little more than one.
+A scrape sends the page that exporter.serving.exposition keeps ready (no NVML call, no
+rendering), so many Prometheus servers cost little more than one.
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from exporter.ingest import IngestStore
-from exporter.profiles import ProfileBoard
 from exporter.protocol import (
     ALERTS_PATH,
     DEFAULT_PROFILE_STEPS,
@@ -31,8 +29,10 @@ from exporter.protocol import (
     PUSH_PATH,
     Refused,
 )
-from exporter.sampler import Sampler
-from exporter.status import CONTENT_SECURITY_POLICY, STATUS_PATH
+from exporter.reading.sampler import Sampler
+from exporter.serving.ingest import IngestStore
+from exporter.serving.profiles import ProfileBoard
+from exporter.serving.status import CONTENT_SECURITY_POLICY, STATUS_PATH
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from exporter.collectors.base import HostCollector
+from exporter.reading.collectors.base import HostCollector
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the exporter daemon (the default)")
     add_flags(serve)
     parser.serve_parser = serve  # --help shows its flags too
-    from exporter import diagnose, generate, profile, rules, top  # subcommands register flags
+    from exporter.cli import profile, top  # subcommands register flags
+    from exporter.heuristics import diagnose, generate, rules
 
     rules.add_parser(sub)
     diagnose.add_parser(sub)
@@ -112,7 +113,7 @@ def _read_token(path: str) -> str:
 
 def _thresholds(path: str | None) -> dict[str, float]:
     """The thresholds of a `rules --config` file (the catalogue's defaults without one)."""
-    from exporter.rules import DEFAULTS, load_overrides, merge
+    from exporter.heuristics.rules import DEFAULTS, load_overrides, merge
 
     try:
         return merge(DEFAULTS, load_overrides(path))["thresholds"]
@@ -131,16 +132,16 @@ def _observe(history: Any, sampler: Any, store: Any, status: Any) -> None:
 
 def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     """Run the daemon until SIGTERM/SIGINT (or ``stop`` is set); returns the exit code."""
-    from exporter.catalogue import PROFILED_ALERTS
-    from exporter.collectors import host_collectors
-    from exporter.exposition import Exposition
-    from exporter.gpu_backends import DemoBackend, NvmlBackend
-    from exporter.history import History
-    from exporter.ingest import IngestStore
-    from exporter.peak_flops import PeakTable
-    from exporter.sampler import Sampler
-    from exporter.server import IngestHandler, MetricsHandler, make_server, serve_in_thread
-    from exporter.status import StatusView
+    from exporter.heuristics.catalogue import PROFILED_ALERTS
+    from exporter.reading.collectors import host_collectors
+    from exporter.reading.gpu_backends import DemoBackend, NvmlBackend
+    from exporter.reading.peak_flops import PeakTable
+    from exporter.reading.sampler import Sampler
+    from exporter.serving.exposition import Exposition
+    from exporter.serving.history import History
+    from exporter.serving.ingest import IngestStore
+    from exporter.serving.server import IngestHandler, MetricsHandler, make_server, serve_in_thread
+    from exporter.serving.status import StatusView
 
     setup_logging(settings["log.level"])
     try:

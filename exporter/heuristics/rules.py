@@ -5,7 +5,7 @@ file; the shipped `alerts/gputrain.rules.yml` is that output with the defaults (
 them identical). Every threshold, `for` duration, the scrape-job selector and the labels that
 identify a run come from :data:`DEFAULTS`, overridable key by key; the thresholds, `for`
 durations, summaries, advice and the level each alert is evaluated at are those of
-:mod:`exporter.catalogue`.
+:mod:`exporter.heuristics.catalogue`.
 
 Levels: the recording rules and the ``node`` alerts need one node's raw series, so they run
 where the node is scraped (one Prometheus, or each shard); the ``global`` alerts compare the
@@ -25,8 +25,8 @@ from typing import Any
 
 import yaml
 
-from exporter.catalogue import BY_ALERT, CATALOGUE, LEVELS, defaults
 from exporter.client.monitor import OUTSIDE_STEP_PHASES
+from exporter.heuristics.catalogue import BY_ALERT, CATALOGUE, LEVELS, defaults
 
 RUNBOOK = "https://github.com/gputrain/gputrain-exporter/blob/main/alerts/runbook.md"
 

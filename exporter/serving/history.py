@@ -6,9 +6,10 @@ live rank's pushed totals. A point is kept every ``point_seconds`` for ``window`
 rank's resident memory once a minute for an hour, for the leak rule), so memory is bounded by the
 GPUs and the ingest's live ranks (``--ingest.max-series``), however many ranks come and go.
 
-:meth:`History.reports` turns the window into :class:`~exporter.verdict.RankReport` readings by
-the recording rules' own definitions (the same ratios of counters, over this window instead of
-5m), and :func:`exporter.verdict.judge` gives the verdicts: the code ``diagnose`` runs.
+:meth:`History.reports` turns the window into :class:`~exporter.heuristics.verdict.RankReport`
+readings by the recording rules' own definitions (the same ratios of counters, over this window
+instead of 5m), and :func:`exporter.heuristics.verdict.judge` gives the verdicts: the code
+``diagnose`` runs.
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from exporter.client.monitor import OUTSIDE_STEP_PHASES
-from exporter.collectors.training import GpuIndex, resolve_gpus
-from exporter.ingest import RankState
-from exporter.peak_flops import PeakTable
-from exporter.rules import THROTTLE_REASONS
-from exporter.sampler import GpuState, Snapshot
-from exporter.verdict import GpuReading, RankReport, rank_order
+from exporter.heuristics.rules import THROTTLE_REASONS
+from exporter.heuristics.verdict import GpuReading, RankReport, rank_order
+from exporter.reading.collectors.training import GpuIndex, resolve_gpus
+from exporter.reading.peak_flops import PeakTable
+from exporter.reading.sampler import GpuState, Snapshot
+from exporter.serving.ingest import RankState
 
 WINDOW_SECONDS = 300.0  # the recording rules' 5m
 POINT_SECONDS = 10.0  # a ratio over the window is exact to its end; its start may be this late

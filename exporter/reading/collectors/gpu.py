@@ -6,8 +6,8 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from exporter.peak_flops import PeakTable
-from exporter.sampler import Snapshot
+from exporter.reading.peak_flops import PeakTable
+from exporter.reading.sampler import Snapshot
 
 LABELS = ["gpu", "uuid"]
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from prometheus_client.core import Metric
 
 if TYPE_CHECKING:
-    from exporter.sampler import Snapshot
+    from exporter.reading.sampler import Snapshot
 
 
 class HostCollector:

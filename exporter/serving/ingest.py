@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
-from exporter.profiles import ProfileBoard, parse_report
 from exporter.protocol import (
     DEFAULT_PRECISION,
     GPU_REF_RE,
@@ -32,6 +31,7 @@ from exporter.protocol import (
     SCHEMA_VERSION,
     Refused,
 )
+from exporter.serving.profiles import ProfileBoard, parse_report
 
 MAX_CAPABILITIES = 8
 GOODBYE_GRACE_SECONDS = 60.0  # a finished rank's final totals stay this long, for one more scrape

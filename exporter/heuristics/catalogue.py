@@ -2,9 +2,10 @@
 
 Every threshold (its default, unit and source), every alert's `for`, severity, summary, advice,
 runbook text, README row and confirming dashboard panel is here. The rule file
-(:mod:`exporter.rules`), ``diagnose``'s advice, the dashboards' threshold lines, the runbook and
-the README's alert table are generated from it (``gputrain-exporter generate``); a test fails
-when a committed copy is stale. HEURISTICS.md is the specification these entries encode.
+(:mod:`exporter.heuristics.rules`), ``diagnose``'s advice, the dashboards' threshold lines, the
+runbook and the README's alert table are generated from it (``gputrain-exporter generate``); a
+test fails when a committed copy is stale. HEURISTICS.md is the specification these entries
+encode.
 
 Texts may name thresholds as ``{name}`` (shown in the threshold's unit: ``5 %``, ``2x``,
 ``10 m``) and the alert's own ``for`` as ``{for}``.

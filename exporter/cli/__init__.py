@@ -1,0 +1,1 @@
+"""The command-line tools: the daemon's command, top and profile."""

@@ -1,0 +1,1 @@
+"""The daemon's reading: NVML, the GPU backends, the sampler and the collectors."""
