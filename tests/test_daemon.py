@@ -14,9 +14,9 @@ from conftest import ROOT, require_binary, sample_value, self_signed_cert, wait_
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.reading.collectors import host_collectors
-from exporter.serving.exposition import Exposition
 from exporter.reading.gpu_backends import DemoBackend
 from exporter.reading.sampler import Sampler
+from exporter.serving.exposition import Exposition
 from exporter.serving.server import MetricsHandler, make_server, serve_in_thread
 
 CONTRACT_GPU_METRICS = [
@@ -100,14 +100,14 @@ def test_demo_load_flag_pins_the_busy_ratio(daemon_factory):
 def test_bad_config_exits_2_naming_the_key(tmp_path):
     f = tmp_path / "c.yml"
     f.write_text("sampler:\n  interval: fast\n")
-    out = subprocess.run(["python3", "-m", "exporter", f"--config.file={f}"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "exporter", f"--config.file={f}"], cwd=ROOT,
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 2
     assert "'sampler.interval'" in out.stderr
 
 
 def test_ingest_on_a_public_address_needs_a_token(tmp_path):
-    out = subprocess.run(["python3", "-m", "exporter", "--ingest.listen-address=0.0.0.0:0",
+    out = subprocess.run([sys.executable, "-m", "exporter", "--ingest.listen-address=0.0.0.0:0",
                           "--web.listen-address=127.0.0.1:0"], cwd=ROOT,
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 2

@@ -16,6 +16,7 @@ import pytest
 import requests
 import yaml
 from conftest import (
+    ENV_BIN,
     ROOT,
     Alertmanager,
     Prometheus,
@@ -229,10 +230,10 @@ def test_systemd_unit_verifies_and_is_hardened(tmp_path):
                     "--config.file=/etc/gputrain-exporter/config.yml"):
         assert setting in unit, setting
     # verify checks that ExecStart exists: point it at the installed command
-    installed = shutil.which("gputrain-exporter")
-    assert installed, "pip install . provides the gputrain-exporter command"
+    installed = ENV_BIN / "gputrain-exporter"
+    assert installed.is_file(), f"pip install . provides the gputrain-exporter command in {ENV_BIN}"
     local = tmp_path / "gputrain-exporter.service"
-    local.write_text(unit.replace("/usr/local/bin/gputrain-exporter", installed))
+    local.write_text(unit.replace("/usr/local/bin/gputrain-exporter", str(installed)))
     out = subprocess.run([analyze, "verify", str(local)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "gputrain-exporter.service" not in out.stderr, out.stderr
@@ -307,8 +308,16 @@ def test_the_package_the_image_installs_runs_the_daemon(tmp_path):
                     "--wheel-dir", str(wheels), str(ROOT)], check=True, capture_output=True)
     (wheel,) = wheels.glob("gputrain_exporter-*.whl")
     env_dir = tmp_path / "venv"
-    venv.create(env_dir, system_site_packages=True, with_pip=False)
+    # a bare venv whose dependencies are the environment under test's (a .pth file adds its
+    # site directories after the venv's own): never the base interpreter's alone, which may be
+    # Debian's python without them
+    venv.create(env_dir, system_site_packages=False, with_pip=False)
     python = env_dir / "bin" / "python"
+    purelib = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig."
+                                   "get_paths()['purelib'])"], capture_output=True, text=True,
+                                  check=True).stdout.strip())
+    deps = [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
+    (purelib / "environment-under-test.pth").write_text("\n".join(deps) + "\n")
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install",
                     "--no-deps", "--no-index", str(wheel)], check=True, capture_output=True)
     port, ingest = free_port(), free_port()
