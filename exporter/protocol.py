@@ -8,6 +8,15 @@ from __future__ import annotations
 
 import re
 
+# Where the daemon listens by default: metrics (and the status page) on every address, pushes
+# on the loopback (a token is required to listen elsewhere)
+DEFAULT_METRICS_PORT = 19400
+DEFAULT_INGEST_PORT = 19401
+DEFAULT_INGEST_URL = f"http://127.0.0.1:{DEFAULT_INGEST_PORT}"
+DEFAULT_PUSH_INTERVAL_SECONDS = 5.0  # the client pushes its totals this often
+# Phases that are no part of any step: the client keeps them out of step time, and the rules
+# and verdicts count them beside the steps, never as a phase of one
+OUTSIDE_STEP_PHASES = frozenset({"dataloader_start", "evaluation", "checkpoint"})
 PUSH_PATH = "/api/v1/push"
 PROFILE_PATH = "/api/v1/profile"  # POST a request; GET PROFILE_PATH/<id> its state
 ALERTS_PATH = "/api/v1/alerts"  # Alertmanager's webhook

@@ -99,7 +99,8 @@ def test_the_push_limits_in_the_readme_are_the_protocols():
 
 
 def test_every_recording_rule_the_readme_names_is_shipped():
-    from exporter.heuristics.rules import DEFAULTS, recording_rules
+    from exporter.heuristics.promql import recording_rules
+    from exporter.heuristics.rules import DEFAULTS
 
     records = set(recording_rules(DEFAULTS["selector"]))
     named = set(re.findall(r"`((?:run|run_rank|run_rank_gpu|run_rank_cause|run_rank_phase|gpu|"

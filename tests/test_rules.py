@@ -107,7 +107,7 @@ def test_rules_command_applies_user_thresholds(tmp_path):
     moderate = next(r for r in all_rules if r.get("alert") == "GpuTrainInputBound"
                     and r["labels"]["severity"] == "info")
     assert moderate["for"] == "2m"
-    assert ">= 0.1 <" in moderate["expr"]
+    assert "rate5m >= 0.1)" in moderate["expr"]
     assert 'job="gpu-nodes"' in rules["gpu:gputrain_gpu_busy_ratio:rate5m"]["expr"]
     assert DEFAULTS["thresholds"]["input_bound"] == 0.05  # the defaults are untouched
 
@@ -122,7 +122,7 @@ def test_rules_command_names_a_bad_key(tmp_path):
 
 def test_inlining_leaves_no_recording_rule_names():
     """diagnose and the GPU replay run the alerts' formulas without the rules loaded."""
-    from exporter.heuristics.rules import inline, recording_rules
+    from exporter.heuristics.promql import inline, recording_rules
 
     records = recording_rules(DEFAULTS["selector"])
     groups = yaml.safe_load(render())["groups"]

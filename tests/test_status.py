@@ -151,6 +151,76 @@ def test_goodput_and_badput_stay_within_0_and_1_at_a_runs_edges(clock, edge):
     assert 0.0 <= run["goodput"] <= 1.0
 
 
+def test_faults_outrank_every_verdict_and_are_named_whoever_uses_the_gpu():
+    """A lost GPU, an Xid and an uncorrectable ECC error, a failing collector: each is a
+    finding of the node in /api/v1/status, as its alert is, and a rank on a faulty GPU gets
+    the fault as its verdict (never "gpu-bound" or "no-gpu-data")."""
+    from exporter.reading.collectors.cpu import CpuReading
+    from exporter.reading.gpu_backends import GpuIdentity, GpuSample
+    from exporter.reading.sampler import CollectorStatus, GpuState, Snapshot
+
+    now = [1_700_000_000.0]
+    store = IngestStore(clock=lambda: now[0], wall_clock=lambda: now[0])
+    history = History(window=60.0, point_seconds=5.0, instance="n1")
+    view = StatusView(history, T, backend="nvml")
+    for k in range(30):
+        t = float(k)
+        now[0] = 1_700_000_000.0 + t
+        for rank, gpu in (("0", "0"), ("1", "1"), ("2", "2")):
+            push(store, rank=rank, run_id=f"r{rank}", steps=10 * k, step_seconds=t,
+                 data_wait_seconds=0.01 * t, samples=320 * k, elapsed_seconds=t,
+                 last_step_timestamp=now[0], gpus=[gpu])
+        gpus = []
+        for i in range(3):
+            sample = GpuSample(now[0], utilization=0.97, sm_active=0.8, tensor_active=0.3,
+                               memory_used_bytes=50e9, memory_total_bytes=80e9,
+                               power_watts=600.0, power_limit_watts=700.0,
+                               remapped_rows={"correctable": 0.0, "uncorrectable": 0.0,
+                                              "pending": 0.0, "failed": 0.0})
+            gpus.append(GpuState(
+                GpuIdentity(str(i), f"GPU-{i}", H100), up=not (i == 0 and k >= 10),
+                sample=sample, sampled_seconds=t, busy_seconds=0.97 * t,
+                xid_errors={79: 1} if i == 1 and k >= 20 else {},
+                ecc_errors={"corrected": 0.0, "uncorrected": 1.0 if i == 1 else 0.0}))
+        collectors = {"gpu": CollectorStatus(True, 0.01, now[0]),
+                      "disk": CollectorStatus(False, 0.01, None)}
+        history.observe(Snapshot(k, now[0], "nvml", "570.86", tuple(gpus),
+                                 {"cpu": CpuReading({"user": 2 * t, "idle": 6 * t}, 8)},
+                                 collectors), store.states())
+    doc = view.document()
+    faults = {(f["gpu"], f["verdict"]): f["severity"] for f in doc["faults"]}
+    assert faults == {("0", "gpu-lost"): "critical", ("1", "xid-errors"): "critical",
+                      ("1", "gpu-memory-fault"): "critical", (None, "collector-failing"):
+                      "warning"}
+    (run,) = doc["runs"]
+    ranks = {r["rank"]: r for r in run["ranks"]}
+    assert (ranks["0"]["status"], ranks["0"]["verdict"]) == ("fault", "gpu-lost")
+    assert (ranks["1"]["status"], ranks["1"]["verdict"]) == ("fault", "xid-errors")
+    assert [a["verdict"] for a in ranks["1"]["also"]] == ["gpu-memory-fault",
+                                                          "collector-failing"]
+    assert ranks["2"]["verdict"] == "collector-failing"  # its GPU is fine; its node is not
+    assert "disk collector fails" in ranks["2"]["reason"]
+    assert run["status"] == "fault" and run["verdicts"][0]["verdict"] == "gpu-lost"
+
+
+def test_a_memory_fault_shows_on_the_page_and_in_top(daemon_factory):
+    """The demo's last GPU with --demo.memory-fault: an uncorrectable ECC error and a pending
+    remap, drawn as a fault on the page (real Chromium) and in `top`."""
+    daemon = daemon_factory("--gpu.backend=demo", "--demo.gpus=2", "--demo.memory-fault")
+    doc = wait_until(lambda: (d := requests.get(daemon.url + "/api/v1/status", timeout=5)
+                              .json())["faults"] and d, what="the fault in /api/v1/status")
+    assert {(f["gpu"], f["verdict"], f["severity"]) for f in doc["faults"]} == {
+        ("1", "gpu-memory-fault", "critical")}
+    run = chromium(daemon.url + "/", "--dump-dom")
+    assert 'data-fault="gpu-memory-fault"' in run.stdout, run.stderr[-2000:]
+    assert "GPU 1: A GPU's memory has a fault" in run.stdout
+    out = subprocess.run([sys.executable, "-m", "exporter", "top", "--once", "--url",
+                          daemon.url], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "GPU 1: A GPU's memory has a fault" in out.stdout
+    assert "gpu-memory-fault · critical: 1 uncorrectable ECC error(s)" in out.stdout
+
+
 def test_histogram_quantile_matches_prometheus():
     # 100 steps: 20 under 0.1 s, 70 in (0.1, 0.2], 10 above 0.2 s
     counts = (20, 90, 100)

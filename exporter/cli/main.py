@@ -136,10 +136,10 @@ def _read_token(path: str) -> str:
 
 def _thresholds(path: str | None) -> dict[str, float]:
     """The thresholds of a `rules --config` file (the catalogue's defaults without one)."""
-    from exporter.heuristics.rules import DEFAULTS, load_overrides, merge
+    from exporter.heuristics.rules import load_overrides, settings
 
     try:
-        return merge(DEFAULTS, load_overrides(path))["thresholds"]
+        return settings(load_overrides(path))["thresholds"]
     except ValueError as exc:
         raise ConfigError(f"--status.rules-config {exc}") from None
 

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from exporter.config import parse_duration
-from exporter.heuristics.catalogue import CATALOGUE, show
-from exporter.heuristics.rules import DEFAULTS, Identity, identity, merge
+from exporter.heuristics.catalogue import CATALOGUE, derived, show
+from exporter.heuristics.promql import Identity, identity
+from exporter.heuristics.rules import settings
 
 DS = {"type": "prometheus", "uid": "${datasource}"}
 TAGS = ["gputrain"]
@@ -225,7 +226,7 @@ def overview(t: dict[str, float], js: str, ids: Identity, extra: list[dict],
         lay.place(stat("Fleet GPU busy", f"avg(gpu:gputrain_gpu_busy_ratio:rate5m{{{js}}})",
                        "percentunit", busy,
                        f"Mean busy ratio of every GPU over 5m. Under {target_} is wasted money "
-                       "(seed 002)."), 6, 4),
+                       "(a TensorFlow performance study)."), 6, 4),
         lay.place(stat("Busy of GPUs that runs use",
                        f"avg(run_rank_gpu:gputrain_gpu_busy_ratio:rate5m{{{js}}})", "percentunit",
                        busy), 6, 4),
@@ -281,8 +282,8 @@ def overview(t: dict[str, float], js: str, ids: Identity, extra: list[dict],
             busy_steps=busy_pair(t)), 24, 8),
         lay.place(timeseries("GPU busy by run", [target(
             f"run_rank:gputrain_gpu_busy_ratio:avg5m{{{js}}}", "{{run}} rank {{rank}}")],
-            "percentunit", f"{target_} is the goal (seed 002); under {low} the GPU is badly "
-            "used (seed 001).", lines=busy_lines(t), max_=1), 12, 8),
+            "percentunit", f"{target_} is the goal; under {low} the GPU is badly used.",
+            lines=busy_lines(t), max_=1), 12, 8),
         lay.place(timeseries("Data wait by run", [target(
             f"run_rank:gputrain_training_data_wait_ratio:rate5m{{{js}}}", "{{run}} rank {{rank}}")],
             "percentunit", "Share of each step blocked on the data loader: "
@@ -314,14 +315,14 @@ def run(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict:
     sel = f'{js}, run="$run", rank=~"$rank", instance=~"$instance"'
     node = f'{js}, instance=~"$instance"'
 
-    dominating = t["phase_dominates"] / (1 + t["phase_dominates"])
+    dominating = derived(t)["phase_share"]
     q = "sum by (instance, rank, le) (rate(gputrain_training_step_duration_seconds_bucket" \
         f"{{{sel}}}[$__rate_interval]))"
     panels = [
         lay.row("Training loop"),
         lay.place(timeseries("Samples per second", [target(
             f"run_rank:gputrain_training_samples_per_second:rate5m{{{sel}}}", "rank {{rank}}")],
-            "none", "Throughput per second of step time (seed 002: compare runs in samples, "
+            "none", "Throughput per second of step time (compare runs in samples, "
             "not steps)."), 8, 8),
         lay.place(timeseries("Step time", [
             target(f"histogram_quantile(0.5, {q})", "p50 rank {{rank}}", "A"),
@@ -571,7 +572,7 @@ def node(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict
 def dashboards(overrides: dict | None = None) -> dict[str, dict]:
     """The dashboards by file name, with the thresholds and selector of ``overrides`` (a
     thresholds file's content, as for ``rules --config``)."""
-    cfg = merge(DEFAULTS, overrides or {})
+    cfg = settings(overrides)
     t, ids = cfg["thresholds"], identity(cfg)
     # a run label beyond `run` (cluster) is a variable of every dashboard and part of every
     # selector, so same-named runs of two clusters stay apart

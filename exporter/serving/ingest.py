@@ -72,6 +72,12 @@ class RankState:
     capabilities: tuple[str, ...] = ()  # what the client understands in a push answer
     profile_report: dict[str, Any] | None = None  # the client's state of a profile, this push
 
+    @property
+    def cumulative_counts(self) -> tuple[int, ...]:
+        """The step histogram's cumulative counts with the +Inf bucket, which is every step
+        (the client sends the finite buckets only)."""
+        return (*self.bucket_counts, self.steps)
+
 
 def _reject_constant(name: str) -> Any:
     raise Refused(400, f"invalid JSON: {name} is not a number JSON allows")

@@ -21,10 +21,11 @@ from typing import Any
 from exporter import __version__
 from exporter.heuristics.verdict import (
     ORDER,
-    UNDERUTILIZED,
+    NodeReport,
     RankReport,
     judge,
     mean,
+    node_findings,
     summary,
     visibility,
     wasted_gpus,
@@ -39,8 +40,7 @@ SCHEMA_VERSION = 1
 # A rank not heard from this long is shown as stopped (six missed pushes at the client's 5 s)
 STALE_PUSH_SECONDS = 30.0
 # Where each kind of verdict sorts on a run's card: what to act on first
-_RANKING = {**{name: i for i, name in enumerate(ORDER)}, UNDERUTILIZED: len(ORDER),
-            "no-gpu-data": len(ORDER) + 1, "gpu-bound": len(ORDER) + 2}
+_RANKING = {name: i for i, name in enumerate(ORDER)}
 # The page: path -> (file in exporter/serving/static, content type)
 ASSETS = {"/": ("index.html", "text/html; charset=utf-8"),
           "/static/status.css": ("status.css", "text/css; charset=utf-8"),
@@ -191,6 +191,9 @@ class StatusView:
         runs: dict[str, list[RankReport]] = {}
         for rep in reports:
             runs.setdefault(rep.run, []).append(rep)
+        node = node_findings(NodeReport("", h.instance, gpus=[w for _, w, _ in readings.values()],
+                                        collectors_failing=h.collectors_failing()),
+                             self.thresholds)
         host_now = h.host_readings(recent=True)
         cpu = snap.host.get("cpu") if snap is not None else None
         mem = snap.host.get("memory") if snap is not None else None
@@ -214,7 +217,14 @@ class StatusView:
                     "network_transmitted_bytes_per_second")},
                 "window": host_window,
             },
+            # the colour bands of a busy ratio: under low is bad, from target on good
+            "bands": {"busy": {"low": self.thresholds["gpu_busy_low"],
+                               "target": self.thresholds["gpu_busy_target"]}},
             "gpus": gpus,
+            # faults and health findings of the node and its GPUs, whoever uses them
+            "faults": [{"gpu": gpu or None, "verdict": f.name, "severity": severity,
+                        "summary": summary(f.name), "reason": f.reason, "advice": f.advice}
+                       for gpu, severity, f in node.findings],
             "runs": [_run(name, ranks, states, now) for name, ranks in sorted(runs.items())],
             # the last profiles asked for (`gputrain-exporter profile`, alerts), newest first
             "profiles": [p.document(brief=True) for p in self.profiles.recent(10)]

@@ -26,7 +26,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
-from exporter.heuristics.rules import inline  # noqa: E402
+from exporter.heuristics.promql import inline  # noqa: E402
 from gpu.harness import free_port, markdown, read_recording  # noqa: E402
 
 JOB, INSTANCE = "gputrain", "gpu-node:19400"

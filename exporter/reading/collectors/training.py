@@ -1,10 +1,17 @@
-"""Training-run metric families from the ingest's live (run, rank) states."""
+"""Training-run metric families from the ingest's live (run, rank) states.
+
+The families are one table (:data:`FAMILIES`); :class:`TrainingCollector` writes the page's
+lines from it directly, each rank's lines once per push and reused until its next one (about
+20x faster than formatting through prometheus_client, which matters at hundreds of ranks). Its
+``collect()`` for a prometheus_client registry reads those same lines back: one renderer.
+"""
 
 from __future__ import annotations
 
 import functools
 import time
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -12,6 +19,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
 from exporter.reading.sampler import CollectorStatus, Snapshot
@@ -115,6 +123,76 @@ def _escape(value: str) -> str:
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
 
 
+class Family(NamedTuple):
+    """One family of the training collector: its name as exported (a counter's with
+    ``_total``), type, help text and label names."""
+
+    name: str
+    kind: str  # "counter", "gauge" or "histogram"
+    help: str
+    labels: tuple[str, ...] = ("run", "rank")
+
+    def empty(self) -> Metric:
+        """The family as prometheus_client builds it, with no samples (for describe())."""
+        cls = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily,
+               "histogram": HistogramMetricFamily}[self.kind]
+        return cls(self.name, self.help, labels=list(self.labels))
+
+
+# Every family, in page order. The first ones are a rank's own (written from its pushed state
+# alone, cached per push); then what joins a rank to this node's GPUs and profiles, the GPUs'
+# processes no rank owns, and the ingest's own counters.
+FAMILIES: tuple[Family, ...] = (
+    Family("gputrain_training_steps_total", "counter", "Training steps completed."),
+    Family("gputrain_training_data_wait_seconds_total", "counter",
+           "Seconds the training loop was blocked waiting for the data loader (inside step "
+           "time)."),
+    Family("gputrain_training_samples_total", "counter", "Training samples processed."),
+    Family("gputrain_training_flops_total", "counter",
+           "Model FLOPs of the training steps (forward and backward), from the FLOPs per sample "
+           "the client states."),
+    Family("gputrain_training_elapsed_seconds_total", "counter",
+           "Wall seconds of the rank since its process started, restarts included (the gap "
+           "between a process's last push and its successor's first counts): the denominator "
+           "of goodput and MFU."),
+    Family("gputrain_training_step_duration_seconds", "histogram",
+           "Wall time of one training step, data wait included, in seconds."),
+    Family("gputrain_training_phase_seconds_total", "counter",
+           "Seconds spent in each named phase (callbacks, checkpoint, evaluation, ...).",
+           ("run", "rank", "phase")),
+    Family("gputrain_training_last_step_timestamp_seconds", "gauge",
+           "Unix time the last step ended."),
+    Family("gputrain_training_last_push_timestamp_seconds", "gauge",
+           "Unix time the daemon last heard from the rank."),
+    Family("gputrain_training_process_cpu_seconds_total", "counter",
+           "CPU seconds of the training process and its children (DataLoader workers)."),
+    Family("gputrain_training_process_resident_memory_bytes", "gauge",
+           "Resident memory of the training process and its children, in bytes."),
+    Family("gputrain_training_process_read_bytes_total", "counter",
+           "Bytes the training process and its children read (storage and page cache)."),
+    Family("gputrain_training_gpu_info", "gauge",
+           "The GPUs a rank uses and the precision it trains in; always 1. Join on gpu/uuid.",
+           ("run", "rank", "gpu", "uuid", "precision")),
+    Family("gputrain_training_gpu_memory_bytes", "gauge",
+           "GPU memory the rank's processes hold on each GPU, in bytes (NVML's compute "
+           "processes whose pid is the rank's pushed pid or a descendant of it).",
+           ("run", "rank", "gpu", "uuid")),
+    Family("gputrain_training_profile_info", "gauge",
+           "The rank's last finished profile (`gputrain-exporter profile`, or an alert): the "
+           "trace's path on the rank's machine; the value is the Unix time it finished.",
+           ("run", "rank", "trace")),
+    Family("gputrain_gpu_unattributed_memory_bytes", "gauge",
+           "GPU memory held by processes that no pushing rank owns, in bytes: someone else on "
+           "the GPU (or a job without the client).", ("gpu", "uuid")),
+    Family("gputrain_gpu_unattributed_processes", "gauge",
+           "Compute processes on the GPU that no pushing rank owns.", ("gpu", "uuid")),
+    Family("gputrain_ingest_requests_total", "counter",
+           "Push requests received, by HTTP status code.", ("code",)),
+    Family("gputrain_ingest_series", "gauge", "Live (run, rank) pairs the daemon holds.", ()),
+)
+INDEX = {f.name: i for i, f in enumerate(FAMILIES)}
+
+
 class TrainingCollector:
     """Renders every live (run, rank) the ingest holds, plus the ingest's own counters."""
 
@@ -124,197 +202,69 @@ class TrainingCollector:
         self._snapshot = snapshot
         self._owners = owners or Owners()
         self._status = CollectorStatus(True, 0.0, time.time())
-        self._lines: dict[tuple[str, str], tuple[RankState, tuple[str, ...]]] = {}
+        # a rank's own lines by family index, until its next push
+        self._lines: dict[tuple[str, str], tuple[RankState, tuple[tuple[int, str], ...]]] = {}
 
     def describe(self) -> list[Metric]:
-        return list(self._families())
+        return [f.empty() for f in FAMILIES]
 
     @property
     def status(self) -> CollectorStatus:
         """The last render, as a collector status (the ingest has no sampling cycle)."""
         return self._status
 
-    def _families(self) -> tuple[Metric, ...]:
-        """Every family this collector exports, empty, in the order it exports them."""
-        steps = CounterMetricFamily("gputrain_training_steps_total",
-                                    "Training steps completed.", labels=LABELS)
-        wait = CounterMetricFamily(
-            "gputrain_training_data_wait_seconds_total",
-            "Seconds the training loop was blocked waiting for the data loader (inside step "
-            "time).", labels=LABELS)
-        samples = CounterMetricFamily("gputrain_training_samples_total",
-                                      "Training samples processed.", labels=LABELS)
-        flops = CounterMetricFamily(
-            "gputrain_training_flops_total",
-            "Model FLOPs of the training steps (forward and backward), from the FLOPs per "
-            "sample the client states.", labels=LABELS)
-        elapsed = CounterMetricFamily(
-            "gputrain_training_elapsed_seconds_total",
-            "Wall seconds of the rank since its process started, restarts included (the gap "
-            "between a process's last push and its successor's first counts): the "
-            "denominator of goodput and MFU.", labels=LABELS)
-        hist = HistogramMetricFamily(
-            "gputrain_training_step_duration_seconds",
-            "Wall time of one training step, data wait included, in seconds.", labels=LABELS)
-        phases = CounterMetricFamily(
-            "gputrain_training_phase_seconds_total",
-            "Seconds spent in each named phase (callbacks, checkpoint, evaluation, ...).",
-            labels=[*LABELS, "phase"])
-        last_step = GaugeMetricFamily("gputrain_training_last_step_timestamp_seconds",
-                                      "Unix time the last step ended.", labels=LABELS)
-        last_push = GaugeMetricFamily("gputrain_training_last_push_timestamp_seconds",
-                                      "Unix time the daemon last heard from the rank.",
-                                      labels=LABELS)
-        cpu = CounterMetricFamily(
-            "gputrain_training_process_cpu_seconds_total",
-            "CPU seconds of the training process and its children (DataLoader workers).",
-            labels=LABELS)
-        rss = GaugeMetricFamily(
-            "gputrain_training_process_resident_memory_bytes",
-            "Resident memory of the training process and its children, in bytes.",
-            labels=LABELS)
-        read = CounterMetricFamily(
-            "gputrain_training_process_read_bytes_total",
-            "Bytes the training process and its children read (storage and page cache).",
-            labels=LABELS)
-        gpu_info = GaugeMetricFamily(
-            "gputrain_training_gpu_info", "The GPUs a rank uses and the precision it trains "
-            "in; always 1. Join on gpu/uuid.", labels=[*LABELS, "gpu", "uuid", "precision"])
-        gpu_memory = GaugeMetricFamily(
-            "gputrain_training_gpu_memory_bytes",
-            "GPU memory the rank's processes hold on each GPU, in bytes (NVML's compute "
-            "processes whose pid is the rank's pushed pid or a descendant of it).",
-            labels=[*LABELS, "gpu", "uuid"])
-        profile = GaugeMetricFamily(
-            "gputrain_training_profile_info",
-            "The rank's last finished profile (`gputrain-exporter profile`, or an alert): "
-            "the trace's path on the rank's machine; the value is the Unix time it finished.",
-            labels=[*LABELS, "trace"])
-        unattributed = GaugeMetricFamily(
-            "gputrain_gpu_unattributed_memory_bytes",
-            "GPU memory held by processes that no pushing rank owns, in bytes: someone else "
-            "on the GPU (or a job without the client).", labels=["gpu", "uuid"])
-        strangers = GaugeMetricFamily(
-            "gputrain_gpu_unattributed_processes",
-            "Compute processes on the GPU that no pushing rank owns.", labels=["gpu", "uuid"])
-        requests = CounterMetricFamily("gputrain_ingest_requests_total",
-                                       "Push requests received, by HTTP status code.",
-                                       labels=["code"])
-        series = GaugeMetricFamily("gputrain_ingest_series",
-                                   "Live (run, rank) pairs the daemon holds.", labels=[])
-        return (steps, wait, samples, flops, elapsed, hist, phases, last_step, last_push, cpu,
-                rss, read, gpu_info, gpu_memory, profile, unattributed, strangers, requests,
-                series)
-
     def collect(self) -> Iterator[Metric]:
-        """The families through prometheus_client (for a registry; the daemon's page uses
-        :meth:`render`, which writes the same lines directly)."""
-        started = time.perf_counter()
-        states = sorted(self._store.states(), key=lambda s: (s.run, s.rank))
-        snap = self._snapshot()
-        gpus = GpuIndex(snap)
-        held, others = self._owners.attribute(snap, states)
-        (steps, wait, samples, flops, elapsed, hist, phases, last_step, last_push, cpu, rss,
-         read, gpu_info, gpu_memory, profile, unattributed, strangers, requests,
-         series) = self._families()
-        profiles = self._store.profiles.latest_done()
-        for st in states:
-            lv = [st.run, st.rank]
-            steps.add_metric(lv, st.steps)
-            wait.add_metric(lv, st.data_wait_seconds)
-            samples.add_metric(lv, st.samples)
-            if st.flops is not None:
-                flops.add_metric(lv, st.flops)
-            elapsed.add_metric(lv, st.wall_seconds)
-            pairs = zip(st.bucket_bounds, st.bucket_counts, strict=True)
-            buckets = [(floatToGoString(b), c) for b, c in pairs]
-            buckets.append(("+Inf", st.steps))
-            hist.add_metric(lv, buckets, st.step_seconds)
-            for name, seconds in sorted(st.phases.items()):
-                phases.add_metric([*lv, name], seconds)
-            if st.last_step_timestamp is not None:
-                last_step.add_metric(lv, st.last_step_timestamp)
-            last_push.add_metric(lv, st.received_unix)
-            if "cpu_seconds" in st.process:
-                cpu.add_metric(lv, st.process["cpu_seconds"])
-            if "resident_memory_bytes" in st.process:
-                rss.add_metric(lv, st.process["resident_memory_bytes"])
-            if "read_bytes" in st.process:
-                read.add_metric(lv, st.process["read_bytes"])
-            for index, uuid in resolve_gpus(st, gpus):
-                gpu_info.add_metric([*lv, index, uuid, st.precision], 1)
-            for (index, uuid), used in sorted(held.get((st.run, st.rank), {}).items()):
-                gpu_memory.add_metric([*lv, index, uuid], used)
-            if (done := profiles.get((st.run, st.rank))) is not None:
-                profile.add_metric([*lv, done.trace], done.finished)
-        for (index, uuid), (count, used) in others.items():
-            unattributed.add_metric([index, uuid], used)
-            strangers.add_metric([index, uuid], count)
-        for family in (steps, wait, samples, flops, elapsed, hist, phases, last_step,
-                       last_push, cpu, rss, read, gpu_info, gpu_memory, profile, unattributed,
-                       strangers):
-            if family.samples:
-                yield family
-        for code, n in sorted(self._store.requests().items()):
-            requests.add_metric([code], n)
-        yield requests
-        series.add_metric([], len(states))
-        yield series
-        self._status = CollectorStatus(True, time.perf_counter() - started, time.time())
+        """The families for a prometheus_client registry: :meth:`render`'s lines, read back."""
+        yield from text_string_to_metric_families(self.render().decode())
 
     def render(self, openmetrics: bool = False) -> bytes:
-        """The exposition of :meth:`collect`, byte for byte, written directly: each rank's
-        lines are built once per push and reused until its next one (about 20x faster than
-        formatting through prometheus_client, which matters at hundreds of ranks)."""
+        """The training families' exposition (text format, or OpenMetrics without ``# EOF``),
+        each rank's own lines reused until its next push."""
         started = time.perf_counter()
         states = sorted(self._store.states(), key=lambda s: (s.run, s.rank))
         snap = self._snapshot()
         gpus = GpuIndex(snap)
         held, others = self._owners.attribute(snap, states)
-        headers = self._headers[openmetrics]
         profiles = self._store.profiles.latest_done()
-        # the per-rank families, then gpu_info, the ranks' GPU memory and their last profiles
-        per_family: list[list[str]] = [[] for _ in range(_RANK_FAMILIES + 3)]
-        cache: dict[tuple[str, str], tuple[RankState, tuple[str, ...]]] = {}
+        chunks: list[list[str]] = [[] for _ in FAMILIES]
+        cache: dict[tuple[str, str], tuple[RankState, tuple[tuple[int, str], ...]]] = {}
         for st in states:
             key = (st.run, st.rank)
             hit = self._lines.get(key)
             lines = hit[1] if hit is not None and hit[0] is st else _rank_lines(st)
             cache[key] = (st, lines)
-            for i, chunk in enumerate(lines):
-                if chunk:
-                    per_family[i].append(chunk)
-            info = [f'gputrain_training_gpu_info{{gpu="{_escape(index)}",'
-                    f'precision="{st.precision}",{_labels(st)},'
-                    f'uuid="{_escape(uuid)}"}} 1.0\n' for index, uuid in resolve_gpus(st, gpus)]
-            if info:
-                per_family[_RANK_FAMILIES].append("".join(info))
-            memory = [f'gputrain_training_gpu_memory_bytes{{gpu="{_escape(index)}",'
-                      f'{_labels(st)},uuid="{_escape(uuid)}"}} {floatToGoString(used)}\n'
-                      for (index, uuid), used in sorted(held.get(key, {}).items())]
-            if memory:
-                per_family[_RANK_FAMILIES + 1].append("".join(memory))
+            for i, chunk in lines:
+                chunks[i].append(chunk)
+            lbl = _labels(st)
+            chunks[INDEX["gputrain_training_gpu_info"]].extend(
+                f'gputrain_training_gpu_info{{gpu="{_escape(index)}",precision="{st.precision}",'
+                f'{lbl},uuid="{_escape(uuid)}"}} 1.0\n' for index, uuid in resolve_gpus(st, gpus))
+            chunks[INDEX["gputrain_training_gpu_memory_bytes"]].extend(
+                f'gputrain_training_gpu_memory_bytes{{gpu="{_escape(index)}",{lbl},'
+                f'uuid="{_escape(uuid)}"}} {floatToGoString(used)}\n'
+                for (index, uuid), used in sorted(held.get(key, {}).items()))
             if (done := profiles.get(key)) is not None:
-                per_family[_RANK_FAMILIES + 2].append(
-                    f'gputrain_training_profile_info{{{_labels(st)},trace="{_escape(done.trace)}"'
-                    f"}} {floatToGoString(done.finished)}\n")
+                chunks[INDEX["gputrain_training_profile_info"]].append(
+                    f'gputrain_training_profile_info{{{lbl},trace="{_escape(done.trace)}"}} '
+                    f"{floatToGoString(done.finished)}\n")
         self._lines = cache  # forgets ranks that are gone
+        for name, field in (("gputrain_gpu_unattributed_memory_bytes", 1),
+                            ("gputrain_gpu_unattributed_processes", 0)):
+            chunks[INDEX[name]].extend(
+                f'{name}{{gpu="{_escape(index)}",uuid="{_escape(uuid)}"}} '
+                f"{floatToGoString(v[field])}\n" for (index, uuid), v in others.items())
+        chunks[INDEX["gputrain_ingest_requests_total"]].extend(
+            f'gputrain_ingest_requests_total{{code="{code}"}} {floatToGoString(n)}\n'
+            for code, n in sorted(self._store.requests().items()))
+        chunks[INDEX["gputrain_ingest_series"]].append(
+            f"gputrain_ingest_series {floatToGoString(len(states))}\n")
         out: list[str] = []
-        for header, chunks in zip(headers, per_family, strict=False):
-            if chunks:
+        always = ("gputrain_ingest_requests_total", "gputrain_ingest_series")
+        for family, header, lines in zip(FAMILIES, self._headers[openmetrics], chunks,
+                                         strict=True):
+            if lines or family.name in always:
                 out.append(header)
-                out.extend(chunks)
-        for i, (name, field) in enumerate((("gputrain_gpu_unattributed_memory_bytes", 1),
-                                            ("gputrain_gpu_unattributed_processes", 0))):
-            if others:
-                out.append(headers[_RANK_FAMILIES + 3 + i])
-                out.extend(f'{name}{{gpu="{_escape(index)}",uuid="{_escape(uuid)}"}} '
-                           f"{floatToGoString(v[field])}\n" for (index, uuid), v in others.items())
-        out.append(headers[-2])
-        for code, n in sorted(self._store.requests().items()):
-            out.append(f'gputrain_ingest_requests_total{{code="{code}"}} {floatToGoString(n)}\n')
-        out.append(headers[-1])
-        out.append(f"gputrain_ingest_series {floatToGoString(len(states))}\n")
+                out.extend(lines)
         self._status = CollectorStatus(True, time.perf_counter() - started, time.time())
         return "".join(out).encode()
 
@@ -327,11 +277,8 @@ class TrainingCollector:
 
         out: dict[bool, tuple[str, ...]] = {}
         for om, encode in ((False, generate_latest), (True, generate_om)):
-            heads = []
-            for family in self._families():
-                text = encode(_One(family)).decode()
-                heads.append(text.removesuffix("# EOF\n"))
-            out[om] = tuple(heads)
+            out[om] = tuple(encode(_One(f.empty())).decode().removesuffix("# EOF\n")
+                            for f in FAMILIES)
         return out
 
 
@@ -345,43 +292,37 @@ class _One:
         yield self._family
 
 
-_RANK_FAMILIES = 12  # the families before gputrain_training_gpu_info, in _families() order
-
-
 def _labels(st: RankState) -> str:
     # label names sorted, as prometheus_client writes them; names are validated at ingest
     return f'rank="{st.rank}",run="{st.run}"'
 
 
-def _rank_lines(st: RankState) -> tuple[str, ...]:
-    """One rank's lines of each per-rank family, in _families() order ('' where it has none)."""
+def _rank_lines(st: RankState) -> tuple[tuple[int, str], ...]:
+    """One rank's own lines, by the index of their family in FAMILIES (those it has)."""
     fg = floatToGoString
     lbl = _labels(st)
-    hist = [f'gputrain_training_step_duration_seconds_bucket{{le="{fg(b)}",{lbl}}} {fg(c)}\n'
-            for b, c in zip(st.bucket_bounds, st.bucket_counts, strict=True)]
-    hist.append(f'gputrain_training_step_duration_seconds_bucket{{le="+Inf",{lbl}}} '
-                f"{fg(st.steps)}\n")
+    bounds = (*map(fg, st.bucket_bounds), "+Inf")
+    hist = [f'gputrain_training_step_duration_seconds_bucket{{le="{b}",{lbl}}} {fg(c)}\n'
+            for b, c in zip(bounds, st.cumulative_counts, strict=True)]
     hist.append(f"gputrain_training_step_duration_seconds_count{{{lbl}}} {fg(st.steps)}\n")
     hist.append(f"gputrain_training_step_duration_seconds_sum{{{lbl}}} {fg(st.step_seconds)}\n")
-    phases = "".join(f'gputrain_training_phase_seconds_total{{phase="{name}",{lbl}}} '
-                     f"{fg(seconds)}\n" for name, seconds in sorted(st.phases.items()))
     proc = st.process
-
-    def line(name: str, value: float | None) -> str:
-        return "" if value is None else f"{name}{{{lbl}}} {fg(value)}\n"
-
-    return (
-        line("gputrain_training_steps_total", st.steps),
-        line("gputrain_training_data_wait_seconds_total", st.data_wait_seconds),
-        line("gputrain_training_samples_total", st.samples),
-        line("gputrain_training_flops_total", st.flops),
-        line("gputrain_training_elapsed_seconds_total", st.wall_seconds),
-        "".join(hist),
-        phases,
-        line("gputrain_training_last_step_timestamp_seconds", st.last_step_timestamp),
-        line("gputrain_training_last_push_timestamp_seconds", st.received_unix),
-        line("gputrain_training_process_cpu_seconds_total", proc.get("cpu_seconds")),
-        line("gputrain_training_process_resident_memory_bytes",
-             proc.get("resident_memory_bytes")),
-        line("gputrain_training_process_read_bytes_total", proc.get("read_bytes")),
-    )
+    values = {
+        "gputrain_training_steps_total": st.steps,
+        "gputrain_training_data_wait_seconds_total": st.data_wait_seconds,
+        "gputrain_training_samples_total": st.samples,
+        "gputrain_training_flops_total": st.flops,
+        "gputrain_training_elapsed_seconds_total": st.wall_seconds,
+        "gputrain_training_last_step_timestamp_seconds": st.last_step_timestamp,
+        "gputrain_training_last_push_timestamp_seconds": st.received_unix,
+        "gputrain_training_process_cpu_seconds_total": proc.get("cpu_seconds"),
+        "gputrain_training_process_resident_memory_bytes": proc.get("resident_memory_bytes"),
+        "gputrain_training_process_read_bytes_total": proc.get("read_bytes"),
+    }
+    out = [(INDEX[name], f"{name}{{{lbl}}} {fg(v)}\n") for name, v in values.items()
+           if v is not None]
+    out.append((INDEX["gputrain_training_step_duration_seconds"], "".join(hist)))
+    out.extend((INDEX["gputrain_training_phase_seconds_total"],
+                f'gputrain_training_phase_seconds_total{{phase="{name}",{lbl}}} {fg(seconds)}\n')
+               for name, seconds in sorted(st.phases.items()))
+    return tuple(out)
