@@ -57,7 +57,8 @@ VIOLATION_POLICIES = {
 # A throttle counter cannot grow faster than the wall clock: this much slack (ns a second, and
 # ns flat) covers the driver's and our timestamps disagreeing.
 THROTTLE_SLACK = (1.05, 50e6)
-GPM_MIN_INTERVAL_SECONDS = 0.1  # nvml.h: GPM samples must be over 100 ms apart
+# nvml.h: GPM samples must be over 100 ms apart; the 10 ms more cover the calls' own latency
+GPM_MIN_INTERVAL_SECONDS = 0.11
 MIG_RESCAN_SECONDS = 60.0  # MIG devices created without a handle going stale are found so
 
 GPM_METRICS = {
@@ -590,8 +591,8 @@ class NvmlBackend:
                     self._free_gpm(dev)
         if not dev.gpm_supported:
             return None
-        base = dev.gpm_base
-        if base is not None and s.timestamp - base[1] <= GPM_MIN_INTERVAL_SECONDS:
+        base, now = dev.gpm_base, self._clock()  # when the sample is taken, not the reading
+        if base is not None and now - base[1] <= GPM_MIN_INTERVAL_SECONDS:
             return self._apply_gpm(dev, s, dev.gpm_values)
         target = 0 if base is None else 1 - base[0]
         buffer = dev.gpm_buffers[target]
@@ -603,7 +604,7 @@ class NvmlBackend:
                           query="gpm_sample")
         if got is None:
             return None
-        dev.gpm_base = (target, s.timestamp)
+        dev.gpm_base = (target, now)
         if base is None:
             return None  # the first sample opens the first window
         dev.gpm_values = self._gpm_metrics(dev, dev.gpm_buffers[base[0]], buffer)
@@ -695,7 +696,7 @@ class NvmlBackend:
                 self._event_set = nv.call("nvmlEventSetCreate", query="xid")
                 if self._event_set is None:
                     return []
-                for index, dev in self._devices.items():
+                for index, dev in list(self._devices.items()):  # rescan() may change it
                     if dev.handle is not None and not dev.identity.parent:
                         nv.call("nvmlDeviceRegisterEvents", dev.handle,
                                 lib.nvmlEventTypeXidCriticalError, self._event_set,
@@ -705,7 +706,7 @@ class NvmlBackend:
         if data is None:
             return []
         uuid = _text(nv.call("nvmlDeviceGetUUID", data.device, query="xid_uuid") or "")
-        for index, dev in self._devices.items():
+        for index, dev in list(self._devices.items()):
             if dev.identity.uuid == uuid:
                 return [(index, int(data.eventData))]
         return []
