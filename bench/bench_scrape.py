@@ -244,20 +244,21 @@ def sampler_cpu_per_cycle(cycles: int) -> tuple[float, float]:
 
 
 def nvml_cycle_ms(cycles: int, health: bool) -> float:
-    """CPU ms per sampler cycle through the real NVML backend on 8 scripted H100s (the test
-    suite's fake pynvml, so no GPU is needed): with NVLink, ECC and row remapping answered
+    """CPU ms per sampler cycle through the real NVML backend on 8 scripted H100s (the real
+    nvidia-ml-py binding over the test suite's fake driver, so no GPU is needed): with NVLink,
+    ECC and row remapping answered
     (``health``), or all three NOT_SUPPORTED and so asked once, as before they existed."""
     sys.path.insert(0, str(ROOT / "tests"))
-    from fake_pynvml import FakeGpu, FakePynvml
+    from fake_nvml import FakeDriver, FakeGpu
 
     from exporter.reading.gpu_backends import NvmlBackend
     from exporter.reading.nvml import Nvml
 
-    extra = ({"nvlink_links": 18, "remapped_rows": (0, 0, 0, 0)} if health else
-             {"nvlink_links": 0, "ecc_volatile": None, "remapped_rows": None})
+    extra = ({"nvlink_present": 18, "remapped_rows": (0, 0, 0, 0)} if health else
+             {"nvlink_present": 0, "ecc_volatile": None, "remapped_rows": None})
     gpus = [FakeGpu(f"GPU-{i}", util_rate=50, gpm={"sm_util": 50.0, "tensor_util": 10.0},
                     **extra) for i in range(8)]
-    sampler = Sampler(NvmlBackend(Nvml(FakePynvml(gpus))), None, interval=1.0,
+    sampler = Sampler(NvmlBackend(Nvml(FakeDriver(gpus).binding)), None, interval=1.0,
                       collectors={"gpu"})
     for _ in range(3):
         sampler.run_once()

@@ -5,6 +5,8 @@
 #     vmalert: the global layer of the scale-out test), chromium (draws the status page headless)
 #   - Python, into the virtual environment .venv (scripts/install.sh): this package with its
 #     [test] and [top] extras, and PyTorch, Lightning, Keras, transformers at tests/frameworks.txt's versions
+#   - nvidia-ml-py at each release of the binding matrix, one small venv each under .venv-nvml/
+#     (scripts/nvml_matrix.sh), where the NVML tests run again
 # Usage: scripts/test.sh [extra pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,4 +44,6 @@ if [ "$rc" -eq 5 ]; then
     echo "pytest collected no tests: that is a failure" >&2
     exit 1
 fi
-exit "$rc"
+[ "$rc" -eq 0 ] || exit "$rc"
+# the NVML tests again under each nvidia-ml-py release of the binding matrix (about a minute)
+bash scripts/nvml_matrix.sh -q

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 from conftest import FakeClock
-from fake_pynvml import FakeGpu, FakePynvml
+from fake_nvml import FakeDriver, FakeGpu
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.exposition import generate_latest
@@ -118,9 +118,11 @@ class Reference:
 
 def test_training_lines_are_what_prometheus_client_writes_in_both_formats():
     clock = FakeClock()
-    gpus = [FakeGpu(uuid="GPU-00000000-aaaa-bbbb-cccc-000000000000", pids=[4242]),
+    gpus = [FakeGpu(uuid="GPU-00000000-aaaa-bbbb-cccc-000000000000",
+                    processes=[(4242, 2**30)]),
             FakeGpu(uuid="GPU-11111111-aaaa-bbbb-cccc-111111111111", bus_id="00000000:28:00.0")]
-    sampler = Sampler(NvmlBackend(Nvml(FakePynvml(gpus)), clock=clock), None, clock=clock)
+    sampler = Sampler(NvmlBackend(Nvml(FakeDriver(gpus, clock=clock).binding), clock=clock),
+                      None, clock=clock)
     sampler.run_once()
     store = IngestStore(clock=clock)
     push(store)  # nothing optional

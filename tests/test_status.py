@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 from conftest import ROOT, require_binary, synthetic_client, wait_until
-from fake_pynvml import FakeGpu, FakePynvml
+from fake_nvml import FakeDriver, FakeGpu
 
 from exporter.heuristics.catalogue import BY_VERDICT
 from exporter.heuristics.rules import DEFAULTS
@@ -42,9 +42,9 @@ class Node:
 
     def __init__(self, clock, gpus: list[FakeGpu], window: float = 60.0) -> None:
         self.clock = clock
-        self.fake = FakePynvml(gpus)
-        self.sampler = Sampler(NvmlBackend(Nvml(self.fake), clock=clock), None, interval=1.0,
-                               collectors={"gpu"}, clock=clock, wall_clock=clock)
+        self.driver = FakeDriver(gpus, clock=clock)
+        self.sampler = Sampler(NvmlBackend(Nvml(self.driver.binding), clock=clock), None,
+                               interval=1.0, collectors={"gpu"}, clock=clock, wall_clock=clock)
         self.store = IngestStore(clock=clock, wall_clock=clock)
         self.history = History(window=window, point_seconds=5.0, instance="n1")
         self.view = StatusView(self.history, T, lambda: self.sampler.gpu_error, "nvml")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from exporter.reading.gpu_backends import BackendUnavailable, GpuBackend, GpuIdentity, GpuSample
-from exporter.reading.nvml import GpuLostError
+from exporter.reading.nvml import GpuLostError, StaleHandleError
 
 if TYPE_CHECKING:
     from exporter.reading.collectors.base import HostCollector
@@ -91,16 +91,17 @@ class _GpuSlot:
 def _integrate_link(st: GpuState, sample: GpuSample, prev: GpuSample | None, link: str,
                     dt: float) -> None:
     """Add a link's received and transmitted bytes since ``prev`` to the GPU's counters
-    (``<link>_rx_bytes``, ``<link>_tx_bytes``): the increase of the source's cumulative
-    counters where it has them, else its rates (bytes/s) times the ``dt`` seconds seen."""
+    (``<link>_rx_bytes``, ``<link>_tx_bytes``): the source's rates (bytes/s) times the ``dt``
+    seconds seen where it gives rates (the backend gives them where they are the better
+    source, as GPM's for PCIe), else the increase of its cumulative counters."""
     rx, tx = getattr(sample, f"{link}_rx_bytes"), getattr(sample, f"{link}_tx_bytes")
-    if rx is not None and tx is not None:
+    if getattr(sample, f"{link}_rx_bytes_per_second") is not None:
+        add = (getattr(sample, f"{link}_rx_bytes_per_second") * dt,
+               (getattr(sample, f"{link}_tx_bytes_per_second") or 0.0) * dt)
+    elif rx is not None and tx is not None:
         before = (getattr(prev, f"{link}_rx_bytes"), getattr(prev, f"{link}_tx_bytes")) \
             if prev else (None, None)
         add = (_delta(rx, before[0]), _delta(tx, before[1]))
-    elif getattr(sample, f"{link}_rx_bytes_per_second") is not None:
-        add = (getattr(sample, f"{link}_rx_bytes_per_second") * dt,
-               (getattr(sample, f"{link}_tx_bytes_per_second") or 0.0) * dt)
     else:
         return
     for direction, inc in zip(("rx", "tx"), add, strict=True):
@@ -140,6 +141,7 @@ class Sampler:
         self._backend_error: str | None = None
         self._backend_next_try = 0.0
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
         self._status: dict[str, CollectorStatus] = {}
         self._cycle = 0
         self._last_cycle_at: float | None = None
@@ -269,15 +271,41 @@ class Sampler:
         self._backend_error = None
         self._backend_ready = True
         self._slots = [_GpuSlot(i) for i in identities]
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self._slots)),
-                                        thread_name_prefix="gputrain-gpu")
+        self._size_pool()
         log.info("%s backend: %d GPU(s), driver %s", self.backend.name, len(self._slots),
                  self.backend.driver_version or "unknown")
         return True
 
+    def _size_pool(self) -> None:
+        """One worker per GPU, so that a hung GPU holds up no other."""
+        if self._pool is not None and self._pool_size >= len(self._slots):
+            return
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)  # its running reads finish on their own
+        self._pool_size = max(1, len(self._slots))
+        self._pool = ThreadPoolExecutor(max_workers=self._pool_size,
+                                        thread_name_prefix="gputrain-gpu")
+
+    def _rescan(self) -> None:
+        """Take the backend's new list of GPUs (MIG devices reconfigured): a GPU still listed
+        keeps its slot and counters, a new one starts from nothing, a gone one is dropped."""
+        rescan = getattr(self.backend, "rescan", None)
+        try:
+            identities = rescan() if rescan is not None else None
+        except Exception as exc:
+            log.warning("listing the GPUs again failed: %s", exc)
+            return
+        if identities is None:
+            return
+        old = {slot.state.identity: slot for slot in self._slots}
+        self._slots = [old.pop(i, None) or _GpuSlot(i) for i in identities]
+        self._size_pool()
+        log.info("GPUs now: %s", ", ".join(i.index for i in identities))
+
     def _sample_gpus(self) -> tuple[GpuState, ...] | None:
         if not self._open_backend():
             return None
+        self._rescan()
         now = self._clock()
         started: list[_GpuSlot] = []
         for slot in self._slots:
@@ -321,6 +349,11 @@ class Sampler:
         st = slot.state
         try:
             sample: GpuSample = fut.result()
+        except StaleHandleError as exc:  # a MIG device reconfigured away: listed again next
+            log.info("GPU %s (%s) is gone: %s", st.identity.index, st.identity.uuid, exc)
+            slot.lost, st.up, slot.previous = True, False, None
+            slot.next_retry = self._clock() + LOST_GPU_RETRY_SECONDS
+            return
         except GpuLostError as exc:
             if not slot.lost:
                 log.error("GPU %s (%s) is lost: %s; retrying every %.0fs", st.identity.index,
@@ -355,6 +388,8 @@ class Sampler:
                 st.ecc_errors[kind] = count  # the errors since the driver loaded
             else:
                 st.ecc_errors[kind] += _delta(count, before)
+        for reason in set(st.clock_event_seconds) - set(sample.clock_event_seconds):
+            del st.clock_event_seconds[reason]  # its source was found untrustworthy: gone
         for reason, seconds in sample.clock_event_seconds.items():
             before = prev.clock_event_seconds.get(reason) if prev else None
             st.clock_event_seconds[reason] = st.clock_event_seconds.get(reason, 0.0) + _delta(

@@ -15,7 +15,8 @@ LABELS = ["gpu", "uuid"]
 SAMPLE_GAUGES = [
     ("utilization", "gputrain_gpu_utilization_ratio",
      "Fraction of the last sampling window in which any kernel ran (NVML utilization.gpu, "
-     "averaged over NVML's sample buffer); 0-1."),
+     "averaged over NVML's sample buffer; on a MIG device, which NVML gives no utilisation, "
+     "GPM GRAPHICS_UTIL of its GPU instance); 0-1."),
     ("sm_active", "gputrain_gpu_sm_active_ratio",
      "Fraction of SM cycles with at least one warp resident (NVML GPM SM_UTIL); 0-1."),
     ("sm_occupancy", "gputrain_gpu_sm_occupancy_ratio",
@@ -29,16 +30,21 @@ SAMPLE_GAUGES = [
     ("memory_total_bytes", "gputrain_gpu_memory_total_bytes",
      "Device memory size, in bytes (nvmlDeviceGetMemoryInfo)."),
     ("power_watts", "gputrain_gpu_power_watts",
-     "Board power draw, in watts (nvmlDeviceGetPowerUsage)."),
+     "Board power draw, in watts (nvmlDeviceGetPowerUsage): a one-second average on Ampere "
+     "and newer GPUs except the A100 (GA100), instantaneous on the A100 and older GPUs."),
     ("power_limit_watts", "gputrain_gpu_power_limit_watts",
      "Enforced power limit, in watts (nvmlDeviceGetEnforcedPowerLimit)."),
     ("pcie_link_max_bytes_per_second", "gputrain_gpu_pcie_link_max_bytes_per_second",
-     "Usable bandwidth of the PCIe link per direction at its current generation and width, in "
-     "bytes per second."),
+     "Usable bandwidth of the PCIe link per direction at the highest generation and width the "
+     "GPU and its slot support (nvmlDeviceGetMaxPcieLinkGeneration, "
+     "nvmlDeviceGetGpuMaxPcieLinkGeneration, nvmlDeviceGetMaxPcieLinkWidth), in bytes per "
+     "second."),
     ("temperature_celsius", "gputrain_gpu_temperature_celsius",
-     "GPU die temperature, in degrees Celsius (nvmlDeviceGetTemperature)."),
+     "GPU die temperature, in degrees Celsius (nvmlDeviceGetTemperatureV, or "
+     "nvmlDeviceGetTemperature on drivers before 570)."),
     ("nvlink_links", "gputrain_gpu_nvlink_links",
-     "Active NVLink links (NVML field NVLINK_LINK_COUNT); absent on a GPU without NVLink."),
+     "Active NVLink links (nvmlDeviceGetNvLinkState of each link NVML field NVLINK_LINK_COUNT "
+     "says is present); absent on a GPU without NVLink."),
     ("nvlink_link_max_bytes_per_second", "gputrain_gpu_nvlink_link_max_bytes_per_second",
      "Bandwidth of one NVLink link per direction, in bytes per second (NVML field "
      "NVLINK_SPEED_MBPS_COMMON)."),
@@ -59,7 +65,9 @@ STATE_COUNTERS = [
      "Energy drawn since the exporter started, in joules "
      "(nvmlDeviceGetTotalEnergyConsumption deltas)."),
     ("pcie_rx_bytes", "gputrain_gpu_pcie_received_bytes_total",
-     "Bytes the GPU received over PCIe (host-to-device), since the exporter started."),
+     "Bytes the GPU received over PCIe (host-to-device), since the exporter started: GPM "
+     "PCIE_RX_PER_SEC integrated where GPM works, else NVML field PCIE_COUNT_RX_BYTES (across "
+     "its wraps), else nvmlDeviceGetPcieThroughput integrated."),
     ("pcie_tx_bytes", "gputrain_gpu_pcie_transmitted_bytes_total",
      "Bytes the GPU sent over PCIe (device-to-host), since the exporter started."),
     ("nvlink_rx_bytes", "gputrain_gpu_nvlink_received_bytes_total",
@@ -97,7 +105,9 @@ class GpuCollector:
                               labels=[*LABELS, "clock"]),
             CounterMetricFamily(
                 "gputrain_gpu_clock_event_seconds_total",
-                "Seconds the clocks were held down, by reason (NVML clock-event counters).",
+                "Seconds the clocks were held down, by reason (NVML clock-event counters, by the "
+                "field numbering of the driver's NVML version; else nvmlDeviceGetViolationStatus). "
+                "A reason the driver cannot be trusted to report is absent.",
                 labels=[*LABELS, "reason"]),
             CounterMetricFamily("gputrain_gpu_xid_errors_total",
                                 "Xid errors reported by the driver, by Xid code.",
