@@ -153,6 +153,18 @@ def test_every_flag_is_in_the_flags_page():
     assert set(re.findall(r"`(\w+)`", names.group(1))) == set(COLLECTORS)
 
 
+def test_every_default_written_as_a_value_is_the_flags():
+    """A default the table writes as a value (`1s`, `:19400`) is the one the daemon takes;
+    a default in words (moving, shipped table) is not checked."""
+    table = page("flags.md")[:page("flags.md").index("## The config file")]
+    shown = {f"--{o.key}": o.shown_default() for o in OPTIONS}
+    checked = 0
+    for flag, default in re.findall(r"^\| `(--[a-z.-]+)` \| `([^`]+)` \|", table, re.M):
+        assert default == shown[flag], f"{flag}: the page says {default}, the daemon {shown[flag]}"
+        checked += 1
+    assert checked >= 10
+
+
 # --- the push protocol (docs/push-protocol.md) and profiles --------------------------------
 
 def flat(text: str) -> str:
@@ -180,6 +192,15 @@ def test_the_push_limits_on_the_page_are_the_protocols():
                    f"(at most {protocol.MAX_PROFILE_STEPS};",
                    f"steps outside 1-{protocol.MAX_PROFILE_STEPS}",
                    f"`POST {protocol.PROFILE_PATH}`", f"`POST {protocol.ALERTS_PATH}`"):
+        assert phrase in profiles, phrase
+    from exporter.client.profiling import DEFAULT_TRACE_BUDGET_MB
+    from exporter.serving import profiles as board
+
+    for phrase in (f"last {board.KEEP} finished profiles",
+                   f"within {board.QUEUE_TIMEOUT:.0f} s",
+                   f"expires if no step ends in {board.START_TIMEOUT / 60:.0f} min",
+                   f"expires without a result in {board.RUN_TIMEOUT / 60:.0f} min",
+                   f"`GPUTRAIN_TRACE_BUDGET_MB` ({DEFAULT_TRACE_BUDGET_MB} MiB"):
         assert phrase in profiles, phrase
     parts = section(page("profiles.md"), "## Where a step's time went")
     rows = re.findall(r"^\| ([a-z ]+) \|", parts, re.M)
@@ -431,3 +452,17 @@ def test_the_docs_run_the_project_from_the_quick_starts_environment():
                 assert not re.match(r"(PYTHONPATH=\S+ )?python3?\b(?! -m venv)", line), \
                     f"{name}: {line}"
         assert "python3 -m exporter" not in text, name
+
+
+def test_the_status_pages_timings_are_the_codes():
+    from exporter.serving import history, status
+
+    js = (ROOT / "exporter" / "serving" / "static" / "status.js").read_text()
+    refresh = int(re.search(r"REFRESH_MS = (\d+)", js).group(1)) / 1000
+    text = flat(page("status-page.md"))
+    for phrase in (f"It redraws every {refresh:g} s",
+                   f"once {status.STALE_PUSH_SECONDS:.0f} s pass without a push",
+                   f"once {history.LEAK_MIN_SECONDS / 60:.0f} minutes of the rank's memory",
+                   f"asked in the last {status.VIEWER_SECONDS:.0f} s",
+                   f"a point every {history.POINT_SECONDS:.0f} s"):
+        assert phrase in text, phrase
