@@ -910,15 +910,16 @@ class ExporterDown(Heuristic):
 
 
 # The catalogue, in the decision order: faults, the stall, the pipeline from its input to its
-# output, then what is not a stage of it. A rank's verdict is the first that holds.
+# output, then what is not a stage of it, and the symptom. A rank's verdict is the first that
+# holds.
 CATALOGUE: tuple[Heuristic, ...] = (
-    GPULost(), XidErrors(), GPUMemoryFault(), CollectorFailing(),
+    GPULost(), XidErrors(), GPUMemoryFault(), CollectorFailing(), ExporterDown(),
     Stalled(),
     CPUPreprocessingBound(), DiskIOBound(), NetworkInputBound(), InputBound(),
     HostToDeviceBound(), HostOverheadBound(), LaunchBound(), TensorCoresIdle(), LowMFU(),
     GPUMemoryUnderused(), StepTimeStalls(), StragglerRank(), HostMemoryLeak(),
     GPUMemoryNearLimit(), Throttling(),
-    GPUUnderutilized(), ExporterDown(),
+    GPUUnderutilized(),
 )
 
 

@@ -2,7 +2,7 @@
 
 ``gputrain-exporter generate`` (in a checkout of the repository) rewrites them all: the rule
 files (all, and the node and global levels), the PrometheusRule, the promtool rule tests, the
-dashboards and their ConfigMap, the runbook and the README's alert and threshold tables;
+dashboards and their ConfigMap, the runbook and the alert and threshold tables of docs/alerts.md;
 ``--check`` lists the stale ones and exits 1 (a test does the same).
 ``gputrain-exporter dashboards --config FILE --out DIR`` writes the dashboards with your
 thresholds, selector and run labels.
@@ -29,9 +29,9 @@ RUNBOOK_HEADER = """\
 
 One section per alert of `alerts/gputrain.rules.yml`, in the order `diagnose` decides in:
 faults first, then the pipeline from its input to its output. Thresholds are defaults
-(`.venv/bin/gputrain-exporter rules --defaults`), each with its source in the threshold
-table of the rules documentation. To confirm an alert, query the series it
-names in Prometheus, or open the run's Grafana dashboard (GpuTrain / Run), which draws these
+(`.venv/bin/gputrain-exporter rules --defaults`), each with its source in the threshold table
+of [docs/alerts.md](../docs/alerts.md). To confirm an alert, query the series it names in
+Prometheus, or open the run's Grafana dashboard (GpuTrain / Run), which draws these
 thresholds. The advice is the alert's own, and the one `gputrain-exporter diagnose` gives.
 """
 
@@ -40,8 +40,8 @@ Why: `gputrain-exporter profile --run <run> --rank <rank>` on the rank's node re
 steps with torch.profiler and prints where their time went (data loading, forward, backward,
 optimizer, other, idle) and the top operators; with the example Alertmanager config this alert
 asks for that profile by itself (at most once per run per hour): read it on the status page,
-in `/api/v1/profile`, or open the trace the profile names (README, "Why is it slow? Ask for a
-profile").
+in `/api/v1/profile`, or open the trace the profile names (docs/profiles.md, "Why is it slow?
+Ask for a profile").
 """
 
 BEGIN = "<!-- BEGIN generated: {name} (gputrain-exporter generate) -->"
@@ -69,7 +69,7 @@ def runbook(overrides: dict | None = None) -> str:
 
 
 def alert_table(overrides: dict | None = None) -> str:
-    """The README's alert table."""
+    """The alert table of docs/alerts.md."""
     cfg = settings(overrides)
     rows = ["| alert | severity | level | fires when (defaults) |", "| --- | --- | --- | --- |"]
     for e in CATALOGUE:
@@ -79,7 +79,7 @@ def alert_table(overrides: dict | None = None) -> str:
 
 
 def threshold_table() -> str:
-    """The README's table of thresholds, their defaults and sources."""
+    """The table of thresholds, their defaults and sources, of docs/alerts.md."""
     rows = ["| threshold | default | source |", "| --- | --- | --- |"]
     for name, th in THRESHOLDS.items():
         rows.append(f"| `{name}` | {th.default:g} ({show(name, th.default)}) | {th.source} |")
@@ -108,10 +108,10 @@ def _rule_cases(root: Path):
 
 def committed(root: Path) -> dict[Path, Callable[[], str]]:
     """Every generated file of the checkout at ``root``, and how to make its content."""
-    readme = root / "README.md"
+    alerts_page = root / "docs" / "alerts.md"
 
-    def readme_text() -> str:
-        text = replace_block(readme.read_text(), "alert table", alert_table())
+    def alerts_page_text() -> str:
+        text = replace_block(alerts_page.read_text(), "alert table", alert_table())
         return replace_block(text, "threshold table", threshold_table())
 
     files: dict[Path, Callable[[], str]] = {
@@ -121,7 +121,7 @@ def committed(root: Path) -> dict[Path, Callable[[], str]]:
         root / "deploy" / "kubernetes" / "prometheusrule.yaml": render_prometheusrule,
         root / "alerts" / "runbook.md": runbook,
         root / "deploy" / "kubernetes" / "dashboards-configmap.yaml": dashboards.configmap,
-        readme: readme_text,
+        alerts_page: alerts_page_text,
     }
     for name, d in dashboards.dashboards().items():
         files[root / "grafana" / "dashboards" / name] = lambda d=d: dashboards.render(d)
