@@ -106,9 +106,18 @@ def _rule_cases(root: Path):
     return module
 
 
+def decision_order() -> str:
+    """The verdicts in the order diagnose decides in, for docs/diagnose.md."""
+    from exporter.heuristics.verdict import ORDER
+
+    return textwrap.fill(", ".join(f"`{v}`" for v in ORDER), 96,
+                         break_on_hyphens=False) + "\n"
+
+
 def committed(root: Path) -> dict[Path, Callable[[], str]]:
     """Every generated file of the checkout at ``root``, and how to make its content."""
     alerts_page = root / "docs" / "alerts.md"
+    diagnose_page = root / "docs" / "diagnose.md"
 
     def alerts_page_text() -> str:
         text = replace_block(alerts_page.read_text(), "alert table", alert_table())
@@ -122,6 +131,8 @@ def committed(root: Path) -> dict[Path, Callable[[], str]]:
         root / "alerts" / "runbook.md": runbook,
         root / "deploy" / "kubernetes" / "dashboards-configmap.yaml": dashboards.configmap,
         alerts_page: alerts_page_text,
+        diagnose_page: lambda: replace_block(diagnose_page.read_text(), "decision order",
+                                             decision_order()),
     }
     for name, d in dashboards.dashboards().items():
         files[root / "grafana" / "dashboards" / name] = lambda d=d: dashboards.render(d)
