@@ -227,6 +227,18 @@ def alert_cases() -> list[Case]:
                   flat(1.25e9)},
              [Fire("GpuTrainInputBound", rank("net"), "77.8%", "warning"),
               Fire("GpuTrainNetworkInputBound", rank("net"), "77.8%")]),
+        Case("GpuTrainDataLoaderRestarts: DataLoader start-up takes 10% of the wall time; 2% "
+             "stays silent",
+             {**{sel(m, run=r, rank="0"): ramp(v)
+                 for r, start in (("restarts", 6), ("persistent", 1.2))
+                 for m, v in (("gputrain_training_elapsed_seconds_total", 60),
+                              ("gputrain_training_step_duration_seconds_sum", 60 - start),
+                              ("gputrain_training_data_wait_seconds_total", 0.5))},
+              **{sel("gputrain_training_phase_seconds_total", run=r, rank="0",
+                     phase="dataloader_start"): ramp(start)
+                 for r, start in (("restarts", 6), ("persistent", 1.2))}},
+             [Fire("GpuTrainDataLoaderRestarts", rank("restarts"), "10%")],
+             fire_at="30m", quiet_at="12m"),
         Case("GpuTrainHostToDeviceBound: 62.5% of the PCIe link with the GPU 60% busy; "
              "a GPU 95% busy at 3% of its link stays silent",
              {**gpu_of("r", "0", "0", "GPU-a"), **gpu_of("r", "1", "1", "GPU-b"),

@@ -430,6 +430,38 @@ class InputBound(Heuristic):
         return None
 
 
+class DataLoaderRestarts(Heuristic):
+    alert, verdict = "GpuTrainDataLoaderRestarts", "loader-restarts"
+    severity, for_ = "info", "15m"
+    summary = "A training run loses time starting its DataLoader workers, epoch after epoch."
+    advice = ("Keep the workers across epochs: DataLoader(..., persistent_workers=True), and a "
+              "lighter worker start (no heavy imports or dataset copies in each worker).")
+    fires_when = "DataLoader start-up > {loader_start_share} of the wall time for {for}"
+    why = ("Starting the DataLoader's workers (the phase `dataloader_start`, `iter(loader)`, "
+           "which the client keeps outside the steps) takes more than {loader_start_share} of "
+           "the rank's wall time: without persistent_workers, PyTorch starts every worker "
+           "again each epoch, and short epochs pay it often.")
+    confirm = ('run_rank_cause:gputrain_training_badput:ratio_rate5m{cause="dataloader_start"}',)
+    panel = 'GpuTrain / Run, "Goodput and badput": the `dataloader_start` band.'
+    thresholds = {"loader_start_share": Threshold(
+        0.05, "ratio", "PyTorch's DataLoader: persistent_workers keeps workers across epochs")}
+
+    def rules(self, q: Q) -> list[dict]:
+        # the badput share of the cause dataloader_start, written out: a recorded series is
+        # never selected with matchers here, so the rule can be inlined (diagnose, replays)
+        start = q.metric("gputrain_training_phase_seconds_total", 'phase="dataloader_start"')
+        return [self.rule(q, "info", f"""sum by ({q.rank}) (rate({start}[{WINDOWS['rate']}]))
+            / run_rank:gputrain_training_accounted_seconds:rate5m > {q.t['loader_start_share']}""",
+            f"""{q.who} spends {{{{ $value | humanizePercentage }}}} of its wall time starting
+            DataLoader workers.""")]
+
+    def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
+        share = r.badput.get("dataloader_start")
+        if _v(share, ">", t["loader_start_share"]):
+            return f"DataLoader start-up takes {percent(share)} of the wall time"
+        return None
+
+
 class HostToDeviceBound(Heuristic):
     alert, verdict, scope = "GpuTrainHostToDeviceBound", "host-to-device", "rank_gpu"
     severity, for_ = "warning", "10m"
@@ -916,6 +948,7 @@ CATALOGUE: tuple[Heuristic, ...] = (
     GPULost(), XidErrors(), GPUMemoryFault(), CollectorFailing(), ExporterDown(),
     Stalled(),
     CPUPreprocessingBound(), DiskIOBound(), NetworkInputBound(), InputBound(),
+    DataLoaderRestarts(),
     HostToDeviceBound(), HostOverheadBound(), LaunchBound(), TensorCoresIdle(), LowMFU(),
     GPUMemoryUnderused(), StepTimeStalls(), StragglerRank(), HostMemoryLeak(),
     GPUMemoryNearLimit(), Throttling(),
