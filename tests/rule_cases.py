@@ -208,6 +208,24 @@ def alert_cases() -> list[Case]:
                   "0+60x5 300x25"},
              [Fire("GpuTrainStalled", rank("hung"), "22m 0s")],
              fire_at="27m", quiet_at=None, quiet_alerts=[]),
+        Case("GpuTrainGPUShared: runs a (40% of GPU 0) and b (20%) share GPU 0 with a process no "
+             "client reports (10%): each run sees the rest as foreign; run solo alone on GPU 1 "
+             "stays silent",
+             {**gpu_of("a", "0", "0", "GPU-a"), **gpu_of("b", "0", "0", "GPU-a"),
+              **gpu_of("solo", "0", "1", "GPU-b"),
+              **{sel("gputrain_training_gpu_busy_seconds_total", run=r, rank="0", gpu=g,
+                     uuid=u): ramp(v)
+                 for r, g, u, v in (("a", "0", "GPU-a", 24), ("b", "0", "GPU-a", 12),
+                                    ("solo", "1", "GPU-b", 50))},
+              sel("gputrain_gpu_unattributed_busy_seconds_total", gpu="0", uuid="GPU-a"):
+                  ramp(6),
+              sel("gputrain_gpu_unattributed_busy_seconds_total", gpu="1", uuid="GPU-b"):
+                  ramp(0)},
+             [Fire("GpuTrainGPUShared", {**NODE, "run": "a", "gpu": "0", "uuid": "GPU-a"},
+                   "30%"),
+              Fire("GpuTrainGPUShared", {**NODE, "run": "b", "gpu": "0", "uuid": "GPU-a"},
+                   "50%")],
+             fire_at="20m", quiet_at="8m"),
         Case("GpuTrainCPUPreprocessingBound: input-bound with the CPUs 95.83% busy fires both; "
              "a run that does not wait stays silent",
              {**run_steps("aug", 47 / 60), **run_steps("ok", 1 / 60), **host_cpu(115 / 120)},

@@ -143,8 +143,11 @@ def alerts_for(rep: dict, conditions: list[tuple[str, dict]]) -> tuple[set[str],
     verdicts, underused = set(), False
     for alert, labels in conditions:
         entry = BY_ALERT[alert]
-        if "run" in labels:
+        if "rank" in labels:
             if (labels["run"], labels["rank"]) != (rep["run"], rep["rank"]):
+                continue
+        elif "run" in labels:  # a run's share of a GPU: for the run's ranks on that GPU
+            if labels["run"] != rep["run"] or (labels["gpu"], labels["uuid"]) not in gpus:
                 continue
         elif entry.scope == "node":
             if (labels.get("job"), labels.get("instance")) != (rep["job"], rep["instance"]):
@@ -161,7 +164,7 @@ def alerts_for(rep: dict, conditions: list[tuple[str, dict]]) -> tuple[set[str],
 def test_diagnose_names_exactly_the_alerts_that_fire(results, i):
     case = CASES[i]
     reports, conditions = results.get(f"{job_of(i)}@{case.fire_at}", ([], []))
-    fired = {(f.labels["run"], f.labels["rank"]) for f in case.fires if "run" in f.labels}
+    fired = {(f.labels["run"], f.labels["rank"]) for f in case.fires if "rank" in f.labels}
     assert fired <= {(r["run"], r["rank"]) for r in reports}, \
         f"diagnose did not see every rank an alert fires for: {sorted(fired)}"
     for rep in reports:

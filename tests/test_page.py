@@ -19,6 +19,7 @@ from exporter.protocol import MAX_BUCKETS, MAX_GPUS, MAX_PHASES, MAX_SERIES_PER_
 from exporter.reading.collectors.training import (
     FAMILIES,
     GpuIndex,
+    GpuShares,
     Owners,
     TrainingCollector,
     resolve_gpus,
@@ -56,20 +57,36 @@ class Reference:
     """The training families built through prometheus_client, family by family, from the
     same states: the referee the collector's own lines are held against."""
 
-    def __init__(self, store: IngestStore, snapshot) -> None:
+    def __init__(self, store: IngestStore, snapshot, shares: GpuShares) -> None:
         self._store, self._snapshot, self._owners = store, snapshot, Owners()
+        self._shares = shares  # the busy seconds accumulated: written here, not counted
 
     def _families(self):
-        return tuple(f.empty() for f in FAMILIES)
+        return {f.name: f.empty() for f in FAMILIES}
 
     def collect(self) -> Iterator[Metric]:
         states = sorted(self._store.states(), key=lambda s: (s.run, s.rank))
         snap = self._snapshot()
         gpus = GpuIndex(snap)
         held, others = self._owners.attribute(snap, states)
+        f = self._families()
         (steps, wait, samples, flops, elapsed, hist, phases, last_step, last_push, cpu, rss,
-         read, gpu_info, gpu_memory, profile, unattributed, strangers, requests,
-         series) = self._families()
+         read, gpu_info, gpu_memory, profile, unattributed, strangers, requests, series) = (
+            f[f"gputrain_{n}"] for n in (
+                "training_steps_total", "training_data_wait_seconds_total",
+                "training_samples_total", "training_flops_total",
+                "training_elapsed_seconds_total", "training_step_duration_seconds",
+                "training_phase_seconds_total", "training_last_step_timestamp_seconds",
+                "training_last_push_timestamp_seconds", "training_process_cpu_seconds_total",
+                "training_process_resident_memory_bytes", "training_process_read_bytes_total",
+                "training_gpu_info", "training_gpu_memory_bytes", "training_profile_info",
+                "gpu_unattributed_memory_bytes", "gpu_unattributed_processes",
+                "ingest_requests_total", "ingest_series"))
+        busy, memory_busy = (f["gputrain_training_gpu_busy_seconds_total"],
+                             f["gputrain_training_gpu_memory_busy_seconds_total"])
+        others_busy, others_memory = (f["gputrain_gpu_unattributed_busy_seconds_total"],
+                                      f["gputrain_gpu_unattributed_memory_busy_seconds_total"])
+        ranks_busy, unowned = self._shares.totals()
         profiles = self._store.profiles.latest_done()
         for st in states:
             lv = [st.run, st.rank]
@@ -98,14 +115,20 @@ class Reference:
                 gpu_info.add_metric([*lv, index, uuid, st.precision], 1)
             for (index, uuid), used in sorted(held.get((st.run, st.rank), {}).items()):
                 gpu_memory.add_metric([*lv, index, uuid], used)
+            for (index, uuid), (b, m) in sorted(ranks_busy.get((st.run, st.rank), {}).items()):
+                busy.add_metric([*lv, index, uuid], b)
+                memory_busy.add_metric([*lv, index, uuid], m)
             if (done := profiles.get((st.run, st.rank))) is not None:
                 profile.add_metric([*lv, done.trace], done.finished)
         for (index, uuid), (count, used) in others.items():
             unattributed.add_metric([index, uuid], used)
             strangers.add_metric([index, uuid], count)
+        for (index, uuid), (b, m) in sorted(unowned.items()):
+            others_busy.add_metric([index, uuid], b)
+            others_memory.add_metric([index, uuid], m)
         for family in (steps, wait, samples, flops, elapsed, hist, phases, last_step,
-                       last_push, cpu, rss, read, gpu_info, gpu_memory, profile, unattributed,
-                       strangers):
+                       last_push, cpu, rss, read, gpu_info, gpu_memory, busy, memory_busy,
+                       profile, unattributed, strangers, others_busy, others_memory):
             if family.samples:
                 yield family
         for code, n in sorted(self._store.requests().items()):
@@ -138,7 +161,7 @@ def test_training_lines_are_what_prometheus_client_writes_in_both_formats():
     store.count(429)
     collector = TrainingCollector(store, lambda: sampler.snapshot)
     registry = CollectorRegistry()
-    registry.register(Reference(store, lambda: sampler.snapshot))
+    registry.register(Reference(store, lambda: sampler.snapshot, collector.shares))
     for _ in range(2):  # the second time from the per-rank cache
         assert collector.render(False) == generate_latest(registry)
         assert collector.render(True) + b"# EOF\n" == generate_openmetrics(registry)

@@ -157,6 +157,7 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     """Run the daemon until SIGTERM/SIGINT (or ``stop`` is set); returns the exit code."""
     from exporter.heuristics.catalogue import PROFILED_ALERTS
     from exporter.reading.collectors import host_collectors
+    from exporter.reading.collectors.training import GpuShares
     from exporter.reading.gpu_backends import DemoBackend, NvmlBackend
     from exporter.reading.peak_flops import PeakTable
     from exporter.reading.sampler import Sampler
@@ -204,7 +205,9 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
             signal.signal(sig, lambda *_: stop.set())
     sampler = Sampler(backend, host, settings["sampler.interval"], settings.collectors)
     peaks = PeakTable(settings["gpu.peak-flops"])
-    history = History(settings["status.window"], peaks=peaks, instance=socket.gethostname())
+    shares = GpuShares()  # each rank's busy seconds per GPU: for /metrics and the history
+    history = History(settings["status.window"], peaks=peaks, instance=socket.gethostname(),
+                      shares=shares)
     status = StatusView(history, thresholds, lambda: sampler.gpu_error, backend.name,
                         lambda: sampler.snapshot.driver_version,
                         store.profiles if store is not None else None)
@@ -213,7 +216,7 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     sampler.listeners.append(lambda: _observe(history, sampler, store, status))
     sampler.start()
     status.start()
-    app = Exposition(sampler, store, peaks=peaks, status=status)
+    app = Exposition(sampler, store, peaks=peaks, status=status, shares=shares)
     app.start()
     servers = []
     listen = [("web", web_host, web_port, MetricsHandler, tls)]

@@ -115,7 +115,7 @@ def frame(doc: dict[str, Any], error: str | None = None) -> Any:
         gpus.add_column(col, no_wrap=True)
     for g in doc["gpus"]:
         name = (g["name"] or "").removeprefix("NVIDIA ")
-        users = ", ".join(f"{u['run']}/{u['rank']}" for u in g["ranks"]) or "idle"
+        users = gpu_users(g) or "idle"
         if not g["up"]:
             gpus.add_row(g["gpu"], name, Text("lost: does not answer NVML", style="bold red"),
                          "", "", "", "", "", "", users)
@@ -188,6 +188,20 @@ def frame(doc: dict[str, Any], error: str | None = None) -> Any:
         parts.append(Text(f"profile {p['id']} of {p['run']}/{p['rank']}: {profile_line(p)}",
                           style="red" if p["state"] in ("failed", "expired") else "grey70"))
     return Group(*parts)
+
+
+def gpu_users(g: dict[str, Any]) -> str:
+    """Who uses a GPU: its ranks, each with its share of the GPU's time where the driver gives
+    per-process samples, then the share no rank owns."""
+    shares = {(x["run"], x["rank"]): x["busy"] for x in g.get("shares", [])
+              if x["run"] is not None}
+    parts = [f"{u['run']}/{u['rank']}" + (f" {percent(shares[(u['run'], u['rank'])])}"
+                                          if (u["run"], u["rank"]) in shares else "")
+             for u in g["ranks"]]
+    others = next((x["busy"] for x in g.get("shares", []) if x["run"] is None), None)
+    if others:
+        parts.append(f"others {percent(others)}")
+    return ", ".join(parts)
 
 
 def gpu_names(gpus: list[dict[str, Any]], known: list[dict[str, Any]]) -> str:

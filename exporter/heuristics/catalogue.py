@@ -291,6 +291,44 @@ class Stalled(Heuristic):
         return None
 
 
+class GPUShared(Heuristic):
+    alert, verdict, scope = "GpuTrainGPUShared", "gpu-shared", "rank_gpu"
+    severity, for_ = "warning", "10m"
+    summary = "A GPU a run uses is busy with processes that are not the run's."
+    advice = ("Find the other process: the GPU's row on the status page (its shares), "
+              "`nvidia-smi` on the node, or its pod or job (gputrain_gpu_pod_info, "
+              "gputrain_gpu_job_info). Move one of the jobs, or give each its own GPU (exclusive "
+              "compute mode, MIG, the scheduler's GPU allocation).")
+    fires_when = ("a GPU the run uses spends >= {gpu_foreign_busy} of its time busy with "
+                  "processes no rank of the run owns, for {for}")
+    why = ("The GPU's SMs were busy at least {gpu_foreign_busy} of the time with processes that "
+           "no rank of the run owns: another job time-sliced onto it, a notebook, a process "
+           "without the client (NVML's per-process utilisation, joined to the ranks by their "
+           "process trees). Every step the run takes waits its turn. A run's own MFU and GPU "
+           "busy still divide by the whole GPU.")
+    confirm = ("run_gpu:gputrain_gpu_foreign_busy:ratio_rate5m",
+               "run_gpu:gputrain_training_gpu_busy:ratio_rate5m",
+               "gpu:gputrain_gpu_unattributed_busy:ratio_rate5m")
+    panel = 'GpuTrain / Overview, "GPU shares by run" (the unattributed band and the other runs).'
+    profile, stepping = False, False  # its rule checks the run steps, on the run's labels
+    thresholds = {"gpu_foreign_busy": Threshold(
+        0.1, "ratio", "time-slicing shares one GPU between processes (dcgm-exporter issue #307: "
+                      "per-process GPU use, its most asked-for feature)")}
+
+    def rules(self, q: Q) -> list[dict]:
+        run = q.run
+        return [self.rule(q, "warning", f"""run_gpu:gputrain_gpu_foreign_busy:ratio_rate5m >= {q.t['gpu_foreign_busy']}
+            and on ({run}) (sum by ({run}) ({q.steps}) > 0)""",
+            f"""GPU {{{{ $labels.gpu }}}} on {q.where}, used by run {{{{ $labels.run }}}}, was busy
+            {{{{ $value | humanizePercentage }}}} of the time with processes no rank of the run
+            owns.""")]
+
+    def holds_gpu(self, g: GpuReading, t: dict[str, float]) -> str | None:
+        if _v(g.foreign, ">=", t["gpu_foreign_busy"]):
+            return f"busy {percent(g.foreign)} of the time with processes not this run's"
+        return None
+
+
 class CPUPreprocessingBound(Heuristic):
     alert, verdict = "GpuTrainCPUPreprocessingBound", "cpu-preprocessing"
     severity, for_ = "warning", "10m"
@@ -946,7 +984,7 @@ class ExporterDown(Heuristic):
 # holds.
 CATALOGUE: tuple[Heuristic, ...] = (
     GPULost(), XidErrors(), GPUMemoryFault(), CollectorFailing(), ExporterDown(),
-    Stalled(),
+    Stalled(), GPUShared(),
     CPUPreprocessingBound(), DiskIOBound(), NetworkInputBound(), InputBound(),
     DataLoaderRestarts(),
     HostToDeviceBound(), HostOverheadBound(), LaunchBound(), TensorCoresIdle(), LowMFU(),

@@ -291,6 +291,16 @@ def overview(t: dict[str, float], js: str, ids: Identity, extra: list[dict],
             f"{pct(t, 'input_bound_high')} highly input-bound (TF "
             "Profiler).", lines=[(t["input_bound"], "orange"), (t["input_bound_high"], "red")],
             max_=1), 12, 8),
+        lay.place(timeseries("GPU shares by run", [
+            target(f"run_gpu:gputrain_training_gpu_busy:ratio_rate5m{{{js}}}",
+                   "{{instance}} GPU {{gpu}}: {{run}}", "A"),
+            target(f"gpu:gputrain_gpu_unattributed_busy:ratio_rate5m{{{js}}}",
+                   "{{instance}} GPU {{gpu}}: no run (unattributed)", "B")],
+            "percentunit", "Of each GPU's time, the share each run's processes kept it busy and "
+            "the share processes no run owns did (NVML's per-process utilisation; absent where "
+            "the driver gives none). Over "
+            f"{pct(t, 'gpu_foreign_busy')} not a run's own is GpuTrainGPUShared.",
+            stack=True, max_=1), 24, 8),
     ]
     return dashboard("gputrain-overview", "GpuTrain / Overview",
                      "Every run on every node: which runs waste GPUs.", extra, panels, "")

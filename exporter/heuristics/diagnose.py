@@ -163,6 +163,7 @@ RECORDED = {
     "power_used": "run_rank_gpu:gputrain_gpu_power_limit_used:ratio_avg5m",
     "pcie_rx_used": "run_rank_gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m",
     "throttled": "run_rank_gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m",
+    "foreign": "run_gpu:gputrain_gpu_foreign_busy:ratio_rate5m",
     "step_p50_seconds": "run_rank:gputrain_training_step_seconds:p50_30m",
     "step_p99_seconds": "run_rank:gputrain_training_step_seconds:p99_30m",
     "seconds_since_step": "run_rank:gputrain_training_last_step_timestamp_seconds:max",
@@ -275,6 +276,18 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
         rep = reports.get(rank_key(labels))
         if rep:
             reading(rep, labels)
+    # a run's foreign share of a GPU is the same for each of its ranks on it
+    run_gpu = [*ids.run_labels, *ids.node_tuple, "gpu", "uuid"]
+    shared = {tuple(labels.get(k, "") for k in run_gpu): value for labels, value in
+              _read(prom, q["foreign"], qr["foreign"],
+                    lambda x: tuple(x.get(k, "") for k in run_gpu))[0]}
+    for rep in reports.values():
+        labels = {**rep.labels, "run": rep.run, "job": rep.job, "instance": rep.instance}
+        for x in rep.gpus:
+            found = shared.get(tuple({**labels, "gpu": x.gpu, "uuid": x.uuid}.get(k, "")
+                                     for k in run_gpu))
+            if found is not None:
+                x.foreign = found
     for key, node in nodes.items():  # a rank's GPUs and node carry their faults
         gpus = {(g.gpu, g.uuid): g for g in node.gpus}
         for rep in by_node.get(key, []):

@@ -33,6 +33,7 @@ class Identity:
     (``cluster``) with ``job, instance``; a rank is a node's labels with ``run, rank``."""
 
     def __init__(self, run_labels: list[str] | tuple[str, ...] = ("run",)) -> None:
+        self.run_labels = tuple(run_labels)
         self.extra = tuple(x for x in run_labels if x != "run")  # what tells runs apart
         self.node_tuple = tuple(dict.fromkeys([*self.extra, "job", "instance"]))
         self.rank_tuple = (*self.node_tuple, "run", "rank")
@@ -41,6 +42,7 @@ class Identity:
         self.node = ", ".join(self.node_tuple)
         self.rank = ", ".join(self.rank_tuple)
         self.gpu = f"{self.node}, gpu, uuid"
+        self.run_gpu = ", ".join(dict.fromkeys([*run_labels, *self.node_tuple, "gpu", "uuid"]))
 
 
 def check_run_labels(value: Any) -> list[str]:
@@ -199,6 +201,22 @@ def recording(s: str, ids: Identity, r: str = WINDOWS["rate"]) -> list[dict]:
         _rec("run:gputrain_gpu_wasted_seconds:rate5m", f"""
             sum by ({ids.run}) (max by ({ids.node}, run, gpu, uuid)
               (1 - run_rank_gpu:gputrain_gpu_busy_ratio:rate5m))"""),
+        # a GPU's shares: each run's (its ranks' processes) and no rank's, from the processes'
+        # busy seconds; a run that holds the GPU but had no busy sample counts 0
+        _rec("run_gpu:gputrain_training_gpu_busy:ratio_rate5m", f"""
+            (sum by ({ids.run_gpu}) (rate(gputrain_training_gpu_busy_seconds_total{{{s}}}[{r}]))
+             or 0 * max by ({ids.run_gpu}) (gputrain_training_gpu_info{{{s}}}))
+            / on ({gpu}) group_left
+            sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{r}]))"""),
+        _rec("gpu:gputrain_gpu_unattributed_busy:ratio_rate5m", f"""
+            sum by ({gpu}) (rate(gputrain_gpu_unattributed_busy_seconds_total{{{s}}}[{r}]))
+            / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{r}]))"""),
+        # what of a GPU's time a run does not own: busy with other runs' processes or with
+        # processes no client reports (only where the driver gives per-process samples)
+        _rec("run_gpu:gputrain_gpu_foreign_busy:ratio_rate5m", f"""
+            (gpu:gputrain_gpu_unattributed_busy:ratio_rate5m
+             + on ({gpu}) sum by ({gpu}) (run_gpu:gputrain_training_gpu_busy:ratio_rate5m))
+            - on ({gpu}) group_right run_gpu:gputrain_training_gpu_busy:ratio_rate5m"""),
         # per node
         _rec("instance:gputrain_host_cpu_busy:ratio_rate5m", f"""
             1 - sum by ({node}) (rate(gputrain_host_cpu_seconds_total{{{s},mode=~"idle|iowait"}}[{r}]))

@@ -47,6 +47,13 @@ class GpuReading:
     ecc_uncorrected: float | None = None
     remap_failed: bool | None = None  # a row remap failed: the GPU cannot heal itself
     remap_pending: bool | None = None  # a row remap or page retirement waits for a reset
+    # of the window, the share busy with processes no rank of the report's run owns: other
+    # runs', and those no client reports (only where the driver gives per-process samples)
+    foreign: float | None = None
+    # of the window, the share each (run, rank)'s processes kept the GPU busy, and the share
+    # no rank's did (None where the driver gives no per-process samples)
+    shares: dict[tuple[str, str], float] = field(default_factory=dict)
+    unattributed: float | None = None
 
 
 @dataclass

@@ -148,6 +148,10 @@ class GpuSample:
     clock_event_seconds: dict[str, float] = field(default_factory=dict)
     pids: tuple[int, ...] = ()
     process_memory: dict[int, float] = field(default_factory=dict)  # pid -> bytes it holds
+    # pid -> (SM busy, memory-bandwidth busy or None), ratios 0-1, each the mean of NVML's
+    # per-process samples newer than the previous reading of this GPU; a pid with no new
+    # sample is absent, and so is every pid where the driver gives none
+    process_utilization: dict[int, tuple[float, float | None]] = field(default_factory=dict)
     nvlink_rx_bytes: float | None = None  # cumulative, all links (field values)
     nvlink_tx_bytes: float | None = None
     nvlink_rx_bytes_per_second: float | None = None  # or rates (GPM)

@@ -61,6 +61,11 @@ class GpuState:
     # from the driver's volatile count at the first reading, then its increases: monotonic
     # across a driver reload, where the volatile count starts again from 0
     ecc_errors: dict[str, float] = field(default_factory=dict)
+    # per process on the GPU, the seconds it kept the SMs (and the memory) busy while it was
+    # there: its utilisation samples integrated like the GPU's own busy time; a process is
+    # forgotten once it leaves the GPU
+    process_busy_seconds: dict[int, float] = field(default_factory=dict)
+    process_memory_busy_seconds: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,20 @@ def _integrate_link(st: GpuState, sample: GpuSample, prev: GpuSample | None, lin
     for direction, inc in zip(("rx", "tx"), add, strict=True):
         name = f"{link}_{direction}_bytes"
         setattr(st, name, (getattr(st, name) or 0.0) + inc)
+
+
+def _integrate_processes(st: GpuState, sample: GpuSample, dt: float) -> None:
+    """Add each process's busy seconds since the last reading (its utilisation ratios over the
+    ``dt`` seconds seen) to its counters; forget the processes that left the GPU."""
+    for pid, (sm, memory) in sample.process_utilization.items():
+        st.process_busy_seconds[pid] = st.process_busy_seconds.get(pid, 0.0) + sm * dt
+        if memory is not None:
+            st.process_memory_busy_seconds[pid] = \
+                st.process_memory_busy_seconds.get(pid, 0.0) + memory * dt
+    here = {*sample.pids, *sample.process_utilization}
+    for counters in (st.process_busy_seconds, st.process_memory_busy_seconds):
+        for pid in [p for p in counters if p not in here]:
+            del counters[pid]
 
 
 def _delta(current: float | None, previous: float | None) -> float:
@@ -338,7 +357,11 @@ class Sampler:
         with self._xid_lock:
             return tuple(replace(s.state, clock_event_seconds=dict(s.state.clock_event_seconds),
                                  xid_errors=dict(s.state.xid_errors),
-                                 ecc_errors=dict(s.state.ecc_errors)) for s in self._slots)
+                                 ecc_errors=dict(s.state.ecc_errors),
+                                 process_busy_seconds=dict(s.state.process_busy_seconds),
+                                 process_memory_busy_seconds=dict(
+                                     s.state.process_memory_busy_seconds))
+                         for s in self._slots)
 
     def _reopen_and_sample(self, identity: GpuIdentity) -> GpuSample:
         if not self.backend.reopen(identity):
@@ -388,6 +411,7 @@ class Sampler:
                 st.ecc_errors[kind] = count  # the errors since the driver loaded
             else:
                 st.ecc_errors[kind] += _delta(count, before)
+        _integrate_processes(st, sample, dt_seen)
         for reason in set(st.clock_event_seconds) - set(sample.clock_event_seconds):
             del st.clock_event_seconds[reason]  # its source was found untrustworthy: gone
         for reason, seconds in sample.clock_event_seconds.items():

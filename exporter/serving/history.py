@@ -18,13 +18,13 @@ import math
 import threading
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from exporter.heuristics.promql import THROTTLE_REASONS
 from exporter.heuristics.readings import GpuReading, RankReport, rank_order, window_seconds
 from exporter.protocol import OUTSIDE_STEP_PHASES
-from exporter.reading.collectors.training import GpuIndex, resolve_gpus
+from exporter.reading.collectors.training import GpuIndex, GpuShares, resolve_gpus
 from exporter.reading.peak_flops import PeakTable
 from exporter.reading.sampler import GpuState, Snapshot
 from exporter.serving.ingest import RankState
@@ -50,6 +50,10 @@ class _GpuPoint(NamedTuple):
     tensor_n: int
     power: float
     power_n: int
+    # seconds its processes kept it busy: each live rank's, and no rank's (None where the
+    # driver gives no per-process samples)
+    ranks_busy: dict[tuple[str, str], float]
+    unattributed: float | None
 
 
 class _HostPoint(NamedTuple):
@@ -105,8 +109,10 @@ class History:
     """A bounded window of snapshots and rank totals (see the module docstring)."""
 
     def __init__(self, window: float = WINDOW_SECONDS, point_seconds: float = POINT_SECONDS,
-                 peaks: PeakTable | None = None, instance: str = "") -> None:
+                 peaks: PeakTable | None = None, instance: str = "",
+                 shares: GpuShares | None = None) -> None:
         self.window = window
+        self.shares = shares or GpuShares()  # the page's, where the daemon shares one
         self.point_seconds = point_seconds
         self.peaks = peaks or PeakTable()
         self.instance = instance
@@ -126,6 +132,9 @@ class History:
     def observe(self, snap: Snapshot, states: Iterable[RankState]) -> None:
         """Note one sampler cycle and the ranks live at its end."""
         t = snap.timestamp
+        states = list(states)
+        self.shares.observe(snap, states)
+        ranks_busy, unowned = self.shares.totals()
         with self._lock:
             if self.first_seen is None:
                 self.first_seen = t
@@ -137,7 +146,11 @@ class History:
                 track = self._gpus.get(key)
                 if track is None:
                     track = self._gpus[key] = _GpuTrack(st, points=deque(maxlen=self._points))
-                self._note_gpu(track, st, t)
+                gpu = (st.identity.index, st.identity.uuid)
+                self._note_gpu(track, st, t,
+                               {rank: busy[gpu][0] for rank, busy in ranks_busy.items()
+                                if gpu in busy},
+                               unowned[gpu][0] if gpu in unowned else None)
             for key in [k for k in self._gpus if k not in seen]:
                 del self._gpus[key]
             self._note_host(snap, t)
@@ -163,7 +176,8 @@ class History:
             self._ranks = live  # a rank the ingest forgot is forgotten here too
             self.version += 1
 
-    def _note_gpu(self, track: _GpuTrack, st: GpuState, t: float) -> None:
+    def _note_gpu(self, track: _GpuTrack, st: GpuState, t: float,
+                  ranks_busy: dict[tuple[str, str], float], unattributed: float | None) -> None:
         track.state = st
         s = st.sample
         sums = track.sums
@@ -177,7 +191,7 @@ class History:
             track.errors.append((t, *_error_counts(st)))
         throttle = sum(st.clock_event_seconds.get(r, 0.0) for r in THROTTLE_REASONS)
         point = _GpuPoint(t, st.sampled_seconds, st.busy_seconds, st.pcie_rx_bytes,
-                          st.pcie_tx_bytes, throttle, *sums)
+                          st.pcie_tx_bytes, throttle, *sums, ranks_busy, unattributed)
         track.previous, track.current = track.current, point
         if not track.points or t - track.points[-1].t >= self.point_seconds:
             track.points.append(point)
@@ -413,6 +427,9 @@ class History:
                 if entry is None:
                     continue
                 state, reading, _ = entry
+                if reading.unattributed is not None:  # the share no rank of this run owns
+                    reading = replace(reading, foreign=reading.unattributed + sum(
+                        v for (run, _), v in reading.shares.items() if run != st.run))
                 rep.gpus.append(reading)
                 if not state.identity.parent:  # a MIG slice has no peak of its own
                     peak += self.peaks.peaks(state.identity.name).get(st.precision, 0.0)
@@ -434,9 +451,14 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def _gpu_window(reading: GpuReading, old: _GpuPoint, now: _GpuPoint, sample) -> None:
-    """The rules' ``gpu:`` ratios over the window from ``old`` to ``now``."""
+    """The rules' ``gpu:`` ratios over the window from ``old`` to ``now``, and the shares of
+    the GPU's time each rank's processes, and no rank's, kept it busy."""
     sampled = now.sampled - old.sampled
     if sampled > 0:
+        reading.shares = {rank: max(0.0, busy - old.ranks_busy.get(rank, 0.0)) / sampled
+                          for rank, busy in now.ranks_busy.items()}
+        if now.unattributed is not None:
+            reading.unattributed = max(0.0, now.unattributed - (old.unattributed or 0.0)) / sampled
         if now.busy is not None:
             reading.busy = (now.busy - (old.busy or 0.0)) / sampled
         link = sample.pcie_link_max_bytes_per_second if sample is not None else None

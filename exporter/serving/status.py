@@ -185,6 +185,13 @@ class StatusView:
                            "memory_used": window.memory_used, "power_used": window.power_used,
                            "pcie_rx_used": window.pcie_rx_used, "throttled": window.throttled},
                 "ranks": users.get(key, []),
+                # of the window, the share of the GPU's time each rank's processes kept it
+                # busy, then the share no rank's did (where the driver gives per-process
+                # samples)
+                "shares": [{"run": run, "rank": rank, "busy": v}
+                           for (run, rank), v in sorted(window.shares.items())]
+                + ([{"run": None, "rank": None, "busy": window.unattributed}]
+                   if window.unattributed is not None else []),
             })
         gpus.sort(key=lambda g: (g["parent"] or g["gpu"], g["parent"] is not None,
                                  len(g["gpu"]), g["gpu"]))

@@ -9,6 +9,7 @@ lines from it directly, each rank's lines once per push and reused until its nex
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
@@ -95,17 +96,23 @@ class Owners:
             count, held = 0, 0.0
             for pid in dict.fromkeys((*g.sample.pids, *g.sample.process_memory)):
                 used = g.sample.process_memory.get(pid, 0.0)
-                owner = self._owner(pid, by_pid, seen)
+                owner = self.owner(pid, by_pid, seen)
                 if owner is None:
                     count, held = count + 1, held + used
                 else:
                     mine = ranks.setdefault(owner, {})
                     mine[key] = mine.get(key, 0.0) + used
             others[key] = (count, held)
-        self._parents = {pid: ppid for pid, ppid in self._parents.items() if pid in seen}
+        self.forget_all_but(seen)
         return ranks, others
 
-    def _owner(self, pid: int, by_pid: dict, seen: set[int]) -> tuple[str, str] | None:
+    def forget_all_but(self, pids: set[int]) -> None:
+        """Keep the parents of these processes only (those still on a GPU)."""
+        self._parents = {pid: ppid for pid, ppid in self._parents.items() if pid in pids}
+
+    def owner(self, pid: int, by_pid: dict, seen: set[int]) -> tuple[str, str] | None:
+        """The (run, rank) whose pushed pid (``by_pid``) is ``pid`` or an ancestor of it;
+        every pid walked is added to ``seen``."""
         for _ in range(self.MAX_DEPTH):
             seen.add(pid)
             if pid in by_pid:
@@ -117,6 +124,62 @@ class Owners:
                 return None
             pid = parent
         return None
+
+
+class GpuShares:
+    """Each rank's busy seconds on each GPU, and each GPU's busy seconds that no rank owns: the
+    sampler's per-process busy counters summed by their owner (a rank's pushed pid or a
+    descendant of it, as :class:`Owners` finds it), snapshot after snapshot. A rank's counter
+    grows while the rank is live (a restarted process of it goes on counting into it); a
+    snapshot observed twice counts once, so the page thread and the history may both call
+    :meth:`observe`. A GPU exports its unattributed counter once a process's busy time was seen
+    on it (where the driver gives no per-process samples, none: never a misleading zero).
+    Seconds: SM busy (``busy``) and memory-bandwidth busy (``memory``)."""
+
+    KINDS = ("busy", "memory")
+
+    def __init__(self, owners: Owners | None = None) -> None:
+        self._owners = owners or Owners()
+        self._lock = threading.Lock()
+        self._cycle = -1
+        self._last: dict[tuple[GpuKey, int], tuple[float, float]] = {}  # (gpu, pid) -> totals
+        self.ranks: dict[tuple[str, str], dict[GpuKey, list[float]]] = {}
+        self.others: dict[GpuKey, list[float]] = {}
+
+    def observe(self, snap: Snapshot, states: list[RankState]) -> None:
+        """Count the busy seconds the processes added since the last snapshot observed."""
+        with self._lock:
+            if snap.cycle <= self._cycle:
+                return
+            self._cycle = snap.cycle
+            by_pid = {st.pid: (st.run, st.rank) for st in states if st.pid is not None}
+            seen_pids: set[int] = set()
+            last: dict[tuple[GpuKey, int], tuple[float, float]] = {}
+            for g in snap.gpus:
+                key = (g.identity.index, g.identity.uuid)
+                for pid, busy in g.process_busy_seconds.items():
+                    totals = (busy, g.process_memory_busy_seconds.get(pid, 0.0))
+                    before = self._last.get((key, pid), (0.0, 0.0))
+                    last[(key, pid)] = totals
+                    added = [max(0.0, a - b) for a, b in zip(totals, before, strict=True)]
+                    owner = self._owners.owner(pid, by_pid, seen_pids)
+                    into = self.others.setdefault(key, [0.0, 0.0]) if owner is None else \
+                        self.ranks.setdefault(owner, {}).setdefault(key, [0.0, 0.0])
+                    into[0] += added[0]
+                    into[1] += added[1]
+            self._last = last  # forgets the processes that left
+            self._owners.forget_all_but(seen_pids)
+            live = {(st.run, st.rank) for st in states}
+            self.ranks = {k: v for k, v in self.ranks.items() if k in live}
+
+    def totals(self) -> tuple[dict[tuple[str, str], dict[GpuKey, tuple[float, float]]],
+                              dict[GpuKey, tuple[float, float]]]:
+        """(run, rank) -> GPU -> (busy, memory busy) seconds, and GPU -> the same no rank
+        owns: a copy, consistent with one snapshot."""
+        with self._lock:
+            return ({k: {g: (v[0], v[1]) for g, v in gpus.items()}
+                     for k, gpus in self.ranks.items()},
+                    {g: (v[0], v[1]) for g, v in self.others.items()})
 
 
 def _escape(value: str) -> str:
@@ -177,6 +240,14 @@ FAMILIES: tuple[Family, ...] = (
            "GPU memory the rank's processes hold on each GPU, in bytes (NVML's compute "
            "processes whose pid is the rank's pushed pid or a descendant of it).",
            ("run", "rank", "gpu", "uuid")),
+    Family("gputrain_training_gpu_busy_seconds_total", "counter",
+           "Seconds the rank's processes kept each GPU's SMs busy: NVML's per-process "
+           "utilisation samples of the rank's pushed pid and its descendants, integrated (the "
+           "GPU's share that is this rank's; never a pid as a label).",
+           ("run", "rank", "gpu", "uuid")),
+    Family("gputrain_training_gpu_memory_busy_seconds_total", "counter",
+           "Seconds the rank's processes kept each GPU's memory busy (read or written: NVML's "
+           "per-process memory utilisation), integrated.", ("run", "rank", "gpu", "uuid")),
     Family("gputrain_training_profile_info", "gauge",
            "The rank's last finished profile (`gputrain-exporter profile`, or an alert): the "
            "trace's path on the rank's machine; the value is the Unix time it finished.",
@@ -186,6 +257,14 @@ FAMILIES: tuple[Family, ...] = (
            "the GPU (or a job without the client).", ("gpu", "uuid")),
     Family("gputrain_gpu_unattributed_processes", "gauge",
            "Compute processes on the GPU that no pushing rank owns.", ("gpu", "uuid")),
+    Family("gputrain_gpu_unattributed_busy_seconds_total", "counter",
+           "Seconds the GPU's SMs were busy with processes that no pushing rank owns (NVML's "
+           "per-process utilisation, integrated): someone else on the GPU, or a job without "
+           "the client. Absent where the driver gives no per-process samples.",
+           ("gpu", "uuid")),
+    Family("gputrain_gpu_unattributed_memory_busy_seconds_total", "counter",
+           "Seconds the GPU's memory was busy for processes that no pushing rank owns.",
+           ("gpu", "uuid")),
     Family("gputrain_ingest_requests_total", "counter",
            "Push requests received, by HTTP status code.", ("code",)),
     Family("gputrain_ingest_series", "gauge", "Live (run, rank) pairs the daemon holds.", ()),
@@ -197,10 +276,11 @@ class TrainingCollector:
     """Renders every live (run, rank) the ingest holds, plus the ingest's own counters."""
 
     def __init__(self, store: IngestStore, snapshot: Callable[[], Snapshot],
-                 owners: Owners | None = None) -> None:
+                 owners: Owners | None = None, shares: GpuShares | None = None) -> None:
         self._store = store
         self._snapshot = snapshot
         self._owners = owners or Owners()
+        self.shares = shares or GpuShares()
         self._status = CollectorStatus(True, 0.0, time.time())
         # a rank's own lines by family index, until its next push
         self._lines: dict[tuple[str, str], tuple[RankState, tuple[tuple[int, str], ...]]] = {}
@@ -225,6 +305,8 @@ class TrainingCollector:
         snap = self._snapshot()
         gpus = GpuIndex(snap)
         held, others = self._owners.attribute(snap, states)
+        self.shares.observe(snap, states)
+        busy, unowned = self.shares.totals()
         profiles = self._store.profiles.latest_done()
         chunks: list[list[str]] = [[] for _ in FAMILIES]
         cache: dict[tuple[str, str], tuple[RankState, tuple[tuple[int, str], ...]]] = {}
@@ -243,6 +325,12 @@ class TrainingCollector:
                 f'gputrain_training_gpu_memory_bytes{{gpu="{_escape(index)}",{lbl},'
                 f'uuid="{_escape(uuid)}"}} {floatToGoString(used)}\n'
                 for (index, uuid), used in sorted(held.get(key, {}).items()))
+            for (index, uuid), seconds in sorted(busy.get(key, {}).items()):
+                for name, v in zip(("gputrain_training_gpu_busy_seconds_total",
+                                    "gputrain_training_gpu_memory_busy_seconds_total"), seconds,
+                                   strict=True):
+                    chunks[INDEX[name]].append(f'{name}{{gpu="{_escape(index)}",{lbl},'
+                                               f'uuid="{_escape(uuid)}"}} {floatToGoString(v)}\n')
             if (done := profiles.get(key)) is not None:
                 chunks[INDEX["gputrain_training_profile_info"]].append(
                     f'gputrain_training_profile_info{{{lbl},trace="{_escape(done.trace)}"}} '
@@ -253,6 +341,12 @@ class TrainingCollector:
             chunks[INDEX[name]].extend(
                 f'{name}{{gpu="{_escape(index)}",uuid="{_escape(uuid)}"}} '
                 f"{floatToGoString(v[field])}\n" for (index, uuid), v in others.items())
+        for (index, uuid), seconds in sorted(unowned.items()):
+            for name, v in zip(("gputrain_gpu_unattributed_busy_seconds_total",
+                                "gputrain_gpu_unattributed_memory_busy_seconds_total"), seconds,
+                               strict=True):
+                chunks[INDEX[name]].append(f'{name}{{gpu="{_escape(index)}",'
+                                           f'uuid="{_escape(uuid)}"}} {floatToGoString(v)}\n')
         chunks[INDEX["gputrain_ingest_requests_total"]].extend(
             f'gputrain_ingest_requests_total{{code="{code}"}} {floatToGoString(n)}\n'
             for code, n in sorted(self._store.requests().items()))

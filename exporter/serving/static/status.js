@@ -54,10 +54,25 @@ function bar(ratio, label, good, wide) {
   return el("div", { class: wide ? "bar wide" : "bar", title: label }, fill, el("span", {}, label));
 }
 
+// Who uses a GPU: its ranks, each with its share of the GPU's time where the driver gives
+// per-process samples, then the share no rank owns ("others")
+function users(g) {
+  const shares = Object.fromEntries((g.shares || []).filter((x) => x.run !== null)
+    .map((x) => [x.run + "/" + x.rank, x.busy]));
+  const parts = g.ranks.map((r) => {
+    const key = r.run + "/" + r.rank;
+    return key + (key in shares ? " " + pct(shares[key]) : "");
+  });
+  const others = (g.shares || []).find((x) => x.run === null);
+  if (others && others.busy > 0) parts.push("others " + pct(others.busy));
+  return parts;
+}
+
 function gpuRow(g) {
   const name = (g.name || "").replace(/^NVIDIA /, "");
-  const who = el("td", { class: "who" }, ...(g.ranks.length ? g.ranks.map((r, i) =>
-    (i ? ", " : "") + r.run + "/" + r.rank) : [el("span", { class: "muted" }, "idle")]));
+  const parts = users(g);
+  const who = el("td", { class: "who" }, ...(parts.length ? parts.map((p, i) =>
+    (i ? ", " : "") + p) : [el("span", { class: "muted" }, "idle")]));
   if (!g.up) {
     return el("tr", { class: "lost", "data-gpu": g.gpu },
       el("td", {}, el("b", {}, g.gpu), " ", name),
