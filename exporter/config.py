@@ -144,7 +144,7 @@ def parse_link_speeds(value: Any) -> dict[str, float]:
 
 
 def format_duration(seconds: float) -> str:
-    """1.0 -> '1s', 600.0 -> '10m', 0.5 -> '500ms': durations as the README writes them."""
+    """1.0 -> '1s', 600.0 -> '10m', 0.5 -> '500ms': durations as the docs write them."""
     for unit, size in (("h", 3600), ("m", 60), ("s", 1)):
         if seconds >= size and seconds % size == 0:
             return f"{int(seconds // size)}{unit}"

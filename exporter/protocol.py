@@ -1,7 +1,7 @@
 """The push protocol, shared by the training client and the daemon's ingest.
 
-Standard library only: the client imports it without any daemon code. The README's "Push
-protocol" section documents the schema these constants bound.
+Standard library only: the client imports it without any daemon code. docs/push-protocol.md
+documents the schema these constants bound.
 """
 
 from __future__ import annotations

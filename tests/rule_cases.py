@@ -394,14 +394,21 @@ def alert_cases() -> list[Case]:
                    "30%", "warning")],
              fire_at="30m", quiet_at="12m", quiet_alerts=["GpuTrainStragglerRank"]),
         Case("GpuTrainHostMemoryLeak: RSS rising 300 MiB/min on a 512 GiB node with 40 GiB "
-             "available (exhausted in about 2 h 15 min); a high flat RSS and one that grows "
-             "500 MiB/min for a 10-minute warm-up, then levels off, stay silent",
+             "available (exhausted in about 2 h 15 min); a high flat RSS, one that grows "
+             "500 MiB/min for a 10-minute warm-up, then levels off, and a process restarted "
+             "in the last hour stay silent",
              {sel("gputrain_training_process_resident_memory_bytes", run="leak", rank="0"):
                   "10737418240+314572800x80",
               sel("gputrain_training_process_resident_memory_bytes", run="flat", rank="0"):
                   flat(214748364800, 80),
               sel("gputrain_training_process_resident_memory_bytes", run="warmup", rank="0"):
                   "10737418240+524288000x10 15980298240x70",
+              # a process restarted at 41m (its steps counter reset): its growth is a new
+              # process's warm-up, not a leak
+              sel("gputrain_training_process_resident_memory_bytes", run="restarted",
+                  rank="0"): "10737418240+314572800x80",
+              sel("gputrain_training_steps_total", run="restarted", rank="0"):
+                  "0+60x40 0+60x39",
               sel("gputrain_host_memory_total_bytes"): flat(549755813888, 80),
               sel("gputrain_host_memory_available_bytes"): "42949672960-314572800x80"},
              [Fire("GpuTrainHostMemoryLeak", rank("leak"))],

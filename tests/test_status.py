@@ -19,6 +19,7 @@ from fake_nvml import FakeDriver, FakeGpu
 
 from exporter.heuristics.catalogue import BY_VERDICT
 from exporter.heuristics.rules import DEFAULTS
+from exporter.heuristics.verdict import judge
 from exporter.protocol import SCHEMA_VERSION
 from exporter.reading.gpu_backends import NvmlBackend
 from exporter.reading.nvml import Nvml
@@ -221,6 +222,35 @@ def test_a_memory_fault_shows_on_the_page_and_in_top(daemon_factory):
     assert "gpu-memory-fault · critical: 1 uncorrectable ECC error(s)" in out.stdout
 
 
+@pytest.mark.parametrize("restart", [False, True])
+def test_a_leak_is_one_processs_memory(restart):
+    """A rank's memory growing 480 MiB a minute for 20 minutes, on a node with 40 GiB left, is a
+    leak; a new process of it (a restart, a new run_id) starting up a minute ago is not,
+    whatever the old one held."""
+    from exporter.reading.collectors.memory import MemoryReading
+    from exporter.reading.gpu_backends import GpuIdentity, GpuSample
+    from exporter.reading.sampler import GpuState, Snapshot
+
+    now = [1_700_000_000.0]
+    store = IngestStore(clock=lambda: now[0], wall_clock=lambda: now[0])
+    history = History(window=60.0, point_seconds=5.0, instance="n1")
+    for k, second in enumerate(range(0, 1260, 5)):
+        now[0] = 1_700_000_000.0 + second
+        push(store, run_id="b" if restart and second >= 1200 else "a", gpus=["0"],
+             steps=second, step_seconds=float(second), samples=32.0 * second,
+             elapsed_seconds=float(second),
+             process={"pid": 4242, "resident_memory_bytes": 2**30 + 8 * 2**20 * second})
+        sample = GpuSample(now[0], utilization=0.95, memory_used_bytes=50e9,
+                           memory_total_bytes=80e9)
+        gpu = GpuState(GpuIdentity("0", "GPU-a", H100), up=True, sample=sample,
+                       sampled_seconds=float(second), busy_seconds=0.95 * second)
+        history.observe(Snapshot(k, now[0], "nvml", "", (gpu,),
+                                 {"memory": MemoryReading(512 * 2**30, 40 * 2**30)}),
+                        store.states())
+    (rep,) = judge(history.reports(), T)
+    assert ("memory-leak" in rep.findings()) is not restart, rep.findings()
+
+
 def test_histogram_quantile_matches_prometheus():
     # 100 steps: 20 under 0.1 s, 70 in (0.1, 0.2], 10 above 0.2 s
     counts = (20, 90, 100)
@@ -337,6 +367,25 @@ def test_status_api_and_top_show_the_gpus_and_the_runs_verdict(busy_node):
     assert BY_VERDICT["input-bound"].summary in out.stdout or \
         "input-bound" in out.stdout.split("also found:")[1]
     assert "What to change: " in out.stdout
+
+
+def test_top_into_a_pipe_prints_frame_after_frame(daemon_factory):
+    """Live `top` with its output to a pipe (or a file) writes frames one after another: it
+    printed nothing there, drawing to a screen no one had."""
+    daemon = daemon_factory("--gpu.backend=demo", "--demo.gpus=1")
+    proc = subprocess.Popen([sys.executable, "-m", "exporter", "top", "--url", daemon.url,
+                             "--interval", "0.2"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        while len(seen) < 2:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()
+            if line.startswith("gputrain-exporter on "):
+                seen.append(line)
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_top_says_when_the_daemon_cannot_be_read(daemon_factory):

@@ -260,6 +260,18 @@ def main(ns: argparse.Namespace) -> int:
         console.print(frame(doc))
         return 0
     interval = max(0.2, ns.interval)
+    if not sys.stdout.isatty():  # a pipe or a file: one frame after another, never a screen
+        try:
+            while True:
+                console.print(frame(doc))
+                sys.stdout.flush()
+                time.sleep(interval)
+                try:
+                    doc = fetch(ns.url, session)
+                except Unreachable as exc:
+                    console.print(f"{exc}; showing the last answer")
+        except (KeyboardInterrupt, BrokenPipeError):
+            return 0
     try:
         with Live(frame(doc), console=console, screen=True, auto_refresh=False) as live:
             while True:

@@ -830,8 +830,9 @@ class HostMemoryLeak(Heuristic):
     why = ("The training process tree's RSS grows, over the last {leak_window} and still over "
            "the last {leak_recent_window}, fast enough to use up the memory the node still has "
            "available within {leak_horizon_seconds} (a TensorFlow performance study: rising "
-           "memory may mean a leak). A high but flat RSS, or one that grew during warm-up and "
-           "then levelled off, does not fire.")
+           "memory may mean a leak). A high but flat RSS, one that grew during warm-up and "
+           "then levelled off, or a process restarted within the {leak_window} (its memory is "
+           "a new process's) does not fire.")
     confirm = ("gputrain_training_process_resident_memory_bytes",
                "gputrain_host_memory_available_bytes")
     panel = 'GpuTrain / Run, "Training process memory" rising steadily.'
@@ -843,10 +844,14 @@ class HostMemoryLeak(Heuristic):
         rss = q.metric("gputrain_training_process_resident_memory_bytes")
         available = q.metric("gputrain_host_memory_available_bytes")
         horizon = q.t["leak_horizon_seconds"]
-        return [self.rule(q, "warning", f"""deriv({rss}[{WINDOWS['leak']}]) * {horizon}
+        steps = q.metric("gputrain_training_steps_total")
+        # one process's memory: a restart in the window (its steps counter reset) is a new
+        # process, whose warm-up is no leak
+        return [self.rule(q, "warning", f"""(deriv({rss}[{WINDOWS['leak']}]) * {horizon}
               > {q.on_node} {available}
             and deriv({rss}[{WINDOWS['leak_recent']}]) * {horizon}
-              > {q.on_node} {available}""",
+              > {q.on_node} {available})
+            unless on ({q.rank}) (resets({steps}[{WINDOWS['leak']}]) > 0)""",
             f"""{q.who}: its resident memory grows fast enough to use up the node's available
             memory within {{{{ {horizon} | humanizeDuration }}}}.""")]
 

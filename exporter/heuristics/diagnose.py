@@ -3,7 +3,7 @@
 For every (run, rank) it reads samples/s, step time, data-wait ratio, phases, the busy / SM /
 tensor / memory / power / PCIe ratios of the rank's GPUs (joined through
 ``gputrain_training_gpu_info``) and the node's CPU, disk and network, then follows the decision
-order of HEURISTICS.md to one verdict with its advice. It works against any layer: it queries
+order of the catalogue to one verdict with its advice. It works against any layer: it queries
 the raw metrics where they exist (so the recording rules need not be loaded), else the
 recording rules' results (a global VictoriaMetrics or Thanos fed only those). It says when a
 run's ranks are only partly visible: ranks missing below the highest one it sees, or a
@@ -117,8 +117,11 @@ def queries(selector: str, window: str, ids: Identity | None = None) -> dict[str
     q["ranks"] = f'group by ({r}) ({{__name__=~"gputrain_training_.+", {s}}})'
     q["seconds_since_step"] = f"time() - {q['seconds_since_step']}"
     rss = f"gputrain_training_process_resident_memory_bytes{{{s}}}"
-    q["rss_growth_1h"] = f"sum by ({r}) (deriv({rss}[{WINDOWS['leak']}]))"
-    q["rss_growth_15m"] = f"sum by ({r}) (deriv({rss}[{WINDOWS['leak_recent']}]))"
+    # one process's memory, as the leak alert reads it: none across a restart in the window
+    restarted = (f"unless on ({r}) (resets(gputrain_training_steps_total{{{s}}}"
+                 f"[{WINDOWS['leak']}]) > 0)")
+    q["rss_growth_1h"] = f"sum by ({r}) (deriv({rss}[{WINDOWS['leak']}])) {restarted}"
+    q["rss_growth_15m"] = f"sum by ({r}) (deriv({rss}[{WINDOWS['leak_recent']}])) {restarted}"
     return q
 
 

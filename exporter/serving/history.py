@@ -213,6 +213,7 @@ class History:
     def _note_push(self, track: _RankTrack, st: RankState) -> None:
         old = track.state
         if st.run_id != old.run_id:  # a restarted process counts from 0: carry the old totals
+            track.rss.clear()  # and its memory is a new process's: no leak across a restart
             for key in _COUNTERS:
                 track.offsets[key] = track.offsets.get(key, 0.0) + (getattr(old, key) or 0.0)
             for name, seconds in old.phases.items():

@@ -2,7 +2,7 @@
 
 A push carries the client's cumulative totals, so a lost or repeated push loses nothing. A
 push is validated whole before anything is stored: a rejected push leaves the state as it was.
-See the README's "Push protocol" for the schema.
+docs/push-protocol.md has the schema.
 """
 
 from __future__ import annotations

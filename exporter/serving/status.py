@@ -151,8 +151,7 @@ class StatusView:
                 log.exception("building the status document failed")
 
     def document(self) -> dict[str, Any]:
-        """The status document (the README's "Without Prometheus or Grafana" has an
-        example)."""
+        """The status document (docs/status-page.md has an example)."""
         h = self.history
         snap = h.snapshot
         now = snap.timestamp if snap is not None else time.time()
