@@ -16,7 +16,12 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 from prometheus_client.utils import floatToGoString
 
 from exporter.protocol import MAX_BUCKETS, MAX_GPUS, MAX_PHASES, MAX_SERIES_PER_RANK, Refused
-from exporter.reading.collectors.training import (
+from exporter.reading.gpu_backends import DemoBackend, NvmlBackend
+from exporter.reading.nvml import Nvml
+from exporter.reading.sampler import Sampler
+from exporter.serving.exposition import Exposition
+from exporter.serving.ingest import IngestStore
+from exporter.serving.training import (
     FAMILIES,
     GpuIndex,
     GpuShares,
@@ -24,11 +29,6 @@ from exporter.reading.collectors.training import (
     TrainingCollector,
     resolve_gpus,
 )
-from exporter.reading.gpu_backends import DemoBackend, NvmlBackend
-from exporter.reading.nvml import Nvml
-from exporter.reading.sampler import Sampler
-from exporter.serving.exposition import Exposition
-from exporter.serving.ingest import IngestStore
 
 OPENMETRICS = "application/openmetrics-text;version=1.0.0,text/plain;q=0.5"
 

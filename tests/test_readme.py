@@ -18,8 +18,8 @@ from conftest import ENV_BIN, ROOT, synthetic_client, wait_until
 
 from exporter.config import OPTIONS
 from exporter.reading.collectors import COLLECTORS, GpuCollector, SelfCollector, host_collectors
-from exporter.reading.collectors.training import TrainingCollector
 from exporter.serving.ingest import IngestStore
+from exporter.serving.training import TrainingCollector
 
 README = (ROOT / "README.md").read_text()
 DOCS = ROOT / "docs"

@@ -13,12 +13,12 @@ import pytest
 
 from exporter.heuristics.rules import DEFAULTS
 from exporter.protocol import SCHEMA_VERSION
-from exporter.reading.collectors.training import GpuShares, Owners
 from exporter.reading.gpu_backends import GpuIdentity, GpuSample
 from exporter.reading.sampler import GpuState, Snapshot
 from exporter.serving.history import History
 from exporter.serving.ingest import IngestStore
 from exporter.serving.status import StatusView
+from exporter.serving.training import GpuShares, Owners
 
 T = DEFAULTS["thresholds"]
 BASE = 1_700_000_000.0

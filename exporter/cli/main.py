@@ -157,7 +157,6 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     """Run the daemon until SIGTERM/SIGINT (or ``stop`` is set); returns the exit code."""
     from exporter.heuristics.catalogue import PROFILED_ALERTS
     from exporter.reading.collectors import host_collectors
-    from exporter.reading.collectors.training import GpuShares
     from exporter.reading.gpu_backends import DemoBackend, NvmlBackend
     from exporter.reading.peak_flops import PeakTable
     from exporter.reading.sampler import Sampler
@@ -166,6 +165,7 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     from exporter.serving.ingest import IngestStore
     from exporter.serving.server import IngestHandler, MetricsHandler, make_server, serve_in_thread
     from exporter.serving.status import StatusView
+    from exporter.serving.training import GpuShares
 
     setup_logging(settings["log.level"])
     try:

@@ -21,11 +21,11 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.exposition import choose_encoder
 
 from exporter.reading.collectors import GpuCollector, Rendered, SelfCollector
-from exporter.reading.collectors.training import GpuShares, TrainingCollector
 from exporter.reading.peak_flops import PeakTable
 from exporter.reading.sampler import CollectorStatus, Sampler
 from exporter.serving.ingest import IngestStore
 from exporter.serving.status import StatusView
+from exporter.serving.training import GpuShares, TrainingCollector
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ from typing import NamedTuple
 from exporter.heuristics.promql import THROTTLE_REASONS
 from exporter.heuristics.readings import GpuReading, RankReport, rank_order, window_seconds
 from exporter.protocol import OUTSIDE_STEP_PHASES
-from exporter.reading.collectors.training import GpuIndex, GpuShares, resolve_gpus
 from exporter.reading.peak_flops import PeakTable
 from exporter.reading.sampler import GpuState, Snapshot
 from exporter.serving.ingest import RankState
+from exporter.serving.training import GpuIndex, GpuShares, resolve_gpus
 
 WINDOW_SECONDS = window_seconds("rate")  # the recording rules' ratios
 POINT_SECONDS = 10.0  # a ratio over the window is exact to its end; its start may be this late
