@@ -122,8 +122,9 @@ class GpuSample:
     """One reading of one GPU. None means "not available": the metric is left out.
 
     Units: ratios 0-1, bytes, watts, joules, hertz, degrees Celsius, seconds.
-    Cumulative values (energy, PCIe bytes, clock-event seconds) are the source's own counters;
-    the sampler turns their deltas into the exported counters.
+    The ``*_counter_*`` fields and ``ecc_volatile_errors`` are the source's own cumulative
+    counters (they may start anywhere, wrap or reset with the driver); the sampler turns their
+    increases into the exported counters of GpuState, which has the name without ``counter``.
     """
 
     timestamp: float
@@ -136,25 +137,25 @@ class GpuSample:
     memory_total_bytes: float | None = None
     power_watts: float | None = None
     power_limit_watts: float | None = None
-    energy_joules: float | None = None
-    pcie_rx_bytes: float | None = None
-    pcie_tx_bytes: float | None = None
+    energy_counter_joules: float | None = None
+    pcie_rx_counter_bytes: float | None = None
+    pcie_tx_counter_bytes: float | None = None
     pcie_rx_bytes_per_second: float | None = None
     pcie_tx_bytes_per_second: float | None = None
     pcie_link_max_bytes_per_second: float | None = None  # the link at its best
-    pcie_link_bytes_per_second: float | None = None  # as trained now (it trains down idle)
+    pcie_link_current_bytes_per_second: float | None = None  # as trained now (it trains down idle)
     temperature_celsius: float | None = None
     clocks_hertz: dict[str, float] = field(default_factory=dict)
-    clock_event_seconds: dict[str, float] = field(default_factory=dict)
+    clock_event_counter_seconds: dict[str, float] = field(default_factory=dict)
     pids: tuple[int, ...] = ()
     process_memory: dict[int, float] = field(default_factory=dict)  # pid -> bytes it holds
-    nvlink_rx_bytes: float | None = None  # cumulative, all links (field values)
-    nvlink_tx_bytes: float | None = None
+    nvlink_rx_counter_bytes: float | None = None  # cumulative, all links (field values)
+    nvlink_tx_counter_bytes: float | None = None
     nvlink_rx_bytes_per_second: float | None = None  # or rates (GPM)
     nvlink_tx_bytes_per_second: float | None = None
     nvlink_links: int | None = None  # active links; None (and no NVLink series) without any
     nvlink_link_max_bytes_per_second: float | None = None  # per link and direction
-    ecc_errors: dict[str, float] = field(default_factory=dict)  # volatile counts, by type
+    ecc_volatile_errors: dict[str, float] = field(default_factory=dict)  # by type
     remapped_rows: dict[str, float] = field(default_factory=dict)  # by REMAP_STATES
     retired_pages: dict[str, float] = field(default_factory=dict)  # by cause (pre-Ampere)
     retired_pages_pending: float | None = None
@@ -378,7 +379,7 @@ class NvmlBackend:
         limit_mw = nv.call("nvmlDeviceGetEnforcedPowerLimit", h, device=key)
         s.power_limit_watts = None if limit_mw is None else limit_mw / 1000.0
         energy_mj = nv.call("nvmlDeviceGetTotalEnergyConsumption", h, device=key)
-        s.energy_joules = None if energy_mj is None else energy_mj / 1000.0
+        s.energy_counter_joules = None if energy_mj is None else energy_mj / 1000.0
         s.temperature_celsius = _float(nv.call_versioned(
             TEMPERATURE_VARIANTS, h, NVML_TEMPERATURE_GPU, device=key))
         for clock, const in (("sm", "NVML_CLOCK_SM"), ("memory", "NVML_CLOCK_MEM")):
@@ -431,7 +432,7 @@ class NvmlBackend:
             width = nv.call("nvmlDeviceGetMaxPcieLinkWidth", h, device=key)
             dev.pcie_max = _link(min(gens), width) if gens else None
         s.pcie_link_max_bytes_per_second = dev.pcie_max
-        s.pcie_link_bytes_per_second = _link(
+        s.pcie_link_current_bytes_per_second = _link(
             nv.call("nvmlDeviceGetCurrPcieLinkGeneration", h, device=key),
             nv.call("nvmlDeviceGetCurrPcieLinkWidth", h, device=key))
 
@@ -447,14 +448,14 @@ class NvmlBackend:
         for label, fid in events.items():
             if fid in values and self._throttle_trusted(dev, label, fid, values[fid],
                                                         s.timestamp):
-                s.clock_event_seconds[label] = float(values[fid].value) / 1e9
+                s.clock_event_counter_seconds[label] = float(values[fid].value) / 1e9
                 dev.throttle_source[label] = "field"
         for label, policy in VIOLATION_POLICIES.items():
-            if label in s.clock_event_seconds or dev.throttle_source.get(label) == "field":
+            if label in s.clock_event_counter_seconds or dev.throttle_source.get(label) == "field":
                 continue
             v = nv.call("nvmlDeviceGetViolationStatus", dev.handle, policy, device=key)
             if v is not None:
-                s.clock_event_seconds[label] = float(v.violationTime) / 1e9
+                s.clock_event_counter_seconds[label] = float(v.violationTime) / 1e9
                 dev.throttle_source[label] = "violation"
         if nvlink:
             self._nvlink(dev, s, nvlink, values)
@@ -462,7 +463,7 @@ class NvmlBackend:
         if rx is None or tx is None:
             return False
         if rx.value_type == VALUE_TYPE_ULONGLONG:
-            s.pcie_rx_bytes, s.pcie_tx_bytes = float(rx.value), float(tx.value)
+            s.pcie_rx_counter_bytes, s.pcie_tx_counter_bytes = float(rx.value), float(tx.value)
             return True
         return self._pcie_wrapping(dev, s, rx.value, tx.value,
                                    VALUE_TYPE_MODULUS.get(rx.value_type))
@@ -541,8 +542,8 @@ class NvmlBackend:
         if speed is not None and speed.value:
             s.nvlink_link_max_bytes_per_second = float(speed.value) * 1e6
         if ids["rx"] in values and ids["tx"] in values:  # KiB
-            s.nvlink_rx_bytes = float(values[ids["rx"]].value) * 1024
-            s.nvlink_tx_bytes = float(values[ids["tx"]].value) * 1024
+            s.nvlink_rx_counter_bytes = float(values[ids["rx"]].value) * 1024
+            s.nvlink_tx_counter_bytes = float(values[ids["tx"]].value) * 1024
 
     def _memory_health(self, dev: _NvmlDevice, s: GpuSample) -> None:
         """ECC error counts (volatile: since the driver loaded), row remapping (Ampere and
@@ -555,7 +556,7 @@ class NvmlBackend:
             n = nv.call("nvmlDeviceGetTotalEccErrors", h, getattr(lib, const), volatile,
                         device=key, query=("ecc", label))
             if n is not None:
-                s.ecc_errors[label] = float(n)
+                s.ecc_volatile_errors[label] = float(n)
         rows = nv.call("nvmlDeviceGetRemappedRows", h, device=key)
         if rows is not None:
             s.remapped_rows = {state: float(v) for state, v in zip(REMAP_STATES, rows,
@@ -636,7 +637,7 @@ class NvmlBackend:
         for n in ("sm_active", "sm_occupancy", "tensor_active", "dram_active"):
             if n in values:
                 setattr(s, n, _ratio(values[n]))
-        if dev.nvlink_present and s.nvlink_rx_bytes is None \
+        if dev.nvlink_present and s.nvlink_rx_counter_bytes is None \
                 and "nvlink_rx_mib_per_second" in values:
             s.nvlink_rx_bytes_per_second = values["nvlink_rx_mib_per_second"] * MIB
             s.nvlink_tx_bytes_per_second = values.get("nvlink_tx_mib_per_second", 0.0) * MIB
@@ -653,7 +654,7 @@ class NvmlBackend:
 
     def _pcie_fallback(self, dev: _NvmlDevice, s: GpuSample) -> None:
         """The throughput call, last: it blocks ~20 ms per direction (its sampling window)."""
-        if s.pcie_rx_bytes is not None or s.pcie_rx_bytes_per_second is not None:
+        if s.pcie_rx_counter_bytes is not None or s.pcie_rx_bytes_per_second is not None:
             return
         if dev.gpm_supported and not dev.gpm_closed:
             return  # GPM gives the rates from its first full window on
@@ -869,11 +870,11 @@ class DemoBackend:
                     "pending": 1.0 if fault else 0.0, "failed": 0.0}
         return GpuSample(
             timestamp=now,
-            nvlink_rx_bytes=nvlink[0],
-            nvlink_tx_bytes=nvlink[1],
+            nvlink_rx_counter_bytes=nvlink[0],
+            nvlink_tx_counter_bytes=nvlink[1],
             nvlink_links=self.NVLINK_LINKS,
             nvlink_link_max_bytes_per_second=self.NVLINK_LINK_SPEED,
-            ecc_errors=ecc,
+            ecc_volatile_errors=ecc,
             remapped_rows=remapped,
             utilization=load,
             sm_active=0.85 * load,
@@ -884,15 +885,15 @@ class DemoBackend:
             memory_total_bytes=float(self.MEMORY_TOTAL),
             power_watts=power,
             power_limit_watts=self.POWER_LIMIT,
-            energy_joules=self._energy[gpu.index],
-            pcie_rx_bytes=pcie[0],
-            pcie_tx_bytes=pcie[1],
+            energy_counter_joules=self._energy[gpu.index],
+            pcie_rx_counter_bytes=pcie[0],
+            pcie_tx_counter_bytes=pcie[1],
             pcie_link_max_bytes_per_second=link,
-            pcie_link_bytes_per_second=link,
+            pcie_link_current_bytes_per_second=link,
             temperature_celsius=32.0 + 40.0 * load,
             clocks_hertz={"sm": self.SM_CLOCK_IDLE + (self.SM_CLOCK_MAX - self.SM_CLOCK_IDLE)
                           * load, "memory": self.MEMORY_CLOCK},
-            clock_event_seconds={"sw_power_cap": 0.0, "hw_thermal_slowdown": 0.0},
+            clock_event_counter_seconds={"sw_power_cap": 0.0, "hw_thermal_slowdown": 0.0},
             pids=pids,
             # the ranks on it hold what the simulated GPU uses, less a context's 512 MiB
             process_memory={pid: max(0.0, self.MEMORY_TOTAL * (0.05 + 0.7 * min(1.0, load * 1.5))

@@ -39,7 +39,7 @@ SAMPLE_GAUGES = [
      "GPU and its slot support (nvmlDeviceGetMaxPcieLinkGeneration, "
      "nvmlDeviceGetGpuMaxPcieLinkGeneration, nvmlDeviceGetMaxPcieLinkWidth), in bytes per "
      "second."),
-    ("pcie_link_bytes_per_second", "gputrain_gpu_pcie_link_current_bytes_per_second",
+    ("pcie_link_current_bytes_per_second", "gputrain_gpu_pcie_link_current_bytes_per_second",
      "Usable bandwidth of the PCIe link per direction as it is trained now (it trains down "
      "when idle; nvmlDeviceGetCurrPcieLinkGeneration and Width), in bytes per second."),
     ("temperature_celsius", "gputrain_gpu_temperature_celsius",
