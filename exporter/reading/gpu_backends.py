@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from exporter.reading import nvml as fi
+from exporter.reading.gpu_metrics import DEMO_GAUGES, ONE_CALL, PCIE_LANE_BYTES_PER_SECOND
 from exporter.reading.nvml import (
     VALUE_MEMBER,
     VALUE_TYPE_MODULUS,
@@ -32,17 +33,6 @@ from exporter.reading.nvml import (
 )
 
 log = logging.getLogger(__name__)
-
-# Usable bytes per second per lane, by PCIe generation (after line encoding:
-# 8b/10b for gen 1-2, 128b/130b for gen 3-5, FLIT for gen 6).
-PCIE_LANE_BYTES_PER_SECOND = {
-    1: 250e6,
-    2: 500e6,
-    3: 984.6e6,
-    4: 1969.2e6,
-    5: 3938.5e6,
-    6: 7563.0e6,
-}
 
 # Cumulative clock-event (throttle) counters, in nanoseconds, by the `reason` label: fields
 # whose number never moved; the others from nvml.clock_event_fields, by the driver.
@@ -91,9 +81,6 @@ REMAP_STATES = ("correctable", "uncorrectable", "pending", "failed")
 COMPUTE_PROCESS_VARIANTS = (("nvmlDeviceGetComputeRunningProcesses_v3", {}),
                             ("nvmlDeviceGetComputeRunningProcesses_v2", {}),
                             ("nvmlDeviceGetComputeRunningProcesses", {}))
-# nvmlDeviceGetTemperature is deprecated in the 13.0 header; V from the 12.8 header (driver 570)
-TEMPERATURE_VARIANTS = (("nvmlDeviceGetTemperatureV", {}), ("nvmlDeviceGetTemperature", {}))
-NVML_TEMPERATURE_GPU = 0
 # the GPU's own best generation (the 12.0 header, driver 525): a second opinion, not missed
 GPU_MAX_PCIE_GENERATION = (("nvmlDeviceGetGpuMaxPcieLinkGeneration", {}),)
 
@@ -374,14 +361,9 @@ class NvmlBackend:
         mem = nv.call_versioned(self._memory_variants, h, device=key)
         if mem is not None:
             s.memory_used_bytes, s.memory_total_bytes = float(mem.used), float(mem.total)
-        power_mw = nv.call("nvmlDeviceGetPowerUsage", h, device=key)
-        s.power_watts = None if power_mw is None else power_mw / 1000.0
-        limit_mw = nv.call("nvmlDeviceGetEnforcedPowerLimit", h, device=key)
-        s.power_limit_watts = None if limit_mw is None else limit_mw / 1000.0
+        self._one_call_readings(dev, s)
         energy_mj = nv.call("nvmlDeviceGetTotalEnergyConsumption", h, device=key)
         s.energy_counter_joules = None if energy_mj is None else energy_mj / 1000.0
-        s.temperature_celsius = _float(nv.call_versioned(
-            TEMPERATURE_VARIANTS, h, NVML_TEMPERATURE_GPU, device=key))
         for clock, const in (("sm", "NVML_CLOCK_SM"), ("memory", "NVML_CLOCK_MEM")):
             mhz = nv.call("nvmlDeviceGetClockInfo", h, getattr(lib, const), device=key)
             if mhz is not None:
@@ -403,6 +385,21 @@ class NvmlBackend:
                 if used is not None and used < NVML_VALUE_NOT_AVAILABLE:
                     s.process_memory[int(p.pid)] = s.process_memory.get(int(p.pid), 0.0) + used
         return s
+
+    def _one_call_readings(self, dev: _NvmlDevice, s: GpuSample) -> None:
+        """The gauges whose reading is one NVML call, as their descriptors say
+        (gpu_metrics.NvmlRead): where the driver has several variants, the newest it
+        answers."""
+        nv, h, key = self.nvml, dev.handle, dev.identity.index
+        for m in ONE_CALL:
+            read = m.nvml
+            if len(read.functions) == 1:
+                got = nv.call(read.functions[0], h, *read.args, device=key)
+            else:
+                got = nv.call_versioned([(f, {}) for f in read.functions], h, *read.args,
+                                        device=key)
+            if got is not None:
+                setattr(s, m.attr, float(got) / read.per)
 
     def _utilization(self, dev: _NvmlDevice) -> float | None:
         """Mean of NVML's utilisation sample buffer since the last reading, as a ratio."""
@@ -720,29 +717,19 @@ class NvmlBackend:
         self.nvml.shutdown()  # after the calls still in flight (the Xid wait, a slow GPU)
 
 
-def _float(v: Any) -> float | None:
-    return None if v is None else float(v)
-
-
 class DemoBackend:
     """Simulated H100 SXM GPUs whose load moves over time (or is pinned with ``load``).
 
-    The fixed values are what NVML reports on an H100 SXM5 80GB (the fake driver's
-    ``h100_sxm`` in tests/fake_nvml.py names the public nvidia-smi outputs they come from), so
-    dashboards and alerts behave as they would on hardware. ``load`` in 0-1 pins every GPU at
-    that busy ratio; None lets each GPU follow its own slow wave.
+    Each gauge's value is its descriptor's (gpu_metrics: a figure of an H100 SXM5 80GB as NVML
+    reports it, or a function of the GPU's busy ratio), so dashboards and alerts behave as they
+    would on hardware; the counters, clocks and memory health are simulated here from those.
+    ``load`` in 0-1 pins every GPU at that busy ratio; None lets each GPU follow its own slow
+    wave.
     """
 
     name = "demo"
     driver_version = "demo"
-    MEMORY_TOTAL = 81559 * MIB  # what NVML reports of the 80 GB of HBM3
-    POWER_LIMIT = 700.0
-    IDLE_POWER = 70.0
     SM_CLOCK_MAX, SM_CLOCK_IDLE, MEMORY_CLOCK = 1980e6, 1155e6, 2619e6
-    PCIE_GENERATION, PCIE_WIDTH = 5, 16
-
-    NVLINK_LINKS = 18  # NVLink 4: 18 links of 26,562 MB/s per direction (NVML's figure)
-    NVLINK_LINK_SPEED = 26_562e6
     ECC_EVERY_SECONDS = 600.0  # the last demo GPU corrects one ECC error this often
 
     def __init__(self, gpus: int = 8, load: float | None = None,
@@ -848,57 +835,40 @@ class DemoBackend:
             load = followed
         dt = now - self._last.get(gpu.index, now)
         self._last[gpu.index] = now
-        power = self.IDLE_POWER + (self.POWER_LIMIT * 0.9 - self.IDLE_POWER) * load
-        self._energy[gpu.index] = self._energy.get(gpu.index, 0.0) + power * dt
-        link = PCIE_LANE_BYTES_PER_SECOND[self.PCIE_GENERATION] * self.PCIE_WIDTH
+        s = GpuSample(timestamp=now, pids=pids)
+        for m in DEMO_GAUGES:
+            setattr(s, m.attr, m.demo_value(load))
+        self._energy[gpu.index] = self._energy.get(gpu.index, 0.0) + s.power_watts * dt
+        s.energy_counter_joules = self._energy[gpu.index]
+        link = s.pcie_link_max_bytes_per_second
         rx_rate, tx_rate = 0.08 * link * load, 0.01 * link * load
         pcie = self._pcie.setdefault(gpu.index, [0.0, 0.0])
         pcie[0] += rx_rate * dt
         pcie[1] += tx_rate * dt
+        s.pcie_rx_counter_bytes, s.pcie_tx_counter_bytes = pcie
         # gradients all-reduced over NVLink while busy: a third of the links' bandwidth at full load
-        nvlink_rate = 0.33 * self.NVLINK_LINKS * self.NVLINK_LINK_SPEED * load
+        nvlink_rate = 0.33 * s.nvlink_links * s.nvlink_link_max_bytes_per_second * load
         nvlink = self._nvlink.setdefault(gpu.index, [0.0, 0.0])
         nvlink[0] += nvlink_rate * dt
         nvlink[1] += nvlink_rate * dt
+        s.nvlink_rx_counter_bytes, s.nvlink_tx_counter_bytes = nvlink
         # the last GPU has remapped a row and corrects an ECC error now and then; with
         # memory_fault it has an uncorrectable error and a remap waiting for a reset
         last = i == self.gpus - 1
         fault = last and self.memory_fault
-        ecc = {"corrected": float(int((now - self._start) / self.ECC_EVERY_SECONDS)) if last
-               else 0.0, "uncorrected": 1.0 if fault else 0.0}
-        remapped = {"correctable": 1.0 if last else 0.0, "uncorrectable": 1.0 if fault else 0.0,
-                    "pending": 1.0 if fault else 0.0, "failed": 0.0}
-        return GpuSample(
-            timestamp=now,
-            nvlink_rx_counter_bytes=nvlink[0],
-            nvlink_tx_counter_bytes=nvlink[1],
-            nvlink_links=self.NVLINK_LINKS,
-            nvlink_link_max_bytes_per_second=self.NVLINK_LINK_SPEED,
-            ecc_volatile_errors=ecc,
-            remapped_rows=remapped,
-            utilization=load,
-            sm_active=0.85 * load,
-            sm_occupancy=0.45 * load,
-            tensor_active=0.35 * load,
-            dram_active=0.5 * load,
-            memory_used_bytes=self.MEMORY_TOTAL * (0.05 + 0.7 * min(1.0, load * 1.5)),
-            memory_total_bytes=float(self.MEMORY_TOTAL),
-            power_watts=power,
-            power_limit_watts=self.POWER_LIMIT,
-            energy_counter_joules=self._energy[gpu.index],
-            pcie_rx_counter_bytes=pcie[0],
-            pcie_tx_counter_bytes=pcie[1],
-            pcie_link_max_bytes_per_second=link,
-            pcie_link_current_bytes_per_second=link,
-            temperature_celsius=32.0 + 40.0 * load,
-            clocks_hertz={"sm": self.SM_CLOCK_IDLE + (self.SM_CLOCK_MAX - self.SM_CLOCK_IDLE)
-                          * load, "memory": self.MEMORY_CLOCK},
-            clock_event_counter_seconds={"sw_power_cap": 0.0, "hw_thermal_slowdown": 0.0},
-            pids=pids,
-            # the ranks on it hold what the simulated GPU uses, less a context's 512 MiB
-            process_memory={pid: max(0.0, self.MEMORY_TOTAL * (0.05 + 0.7 * min(1.0, load * 1.5))
-                                     - 512 * MIB) / len(pids) for pid in pids},
-        )
+        s.ecc_volatile_errors = {
+            "corrected": float(int((now - self._start) / self.ECC_EVERY_SECONDS)) if last
+            else 0.0, "uncorrected": 1.0 if fault else 0.0}
+        s.remapped_rows = {"correctable": 1.0 if last else 0.0,
+                           "uncorrectable": 1.0 if fault else 0.0,
+                           "pending": 1.0 if fault else 0.0, "failed": 0.0}
+        s.clocks_hertz = {"sm": self.SM_CLOCK_IDLE + (self.SM_CLOCK_MAX - self.SM_CLOCK_IDLE)
+                          * load, "memory": self.MEMORY_CLOCK}
+        s.clock_event_counter_seconds = {"sw_power_cap": 0.0, "hw_thermal_slowdown": 0.0}
+        # the ranks on it hold what the simulated GPU uses, less a context's 512 MiB
+        s.process_memory = {pid: max(0.0, s.memory_used_bytes - 512 * MIB) / len(pids)
+                            for pid in pids}
+        return s
 
     def reopen(self, gpu: GpuIdentity) -> bool:
         return True
