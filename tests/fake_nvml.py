@@ -284,6 +284,7 @@ class FakeGpu:
     remapped_rows: tuple[int, int, int, int] | None = (0, 0, 0, 0)  # None: pre-Ampere
     retired_pages: dict[int, list[int]] | None = None  # None: Ampere and newer
     retired_pending: int = 0
+    pstate: int = 0  # nvmlPstates_t: 0 (P0) to 15, 32 NVML_PSTATE_UNKNOWN
     gpu_instance_id: int = 0
     parent: FakeGpu | None = None
 
@@ -295,10 +296,11 @@ class FakeGpu:
 # -- the four models, from public nvidia-smi -q outputs ----------------------------------------
 
 def h100_sxm(i: int = 0, **kw: Any) -> FakeGpu:
-    """An H100 SXM5 80GB on NVLink 4. Name, 700 W limit and 81559 MiB: the nvidia-smi table in
-    NVIDIA/nccl#1264 (driver 550.54.15); max clocks SM 1980 MHz, memory 2619 MHz: nvidia-smi -q in
-    NVIDIA/DCGM#120; 18 NVLinks (NV18): nvidia-smi topo -m in bytedance/flux#14, 26.562 GB/s a
-    link and direction (nvidia-smi nvlink -s); PCIe Gen5 x16 (the SXM5 board's host link)."""
+    """An H100 SXM5 80GB on NVLink 4. Name, 700 W limit, 81559 MiB and P0 (idle too): the
+    nvidia-smi table in NVIDIA/nccl#1264 (driver 550.54.15); max clocks SM 1980 MHz, memory
+    2619 MHz: nvidia-smi -q in NVIDIA/DCGM#120; 18 NVLinks (NV18): nvidia-smi topo -m in
+    bytedance/flux#14, 26.562 GB/s a link and direction (nvidia-smi nvlink -s); PCIe Gen5 x16
+    (the SXM5 board's host link)."""
     values: dict[str, Any] = dict(
         uuid=f"GPU-{i:08x}-aaaa-bbbb-cccc-dddddddddddd", name="NVIDIA H100 80GB HBM3",
         bus_id=f"00000000:{0x18 + 0x10 * i:02X}:00.0", power_limit_mw=700_000,
@@ -728,6 +730,9 @@ class FakeDriver:
 
     def _c_nvmlDeviceGetPowerUsage(self, handle: Any, out: Any) -> int:
         return self._uint_out("nvmlDeviceGetPowerUsage", handle, out, lambda g: g.power_mw)
+
+    def _c_nvmlDeviceGetPerformanceState(self, handle: Any, out: Any) -> int:
+        return self._uint_out("nvmlDeviceGetPerformanceState", handle, out, lambda g: g.pstate)
 
     def _c_nvmlDeviceGetEnforcedPowerLimit(self, handle: Any, out: Any) -> int:
         return self._uint_out("nvmlDeviceGetEnforcedPowerLimit", handle, out,

@@ -190,6 +190,17 @@ def test_busy_seconds_integrate_utilisation_over_time(clock):
     assert rig.value("gputrain_gpu_busy_seconds_total") == pytest.approx(1.5)
 
 
+def test_performance_state_as_nvml_answers_it(clock):
+    """P0 on an H100, P8 on an L4 that answers it; nothing where NVML does not know (UNKNOWN) and
+    on a MIG device, which answers NOT_SUPPORTED and is not asked again."""
+    rig = Rig([h100_sxm(0), l4(1, pstate=8), gpu(2, pstate=32), a100_sxm4_mig(3)], clock)
+    rig.cycle()
+    rig.cycle()
+    state = {i: rig.value("gputrain_gpu_performance_state", i) for i in rig.indexes()}
+    assert state == {"0": 0, "1": 8, "2": None, "3": 0, "3/0": None, "3/1": None, "3/2": None}
+    assert rig.calls["nvmlDeviceGetPerformanceState"] == 4 * 2 + 3
+
+
 # --- PCIe --------------------------------------------------------------------------------------
 
 def test_pcie_capacity_is_the_link_at_its_best_while_the_current_link_trains_down(clock):

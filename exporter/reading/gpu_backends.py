@@ -146,6 +146,7 @@ class GpuSample:
     remapped_rows: dict[str, float] = field(default_factory=dict)  # by REMAP_STATES
     retired_pages: dict[str, float] = field(default_factory=dict)  # by cause (pre-Ampere)
     retired_pages_pending: float | None = None
+    performance_state: float | None = None  # 0 (P0) to 15
 
 
 class GpuBackend(Protocol):
@@ -398,7 +399,7 @@ class NvmlBackend:
             else:
                 got = nv.call_versioned([(f, {}) for f in read.functions], h, *read.args,
                                         device=key)
-            if got is not None:
+            if got is not None and got != read.unknown:
                 setattr(s, m.attr, float(got) / read.per)
 
     def _utilization(self, dev: _NvmlDevice) -> float | None:

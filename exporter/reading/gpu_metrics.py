@@ -51,11 +51,13 @@ H100_IDLE_WATTS = 70.0
 class NvmlRead:
     """A reading that is one NVML call on the device's handle: the first of ``functions``
     (newest first) that the driver and the binding answer, with ``args`` after the handle;
-    the answer divided by ``per`` (NVML's units in one exported unit: 1000 mW in a watt)."""
+    the answer divided by ``per`` (NVML's units in one exported unit: 1000 mW in a watt).
+    An answer equal to ``unknown`` (an enum's UNKNOWN) is left out."""
 
     functions: tuple[str, ...]
     args: tuple[int, ...] = ()
     per: float = 1.0
+    unknown: int | None = None
 
 
 @dataclass(frozen=True)
@@ -256,6 +258,15 @@ GPU_METRICS: tuple[GpuMetric, ...] = (
         "1 when a page retirement waits for the next driver reload or GPU reset (GPUs before "
         "Ampere; nvmlDeviceGetRetiredPagesPendingStatus).",
         "`nvmlDeviceGetRetiredPagesPendingStatus`", attr="retired_pages_pending"),
+    GpuMetric(
+        "gputrain_gpu_performance_state", "gauge", "P-state",
+        "Performance state: 0 is P0, the highest performance, up to 15, the lowest "
+        "(nvmlDeviceGetPerformanceState); a busy GPU above P0 runs at lower clocks.",
+        "`nvmlDeviceGetPerformanceState`: 0 = P0 (maximum performance) ... 15 (minimum); "
+        "absent on a MIG device and where NVML answers `NVML_PSTATE_UNKNOWN`",
+        attr="performance_state",
+        nvml=NvmlRead(("nvmlDeviceGetPerformanceState",), unknown=32),  # NVML_PSTATE_UNKNOWN
+        demo=0),  # an H100 SXM is at P0, idle or busy
     GpuMetric(
         "gputrain_gpu_sampled_seconds_total", "counter", "seconds",
         "Seconds of wall time the sampler watched this GPU. Divide rate() of a *_seconds_total "
