@@ -81,6 +81,10 @@ REMAP_STATES = ("correctable", "uncorrectable", "pending", "failed")
 COMPUTE_PROCESS_VARIANTS = (("nvmlDeviceGetComputeRunningProcesses_v3", {}),
                             ("nvmlDeviceGetComputeRunningProcesses_v2", {}),
                             ("nvmlDeviceGetComputeRunningProcesses", {}))
+# newest first: nvmlDeviceGetProcessesUtilizationInfo is in the 12.4 header (driver 550, go-nvml
+# f7ceebd) and nvidia-ml-py 12.550 on; both take the last seen timestamp (CPU microseconds)
+PROCESS_UTILIZATION_VARIANTS = (("nvmlDeviceGetProcessesUtilizationInfo", {}),
+                                ("nvmlDeviceGetProcessUtilization", {}))
 # the GPU's own best generation (the 12.0 header, driver 525): a second opinion, not missed
 GPU_MAX_PCIE_GENERATION = (("nvmlDeviceGetGpuMaxPcieLinkGeneration", {}),)
 
@@ -136,6 +140,9 @@ class GpuSample:
     clock_event_counter_seconds: dict[str, float] = field(default_factory=dict)
     pids: tuple[int, ...] = ()
     process_memory: dict[int, float] = field(default_factory=dict)  # pid -> bytes it holds
+    # pid -> (SM busy ratio, memory-bandwidth ratio or None): the means of the source's
+    # per-process samples since the last reading; a pid without a new sample is absent
+    process_utilization: dict[int, tuple[float, float | None]] = field(default_factory=dict)
     nvlink_rx_counter_bytes: float | None = None  # cumulative, all links (field values)
     nvlink_tx_counter_bytes: float | None = None
     nvlink_rx_bytes_per_second: float | None = None  # or rates (GPM)
@@ -205,6 +212,7 @@ class _NvmlDevice:
         self.throttle: dict[str, tuple[float, float]] = {}  # reason -> (at, ns) from a field
         self.throttle_source: dict[str, str] = {}  # reason -> "field" or "violation"
         self.nvlink_present = 0
+        self.process_seen_us = 0  # the newest per-process utilisation sample read
 
 
 def _link(gen: Any, width: Any) -> float | None:
@@ -385,6 +393,7 @@ class NvmlBackend:
                 used = getattr(p, "usedGpuMemory", None)
                 if used is not None and used < NVML_VALUE_NOT_AVAILABLE:
                     s.process_memory[int(p.pid)] = s.process_memory.get(int(p.pid), 0.0) + used
+        s.process_utilization = self._process_utilization(dev)
         return s
 
     def _one_call_readings(self, dev: _NvmlDevice, s: GpuSample) -> None:
@@ -417,6 +426,22 @@ class NvmlBackend:
                 return _ratio(sum(values) / len(values))
         rates = nv.call("nvmlDeviceGetUtilizationRates", dev.handle, device=key)
         return None if rates is None else _ratio(rates.gpu)
+
+    def _process_utilization(self, dev: _NvmlDevice) -> dict[int, tuple[float, float | None]]:
+        """pid -> (SM busy ratio, memory-bandwidth ratio): the means of NVML's per-process
+        samples newer than the last one read (NVML gives one per sample period to a process
+        that had some utilisation in it). NOT_FOUND (no new sample) and an unsupported call
+        (asked once) read as no pid. Dropped, as nvtop drops them (its issue 110, real
+        drivers): samples not newer than the timestamp asked for, values over 100 %, pid 0."""
+        got = self.nvml.call_versioned(PROCESS_UTILIZATION_VARIANTS, dev.handle,
+                                       dev.process_seen_us, device=dev.identity.index)
+        since, fresh = dev.process_seen_us, {}
+        for x in got or ():
+            if x.timeStamp > since and x.pid and x.smUtil <= 100 and x.memUtil <= 100:
+                fresh.setdefault(int(x.pid), []).append((x.smUtil, x.memUtil))
+                dev.process_seen_us = max(dev.process_seen_us, int(x.timeStamp))
+        return {pid: (_ratio(sum(sm for sm, _ in v) / len(v)),
+                      _ratio(sum(mem for _, mem in v) / len(v))) for pid, v in fresh.items()}
 
     def _pcie_link(self, dev: _NvmlDevice, s: GpuSample) -> None:
         """The link's capacity at its best (the denominator of the host-to-device rule: a link
