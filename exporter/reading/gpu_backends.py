@@ -750,21 +750,27 @@ class DemoBackend:
     reports it, or a function of the GPU's busy ratio), so dashboards and alerts behave as they
     would on hardware; the counters, clocks and memory health are simulated here from those.
     ``load`` in 0-1 pins every GPU at that busy ratio; None lets each GPU follow its own slow
-    wave.
+    wave, or the processes on it (:meth:`follow`, ``foreign_load``). ``foreign_load`` in 0-1
+    puts a process no rank owns (:attr:`FOREIGN_PID`, holding :attr:`FOREIGN_MEMORY`) on GPU 0,
+    busy that share of the time.
     """
 
     name = "demo"
     driver_version = "demo"
     SM_CLOCK_MAX, SM_CLOCK_IDLE, MEMORY_CLOCK = 1980e6, 1155e6, 2619e6
     ECC_EVERY_SECONDS = 600.0  # the last demo GPU corrects one ECC error this often
+    FOREIGN_PID = 2**22 + 7  # over Linux's largest pid: no real process is it or its parent
+    FOREIGN_MEMORY = 4 * 1024 * MIB
 
     def __init__(self, gpus: int = 8, load: float | None = None,
                  clock: Callable[[], float] = time.monotonic, host: str | None = None,
-                 memory_fault: bool = False) -> None:
-        if load is not None and not 0.0 <= load <= 1.0:
-            raise ValueError(f"demo load must be between 0 and 1, got {load}")
+                 memory_fault: bool = False, foreign_load: float | None = None) -> None:
+        for what, ratio in (("load", load), ("foreign load", foreign_load)):
+            if ratio is not None and not 0.0 <= ratio <= 1.0:
+                raise ValueError(f"demo {what} must be between 0 and 1, got {ratio}")
         self.gpus = gpus
         self.load = load
+        self.foreign_load = foreign_load
         self._clock = clock
         self._start = clock()
         self._last: dict[str, float] = {}
@@ -775,7 +781,7 @@ class DemoBackend:
         self._host = host or socket.gethostname()  # demo UUIDs differ between nodes
         self._ranks: Callable[[], Iterable[Any]] | None = None
         self._rates: dict[tuple, tuple[float, float, float]] = {}  # rank -> (at, compute, busy)
-        self._work: tuple[float, dict[str, tuple[tuple[int, ...], float]]] = (-1.0, {})
+        self._work: tuple[float, dict[str, dict[int, float]]] = (-1.0, {})
         self._work_lock = threading.Lock()
 
     def follow(self, ranks: Callable[[], Iterable[Any]]) -> None:
@@ -786,7 +792,8 @@ class DemoBackend:
         or UUID) uses those; any other rank with a pid uses GPU ``rank % gpus`` (rank 0 on
         GPU 0). The load is the share of wall time the rank spent in steps but not waiting
         for data, from its last two pushes; a rank that stopped pushing leaves its GPU idle
-        but held. A pinned ``load`` still wins."""
+        but held. A GPU's load is its processes' shares added up (at most 1); a pinned
+        ``load`` still wins, the shares then scaled to it."""
         self._ranks = ranks
         # what a rank may name a demo GPU by -> its index
         self._refs = {**{str(i): str(i) for i in range(self.gpus)},
@@ -809,15 +816,14 @@ class DemoBackend:
             return self.load
         return 0.55 + 0.4 * math.sin(t / 60.0 + index * 0.7)
 
-    def _workload(self, now: float) -> dict[str, tuple[tuple[int, ...], float]]:
-        """GPU index -> (pids, summed busy share) of the ranks followed, once per cycle."""
+    def _workload(self, now: float) -> dict[str, dict[int, float]]:
+        """GPU index -> {pid: busy share} of the ranks followed, once per cycle."""
         with self._work_lock:
             at, work = self._work
             if now - at < 0.2 or self._ranks is None:
                 return work
             refs = self._refs
-            pids: dict[str, list[int]] = {}
-            busy: dict[str, float] = {}
+            work = {}
             rates = {}
             for st in self._ranks():
                 if st.pid is None:
@@ -829,10 +835,9 @@ class DemoBackend:
                 key = (st.run, st.rank, st.run_id)
                 rates[key] = share = self._busy_share(key, st, now)
                 for index in mine:
-                    pids.setdefault(index, []).append(st.pid)
-                    busy[index] = busy.get(index, 0.0) + share[2] / len(mine)
+                    on = work.setdefault(index, {})
+                    on[st.pid] = on.get(st.pid, 0.0) + share[2] / len(mine)
             self._rates = rates
-            work = {i: (tuple(p), min(1.0, busy[i])) for i, p in pids.items()}
             self._work = (now, work)
             return work
 
@@ -856,14 +861,22 @@ class DemoBackend:
         now = self._clock()
         i = int(gpu.index)
         load = self.load_of(i, now - self._start)
-        pids, followed = self._workload(now).get(gpu.index, ((), None))
-        if followed is not None and self.load is None:
-            load = followed
+        shares = dict(self._workload(now).get(gpu.index, {}))  # pid -> busy share
+        ranks = tuple(shares)
+        if i == 0 and self.foreign_load is not None:
+            shares[self.FOREIGN_PID] = self.foreign_load
+        busy = sum(shares.values())
+        if shares and self.load is None:
+            load = min(1.0, busy)
+        scale = load / busy if busy > 0 else 0.0  # as a GPU shared in time: they add up
         dt = now - self._last.get(gpu.index, now)
         self._last[gpu.index] = now
-        s = GpuSample(timestamp=now, pids=pids)
+        s = GpuSample(timestamp=now, pids=tuple(shares))
         for m in DEMO_GAUGES:
             setattr(s, m.attr, m.demo_value(load))
+        # as NVML, only the processes busy in the window have a sample
+        s.process_utilization = {pid: (share * scale, s.dram_active * share * scale / load)
+                                 for pid, share in shares.items() if share * scale > 0}
         self._energy[gpu.index] = self._energy.get(gpu.index, 0.0) + s.power_watts * dt
         s.energy_counter_joules = self._energy[gpu.index]
         link = s.pcie_link_max_bytes_per_second
@@ -892,8 +905,12 @@ class DemoBackend:
                           * load, "memory": self.MEMORY_CLOCK}
         s.clock_event_counter_seconds = {"sw_power_cap": 0.0, "hw_thermal_slowdown": 0.0}
         # the ranks on it hold what the simulated GPU uses, less a context's 512 MiB
-        s.process_memory = {pid: max(0.0, s.memory_used_bytes - 512 * MIB) / len(pids)
-                            for pid in pids}
+        s.process_memory = {pid: max(0.0, s.memory_used_bytes - 512 * MIB) / len(ranks)
+                            for pid in ranks}
+        if self.FOREIGN_PID in shares:
+            s.process_memory[self.FOREIGN_PID] = float(self.FOREIGN_MEMORY)
+            s.memory_used_bytes = min(s.memory_total_bytes,
+                                      s.memory_used_bytes + self.FOREIGN_MEMORY)
         return s
 
     def reopen(self, gpu: GpuIdentity) -> bool:
