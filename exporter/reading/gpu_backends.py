@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from exporter.reading import nvml as fi
-from exporter.reading.gpu_metrics import DEMO_GAUGES, ONE_CALL, PCIE_LANE_BYTES_PER_SECOND
+from exporter.reading.gpu_metrics import DEMO_GAUGES, MIB, ONE_CALL, PCIE_LANE_BYTES_PER_SECOND
 from exporter.reading.nvml import (
     VALUE_MEMBER,
     VALUE_TYPE_MODULUS,
@@ -62,7 +62,6 @@ GPM_METRICS = {
     "nvlink_rx_mib_per_second": "NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC",
     "nvlink_tx_mib_per_second": "NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC",
 }
-MIB = 1024 * 1024
 NVML_VALUE_NOT_AVAILABLE = 2**64 - 1  # usedGpuMemory where the driver cannot tell (WDDM, MIG)
 # NVLink through field values: data (not raw) KiB counters summed over every link (scope
 # UINT_MAX), the links present and the common per-link speed (MB/s)
