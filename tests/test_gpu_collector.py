@@ -924,10 +924,10 @@ def test_nvml_is_not_touched_at_import(monkeypatch):
     import exporter.reading.nvml
 
     driver = FakeDriver([gpu(0)])
-    fd.install(driver, pynvml)  # the global module, as Nvml() without a module loads it
-    for name in ("CDLL", "nvmlLib"):
+    for name in ("CDLL", "nvmlLib"):  # restored after the test: no later test meets the fake
         monkeypatch.setattr(pynvml, name, getattr(pynvml, name))
     monkeypatch.setattr(pynvml, "_nvmlGetFunctionPointer_cache", {})
+    fd.install(driver, pynvml)  # the global module, as Nvml() without a module loads it
     importlib.reload(exporter.reading.nvml)
     importlib.reload(exporter.reading.gpu_backends)
     assert driver.calls == {}
