@@ -185,6 +185,9 @@ OPTIONS: list[Option] = [
            "N"),
     Option("demo.load", _fraction, None,
            "busy ratio 0-1 of the demo GPUs (default: a load that moves over time)", "RATIO"),
+    Option("demo.foreign-load", _fraction, None,
+           "a process that no client reports on demo GPU 0, busy this ratio 0-1 of the time "
+           "(to try the share of a GPU that no rank accounts for)", "RATIO"),
     Option("demo.memory-fault", _bool, False,
            "the last demo GPU reports an uncorrectable ECC error and a row remap pending (to "
            "try the GpuTrainGPUMemoryFault alert)"),

@@ -89,6 +89,7 @@ SYMBOL_SINCE = {
     "nvmlGpmMigSampleGet": 525,
     "nvmlDeviceGetGpuMaxPcieLinkGeneration": 525,
     "nvmlDeviceGetTemperatureV": 570,
+    "nvmlDeviceGetProcessesUtilizationInfo": 550,  # the 12.4 header, go-nvml f7ceebd
 }
 
 # -- what a field ID means, by driver version --------------------------------------------------
@@ -181,6 +182,26 @@ class _CProcessInfo(Structure):  # nvmlProcessInfo_t = nvmlProcessInfo_v2_t (12.
                 ("computeInstanceId", c_uint)]
 
 
+class _CProcessUtilizationSample(Structure):  # nvmlProcessUtilizationSample_t
+    _fields_ = [("pid", c_uint), ("timeStamp", c_ulonglong), ("smUtil", c_uint),
+                ("memUtil", c_uint), ("encUtil", c_uint), ("decUtil", c_uint)]
+
+
+class _CProcessUtilizationInfoV1(Structure):  # nvmlProcessUtilizationInfo_v1_t
+    _fields_ = [("timeStamp", c_ulonglong), ("pid", c_uint), ("smUtil", c_uint),
+                ("memUtil", c_uint), ("encUtil", c_uint), ("decUtil", c_uint),
+                ("jpgUtil", c_uint), ("ofaUtil", c_uint)]
+
+
+class _CProcessesUtilizationInfoV1(Structure):  # nvmlProcessesUtilizationInfo_v1_t
+    _fields_ = [("version", c_uint), ("processSamplesCount", c_uint),
+                ("lastSeenTimeStamp", c_ulonglong), ("procUtilArray", c_void_p)]
+
+
+# NVML_STRUCT_VERSION(ProcessesUtilizationInfo, 1) = 0x01000018
+PROCESSES_UTILIZATION_V1 = sizeof(_CProcessesUtilizationInfoV1) | (1 << 24)
+
+
 class _CViolationTime(Structure):
     _fields_ = [("referenceTime", c_ulonglong), ("violationTime", c_ulonglong)]
 
@@ -228,8 +249,9 @@ MIG_DEVICE_CALLS = {"nvmlDeviceGetUUID", "nvmlDeviceGetName", "nvmlDeviceGetPciI
                     "nvmlDeviceGetComputeRunningProcesses_v3",
                     "nvmlDeviceGetComputeRunningProcesses_v2", "nvmlDeviceGetGpuInstanceId"}
 # what NVML refuses on a GPU in MIG mode (nvml.h: "On MIG-enabled GPUs, querying device
-# utilization rates is not currently supported")
-MIG_PARENT_REFUSES = {"nvmlDeviceGetUtilizationRates", "nvmlDeviceGetSamples"}
+# utilization rates is not currently supported", and the same of process utilisation)
+MIG_PARENT_REFUSES = {"nvmlDeviceGetUtilizationRates", "nvmlDeviceGetSamples",
+                      "nvmlDeviceGetProcessUtilization", "nvmlDeviceGetProcessesUtilizationInfo"}
 
 
 @dataclass
@@ -269,6 +291,9 @@ class FakeGpu:
         "admin_ramp_up_rate": 5000, "priv_lvl": 0, "imm_ramp_down": 1})
     gpm: dict[str, float] | None = None  # None: GPM not supported (before Hopper)
     processes: list[tuple[int, int | None]] = field(default_factory=list)  # (pid, bytes|None)
+    # the driver's per-process utilisation samples: (timestamp us, pid, SM %, memory %)
+    process_samples: list[tuple[int, int, int, int]] = field(default_factory=list)
+    process_samples_stale: bool = False  # also answers samples not newer than asked (nvtop#110)
     errors: dict[str, int] = field(default_factory=dict)  # C function -> return code
     field_errors: dict[int, int] = field(default_factory=dict)
     lost: bool = False  # every call answers GPU_IS_LOST
@@ -284,6 +309,7 @@ class FakeGpu:
     remapped_rows: tuple[int, int, int, int] | None = (0, 0, 0, 0)  # None: pre-Ampere
     retired_pages: dict[int, list[int]] | None = None  # None: Ampere and newer
     retired_pending: int = 0
+    pstate: int = 0  # nvmlPstates_t: 0 (P0) to 15, 32 NVML_PSTATE_UNKNOWN
     gpu_instance_id: int = 0
     parent: FakeGpu | None = None
 
@@ -295,10 +321,11 @@ class FakeGpu:
 # -- the four models, from public nvidia-smi -q outputs ----------------------------------------
 
 def h100_sxm(i: int = 0, **kw: Any) -> FakeGpu:
-    """An H100 SXM5 80GB on NVLink 4. Name, 700 W limit and 81559 MiB: the nvidia-smi table in
-    NVIDIA/nccl#1264 (driver 550.54.15); max clocks SM 1980 MHz, memory 2619 MHz: nvidia-smi -q in
-    NVIDIA/DCGM#120; 18 NVLinks (NV18): nvidia-smi topo -m in bytedance/flux#14, 26.562 GB/s a
-    link and direction (nvidia-smi nvlink -s); PCIe Gen5 x16 (the SXM5 board's host link)."""
+    """An H100 SXM5 80GB on NVLink 4. Name, 700 W limit, 81559 MiB and P0 (idle too): the
+    nvidia-smi table in NVIDIA/nccl#1264 (driver 550.54.15); max clocks SM 1980 MHz, memory
+    2619 MHz: nvidia-smi -q in NVIDIA/DCGM#120; 18 NVLinks (NV18): nvidia-smi topo -m in
+    bytedance/flux#14, 26.562 GB/s a link and direction (nvidia-smi nvlink -s); PCIe Gen5 x16
+    (the SXM5 board's host link)."""
     values: dict[str, Any] = dict(
         uuid=f"GPU-{i:08x}-aaaa-bbbb-cccc-dddddddddddd", name="NVIDIA H100 80GB HBM3",
         bus_id=f"00000000:{0x18 + 0x10 * i:02X}:00.0", power_limit_mw=700_000,
@@ -729,6 +756,9 @@ class FakeDriver:
     def _c_nvmlDeviceGetPowerUsage(self, handle: Any, out: Any) -> int:
         return self._uint_out("nvmlDeviceGetPowerUsage", handle, out, lambda g: g.power_mw)
 
+    def _c_nvmlDeviceGetPerformanceState(self, handle: Any, out: Any) -> int:
+        return self._uint_out("nvmlDeviceGetPerformanceState", handle, out, lambda g: g.pstate)
+
     def _c_nvmlDeviceGetEnforcedPowerLimit(self, handle: Any, out: Any) -> int:
         return self._uint_out("nvmlDeviceGetEnforcedPowerLimit", handle, out,
                               lambda g: g.power_limit_mw)
@@ -926,6 +956,51 @@ class FakeDriver:
     def _c_nvmlDeviceGetComputeRunningProcesses_v2(self, handle: Any, count: Any,
                                                    infos: Any) -> int:
         return self._processes("nvmlDeviceGetComputeRunningProcesses_v2", handle, count, infos)
+
+    def _process_samples(self, g: FakeGpu, last_seen: int) -> list[tuple[int, int, int, int]]:
+        return [x for x in g.process_samples if x[0] > last_seen or g.process_samples_stale]
+
+    def _c_nvmlDeviceGetProcessUtilization(self, handle: Any, utilization: Any, count: Any,
+                                           last_seen: Any) -> int:
+        name = "nvmlDeviceGetProcessUtilization"  # the fill pass of one binding call: not counted
+        g = self._dev(name, handle) if utilization is None \
+            else self._handles.get(_address(handle))
+        if isinstance(g, int) or g is None:
+            return g if isinstance(g, int) else INVALID_ARGUMENT
+        fresh = self._process_samples(g, _int(last_seen))
+        if not fresh:
+            return NOT_FOUND  # nvml.h: "If no valid sample entries are found"
+        if utilization is None:
+            _write(count, c_uint(len(fresh)))
+            return INSUFFICIENT_SIZE
+        written = fresh[:_read(count, c_uint).value]
+        base = _address(utilization)
+        for n, (ts, pid, sm, mem) in enumerate(written):
+            x = _CProcessUtilizationSample(pid=pid, timeStamp=ts, smUtil=sm, memUtil=mem)
+            ctypes.memmove(base + n * sizeof(x), addressof(x), sizeof(x))
+        _write(count, c_uint(len(written)))
+        return SUCCESS
+
+    def _c_nvmlDeviceGetProcessesUtilizationInfo(self, handle: Any, info: Any) -> int:
+        head = _read(info, _CProcessesUtilizationInfoV1)
+        name = "nvmlDeviceGetProcessesUtilizationInfo"
+        g = self._dev(name, handle) if not head.procUtilArray \
+            else self._handles.get(_address(handle))
+        if isinstance(g, int) or g is None:
+            return g if isinstance(g, int) else INVALID_ARGUMENT
+        if head.version != PROCESSES_UTILIZATION_V1:
+            return ARGUMENT_VERSION_MISMATCH
+        fresh = self._process_samples(g, head.lastSeenTimeStamp)
+        if not fresh:
+            return NOT_FOUND
+        if not head.procUtilArray or head.processSamplesCount < len(fresh):
+            head.processSamplesCount = len(fresh)  # the minimum array size
+            return INSUFFICIENT_SIZE
+        for n, (ts, pid, sm, mem) in enumerate(fresh):
+            x = _CProcessUtilizationInfoV1(timeStamp=ts, pid=pid, smUtil=sm, memUtil=mem)
+            ctypes.memmove(head.procUtilArray + n * sizeof(x), addressof(x), sizeof(x))
+        head.processSamplesCount = len(fresh)
+        return SUCCESS
 
     # -- GPM -----------------------------------------------------------------------------------
     def _c_nvmlGpmQueryDeviceSupport(self, handle: Any, out: Any) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 
 import fake_nvml as fd
 import pytest
@@ -190,6 +191,17 @@ def test_busy_seconds_integrate_utilisation_over_time(clock):
     assert rig.value("gputrain_gpu_busy_seconds_total") == pytest.approx(1.5)
 
 
+def test_performance_state_as_nvml_answers_it(clock):
+    """P0 on an H100, P8 on an L4 that answers it; nothing where NVML does not know (UNKNOWN) and
+    on a MIG device, which answers NOT_SUPPORTED and is not asked again."""
+    rig = Rig([h100_sxm(0), l4(1, pstate=8), gpu(2, pstate=32), a100_sxm4_mig(3)], clock)
+    rig.cycle()
+    rig.cycle()
+    state = {i: rig.value("gputrain_gpu_performance_state", i) for i in rig.indexes()}
+    assert state == {"0": 0, "1": 8, "2": None, "3": 0, "3/0": None, "3/1": None, "3/2": None}
+    assert rig.calls["nvmlDeviceGetPerformanceState"] == 4 * 2 + 3
+
+
 # --- PCIe --------------------------------------------------------------------------------------
 
 def test_pcie_capacity_is_the_link_at_its_best_while_the_current_link_trains_down(clock):
@@ -200,12 +212,12 @@ def test_pcie_capacity_is_the_link_at_its_best_while_the_current_link_trains_dow
     rig.cycle()
     best = PCIE_LANE_BYTES_PER_SECOND[5] * 16
     assert rig.value("gputrain_gpu_pcie_link_max_bytes_per_second") == pytest.approx(best)
-    assert rig.sampler.snapshot.gpus[0].sample.pcie_link_bytes_per_second == pytest.approx(
+    assert rig.value("gputrain_gpu_pcie_link_current_bytes_per_second") == pytest.approx(
         PCIE_LANE_BYTES_PER_SECOND[1] * 16)
     g.pcie_gen = 5  # under load
     rig.cycle()
     assert rig.value("gputrain_gpu_pcie_link_max_bytes_per_second") == pytest.approx(best)
-    assert rig.sampler.snapshot.gpus[0].sample.pcie_link_bytes_per_second == pytest.approx(best)
+    assert rig.value("gputrain_gpu_pcie_link_current_bytes_per_second") == pytest.approx(best)
     assert rig.value("gputrain_gpu_pcie_link_max_bytes_per_second", "1") == pytest.approx(
         PCIE_LANE_BYTES_PER_SECOND[4] * 16)
 
@@ -674,6 +686,136 @@ def test_a_driver_without_the_versioned_process_calls_keeps_its_other_readings(c
     assert "reading GPU" not in caplog.text
 
 
+# --- per-process utilisation -------------------------------------------------------------------
+
+NEWER, OLDER = "nvmlDeviceGetProcessesUtilizationInfo", "nvmlDeviceGetProcessUtilization"
+
+
+def shares(rig: Rig, index: str = "0") -> dict[int, tuple[float, float | None]]:
+    """The GPU's per-process utilisation: pid -> (SM busy ratio, memory-bandwidth ratio)."""
+    return next(g for g in rig.sampler.snapshot.gpus
+                if g.identity.index == index).sample.process_utilization
+
+
+def approx_shares(expected: dict[int, tuple[float, float]]):
+    return {pid: pytest.approx(v) for pid, v in expected.items()}
+
+
+def the_call(rig: Rig) -> str:
+    """The per-process call this driver and binding have: the newer from driver 550 on."""
+    return NEWER if rig.driver.has_symbol(NEWER) and hasattr(rig.driver.binding, NEWER) \
+        else OLDER
+
+
+@pytest.mark.parametrize("driver", ["590.48.01", "535.183.06"])
+def test_per_process_utilisation_is_the_mean_of_each_pids_samples_since_the_last_reading(
+        clock, driver):
+    """Two processes on a GPU: each pid's SM and memory ratios are the means of its samples
+    newer than those read before; a pid without a new sample is absent. Only the newest call
+    the driver and the binding have is asked."""
+    g = gpu(0, processes=[(4242, GIB), (4343, GIB)],
+            process_samples=[(1_000, 4242, 40, 10), (1_100, 4343, 20, 6), (1_200, 4242, 60, 30)])
+    rig = Rig([g], clock, version=driver)
+    rig.cycle()
+    assert shares(rig) == approx_shares({4242: (0.5, 0.2), 4343: (0.2, 0.06)})
+    g.process_samples += [(1_300, 4242, 90, 50), (1_400, 4242, 70, 30)]  # 4343: nothing new
+    rig.cycle()
+    assert shares(rig) == approx_shares({4242: (0.8, 0.4)})
+    asked = the_call(rig)
+    assert asked == (NEWER if driver.startswith("590") and hasattr(rig.driver.binding, NEWER)
+                     else OLDER)
+    assert rig.calls[asked] == 2
+    assert rig.calls[NEWER if asked == OLDER else OLDER] == 0
+
+
+def test_no_new_sample_is_no_pid_and_no_error_and_the_call_goes_on(clock, caplog):
+    """NVML's NOT_FOUND ("no valid sample entries") is no change: an empty reading, nothing
+    logged, and the call is made again the next cycle, which finds the next sample."""
+    g = gpu(0, processes=[(4242, GIB)], process_samples=[(1_000, 4242, 70, 20)])
+    rig = Rig([g], clock)
+    with caplog.at_level(logging.DEBUG, logger="exporter"):
+        rig.cycle()
+        rig.cycle()
+        assert shares(rig) == {}
+        rig.cycle()
+        g.process_samples.append((2_000, 4242, 30, 10))
+        rig.cycle()
+    assert shares(rig) == approx_shares({4242: (0.3, 0.1)})
+    assert rig.calls[the_call(rig)] == 4
+    assert rig.value("gputrain_gpu_up") == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize("how", ["not supported", "not in the driver"])
+def test_unsupported_per_process_utilisation_is_asked_once_and_stays_empty(clock, caplog, how):
+    """A driver that answers NOT_SUPPORTED to both calls, or lacks both functions: each is
+    asked once (through the binding), then never again; the GPU's other readings carry on."""
+    unsupported = {NEWER: fd.NOT_SUPPORTED, OLDER: fd.NOT_SUPPORTED}
+    g = gpu(0, processes=[(4242, GIB)], process_samples=[(1_000, 4242, 70, 20)],
+            errors=unsupported if how == "not supported" else {})
+    rig = Rig([g], clock, missing=() if how == "not supported" else (NEWER, OLDER))
+    asked = Counter()
+    for name in (NEWER, OLDER):
+        wrapped = getattr(rig.driver.binding, name, None)
+        if wrapped is not None:
+            setattr(rig.driver.binding, name,
+                    lambda *a, _n=name, _w=wrapped: asked.update([_n]) or _w(*a))
+    with caplog.at_level(logging.WARNING):
+        for _ in range(5):
+            rig.cycle()
+    assert shares(rig) == {}
+    assert asked[OLDER] == 1 and asked[NEWER] == (1 if hasattr(rig.driver.binding, NEWER) else 0)
+    assert rig.sampler.snapshot.gpus[0].sample.pids == (4242,)
+    assert rig.value("gputrain_gpu_power_watts") == 350.0
+    assert not caplog.records
+
+
+def test_a_newer_call_of_another_struct_version_gives_way_to_the_older_one(clock):
+    """ARGUMENT_VERSION_MISMATCH from nvmlDeviceGetProcessesUtilizationInfo (a struct version
+    this driver does not take): the older call serves from then on."""
+    g = gpu(0, processes=[(4242, GIB)], process_samples=[(1_000, 4242, 70, 20)],
+            errors={NEWER: fd.ARGUMENT_VERSION_MISMATCH})
+    rig = Rig([g], clock)
+    rig.cycle()
+    g.process_samples.append((2_000, 4242, 50, 20))
+    rig.cycle()
+    assert shares(rig) == approx_shares({4242: (0.5, 0.2)})
+    assert rig.calls[NEWER] == (1 if hasattr(rig.driver.binding, NEWER) else 0)
+    assert rig.calls[OLDER] == 2
+
+
+def test_samples_a_driver_should_not_give_are_dropped(clock):
+    """What nvtop met on real drivers: samples not newer than the timestamp asked for, values
+    over 100 % and pid 0 (an entry never written). They count for nothing."""
+    g = gpu(0, processes=[(4242, GIB)], process_samples_stale=True,
+            process_samples=[(1_000, 4242, 40, 10), (1_100, 0, 90, 0),
+                             (1_200, 4242, 2**32 - 1, 0)])
+    rig = Rig([g], clock)
+    rig.cycle()
+    assert shares(rig) == approx_shares({4242: (0.4, 0.1)})
+    g.process_samples.append((1_300, 4242, 80, 30))
+    rig.cycle()  # the driver answers the 1,000 us sample again: only the new one counts
+    assert shares(rig) == approx_shares({4242: (0.8, 0.3)})
+
+
+def test_mig_devices_have_no_per_process_utilisation_asked_once(clock):
+    """nvml.h: "On MIG-enabled GPUs, querying process utilization is not currently supported":
+    the GPU in MIG mode and its devices answer NOT_SUPPORTED, asked once each; a GPU beside
+    them that is not in MIG mode has its processes' shares."""
+    mig = h100_mig()
+    mig.mig[0].processes = [(4242, GIB)]
+    plain = h100_sxm(1, processes=[(5151, GIB)], process_samples=[(1_000, 5151, 64, 32)])
+    rig = Rig([mig, plain], clock)
+    for _ in range(4):
+        rig.cycle()
+    assert rig.indexes() == ["0", "0/0", "0/1", "1"]
+    assert all(shares(rig, i) == {} for i in ("0", "0/0", "0/1"))
+    rig.driver.gpus[1].process_samples.append((2_000, 5151, 50, 25))
+    rig.cycle()
+    assert shares(rig, "1") == approx_shares({5151: (0.5, 0.25)})
+    assert rig.calls[the_call(rig)] == 3 + 5  # each MIG-side device once, the plain GPU always
+
+
 # --- versioned calls ----------------------------------------------------------------------------
 
 def test_memory_comes_from_the_v2_call_and_falls_back_once_on_an_older_driver(clock, caplog):
@@ -782,10 +924,10 @@ def test_nvml_is_not_touched_at_import(monkeypatch):
     import exporter.reading.nvml
 
     driver = FakeDriver([gpu(0)])
-    fd.install(driver, pynvml)  # the global module, as Nvml() without a module loads it
-    for name in ("CDLL", "nvmlLib"):
+    for name in ("CDLL", "nvmlLib"):  # restored after the test: no later test meets the fake
         monkeypatch.setattr(pynvml, name, getattr(pynvml, name))
     monkeypatch.setattr(pynvml, "_nvmlGetFunctionPointer_cache", {})
+    fd.install(driver, pynvml)  # the global module, as Nvml() without a module loads it
     importlib.reload(exporter.reading.nvml)
     importlib.reload(exporter.reading.gpu_backends)
     assert driver.calls == {}

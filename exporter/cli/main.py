@@ -192,7 +192,8 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
 
     if settings["gpu.backend"] == "demo":
         backend = DemoBackend(settings["demo.gpus"], settings["demo.load"],
-                              memory_fault=settings["demo.memory-fault"])
+                              memory_fault=settings["demo.memory-fault"],
+                              foreign_load=settings["demo.foreign-load"])
         if store is not None:
             backend.follow(store.states)  # the laptop tour: training on the CPU uses a GPU
     else:

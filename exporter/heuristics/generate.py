@@ -2,7 +2,8 @@
 
 ``gputrain-exporter generate`` (in a checkout of the repository) rewrites them all: the rule
 files (all, and the node and global levels), the PrometheusRule, the promtool rule tests, the
-dashboards and their ConfigMap, the runbook and the alert and threshold tables of docs/alerts.md;
+dashboards and their ConfigMap, the runbook, the alert and threshold tables of docs/alerts.md
+and the GPU metric table of docs/metrics.md (from exporter/reading/gpu_metrics.py);
 ``--check`` lists the stale ones and exits 1 (a test does the same).
 ``gputrain-exporter dashboards --config FILE --out DIR`` writes the dashboards with your
 thresholds, selector and run labels.
@@ -20,6 +21,7 @@ from pathlib import Path
 from exporter.heuristics import dashboards
 from exporter.heuristics.catalogue import CATALOGUE, THRESHOLDS, fill, show
 from exporter.heuristics.rules import load_overrides, render, render_prometheusrule, settings
+from exporter.reading import gpu_metrics
 
 RUNBOOK_HEADER = """\
 # gputrain-exporter runbook
@@ -118,6 +120,7 @@ def committed(root: Path) -> dict[Path, Callable[[], str]]:
     """Every generated file of the checkout at ``root``, and how to make its content."""
     alerts_page = root / "docs" / "alerts.md"
     diagnose_page = root / "docs" / "diagnose.md"
+    metrics_page = root / "docs" / "metrics.md"
 
     def alerts_page_text() -> str:
         text = replace_block(alerts_page.read_text(), "alert table", alert_table())
@@ -133,6 +136,8 @@ def committed(root: Path) -> dict[Path, Callable[[], str]]:
         alerts_page: alerts_page_text,
         diagnose_page: lambda: replace_block(diagnose_page.read_text(), "decision order",
                                              decision_order()),
+        metrics_page: lambda: replace_block(metrics_page.read_text(), "GPU metric table",
+                                            gpu_metrics.doc_table()),
     }
     for name, d in dashboards.dashboards().items():
         files[root / "grafana" / "dashboards" / name] = lambda d=d: dashboards.render(d)

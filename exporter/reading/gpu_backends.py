@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from exporter.reading import nvml as fi
+from exporter.reading.gpu_metrics import DEMO_GAUGES, MIB, ONE_CALL, PCIE_LANE_BYTES_PER_SECOND
 from exporter.reading.nvml import (
     VALUE_MEMBER,
     VALUE_TYPE_MODULUS,
@@ -32,17 +33,6 @@ from exporter.reading.nvml import (
 )
 
 log = logging.getLogger(__name__)
-
-# Usable bytes per second per lane, by PCIe generation (after line encoding:
-# 8b/10b for gen 1-2, 128b/130b for gen 3-5, FLIT for gen 6).
-PCIE_LANE_BYTES_PER_SECOND = {
-    1: 250e6,
-    2: 500e6,
-    3: 984.6e6,
-    4: 1969.2e6,
-    5: 3938.5e6,
-    6: 7563.0e6,
-}
 
 # Cumulative clock-event (throttle) counters, in nanoseconds, by the `reason` label: fields
 # whose number never moved; the others from nvml.clock_event_fields, by the driver.
@@ -72,7 +62,6 @@ GPM_METRICS = {
     "nvlink_rx_mib_per_second": "NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC",
     "nvlink_tx_mib_per_second": "NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC",
 }
-MIB = 1024 * 1024
 NVML_VALUE_NOT_AVAILABLE = 2**64 - 1  # usedGpuMemory where the driver cannot tell (WDDM, MIG)
 # NVLink through field values: data (not raw) KiB counters summed over every link (scope
 # UINT_MAX), the links present and the common per-link speed (MB/s)
@@ -91,9 +80,10 @@ REMAP_STATES = ("correctable", "uncorrectable", "pending", "failed")
 COMPUTE_PROCESS_VARIANTS = (("nvmlDeviceGetComputeRunningProcesses_v3", {}),
                             ("nvmlDeviceGetComputeRunningProcesses_v2", {}),
                             ("nvmlDeviceGetComputeRunningProcesses", {}))
-# nvmlDeviceGetTemperature is deprecated in the 13.0 header; V from the 12.8 header (driver 570)
-TEMPERATURE_VARIANTS = (("nvmlDeviceGetTemperatureV", {}), ("nvmlDeviceGetTemperature", {}))
-NVML_TEMPERATURE_GPU = 0
+# newest first: nvmlDeviceGetProcessesUtilizationInfo is in the 12.4 header (driver 550, go-nvml
+# f7ceebd) and nvidia-ml-py 12.550 on; both take the last seen timestamp (CPU microseconds)
+PROCESS_UTILIZATION_VARIANTS = (("nvmlDeviceGetProcessesUtilizationInfo", {}),
+                                ("nvmlDeviceGetProcessUtilization", {}))
 # the GPU's own best generation (the 12.0 header, driver 525): a second opinion, not missed
 GPU_MAX_PCIE_GENERATION = (("nvmlDeviceGetGpuMaxPcieLinkGeneration", {}),)
 
@@ -122,8 +112,9 @@ class GpuSample:
     """One reading of one GPU. None means "not available": the metric is left out.
 
     Units: ratios 0-1, bytes, watts, joules, hertz, degrees Celsius, seconds.
-    Cumulative values (energy, PCIe bytes, clock-event seconds) are the source's own counters;
-    the sampler turns their deltas into the exported counters.
+    The ``*_counter_*`` fields and ``ecc_volatile_errors`` are the source's own cumulative
+    counters (they may start anywhere, wrap or reset with the driver); the sampler turns their
+    increases into the exported counters of GpuState, which has the name without ``counter``.
     """
 
     timestamp: float
@@ -136,32 +127,32 @@ class GpuSample:
     memory_total_bytes: float | None = None
     power_watts: float | None = None
     power_limit_watts: float | None = None
-    energy_joules: float | None = None
-    pcie_rx_bytes: float | None = None
-    pcie_tx_bytes: float | None = None
+    energy_counter_joules: float | None = None
+    pcie_rx_counter_bytes: float | None = None
+    pcie_tx_counter_bytes: float | None = None
     pcie_rx_bytes_per_second: float | None = None
     pcie_tx_bytes_per_second: float | None = None
     pcie_link_max_bytes_per_second: float | None = None  # the link at its best
-    pcie_link_bytes_per_second: float | None = None  # as trained now (it trains down idle)
+    pcie_link_current_bytes_per_second: float | None = None  # as trained now (it trains down idle)
     temperature_celsius: float | None = None
     clocks_hertz: dict[str, float] = field(default_factory=dict)
-    clock_event_seconds: dict[str, float] = field(default_factory=dict)
+    clock_event_counter_seconds: dict[str, float] = field(default_factory=dict)
     pids: tuple[int, ...] = ()
     process_memory: dict[int, float] = field(default_factory=dict)  # pid -> bytes it holds
-    # pid -> (SM busy, memory-bandwidth busy or None), ratios 0-1, each the mean of NVML's
-    # per-process samples newer than the previous reading of this GPU; a pid with no new
-    # sample is absent, and so is every pid where the driver gives none
+    # pid -> (SM busy ratio, memory-bandwidth ratio or None): the means of the source's
+    # per-process samples since the last reading; a pid without a new sample is absent
     process_utilization: dict[int, tuple[float, float | None]] = field(default_factory=dict)
-    nvlink_rx_bytes: float | None = None  # cumulative, all links (field values)
-    nvlink_tx_bytes: float | None = None
+    nvlink_rx_counter_bytes: float | None = None  # cumulative, all links (field values)
+    nvlink_tx_counter_bytes: float | None = None
     nvlink_rx_bytes_per_second: float | None = None  # or rates (GPM)
     nvlink_tx_bytes_per_second: float | None = None
     nvlink_links: int | None = None  # active links; None (and no NVLink series) without any
     nvlink_link_max_bytes_per_second: float | None = None  # per link and direction
-    ecc_errors: dict[str, float] = field(default_factory=dict)  # volatile counts, by type
+    ecc_volatile_errors: dict[str, float] = field(default_factory=dict)  # by type
     remapped_rows: dict[str, float] = field(default_factory=dict)  # by REMAP_STATES
     retired_pages: dict[str, float] = field(default_factory=dict)  # by cause (pre-Ampere)
     retired_pages_pending: float | None = None
+    performance_state: float | None = None  # 0 (P0) to 15
 
 
 class GpuBackend(Protocol):
@@ -220,6 +211,7 @@ class _NvmlDevice:
         self.throttle: dict[str, tuple[float, float]] = {}  # reason -> (at, ns) from a field
         self.throttle_source: dict[str, str] = {}  # reason -> "field" or "violation"
         self.nvlink_present = 0
+        self.process_seen_us = 0  # the newest per-process utilisation sample read
 
 
 def _link(gen: Any, width: Any) -> float | None:
@@ -377,14 +369,9 @@ class NvmlBackend:
         mem = nv.call_versioned(self._memory_variants, h, device=key)
         if mem is not None:
             s.memory_used_bytes, s.memory_total_bytes = float(mem.used), float(mem.total)
-        power_mw = nv.call("nvmlDeviceGetPowerUsage", h, device=key)
-        s.power_watts = None if power_mw is None else power_mw / 1000.0
-        limit_mw = nv.call("nvmlDeviceGetEnforcedPowerLimit", h, device=key)
-        s.power_limit_watts = None if limit_mw is None else limit_mw / 1000.0
+        self._one_call_readings(dev, s)
         energy_mj = nv.call("nvmlDeviceGetTotalEnergyConsumption", h, device=key)
-        s.energy_joules = None if energy_mj is None else energy_mj / 1000.0
-        s.temperature_celsius = _float(nv.call_versioned(
-            TEMPERATURE_VARIANTS, h, NVML_TEMPERATURE_GPU, device=key))
+        s.energy_counter_joules = None if energy_mj is None else energy_mj / 1000.0
         for clock, const in (("sm", "NVML_CLOCK_SM"), ("memory", "NVML_CLOCK_MEM")):
             mhz = nv.call("nvmlDeviceGetClockInfo", h, getattr(lib, const), device=key)
             if mhz is not None:
@@ -405,7 +392,23 @@ class NvmlBackend:
                 used = getattr(p, "usedGpuMemory", None)
                 if used is not None and used < NVML_VALUE_NOT_AVAILABLE:
                     s.process_memory[int(p.pid)] = s.process_memory.get(int(p.pid), 0.0) + used
+        s.process_utilization = self._process_utilization(dev)
         return s
+
+    def _one_call_readings(self, dev: _NvmlDevice, s: GpuSample) -> None:
+        """The gauges whose reading is one NVML call, as their descriptors say
+        (gpu_metrics.NvmlRead): where the driver has several variants, the newest it
+        answers."""
+        nv, h, key = self.nvml, dev.handle, dev.identity.index
+        for m in ONE_CALL:
+            read = m.nvml
+            if len(read.functions) == 1:
+                got = nv.call(read.functions[0], h, *read.args, device=key)
+            else:
+                got = nv.call_versioned([(f, {}) for f in read.functions], h, *read.args,
+                                        device=key)
+            if got is not None and got != read.unknown:
+                setattr(s, m.attr, float(got) / read.per)
 
     def _utilization(self, dev: _NvmlDevice) -> float | None:
         """Mean of NVML's utilisation sample buffer since the last reading, as a ratio."""
@@ -423,6 +426,22 @@ class NvmlBackend:
         rates = nv.call("nvmlDeviceGetUtilizationRates", dev.handle, device=key)
         return None if rates is None else _ratio(rates.gpu)
 
+    def _process_utilization(self, dev: _NvmlDevice) -> dict[int, tuple[float, float | None]]:
+        """pid -> (SM busy ratio, memory-bandwidth ratio): the means of NVML's per-process
+        samples newer than the last one read (NVML gives one per sample period to a process
+        that had some utilisation in it). NOT_FOUND (no new sample) and an unsupported call
+        (asked once) read as no pid. Dropped, as nvtop drops them (its issue 110, real
+        drivers): samples not newer than the timestamp asked for, values over 100 %, pid 0."""
+        got = self.nvml.call_versioned(PROCESS_UTILIZATION_VARIANTS, dev.handle,
+                                       dev.process_seen_us, device=dev.identity.index)
+        since, fresh = dev.process_seen_us, {}
+        for x in got or ():
+            if x.timeStamp > since and x.pid and x.smUtil <= 100 and x.memUtil <= 100:
+                fresh.setdefault(int(x.pid), []).append((x.smUtil, x.memUtil))
+                dev.process_seen_us = max(dev.process_seen_us, int(x.timeStamp))
+        return {pid: (_ratio(sum(sm for sm, _ in v) / len(v)),
+                      _ratio(sum(mem for _, mem in v) / len(v))) for pid, v in fresh.items()}
+
     def _pcie_link(self, dev: _NvmlDevice, s: GpuSample) -> None:
         """The link's capacity at its best (the denominator of the host-to-device rule: a link
         trains down when idle) and as it is trained now."""
@@ -435,7 +454,7 @@ class NvmlBackend:
             width = nv.call("nvmlDeviceGetMaxPcieLinkWidth", h, device=key)
             dev.pcie_max = _link(min(gens), width) if gens else None
         s.pcie_link_max_bytes_per_second = dev.pcie_max
-        s.pcie_link_bytes_per_second = _link(
+        s.pcie_link_current_bytes_per_second = _link(
             nv.call("nvmlDeviceGetCurrPcieLinkGeneration", h, device=key),
             nv.call("nvmlDeviceGetCurrPcieLinkWidth", h, device=key))
 
@@ -451,14 +470,14 @@ class NvmlBackend:
         for label, fid in events.items():
             if fid in values and self._throttle_trusted(dev, label, fid, values[fid],
                                                         s.timestamp):
-                s.clock_event_seconds[label] = float(values[fid].value) / 1e9
+                s.clock_event_counter_seconds[label] = float(values[fid].value) / 1e9
                 dev.throttle_source[label] = "field"
         for label, policy in VIOLATION_POLICIES.items():
-            if label in s.clock_event_seconds or dev.throttle_source.get(label) == "field":
+            if label in s.clock_event_counter_seconds or dev.throttle_source.get(label) == "field":
                 continue
             v = nv.call("nvmlDeviceGetViolationStatus", dev.handle, policy, device=key)
             if v is not None:
-                s.clock_event_seconds[label] = float(v.violationTime) / 1e9
+                s.clock_event_counter_seconds[label] = float(v.violationTime) / 1e9
                 dev.throttle_source[label] = "violation"
         if nvlink:
             self._nvlink(dev, s, nvlink, values)
@@ -466,7 +485,7 @@ class NvmlBackend:
         if rx is None or tx is None:
             return False
         if rx.value_type == VALUE_TYPE_ULONGLONG:
-            s.pcie_rx_bytes, s.pcie_tx_bytes = float(rx.value), float(tx.value)
+            s.pcie_rx_counter_bytes, s.pcie_tx_counter_bytes = float(rx.value), float(tx.value)
             return True
         return self._pcie_wrapping(dev, s, rx.value, tx.value,
                                    VALUE_TYPE_MODULUS.get(rx.value_type))
@@ -545,8 +564,8 @@ class NvmlBackend:
         if speed is not None and speed.value:
             s.nvlink_link_max_bytes_per_second = float(speed.value) * 1e6
         if ids["rx"] in values and ids["tx"] in values:  # KiB
-            s.nvlink_rx_bytes = float(values[ids["rx"]].value) * 1024
-            s.nvlink_tx_bytes = float(values[ids["tx"]].value) * 1024
+            s.nvlink_rx_counter_bytes = float(values[ids["rx"]].value) * 1024
+            s.nvlink_tx_counter_bytes = float(values[ids["tx"]].value) * 1024
 
     def _memory_health(self, dev: _NvmlDevice, s: GpuSample) -> None:
         """ECC error counts (volatile: since the driver loaded), row remapping (Ampere and
@@ -559,7 +578,7 @@ class NvmlBackend:
             n = nv.call("nvmlDeviceGetTotalEccErrors", h, getattr(lib, const), volatile,
                         device=key, query=("ecc", label))
             if n is not None:
-                s.ecc_errors[label] = float(n)
+                s.ecc_volatile_errors[label] = float(n)
         rows = nv.call("nvmlDeviceGetRemappedRows", h, device=key)
         if rows is not None:
             s.remapped_rows = {state: float(v) for state, v in zip(REMAP_STATES, rows,
@@ -640,7 +659,7 @@ class NvmlBackend:
         for n in ("sm_active", "sm_occupancy", "tensor_active", "dram_active"):
             if n in values:
                 setattr(s, n, _ratio(values[n]))
-        if dev.nvlink_present and s.nvlink_rx_bytes is None \
+        if dev.nvlink_present and s.nvlink_rx_counter_bytes is None \
                 and "nvlink_rx_mib_per_second" in values:
             s.nvlink_rx_bytes_per_second = values["nvlink_rx_mib_per_second"] * MIB
             s.nvlink_tx_bytes_per_second = values.get("nvlink_tx_mib_per_second", 0.0) * MIB
@@ -657,7 +676,7 @@ class NvmlBackend:
 
     def _pcie_fallback(self, dev: _NvmlDevice, s: GpuSample) -> None:
         """The throughput call, last: it blocks ~20 ms per direction (its sampling window)."""
-        if s.pcie_rx_bytes is not None or s.pcie_rx_bytes_per_second is not None:
+        if s.pcie_rx_counter_bytes is not None or s.pcie_rx_bytes_per_second is not None:
             return
         if dev.gpm_supported and not dev.gpm_closed:
             return  # GPM gives the rates from its first full window on
@@ -723,38 +742,34 @@ class NvmlBackend:
         self.nvml.shutdown()  # after the calls still in flight (the Xid wait, a slow GPU)
 
 
-def _float(v: Any) -> float | None:
-    return None if v is None else float(v)
-
-
 class DemoBackend:
     """Simulated H100 SXM GPUs whose load moves over time (or is pinned with ``load``).
 
-    The fixed values are what NVML reports on an H100 SXM5 80GB (the fake driver's
-    ``h100_sxm`` in tests/fake_nvml.py names the public nvidia-smi outputs they come from), so
-    dashboards and alerts behave as they would on hardware. ``load`` in 0-1 pins every GPU at
-    that busy ratio; None lets each GPU follow its own slow wave.
+    Each gauge's value is its descriptor's (gpu_metrics: a figure of an H100 SXM5 80GB as NVML
+    reports it, or a function of the GPU's busy ratio), so dashboards and alerts behave as they
+    would on hardware; the counters, clocks and memory health are simulated here from those.
+    ``load`` in 0-1 pins every GPU at that busy ratio; None lets each GPU follow its own slow
+    wave, or the processes on it (:meth:`follow`, ``foreign_load``). ``foreign_load`` in 0-1
+    puts a process no rank owns (:attr:`FOREIGN_PID`, holding :attr:`FOREIGN_MEMORY`) on GPU 0,
+    busy that share of the time.
     """
 
     name = "demo"
     driver_version = "demo"
-    MEMORY_TOTAL = 81559 * MIB  # what NVML reports of the 80 GB of HBM3
-    POWER_LIMIT = 700.0
-    IDLE_POWER = 70.0
     SM_CLOCK_MAX, SM_CLOCK_IDLE, MEMORY_CLOCK = 1980e6, 1155e6, 2619e6
-    PCIE_GENERATION, PCIE_WIDTH = 5, 16
-
-    NVLINK_LINKS = 18  # NVLink 4: 18 links of 26,562 MB/s per direction (NVML's figure)
-    NVLINK_LINK_SPEED = 26_562e6
     ECC_EVERY_SECONDS = 600.0  # the last demo GPU corrects one ECC error this often
+    FOREIGN_PID = 2**22 + 7  # over Linux's largest pid: no real process is it or its parent
+    FOREIGN_MEMORY = 4 * 1024 * MIB
 
     def __init__(self, gpus: int = 8, load: float | None = None,
                  clock: Callable[[], float] = time.monotonic, host: str | None = None,
-                 memory_fault: bool = False) -> None:
-        if load is not None and not 0.0 <= load <= 1.0:
-            raise ValueError(f"demo load must be between 0 and 1, got {load}")
+                 memory_fault: bool = False, foreign_load: float | None = None) -> None:
+        for what, ratio in (("load", load), ("foreign load", foreign_load)):
+            if ratio is not None and not 0.0 <= ratio <= 1.0:
+                raise ValueError(f"demo {what} must be between 0 and 1, got {ratio}")
         self.gpus = gpus
         self.load = load
+        self.foreign_load = foreign_load
         self._clock = clock
         self._start = clock()
         self._last: dict[str, float] = {}
@@ -765,7 +780,7 @@ class DemoBackend:
         self._host = host or socket.gethostname()  # demo UUIDs differ between nodes
         self._ranks: Callable[[], Iterable[Any]] | None = None
         self._rates: dict[tuple, tuple[float, float, float]] = {}  # rank -> (at, compute, busy)
-        self._work: tuple[float, dict[str, tuple[tuple[int, ...], float]]] = (-1.0, {})
+        self._work: tuple[float, dict[str, dict[int, float]]] = (-1.0, {})
         self._work_lock = threading.Lock()
 
     def follow(self, ranks: Callable[[], Iterable[Any]]) -> None:
@@ -776,7 +791,8 @@ class DemoBackend:
         or UUID) uses those; any other rank with a pid uses GPU ``rank % gpus`` (rank 0 on
         GPU 0). The load is the share of wall time the rank spent in steps but not waiting
         for data, from its last two pushes; a rank that stopped pushing leaves its GPU idle
-        but held. A pinned ``load`` still wins."""
+        but held. A GPU's load is its processes' shares added up (at most 1); a pinned
+        ``load`` still wins, the shares then scaled to it."""
         self._ranks = ranks
         # what a rank may name a demo GPU by -> its index
         self._refs = {**{str(i): str(i) for i in range(self.gpus)},
@@ -799,15 +815,14 @@ class DemoBackend:
             return self.load
         return 0.55 + 0.4 * math.sin(t / 60.0 + index * 0.7)
 
-    def _workload(self, now: float) -> dict[str, tuple[tuple[int, ...], float]]:
-        """GPU index -> (pids, summed busy share) of the ranks followed, once per cycle."""
+    def _workload(self, now: float) -> dict[str, dict[int, float]]:
+        """GPU index -> {pid: busy share} of the ranks followed, once per cycle."""
         with self._work_lock:
             at, work = self._work
             if now - at < 0.2 or self._ranks is None:
                 return work
             refs = self._refs
-            pids: dict[str, list[int]] = {}
-            busy: dict[str, float] = {}
+            work = {}
             rates = {}
             for st in self._ranks():
                 if st.pid is None:
@@ -819,10 +834,9 @@ class DemoBackend:
                 key = (st.run, st.rank, st.run_id)
                 rates[key] = share = self._busy_share(key, st, now)
                 for index in mine:
-                    pids.setdefault(index, []).append(st.pid)
-                    busy[index] = busy.get(index, 0.0) + share[2] / len(mine)
+                    on = work.setdefault(index, {})
+                    on[st.pid] = on.get(st.pid, 0.0) + share[2] / len(mine)
             self._rates = rates
-            work = {i: (tuple(p), min(1.0, busy[i])) for i, p in pids.items()}
             self._work = (now, work)
             return work
 
@@ -846,62 +860,57 @@ class DemoBackend:
         now = self._clock()
         i = int(gpu.index)
         load = self.load_of(i, now - self._start)
-        pids, followed = self._workload(now).get(gpu.index, ((), None))
-        if followed is not None and self.load is None:
-            load = followed
+        shares = dict(self._workload(now).get(gpu.index, {}))  # pid -> busy share
+        ranks = tuple(shares)
+        if i == 0 and self.foreign_load is not None:
+            shares[self.FOREIGN_PID] = self.foreign_load
+        busy = sum(shares.values())
+        if shares and self.load is None:
+            load = min(1.0, busy)
+        scale = load / busy if busy > 0 else 0.0  # as a GPU shared in time: they add up
         dt = now - self._last.get(gpu.index, now)
         self._last[gpu.index] = now
-        power = self.IDLE_POWER + (self.POWER_LIMIT * 0.9 - self.IDLE_POWER) * load
-        self._energy[gpu.index] = self._energy.get(gpu.index, 0.0) + power * dt
-        link = PCIE_LANE_BYTES_PER_SECOND[self.PCIE_GENERATION] * self.PCIE_WIDTH
+        s = GpuSample(timestamp=now, pids=tuple(shares))
+        for m in DEMO_GAUGES:
+            setattr(s, m.attr, m.demo_value(load))
+        # as NVML, only the processes busy in the window have a sample
+        s.process_utilization = {pid: (share * scale, s.dram_active * share * scale / load)
+                                 for pid, share in shares.items() if share * scale > 0}
+        self._energy[gpu.index] = self._energy.get(gpu.index, 0.0) + s.power_watts * dt
+        s.energy_counter_joules = self._energy[gpu.index]
+        link = s.pcie_link_max_bytes_per_second
         rx_rate, tx_rate = 0.08 * link * load, 0.01 * link * load
         pcie = self._pcie.setdefault(gpu.index, [0.0, 0.0])
         pcie[0] += rx_rate * dt
         pcie[1] += tx_rate * dt
+        s.pcie_rx_counter_bytes, s.pcie_tx_counter_bytes = pcie
         # gradients all-reduced over NVLink while busy: a third of the links' bandwidth at full load
-        nvlink_rate = 0.33 * self.NVLINK_LINKS * self.NVLINK_LINK_SPEED * load
+        nvlink_rate = 0.33 * s.nvlink_links * s.nvlink_link_max_bytes_per_second * load
         nvlink = self._nvlink.setdefault(gpu.index, [0.0, 0.0])
         nvlink[0] += nvlink_rate * dt
         nvlink[1] += nvlink_rate * dt
+        s.nvlink_rx_counter_bytes, s.nvlink_tx_counter_bytes = nvlink
         # the last GPU has remapped a row and corrects an ECC error now and then; with
         # memory_fault it has an uncorrectable error and a remap waiting for a reset
         last = i == self.gpus - 1
         fault = last and self.memory_fault
-        ecc = {"corrected": float(int((now - self._start) / self.ECC_EVERY_SECONDS)) if last
-               else 0.0, "uncorrected": 1.0 if fault else 0.0}
-        remapped = {"correctable": 1.0 if last else 0.0, "uncorrectable": 1.0 if fault else 0.0,
-                    "pending": 1.0 if fault else 0.0, "failed": 0.0}
-        return GpuSample(
-            timestamp=now,
-            nvlink_rx_bytes=nvlink[0],
-            nvlink_tx_bytes=nvlink[1],
-            nvlink_links=self.NVLINK_LINKS,
-            nvlink_link_max_bytes_per_second=self.NVLINK_LINK_SPEED,
-            ecc_errors=ecc,
-            remapped_rows=remapped,
-            utilization=load,
-            sm_active=0.85 * load,
-            sm_occupancy=0.45 * load,
-            tensor_active=0.35 * load,
-            dram_active=0.5 * load,
-            memory_used_bytes=self.MEMORY_TOTAL * (0.05 + 0.7 * min(1.0, load * 1.5)),
-            memory_total_bytes=float(self.MEMORY_TOTAL),
-            power_watts=power,
-            power_limit_watts=self.POWER_LIMIT,
-            energy_joules=self._energy[gpu.index],
-            pcie_rx_bytes=pcie[0],
-            pcie_tx_bytes=pcie[1],
-            pcie_link_max_bytes_per_second=link,
-            pcie_link_bytes_per_second=link,
-            temperature_celsius=32.0 + 40.0 * load,
-            clocks_hertz={"sm": self.SM_CLOCK_IDLE + (self.SM_CLOCK_MAX - self.SM_CLOCK_IDLE)
-                          * load, "memory": self.MEMORY_CLOCK},
-            clock_event_seconds={"sw_power_cap": 0.0, "hw_thermal_slowdown": 0.0},
-            pids=pids,
-            # the ranks on it hold what the simulated GPU uses, less a context's 512 MiB
-            process_memory={pid: max(0.0, self.MEMORY_TOTAL * (0.05 + 0.7 * min(1.0, load * 1.5))
-                                     - 512 * MIB) / len(pids) for pid in pids},
-        )
+        s.ecc_volatile_errors = {
+            "corrected": float(int((now - self._start) / self.ECC_EVERY_SECONDS)) if last
+            else 0.0, "uncorrected": 1.0 if fault else 0.0}
+        s.remapped_rows = {"correctable": 1.0 if last else 0.0,
+                           "uncorrectable": 1.0 if fault else 0.0,
+                           "pending": 1.0 if fault else 0.0, "failed": 0.0}
+        s.clocks_hertz = {"sm": self.SM_CLOCK_IDLE + (self.SM_CLOCK_MAX - self.SM_CLOCK_IDLE)
+                          * load, "memory": self.MEMORY_CLOCK}
+        s.clock_event_counter_seconds = {"sw_power_cap": 0.0, "hw_thermal_slowdown": 0.0}
+        # the ranks on it hold what the simulated GPU uses, less a context's 512 MiB
+        s.process_memory = {pid: max(0.0, s.memory_used_bytes - 512 * MIB) / len(ranks)
+                            for pid in ranks}
+        if self.FOREIGN_PID in shares:
+            s.process_memory[self.FOREIGN_PID] = float(self.FOREIGN_MEMORY)
+            s.memory_used_bytes = min(s.memory_total_bytes,
+                                      s.memory_used_bytes + self.FOREIGN_MEMORY)
+        return s
 
     def reopen(self, gpu: GpuIdentity) -> bool:
         return True

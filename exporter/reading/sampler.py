@@ -42,8 +42,10 @@ class CollectorStatus:
 class GpuState:
     """One GPU in a snapshot: its latest reading and its integrated counters.
 
-    A counter is None until its source has given a value, so that a GPU without, say,
-    an energy counter exports no energy series rather than a zero.
+    Each counter here is the exported one: it counts from the exporter's start and never goes
+    down, whatever its source did (the source's own counters are GpuSample's ``*_counter_*``
+    and ``ecc_volatile_errors``). A counter is None until its source has given a value, so
+    that a GPU without, say, an energy counter exports no energy series rather than a zero.
     """
 
     identity: GpuIdentity
@@ -98,13 +100,14 @@ def _integrate_link(st: GpuState, sample: GpuSample, prev: GpuSample | None, lin
     """Add a link's received and transmitted bytes since ``prev`` to the GPU's counters
     (``<link>_rx_bytes``, ``<link>_tx_bytes``): the source's rates (bytes/s) times the ``dt``
     seconds seen where it gives rates (the backend gives them where they are the better
-    source, as GPM's for PCIe), else the increase of its cumulative counters."""
-    rx, tx = getattr(sample, f"{link}_rx_bytes"), getattr(sample, f"{link}_tx_bytes")
+    source, as GPM's for PCIe), else the increase of its own cumulative counters
+    (``<link>_rx_counter_bytes``, ``<link>_tx_counter_bytes``)."""
+    rx, tx = (getattr(sample, f"{link}_{d}_counter_bytes") for d in ("rx", "tx"))
     if getattr(sample, f"{link}_rx_bytes_per_second") is not None:
         add = (getattr(sample, f"{link}_rx_bytes_per_second") * dt,
                (getattr(sample, f"{link}_tx_bytes_per_second") or 0.0) * dt)
     elif rx is not None and tx is not None:
-        before = (getattr(prev, f"{link}_rx_bytes"), getattr(prev, f"{link}_tx_bytes")) \
+        before = tuple(getattr(prev, f"{link}_{d}_counter_bytes") for d in ("rx", "tx")) \
             if prev else (None, None)
         add = (_delta(rx, before[0]), _delta(tx, before[1]))
     else:
@@ -398,24 +401,24 @@ class Sampler:
         st.sampled_seconds += dt_seen
         if sample.utilization is not None:
             st.busy_seconds = (st.busy_seconds or 0.0) + sample.utilization * dt_seen
-        if sample.energy_joules is not None:
-            inc = _delta(sample.energy_joules, prev.energy_joules if prev else None)
+        if sample.energy_counter_joules is not None:
+            inc = _delta(sample.energy_counter_joules, prev.energy_counter_joules if prev else None)
             st.energy_joules = (st.energy_joules or 0.0) + inc
         elif sample.power_watts is not None:
             st.energy_joules = (st.energy_joules or 0.0) + sample.power_watts * dt_seen
         for link in ("pcie", "nvlink"):  # bytes each way: the source's counters, else rates
             _integrate_link(st, sample, prev, link, dt_seen)
-        for kind, count in sample.ecc_errors.items():
-            before = prev.ecc_errors.get(kind) if prev else None
+        for kind, count in sample.ecc_volatile_errors.items():
+            before = prev.ecc_volatile_errors.get(kind) if prev else None
             if kind not in st.ecc_errors:
                 st.ecc_errors[kind] = count  # the errors since the driver loaded
             else:
                 st.ecc_errors[kind] += _delta(count, before)
         _integrate_processes(st, sample, dt_seen)
-        for reason in set(st.clock_event_seconds) - set(sample.clock_event_seconds):
+        for reason in set(st.clock_event_seconds) - set(sample.clock_event_counter_seconds):
             del st.clock_event_seconds[reason]  # its source was found untrustworthy: gone
-        for reason, seconds in sample.clock_event_seconds.items():
-            before = prev.clock_event_seconds.get(reason) if prev else None
+        for reason, seconds in sample.clock_event_counter_seconds.items():
+            before = prev.clock_event_counter_seconds.get(reason) if prev else None
             st.clock_event_seconds[reason] = st.clock_event_seconds.get(reason, 0.0) + _delta(
                 seconds, before)
         st.sample = sample
