@@ -141,11 +141,15 @@ class Reference:
 
 def test_training_lines_are_what_prometheus_client_writes_in_both_formats():
     clock = FakeClock()
+    # rank 1's process 4242 and a stranger, 5151, take turns on GPU 0: their busy seconds
     gpus = [FakeGpu(uuid="GPU-00000000-aaaa-bbbb-cccc-000000000000",
-                    processes=[(4242, 2**30)]),
+                    processes=[(4242, 2**30), (5151, 2**29)]),
             FakeGpu(uuid="GPU-11111111-aaaa-bbbb-cccc-111111111111", bus_id="00000000:28:00.0")]
     sampler = Sampler(NvmlBackend(Nvml(FakeDriver(gpus, clock=clock).binding), clock=clock),
                       None, clock=clock)
+    sampler.run_once()
+    clock.advance(1.0)
+    gpus[0].process_samples = [(2_000_000, 4242, 40, 20), (2_000_000, 5151, 25, 10)]
     sampler.run_once()
     store = IngestStore(clock=clock)
     push(store)  # nothing optional
@@ -171,6 +175,11 @@ def test_training_lines_are_what_prometheus_client_writes_in_both_formats():
     assert collector.render(False) == generate_latest(registry)
     line = b'gputrain_training_gpu_info{gpu="0",precision="bf16",rank="1",run="resnet18"'
     assert line in collector.render()
+    page = collector.render()
+    assert (b'gputrain_training_gpu_busy_seconds_total{gpu="0",rank="1",run="resnet18",'
+            b'uuid="GPU-00000000-aaaa-bbbb-cccc-000000000000"} 0.4\n') in page
+    assert (b'gputrain_gpu_unattributed_busy_seconds_total{gpu="0",'
+            b'uuid="GPU-00000000-aaaa-bbbb-cccc-000000000000"} 0.25\n') in page
     assert (b'gputrain_training_profile_info{rank="3",run="alpha",trace="/tmp/a \\"quoted\\" '
             b'\\\\ path.pt.trace.json.gz"} 1.7000000005e+09\n') in collector.render()
 

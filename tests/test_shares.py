@@ -100,3 +100,70 @@ def test_a_run_on_a_shared_gpu_is_named_with_its_share_and_the_others():
                  **{a["verdict"]: a["reason"] for a in rank["also"]}}
         assert found["gpu-shared"] == (f"GPU 0: busy {foreign} of the time with processes "
                                        "not this run's"), found
+
+
+def _busy(text: str) -> tuple[float, float, float, float]:
+    """(the GPU's busy seconds, the ranks' summed, the unattributed, the seconds watched) on a
+    /metrics page."""
+    from conftest import sample_value
+    from prometheus_client.parser import text_string_to_metric_families
+
+    ranks = sum(s.value for f in text_string_to_metric_families(text)
+                for s in f.samples if s.name == "gputrain_training_gpu_busy_seconds_total")
+    return (sample_value(text, "gputrain_gpu_busy_seconds_total", {"gpu": "0"}) or 0.0, ranks,
+            sample_value(text, "gputrain_gpu_unattributed_busy_seconds_total",
+                         {"gpu": "0"}) or 0.0,
+            sample_value(text, "gputrain_gpu_sampled_seconds_total", {"gpu": "0"}) or 0.0)
+
+
+def test_two_ranks_and_a_foreign_process_share_one_gpu_end_to_end(daemon_factory, tmp_path,
+                                                                   prometheus_factory):
+    """A demo GPU shared by two ranks of a run and a process no client reports (30 % of the
+    time): the ranks' and the unattributed busy seconds add up to the GPU's within 5 %, the
+    status view and top show the shares and name the sharing, and GpuTrainGPUShared fires in
+    a real Prometheus."""
+    import subprocess
+    import sys
+
+    import requests
+    from conftest import ROOT, rules_file, synthetic_client, wait_until
+
+    daemon = daemon_factory("--gpu.backend=demo", "--demo.gpus=1", "--demo.foreign-load=0.3")
+    clients = [synthetic_client("pair", daemon.ingest_url, "--data-wait-ms", "30",
+                                "--compute-ms", "10", rank=r, gpu=0) for r in (0, 1)]
+    try:
+        first = wait_until(lambda: (t := _busy(daemon.metrics()))[1] > 0 and t[2] > 0 and t,
+                           timeout=60, what="both ranks' and the foreign busy seconds")
+        wait_until(lambda: _busy(daemon.metrics())[0] - first[0] > 10, timeout=60,
+                   what="ten more busy seconds of the GPU")
+        last = _busy(daemon.metrics())
+        gpu, ranks, foreign, watched = (b - a for a, b in zip(first, last, strict=True))
+        assert ranks + foreign == pytest.approx(gpu, rel=0.05), (gpu, ranks, foreign)
+        assert foreign / watched == pytest.approx(0.3, abs=0.03)  # the foreign process's load
+
+        def judged() -> dict | None:
+            doc = requests.get(daemon.url + "/api/v1/status", timeout=10).json()
+            ranks = doc["runs"][0]["ranks"] if doc["runs"] else []
+            found = [{r["verdict"], *(a["verdict"] for a in r["also"])} for r in ranks]
+            return doc if len(found) == 2 and all("gpu-shared" in f for f in found) else None
+
+        doc = wait_until(judged, timeout=60, what="gpu-shared for both ranks")
+        shares = {(s["run"], s["rank"]) for s in doc["gpus"][0]["shares"]}
+        assert shares == {("pair", "0"), ("pair", "1"), (None, None)}
+        top = subprocess.run([sys.executable, "-m", "exporter", "top", "--once", "--url",
+                              daemon.url], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60)
+        assert top.returncode == 0 and "others " in top.stdout, top.stdout + top.stderr
+        assert "gpu-shared" in top.stdout
+        rules = rules_file(tmp_path, {"recording_interval": "1s",
+                                      "for": {"GpuTrainGPUShared": "1s"}})
+        prom = prometheus_factory([daemon.url.removeprefix("http://")],
+                                  rule_files=[str(rules)])
+        alerts = wait_until(lambda: prom.query(
+            'ALERTS{alertname="GpuTrainGPUShared",alertstate="firing"}'), timeout=90,
+            what="GpuTrainGPUShared firing")
+        assert {(a["metric"]["run"], a["metric"]["gpu"]) for a in alerts} == {("pair", "0")}
+    finally:
+        for c in clients:
+            c.kill()
+            c.wait()

@@ -444,6 +444,8 @@ def test_status_page_in_chromium_shows_the_gpus_and_the_verdict(busy_node, tmp_p
     assert 'data-verdict="input-bound"' in dom or (
         'data-verdict="cpu-preprocessing"' in dom and 'data-also="input-bound"' in dom)
     assert 'href="metrics"' in dom
+    # who uses GPU 0, with the rank's share of its time (the demo's per-process samples)
+    assert re.search(r'<td class="who">input-starved/0 \d+(\.\d+)?%</td>', dom), dom[-3000:]
     # a rank's GPUs by name: an index alone ("0") reads as a count
     assert re.search(r'<tr data-rank="0">.*?<td>GPU 0 \(H100 80GB HBM3 \(demo\)\)</td>', dom)
     assert policy_violations(run) == []
