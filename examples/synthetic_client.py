@@ -1,8 +1,9 @@
-"""A training loop without a model: sleeps stand in for the data loader, the GPU step and a
+r"""A training loop without a model: sleeps stand in for the data loader, the GPU step and a
 callback, measured by gputrain-exporter's client. It needs no torch and no GPU, so the demo
 stack (and anyone trying the dashboards) has a run to look at.
 
-    python3 examples/synthetic_client.py --run demo --data-wait-ms 30 --compute-ms 10
+    PYTHONPATH=. .venv/bin/python examples/synthetic_client.py --run demo \
+        --data-wait-ms 30 --compute-ms 10
 """
 
 from __future__ import annotations

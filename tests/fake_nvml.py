@@ -298,7 +298,8 @@ class FakeGpu:
     field_errors: dict[int, int] = field(default_factory=dict)
     lost: bool = False  # every call answers GPU_IS_LOST
     reset_required: bool = False  # every call answers RESET_REQUIRED
-    delay_s: float = 0.0  # every call on this GPU blocks this long (a hung GPU)
+    delay_s: float = 0.0  # every call on this GPU blocks this long (a slow GPU)
+    hold: threading.Event | None = None  # every call on this GPU waits for it (a hung GPU)
     mig: list[FakeGpu] | None = None  # MIG devices while MIG mode is on
     nvlink_present: int = 0  # NVML_FI_DEV_NVLINK_LINK_COUNT
     nvlink_down: set[int] = field(default_factory=set)  # present links not active
@@ -569,6 +570,8 @@ class FakeDriver:
             return INVALID_ARGUMENT  # a stale MIG handle, or garbage
         if gpu.delay_s:
             time.sleep(gpu.delay_s)
+        if gpu.hold is not None:
+            gpu.hold.wait(60.0)
         root = gpu.parent or gpu
         if root.lost or gpu.lost:
             return GPU_IS_LOST

@@ -42,10 +42,14 @@ _NUM = r"-?[\d.]+(?:e[+-]?\d+)?"
 _STEP = re.compile(rf"^({_NUM})(?:([+-])({_NUM[2:]}))?x(\d+)$")
 
 
-def expand(values: str) -> list[float]:
-    """promtool's expanding notation ('a+bxn' is a, a+b, ..., a+n*b; 'axn' is n+1 a's)."""
-    out: list[float] = []
+def expand(values: str) -> list[float | None]:
+    """promtool's expanding notation ('a+bxn' is a, a+b, ..., a+n*b; 'axn' is n+1 a's; '_' a
+    missing sample, '_xn' n of them)."""
+    out: list[float | None] = []
     for token in values.split():
+        if token == "_" or token.startswith("_x"):
+            out.extend([None] * (int(token[2:]) if token != "_" else 1))
+            continue
         m = _STEP.match(token)
         if not m:
             out.append(float(token))
@@ -76,8 +80,9 @@ def openmetrics(cases: list[rule_cases.Case]) -> str:
             pairs["job"] = job_of(i)
             text = ",".join(f'{k}="{v}"' for k, v in sorted(pairs.items()))
             for k, v in enumerate(expand(values)):
-                by_name.setdefault(name, []).append(
-                    f"{name}{{{text}}} {v!r} {BASE + k * interval}")
+                if v is not None:
+                    by_name.setdefault(name, []).append(
+                        f"{name}{{{text}}} {v!r} {BASE + k * interval}")
     return openmetrics_text(by_name)
 
 
@@ -120,7 +125,7 @@ def results(backfilled):
     (recording rules written inline) with the label sets it holds for."""
     rules_text = (ROOT / "alerts" / "gputrain.rules.yml").read_text()
     out: dict[str, tuple[list[dict], list[tuple[str, dict]]]] = {}
-    for at in sorted({c.fire_at for c in CASES}):
+    for at in sorted({t for c in CASES for t in (c.fire_at, c.quiet_at) if t}):
         t = BASE + duration(at)
         run = subprocess.run(
             [sys.executable, "-m", "exporter", "diagnose", "--prometheus", backfilled.url,
@@ -160,16 +165,21 @@ def alerts_for(rep: dict, conditions: list[tuple[str, dict]]) -> tuple[set[str],
     return verdicts, underused
 
 
-@pytest.mark.parametrize("i", range(len(CASES)), ids=[c.name[:70] for c in CASES])
-def test_diagnose_names_exactly_the_alerts_that_fire(results, i):
+# each case where its alerts must fire, and where they must not yet
+CHECKS = [(i, at) for i, c in enumerate(CASES) for at in (c.fire_at, c.quiet_at) if at]
+
+
+@pytest.mark.parametrize("i, at", CHECKS, ids=[f"{CASES[i].name[:64]} @{at}" for i, at in CHECKS])
+def test_diagnose_names_exactly_the_alerts_that_fire(results, i, at):
     case = CASES[i]
-    reports, conditions = results.get(f"{job_of(i)}@{case.fire_at}", ([], []))
-    fired = {(f.labels["run"], f.labels["rank"]) for f in case.fires if "rank" in f.labels}
-    assert fired <= {(r["run"], r["rank"]) for r in reports}, \
-        f"diagnose did not see every rank an alert fires for: {sorted(fired)}"
+    reports, conditions = results.get(f"{job_of(i)}@{at}", ([], []))
+    if at == case.fire_at:
+        fired = {(f.labels["run"], f.labels["rank"]) for f in case.fires if "rank" in f.labels}
+        assert fired <= {(r["run"], r["rank"]) for r in reports}, \
+            f"diagnose did not see every rank an alert fires for: {sorted(fired)}"
     for rep in reports:
         want, underused = alerts_for(rep, conditions)
-        if rep["run"] in BOUNDARY:
+        if rep["run"] in BOUNDARY and at == case.fire_at:
             assert (want, underused) == BOUNDARY[rep["run"]], "the boundary case moved"
         got = set(rep["findings"])
         who = f"run {rep['run']} rank {rep['rank']}"
@@ -182,6 +192,7 @@ def test_diagnose_names_exactly_the_alerts_that_fire(results, i):
             assert rep["status"] == "underutilized", f"{who}: {rep['status']}"
         else:
             assert rep["status"] in ("ok", "no-gpu-data"), f"{who}: {rep['status']}"
+            assert rep["verdict"] in ("gpu-bound", "paused", "no-gpu-data")
 
 
 # --- the daemon's own verdict (/, /api/v1/status, top) on the same seed scenarios --------------

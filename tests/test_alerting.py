@@ -140,8 +140,13 @@ def test_a_demo_memory_fault_fires_both_severities_on_the_last_gpu(daemon_factor
     """`--demo.memory-fault`, as a user tries the alert on a laptop: the last GPU's new
     uncorrectable error is critical, its pending remap a warning; the other GPU is quiet."""
     daemon = daemon_factory("--gpu.backend=demo", "--demo.gpus=2", "--demo.memory-fault")
+    # another node, healthy, where a run trains: diagnose --run of it is not about the fault
+    other = daemon_factory("--gpu.backend=demo", "--demo.gpus=1", "--demo.load=0.97")
+    client = synthetic_client("elsewhere", other.ingest_url, "--data-wait-ms", "0",
+                              "--compute-ms", "20")
     rules = rules_file(tmp_path, {"recording_interval": "1s"})
-    prom = prometheus_factory([daemon.url.removeprefix("http://")], rule_files=[str(rules)])
+    prom = prometheus_factory([d.url.removeprefix("http://") for d in (daemon, other)],
+                              rule_files=[str(rules)])
 
     def firing():
         got = prom.query('ALERTS{alertname="GpuTrainGPUMemoryFault",alertstate="firing"}')
@@ -158,9 +163,18 @@ def test_a_demo_memory_fault_fires_both_severities_on_the_last_gpu(daemon_factor
     assert "node" in out.stdout and "GPU 1: gpu-memory-fault (critical): 1 uncorrectable " \
         "ECC error(s)" in out.stdout, out.stdout + out.stderr
     doc = json.loads(diagnose("--prometheus", prom.url, "--json").stdout)
-    (node,) = doc["nodes"]
-    assert [(f["gpu"], f["name"], f["severity"]) for f in node["findings"]] == [
+    faulty = [n for n in doc["nodes"] if n["findings"]]
+    assert [(f["gpu"], f["name"], f["severity"]) for n in faulty for f in n["findings"]] == [
         ("1", "gpu-memory-fault", "critical")]
+    assert [n["instance"] for n in faulty] == [daemon.url.removeprefix("http://")]
+    try:
+        out = wait_until(lambda: (o := diagnose("--prometheus", prom.url, "--run",
+                                                "elsewhere")).stdout and o, timeout=60,
+                         what="diagnose of the other node's run")
+        assert "gpu-memory-fault" not in out.stdout and out.returncode == 0, out.stdout
+    finally:
+        client.kill()
+        client.wait()
 
 
 def test_diagnose_says_an_exporter_is_down(daemon_factory, prometheus_factory):

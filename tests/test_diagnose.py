@@ -1,4 +1,4 @@
-"""diagnose's decision order (HEURISTICS.md), on the seeds' numbers. Its queries and exit
+"""diagnose's decision order (docs/diagnose.md), on the case studies' numbers. Its queries and exit
 statuses against a real Prometheus are in test_alerting.py."""
 
 from __future__ import annotations
@@ -34,24 +34,24 @@ def judge_one(rep: RankReport, t: dict = T) -> RankReport:
 
 
 @pytest.mark.parametrize("case, rep, verdict", [
-    ("seed 003 num_workers=0", report(0.3165, 0.6, memory=0.056), "input-bound"),
-    ("seed 002 preprocessing overload", report(0.3, 0.7, cpu=0.96), "cpu-preprocessing"),
-    ("seed 002 network input", report(0.21, 0.778, net=0.92), "network-input"),
-    ("seed 001 disk", report(0.3, 0.5, iowait=0.3), "disk-io"),
-    ("seed 002 host-to-device copy", report(0.75, 0.03, pcie=0.6), "host-to-device"),
-    ("seed 002 heavy post-processing", report(0.46, 0.02, phases={"postprocess": 0.53}),
+    ("PyTorch ladder num_workers=0", report(0.3165, 0.6, memory=0.056), "input-bound"),
+    ("TensorFlow study, preprocessing overload", report(0.3, 0.7, cpu=0.96), "cpu-preprocessing"),
+    ("TensorFlow study, network input", report(0.21, 0.778, net=0.92), "network-input"),
+    ("profiler tricks, disk", report(0.3, 0.5, iowait=0.3), "disk-io"),
+    ("TensorFlow study, host-to-device copy", report(0.75, 0.03, pcie=0.6), "host-to-device"),
+    ("TensorFlow study, heavy post-processing", report(0.46, 0.02, phases={"postprocess": 0.53}),
      "host-overhead"),
-    ("seed 002 small batch", report(0.6, 0.02, memory=0.23), "small-batch"),
+    ("TensorFlow study, small batch", report(0.6, 0.02, memory=0.23), "small-batch"),
     ("idle GPU, data ready, nothing else", report(0.4, 0.01), "host-overhead"),
-    ("seed 003 before AMP", report(0.9751, 0.01, sm=0.7, tensor=0.0), "tensor-cores-idle"),
+    ("PyTorch ladder before AMP", report(0.9751, 0.01, sm=0.7, tensor=0.0), "tensor-cores-idle"),
     ("busy but tiny kernels", report(0.95, 0.01, power=0.25), "launch-bound"),
     ("85 % busy at 30 % power: LaunchBound fires", report(0.85, 0.01, power=0.3),
      "launch-bound"),
-    ("seed 003 after AMP", report(0.95, 0.01, sm=0.7, tensor=0.263), "gpu-bound"),
+    ("PyTorch ladder after AMP", report(0.95, 0.01, sm=0.7, tensor=0.263), "gpu-bound"),
     ("busy at 12 % MFU", report(0.95, 0.01, sm=0.7, tensor=0.3, mfu=0.12), "low-mfu"),
     ("busy at 38 % MFU (torchtitan's Llama 3.1 8B)", report(0.95, 0.01, mfu=0.38), "gpu-bound"),
     ("12 % MFU but 60 % busy: feed it first", report(0.6, 0.3, mfu=0.12), "input-bound"),
-    ("seed 002 inefficient GPU graph", report(0.97, 0.01, power=0.9), "gpu-bound"),
+    ("TensorFlow study, inefficient GPU graph", report(0.97, 0.01, power=0.9), "gpu-bound"),
 ])
 def test_decision_order(case, rep, verdict):
     judged = judge_one(rep)

@@ -487,25 +487,33 @@ def test_no_library_at_all_is_library_not_found(clock, monkeypatch):
         backend.start()
 
 
-def test_a_hung_gpu_does_not_hold_up_the_others():
-    real_clock = time.monotonic
+def test_a_hung_gpu_does_not_hold_up_the_others(clock):
+    """A GPU whose calls never return: the others' readings come on time, the hung one is
+    marked down after three intervals without an answer, and comes back once it answers.
+    The sampler's clock is a fake one (the three intervals), its waits real but long enough
+    for a loaded machine; the hung GPU waits on an event, not a timer."""
     gpus = [gpu(0), gpu(1)]
     driver = FakeDriver(gpus)
-    sampler = Sampler(NvmlBackend(Nvml(driver.binding)), None, interval=0.2,
-                      collectors={"gpu"}, clock=real_clock)
+    sampler = Sampler(NvmlBackend(Nvml(driver.binding), clock=clock), None, interval=2.0,
+                      collectors={"gpu"}, clock=clock)
     sampler.run_once()
-    gpus[1].delay_s = 1.5
-    started = real_clock()
-    snap = sampler.run_once()
-    assert snap.gpus[0].up and snap.gpus[0].sample.timestamp >= started
-    # after three intervals without an answer the hung GPU is marked down
-    time.sleep(0.7)
-    snap = sampler.run_once()
-    assert snap.gpus[0].up and not snap.gpus[1].up
-    gpus[1].delay_s = 0.0
-    deadline = real_clock() + 10
-    while not sampler.run_once().gpus[1].up and real_clock() < deadline:
-        time.sleep(0.2)
+    hung = threading.Event()
+    gpus[1].hold = hung
+    try:
+        clock.advance(2.0)
+        snap = sampler.run_once()  # waits up to 1.6 s (real) for the reads
+        assert snap.gpus[0].up and snap.gpus[0].sample.timestamp == clock.now
+        assert snap.gpus[1].up  # not yet: under three intervals without an answer
+        clock.advance(6.5)  # three intervals and more
+        snap = sampler.run_once()
+        assert snap.gpus[0].up and snap.gpus[0].sample.timestamp == clock.now
+        assert not snap.gpus[1].up
+    finally:
+        hung.set()
+    gpus[1].hold = None
+    deadline = time.monotonic() + 20
+    while not sampler.run_once().gpus[1].up and time.monotonic() < deadline:
+        clock.advance(2.0)
     assert sampler.snapshot.gpus[1].up
     sampler.stop()
 
@@ -763,7 +771,7 @@ def test_unsupported_per_process_utilisation_is_asked_once_and_stays_empty(clock
     with caplog.at_level(logging.WARNING):
         for _ in range(5):
             rig.cycle()
-    assert shares(rig) == {}
+    assert shares(rig) is None  # none at all, unlike a driver with no new sample ({})
     assert asked[OLDER] == 1 and asked[NEWER] == (1 if hasattr(rig.driver.binding, NEWER) else 0)
     assert rig.sampler.snapshot.gpus[0].sample.pids == (4242,)
     assert rig.value("gputrain_gpu_power_watts") == 350.0
@@ -809,7 +817,7 @@ def test_mig_devices_have_no_per_process_utilisation_asked_once(clock):
     for _ in range(4):
         rig.cycle()
     assert rig.indexes() == ["0", "0/0", "0/1", "1"]
-    assert all(shares(rig, i) == {} for i in ("0", "0/0", "0/1"))
+    assert all(shares(rig, i) is None for i in ("0", "0/0", "0/1"))
     rig.driver.gpus[1].process_samples.append((2_000, 5151, 50, 25))
     rig.cycle()
     assert shares(rig, "1") == approx_shares({5151: (0.5, 0.25)})
@@ -882,6 +890,31 @@ def test_xid_events_are_counted_in_their_own_thread():
     finally:
         sampler.stop()
     assert driver.shutdown_while_busy == []  # the Xid wait had returned first
+
+
+def test_a_driver_that_comes_later_gets_its_xid_events_watched():
+    """The exporter started before the driver was loaded (DRIVER_NOT_LOADED): once the retry
+    finds the GPUs, their Xid events are watched too (the watch started only with the GPUs)."""
+    g = gpu(0)
+    driver = FakeDriver([g], init_error=fd.DRIVER_NOT_LOADED)
+    sampler = Sampler(NvmlBackend(Nvml(driver.binding)), None, interval=0.2,
+                      collectors={"gpu"})
+    sampler.start()
+    try:
+        assert sampler.gpu_error
+        driver.init_error = None
+        sampler._backend_next_try = 0.0  # the retry is due (every BACKEND_RETRY_SECONDS)
+        deadline = time.monotonic() + 10
+        while not sampler.snapshot.gpus and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sampler.snapshot.gpus, "the driver was found"
+        driver.events.put((g, 79))
+        while time.monotonic() < deadline and \
+                sampler.snapshot.gpus[0].xid_errors.get(79) != 1:
+            time.sleep(0.05)
+        assert sampler.snapshot.gpus[0].xid_errors == {79: 1}
+    finally:
+        sampler.stop()
 
 
 def test_shutdown_waits_for_the_calls_in_flight():

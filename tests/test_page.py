@@ -138,7 +138,6 @@ class Reference:
         yield series
 
 
-
 def test_training_lines_are_what_prometheus_client_writes_in_both_formats():
     clock = FakeClock()
     # rank 1's process 4242 and a stranger, 5151, take turns on GPU 0: their busy seconds

@@ -29,7 +29,7 @@ KEPT_ALERTS = {
 
 def test_shipped_rules_are_the_generator_output_with_defaults():
     assert RULES.read_text() == render(), (
-        "alerts/gputrain.rules.yml is stale: python3 -m exporter rules > alerts/gputrain.rules.yml")
+        "alerts/gputrain.rules.yml is stale: .venv/bin/gputrain-exporter generate")
 
 
 def test_every_alert_has_severity_for_and_the_three_annotations():
@@ -59,7 +59,8 @@ def test_promtool_check_rules_is_clean():
 
 def test_promtool_test_files_are_the_generator_output():
     for path, text in rule_cases.files().items():
-        assert path.read_text() == text, f"{path.name} is stale: python3 -m exporter generate"
+        assert path.read_text() == text, (
+            f"{path.name} is stale: .venv/bin/gputrain-exporter generate")
 
 
 def test_every_alert_has_a_case_that_fires_it_and_one_that_does_not():
@@ -83,9 +84,9 @@ def test_promtool_unit_tests_pass():
 
 
 @pytest.mark.parametrize("threshold, value, failing_case", [
-    ("tensor_active_below", 0.3, "seed 003 step 6"),   # AMP's 26.3% would read as idle
-    ("cpu_saturated", 0.97, "seed 002 preprocessing overload"),
-    ("gpu_busy_target", 0.98, "seed 002 inefficient GPU graph"),
+    ("tensor_active_below", 0.3, "PyTorch ladder step 6"),   # AMP's 26.3% would read as idle
+    ("cpu_saturated", 0.97, "TensorFlow study, preprocessing overload"),
+    ("gpu_busy_target", 0.98, "TensorFlow study, inefficient GPU graph"),
 ])
 def test_the_cases_catch_a_wrong_threshold(tmp_path, threshold, value, failing_case):
     """The promtool cases are not vacuous: rules with one threshold moved fail them."""
@@ -142,7 +143,7 @@ def test_every_generated_file_is_current():
     from exporter.heuristics import generate
 
     stale = [str(p.relative_to(ROOT)) for p in generate.stale(ROOT)]
-    assert stale == [], f"stale (run `python3 -m exporter generate`): {stale}"
+    assert stale == [], f"stale (run `.venv/bin/gputrain-exporter generate`): {stale}"
 
 
 def test_a_catalogue_change_reaches_every_surface():

@@ -73,15 +73,17 @@ def test_each_ranks_busy_seconds_and_the_unowned_are_summed_by_owner():
     assert others[gpu] == pytest.approx((2.5 + 0.25 + 0.2, 1.25 + 0.125 + 0.1))  # b's is others'
 
 
-def test_a_run_on_a_shared_gpu_is_named_with_its_share_and_the_others():
+@pytest.mark.parametrize("stranger", [True, False])
+def test_a_run_on_a_shared_gpu_is_named_with_its_share_and_the_others(stranger):
     """The history's window: each run sees the others' and the unattributed share as foreign;
-    GpuTrainGPUShared's finding names it on the run's card, and the GPU row lists the shares."""
+    GpuTrainGPUShared's finding names it on the run's card, and the GPU row lists the shares.
+    Two runs alone on a GPU (no stranger) see each other: the unattributed share is 0."""
     now = [BASE]
     store = IngestStore(clock=lambda: now[0], wall_clock=lambda: now[0])
     shares = GpuShares(Owners(parent_of=PARENTS.get))
     history = History(window=60.0, point_seconds=5.0, instance="n1", shares=shares)
     view = StatusView(history, T, backend="nvml")
-    busy = {100: 0.5, 200: 0.2, 300: 0.25}
+    busy = {100: 0.5, 200: 0.2, 300: 0.25} if stranger else {100: 0.5, 200: 0.2}
     for k in range(40):
         now[0] = BASE + k
         push(store, "a", "0", 100, k, now[0])
@@ -92,9 +94,10 @@ def test_a_run_on_a_shared_gpu_is_named_with_its_share_and_the_others():
     (gpu,) = doc["gpus"]
     got = {(s["run"], s["rank"]): s["busy"] for s in gpu["shares"]}
     assert got == {("a", "0"): pytest.approx(0.5), ("b", "0"): pytest.approx(0.2),
-                   (None, None): pytest.approx(0.25)}
+                   (None, None): pytest.approx(0.25 if stranger else 0.0)}
     runs = {r["run"]: r for r in doc["runs"]}
-    for run, foreign in (("a", "45.0%"), ("b", "75.0%")):
+    for run, foreign in ((("a", "45.0%"), ("b", "75.0%")) if stranger else
+                         (("a", "20.0%"), ("b", "50.0%"))):
         (rank,) = runs[run]["ranks"]
         found = {rank["verdict"]: rank["reason"],
                  **{a["verdict"]: a["reason"] for a in rank["also"]}}

@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -173,8 +174,11 @@ def test_faults_outrank_every_verdict_and_are_named_whoever_uses_the_gpu():
                  last_step_timestamp=now[0], gpus=[gpu])
         gpus = []
         for i in range(3):
+            # GPU 0's memory was nearly full when it fell off the bus: a lost GPU's last
+            # reading is no reading, so that is no finding
             sample = GpuSample(now[0], utilization=0.97, sm_active=0.8, tensor_active=0.3,
-                               memory_used_bytes=50e9, memory_total_bytes=80e9,
+                               memory_used_bytes=79e9 if i == 0 else 50e9,
+                               memory_total_bytes=80e9,
                                power_watts=600.0, power_limit_watts=700.0,
                                remapped_rows={"correctable": 0.0, "uncorrectable": 0.0,
                                               "pending": 0.0, "failed": 0.0})
@@ -377,12 +381,18 @@ def test_top_into_a_pipe_prints_frame_after_frame(daemon_factory):
                              "--interval", "0.2"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        seen = []
-        while len(seen) < 2:
-            line = proc.stdout.readline()
-            assert line, proc.stderr.read()
-            if line.startswith("gputrain-exporter on "):
-                seen.append(line)
+        import selectors
+
+        seen, deadline = [], time.monotonic() + 60
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            while len(seen) < 2:
+                assert sel.select(timeout=max(0.0, deadline - time.monotonic())), \
+                    f"no second frame within 60 s: {seen}"
+                line = proc.stdout.readline()
+                assert line, proc.stderr.read()
+                if line.startswith("gputrain-exporter on "):
+                    seen.append(line)
     finally:
         proc.kill()
         proc.wait()

@@ -23,8 +23,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
-from exporter.heuristics.promql import THROTTLE_REASONS, Q
-from exporter.heuristics.readings import WINDOWS, GpuReading, RankReport, percent
+from exporter.heuristics.promql import THROTTLE_REASONS, Q, new_errors
+from exporter.heuristics.readings import WINDOWS, GpuReading, NodeReport, RankReport, mean, percent
 from exporter.protocol import DEFAULT_METRICS_PORT, OUTSIDE_STEP_PHASES
 from exporter.reading.sampler import LOST_GPU_RETRY_SECONDS
 
@@ -67,6 +67,7 @@ class Heuristic:
     # None means every bottleneck; a profile cannot explain a leak, a throttle or a stall
     profile: ClassVar[bool | None] = None
     stepping: ClassVar[bool] = True
+    run_stepping: ClassVar[bool] = False  # holds only while a rank of its run steps
     thresholds: ClassVar[dict[str, Threshold]] = {}  # the thresholds this entry owns
 
     @property
@@ -92,12 +93,20 @@ class Heuristic:
         """For scope ``gpu`` and ``rank_gpu``: why it holds for this GPU, or None."""
         return None
 
-    def holds_node(self, n: RankReport, t: dict[str, float]) -> str | None:
+    def holds_node(self, n: RankReport | NodeReport, t: dict[str, float]) -> str | None:
         """For scope ``node``: why it holds on this rank's (or report's) node, or None."""
         return None
 
+    @property
+    def guarded(self) -> bool:
+        """Holds only while its rank steps (its rules say ``Q.stepping``)."""
+        return self.stepping and self.scope in ("rank", "rank_gpu")
+
     def finding(self, r: RankReport, t: dict[str, float]) -> str | None:
-        """Why it holds for a rank, whatever its scope, or None."""
+        """Why it holds for a rank, whatever its scope, or None. As its rules, an entry
+        ``guarded`` holds only for a rank that steps."""
+        if self.guarded and not r.steps_per_second > 0:
+            return None
         if self.scope in ("gpu", "rank_gpu"):
             for g in r.gpus:
                 why = self.holds_gpu(g, t)
@@ -113,8 +122,7 @@ class Heuristic:
     def rule(self, q: Q, severity: str, expr: str, situation: str) -> dict:
         """An alerting rule of this entry; ``situation`` starts its description, the advice
         ends it."""
-        expr = q.stepping(expr) if self.stepping and self.scope in ("rank", "rank_gpu") \
-            else expr
+        expr = q.stepping(expr) if self.guarded else expr
         return {
             "alert": self.alert,
             "expr": " ".join(expr.split()),
@@ -173,7 +181,7 @@ class XidErrors(Heuristic):
 
     def rules(self, q: Q) -> list[dict]:
         return [self.rule(
-            q, "critical", f"increase({q.metric('gputrain_gpu_xid_errors_total')}[{q.fault}]) > 0",
+            q, "critical", new_errors(q.metric("gputrain_gpu_xid_errors_total"), q.fault),
             f"""{q.node_gpu} reported Xid {{{{ $labels.xid }}}} {{{{ $value | printf "%.0f" }}}}
             time(s) in {q.fault}.""")]
 
@@ -208,8 +216,7 @@ class GPUMemoryFault(Heuristic):
         # (re)started in the fault window finds (a counter's first sample is no increase)
         ecc = q.metric("gputrain_gpu_ecc_errors_total", 'type="uncorrected"')
         return [
-            self.rule(q, "critical", f"""increase({ecc}[{q.fault}]) > 0
-                      or ({ecc} > 0 unless {ecc} offset {q.fault})
+            self.rule(q, "critical", f"""{new_errors(ecc, q.fault)}
                       or {q.metric("gputrain_gpu_remapped_rows", 'state="failed"')} > 0""",
                       f"{q.node_gpu} has an uncorrectable memory error or a failed row remap."),
             self.rule(q, "warning", f"""{q.metric("gputrain_gpu_remapped_rows",
@@ -252,7 +259,7 @@ class CollectorFailing(Heuristic):
                           f"""The {{{{ $labels.collector }}}} collector on {q.where} has failed
                           for a while; its metrics are missing.""")]
 
-    def holds_node(self, n: RankReport, t: dict[str, float]) -> str | None:
+    def holds_node(self, n: RankReport | NodeReport, t: dict[str, float]) -> str | None:
         failing = n.collectors_failing
         if len(failing) == 1:
             return f"the {failing[0]} collector fails: its readings are missing"
@@ -310,10 +317,12 @@ class GPUShared(Heuristic):
                "run_gpu:gputrain_training_gpu_busy:ratio_rate5m",
                "gpu:gputrain_gpu_unattributed_busy:ratio_rate5m")
     panel = 'GpuTrain / Overview, "GPU shares by run" (the unattributed band and the other runs).'
-    profile, stepping = False, False  # its rule checks the run steps, on the run's labels
+    # a run's share of a GPU: it holds while a rank of the run steps (on the run's labels)
+    profile, stepping, run_stepping = False, False, True
     thresholds = {"gpu_foreign_busy": Threshold(
-        0.1, "ratio", "time-slicing shares one GPU between processes (dcgm-exporter issue #307: "
-                      "per-process GPU use, its most asked-for feature)")}
+        0.1, "ratio", "time-slicing shares one GPU between processes; per-process GPU use is "
+                      "dcgm-exporter's most asked-for feature "
+                      "(https://github.com/NVIDIA/dcgm-exporter/issues/307)")}
 
     def rules(self, q: Q) -> list[dict]:
         run = q.run
@@ -573,7 +582,7 @@ class HostOverheadBound(Heuristic):
         heavy = max(in_step.items(), key=lambda kv: kv[1], default=None)
         if heavy is not None and heavy[1] > self.derived(t)["phase_share"]:
             return f"phase '{heavy[0]}' takes {percent(heavy[1])} of each step"
-        busy = _mean_busy(r)
+        busy = mean([g.busy for g in r.gpus])
         if _v(busy, "<", t["gpu_busy_low"]) and _v(r.data_wait_ratio, "<", t["input_bound"]):
             return f"GPU busy {percent(busy)}, data wait only {percent(r.data_wait_ratio)}"
         return None
@@ -690,7 +699,7 @@ class LowMFU(Heuristic):
             time.""")]
 
     def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
-        busy = _mean_busy(r)
+        busy = mean([g.busy for g in r.gpus])
         if _v(r.mfu, "<", t["mfu_low"]) and _v(busy, ">=", t["mfu_busy_above"]):
             return f"MFU {percent(r.mfu)} while the GPUs are busy {percent(busy)}"
         return None
@@ -1022,11 +1031,6 @@ def _median(values: list[float]) -> float:
     v = sorted(values)
     mid = len(v) // 2
     return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
-
-
-def _mean_busy(r: RankReport) -> float | None:
-    known = [g.busy for g in r.gpus if g.busy is not None]
-    return sum(known) / len(known) if known else None
 
 
 def derived(thresholds: dict[str, float]) -> dict[str, float]:

@@ -16,7 +16,7 @@ from typing import Any
 
 from exporter.config import parse_duration
 from exporter.heuristics.catalogue import CATALOGUE, derived, show
-from exporter.heuristics.promql import Identity, identity
+from exporter.heuristics.promql import Identity, identity, new_errors
 from exporter.heuristics.rules import settings
 
 DS = {"type": "prometheus", "uid": "${datasource}"}
@@ -300,7 +300,7 @@ def overview(t: dict[str, float], js: str, ids: Identity, extra: list[dict],
             "the share processes no run owns did (NVML's per-process utilisation; absent where "
             "the driver gives none). Over "
             f"{pct(t, 'gpu_foreign_busy')} not a run's own is GpuTrainGPUShared.",
-            stack=True, max_=1), 24, 8),
+            max_=1), 24, 8),
     ]
     return dashboard("gputrain-overview", "GpuTrain / Overview",
                      "Every run on every node: which runs waste GPUs.", extra, panels, "")
@@ -466,6 +466,10 @@ def node(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict
     n = f'{js}, instance="$instance"'
     r = "[$__rate_interval]"
     per_gpu = "GPU {{gpu}}"
+    # errors new in the last hour, as the alerts count them, and 0 for the GPUs without any
+    xid = f"gputrain_gpu_xid_errors_total{{{n}}}"
+    ecc = f'gputrain_gpu_ecc_errors_total{{{n},type="uncorrected"}}'
+    no_errors = f"sum by (gpu, uuid) (0 * gputrain_gpu_up{{{n}}})"
     panels = [
         lay.row("GPUs"),
         lay.place(timeseries("GPU busy", [target(
@@ -513,10 +517,10 @@ def node(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict
             "reasons is throttling.", lines=[(t["throttle_ratio"], "red")], max_=1), 8, 8),
         lay.place(table("GPU health", [
             target(f"gputrain_gpu_up{{{n}}}", "up", "A"),
-            target(f"sum by (gpu, uuid) (increase(gputrain_gpu_xid_errors_total{{{n}}}[1h])) "
-                   f"or sum by (gpu, uuid) (0 * gputrain_gpu_up{{{n}}})", "Xid errors 1h", "B"),
-            target(f"sum by (gpu, uuid) (increase(gputrain_gpu_ecc_errors_total{{{n},"
-                   f'type="uncorrected"}}[1h]))', "uncorrected ECC 1h", "C"),
+            target(f"sum by (gpu, uuid) ({new_errors(xid, '1h')}) or {no_errors}",
+                   "Xid errors 1h", "B"),
+            target(f"sum by (gpu, uuid) ({new_errors(ecc, '1h')}) or {no_errors}",
+                   "uncorrected ECC 1h", "C"),
             target(f"sum by (gpu, uuid) (increase(gputrain_gpu_ecc_errors_total{{{n},"
                    f'type="corrected"}}[1h]))', "corrected ECC 1h", "D"),
             target(f'max by (gpu, uuid) (gputrain_gpu_remapped_rows{{{n},state="pending"}}) '

@@ -30,26 +30,19 @@ import requests
 import yaml
 
 from exporter.config import parse_duration
-from exporter.heuristics.promql import Identity, identity, inline, recording_rules
+from exporter.heuristics.promql import Identity, identity, inline, new_errors, recording_rules
 from exporter.heuristics.readings import WINDOWS
 from exporter.heuristics.rules import load_overrides, settings
-from exporter.heuristics.verdict import (  # noqa: F401 - diagnose's API: the reports and their verdicts
-    ORDER,
-    STATUS_ADVICE,
-    UNDERUTILIZED,
-    Finding,
+from exporter.heuristics.verdict import (
     GpuReading,
     NodeReport,
     RankReport,
-    advice,
     judge,
     mean,
     node_findings,
     percent,
-    rank_findings,
     rank_order,
     run_key,
-    stragglers,
     visibility,
     wasted_gpus,
 )
@@ -58,8 +51,6 @@ from exporter.terminal import check_url, connection_error
 
 class PrometheusError(Exception):
     """Prometheus could not be reached or answered with an error."""
-
-
 
 
 class Prometheus:
@@ -132,14 +123,13 @@ def fault_queries(selector: str, ids: Identity, window: str) -> dict[str, str]:
     s, node, gpu, fault = selector, ids.node, ids.gpu, WINDOWS["fault"]
     records = recording_rules(selector, ids, rate=window)
     ecc = f'gputrain_gpu_ecc_errors_total{{{s},type="uncorrected"}}'
+    xid = f"gputrain_gpu_xid_errors_total{{{s}}}"
     return {
         "exporter_up": f"max by ({node}) (up{{{s}}})",
         "collectors": f"max by ({node}, collector) (gputrain_collector_success{{{s}}})",
         "up": f"max by ({gpu}) (gputrain_gpu_up{{{s}}})",  # every GPU the node has
-        "xid_errors": f"sum by ({gpu}) (increase(gputrain_gpu_xid_errors_total{{{s}}}[{fault}]))",
-        # as the alert: new ones, or those an exporter (re)started in the window found
-        "ecc_uncorrected": f"sum by ({gpu}) ((increase({ecc}[{fault}]) > 0) or ({ecc} unless "
-                           f"{ecc} offset {fault}))",
+        "xid_errors": f"sum by ({gpu}) ({new_errors(xid, fault)})",
+        "ecc_uncorrected": f"sum by ({gpu}) ({new_errors(ecc, fault)})",
         "remap_failed": f'max by ({gpu}) (gputrain_gpu_remapped_rows{{{s},state="failed"}})',
         "remap_pending": f'max by ({gpu}) (gputrain_gpu_remapped_rows{{{s},state="pending"}} '
                          f"or gputrain_gpu_retired_pages_pending{{{s}}})",
@@ -275,6 +265,8 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
             for rep in by_node.get(node_key(labels), []):
                 rep.host[name] = value
     nodes = _nodes(prom, selector, ids, window, node_key)
+    if run is not None:  # the run's nodes, and those it may be on that cannot be scraped
+        nodes = {k: n for k, n in nodes.items() if k in by_node or n.up is False}
     for labels, _ in prom.query(fault_queries(selector, ids, window)["rank_gpus"]):
         rep = reports.get(rank_key(labels))
         if rep:
@@ -348,7 +340,6 @@ def _fmt(x: float | None, scale: float = 100, unit: str = "%", digits: int = 1) 
     if unit == "%" and scale == 100:
         return percent(x)
     return "n/a" if x is None else f"{x * scale:.{digits}f}{unit}"
-
 
 
 def node_lines(nodes: list[NodeReport]) -> list[str]:

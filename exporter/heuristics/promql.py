@@ -67,6 +67,14 @@ def identity(cfg: dict) -> Identity:
     return Identity(cfg["run_labels"])
 
 
+def new_errors(counter: str, window: str) -> str:
+    """The errors of ``counter`` (a selector) new in ``window``: its increase, or the count of
+    a series that appeared in it (a counter's first sample is no increase; the exporter writes
+    an Xid code's series at its first error, and finds the driver's ECC count when it starts)."""
+    return (f"(increase({counter}[{window}]) > 0) "
+            f"or ({counter} > 0 unless {counter} offset {window})")
+
+
 def rank_gpu_join(selector: str, per_gpu: str, ids: Identity) -> str:
     """``per_gpu`` (a recording rule name) for the GPUs each rank uses, joined through
     ``gputrain_training_gpu_info``: a rank's labels and gpu, uuid."""
@@ -285,8 +293,6 @@ def _utilisation(s: str, ids: Identity, r: str) -> list[dict]:
                   "cause", "{OUTSIDE_STEPS_CAUSE}", "", ""))
             / on ({rank}) group_left run_rank:gputrain_training_accounted_seconds:rate5m"""),
     ]
-
-
 
 
 class Q:

@@ -51,7 +51,7 @@ class GpuReading:
     # runs', and those no client reports (only where the driver gives per-process samples)
     foreign: float | None = None
     # of the window, the share each (run, rank)'s processes kept the GPU busy, and the share
-    # no rank's did (None where the driver gives no per-process samples)
+    # no rank's did (empty, and unattributed None, where the driver gives no per-process samples)
     shares: dict[tuple[str, str], float] = field(default_factory=dict)
     unattributed: float | None = None
 

@@ -24,20 +24,24 @@ from exporter.heuristics.readings import (  # noqa: F401 - the readings, with th
 )
 
 UNDERUTILIZED = GPUUnderutilized.verdict  # busy under the target, no stage to blame
-# Verdicts that are no alert of the catalogue: the good case and the blind one.
+# Verdicts that are no alert of the catalogue: the good case, a pause and the blind one.
 STATUS_ADVICE = {
     "gpu-bound": "The GPU is the bottleneck, as it should be. To make each GPU-second count, "
                  "profile the heaviest kernels.",
+    "paused": "Nothing to change yet: the rank made no step in the window (start-up, an "
+              "evaluation, a checkpoint). It is judged again once it steps, and called stalled "
+              "after 10 minutes without a step.",
     "no-gpu-data": "No GPU of this rank is known to the exporter: check that the client reports "
                    "its GPU (CUDA_VISIBLE_DEVICES or torch.cuda) and that the exporter sees it.",
 }
 STATUS_SUMMARY = {
     "gpu-bound": "The GPUs are busy: the model's own work sets the pace.",
+    "paused": "The rank made no step in the window.",
     "no-gpu-data": "The exporter knows no GPU of this rank.",
 }
 # Every verdict a rank can get, in the order a page lists them: what to act on first
 ORDER: tuple[str, ...] = (*(e.verdict for e in CATALOGUE if e.kind != "symptom"),
-                          UNDERUTILIZED, "no-gpu-data", "gpu-bound")
+                          UNDERUTILIZED, "paused", "no-gpu-data", "gpu-bound")
 # A rank's status by the kind of its verdict
 _STATUS = {"fault": "fault", "bottleneck": "bottleneck", "health": "bottleneck"}
 
@@ -52,16 +56,17 @@ def advice(verdict: str) -> str:
     return STATUS_ADVICE.get(verdict) or BY_VERDICT[verdict].advice
 
 
-def rank_findings(rep: RankReport, t: dict[str, float]) -> dict[str, str]:
+def rank_findings(rep: RankReport, t: dict[str, float], run_steps: bool = True) -> \
+        dict[str, str]:
     """Every finding of one rank that holds, with its reason, in the decision order: faults
-    of its GPUs and node first. A stalled rank is stalled and nothing else (but its faults):
-    with no step, no advice about its steps holds, as its alerts hold only while it steps."""
+    of its GPUs and node first. As the alerts, an entry about the rank's steps holds only while
+    it steps (a stalled rank is stalled, and its GPUs' and node's faults and health, nothing
+    else), and one about its run's share of a GPU while a rank of the run does
+    (``run_steps``)."""
     out: dict[str, str] = {}
     for e in CATALOGUE:
-        if e.kind == "symptom" or e.scope == "run":
+        if e.kind == "symptom" or e.scope == "run" or (e.run_stepping and not run_steps):
             continue
-        if "stalled" in out and e.kind != "fault":
-            break
         why = e.finding(rep, t)
         if why:
             out[e.verdict] = why
@@ -85,8 +90,9 @@ def judge(reports: list[RankReport], t: dict[str, float]) -> list[RankReport]:
     """Set every rank's status, verdict and findings in the catalogue's decision order; the
     findings are exactly the catalogue alerts that fire for it."""
     lagging = stragglers(reports, t)
+    stepping = {run_key(r) for r in reports if r.steps_per_second > 0}
     for rep in reports:
-        found = rank_findings(rep, t)
+        found = rank_findings(rep, t, run_key(rep) in stepping)
         if id(rep) in lagging and "stalled" not in found:
             found["straggler"] = lagging[id(rep)]
         ordered = [v for v in ORDER if v in found]
@@ -99,10 +105,14 @@ def judge(reports: list[RankReport], t: dict[str, float]) -> list[RankReport]:
         elif busy is None:
             rep.status = rep.verdict = "no-gpu-data"
             rep.reason = "the exporter reports no GPU for this rank"
-        elif busy < t["gpu_busy_target"]:
+        elif not rep.steps_per_second > 0:
+            rep.status, rep.verdict = "ok", "paused"
+            rep.reason = f"no step in the window; GPU busy {percent(busy)}"
+        elif BY_VERDICT[UNDERUTILIZED].finding(rep, t):  # as its alert: any GPU under target
             rep.status = rep.verdict = UNDERUTILIZED
-            rep.reason = (f"GPU busy {percent(busy)}, under {percent(t['gpu_busy_target'])}, "
-                          "and no stage of the pipeline stands out")
+            rep.reason = (f"GPU busy {percent(busy)}, a GPU under "
+                          f"{percent(t['gpu_busy_target'])}, and no stage of the pipeline "
+                          "stands out")
         else:
             rep.status, rep.verdict = "ok", "gpu-bound"
             rep.reason = f"GPU busy {percent(busy)}"

@@ -140,8 +140,9 @@ class GpuSample:
     pids: tuple[int, ...] = ()
     process_memory: dict[int, float] = field(default_factory=dict)  # pid -> bytes it holds
     # pid -> (SM busy ratio, memory-bandwidth ratio or None): the means of the source's
-    # per-process samples since the last reading; a pid without a new sample is absent
-    process_utilization: dict[int, tuple[float, float | None]] = field(default_factory=dict)
+    # per-process samples since the last reading; a pid without a new sample is absent. None
+    # where the source gives no per-process samples at all (unsupported, MIG)
+    process_utilization: dict[int, tuple[float, float | None]] | None = None
     nvlink_rx_counter_bytes: float | None = None  # cumulative, all links (field values)
     nvlink_tx_counter_bytes: float | None = None
     nvlink_rx_bytes_per_second: float | None = None  # or rates (GPM)
@@ -426,14 +427,19 @@ class NvmlBackend:
         rates = nv.call("nvmlDeviceGetUtilizationRates", dev.handle, device=key)
         return None if rates is None else _ratio(rates.gpu)
 
-    def _process_utilization(self, dev: _NvmlDevice) -> dict[int, tuple[float, float | None]]:
+    def _process_utilization(self, dev: _NvmlDevice) -> \
+            dict[int, tuple[float, float | None]] | None:
         """pid -> (SM busy ratio, memory-bandwidth ratio): the means of NVML's per-process
         samples newer than the last one read (NVML gives one per sample period to a process
-        that had some utilisation in it). NOT_FOUND (no new sample) and an unsupported call
-        (asked once) read as no pid. Dropped, as nvtop drops them (its issue 110, real
-        drivers): samples not newer than the timestamp asked for, values over 100 %, pid 0."""
+        that had some utilisation in it). NOT_FOUND (no new sample) reads as no pid; an
+        unsupported call (asked once) as None. Dropped, as nvtop drops them (its issue 110,
+        real drivers): samples not newer than the timestamp asked for, values over 100 %,
+        pid 0."""
+        key = dev.identity.index
         got = self.nvml.call_versioned(PROCESS_UTILIZATION_VARIANTS, dev.handle,
-                                       dev.process_seen_us, device=dev.identity.index)
+                                       dev.process_seen_us, device=key)
+        if got is None and self.nvml.none_answers(PROCESS_UTILIZATION_VARIANTS, device=key):
+            return None
         since, fresh = dev.process_seen_us, {}
         for x in got or ():
             if x.timeStamp > since and x.pid and x.smUtil <= 100 and x.memUtil <= 100:

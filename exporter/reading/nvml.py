@@ -363,6 +363,13 @@ class Nvml:
                 return value
         return None
 
+    def none_answers(self, variants: Sequence[tuple[str, dict[str, Any]]],
+                     device: Hashable = None) -> bool:
+        """True when every variant of a call is known not to answer on ``device`` (a
+        :meth:`call_versioned` that returned None for good, not for want of data)."""
+        return all(self.is_unsupported(device, (name, *sorted(kwargs.items())))
+                   or name in self._missing_functions for name, kwargs in variants)
+
     def _function_missing(self, name: str) -> None:
         with self._lock:
             self._missing_functions.add(name)

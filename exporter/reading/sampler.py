@@ -120,12 +120,13 @@ def _integrate_link(st: GpuState, sample: GpuSample, prev: GpuSample | None, lin
 def _integrate_processes(st: GpuState, sample: GpuSample, dt: float) -> None:
     """Add each process's busy seconds since the last reading (its utilisation ratios over the
     ``dt`` seconds seen) to its counters; forget the processes that left the GPU."""
-    for pid, (sm, memory) in sample.process_utilization.items():
+    shares = sample.process_utilization or {}
+    for pid, (sm, memory) in shares.items():
         st.process_busy_seconds[pid] = st.process_busy_seconds.get(pid, 0.0) + sm * dt
         if memory is not None:
             st.process_memory_busy_seconds[pid] = \
                 st.process_memory_busy_seconds.get(pid, 0.0) + memory * dt
-    here = {*sample.pids, *sample.process_utilization}
+    here = {*sample.pids, *shares}
     for counters in (st.process_busy_seconds, st.process_memory_busy_seconds):
         for pid in [p for p in counters if p not in here]:
             del counters[pid]
@@ -169,6 +170,8 @@ class Sampler:
         self._last_cycle_at: float | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._running = False  # start() was called: the background threads run
+        self._xid_started = False
         self._xid_lock = threading.Lock()
         self._snapshot = Snapshot(0, wall_clock(), self._backend_name(), "")
         self.listeners: list[Callable[[], None]] = []  # called after each new snapshot
@@ -190,11 +193,19 @@ class Sampler:
 
     def start(self) -> None:
         """Run one cycle now, then keep sampling in the background."""
+        self._running = True
         self.run_once()
         t = threading.Thread(target=self._loop, name="gputrain-sampler", daemon=True)
         t.start()
         self._threads.append(t)
-        if self._wants_gpu() and self._backend_ready:
+        self._watch_xid()
+
+    def _watch_xid(self) -> None:
+        """Start the Xid event watch once the backend is open (at start, or when a driver
+        that was missing appears later)."""
+        if self._running and not self._xid_started and self._wants_gpu() and \
+                self._backend_ready:
+            self._xid_started = True
             x = threading.Thread(target=self._xid_loop, name="gputrain-xid", daemon=True)
             x.start()
             self._threads.append(x)
@@ -296,6 +307,7 @@ class Sampler:
         self._size_pool()
         log.info("%s backend: %d GPU(s), driver %s", self.backend.name, len(self._slots),
                  self.backend.driver_version or "unknown")
+        self._watch_xid()
         return True
 
     def _size_pool(self) -> None:
@@ -427,7 +439,6 @@ class Sampler:
     # -- Xid events ------------------------------------------------------------------------
 
     def _xid_loop(self) -> None:
-        by_index = {s.state.identity.index: s for s in self._slots}
         while not self._stop.is_set():
             started = self._clock()
             try:
@@ -437,6 +448,8 @@ class Sampler:
                 self._stop.wait(10.0)
                 continue
             with self._xid_lock:
+                # the GPUs of now: a MIG rescan may have changed them since the last event
+                by_index = {s.state.identity.index: s for s in self._slots}
                 for index, xid in events:
                     slot = by_index.get(index)
                     if slot is not None:

@@ -134,7 +134,7 @@ class History:
         t = snap.timestamp
         states = list(states)
         self.shares.observe(snap, states)
-        ranks_busy, unowned = self.shares.totals()
+        ranks_busy, unowned = self.shares.totals(snap.cycle)
         with self._lock:
             if self.first_seen is None:
                 self.first_seen = t
@@ -300,7 +300,7 @@ class History:
                         old = tr.previous
                 reading = GpuReading(st.identity.index, st.identity.uuid, up=st.up)
                 self._faults(reading, tr)
-                s = st.sample
+                s = st.sample if st.up else None  # a lost GPU's last reading is no reading
                 if s is not None and s.memory_total_bytes and s.memory_used_bytes is not None:
                     reading.memory_used = s.memory_used_bytes / s.memory_total_bytes
                 if old is not None and now is not None:

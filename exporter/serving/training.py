@@ -73,46 +73,48 @@ class Owners:
     """Which rank holds each process on a GPU: the one whose pushed pid is the process or an
     ancestor of it (a launcher's child, a compile or DataLoader worker that touched CUDA). A
     process's parent is read once (psutil) and kept while the process is on a GPU. Pids are
-    never labels: they only join NVML's process list to the pushed ranks."""
+    never labels: they only join NVML's process list to the pushed ranks. One instance serves
+    the page thread and the sampler's (thread-safe)."""
 
     MAX_DEPTH = 16
 
     def __init__(self, parent_of: Callable[[int], int | None] = _ppid) -> None:
         self._parent_of = parent_of
         self._parents: dict[int, int | None] = {}
+        self._lock = threading.Lock()
 
     def attribute(self, snap: Snapshot, states: list[RankState]) -> tuple[
             dict[tuple[str, str], dict[GpuKey, float]], dict[GpuKey, tuple[int, float]]]:
         """Bytes each (run, rank) holds per GPU, and per GPU the count and bytes of the
-        processes no rank owns."""
+        processes no rank owns. The parents of processes no longer on any GPU are forgotten."""
         by_pid = {st.pid: (st.run, st.rank) for st in states if st.pid is not None}
         ranks: dict[tuple[str, str], dict[GpuKey, float]] = {}
         others: dict[GpuKey, tuple[int, float]] = {}
         seen: set[int] = set()
-        for g in snap.gpus:
-            if not g.up or g.sample is None:
-                continue
-            key = (g.identity.index, g.identity.uuid)
-            count, held = 0, 0.0
-            for pid in dict.fromkeys((*g.sample.pids, *g.sample.process_memory)):
-                used = g.sample.process_memory.get(pid, 0.0)
-                owner = self.owner(pid, by_pid, seen)
-                if owner is None:
-                    count, held = count + 1, held + used
-                else:
-                    mine = ranks.setdefault(owner, {})
-                    mine[key] = mine.get(key, 0.0) + used
-            others[key] = (count, held)
-        self.forget_all_but(seen)
+        with self._lock:
+            for g in snap.gpus:
+                if not g.up or g.sample is None:
+                    continue
+                key = (g.identity.index, g.identity.uuid)
+                count, held = 0, 0.0
+                for pid in dict.fromkeys((*g.sample.pids, *g.sample.process_memory)):
+                    used = g.sample.process_memory.get(pid, 0.0)
+                    owner = self._owner(pid, by_pid, seen)
+                    if owner is None:
+                        count, held = count + 1, held + used
+                    else:
+                        mine = ranks.setdefault(owner, {})
+                        mine[key] = mine.get(key, 0.0) + used
+                others[key] = (count, held)
+            self._parents = {pid: ppid for pid, ppid in self._parents.items() if pid in seen}
         return ranks, others
 
-    def forget_all_but(self, pids: set[int]) -> None:
-        """Keep the parents of these processes only (those still on a GPU)."""
-        self._parents = {pid: ppid for pid, ppid in self._parents.items() if pid in pids}
+    def owner(self, pid: int, by_pid: dict) -> tuple[str, str] | None:
+        """The (run, rank) whose pushed pid (``by_pid``) is ``pid`` or an ancestor of it."""
+        with self._lock:
+            return self._owner(pid, by_pid, set())
 
-    def owner(self, pid: int, by_pid: dict, seen: set[int]) -> tuple[str, str] | None:
-        """The (run, rank) whose pushed pid (``by_pid``) is ``pid`` or an ancestor of it;
-        every pid walked is added to ``seen``."""
+    def _owner(self, pid: int, by_pid: dict, seen: set[int]) -> tuple[str, str] | None:
         for _ in range(self.MAX_DEPTH):
             seen.add(pid)
             if pid in by_pid:
@@ -126,60 +128,66 @@ class Owners:
         return None
 
 
+Totals = tuple[dict[tuple[str, str], dict[GpuKey, tuple[float, float]]],
+               dict[GpuKey, tuple[float, float]]]
+
+
 class GpuShares:
     """Each rank's busy seconds on each GPU, and each GPU's busy seconds that no rank owns: the
     sampler's per-process busy counters summed by their owner (a rank's pushed pid or a
     descendant of it, as :class:`Owners` finds it), snapshot after snapshot. A rank's counter
     grows while the rank is live (a restarted process of it goes on counting into it); a
     snapshot observed twice counts once, so the page thread and the history may both call
-    :meth:`observe`. A GPU exports its unattributed counter once a process's busy time was seen
-    on it (where the driver gives no per-process samples, none: never a misleading zero).
-    Seconds: SM busy (``busy``) and memory-bandwidth busy (``memory``)."""
+    :meth:`observe`, and :meth:`totals` answers as of a given snapshot. A GPU whose driver gives
+    per-process samples has an unattributed counter (0 where every process is a rank's); one
+    whose driver gives none has none: never a misleading zero. Seconds: SM busy and
+    memory-bandwidth busy."""
 
-    KINDS = ("busy", "memory")
+    KEEP = 4  # the totals of this many snapshots: the page may be a cycle behind the history
 
     def __init__(self, owners: Owners | None = None) -> None:
-        self._owners = owners or Owners()
+        self.owners = owners or Owners()
         self._lock = threading.Lock()
         self._cycle = -1
         self._last: dict[tuple[GpuKey, int], tuple[float, float]] = {}  # (gpu, pid) -> totals
-        self.ranks: dict[tuple[str, str], dict[GpuKey, list[float]]] = {}
-        self.others: dict[GpuKey, list[float]] = {}
+        self._ranks: dict[tuple[str, str], dict[GpuKey, tuple[float, float]]] = {}
+        self._others: dict[GpuKey, tuple[float, float]] = {}
+        self._by_cycle: dict[int, Totals] = {}
 
     def observe(self, snap: Snapshot, states: list[RankState]) -> None:
         """Count the busy seconds the processes added since the last snapshot observed."""
         with self._lock:
             if snap.cycle <= self._cycle:
                 return
-            self._cycle = snap.cycle
             by_pid = {st.pid: (st.run, st.rank) for st in states if st.pid is not None}
-            seen_pids: set[int] = set()
+            live = {(st.run, st.rank) for st in states}
+            # built aside and taken at once: a failure half-way counts nothing twice
+            ranks = {k: dict(v) for k, v in self._ranks.items() if k in live}
+            others = dict(self._others)
             last: dict[tuple[GpuKey, int], tuple[float, float]] = {}
             for g in snap.gpus:
                 key = (g.identity.index, g.identity.uuid)
+                if g.sample is not None and g.sample.process_utilization is not None:
+                    others.setdefault(key, (0.0, 0.0))
                 for pid, busy in g.process_busy_seconds.items():
-                    totals = (busy, g.process_memory_busy_seconds.get(pid, 0.0))
+                    now = (busy, g.process_memory_busy_seconds.get(pid, 0.0))
                     before = self._last.get((key, pid), (0.0, 0.0))
-                    last[(key, pid)] = totals
-                    added = [max(0.0, a - b) for a, b in zip(totals, before, strict=True)]
-                    owner = self._owners.owner(pid, by_pid, seen_pids)
-                    into = self.others.setdefault(key, [0.0, 0.0]) if owner is None else \
-                        self.ranks.setdefault(owner, {}).setdefault(key, [0.0, 0.0])
-                    into[0] += added[0]
-                    into[1] += added[1]
-            self._last = last  # forgets the processes that left
-            self._owners.forget_all_but(seen_pids)
-            live = {(st.run, st.rank) for st in states}
-            self.ranks = {k: v for k, v in self.ranks.items() if k in live}
+                    last[(key, pid)] = now
+                    added = (max(0.0, now[0] - before[0]), max(0.0, now[1] - before[1]))
+                    owner = self.owners.owner(pid, by_pid)
+                    held = others if owner is None else ranks.setdefault(owner, {})
+                    was = held.get(key, (0.0, 0.0))
+                    held[key] = (was[0] + added[0], was[1] + added[1])
+            self._cycle, self._last, self._ranks, self._others = snap.cycle, last, ranks, others
+            self._by_cycle[snap.cycle] = (ranks, others)
+            for old in sorted(self._by_cycle)[:-self.KEEP]:
+                del self._by_cycle[old]
 
-    def totals(self) -> tuple[dict[tuple[str, str], dict[GpuKey, tuple[float, float]]],
-                              dict[GpuKey, tuple[float, float]]]:
+    def totals(self, cycle: int | None = None) -> Totals:
         """(run, rank) -> GPU -> (busy, memory busy) seconds, and GPU -> the same no rank
-        owns: a copy, consistent with one snapshot."""
+        owns, as of snapshot ``cycle`` where it is still kept, else the latest observed."""
         with self._lock:
-            return ({k: {g: (v[0], v[1]) for g, v in gpus.items()}
-                     for k, gpus in self.ranks.items()},
-                    {g: (v[0], v[1]) for g, v in self.others.items()})
+            return self._by_cycle.get(cycle, (self._ranks, self._others))
 
 
 def _escape(value: str) -> str:
@@ -279,8 +287,8 @@ class TrainingCollector:
                  owners: Owners | None = None, shares: GpuShares | None = None) -> None:
         self._store = store
         self._snapshot = snapshot
-        self._owners = owners or Owners()
-        self.shares = shares or GpuShares()
+        self.shares = shares or GpuShares(owners)
+        self._owners = self.shares.owners
         self._status = CollectorStatus(True, 0.0, time.time())
         # a rank's own lines by family index, until its next push
         self._lines: dict[tuple[str, str], tuple[RankState, tuple[tuple[int, str], ...]]] = {}
@@ -306,7 +314,7 @@ class TrainingCollector:
         gpus = GpuIndex(snap)
         held, others = self._owners.attribute(snap, states)
         self.shares.observe(snap, states)
-        busy, unowned = self.shares.totals()
+        busy, unowned = self.shares.totals(snap.cycle)
         profiles = self._store.profiles.latest_done()
         chunks: list[list[str]] = [[] for _ in FAMILIES]
         cache: dict[tuple[str, str], tuple[RankState, tuple[tuple[int, str], ...]]] = {}
