@@ -54,11 +54,13 @@ STEP_PARTS = ("data_loading", "forward", "backward", "optimizer", "other", "idle
 
 class Refused(Exception):
     """A request the daemon refuses: ``status`` is the HTTP code, the message says why (a push,
-    a profile request, an Alertmanager call)."""
+    a profile request, an Alertmanager call); ``retry_after``, in whole seconds, when trying
+    again later helps."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after
 
 
 def is_name(value: str, max_length: int = MAX_NAME_LENGTH) -> bool:

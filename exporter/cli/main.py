@@ -140,7 +140,13 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     from exporter.serving.exposition import Exposition
     from exporter.serving.history import History
     from exporter.serving.ingest import IngestStore
-    from exporter.serving.server import IngestHandler, MetricsHandler, make_server, serve_in_thread
+    from exporter.serving.server import (
+        IngestHandler,
+        MetricsHandler,
+        make_server,
+        raise_descriptor_limit,
+        serve_in_thread,
+    )
     from exporter.serving.status import StatusView
 
     setup_logging(settings["log.level"])
@@ -192,6 +198,7 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     status.start()
     app = Exposition(sampler, store, peaks=peaks, status=status)
     app.start()
+    raise_descriptor_limit()  # the connection caps are sized from it
     servers = []
     listen = [("web", web_host, web_port, MetricsHandler, tls)]
     if store is not None:
@@ -218,8 +225,8 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
         status.stop()
         sampler.stop()
         return 1
-    for i, srv in enumerate(servers):
-        serve_in_thread(srv, f"gputrain-http-{i}")
+    for srv in servers:
+        serve_in_thread(srv, f"gputrain-http-{srv.name}")
     scheme = "https" if tls else "http"
     log.info("gputrain-exporter %s serving %s/metrics (%s backend)", __version__,
              url_of(scheme, servers[0]), backend.name)
