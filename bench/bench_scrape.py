@@ -193,7 +193,7 @@ def demo_daemon(ranks: int, phases: int = 4, tag: str = "scrape"):
 
 
 def measure(ranks: int, phases: int, scrapes: int, spacing: float) -> dict:
-    with demo_daemon(ranks, phases) as (daemon, base):
+    with demo_daemon(ranks, phases) as (_, base):
         url = base + "/metrics"
         session = requests.Session()
         want = 0 if ranks == 0 else ranks
