@@ -166,7 +166,8 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
                     "jobs can push")
             store = IngestStore(settings["ingest.max-series"], settings["ingest.ttl"], token,
                                 alert_interval=settings["profile.alert-interval"],
-                                profiled_alerts=PROFILED_ALERTS)
+                                profiled_alerts=PROFILED_ALERTS,
+                                rank_interval=settings["profile.rank-interval"])
         thresholds = _thresholds(settings["status.rules-config"])
     except ConfigError as exc:
         log.error("%s", exc)
@@ -190,7 +191,8 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     history = History(settings["status.window"], peaks=peaks, instance=socket.gethostname())
     status = StatusView(history, thresholds, lambda: sampler.gpu_error, backend.name,
                         lambda: sampler.snapshot.driver_version,
-                        store.profiles if store is not None else None)
+                        store.profiles if store is not None else None,
+                        guarded=store is not None and token is not None)
     if store is not None:  # a profile asked for or finished: a viewer sees it at once
         store.profiles.listeners.append(status.changed)
     sampler.listeners.append(lambda: _observe(history, sampler, store, status))

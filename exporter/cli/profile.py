@@ -17,6 +17,7 @@ from typing import Any
 
 import requests
 
+from exporter.cli.terminal import printable
 from exporter.client.pusher import ServerName
 from exporter.protocol import DEFAULT_PROFILE_STEPS, MAX_PROFILE_STEPS, PROFILE_PATH, STEP_PARTS
 
@@ -125,8 +126,8 @@ def _progress(doc: dict[str, Any]) -> None:
              "accepted": "taken by the rank; it starts at its next step",
              "running": f"recording {doc['steps']} steps after one warm-up step"}
     if doc["state"] in words:
-        print(f"profile {doc['id']} of run {doc['run']} rank {doc['rank']}: "
-              f"{words[doc['state']]}", file=sys.stderr)
+        print(printable(f"profile {doc['id']} of run {doc['run']} rank {doc['rank']}: "
+                        f"{words[doc['state']]}"), file=sys.stderr)
 
 
 def _size(n: int) -> str:
@@ -191,20 +192,20 @@ def main(ns: argparse.Namespace) -> int:
         doc = ask(ns.url, ns.run, ns.rank, ns.steps, ns.timeout, _token(ns.token_file),
                   ns.ca_file, None if ns.json else _progress, ns.tls_server_name)
     except Failed as exc:
-        print(f"gputrain-exporter profile: {exc}", file=sys.stderr)
+        print(printable(f"gputrain-exporter profile: {exc}"), file=sys.stderr)
         return 2
     if ns.json:
-        print(json.dumps(doc, indent=2))
+        print(json.dumps(doc, indent=2))  # ASCII: every control character escaped
     elif doc["state"] == "done":
-        print(render(doc))
+        print(printable(render(doc), newlines=True))
     if doc["state"] == "done":
         return 0
     if not ns.json:
         if doc["state"] in ("failed", "expired"):
-            print(f"gputrain-exporter profile: {doc['id']} {doc['state']}: {doc.get('error')}",
-                  file=sys.stderr)
+            print(printable(f"gputrain-exporter profile: {doc['id']} {doc['state']}: "
+                            f"{doc.get('error')}"), file=sys.stderr)
         else:
-            print(f"gputrain-exporter profile: {doc['id']} still {doc['state']} after "
-                  f"{ns.timeout:.0f} s; ask again with GET {ns.url.rstrip('/')}{PROFILE_PATH}/"
-                  f"{doc['id']}", file=sys.stderr)
+            print(printable(f"gputrain-exporter profile: {doc['id']} still {doc['state']} "
+                            f"after {ns.timeout:.0f} s; ask again with GET "
+                            f"{ns.url.rstrip('/')}{PROFILE_PATH}/{doc['id']}"), file=sys.stderr)
     return 1

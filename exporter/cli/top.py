@@ -16,6 +16,7 @@ from typing import Any
 
 import requests
 
+from exporter.cli.terminal import printable, printable_doc
 from exporter.protocol import STEP_PARTS
 from exporter.serving.status import STATUS_PATH
 
@@ -212,9 +213,9 @@ def main(ns: argparse.Namespace) -> int:
         return 2
     session = requests.Session()
     try:
-        doc = fetch(ns.url, session)
+        doc = printable_doc(fetch(ns.url, session))  # names and reasons from the network
     except Unreachable as exc:
-        print(f"gputrain-exporter top: {exc}", file=sys.stderr)
+        print(printable(f"gputrain-exporter top: {exc}"), file=sys.stderr)
         return 2
     # a pipe gets a wide plain frame, a terminal its own width and colour
     console = Console() if sys.stdout.isatty() else Console(width=160, color_system=None)
@@ -227,9 +228,9 @@ def main(ns: argparse.Namespace) -> int:
             while True:
                 time.sleep(interval)
                 try:
-                    doc, error = fetch(ns.url, session), None
+                    doc, error = printable_doc(fetch(ns.url, session)), None
                 except Unreachable as exc:
-                    error = str(exc)
+                    error = printable(str(exc))
                 live.update(frame(doc, error), refresh=True)
     except KeyboardInterrupt:
         return 0

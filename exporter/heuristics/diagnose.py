@@ -29,6 +29,7 @@ from typing import Any
 import requests
 import yaml
 
+from exporter.cli.terminal import printable
 from exporter.config import parse_duration
 from exporter.heuristics.rules import (
     DEFAULTS,
@@ -360,14 +361,14 @@ def main(ns: argparse.Namespace) -> int:
         reports = diagnose(ns.prometheus, ns.run, ns.window, load_overrides(ns.config),
                            ns.time)
     except (PrometheusError, ValueError) as exc:
-        print(f"gputrain-exporter diagnose: {exc}", file=sys.stderr)
+        print(printable(f"gputrain-exporter diagnose: {exc}"), file=sys.stderr)
         return EXIT_NO_DATA
     if not reports:
         what = f"run '{ns.run}'" if ns.run else "gputrain training data"
-        print(f"gputrain-exporter diagnose: Prometheus at {ns.prometheus} holds no {what} in "
-              f"the last {ns.window} (no gputrain_training_* series of a run and rank). "
-              "Is it scraping the exporter, and is a training client pushing to it?",
-              file=sys.stderr)
+        print(printable(f"gputrain-exporter diagnose: Prometheus at {ns.prometheus} holds no "
+                        f"{what} in the last {ns.window} (no gputrain_training_* series of a "
+                        "run and rank). Is it scraping the exporter, and is a training client "
+                        "pushing to it?"), file=sys.stderr)
         return EXIT_NO_DATA
     if ns.json:
         out = [{**asdict(r), "bottleneck": r.bottleneck, "findings": r.findings()}
@@ -375,5 +376,7 @@ def main(ns: argparse.Namespace) -> int:
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(text_report(reports, parse_duration(ns.window)))
+        # label values come from Prometheus: escaped before the terminal sees them
+        sys.stdout.write(printable(text_report(reports, parse_duration(ns.window)),
+                                   newlines=True))
     return exit_status(reports)

@@ -21,6 +21,8 @@ from exporter.protocol import (
     DEFAULT_PRECISION,
     GPU_REF_RE,
     MAX_BUCKETS,
+    MAX_COUNT,
+    MAX_EXACT_FLOAT,
     MAX_GPUS,
     MAX_NAME_LENGTH,
     MAX_PHASE_NAME_LENGTH,
@@ -30,6 +32,7 @@ from exporter.protocol import (
     RUN_ID_RE,
     SCHEMA_VERSION,
     Refused,
+    count,
 )
 from exporter.serving.profiles import ProfileBoard, parse_report
 
@@ -86,13 +89,14 @@ def _number(body: dict, key: str, *, integer: bool = False, required: bool = Tru
     v = body[key]
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise Refused(400, f"field '{where}{key}' must be a number, got {_kind(v)}")
-    if integer and not (isinstance(v, int) or float(v).is_integer()):
-        raise Refused(400, f"field '{where}{key}' must be a whole number, got {v}")
-    if isinstance(v, int) and v > 2**63:  # before math.isfinite, which overflows on it
-        raise Refused(400, f"field '{where}{key}' is too large (over 2^63)")
-    if not math.isfinite(v) or v < 0:
-        raise Refused(400, f"field '{where}{key}' must be a finite number >= 0, got {v}")
-    return int(v) if integer else float(v)
+    if integer:
+        return count(v, f"{where}{key}")
+    if isinstance(v, int) and v > MAX_COUNT:  # before math.isfinite, which overflows on it
+        raise Refused(400, f"field '{where}{key}' is too large (over 2^63 - 1)")
+    if not math.isfinite(v) or v < 0 or (v > MAX_EXACT_FLOAT and (where or key != "flops")):
+        raise Refused(400, f"field '{where}{key}' must be a finite number >= 0 (at most 2^53), "
+                           f"got {v}")
+    return float(v)
 
 
 def _kind(v: Any) -> str:
@@ -280,7 +284,8 @@ class IngestStore:
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time,
                  alert_interval: float = 3600.0,
-                 profiled_alerts: frozenset[str] = frozenset()) -> None:
+                 profiled_alerts: frozenset[str] = frozenset(),
+                 rank_interval: float = 0.0) -> None:
         self.max_series = max_series
         self.ttl = ttl
         self._token = token
@@ -293,7 +298,7 @@ class IngestStore:
         self._next_expiry = math.inf  # no state expires before this (monotonic)
         self.listeners: list[Callable[[], None]] = []  # called after every change
         self.profiles = ProfileBoard(self.states, alert_interval, profiled_alerts, clock,
-                                     wall_clock)
+                                     wall_clock, rank_interval)
 
     def authorized(self, header: str | None) -> bool:
         """True when no token is configured or the header carries it."""
