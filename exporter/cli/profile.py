@@ -69,7 +69,9 @@ def _token(path: str | None) -> str | None:
     return os.environ.get("GPUTRAIN_TOKEN") or None
 
 
-def _call(session: requests.Session, method: str, url: str, **kwargs: Any) -> dict[str, Any]:
+def _call(session: requests.Session, method: str, url: str, **kwargs: Any
+          ) -> tuple[dict[str, Any], float]:
+    """The daemon's JSON answer, and the seconds its Retry-After asks to wait (else 0)."""
     try:
         # verify per request: a session's own loses to REQUESTS_CA_BUNDLE in the environment
         r = session.request(method, url, timeout=(3.0, 15.0), verify=session.verify, **kwargs)
@@ -88,7 +90,11 @@ def _call(session: requests.Session, method: str, url: str, **kwargs: Any) -> di
     if r.status_code != 200:
         raise Failed(doc.get("error", f"the daemon answered {r.status_code}")
                      if isinstance(doc, dict) else f"the daemon answered {r.status_code}")
-    return doc
+    try:
+        retry = min(5.0, max(0.0, float(r.headers.get("Retry-After", 0))))
+    except ValueError:
+        retry = 1.0
+    return doc, retry
 
 
 def ask(url: str, run: str, rank: str | None, steps: int, timeout: float,
@@ -108,7 +114,7 @@ def ask(url: str, run: str, rank: str | None, steps: int, timeout: float,
     body: dict[str, Any] = {"run": run, "steps": steps}
     if rank is not None:
         body["rank"] = rank
-    doc = _call(session, "POST", base, data=json.dumps(body))
+    doc, retry = _call(session, "POST", base, data=json.dumps(body))
     deadline = time.monotonic() + timeout
     seen = None
     while True:
@@ -117,8 +123,10 @@ def ask(url: str, run: str, rank: str | None, steps: int, timeout: float,
             progress(doc)
         if doc["state"] in ("done", "failed", "expired") or time.monotonic() >= deadline:
             return doc
+        # answered without waiting (the daemon holds as many long-polls as it allows)
+        time.sleep(min(retry, max(0.0, deadline - time.monotonic())))
         wait = max(0.1, min(5.0, deadline - time.monotonic()))
-        doc = _call(session, "GET", f"{base}/{doc['id']}?wait={wait:.1f}")
+        doc, retry = _call(session, "GET", f"{base}/{doc['id']}?wait={wait:.1f}")
 
 
 def _progress(doc: dict[str, Any]) -> None:

@@ -59,6 +59,7 @@ BODY_BUDGET_BYTES = 32 * 1024 * 1024  # request bodies being read at once, per p
 MAX_LONG_POLLS = 32  # per port: GETs of a profile that wait; more are answered at once
 MAX_WAIT_SECONDS = 5.0  # a GET of a profile may wait this long for it (< REQUEST_SECONDS)
 LISTEN_BACKLOG = 512
+READ_CHUNK = 16 * 1024  # bytes one read takes from a connection (asyncio's default: 256 KiB)
 BLOCKING_THREADS = 4  # per port, for calls that may wait (?fresh=1, a status build)
 _DIGITS = re.compile(r"[0-9]{1,12}")
 _CODING = re.compile(r"\s*([A-Za-z0-9*_-]+)\s*(?:;\s*q\s*=\s*([0-9.]+))?\s*")
@@ -264,6 +265,9 @@ class _Connection(RequestHandler):
         self._busy_bytes = 0
         self._raw: asyncio.BaseTransport | None = None
         self._admitted = False
+        self._client_done = False  # the client closed its side
+        self._held = False  # reading paused until the handler has room for the body
+        self._content: Any = None  # the body of the request being handled
 
     # -- connecting ----------------------------------------------------------------------------
 
@@ -280,6 +284,7 @@ class _Connection(RequestHandler):
             transport.close()
             return
         self._admitted = True
+        _read_in_chunks(transport)
         self._begin_head()
         if self.tls is None:
             super().connection_made(transport)
@@ -299,6 +304,7 @@ class _Connection(RequestHandler):
         if secure is None or transport.is_closing():
             self._released()
             return
+        _read_in_chunks(getattr(secure, "_ssl_protocol", None))
         self.connection_made(secure)
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -391,13 +397,32 @@ class _Connection(RequestHandler):
         if ends:
             self.begin_request()
             self._busy_bytes = len(joined) - stop
+            # the body stays in the kernel until the handler has room for it (release())
+            self._hold()
         else:
             self._tail = joined[-3:]
         return True
 
-    def begin_request(self) -> None:
+    def _hold(self) -> None:
+        transport = self.transport or self._raw
+        if not self._held and transport is not None and not transport.is_closing():
+            transport.pause_reading()
+            self._held = True
+
+    def release(self) -> None:
+        """Read on: the request's body has room (or it has none)."""
+        transport = self.transport or self._raw
+        if self._held and transport is not None and not transport.is_closing():
+            transport.resume_reading()
+        self._held = False
+
+    def begin_request(self, request: web.BaseRequest | None = None) -> None:
         """The request's headers are in (or aiohttp starts on a pipelined one): it is being
         handled, and must be answered within REQUEST_SECONDS of its first byte."""
+        if request is not None:  # its handler starts
+            self._content = request.content
+            if self._client_done and not request.content.is_eof():
+                request.content.feed_eof()
         if self.state == "busy":
             return
         if self.state == "idle":
@@ -406,12 +431,25 @@ class _Connection(RequestHandler):
         self.state = "busy"
         self._arm(self.started + REQUEST_SECONDS + CLOSING_SECONDS)
 
+    def eof_received(self) -> bool | None:
+        """The client closed its side: a request that is in (or whose body is being read)
+        is answered, a short body as such, and then the connection closes; otherwise it
+        closes now."""
+        if self.state != "busy":
+            return None
+        self._client_done = True
+        if self._content is not None and not self._content.is_eof():
+            self._content.feed_eof()
+        return True  # keep the transport open to write the answer
+
     # -- the request's life --------------------------------------------------------------------
 
     async def finish_response(self, request: web.BaseRequest, resp: web.StreamResponse,
                               start_time: float | None) -> tuple[web.StreamResponse, bool]:
-        if not request.content.is_eof() and not resp.prepared:
+        if self._client_done or (not request.content.is_eof() and not resp.prepared):
             resp.force_close()  # a body left unread must never be parsed as a request
+        self._content = None
+        self.release()  # after a closing answer, what still comes is read and discarded
         answer = await super().finish_response(request, resp, start_time)
         if self.transport is None or self.state in ("closing", "closed"):
             return answer
@@ -492,6 +530,14 @@ class _Connection(RequestHandler):
             return True  # broken (or no descriptor left to look): leave it be
 
 
+def _read_in_chunks(transport: Any) -> None:
+    """Make a transport read READ_CHUNK bytes at a time, so that what a connection holds
+    before its handler has room for its body stays small (``max_size`` is an attribute of
+    CPython's socket and TLS transports; elsewhere their default stays)."""
+    if transport is not None and isinstance(getattr(transport, "max_size", None), int):
+        transport.max_size = READ_CHUNK
+
+
 # -- the answers ----------------------------------------------------------------------------------
 
 def _response(code: int, body: bytes, content_type: str = _TEXT,
@@ -506,6 +552,10 @@ def _response(code: int, body: bytes, content_type: str = _TEXT,
 def _json(code: int, doc: Any, close: bool = False) -> web.Response:
     return _response(code, (json.dumps(doc) + "\n").encode(), "application/json",
                      {"Cache-Control": "no-store"}, close)
+
+
+def _address(request: web.BaseRequest) -> str:
+    return request.protocol.address  # type: ignore[union-attr]
 
 
 def _has_body(request: web.BaseRequest) -> bool:
@@ -586,7 +636,7 @@ class IngestHandler(_Site):
                 raw = await self._body(request)
             except Refused as exc:
                 store.count(exc.status)
-                log.debug("push refused (%d): %s", exc.status, exc)
+                log.debug("push from %s refused (%d): %s", _address(request), exc.status, exc)
                 return _response(exc.status, (str(exc) + "\n").encode(), close=True)
             code, body, ctype = self._push(raw)
             store.count(code)
@@ -597,6 +647,8 @@ class IngestHandler(_Site):
             try:
                 raw = await self._body(request)
             except Refused as exc:
+                log.debug("%s from %s refused (%d): %s", path, _address(request), exc.status,
+                          exc)
                 return _json(exc.status, {"error": str(exc)}, close=True)
             try:
                 if path == PROFILE_PATH:
@@ -632,18 +684,15 @@ class IngestHandler(_Site):
         if not self.port.reserve_body(conn.address, length):
             raise Refused(503, f"the daemon is reading {self.port.body_bytes} bytes of other "
                                "requests' bodies, its limit; try again")
+        conn.release()
         try:
             left = conn.started + REQUEST_SECONDS - asyncio.get_running_loop().time()
             return await asyncio.wait_for(request.content.readexactly(length), max(0.0, left))
         except asyncio.TimeoutError:
-            log.debug("the body from %s did not arrive within %.0f s", conn.address,
-                      REQUEST_SECONDS)
             raise Refused(408, f"the body did not arrive within {REQUEST_SECONDS:.0f} s of "
                                "the request's start") from None
         except (asyncio.IncompleteReadError, RequestPayloadError) as exc:
             got = len(exc.partial) if isinstance(exc, asyncio.IncompleteReadError) else "fewer"
-            log.debug("the body from %s ended early: %s of %d bytes", conn.address, got,
-                      length)
             raise Refused(400, f"the body is shorter than Content-Length ({got} of {length} "
                                "bytes came)") from None
         finally:
@@ -695,16 +744,22 @@ class IngestHandler(_Site):
                     return _json(400, {"error": f"wait must be seconds, got {value[:40]!r}"})
         conn: _Connection = request.protocol  # type: ignore[assignment]
         profile = store.profiles.get(pid)
-        if profile is not None and profile.state not in FINAL and wait > 0 and \
-                self.port.start_long_poll(conn.address):
-            try:
-                profile = await self._wait(pid, wait)
-            finally:
-                self.port.end_long_poll(conn.address)
+        bounded = False
+        if profile is not None and profile.state not in FINAL and wait > 0:
+            if self.port.start_long_poll(conn.address):
+                try:
+                    profile = await self._wait(pid, wait)
+                finally:
+                    self.port.end_long_poll(conn.address)
+            else:  # as many wait as the port allows: as it is now, and when to ask again
+                bounded = True
         if profile is None:
             return _json(404, {"error": f"no profile {pid[:40]!r} on this daemon (it keeps "
                                         "the last ones only)"})
-        return _json(200, profile.document())
+        resp = _json(200, profile.document())
+        if bounded:
+            resp.headers["Retry-After"] = "1"
+        return resp
 
     async def _wait(self, pid: str, seconds: float) -> Profile | None:
         """The profile once final, or as it is after ``seconds``; looked at again whenever
@@ -771,15 +826,23 @@ class Server:
             loop.run_forever()
         finally:
             self._started.set()
+            tasks = asyncio.all_tasks(loop)
+            for task in tasks:  # handlers of connections cut at shutdown
+                task.cancel()
             with contextlib.suppress(Exception):
+                loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
                 loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
 
     async def _listen(self, loop: asyncio.AbstractEventLoop) -> None:
         site = self._handler(self.app, self.port, self._pool)
+        handler = self._handler
 
         async def dispatch(request: web.BaseRequest) -> web.StreamResponse:
-            request.protocol.begin_request()  # type: ignore[attr-defined]
+            conn: _Connection = request.protocol  # type: ignore[assignment]
+            conn.begin_request(request)
+            if request.method != "POST" or handler is not IngestHandler:
+                conn.release()  # no body is read here: what follows is for the parser
             return await site(request)
 
         aio = web.Server(dispatch, loop=loop, handler_cancellation=False)
