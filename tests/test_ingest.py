@@ -143,6 +143,36 @@ def test_bad_flops_or_precision_is_a_400_that_says_why(rig, over, message):
     assert r.status_code == 400 and message in r.text, r.text
 
 
+@pytest.mark.parametrize("over, field", [
+    ({"steps": 1e300}, "steps"),
+    ({"steps": 9.3e18}, "steps"),  # a float past 2^53 holds no exact integer
+    ({"steps": 2**63}, "steps"),
+    ({"steps": 10.5}, "steps"),
+    ({"step_counts": [2, 9, 1e300]}, "step_counts"),
+    ({"step_seconds": 1e300}, "step_seconds"),
+    ({"samples": 2.0**60}, "samples"),
+    ({"process": {"cpu_seconds": 1e300}}, "process.cpu_seconds"),
+    ({"process": {"pid": 1e300}}, "process.pid"),
+    ({"phases": {"checkpoint": 1e300}}, "phases.checkpoint"),
+])
+def test_a_counter_past_what_it_can_hold_exactly_is_a_400_naming_the_field(rig, over, field):
+    r = rig.push(body(**over))
+    assert r.status_code == 400 and f"field '{field}'" in r.text, r.text
+    assert rig.v("gputrain_training_steps_total") is None  # nothing stored
+
+
+def test_counters_at_their_bounds_are_taken(rig):
+    """An integer counter up to 2^63-1 as an integer, or up to 2^53 as a float without a
+    fraction; model FLOPs past 2^53 (a day of one GPU's)."""
+    big = 2**63 - 1
+    r = rig.push(body(steps=big, step_counts=[2, 9, 10], flops=8.6e19))
+    assert r.status_code == 200, r.text
+    assert rig.v("gputrain_training_flops_total") == 8.6e19
+    r = rig.push(body(run_id="other", steps=float(2**53), step_counts=[2, 9, 10]))
+    assert r.status_code == 200, r.text
+    assert rig.v("gputrain_training_steps_total") == 2**53
+
+
 def test_gpus_resolve_from_uuids_and_from_the_nvml_process_list(rig):
     uuid1 = rig.sampler.snapshot.gpus[1].identity.uuid
     rig.push(body(gpus=[uuid1]))

@@ -19,6 +19,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import math
 import re
 import resource
 import socket
@@ -59,6 +60,7 @@ BODY_BUDGET_BYTES = 32 * 1024 * 1024  # request bodies being read at once, per p
 MAX_LONG_POLLS = 32  # per port: GETs of a profile that wait; more are answered at once
 MAX_WAIT_SECONDS = 5.0  # a GET of a profile may wait this long for it (< REQUEST_SECONDS)
 LISTEN_BACKLOG = 512
+SWEEP_SECONDS = 0.5  # how often a port looks for connections past their deadline
 READ_CHUNK = 16 * 1024  # bytes one read takes from a connection (asyncio's default: 256 KiB)
 BLOCKING_THREADS = 4  # per port, for calls that may wait (?fresh=1, a status build)
 _DIGITS = re.compile(r"[0-9]{1,12}")
@@ -170,6 +172,12 @@ class _Port:
                 return True
         return False
 
+    def sweep(self, now: float) -> None:
+        """Act on every connection whose deadline has passed (one look for all of them,
+        not a timer per request)."""
+        for conn in [c for c in self.conns if c.deadline <= now]:
+            conn.expired()
+
     def forget(self, conn: _Connection) -> None:
         self.conns.pop(conn, None)
         self.idle.pop(conn, None)
@@ -256,8 +264,7 @@ class _Connection(RequestHandler):
         self.address = ""
         self.state = "new"
         self.started = 0.0  # loop time of the current request's first byte
-        self.deadline = 0.0
-        self._timer: asyncio.TimerHandle | None = None
+        self.deadline = math.inf  # loop time; see _Port.sweep
         self._head_bytes = 0
         self._head_lines = 0
         self._line_bytes = 0
@@ -266,7 +273,6 @@ class _Connection(RequestHandler):
         self._raw: asyncio.BaseTransport | None = None
         self._admitted = False
         self._client_done = False  # the client closed its side
-        self._held = False  # reading paused until the handler has room for the body
         self._content: Any = None  # the body of the request being handled
 
     # -- connecting ----------------------------------------------------------------------------
@@ -312,7 +318,7 @@ class _Connection(RequestHandler):
         super().connection_lost(exc)
 
     def _released(self) -> None:
-        self._cancel_timer()
+        self._disarm()
         if self._admitted:
             self._admitted = False
             self.port.forget(self)
@@ -320,17 +326,20 @@ class _Connection(RequestHandler):
     # -- deadlines -----------------------------------------------------------------------------
 
     def _arm(self, at: float) -> None:
-        self._cancel_timer()
-        self.deadline = at
-        self._timer = self._loop.call_at(at, self._expired)
+        self.deadline = at  # the port's sweep looks every SWEEP_SECONDS
 
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+    def _disarm(self) -> None:
+        self.deadline = math.inf
 
-    def _expired(self) -> None:
-        self._timer = None
+    def expired(self) -> None:
+        """Its deadline has passed (the port's sweep): what to do depends on the state."""
+        self.deadline = math.inf
+        if self.state == "busy" and self._content is not None and \
+                not self._content.is_eof() and self._content.exception() is None:
+            # its body is late: the handler answers 408, then the connection closes
+            self._content.set_exception(asyncio.TimeoutError())
+            self._arm(self._loop.time() + CLOSING_SECONDS)
+            return
         if self.state == "head":
             log.debug("%s sent no whole request headers within %.0f s", self.address,
                       HEADER_SECONDS)
@@ -397,24 +406,9 @@ class _Connection(RequestHandler):
         if ends:
             self.begin_request()
             self._busy_bytes = len(joined) - stop
-            # the body stays in the kernel until the handler has room for it (release())
-            self._hold()
         else:
             self._tail = joined[-3:]
         return True
-
-    def _hold(self) -> None:
-        transport = self.transport or self._raw
-        if not self._held and transport is not None and not transport.is_closing():
-            transport.pause_reading()
-            self._held = True
-
-    def release(self) -> None:
-        """Read on: the request's body has room (or it has none)."""
-        transport = self.transport or self._raw
-        if self._held and transport is not None and not transport.is_closing():
-            transport.resume_reading()
-        self._held = False
 
     def begin_request(self, request: web.BaseRequest | None = None) -> None:
         """The request's headers are in (or aiohttp starts on a pipelined one): it is being
@@ -429,7 +423,7 @@ class _Connection(RequestHandler):
             self.port.idle.pop(self, None)
             self.started = self._loop.time()
         self.state = "busy"
-        self._arm(self.started + REQUEST_SECONDS + CLOSING_SECONDS)
+        self._arm(self.started + REQUEST_SECONDS)
 
     def eof_received(self) -> bool | None:
         """The client closed its side: a request that is in (or whose body is being read)
@@ -449,7 +443,6 @@ class _Connection(RequestHandler):
         if self._client_done or (not request.content.is_eof() and not resp.prepared):
             resp.force_close()  # a body left unread must never be parsed as a request
         self._content = None
-        self.release()  # after a closing answer, what still comes is read and discarded
         answer = await super().finish_response(request, resp, start_time)
         if self.transport is None or self.state in ("closing", "closed"):
             return answer
@@ -684,10 +677,8 @@ class IngestHandler(_Site):
         if not self.port.reserve_body(conn.address, length):
             raise Refused(503, f"the daemon is reading {self.port.body_bytes} bytes of other "
                                "requests' bodies, its limit; try again")
-        conn.release()
-        try:
-            left = conn.started + REQUEST_SECONDS - asyncio.get_running_loop().time()
-            return await asyncio.wait_for(request.content.readexactly(length), max(0.0, left))
+        try:  # past the request's deadline, the port's sweep ends the read (TimeoutError)
+            return await request.content.readexactly(length)
         except asyncio.TimeoutError:
             raise Refused(408, f"the body did not arrive within {REQUEST_SECONDS:.0f} s of "
                                "the request's start") from None
@@ -836,13 +827,9 @@ class Server:
 
     async def _listen(self, loop: asyncio.AbstractEventLoop) -> None:
         site = self._handler(self.app, self.port, self._pool)
-        handler = self._handler
 
         async def dispatch(request: web.BaseRequest) -> web.StreamResponse:
-            conn: _Connection = request.protocol  # type: ignore[assignment]
-            conn.begin_request(request)
-            if request.method != "POST" or handler is not IngestHandler:
-                conn.release()  # no body is read here: what follows is for the parser
+            request.protocol.begin_request(request)  # type: ignore[attr-defined]
             return await site(request)
 
         aio = web.Server(dispatch, loop=loop, handler_cancellation=False)
@@ -850,6 +837,11 @@ class Server:
         if store is not None and self._handler is IngestHandler:
             # a profile changed (in any thread): this port's long-polls look again
             store.profiles.listeners.append(lambda: loop.call_soon_threadsafe(self.port.wake))
+        def sweep() -> None:
+            self.port.sweep(loop.time())
+            loop.call_later(SWEEP_SECONDS, sweep)
+
+        loop.call_later(SWEEP_SECONDS, sweep)
         self._aio = await loop.create_server(
             lambda: _Connection(self.port, aio, loop, self._tls), sock=self.socket,
             backlog=LISTEN_BACKLOG)
