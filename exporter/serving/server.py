@@ -53,7 +53,7 @@ CLOSING_SECONDS = 1.0  # after a closing answer, unread input is discarded this 
 MAX_REQUEST_LINE = 8 * 1024
 MAX_HEADER_BYTES = 16 * 1024  # the request line excluded
 MAX_HEADERS = 64
-MAX_CONNECTIONS = 1024  # per port, at most: fewer where the descriptor limit is lower
+MAX_CONNECTIONS = 512  # per port, at most: fewer where the descriptor limit is lower
 RESERVED_DESCRIPTORS = 256  # kept for everything but the two ports (NVML, /proc, logs)
 ADDRESS_SHARE = 2  # one client address holds at most 1/ADDRESS_SHARE of a port's connections
 BODY_BUDGET_BYTES = 32 * 1024 * 1024  # request bodies being read at once, per port
@@ -66,6 +66,7 @@ BLOCKING_THREADS = 4  # per port, for calls that may wait (?fresh=1, a status bu
 _DIGITS = re.compile(r"[0-9]{1,12}")
 _CODING = re.compile(r"\s*([A-Za-z0-9*_-]+)\s*(?:;\s*q\s*=\s*([0-9.]+))?\s*")
 _TEXT = "text/plain; charset=utf-8"
+SERVER = "gputrain-exporter"
 
 
 def accepts_gzip(header: str | None) -> bool:
@@ -112,7 +113,7 @@ def connection_caps(ports: int = 2) -> tuple[int, int]:
 def _canned(status: int, reason: str, text: str) -> bytes:
     """A whole closing answer, for the connection level (before aiohttp has a request)."""
     body = (text + "\n").encode()
-    return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {_TEXT}\r\n"
+    return (f"HTTP/1.1 {status} {reason}\r\nServer: {SERVER}\r\nContent-Type: {_TEXT}\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
 
 
@@ -274,6 +275,7 @@ class _Connection(RequestHandler):
         self._admitted = False
         self._client_done = False  # the client closed its side
         self._content: Any = None  # the body of the request being handled
+        self._handshake: asyncio.Task[None] | None = None
 
     # -- connecting ----------------------------------------------------------------------------
 
@@ -295,7 +297,7 @@ class _Connection(RequestHandler):
         if self.tls is None:
             super().connection_made(transport)
         else:
-            self._loop.create_task(self._start_tls(transport))
+            self._handshake = self._loop.create_task(self._start_tls(transport))
 
     async def _start_tls(self, transport: asyncio.BaseTransport) -> None:
         try:
@@ -345,7 +347,10 @@ class _Connection(RequestHandler):
                       HEADER_SECONDS)
             self._close_with(408, "Request Timeout", "the request's headers did not arrive "
                              f"within {HEADER_SECONDS:.0f} s")
-        else:  # idle past IDLE_SECONDS, an answer not taken by REQUEST_SECONDS, or closing
+        elif self.state == "idle":  # past IDLE_SECONDS: closed as reclaim() does
+            if not self.reclaim():
+                self._arm(self._loop.time() + SWEEP_SECONDS)  # a request has just come
+        else:  # an answer not taken by REQUEST_SECONDS, or closing
             self._abort()
 
     def _begin_head(self) -> None:
@@ -467,7 +472,7 @@ class _Connection(RequestHandler):
             log.error("error while serving %s", self.address, exc_info=exc)
             text = "the daemon failed to answer; its log says why"
         resp = web.Response(status=status, text=text + "\n", content_type="text/plain",
-                            headers={"Connection": "close"})  # aiohttp answers these in 1.0
+                            headers={"Connection": "close", "Server": SERVER})  # HTTP/1.0
         resp.force_close()
         return resp
 
@@ -479,6 +484,9 @@ class _Connection(RequestHandler):
         transport = self.transport or self._raw
         self.state = "closing"
         if transport is None or transport.is_closing():
+            return
+        if self.transport is None and self.tls is not None:  # still in its TLS handshake
+            self._abort()
             return
         transport.write(_canned(status, reason, text))
         if transport.can_write_eof():
@@ -506,6 +514,9 @@ class _Connection(RequestHandler):
         transport = self.transport or self._raw
         self.state = "closed"
         self._released()
+        if self.transport is None and self.tls is not None:  # still in its TLS handshake
+            transport.abort()
+            return
         transport.write(_canned(503, "Service Unavailable", f"busy: the {self.port.name} "
                                 "port is full and your address holds the most connections"))
         transport.close()
@@ -535,8 +546,8 @@ def _read_in_chunks(transport: Any) -> None:
 
 def _response(code: int, body: bytes, content_type: str = _TEXT,
               headers: dict[str, str] | None = None, close: bool = False) -> web.Response:
-    resp = web.Response(status=code, body=body, headers={"Content-Type": content_type,
-                                                         **(headers or {})})
+    resp = web.Response(status=code, body=body, headers={
+        "Content-Type": content_type, "Server": SERVER, **(headers or {})})
     if close:
         resp.force_close()
     return resp
