@@ -596,9 +596,42 @@ def promtool_file(cases: list[Case], comment: str) -> str:
                                              allow_unicode=True)
 
 
+def recording_tests() -> list[dict]:
+    """promtool expression tests of recording rules at their edges."""
+    labels = {**NODE, "run": "long-steps", "rank": "0"}
+    where = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    series = {
+        # wall time since the process started: a minute a minute
+        sel("gputrain_training_elapsed_seconds_total", **labels): ramp(60, 10),
+        # no step ends for 4 minutes, then one of 320 s (it began before the window): over
+        # the 5m to 6m the raw step time (320 s) passes the wall time (300 s)
+        sel("gputrain_training_step_duration_seconds_sum", **labels): "0 0 0 0 0 320 380 440",
+        sel("gputrain_training_step_duration_seconds_count", **labels): "0 0 0 0 0 1 2 3",
+        sel("gputrain_training_data_wait_seconds_total", **labels): flat(0, 8),
+    }
+    good = "run_rank:gputrain_training_goodput:ratio_rate5m"
+    bad = "run_rank_cause:gputrain_training_badput:ratio_rate5m"
+    return [{
+        "name": "goodput and badput stay within [0, 1] when a step straddles the window",
+        "interval": "1m",
+        "input_series": [{"series": k, "values": v} for k, v in series.items()],
+        "promql_expr_test": [
+            {"expr": f"{good}{{{where}}}", "eval_time": "5m",
+             "exp_samples": [{"labels": f"{good}{{{where}}}", "value": 1}]},
+            {"expr": f"{bad}{{{where}}}", "eval_time": "5m", "exp_samples": [
+                {"labels": f'{bad}{{{where},cause="data_wait"}}', "value": 0},
+                {"labels": f'{bad}{{{where},cause="outside_steps"}}', "value": 0}]},
+        ],
+    }]
+
+
 def files() -> dict[Path, str]:
     tests = ROOT / "alerts" / "tests"
+    recording = {"rule_files": ["../gputrain.rules.yml"], "evaluation_interval": "30s",
+                 "tests": recording_tests()}
     return {
+        tests / "recording.test.yml": HEADER + "# Recording rules at their edges.\n"
+        + yaml.safe_dump(recording, sort_keys=False, width=100, allow_unicode=True),
         tests / "alerts.test.yml": promtool_file(
             alert_cases(), "# A case per alert: not yet, firing, and a healthy series that stays "
                            "silent.\n"),

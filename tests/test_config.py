@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
+from conftest import ROOT, free_port
 
 from exporter.cli.main import build_parser
 from exporter.config import ConfigError, parse_duration, parse_listen_address, resolve
@@ -108,3 +112,42 @@ def test_peak_flops_from_the_readme_example_and_the_flag(tmp_path):
     assert s["gpu.peak-flops"] == {"l40": {"bf16": 181e12}}
     with pytest.raises(ConfigError, match=r"gpu\.peak-flops.*unknown precision 'int4'"):
         settings("--gpu.peak-flops=NVIDIA L40:int4=1P")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["diagnos"], "unknown command diagnos; did you mean diagnose?"),
+    (["--web.listen-adress=:19400"], "unknown flag --web.listen-adress for serve; did you mean "
+                                     "--web.listen-address?"),
+    (["diagnose", "--promtheus", "http://x"], "unknown flag --promtheus for diagnose; did you "
+                                              "mean --prometheus?"),
+    (["rules", "--levle", "node"], "did you mean --level?"),
+])
+def test_a_mistyped_command_or_flag_gets_a_did_you_mean(capsys, argv, message):
+    from exporter.cli.main import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("command", "flag"), [("diagnose", "--prometheus"), ("top", "--url"),
+                                               ("profile", "--url")])
+def test_a_url_without_its_scheme_is_named_with_the_fix(command, flag):
+    extra = ["--run", "r"] if command == "profile" else []
+    out = subprocess.run([sys.executable, "-m", "exporter", command, *extra, flag,
+                          "127.0.0.1:9"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert f"{flag} 127.0.0.1:9: give the scheme, as in {flag} http://127.0.0.1:9" in out.stderr
+
+
+@pytest.mark.parametrize("command", ["diagnose", "top", "profile"])
+def test_a_refused_connection_is_said_in_words(command):
+    flag = "--prometheus" if command == "diagnose" else "--url"
+    extra = ["--run", "r"] if command == "profile" else []
+    url = f"http://127.0.0.1:{free_port()}"
+    out = subprocess.run([sys.executable, "-m", "exporter", command, *extra, flag, url],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert f"nothing listens on {url[7:]} (connection refused)" in out.stderr
+    assert "Max retries" not in out.stderr and "urllib3" not in out.stderr

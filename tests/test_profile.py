@@ -555,6 +555,15 @@ def test_the_webhook_needs_the_ingest_token_when_one_is_set(daemon_factory, tmp_
     r = requests.post(d.ingest_url + "/api/v1/alerts", json={"alerts": []}, timeout=5,
                       headers={"Authorization": "Bearer s3cret-token-of-16+"})
     assert r.status_code == 200 and r.json() == {"started": [], "skipped": [], "skipped_total": 0}
+    # the command says which flag or variable gives the token
+    out = _cli("--run", "x", "--url", d.ingest_url, timeout=60)
+    assert out.returncode == 2
+    assert "asks for its ingest token (401): give it with --token-file FILE, or set " \
+        "GPUTRAIN_TOKEN or GPUTRAIN_TOKEN_FILE" in out.stderr
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not-the-token-at-all")
+    out = _cli("--run", "x", "--url", d.ingest_url, "--token-file", str(wrong), timeout=60)
+    assert out.returncode == 2 and "refused the ingest token given (401)" in out.stderr
 
 
 def test_alertmanager_with_the_shipped_config_asks_the_daemon_for_a_profile(training,

@@ -97,6 +97,60 @@ def test_history_reads_a_rank_over_its_window_across_a_restart(clock):
     assert [g.uuid for g in rep.gpus] == ["GPU-a"]
 
 
+def test_a_ranks_window_starts_at_its_first_push(clock):
+    """A run is judged on what its GPUs did since it came, not on the idle minute before it:
+    the page must not call a fresh, busy run underutilized."""
+    gpu = FakeGpu("GPU-a", name=H100, util_rate=0)
+    node = Node(clock, [gpu], window=60.0)
+    for _ in range(60):  # an idle minute: the GPU's window is full of zeros
+        node.cycle()
+    gpu.util_rate = 95
+    steps = 0
+    for _ in range(20):  # then the run: 20 s of 10 steps a second, 5 % waiting for data
+        steps += 10
+        push(node.store, gpus=["0"], steps=steps, step_seconds=steps / 10,
+             data_wait_seconds=steps / 200, samples=steps * 32, elapsed_seconds=steps / 10)
+        node.cycle()
+    (rep,) = node.history.reports()
+    assert rep.gpus[0].busy == pytest.approx(0.95, abs=0.03)  # not ~0.3 over the minute
+    (run,) = node.document()["runs"]
+    assert run["verdicts"][0]["verdict"] != "underutilized", run["verdicts"]
+    assert node.document()["gpus"][0]["window"]["busy"] < 0.5  # the GPU's own view: the minute
+
+
+@pytest.mark.parametrize("edge", ["start", "end"])
+def test_goodput_and_badput_stay_within_0_and_1_at_a_runs_edges(clock, edge):
+    """A step that straddles the window's start counts whole at its end, so the raw shares can
+    go past the wall time: at a run's first pushes (a long first step) and its last (the
+    goodbye after a long step) each share stays within [0, 1] and they add up to 1."""
+    node = Node(clock, [FakeGpu("GPU-a", name=H100, util_rate=95)], window=60.0)
+    state = {"steps": 0, "step_seconds": 0.0, "data_wait_seconds": 0.0, "samples": 0.0,
+             "elapsed_seconds": 4.0}
+
+    def second(step: float = 0.0) -> None:
+        state["elapsed_seconds"] += 1.0
+        if step:
+            state["steps"] += 1
+            state["step_seconds"] += step
+            state["data_wait_seconds"] += 0.1 * step
+            state["samples"] += 32
+        push(node.store, gpus=["0"], **state)
+        node.cycle()
+
+    if edge == "start":  # pushed 4 s into its first step, which ends 3 s later
+        second(), second(), second(step=7.0), second(step=0.5)
+    else:  # a steady run, then a last 6 s step that began before the window's last points
+        for _ in range(70):
+            second(step=1.0)
+        second(step=6.0)
+    (rep,) = node.history.reports()
+    shares = [rep.goodput, *rep.badput.values()]
+    assert all(0.0 <= x <= 1.0 for x in shares), rep.badput
+    assert sum(shares) == pytest.approx(1.0)
+    (run,) = node.document()["runs"]
+    assert 0.0 <= run["goodput"] <= 1.0
+
+
 def test_histogram_quantile_matches_prometheus():
     # 100 steps: 20 under 0.1 s, 70 in (0.1, 0.2], 10 above 0.2 s
     counts = (20, 90, 100)
@@ -218,7 +272,7 @@ def test_status_api_and_top_show_the_gpus_and_the_runs_verdict(busy_node):
 def test_top_says_when_the_daemon_cannot_be_read(daemon_factory):
     daemon = daemon_factory("--gpu.backend=demo", "--demo.gpus=1")
     for url, why in ((f"http://127.0.0.1:{daemon.ingest_port}", "HTTP 404"),
-                     ("http://127.0.0.1:9", "cannot reach")):
+                     ("http://127.0.0.1:9", "nothing listens on 127.0.0.1:9")):
         out = subprocess.run([sys.executable, "-m", "exporter", "top", "--once", "--url", url],
                              cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert out.returncode == 2
@@ -231,7 +285,13 @@ def test_the_page_is_self_contained_under_a_strict_policy(daemon_factory):
     assert page.headers["Content-Security-Policy"] == CONTENT_SECURITY_POLICY
     assert "'unsafe-inline'" not in CONTENT_SECURITY_POLICY
     html = page.text
-    assert "<script>" not in html and "<style" not in html and " style=" not in html
+    assert "<style" not in html and " style=" not in html
+    # a script is a file of this origin, or a data block that nothing runs (the first frame)
+    for attrs, body in re.findall(r"<script([^>]*)>(.*?)</script>", html, re.S):
+        assert ('src="' in attrs and not body) or 'type="application/json"' in attrs, attrs
+    (initial,) = re.findall(r'<script type="application/json" id="initial-status">(.*?)'
+                            r"</script>", html, re.S)
+    assert json.loads(initial)["gpus"][0]["gpu"] == "0"
     for ref in re.findall(r'(?:src|href)="([^"]+)"', html):
         assert "://" not in ref and not ref.startswith("//"), f"external asset {ref}"
         assert requests.get(f"{daemon.url}/{ref}", timeout=5).status_code == 200, ref
@@ -265,12 +325,27 @@ def test_status_page_in_chromium_shows_the_gpus_and_the_verdict(busy_node, tmp_p
     assert 'data-verdict="input-bound"' in dom or (
         'data-verdict="cpu-preprocessing"' in dom and 'data-also="input-bound"' in dom)
     assert 'href="metrics"' in dom
+    # a rank's GPUs by name: an index alone ("0") reads as a count
+    assert re.search(r'<tr data-rank="0">.*?<td>GPU 0 \(H100 80GB HBM3 \(demo\)\)</td>', dom)
     assert policy_violations(run) == []
     shot = tmp_path / "status-page.png"
     run = chromium(busy_node.url + "/", f"--screenshot={shot}")
     assert shot.stat().st_size > 10_000, run.stderr[-2000:]
     if update_golden:
         shutil.copy(shot, ROOT / "docs" / "status-page.png")
+
+
+def test_the_first_paint_shows_the_node_not_a_loading_page(busy_node):
+    """The page comes with its first frame: at the load event (no time given to fetch
+    anything more) every GPU row and the run are drawn, in every try."""
+    binary = require_binary("chromium", "chromium-browser", package="chromium")
+    for _ in range(5):
+        run = subprocess.run([binary, "--headless", "--no-sandbox", "--disable-gpu",
+                              "--no-first-run", "--disable-extensions", "--dump-dom",
+                              busy_node.url + "/"], capture_output=True, text=True, timeout=120)
+        assert 'data-ready="1"' in run.stdout, run.stderr[-2000:]
+        assert len(re.findall(r'<tr data-gpu="\d"', run.stdout)) == 8
+        assert 'data-run="input-starved"' in run.stdout and "Loading" not in run.stdout
 
 
 def test_status_page_in_chromium_without_a_gpu_or_a_run(daemon_factory):

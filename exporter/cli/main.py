@@ -4,6 +4,7 @@ dashboards, generate."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import ipaddress
 import logging
@@ -60,7 +61,24 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_parser(sub)
     profile.add_parser(sub)
     generate.add_parser(sub)
+    parser.commands = sub.choices  # name -> its parser
     return parser
+
+
+def _did_you_mean(word: str, known: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, known, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def _unknown(parser: argparse.ArgumentParser, command: str, extra: list[str]) -> str:
+    """What is wrong with arguments the command does not take, with the closest it does."""
+    sub = parser.commands[command]
+    options = [o for a in sub._actions for o in a.option_strings]
+    flag = extra[0].split("=", 1)[0]
+    if flag.startswith("-"):
+        return (f"unknown flag {flag} for {command}" + _did_you_mean(flag, options)
+                + f" (gputrain-exporter {command} --help lists them)")
+    return f"unexpected argument {extra[0]} for {command}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -71,9 +89,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\nserve, the default command, runs the daemon and takes these flags:\n")
         parser.serve_parser.print_help()
         return 0
+    if args and not args[0].startswith("-") and args[0] not in SUBCOMMANDS:
+        parser.error(f"unknown command {args[0]}" + _did_you_mean(args[0], SUBCOMMANDS)
+                     + f" (commands: {', '.join(SUBCOMMANDS)}; serve is the default)")
     if not args or args[0] not in (*SUBCOMMANDS, "--version"):
         args.insert(0, "serve")
-    ns = parser.parse_args(args)
+    ns, extra = parser.parse_known_args(args)
+    if extra:
+        parser.commands[ns.command].error(_unknown(parser, ns.command, extra))
     if ns.command == "serve":
         try:
             settings = resolve(ns)

@@ -17,9 +17,9 @@ from typing import Any
 
 import requests
 
-from exporter.cli.terminal import printable
 from exporter.client.pusher import ServerName
 from exporter.protocol import DEFAULT_PROFILE_STEPS, MAX_PROFILE_STEPS, PROFILE_PATH, STEP_PARTS
+from exporter.terminal import check_url, connection_error, printable
 
 DEFAULT_URL = "http://127.0.0.1:19401"
 TABLE_STEPS = 20  # a profile of more steps prints only its slowest
@@ -79,14 +79,19 @@ def _call(session: requests.Session, method: str, url: str, **kwargs: Any
         raise Failed(f"the TLS handshake with {url} failed ({exc.__context__ or exc}); check "
                      "--ca-file and --tls-server-name") from None
     except requests.RequestException as exc:
-        raise Failed(f"cannot reach the daemon at {url} ({type(exc).__name__}); is it "
-                     "running, and is --url its ingest address (port 19401 by default)?") \
-            from None
+        raise Failed(f"cannot reach the daemon: {connection_error(exc, url)}; is it running, "
+                     "and is --url its ingest address (port 19401 by default)?") from None
     try:
         doc = r.json()
     except ValueError:
         raise Failed(f"{url} answered {r.status_code} with no JSON: is --url the daemon's "
                      "ingest address?") from None
+    if r.status_code == 401:
+        given = "Authorization" in session.headers
+        raise Failed("the daemon refused the ingest token given (401): check the file of "
+                     "--token-file, GPUTRAIN_TOKEN or GPUTRAIN_TOKEN_FILE" if given else
+                     "the daemon asks for its ingest token (401): give it with --token-file "
+                     "FILE, or set GPUTRAIN_TOKEN or GPUTRAIN_TOKEN_FILE")
     if r.status_code != 200:
         raise Failed(doc.get("error", f"the daemon answered {r.status_code}")
                      if isinstance(doc, dict) else f"the daemon answered {r.status_code}")
@@ -195,6 +200,10 @@ def main(ns: argparse.Namespace) -> int:
     if not 1 <= ns.steps <= MAX_PROFILE_STEPS:
         print(f"gputrain-exporter profile: --steps must be 1-{MAX_PROFILE_STEPS}",
               file=sys.stderr)
+        return 2
+    bad = check_url(ns.url, "--url")
+    if bad:
+        print(f"gputrain-exporter profile: {bad}", file=sys.stderr)
         return 2
     try:
         doc = ask(ns.url, ns.run, ns.rank, ns.steps, ns.timeout, _token(ns.token_file),

@@ -16,9 +16,10 @@ from typing import Any
 
 import requests
 
-from exporter.cli.terminal import printable, printable_doc
+from exporter.heuristics.verdict import percent
 from exporter.protocol import STEP_PARTS
 from exporter.serving.status import STATUS_PATH
+from exporter.terminal import check_url, connection_error, printable, printable_doc
 
 DEFAULT_URL = "http://localhost:19400"
 TIMEOUT_SECONDS = 3.0
@@ -34,7 +35,9 @@ def fetch(url: str, session: requests.Session | None = None) -> dict[str, Any]:
     try:
         r = (session or requests).get(target, timeout=TIMEOUT_SECONDS)
     except requests.RequestException as exc:
-        raise Unreachable(f"cannot reach {target}: {exc}") from None
+        raise Unreachable(f"cannot read {target}: {connection_error(exc, url)}; is the "
+                          "daemon running, and is --url its metrics address (port 19400 by "
+                          "default)?") from None
     if r.status_code != 200:
         raise Unreachable(f"{target} answered HTTP {r.status_code}: is it a gputrain-exporter "
                           "0.1 or newer, on its metrics address (not the ingest one)?")
@@ -46,10 +49,6 @@ def fetch(url: str, session: requests.Session | None = None) -> dict[str, Any]:
         raise Unreachable(f"{target} answered a status document this top cannot read "
                           f"(version {doc.get('version') if isinstance(doc, dict) else '?'})")
     return doc
-
-
-def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{x * 100:.1f}%"
 
 
 def _bytes(x: float | None) -> str:
@@ -116,9 +115,9 @@ def frame(doc: dict[str, Any], error: str | None = None) -> Any:
         power = (g["power_watts"] / g["power_limit_watts"]
                  if g["power_limit_watts"] and g["power_watts"] is not None else None)
         gpus.add_row(
-            g["gpu"], name, bar(g["busy"], _pct(g["busy"]), True),
-            bar(g["sm_active"], _pct(g["sm_active"]), True, 6),
-            bar(g["tensor_active"], _pct(g["tensor_active"]), False, 6),
+            g["gpu"], name, bar(g["busy"], percent(g["busy"]), True),
+            bar(g["sm_active"], percent(g["sm_active"]), True, 6),
+            bar(g["tensor_active"], percent(g["tensor_active"]), False, 6),
             bar(mem, f"{_bytes(g['memory_used_bytes'])}", False, 6),
             bar(power, _num(g["power_watts"], ".0f", unit=" W"), False, 6),
             f"{_bytes(g['pcie_rx_bytes_per_second'])}/s / "
@@ -133,13 +132,13 @@ def frame(doc: dict[str, Any], error: str | None = None) -> Any:
 
     h = doc["host"]
     parts.append(Text(
-        f"node: CPU {_pct(h['cpu_busy'])} busy (iowait {_pct(h['iowait'])}"
+        f"node: CPU {percent(h['cpu_busy'])} busy (iowait {percent(h['iowait'])}"
         f"{', ' + str(h['cpus']) + ' CPUs' if h.get('cpus') else ''}) · memory "
         f"{_bytes(h['memory_available'])} available of {_bytes(h['memory_total_bytes'])} · "
         f"disk read {_bytes(h['disk_read_bytes_per_second'])}/s, busiest "
-        f"{_pct(h['disk_busy'])} · network receive "
+        f"{percent(h['disk_busy'])} · network receive "
         f"{_bytes(h['network_received_bytes_per_second'])}/s, busiest link "
-        f"{_pct(h['network_rx_used'])}", style="grey70"))
+        f"{percent(h['network_rx_used'])}", style="grey70"))
 
     if not doc["runs"]:
         parts.append(Text("No training run is pushing to this daemon.", style="grey70"))
@@ -155,8 +154,8 @@ def frame(doc: dict[str, Any], error: str | None = None) -> Any:
             body.append(Text(f"  {v['reason']}{also}", style="grey70"))
             body.append(Text.assemble(("  What to change: ", "bold"), v["advice"]))
         body.append(Text(
-            f"samples/s {_num(run['samples_per_second'])} · MFU {_pct(run['mfu'])} · "
-            f"goodput {_pct(run['goodput'])} · GPUs idle {_num(run['gpus_idle'], '.2f')}",
+            f"samples/s {_num(run['samples_per_second'])} · MFU {percent(run['mfu'])} · "
+            f"goodput {percent(run['goodput'])} · GPUs idle {_num(run['gpus_idle'], '.2f')}",
             style="grey70"))
         if run.get("partial"):
             body.append(Text(f"partly visible: {run['partial']}", style="grey50"))
@@ -168,8 +167,8 @@ def frame(doc: dict[str, Any], error: str | None = None) -> Any:
             push = _ago(r["seconds_since_push"]) + " ago"
             ranks.add_row(
                 r["rank"], _num(r["samples_per_second"]),
-                _num(r["step_seconds"], ".1f", 1000, " ms"), _pct(r["data_wait_ratio"]),
-                _pct(r["mfu"]), ", ".join(g["gpu"] for g in r["gpus"]) or "none known",
+                _num(r["step_seconds"], ".1f", 1000, " ms"), percent(r["data_wait_ratio"]),
+                percent(r["mfu"]), gpu_names(r["gpus"], doc["gpus"]),
                 r["verdict"], push if r["pushing"] else Text(f"stopped pushing {push}",
                                                              style="bold red"))
         body.append(ranks)
@@ -179,6 +178,16 @@ def frame(doc: dict[str, Any], error: str | None = None) -> Any:
         parts.append(Text(f"profile {p['id']} of {p['run']}/{p['rank']}: {profile_line(p)}",
                           style="red" if p["state"] in ("failed", "expired") else "grey70"))
     return Group(*parts)
+
+
+def gpu_names(gpus: list[dict[str, Any]], known: list[dict[str, Any]]) -> str:
+    """A rank's GPUs by name, "GPU 0 (H100 80GB HBM3)": an index alone reads as a count."""
+    if not gpus:
+        return "none known"
+    names = {g["uuid"]: (g.get("name") or "").removeprefix("NVIDIA ") for g in known}
+    models = list(dict.fromkeys(n for g in gpus if (n := names.get(g["uuid"]))))
+    return ("GPU " if len(gpus) == 1 else "GPUs ") + ", ".join(g["gpu"] for g in gpus) + (
+        f" ({', '.join(models)})" if models else "")
 
 
 def profile_line(p: dict[str, Any]) -> str:
@@ -210,6 +219,10 @@ def main(ns: argparse.Namespace) -> int:
     except ImportError:
         print("gputrain-exporter top: it needs rich: pip install 'gputrain-exporter[top]' "
               "(or pip install rich)", file=sys.stderr)
+        return 2
+    bad = check_url(ns.url, "--url")
+    if bad:
+        print(f"gputrain-exporter top: {bad}", file=sys.stderr)
         return 2
     session = requests.Session()
     try:

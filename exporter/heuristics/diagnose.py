@@ -29,7 +29,6 @@ from typing import Any
 import requests
 import yaml
 
-from exporter.cli.terminal import printable
 from exporter.config import parse_duration
 from exporter.heuristics.rules import (
     DEFAULTS,
@@ -50,6 +49,7 @@ from exporter.heuristics.verdict import (  # noqa: F401 - diagnose's API: the re
     advice,
     judge,
     mean,
+    percent,
     rank_findings,
     rank_order,
     run_key,
@@ -57,6 +57,7 @@ from exporter.heuristics.verdict import (  # noqa: F401 - diagnose's API: the re
     visibility,
     wasted_gpus,
 )
+from exporter.terminal import check_url, connection_error, printable
 
 
 class PrometheusError(Exception):
@@ -91,7 +92,8 @@ class Prometheus:
             r = self.session.get(f"{self.url}/api/v1/query", params=params,
                                  timeout=self.timeout)
         except requests.RequestException as exc:
-            raise PrometheusError(f"cannot reach Prometheus at {self.url}: {exc}") from None
+            raise PrometheusError(f"cannot reach Prometheus at {self.url}: "
+                                  f"{connection_error(exc, self.url)}") from None
         try:
             body = r.json()
         except ValueError:
@@ -256,6 +258,8 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
 
 
 def _fmt(x: float | None, scale: float = 100, unit: str = "%", digits: int = 1) -> str:
+    if unit == "%" and scale == 100:
+        return percent(x)
     return "n/a" if x is None else f"{x * scale:.{digits}f}{unit}"
 
 
@@ -357,6 +361,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(ns: argparse.Namespace) -> int:
+    bad = check_url(ns.prometheus, "--prometheus")
+    if bad:
+        print(f"gputrain-exporter diagnose: {bad}", file=sys.stderr)
+        return EXIT_NO_DATA
     try:
         reports = diagnose(ns.prometheus, ns.run, ns.window, load_overrides(ns.config),
                            ns.time)

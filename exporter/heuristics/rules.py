@@ -290,18 +290,26 @@ def _utilisation(s: str, ids: Identity) -> list[dict]:
         _rec("run_rank:gputrain_training_mfu:ratio_rate5m", f"""
             sum by ({rank}) (rate(gputrain_training_flops_total{{{s}}}[5m])) / {wall}
             / run_rank:gputrain_gpu_peak_flops:sum"""),
-        # productive: step time less data wait and the phases inside steps
+        # the wall time's parts: productive (step time less data wait and the phases inside
+        # steps), data wait, each phase, and outside steps (the rest). A step straddling the
+        # window's start counts whole at its end, so at a run's first and last pushes a raw
+        # difference can go past the wall time by up to a step: the parts that would go
+        # negative count 0, and goodput and badput are shares of the parts' sum, each within
+        # [0, 1] and adding up to 1
+        _rec("run_rank:gputrain_training_accounted_seconds:rate5m", f"""
+            clamp_min({steps} - {wait} - {phases(IN_STEP)}, 0) + {wait} + {phases("phase!=''")}
+            + clamp_min({wall} - {steps} - {phases(OUTSIDE_STEP)}, 0)"""),
         _rec("run_rank:gputrain_training_goodput:ratio_rate5m", f"""
-            ({steps} - {wait} - {phases(IN_STEP)}) / {wall}"""),
-        # the rest of the wall time, by cause: it and goodput add up to 1
+            clamp_min({steps} - {wait} - {phases(IN_STEP)}, 0)
+            / run_rank:gputrain_training_accounted_seconds:rate5m"""),
         _rec("run_rank_cause:gputrain_training_badput:ratio_rate5m", f"""
             (label_replace({wait}, "cause", "{DATA_WAIT_CAUSE}", "", "")
              or sum by ({rank}, cause) (label_replace(
                   rate(gputrain_training_phase_seconds_total{{{s}}}[5m]),
                   "cause", "$1", "phase", "(.+)"))
-             or label_replace({wall} - {steps} - {phases(OUTSIDE_STEP)},
+             or label_replace(clamp_min({wall} - {steps} - {phases(OUTSIDE_STEP)}, 0),
                   "cause", "{OUTSIDE_STEPS_CAUSE}", "", ""))
-            / on ({rank}) group_left {wall}"""),
+            / on ({rank}) group_left run_rank:gputrain_training_accounted_seconds:rate5m"""),
     ]
 
 

@@ -168,8 +168,13 @@ def _median(values: list[float]) -> float:
     return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
 
 
-def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{x * 100:.1f}%"
+def percent(x: float | None) -> str:
+    """A 0-1 ratio in percent for people: one decimal, two significant digits under 0.1 % (a
+    CPU run's MFU against an H100 is 0.011 %, not 0.0 %), "n/a" where unknown."""
+    if x is None:
+        return "n/a"
+    v = x * 100
+    return f"{v:.2g}%" if v and abs(v) < 0.1 else f"{v:.1f}%"
 
 
 def rank_findings(rep: RankReport, t: dict[str, float]) -> dict[str, str]:
@@ -181,52 +186,52 @@ def rank_findings(rep: RankReport, t: dict[str, float]) -> dict[str, str]:
     if rep.seconds_since_step is not None and rep.seconds_since_step > t["stalled_seconds"]:
         out["stalled"] = f"no step for {rep.seconds_since_step:.0f} s"
     if wait is not None and wait >= t["input_bound"]:
-        why = f"data wait {_pct(wait)} of each step"
+        why = f"data wait {percent(wait)} of each step"
         cpu = h.get("cpu_busy")
         if cpu is not None and cpu >= t["cpu_saturated"]:
-            out["cpu-preprocessing"] = f"{why}, CPUs {_pct(cpu)} busy"
+            out["cpu-preprocessing"] = f"{why}, CPUs {percent(cpu)} busy"
         iowait, disk = h.get("iowait"), h.get("disk_busy")
         if ((iowait is not None and iowait >= t["iowait_high"])
                 or (disk is not None and disk >= t["disk_busy_high"])) \
                 and cpu is not None and cpu < t["cpu_saturated"]:
-            out["disk-io"] = f"{why}, iowait {_pct(iowait)}, busiest disk {_pct(disk)}"
+            out["disk-io"] = f"{why}, iowait {percent(iowait)}, busiest disk {percent(disk)}"
         net = h.get("network_rx_used")
         if net is not None and net >= t["network_saturated"]:
-            out["network-input"] = f"{why}, network receive at {_pct(net)} of the link"
+            out["network-input"] = f"{why}, network receive at {percent(net)} of the link"
         out["input-bound"] = why
     for x in rep.gpus:
         if x.pcie_rx_used is not None and x.pcie_rx_used >= t["pcie_rx_high"] \
                 and x.busy is not None and x.busy < t["h2d_gpu_busy_below"]:
-            out.setdefault("host-to-device", f"GPU {x.gpu}: PCIe RX at {_pct(x.pcie_rx_used)} "
-                                             f"of the link, busy {_pct(x.busy)}")
+            out.setdefault("host-to-device", f"GPU {x.gpu}: PCIe RX at {percent(x.pcie_rx_used)} "
+                                             f"of the link, busy {percent(x.busy)}")
     busy = mean([x.busy for x in rep.gpus])
     in_step = {p: v for p, v in rep.phases.items() if p not in OUTSIDE_STEP_PHASES}
     heavy = max(in_step.items(), key=lambda kv: kv[1], default=None)
     dominating = t["phase_dominates"] / (1 + t["phase_dominates"])
     if heavy is not None and heavy[1] > dominating:
-        out["host-overhead"] = f"phase '{heavy[0]}' takes {_pct(heavy[1])} of each step"
+        out["host-overhead"] = f"phase '{heavy[0]}' takes {percent(heavy[1])} of each step"
     elif busy is not None and busy < t["gpu_busy_low"] and wait is not None \
             and wait < t["input_bound"]:
-        out["host-overhead"] = f"GPU busy {_pct(busy)}, data wait only {_pct(wait)}"
+        out["host-overhead"] = f"GPU busy {percent(busy)}, data wait only {percent(wait)}"
     for x in rep.gpus:
         if x.busy is not None and x.busy >= t["launch_busy_above"] and (
                 (x.power_used is not None and x.power_used < t["launch_power_below"])
                 or (x.sm_active is not None and x.sm_active < t["launch_sm_active_below"])):
-            out.setdefault("launch-bound", f"GPU {x.gpu} busy {_pct(x.busy)} but power "
-                                           f"{_pct(x.power_used)} of the limit, SM active "
-                                           f"{_pct(x.sm_active)}")
+            out.setdefault("launch-bound", f"GPU {x.gpu} busy {percent(x.busy)} but power "
+                                           f"{percent(x.power_used)} of the limit, SM active "
+                                           f"{percent(x.sm_active)}")
     for x in rep.gpus:
         if x.sm_active is not None and x.tensor_active is not None \
                 and x.sm_active >= t["tensor_sm_active_above"] \
                 and x.tensor_active < t["tensor_active_below"]:
-            out.setdefault("tensor-cores-idle", f"GPU {x.gpu} SM active {_pct(x.sm_active)}, "
-                                                f"tensor active {_pct(x.tensor_active)}")
+            out.setdefault("tensor-cores-idle", f"GPU {x.gpu} SM active {percent(x.sm_active)}, "
+                                                f"tensor active {percent(x.tensor_active)}")
     if rep.mfu is not None and busy is not None and busy >= t["mfu_busy_above"] \
             and rep.mfu < t["mfu_low"]:
-        out["low-mfu"] = f"MFU {_pct(rep.mfu)} while the GPUs are busy {_pct(busy)}"
+        out["low-mfu"] = f"MFU {percent(rep.mfu)} while the GPUs are busy {percent(busy)}"
     for x in rep.gpus:
         if x.memory_used is not None and x.memory_used < t["memory_underused"]:
-            out.setdefault("small-batch", f"GPU {x.gpu}: {_pct(x.memory_used)} of its memory "
+            out.setdefault("small-batch", f"GPU {x.gpu}: {percent(x.memory_used)} of its memory "
                                           "used")
     p50, p99 = rep.step_p50_seconds, rep.step_p99_seconds
     checkpoint = rep.phases.get("checkpoint")
@@ -234,7 +239,7 @@ def rank_findings(rep: RankReport, t: dict[str, float]) -> dict[str, str]:
         out["step-time-stalls"] = (f"p99 step time {p99:.3g} s is over "
                                    f"{t['stall_p99_over_p50']:g}x the median {p50:.3g} s (30m)")
     elif checkpoint is not None and checkpoint > t["checkpoint_share"]:
-        out["step-time-stalls"] = f"checkpoint saves take {_pct(checkpoint)} of the step time"
+        out["step-time-stalls"] = f"checkpoint saves take {percent(checkpoint)} of the step time"
     available = h.get("memory_available")
     horizon = t["leak_horizon_seconds"]
     if available is not None and rep.rss_growth_1h is not None \
@@ -245,7 +250,7 @@ def rank_findings(rep: RankReport, t: dict[str, float]) -> dict[str, str]:
                               f"last about {available / rep.rss_growth_15m / 3600:.1f} h")
     for x in rep.gpus:
         if x.throttled is not None and x.throttled > t["throttle_ratio"]:
-            out.setdefault("throttling", f"GPU {x.gpu} throttled {_pct(x.throttled)} of the "
+            out.setdefault("throttling", f"GPU {x.gpu} throttled {percent(x.throttled)} of the "
                                          "time")
     return out
 
@@ -295,11 +300,11 @@ def judge(reports: list[RankReport], t: dict[str, float]) -> list[RankReport]:
             rep.reason = "the exporter reports no GPU for this rank"
         elif busy < t["gpu_busy_target"]:
             rep.status = rep.verdict = UNDERUTILIZED
-            rep.reason = (f"GPU busy {_pct(busy)}, under {_pct(t['gpu_busy_target'])}, and no "
-                          "stage of the pipeline stands out")
+            rep.reason = (f"GPU busy {percent(busy)}, under {percent(t['gpu_busy_target'])}, "
+                          "and no stage of the pipeline stands out")
         else:
             rep.status, rep.verdict = "ok", "gpu-bound"
-            rep.reason = f"GPU busy {_pct(busy)}"
+            rep.reason = f"GPU busy {percent(busy)}"
         rep.advice = advice(rep.verdict)
     return reports
 

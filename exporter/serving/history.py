@@ -246,21 +246,30 @@ class History:
             return 0.0
         return min(self.window, snap.timestamp - self.first_seen)
 
-    def _since(self, points: deque, now: float):
-        """The oldest point still inside the window ending at ``now``."""
+    def _since(self, points: deque, now: float, start: float | None = None):
+        """The oldest point still inside the window ending at ``now``; with ``start``, the
+        oldest at or after it (a rank's window begins at its first push)."""
         for p in points:
-            if now - p.t <= self.window + self.point_seconds / 2:
+            if now - p.t <= self.window + self.point_seconds / 2 and \
+                    (start is None or p.t >= start):
                 return p
         return None
 
-    def gpu_readings(self) -> dict[str, tuple[GpuState, GpuReading, dict[str, float | None]]]:
+    def gpu_readings(self, start: float | None = None) -> \
+            dict[str, tuple[GpuState, GpuReading, dict[str, float | None]]]:
         """Per GPU (uuid, else index): its state, its readings over the window (as the rules'
-        ``gpu:`` series) and its rates over the last cycle (PCIe bytes/s)."""
+        ``gpu:`` series) or from ``start`` on, and its rates over the last cycle (PCIe
+        bytes/s)."""
         with self._lock:
             out = {}
             for key, tr in self._gpus.items():
                 st, now = tr.state, tr.current
-                old = self._since(tr.points, now.t) if now is not None else None
+                old = None
+                if now is not None:
+                    old = self._since(tr.points, now.t, start)
+                    if start is not None and (old is None or old.t >= now.t):
+                        # younger than a point: its last cycle, which lies inside it
+                        old = tr.previous
                 reading = GpuReading(st.identity.index, st.identity.uuid)
                 s = st.sample
                 if s is not None and s.memory_total_bytes and s.memory_used_bytes is not None:
@@ -277,14 +286,17 @@ class History:
                 out[key] = (st, reading, rates)
             return out
 
-    def host_readings(self, recent: bool = False) -> dict[str, float]:
-        """The node's readings as the rules' ``instance:`` series: over the window, or with
-        ``recent`` over the last cycle (with byte rates added)."""
+    def host_readings(self, recent: bool = False, start: float | None = None) -> \
+            dict[str, float]:
+        """The node's readings as the rules' ``instance:`` series: over the window (or from
+        ``start`` on), or with ``recent`` over the last cycle (with byte rates added)."""
         with self._lock:
             now = self._host_current
             if now is None:
                 return {}
-            old = self._host_previous if recent else self._since(self._host, now.t)
+            old = self._host_previous if recent else self._since(self._host, now.t, start)
+            if start is not None and (old is None or old.t >= now.t):
+                old = self._host_previous
             snap = self._snapshot
         out: dict[str, float] = {}
         mem = snap.host.get("memory") if snap is not None else None
@@ -320,9 +332,11 @@ class History:
 
     def reports(self, gpus: dict | None = None,
                 host: dict[str, float] | None = None) -> list[RankReport]:
-        """One report per live (run, rank), its readings over the window; no verdict yet.
-        ``gpus`` and ``host`` are :meth:`gpu_readings` and :meth:`host_readings` where the
-        caller has them already."""
+        """One report per live (run, rank), its readings over the window, or from its first
+        push where that is later (its GPUs' and node's too: a run is not judged on what its
+        GPUs did before it came); no verdict yet. ``gpus`` and ``host`` are
+        :meth:`gpu_readings` and :meth:`host_readings` over the whole window where the caller
+        has them already."""
         gpus = self.gpu_readings() if gpus is None else gpus
         host = self.host_readings() if host is None else host
         with self._lock:
@@ -331,6 +345,7 @@ class History:
         if snap is None:
             return []
         index = GpuIndex(snap)
+        younger: dict[float, tuple[dict, dict[str, float]]] = {}  # by a rank's first point
         out = []
         for tr in ranks:
             with self._lock:
@@ -338,7 +353,14 @@ class History:
                 now = self._rank_point(tr, snap.timestamp)
                 old = self._since(tr.points, now.t)
                 rss = list(tr.rss)
-            rep = RankReport("", self.instance, st.run, st.rank, host=dict(host))
+                full = (old is not None and old is not tr.points[0]) or \
+                    len(tr.points) == tr.points.maxlen
+            rank_gpus, rank_host = gpus, host
+            if old is not None and not full:
+                if old.t not in younger:
+                    younger[old.t] = (self.gpu_readings(old.t), self.host_readings(start=old.t))
+                rank_gpus, rank_host = younger[old.t]
+            rep = RankReport("", self.instance, st.run, st.rank, host=dict(rank_host))
             if old is not None:
                 _rank_window(rep, old, now, st.bucket_bounds)
             if st.last_step_timestamp is not None:
@@ -351,7 +373,7 @@ class History:
                     rep.rss_growth_15m = _deriv(rss, snap.timestamp - LEAK_MIN_SECONDS)
             peak = 0.0
             for index_, uuid in resolve_gpus(st, index):
-                entry = gpus.get(uuid or index_)
+                entry = rank_gpus.get(uuid or index_)
                 if entry is None:
                     continue
                 state, reading, _ = entry
@@ -410,11 +432,26 @@ def _rank_window(rep: RankReport, old: _RankPoint, now: _RankPoint,
     if wall > 0:
         if now.flops is not None and old.flops is not None:
             rep.mfu = (now.flops - old.flops) / wall  # FLOP/s; divided by the peak later
-        in_step = sum(v for p, v in phases.items() if p not in OUTSIDE_STEP_PHASES)
-        outside = sum(v for p, v in phases.items() if p in OUTSIDE_STEP_PHASES)
-        rep.goodput = (step_s - wait - in_step) / wall
-        rep.badput = {"data_wait": wait / wall, **{p: v / wall for p, v in phases.items()},
-                      "outside_steps": (wall - step_s - outside) / wall}
+        rep.goodput, rep.badput = wall_shares(wall, step_s, wait, phases)
+
+
+def wall_shares(wall: float, step_s: float, wait: float, phases: dict[str, float]) -> \
+        tuple[float, dict[str, float]]:
+    """Goodput and badput by cause over a window, as the rules record them: shares of the
+    rank's wall time that stay within [0, 1] and add up to 1. A step that straddles the
+    window's start counts whole at its end, so at a run's first and last pushes the raw
+    differences can go past the wall time by up to a step; the parts that would go negative
+    count 0 and the shares are of the parts' sum."""
+    in_step = sum(v for p, v in phases.items() if p not in OUTSIDE_STEP_PHASES)
+    outside = sum(v for p, v in phases.items() if p in OUTSIDE_STEP_PHASES)
+    productive = max(0.0, step_s - wait - in_step)
+    outside_steps = max(0.0, wall - step_s - outside)
+    parts = {"data_wait": max(0.0, wait), **{p: max(0.0, v) for p, v in phases.items()},
+             "outside_steps": outside_steps}
+    total = productive + sum(parts.values())
+    if total <= 0:
+        return 0.0, {k: 0.0 for k in parts}
+    return productive / total, {k: v / total for k, v in parts.items()}
 
 
 def histogram_quantile(q: float, bounds: tuple[float, ...], counts: tuple[float, ...]) -> \

@@ -41,7 +41,7 @@ from exporter.protocol import (
     Refused,
 )
 from exporter.serving.profiles import FINAL, Profile
-from exporter.serving.status import CONTENT_SECURITY_POLICY, STATUS_PATH
+from exporter.serving.status import ASSETS, CONTENT_SECURITY_POLICY, STATUS_PATH
 
 log = logging.getLogger(__name__)
 
@@ -609,7 +609,9 @@ class MetricsHandler(_Site):
         elif path == STATUS_PATH and app.status is not None:
             resp = _response(200, await self.blocking(app.status.json_bytes),
                              "application/json", {"Cache-Control": "no-store"})
-        elif app.status is not None and (asset := app.status.asset(path)) is not None:
+        elif app.status is not None and path in ASSETS and \
+                (asset := await self.blocking(app.status.asset, path)) is not None:
+            # in the pool: the page carries the status document, which may be built now
             resp = _response(200, asset[0], asset[1], {
                 "Content-Security-Policy": CONTENT_SECURITY_POLICY,
                 "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"})

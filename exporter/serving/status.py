@@ -45,6 +45,8 @@ _RANKING = {**{name: i for i, name in enumerate(ORDER)}, UNDERUTILIZED: len(ORDE
 ASSETS = {"/": ("index.html", "text/html; charset=utf-8"),
           "/static/status.css": ("status.css", "text/css; charset=utf-8"),
           "/static/status.js": ("status.js", "text/javascript; charset=utf-8")}
+# where index.html takes the document it is first drawn from
+INITIAL_MARK = b"<!-- initial status -->"
 # Nothing but this origin's own script, style and JSON: no inline code, no CDN
 CONTENT_SECURITY_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; "
                            "connect-src 'self'; img-src 'self'; base-uri 'none'; "
@@ -76,14 +78,23 @@ class StatusView:
         self._assets: dict[str, bytes] = {}
 
     def asset(self, path: str) -> tuple[bytes, str] | None:
-        """A file of the page by its URL path: (body, content type), or None."""
+        """A file of the page by its URL path: (body, content type), or None. The page
+        itself carries the current document, so its first paint shows the node, not a
+        "Loading" that waits for a second request."""
         if path not in ASSETS:
             return None
         name, ctype = ASSETS[path]
         if name not in self._assets:
             self._assets[name] = resources.files("exporter.serving").joinpath(
                 "static", name).read_bytes()
-        return self._assets[name], ctype
+        body = self._assets[name]
+        if name == "index.html":
+            # a data block, never run (the policy allows no inline script); "<" escaped so
+            # no string in it can end the element
+            data = self.json_bytes().replace(b"<", b"\\u003c")
+            body = body.replace(INITIAL_MARK, b'<script type="application/json" '
+                                b'id="initial-status">' + data + b"</script>")
+        return body, ctype
 
     def json_bytes(self) -> bytes:
         """The document as JSON: the latest build while the builder thread keeps it fresh

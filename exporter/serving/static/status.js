@@ -18,7 +18,13 @@ function el(tag, attrs, ...children) {
   return node;
 }
 
-const pct = (x) => (x === null || x === undefined ? "n/a" : (x * 100).toFixed(1) + "%");
+// A ratio in percent: one decimal, two significant digits under 0.1 % (a CPU run's MFU
+// against an H100 is 0.011 %, not 0.0 %), as exporter.heuristics.verdict.percent writes it
+function pct(x) {
+  if (x === null || x === undefined) return "n/a";
+  const v = x * 100;
+  return (v !== 0 && Math.abs(v) < 0.1 ? v.toPrecision(2) : v.toFixed(1)) + "%";
+}
 const num = (x, digits) => (x === null || x === undefined ? "n/a" : x.toFixed(digits));
 function bytes(x) {
   if (x === null || x === undefined) return "n/a";
@@ -47,7 +53,7 @@ function bar(ratio, label, good, wide) {
 
 function gpuRow(g) {
   const name = (g.name || "").replace(/^NVIDIA /, "");
-  const who = el("td", {}, ...(g.ranks.length ? g.ranks.map((r, i) =>
+  const who = el("td", { class: "who" }, ...(g.ranks.length ? g.ranks.map((r, i) =>
     (i ? ", " : "") + r.run + "/" + r.rank) : [el("span", { class: "muted" }, "idle")]));
   if (!g.up) {
     return el("tr", { class: "lost", "data-gpu": g.gpu },
@@ -70,7 +76,16 @@ function gpuRow(g) {
     who);
 }
 
-function runCard(run) {
+// A rank's GPUs by name, "GPU 0 (H100 80GB HBM3)": an index alone reads as a count
+function gpuNames(gpus, byUuid) {
+  if (!gpus.length) return "none known";
+  const models = [...new Set(gpus.map((g) => ((byUuid[g.uuid] || {}).name || "")
+    .replace(/^NVIDIA /, "")).filter(Boolean))];
+  return (gpus.length === 1 ? "GPU " : "GPUs ") + gpus.map((g) => g.gpu).join(", ")
+    + (models.length ? " (" + models.join(", ") + ")" : "");
+}
+
+function runCard(run, byUuid) {
   const top = run.verdicts[0];
   const card = el("div", { class: "card " + top.status, "data-run": run.run },
     el("h3", {}, "run ", run.run, el("span", { class: "muted" },
@@ -98,7 +113,7 @@ function runCard(run) {
     el("td", {}, pct(r.data_wait_ratio)),
     el("td", {}, Object.entries(r.phases).map(([p, v]) => p + " " + pct(v)).join(", ") || "—"),
     el("td", {}, pct(r.mfu)),
-    el("td", {}, r.gpus.map((g) => g.gpu).join(", ") || "none known"),
+    el("td", {}, gpuNames(r.gpus, byUuid)),
     el("td", {}, r.verdict),
     el("td", r.pushing ? {} : { class: "stale" },
        r.pushing ? ago(r.seconds_since_push) + " ago" :
@@ -168,7 +183,9 @@ function draw(s) {
     + " · verdicts over the last " + ago(Math.min(s.seconds_seen, s.window_seconds))
     + " · updated " + new Date(s.time * 1000).toLocaleTimeString();
   const runs = document.getElementById("runs");
-  runs.replaceChildren(...(s.runs.length ? s.runs.map(runCard) : [el("p", { class: "muted" },
+  const byUuid = Object.fromEntries(s.gpus.map((g) => [g.uuid, g]));
+  runs.replaceChildren(...(s.runs.length ? s.runs.map((r) => runCard(r, byUuid)) :
+    [el("p", { class: "muted" },
     "No training run is pushing to this daemon. Add the client to the training loop "
     + "(README, \"Instrument your training loop\") and its verdict appears here.")]));
   const gpus = document.querySelector("#gpus tbody");
@@ -183,6 +200,21 @@ function draw(s) {
   document.getElementById("profiles-section").hidden = profiles.length === 0;
   document.querySelector("#profiles tbody").replaceChildren(
     ...profiles.map((p) => profileRow(p, s.time)));
+}
+
+// The first frame comes with the page (a data block the server fills in), so the first
+// paint already shows the node; then the page polls.
+function drawInitial() {
+  const block = document.getElementById("initial-status");
+  if (!block) return false;
+  try {
+    draw(JSON.parse(block.textContent));
+  } catch (err) {
+    return false;
+  }
+  lastOk = new Date();
+  document.body.dataset.ready = "1";
+  return true;
 }
 
 async function refresh() {
@@ -203,4 +235,4 @@ async function refresh() {
   setTimeout(refresh, REFRESH_MS);
 }
 
-refresh();
+if (drawInitial()) setTimeout(refresh, REFRESH_MS); else refresh();
