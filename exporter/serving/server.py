@@ -63,6 +63,7 @@ LISTEN_BACKLOG = 512
 SWEEP_SECONDS = 0.5  # how often a port looks for connections past their deadline
 READ_CHUNK = 16 * 1024  # bytes one read takes from a connection (asyncio's default: 256 KiB)
 BLOCKING_THREADS = 4  # per port, for calls that may wait (?fresh=1, a status build)
+GIL_SWITCH_SECONDS = 0.001  # the daemon's sys.setswitchinterval (bench/RESULTS.md says why)
 _DIGITS = re.compile(r"[0-9]{1,12}")
 _CODING = re.compile(r"\s*([A-Za-z0-9*_-]+)\s*(?:;\s*q\s*=\s*([0-9.]+))?\s*")
 _TEXT = "text/plain; charset=utf-8"
