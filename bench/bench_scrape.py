@@ -216,7 +216,8 @@ def measure(ranks: int, phases: int, scrapes: int, spacing: float) -> dict:
     share = {k: (cpu1[k] - cpu0[k]) / wall for k in cpu1}
     return {"p50": pct(times, 0.5), "p99": pct(times, 0.99), "gz": rows[-1][1],
             "bytes": rows[-1][2], "series": rows[-1][3], "cpu": share["total"],
-            "serving": share["serving"], "page": share["page"]}
+            "serving": share["serving"], "page": share["page"],
+            "gc_full": cpu1["gc_full"] - cpu0["gc_full"], "gc_max": cpu1["gc_max_seconds"]}
 
 
 def node_exporter_row(scrapes: int, spacing: float) -> dict:
@@ -299,14 +300,15 @@ def main() -> None:
           f"{args.scrapes} scrapes {args.spacing} s apart (OpenMetrics + gzip, Prometheus' "
           f"headers), ranks push every 5 s with {args.phases} phases each")
     print(f"{'target':30} {'p50 ms':>8} {'p99 ms':>8} {'series':>7} {'bytes':>10} "
-          f"{'gzip':>9} {'CPU %':>6} {'HTTP %':>6} {'page %':>6}")
+          f"{'gzip':>9} {'CPU %':>6} {'HTTP %':>6} {'page %':>6} {'full GCs':>8} "
+          f"{'GC max ms':>9}")
     rows = {}
     for n in (int(x) for x in args.ranks.split(",")):
         r = rows[n] = measure(n, args.phases, args.scrapes, args.spacing)
         print(f"{'gputrain, ' + str(n) + ' ranks':30} {r['p50'] * 1e3:8.2f} "
               f"{r['p99'] * 1e3:8.2f} {r['series']:7d} {r['bytes']:10d} {r['gz']:9d} "
-              f"{r['cpu'] * 100:6.1f} {r['serving'] * 100:6.1f} {r['page'] * 100:6.1f}",
-              flush=True)
+              f"{r['cpu'] * 100:6.1f} {r['serving'] * 100:6.1f} {r['page'] * 100:6.1f} "
+              f"{r['gc_full']:8.0f} {r['gc_max'] * 1e3:9.1f}", flush=True)
     ne = node_exporter_row(args.scrapes, args.spacing)
     print(f"{'node_exporter (anchor)':30} {ne['p50'] * 1e3:8.2f} {ne['p99'] * 1e3:8.2f} "
           f"{ne['series']:7d} {ne['bytes']:10d} {ne['gz']:9d}")

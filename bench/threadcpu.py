@@ -10,10 +10,12 @@ threads of connections that have ended still count.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,10 +33,27 @@ def _thread_cpu(native_id: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
 
 
+_GC = {"gc_seconds": 0.0, "gc_max_seconds": 0.0, "gc_full": 0}
+_gc_started = [0.0]
+
+
+def _gc_callback(phase: str, info: dict) -> None:
+    """Time each garbage collection: a full one holds the GIL while it walks every object."""
+    if phase == "start":
+        _gc_started[0] = time.perf_counter()
+        return
+    took = time.perf_counter() - _gc_started[0]
+    _GC["gc_seconds"] += took
+    if info.get("generation") == 2:
+        _GC["gc_full"] += 1
+        _GC["gc_max_seconds"] = max(_GC["gc_max_seconds"], took)
+
+
 def snapshot() -> dict[str, float]:
-    """CPU seconds so far: the process, and each background part."""
+    """CPU seconds so far: the process, and each background part; the time spent in garbage
+    collections, their longest full one and how many."""
     t = os.times()
-    out = {"total": t.user + t.system, **{p: 0.0 for p in set(PARTS.values())}}
+    out = {"total": t.user + t.system, **{p: 0.0 for p in set(PARTS.values())}, **_GC}
     for th in threading.enumerate():
         part = PARTS.get(th.name)
         if part is not None and th.native_id is not None:
@@ -63,6 +82,7 @@ def main() -> int:
             os.replace(tmp, path)
             threading.Event().wait(0.2)
 
+    gc.callbacks.append(_gc_callback)
     threading.Thread(target=report, name="bench-threadcpu", daemon=True).start()
     sys.path.insert(0, str(ROOT))
     from exporter.cli.main import main as exporter_main

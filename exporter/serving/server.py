@@ -64,6 +64,7 @@ SWEEP_SECONDS = 0.5  # how often a port looks for connections past their deadlin
 READ_CHUNK = 16 * 1024  # bytes one read takes from a connection (asyncio's default: 256 KiB)
 BLOCKING_THREADS = 4  # per port, for calls that may wait (?fresh=1, a status build)
 GIL_SWITCH_SECONDS = 0.001  # the daemon's sys.setswitchinterval (bench/RESULTS.md says why)
+GC_YOUNG_THRESHOLD = 7000  # the daemon's first garbage-collection threshold (Python's: 700)
 _DIGITS = re.compile(r"[0-9]{1,12}")
 _CODING = re.compile(r"\s*([A-Za-z0-9*_-]+)\s*(?:;\s*q\s*=\s*([0-9.]+))?\s*")
 _TEXT = "text/plain; charset=utf-8"
