@@ -13,10 +13,9 @@ PROFILE_PATH = "/api/v1/profile"  # POST a request; GET PROFILE_PATH/<id> its st
 ALERTS_PATH = "/api/v1/alerts"  # Alertmanager's webhook
 SCHEMA_VERSION = 1
 MAX_BODY_BYTES = 1024 * 1024
-# Counters: an integer one (steps, bucket counts, bytes of a trace) is a JSON integer up to
+# Whole-number counters (steps, bucket counts, a pid, a trace's bytes): a JSON integer up to
 # MAX_COUNT, or a float without a fraction up to MAX_EXACT_FLOAT (past it, a float holds no
-# exact integer); a float one (seconds, samples, bytes) is at most MAX_EXACT_FLOAT, except
-# model FLOPs, which pass 2^53 in days on one GPU.
+# exact integer: 9.3e18 is not a count of steps). Float counters are any finite number >= 0.
 MAX_COUNT = 2**63 - 1
 MAX_EXACT_FLOAT = 2**53
 MAX_NAME_LENGTH = 128  # run and rank

@@ -367,10 +367,10 @@ def test_the_descriptor_limit_is_raised_to_the_hard_one_at_start():
 
 
 def test_one_address_holding_slow_connections_cannot_blind_either_port(limited_daemon):
-    """A slowloris from 127.0.0.2 opens 300 connections per port that send headers a byte at
-    a time (more than one address may hold: half the port's connections) against a daemon
-    with 1,024 descriptors: the connections past its share are refused with a 503 that says
-    why, and scrapes and pushes from 127.0.0.1 are answered throughout."""
+    """A slowloris from 127.0.0.2 opens 300 connections per port that never finish their
+    headers (more than one address may hold: half the port's connections, 128 with 1,024
+    descriptors): the connections past its share are refused with a 503 that says why, and
+    scrapes and pushes from 127.0.0.1 are answered throughout."""
     d = limited_daemon
     held, refused = [], []
     try:
@@ -410,12 +410,16 @@ def test_one_address_holding_slow_connections_cannot_blind_either_port(limited_d
 
 
 def test_at_the_cap_the_address_holding_the_most_makes_room(limited_daemon):
-    """Two addresses fill the web port's 384 connections with unfinished headers; a scrape
-    from a third is served: the heaviest address's oldest connection makes room."""
+    """Two addresses fill the web port's connections (256 with 1,024 descriptors) with
+    unfinished headers; a scrape from a third is served: the heaviest address's oldest
+    connection makes room."""
+    from exporter.serving.server import connection_caps
+
     d = limited_daemon
+    per_port, per_address = connection_caps(1024)
     held = []
     try:
-        for source, n in (("127.0.0.2", 192), ("127.0.0.3", 191)):
+        for source, n in (("127.0.0.2", per_address), ("127.0.0.3", per_port - per_address)):
             for _ in range(n):
                 s = attacker_socket(d.port, source)
                 s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
@@ -481,9 +485,10 @@ def test_a_body_shorter_than_its_content_length_is_a_400_and_one_debug_line(daem
 
 
 def test_keep_alive_clients_get_every_answer_of_a_push_that_was_applied(limited_daemon):
-    """300 ranks from 16 threads on kept-alive connections, three rounds, against 192
-    connections an address may hold: connections are reclaimed while others push, yet every
-    push the daemon applied was answered (its count of 200s is the clients' count)."""
+    """300 ranks from 16 threads on kept-alive connections, three rounds, against the 128
+    connections an address may hold with 1,024 descriptors: connections are reclaimed while
+    others push, yet every push the daemon applied was answered (its count of 200s is the
+    clients' count)."""
     import threading
 
     d = limited_daemon

@@ -149,11 +149,9 @@ def test_bad_flops_or_precision_is_a_400_that_says_why(rig, over, message):
     ({"steps": 2**63}, "steps"),
     ({"steps": 10.5}, "steps"),
     ({"step_counts": [2, 9, 1e300]}, "step_counts"),
-    ({"step_seconds": 1e300}, "step_seconds"),
-    ({"samples": 2.0**60}, "samples"),
-    ({"process": {"cpu_seconds": 1e300}}, "process.cpu_seconds"),
+    ({"step_counts": [2, 9.5, 10]}, "step_counts"),
     ({"process": {"pid": 1e300}}, "process.pid"),
-    ({"phases": {"checkpoint": 1e300}}, "phases.checkpoint"),
+    ({"process": {"cpu_seconds": -1.0}}, "process.cpu_seconds"),
 ])
 def test_a_counter_past_what_it_can_hold_exactly_is_a_400_naming_the_field(rig, over, field):
     r = rig.push(body(**over))
@@ -162,8 +160,8 @@ def test_a_counter_past_what_it_can_hold_exactly_is_a_400_naming_the_field(rig, 
 
 
 def test_counters_at_their_bounds_are_taken(rig):
-    """An integer counter up to 2^63-1 as an integer, or up to 2^53 as a float without a
-    fraction; model FLOPs past 2^53 (a day of one GPU's)."""
+    """A whole-number counter up to 2^63-1 as an integer, or up to 2^53 as a float without a
+    fraction; a float counter such as model FLOPs past 2^53 (a day of one GPU's)."""
     big = 2**63 - 1
     r = rig.push(body(steps=big, step_counts=[2, 9, 10], flops=8.6e19))
     assert r.status_code == 200, r.text

@@ -22,7 +22,6 @@ from exporter.protocol import (
     GPU_REF_RE,
     MAX_BUCKETS,
     MAX_COUNT,
-    MAX_EXACT_FLOAT,
     MAX_GPUS,
     MAX_NAME_LENGTH,
     MAX_PHASE_NAME_LENGTH,
@@ -95,7 +94,7 @@ def _value(v: Any, key: str, where: str = "", integer: bool = False) -> float | 
     t = type(v)  # the common cases first: a push holds some 40 numbers
     if t is int and 0 <= v <= MAX_COUNT:
         return v if integer else float(v)
-    if t is float and not integer and 0.0 <= v <= MAX_EXACT_FLOAT:
+    if t is float and not integer and 0.0 <= v < math.inf:
         return v
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise Refused(400, f"field '{where}{key}' must be a number, got {_kind(v)}")
@@ -103,9 +102,8 @@ def _value(v: Any, key: str, where: str = "", integer: bool = False) -> float | 
         return count(v, f"{where}{key}")
     if isinstance(v, int) and v > MAX_COUNT:  # before math.isfinite, which overflows on it
         raise Refused(400, f"field '{where}{key}' is too large (over 2^63 - 1)")
-    if not math.isfinite(v) or v < 0 or (v > MAX_EXACT_FLOAT and (where or key != "flops")):
-        raise Refused(400, f"field '{where}{key}' must be a finite number >= 0 (at most 2^53), "
-                           f"got {v}")
+    if not math.isfinite(v) or v < 0:
+        raise Refused(400, f"field '{where}{key}' must be a finite number >= 0, got {v}")
     return float(v)
 
 

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from exporter.protocol import (
     DEFAULT_PROFILE_STEPS,
-    MAX_EXACT_FLOAT,
+    MAX_COUNT,
     MAX_NAME_LENGTH,
     MAX_OP_NAME_LENGTH,
     MAX_PROFILE_ERROR_LENGTH,
@@ -113,9 +113,8 @@ def _number(value: Any, where: str, integer: bool = False) -> float:
         raise Refused(400, f"'{where}' must be a number, got {str(value)[:40]!r}")
     if integer:
         return count(value, where)
-    if value > MAX_EXACT_FLOAT or not math.isfinite(value) or value < 0:
-        raise Refused(400, f"'{where}' must be a finite number >= 0 (at most 2^53), got "
-                           f"{value!r}")
+    if value > MAX_COUNT or not math.isfinite(value) or value < 0:
+        raise Refused(400, f"'{where}' must be a finite number >= 0, got {value!r}")
     return float(value)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import json
 import logging
 import math
@@ -59,7 +60,9 @@ ADDRESS_SHARE = 2  # one client address holds at most 1/ADDRESS_SHARE of a port'
 BODY_BUDGET_BYTES = 32 * 1024 * 1024  # request bodies being read at once, per port
 MAX_LONG_POLLS = 32  # per port: GETs of a profile that wait; more are answered at once
 MAX_WAIT_SECONDS = 5.0  # a GET of a profile may wait this long for it (< REQUEST_SECONDS)
-LISTEN_BACKLOG = 512
+# the listen queue, and how many connections asyncio accepts at once (it closes the refused
+# ones only after): the caps keep that many descriptors free per port
+LISTEN_BACKLOG = 128
 SWEEP_SECONDS = 0.5  # how often a port looks for connections past their deadline
 READ_CHUNK = 16 * 1024  # bytes one read takes from a connection (asyncio's default: 256 KiB)
 BLOCKING_THREADS = 4  # per port, for calls that may wait (?fresh=1, a status build)
@@ -102,13 +105,17 @@ def raise_descriptor_limit() -> int:
     return soft
 
 
-def connection_caps(ports: int = 2) -> tuple[int, int]:
+def connection_caps(soft: int | None = None, ports: int = 2) -> tuple[int, int]:
     """(connections per port, connections per client address on a port), sized from the
-    soft descriptor limit: RESERVED_DESCRIPTORS stay for the rest of the daemon."""
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    soft descriptor limit (the process's, by default): RESERVED_DESCRIPTORS stay for the rest
+    of the daemon, and LISTEN_BACKLOG per port for connections accepted before they are
+    refused."""
+    if soft is None:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft == resource.RLIM_INFINITY:
-        soft = MAX_CONNECTIONS * ports + RESERVED_DESCRIPTORS
-    per_port = max(16, min(MAX_CONNECTIONS, (soft - RESERVED_DESCRIPTORS) // ports))
+        soft = (MAX_CONNECTIONS + LISTEN_BACKLOG) * ports + RESERVED_DESCRIPTORS
+    per_port = max(16, min(MAX_CONNECTIONS,
+                           (soft - RESERVED_DESCRIPTORS) // ports - LISTEN_BACKLOG))
     return per_port, max(4, per_port // ADDRESS_SHARE)
 
 
@@ -826,6 +833,7 @@ class Server:
     def serve_forever(self) -> None:
         """Serve until :meth:`shutdown` (in the calling thread)."""
         loop = self._loop = asyncio.new_event_loop()
+        loop.set_exception_handler(self._loop_error)
         try:
             loop.run_until_complete(self._listen(loop))
             self._started.set()
@@ -839,6 +847,19 @@ class Server:
                 loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
                 loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
+
+    def _loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        """asyncio's errors: accept() out of descriptors is a warning line (asyncio retries
+        in a second); anything else is a bug, with its traceback."""
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE,
+                                                      errno.ENOBUFS, errno.ENOMEM):
+            self.port.refused += 1
+            if self.port.refused in (1, 10, 100) or self.port.refused % 1000 == 0:
+                log.warning("cannot accept connections on the %s port: %s; trying again in "
+                            "a second", self.name, exc.strerror)
+            return
+        loop.default_exception_handler(context)
 
     async def _listen(self, loop: asyncio.AbstractEventLoop) -> None:
         site = self._handler(self.app, self.port, self._pool)
