@@ -3,6 +3,7 @@ anchors measured in the same run: prometheus_client's own ``generate_latest`` on
 series (what a scrape cost when it rendered), and node_exporter scraped on the same host.
 
     python bench/bench_scrape.py [--scrapes 60] [--ranks 0,64,256,1024]
+    python bench/bench_scrape.py --nvml-only   # the NVML backend's sampler cycles only
 
 Each scrape is spaced more than one sampler interval after the last, as Prometheus' 15-60 s
 scrapes are, so every scrape meets a new snapshot (back-to-back scrapes would hide the
@@ -256,20 +257,21 @@ def sampler_cpu_per_cycle(cycles: int) -> tuple[float, float]:
 
 
 def nvml_cycle_ms(cycles: int, health: bool) -> float:
-    """CPU ms per sampler cycle through the real NVML backend on 8 scripted H100s (the test
-    suite's fake pynvml, so no GPU is needed): with NVLink, ECC and row remapping answered
+    """CPU ms per sampler cycle through the real NVML backend on 8 scripted H100s (the real
+    nvidia-ml-py binding over the test suite's fake driver, so no GPU is needed): with NVLink,
+    ECC and row remapping answered
     (``health``), or all three NOT_SUPPORTED and so asked once, as before they existed."""
     sys.path.insert(0, str(ROOT / "tests"))
-    from fake_pynvml import FakeGpu, FakePynvml
+    from fake_nvml import FakeDriver, FakeGpu
 
     from exporter.reading.gpu_backends import NvmlBackend
     from exporter.reading.nvml import Nvml
 
-    extra = ({"nvlink_links": 18, "remapped_rows": (0, 0, 0, 0)} if health else
-             {"nvlink_links": 0, "ecc_volatile": None, "remapped_rows": None})
+    extra = ({"nvlink_present": 18, "remapped_rows": (0, 0, 0, 0)} if health else
+             {"nvlink_present": 0, "ecc_volatile": None, "remapped_rows": None})
     gpus = [FakeGpu(f"GPU-{i}", util_rate=50, gpm={"sm_util": 50.0, "tensor_util": 10.0},
                     **extra) for i in range(8)]
-    sampler = Sampler(NvmlBackend(Nvml(FakePynvml(gpus))), None, interval=1.0,
+    sampler = Sampler(NvmlBackend(Nvml(FakeDriver(gpus).binding)), None, interval=1.0,
                       collectors={"gpu"})
     for _ in range(3):
         sampler.run_once()
@@ -278,6 +280,58 @@ def nvml_cycle_ms(cycles: int, health: bool) -> float:
         sampler.run_once()
     sampler.stop()
     return (time.process_time() - cpu0) / cycles * 1e3
+
+
+def nvml_process_cycle_ms(cycles: int, per_process: bool) -> float:
+    """CPU ms per sampler cycle through the real NVML backend on 8 scripted H100s (GPM, NVLink,
+    memory health answered) with 16 compute processes each, every process with a new
+    utilisation sample each cycle: with per-process utilisation read, or the anchor, the same
+    GPUs on a driver without either per-process call (asked once, as before they were read)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from fake_nvml import FakeDriver, FakeGpu
+
+    from exporter.reading.gpu_backends import NvmlBackend
+    from exporter.reading.nvml import Nvml
+
+    gpus = [FakeGpu(f"GPU-{i}", util_rate=50, gpm={"sm_util": 50.0, "tensor_util": 10.0},
+                    nvlink_present=18, remapped_rows=(0, 0, 0, 0),
+                    processes=[(100_000 + 16 * i + p, 2**30) for p in range(16)])
+            for i in range(8)]
+    missing = () if per_process else ("nvmlDeviceGetProcessesUtilizationInfo",
+                                      "nvmlDeviceGetProcessUtilization")
+    sampler = Sampler(NvmlBackend(Nvml(FakeDriver(gpus, missing=missing).binding)), None,
+                      interval=1.0, collectors={"gpu"})
+
+    def new_samples(n: int) -> None:  # the driver's samples of the last period (us)
+        for g in gpus:
+            g.process_samples = [(1_000_000 * (n + 1) + k, pid, 40, 20)
+                                 for k, (pid, _) in enumerate(g.processes)]
+
+    for n in range(3):
+        new_samples(n)
+        sampler.run_once()
+    cpu = 0.0
+    for n in range(3, 3 + cycles):
+        new_samples(n)
+        t0 = time.process_time()
+        sampler.run_once()
+        cpu += time.process_time() - t0
+    sampler.stop()
+    return cpu / cycles * 1e3
+
+
+def print_nvml_process_cycles(cycles: int, repeats: int = 3) -> None:
+    """The two, alternately ``repeats`` times; the medians and their ratio."""
+    runs: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(repeats):
+        for per_process in (False, True):
+            runs[per_process].append(nvml_process_cycle_ms(cycles, per_process))
+    without, with_ = (sorted(runs[k])[len(runs[k]) // 2] for k in (False, True))
+    print(f"sampler cycle through the NVML backend, 8 scripted H100s x 16 processes: "
+          f"{with_:.2f} ms CPU with per-process utilisation, {without:.2f} ms without it "
+          f"(anchor); ratio {with_ / without:.2f} (medians of {repeats} runs of {cycles} "
+          f"cycles each: {', '.join(f'{v:.2f}' for v in runs[True])} with, "
+          f"{', '.join(f'{v:.2f}' for v in runs[False])} without)")
 
 
 def main() -> None:
@@ -295,7 +349,16 @@ def main() -> None:
     p.add_argument("--cycles", type=int, default=200)
     p.add_argument("--http-only", action="store_true",
                    help="only the scrapes over HTTP, not the in-process render and sampler")
+    p.add_argument("--nvml-only", action="store_true",
+                   help="only the NVML backend's sampler cycles (no daemon, no scrape)")
     args = p.parse_args()
+    if args.nvml_only:
+        print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
+        before, after = nvml_cycle_ms(args.cycles, False), nvml_cycle_ms(args.cycles, True)
+        print(f"sampler cycle through the NVML backend, 8 scripted H100s: {after:.2f} ms CPU "
+              f"with NVLink, ECC and remapping answered, {before:.2f} ms without them")
+        print_nvml_process_cycles(args.cycles)
+        return
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, 8 demo GPUs + host, "
           f"{args.scrapes} scrapes {args.spacing} s apart (OpenMetrics + gzip, Prometheus' "
           f"headers), ranks push every 5 s with {args.phases} phases each")
@@ -337,6 +400,7 @@ def main() -> None:
     print(f"sampler cycle through the NVML backend, 8 scripted H100s: {after:.2f} ms CPU with "
           f"NVLink, ECC and remapping answered, {before:.2f} ms without them (anchor); "
           f"ratio {after / before:.2f}")
+    print_nvml_process_cycles(args.cycles)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """Train a small CNN on synthetic CIFAR-sized images, measured by gputrain-exporter's client.
 
-The flags follow seed 003's optimisation ladder (ResNet18 on fake CIFAR went from 31.65 % to
-97.51 % GPU use): --workers, --pin-memory, --batch-size, --uint8-transfer, --amp, --compile.
-Other flags inject seed 002's bottlenecks, to see what the alerts say about each.
+The flags follow the optimisation ladder of a well-known PyTorch tuning walk-through (ResNet18
+on fake CIFAR went from 31.65 % to 97.51 % GPU use): --workers, --pin-memory, --batch-size,
+--uint8-transfer, --amp, --compile. Other flags inject the bottlenecks of a TensorFlow
+performance study's case studies (slow input, CPU preprocessing, a large host-to-device copy,
+needless GPU work, a slow callback, checkpoint stalls), to see what the alerts say about each.
 
-    python examples/pytorch_train.py --steps 200 --workers 8 --pin-memory
+    PYTHONPATH=. .venv/bin/python examples/pytorch_train.py --steps 200 --workers 8 --pin-memory
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=0.0,
                    help="stop after this many seconds instead (0: run --steps)")
     p.add_argument("--model", choices=("small", "resnet18"), default="small",
-                   help="a small CNN, or torchvision's ResNet18 as in seed 003")
+                   help="a small CNN, or torchvision's ResNet18 as in the PyTorch walk-through")
     p.add_argument("--image-size", type=int, default=32, help="square image side, pixels")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--workers", type=int, default=0, help="DataLoader num_workers")
@@ -175,7 +177,7 @@ def train(args: argparse.Namespace, monitor: TrainingMonitor, loader: DataLoader
         images = (images - MEAN.to(device)) / STD.to(device)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=args.amp):
             loss = F.cross_entropy(model(images), labels)
-            for _ in range(args.gpu_waste):  # a needless heavy op (seed 002's GPU case)
+            for _ in range(args.gpu_waste):  # a needless heavy op (the GPU case)
                 loss = loss + 0.0 * torch.tanh(waste @ waste).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -8,6 +8,7 @@ the file, the file overrides the defaults. A bad file is an error that names the
 from __future__ import annotations
 
 import argparse
+import copy
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from exporter.protocol import DEFAULT_INGEST_PORT, DEFAULT_METRICS_PORT
 from exporter.reading.collectors import COLLECTORS
 from exporter.reading.collectors.disk import DEFAULT_DISK_EXCLUDE
 from exporter.reading.collectors.network import DEFAULT_NETDEV_EXCLUDE
@@ -151,8 +153,8 @@ def parse_link_speeds(value: Any) -> dict[str, float]:
 
 
 def format_duration(seconds: float) -> str:
-    """1.0 -> '1s', 600.0 -> '10m', 0.5 -> '500ms', 0 -> '0s': durations as the README
-    writes them."""
+    """1.0 -> '1s', 600.0 -> '10m', 0.5 -> '500ms', 0 -> '0s': durations as the docs write
+    them."""
     if seconds == 0:
         return "0s"
     for unit, size in (("h", 3600), ("m", 60), ("s", 1)):
@@ -177,9 +179,9 @@ class Option:
 
 
 OPTIONS: list[Option] = [
-    Option("web.listen-address", _listen, ":19400",
+    Option("web.listen-address", _listen, f":{DEFAULT_METRICS_PORT}",
            "address for /metrics, /healthz, the status page / and /api/v1/status (host:port; "
-           "':19400' is every address)"),
+           f"':{DEFAULT_METRICS_PORT}' is every address)"),
     Option("web.tls-cert-file", _text, None, "TLS certificate (PEM) to serve HTTPS", "FILE"),
     Option("web.tls-key-file", _text, None, "TLS private key (PEM) for --web.tls-cert-file",
            "FILE"),
@@ -195,10 +197,13 @@ OPTIONS: list[Option] = [
            "N"),
     Option("demo.load", _fraction, None,
            "busy ratio 0-1 of the demo GPUs (default: a load that moves over time)", "RATIO"),
+    Option("demo.foreign-load", _fraction, None,
+           "a process that no client reports on demo GPU 0, busy this ratio 0-1 of the time "
+           "(to try the share of a GPU that no rank accounts for)", "RATIO"),
     Option("demo.memory-fault", _bool, False,
            "the last demo GPU reports an uncorrectable ECC error and a row remap pending (to "
            "try the GpuTrainGPUMemoryFault alert)"),
-    Option("ingest.listen-address", _listen, "127.0.0.1:19401",
+    Option("ingest.listen-address", _listen, f"127.0.0.1:{DEFAULT_INGEST_PORT}",
            "address for the training clients' pushes; anything but loopback needs "
            "--ingest.token-file"),
     Option("ingest.token-file", _text, None,
@@ -278,17 +283,9 @@ def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
 def load_file(path: str) -> dict[str, Any]:
     """Parse a YAML settings file into {key: parsed value}; ConfigError names what is wrong."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path}: expected a mapping of settings (key: value), "
-                          f"got a {type(data).__name__}")
+        data = load_mapping(path)
+    except ValueError as exc:
+        raise ConfigError(f"config file {exc}") from None
     out = {}
     for key, raw in _flatten(data).items():
         option = OPTIONS_BY_KEY.get(key)
@@ -337,3 +334,44 @@ def resolve(namespace: argparse.Namespace) -> Settings:
         except ValueError as exc:
             raise ConfigError(f"flag --{key}: {exc}") from None
     return settings
+
+
+def merge(base: dict, override: dict | None,
+          checks: dict[str, Callable[[Any], Any]] | None = None, path: str = "") -> dict:
+    """``base`` with ``override``'s keys replaced, key by key (nested mappings too); an
+    unknown key, or a value of another type than the default's, is a ValueError naming the
+    key. ``checks`` maps a key to the function that checks and converts its value."""
+    out = copy.deepcopy(base)
+    for key, value in (override or {}).items():
+        if key not in base:
+            raise ValueError(f"unknown key '{path}{key}' (known: {', '.join(base)})")
+        if checks and key in checks:
+            out[key] = checks[key](value)
+        elif isinstance(base[key], dict):
+            if not isinstance(value, dict):
+                raise ValueError(f"'{path}{key}' must be a mapping")
+            out[key] = merge(base[key], value, checks, f"{path}{key}.")
+        elif isinstance(base[key], (int, float)) and not isinstance(base[key], bool):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"'{path}{key}' must be a number, got {value!r}")
+            out[key] = value
+        else:
+            out[key] = str(value)
+    return out
+
+
+def load_mapping(path: str | None) -> dict:
+    """A YAML file of settings as a mapping ({} without a path); ValueError names the fault."""
+    if not path:
+        return {}
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh) or {}
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read it: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of settings (key: value), got a "
+                         f"{type(data).__name__}")
+    return data

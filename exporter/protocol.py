@@ -1,13 +1,22 @@
 """The push protocol, shared by the training client and the daemon's ingest.
 
-Standard library only: the client imports it without any daemon code. The README's "Push
-protocol" section documents the schema these constants bound.
+Standard library only: the client imports it without any daemon code. docs/push-protocol.md
+documents the schema these constants bound.
 """
 
 from __future__ import annotations
 
 import re
 
+# Where the daemon listens by default: metrics (and the status page) on every address, pushes
+# on the loopback (a token is required to listen elsewhere)
+DEFAULT_METRICS_PORT = 19400
+DEFAULT_INGEST_PORT = 19401
+DEFAULT_INGEST_URL = f"http://127.0.0.1:{DEFAULT_INGEST_PORT}"
+DEFAULT_PUSH_INTERVAL_SECONDS = 5.0  # the client pushes its totals this often
+# Phases that are no part of any step: the client keeps them out of step time, and the rules
+# and verdicts count them beside the steps, never as a phase of one
+OUTSIDE_STEP_PHASES = frozenset({"dataloader_start", "evaluation", "checkpoint"})
 PUSH_PATH = "/api/v1/push"
 PROFILE_PATH = "/api/v1/profile"  # POST a request; GET PROFILE_PATH/<id> its state
 ALERTS_PATH = "/api/v1/alerts"  # Alertmanager's webhook
@@ -22,12 +31,13 @@ MAX_NAME_LENGTH = 128  # run and rank
 MAX_PHASE_NAME_LENGTH = 64
 # Per rank, so that the page stays bounded at --ingest.max-series ranks: at most
 # MAX_SERIES_PER_RANK lines each (steps, data wait, samples, FLOPs, elapsed, the histogram's
-# buckets + Inf + count + sum, phases, two timestamps, three process figures, two per GPU:
-# its info and the memory the rank's processes hold on it), and its last profile.
+# buckets + Inf + count + sum, phases, two timestamps, three process figures, four per GPU:
+# its info, the memory the rank's processes hold on it and the seconds they kept its SMs and
+# its memory busy), and its last profile.
 MAX_PHASES = 16
 MAX_BUCKETS = 32
 MAX_GPUS = 16
-MAX_SERIES_PER_RANK = 5 + MAX_BUCKETS + 3 + MAX_PHASES + 2 + 3 + 2 * MAX_GPUS + 1
+MAX_SERIES_PER_RANK = 5 + MAX_BUCKETS + 3 + MAX_PHASES + 2 + 3 + 4 * MAX_GPUS + 1
 # the arithmetic a rank states it trains in: its GPUs' peak FLOP/s at this precision is the
 # denominator of its model FLOPs utilisation
 PRECISIONS = ("fp8", "bf16", "fp16", "tf32", "fp32")

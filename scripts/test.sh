@@ -4,7 +4,10 @@
 #     prometheus-node-exporter (the benchmark's anchor), victoria-metrics (VictoriaMetrics and
 #     vmalert: the global layer of the scale-out test), chromium (draws the status page headless)
 #   - Python, into the virtual environment .venv (scripts/install.sh): this package with its
-#     [test] and [top] extras, and PyTorch, Lightning, Keras, transformers at tests/frameworks.txt's versions
+#     [test] and [top] extras, and tests/frameworks.txt at its versions (torch, lightning, keras,
+#     transformers, accelerate); the README's quick start names the same list
+#   - nvidia-ml-py at each release of the binding matrix, one small venv each under .venv-nvml/
+#     (scripts/nvml_matrix.sh), where the NVML tests run again
 # Usage: scripts/test.sh [extra pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,4 +45,6 @@ if [ "$rc" -eq 5 ]; then
     echo "pytest collected no tests: that is a failure" >&2
     exit 1
 fi
-exit "$rc"
+[ "$rc" -eq 0 ] || exit "$rc"
+# the NVML tests again under each nvidia-ml-py release of the binding matrix (about a minute)
+bash scripts/nvml_matrix.sh -q

@@ -27,6 +27,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from exporter.heuristics.catalogue import BY_ALERT  # noqa: E402
 from exporter.heuristics.rules import render  # noqa: E402
 
 NODE = {"job": "gputrain", "instance": "n1:19400"}
@@ -60,12 +61,39 @@ class Case:
     def __post_init__(self) -> None:
         # The exporter exports the seconds it watched each GPU beside its counters; the GPU
         # ratios divide by them. Add that series (60 s a minute) for every GPU with a counter.
+        points = max(_points(v) for v in self.series.values())
         for selector in list(self.series):
             m = re.match(r"gputrain_gpu_\w+_total\{.*gpu=\"(\w+)\",uuid=\"([\w-]+)\"", selector)
             if m and "xid_errors" not in selector:
                 watched = sel("gputrain_gpu_sampled_seconds_total", gpu=m[1], uuid=m[2])
-                steps = int(self.series[selector].rsplit("x", 1)[1])
-                self.series.setdefault(watched, ramp(60, steps))
+                self.series.setdefault(watched, ramp(60, _points(self.series[selector]) - 1))
+        # A rank that pushes reports its steps: one a second unless the case says otherwise
+        # (a stalled rank's count stays flat), since every rank alert holds only while its
+        # rank steps.
+        counted = {_rank_of(k) for k in self.series
+                   if k.startswith("gputrain_training_step_duration_seconds_count{")}
+        for selector in list(self.series):
+            if selector.startswith("gputrain_training_") and (who := _rank_of(selector)) \
+                    and who not in counted:
+                counted.add(who)
+                self.series[sel("gputrain_training_step_duration_seconds_count",
+                                **dict(who))] = ramp(60, points - 1)
+
+
+def _rank_of(selector: str) -> tuple[tuple[str, str], ...] | None:
+    """The (job, instance, run, rank) labels of a training series, or None."""
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', selector))
+    if "run" not in labels or "rank" not in labels:
+        return None
+    return tuple((k, labels[k]) for k in ("job", "instance", "run", "rank") if k in labels)
+
+
+def _points(values: str) -> int:
+    """How many samples promtool's expanding notation gives."""
+    n = 0
+    for token in values.split():
+        n += int(token.rsplit("x", 1)[1]) + 1 if "x" in token else 1
+    return n
 
 
 def num(x: float) -> str:
@@ -77,6 +105,15 @@ def num(x: float) -> str:
 def ramp(per_step: float, steps: int = 60) -> str:
     """A counter from 0 rising ``per_step`` each interval."""
     return f"0+{num(per_step)}x{steps}"
+
+
+def segments(parts: list[tuple[float, int]]) -> str:
+    """A counter rising ``per_step`` for ``steps`` intervals, part after part."""
+    out, value = ["0"], 0.0
+    for per_step, steps in parts:
+        out.append(f"{num(value + per_step)}+{num(per_step)}x{steps - 1}")
+        value += per_step * steps
+    return " ".join(out)
 
 
 def flat(value: float, steps: int = 60) -> str:
@@ -141,6 +178,54 @@ def alert_cases() -> list[Case]:
              {**run_steps("slow", 0.5), **run_steps("mod", 0.1), **run_steps("healthy", 1 / 60)},
              [Fire("GpuTrainInputBound", rank("slow"), "50%", "warning"),
               Fire("GpuTrainInputBound", rank("mod"), "10%", "info")]),
+        # tiers of one signal nest: a ratio that hovers at the boundary between them keeps
+        # the milder tier firing (the stronger one's timer restarts at every crossing)
+        Case("GpuTrainGPUUnderutilized: a GPU whose busy ratio swings around 50% (40% and 60% "
+             "in turns of 5 minutes) stays an info alert",
+             {**gpu_of("swing", "0", "0", "GPU-a"),
+              sel("gputrain_gpu_busy_seconds_total", gpu="0", uuid="GPU-a"):
+                  segments([(24, 5), (36, 5)] * 6)},
+             # at 45m the last 5 minutes were a 40% turn
+             [Fire("GpuTrainGPUUnderutilized", rank_gpu("swing", "0", "0", "GPU-a"), "40%",
+                   "info")],
+             fire_at="45m", quiet_at=None, quiet_alerts=[]),
+        Case("GpuTrainInputBound: a data-wait ratio that swings around 20% (15% and 25% in "
+             "turns of 5 minutes) stays an info alert",
+             {**run_steps("swing", 0.15),
+              sel("gputrain_training_data_wait_seconds_total", run="swing", rank="0"):
+                  segments([(9, 5), (15, 5)] * 6)},
+             [Fire("GpuTrainInputBound", rank("swing"), "15%", "info")],
+             fire_at="45m", quiet_at=None, quiet_alerts=[]),
+        Case("GpuTrainStalled: a rank that stopped stepping at 5m while its GPU spins (95% busy "
+             "at 20% of its power: a hung collective) is stalled and nothing else",
+             {**gpu_of("hung", "0", "0", "GPU-a"),
+              sel("gputrain_gpu_busy_seconds_total", gpu="0", uuid="GPU-a"): ramp(57, 30),
+              sel("gputrain_gpu_power_watts", gpu="0", uuid="GPU-a"): flat(140, 30),
+              sel("gputrain_gpu_power_limit_watts", gpu="0", uuid="GPU-a"): flat(700, 30),
+              sel("gputrain_training_step_duration_seconds_count", run="hung", rank="0"):
+                  "0+60x5 300x25",
+              sel("gputrain_training_last_step_timestamp_seconds", run="hung", rank="0"):
+                  "0+60x5 300x25"},
+             [Fire("GpuTrainStalled", rank("hung"), "22m 0s")],
+             fire_at="27m", quiet_at=None, quiet_alerts=[]),
+        Case("GpuTrainGPUShared: runs a (40% of GPU 0) and b (20%) share GPU 0 with a process no "
+             "client reports (10%): each run sees the rest as foreign; run solo alone on GPU 1 "
+             "stays silent",
+             {**gpu_of("a", "0", "0", "GPU-a"), **gpu_of("b", "0", "0", "GPU-a"),
+              **gpu_of("solo", "0", "1", "GPU-b"),
+              **{sel("gputrain_training_gpu_busy_seconds_total", run=r, rank="0", gpu=g,
+                     uuid=u): ramp(v)
+                 for r, g, u, v in (("a", "0", "GPU-a", 24), ("b", "0", "GPU-a", 12),
+                                    ("solo", "1", "GPU-b", 50))},
+              sel("gputrain_gpu_unattributed_busy_seconds_total", gpu="0", uuid="GPU-a"):
+                  ramp(6),
+              sel("gputrain_gpu_unattributed_busy_seconds_total", gpu="1", uuid="GPU-b"):
+                  ramp(0)},
+             [Fire("GpuTrainGPUShared", {**NODE, "run": "a", "gpu": "0", "uuid": "GPU-a"},
+                   "30%"),
+              Fire("GpuTrainGPUShared", {**NODE, "run": "b", "gpu": "0", "uuid": "GPU-a"},
+                   "50%")],
+             fire_at="20m", quiet_at="8m"),
         Case("GpuTrainCPUPreprocessingBound: input-bound with the CPUs 95.83% busy fires both; "
              "a run that does not wait stays silent",
              {**run_steps("aug", 47 / 60), **run_steps("ok", 1 / 60), **host_cpu(115 / 120)},
@@ -160,6 +245,18 @@ def alert_cases() -> list[Case]:
                   flat(1.25e9)},
              [Fire("GpuTrainInputBound", rank("net"), "77.8%", "warning"),
               Fire("GpuTrainNetworkInputBound", rank("net"), "77.8%")]),
+        Case("GpuTrainDataLoaderRestarts: DataLoader start-up takes 10% of the wall time; 2% "
+             "stays silent",
+             {**{sel(m, run=r, rank="0"): ramp(v)
+                 for r, start in (("restarts", 6), ("persistent", 1.2))
+                 for m, v in (("gputrain_training_elapsed_seconds_total", 60),
+                              ("gputrain_training_step_duration_seconds_sum", 60 - start),
+                              ("gputrain_training_data_wait_seconds_total", 0.5))},
+              **{sel("gputrain_training_phase_seconds_total", run=r, rank="0",
+                     phase="dataloader_start"): ramp(start)
+                 for r, start in (("restarts", 6), ("persistent", 1.2))}},
+             [Fire("GpuTrainDataLoaderRestarts", rank("restarts"), "10%")],
+             fire_at="30m", quiet_at="12m"),
         Case("GpuTrainHostToDeviceBound: 62.5% of the PCIe link with the GPU 60% busy; "
              "a GPU 95% busy at 3% of its link stays silent",
              {**gpu_of("r", "0", "0", "GPU-a"), **gpu_of("r", "1", "1", "GPU-b"),
@@ -297,14 +394,21 @@ def alert_cases() -> list[Case]:
                    "30%", "warning")],
              fire_at="30m", quiet_at="12m", quiet_alerts=["GpuTrainStragglerRank"]),
         Case("GpuTrainHostMemoryLeak: RSS rising 300 MiB/min on a 512 GiB node with 40 GiB "
-             "available (exhausted in about 2 h 15 min); a high flat RSS and one that grows "
-             "500 MiB/min for a 10-minute warm-up, then levels off, stay silent",
+             "available (exhausted in about 2 h 15 min); a high flat RSS, one that grows "
+             "500 MiB/min for a 10-minute warm-up, then levels off, and a process restarted "
+             "in the last hour stay silent",
              {sel("gputrain_training_process_resident_memory_bytes", run="leak", rank="0"):
                   "10737418240+314572800x80",
               sel("gputrain_training_process_resident_memory_bytes", run="flat", rank="0"):
                   flat(214748364800, 80),
               sel("gputrain_training_process_resident_memory_bytes", run="warmup", rank="0"):
                   "10737418240+524288000x10 15980298240x70",
+              # a process restarted at 41m (its steps counter reset): its growth is a new
+              # process's warm-up, not a leak
+              sel("gputrain_training_process_resident_memory_bytes", run="restarted",
+                  rank="0"): "10737418240+314572800x80",
+              sel("gputrain_training_steps_total", run="restarted", rank="0"):
+                  "0+60x40 0+60x39",
               sel("gputrain_host_memory_total_bytes"): flat(549755813888, 80),
               sel("gputrain_host_memory_available_bytes"): "42949672960-314572800x80"},
              [Fire("GpuTrainHostMemoryLeak", rank("leak"))],
@@ -329,6 +433,8 @@ def alert_cases() -> list[Case]:
              "silent",
              {sel("gputrain_training_last_step_timestamp_seconds", run="stuck", rank="0"):
                   "0+60x5 300x25",
+              sel("gputrain_training_step_duration_seconds_count", run="stuck", rank="0"):
+                  "0+60x5 300x25",
               sel("gputrain_training_last_step_timestamp_seconds", run="ok", rank="0"):
                   "0+60x30"},
              # at 17m: time() 1020 - 300 = 720 s
@@ -339,6 +445,15 @@ def alert_cases() -> list[Case]:
               sel("gputrain_gpu_up", gpu="2", uuid="GPU-c"): flat(1, 15)},
              [Fire("GpuTrainGPULost", gpu("3", "GPU-d"))],
              fire_at="7m", quiet_at="5m"),
+        Case("GpuTrainGPULost: the GPU a rank trains on falls off the bus at 5m: the exporter "
+             "stops watching it (no busy ratio), and only the fault fires for the rank",
+             {**gpu_of("on-lost", "0", "3", "GPU-d"), **run_steps("on-lost", 0.01),
+              sel("gputrain_gpu_up", gpu="3", uuid="GPU-d"): "1x4 0x25",
+              sel("gputrain_gpu_busy_seconds_total", gpu="3", uuid="GPU-d"): "0+57x4 228x25",
+              sel("gputrain_gpu_sampled_seconds_total", gpu="3", uuid="GPU-d"):
+                  "0+60x4 240x25"},
+             [Fire("GpuTrainGPULost", gpu("3", "GPU-d"))],
+             fire_at="20m", quiet_at="5m"),
         Case("GpuTrainXidErrors: a new Xid 79 at 5m; an old Xid 13 count that does not grow "
              "stays silent",
              {sel("gputrain_gpu_xid_errors_total", gpu="1", uuid="GPU-b", xid="79"):
@@ -573,14 +688,27 @@ def expected_alert(fire: Fire, rules: list[dict]) -> dict:
             "exp_annotations": {k: fill(v) for k, v in rule["annotations"].items()}}
 
 
+def with_nested_tiers(fires: list[Fire]) -> list[Fire]:
+    """``fires`` with the info tier of every warning whose alert nests its tiers (the info
+    tier's range covers the warning's: catalogue severity "info / warning")."""
+    out = list(fires)
+    for f in fires:
+        if f.severity == "warning" and BY_ALERT[f.alert].severity == "info / warning" and \
+                not any(g.alert == f.alert and g.labels == f.labels and g.severity == "info"
+                        for g in fires):
+            out.append(Fire(f.alert, f.labels, f.value, "info"))
+    return out
+
+
 def promtool_group(case: Case, rules: list[dict], names: list[str]) -> dict:
     checks = []
+    fires = with_nested_tiers(case.fires)
     if case.quiet_at:
         for name in case.quiet_alerts or sorted({f.alert for f in case.fires}):
             checks.append({"eval_time": case.quiet_at, "alertname": name, "exp_alerts": []})
     for name in names:  # at fire_at, exactly the expected alerts and no others
         checks.append({"eval_time": case.fire_at, "alertname": name,
-                       "exp_alerts": [expected_alert(f, rules) for f in case.fires
+                       "exp_alerts": [expected_alert(f, rules) for f in fires
                                       if f.alert == name]})
     return {"name": case.name, "interval": case.interval,
             "input_series": [{"series": s, "values": v} for s, v in case.series.items()],

@@ -23,7 +23,7 @@ import rule_cases
 from conftest import ROOT, require_binary
 from gpu.replay import Backfilled, inline_alerts, openmetrics_text
 
-from exporter.heuristics.catalogue import BY_ALERT
+from exporter.heuristics.catalogue import BY_ALERT, BY_VERDICT
 from exporter.heuristics.rules import DEFAULTS
 from exporter.heuristics.verdict import RankReport, judge, visibility
 from exporter.protocol import SCHEMA_VERSION
@@ -126,7 +126,7 @@ def results(backfilled):
             [sys.executable, "-m", "exporter", "diagnose", "--prometheus", backfilled.url,
              "--json", "--time", str(t)], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert run.returncode in (0, 1, 3), run.stderr
-        for rep in json.loads(run.stdout):
+        for rep in json.loads(run.stdout)["ranks"]:
             out.setdefault(f"{rep['job']}@{at}", ([], []))[0].append(rep)
         for alert in inline_alerts(rules_text):
             for series in backfilled.query(alert["inlined"], t):
@@ -137,18 +137,24 @@ def results(backfilled):
 
 
 def alerts_for(rep: dict, conditions: list[tuple[str, dict]]) -> tuple[set[str], bool]:
-    """The catalogue verdicts of the bottleneck alerts whose condition holds for this rank,
-    and whether GpuTrainGPUUnderutilized's does."""
+    """The catalogue verdicts of the alerts whose condition holds for this rank (its own, its
+    GPUs' and its node's), and whether GpuTrainGPUUnderutilized's does."""
     gpus = {(g["gpu"], g["uuid"]) for g in rep["gpus"]}
     verdicts, underused = set(), False
     for alert, labels in conditions:
-        if "run" in labels:
+        entry = BY_ALERT[alert]
+        if "rank" in labels:
             if (labels["run"], labels["rank"]) != (rep["run"], rep["rank"]):
+                continue
+        elif "run" in labels:  # a run's share of a GPU: for the run's ranks on that GPU
+            if labels["run"] != rep["run"] or (labels["gpu"], labels["uuid"]) not in gpus:
+                continue
+        elif entry.scope == "node":
+            if (labels.get("job"), labels.get("instance")) != (rep["job"], rep["instance"]):
                 continue
         elif (labels.get("gpu"), labels.get("uuid")) not in gpus:
             continue  # a node's alert about a GPU this rank does not use
-        entry = BY_ALERT[alert]
-        if entry.kind == "bottleneck":
+        if entry.kind != "symptom":
             verdicts.add(entry.verdict)
         underused |= alert == "GpuTrainGPUUnderutilized"
     return verdicts, underused
@@ -158,7 +164,7 @@ def alerts_for(rep: dict, conditions: list[tuple[str, dict]]) -> tuple[set[str],
 def test_diagnose_names_exactly_the_alerts_that_fire(results, i):
     case = CASES[i]
     reports, conditions = results.get(f"{job_of(i)}@{case.fire_at}", ([], []))
-    fired = {(f.labels["run"], f.labels["rank"]) for f in case.fires if "run" in f.labels}
+    fired = {(f.labels["run"], f.labels["rank"]) for f in case.fires if "rank" in f.labels}
     assert fired <= {(r["run"], r["rank"]) for r in reports}, \
         f"diagnose did not see every rank an alert fires for: {sorted(fired)}"
     for rep in reports:
@@ -170,7 +176,8 @@ def test_diagnose_names_exactly_the_alerts_that_fire(results, i):
         assert got == want, (f"{who}: diagnose says {sorted(got)} ({rep['reason']}), the "
                              f"alerts {sorted(want)}")
         if want:
-            assert rep["status"] == "bottleneck"
+            first = BY_VERDICT[rep["verdict"]].kind
+            assert rep["status"] == ("fault" if first == "fault" else "bottleneck")
         elif underused:
             assert rep["status"] == "underutilized", f"{who}: {rep['status']}"
         else:

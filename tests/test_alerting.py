@@ -58,11 +58,14 @@ def stack(tmp_path_factory):
 
 def test_alertmanager_delivers_input_bound_with_run_and_description(stack):
     hook = stack["hook"]
-    alerts = wait_until(lambda: hook.find("GpuTrainInputBound", run="starved"), timeout=120,
-                        what="GpuTrainInputBound at the webhook")
+    # 75% data wait is "highly" input-bound: the warning, and the info tier that covers it
+    alerts = wait_until(lambda: hook.find("GpuTrainInputBound", run="starved",
+                                          severity="warning"), timeout=120,
+                        what="GpuTrainInputBound's warning at the webhook")
     alert = alerts[0]
     assert alert["status"] == "firing"
-    assert alert["labels"]["severity"] == "warning"  # 75% data wait is "highly" input-bound
+    wait_until(lambda: hook.find("GpuTrainInputBound", run="starved", severity="info"),
+               timeout=60, what="its info tier at the webhook too (no inhibition configured)")
     assert alert["labels"]["rank"] == "0"
     description = alert["annotations"]["description"]
     assert description.startswith("Run starved rank 0 on 127.0.0.1:")
@@ -74,10 +77,10 @@ def test_alertmanager_delivers_input_bound_with_run_and_description(stack):
 
 def test_the_idle_gpu_of_the_starved_run_is_reported_through_the_gpu_info_join(stack):
     hook = stack["hook"]
-    alerts = wait_until(lambda: hook.find("GpuTrainGPUUnderutilized", run="starved"),
-                        timeout=120, what="GpuTrainGPUUnderutilized at the webhook")
+    alerts = wait_until(lambda: hook.find("GpuTrainGPUUnderutilized", run="starved",
+                                          severity="warning"),
+                        timeout=120, what="GpuTrainGPUUnderutilized's warning at the webhook")
     assert {a["labels"]["gpu"] for a in alerts} == {"0"}  # CUDA_VISIBLE_DEVICES=0, not GPU 1
-    assert alerts[0]["labels"]["severity"] == "warning"
     assert alerts[0]["labels"]["uuid"].startswith("GPU-")
     assert not hook.find("GpuTrainGPUUnderutilized", run="fed")
 
@@ -98,7 +101,7 @@ def test_diagnose_names_the_input_bound_run_and_exits_1(stack):
     wait_until(lambda: _has_both_runs(prom), timeout=60, what="both runs in Prometheus")
     out = wait_until(lambda: (o := diagnose("--prometheus", prom.url, "--json")).returncode == 1
                      and o, timeout=60, what="diagnose to find the bottleneck")
-    reports = {r["run"]: r for r in json.loads(out.stdout)}
+    reports = {r["run"]: r for r in json.loads(out.stdout)["ranks"]}
     starved, fed = reports["starved"], reports["fed"]
     assert starved["bottleneck"] and starved["verdict"] in ("input-bound", "cpu-preprocessing")
     assert 0.6 < starved["data_wait_ratio"] < 0.9  # 30 ms of each 40 ms step
@@ -149,3 +152,28 @@ def test_a_demo_memory_fault_fires_both_severities_on_the_last_gpu(daemon_factor
     assert {a["metric"]["gpu"] for a in alerts} == {"1"}
     (critical,) = [a for a in alerts if a["metric"]["severity"] == "critical"]
     assert critical["metric"]["type"] == "uncorrected"
+    # diagnose names the same fault for the node, with no run on it, and exits 1
+    out = wait_until(lambda: (o := diagnose("--prometheus", prom.url)).returncode == 1 and o,
+                     timeout=60, what="diagnose to name the fault")
+    assert "node" in out.stdout and "GPU 1: gpu-memory-fault (critical): 1 uncorrectable " \
+        "ECC error(s)" in out.stdout, out.stdout + out.stderr
+    doc = json.loads(diagnose("--prometheus", prom.url, "--json").stdout)
+    (node,) = doc["nodes"]
+    assert [(f["gpu"], f["name"], f["severity"]) for f in node["findings"]] == [
+        ("1", "gpu-memory-fault", "critical")]
+
+
+def test_diagnose_says_an_exporter_is_down(daemon_factory, prometheus_factory):
+    """Prometheus scrapes a node whose exporter stopped: a clear message and exit 1."""
+    daemon = daemon_factory("--gpu.backend=demo", "--demo.gpus=1")
+    prom = prometheus_factory([daemon.url.removeprefix("http://")])
+    wait_until(lambda: prom.query('up{job=~"gputrain.*"} == 1'), timeout=60,
+               what="the exporter scraped")
+    daemon.stop()
+    wait_until(lambda: prom.query('up{job=~"gputrain.*"} == 0'), timeout=60,
+               what="the scrape failing")
+    out = diagnose("--prometheus", prom.url)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert f"== node {daemon.url.removeprefix('http://')}" in out.stdout
+    assert "node: exporter-down (critical): Prometheus cannot scrape the exporter" in out.stdout
+    assert "It cannot scrape the exporter on" in out.stderr

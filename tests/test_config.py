@@ -100,8 +100,8 @@ def test_peak_flops_from_the_readme_example_and_the_flag(tmp_path):
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    example = re.search(r"Example `gputrain.yml`:\n\n```yaml\n(.*?)```", readme, re.S)[1]
+    readme = (Path(__file__).parent.parent / "docs" / "flags.md").read_text()
+    example = re.search(r"Example `gputrain.yml`[^\n]*:\n\n```yaml\n(.*?)```", readme, re.S)[1]
     f = tmp_path / "gputrain.yml"
     f.write_text(example)
     s = settings(f"--config.file={f}")

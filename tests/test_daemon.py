@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.reading.collectors import host_collectors
 from exporter.reading.gpu_backends import DemoBackend
+from exporter.reading.gpu_metrics import H100_IDLE_WATTS
 from exporter.reading.sampler import Sampler
 from exporter.serving.exposition import Exposition
 from exporter.serving.server import MetricsHandler, make_server, serve_in_thread
@@ -94,7 +95,7 @@ def test_demo_load_flag_pins_the_busy_ratio(daemon_factory):
                        "--sampler.interval=0.2")
     text = wait_until(lambda: t if "utilization_ratio" in (t := d.metrics()) else None)
     assert sample_value(text, "gputrain_gpu_utilization_ratio", {"gpu": "1"}) == 0.0
-    assert sample_value(text, "gputrain_gpu_power_watts", {"gpu": "1"}) == DemoBackend.IDLE_POWER
+    assert sample_value(text, "gputrain_gpu_power_watts", {"gpu": "1"}) == H100_IDLE_WATTS
 
 
 def test_bad_config_exits_2_naming_the_key(tmp_path):
@@ -190,8 +191,8 @@ def test_demo_gpus_follow_the_ranks_that_push(clock):
     load follows the run: busy while it computes, idle once its pushes stop."""
     import json
 
-    from exporter.reading.collectors.training import resolve_gpus
     from exporter.serving.ingest import IngestStore
+    from exporter.serving.training import resolve_gpus
 
     store = IngestStore(clock=clock)
     backend = DemoBackend(4, clock=clock, host="follow-test")

@@ -357,6 +357,24 @@ def test_the_example_configs_start_real_prometheus_and_alertmanager(tmp_path):
                                                "gputrain.global.alerts"}
         status = requests.get(servers[1].url + "/api/v2/status", timeout=2).json()
         assert "severity" in status["config"]["original"]
+        # tiers of one signal nest: while the warning fires, its info is held back
+        labels = {"alertname": "GpuTrainInputBound", "instance": "n1:19400", "run": "r",
+                  "rank": "0"}
+        other = {**labels, "rank": "1", "severity": "info"}
+        r = requests.post(servers[1].url + "/api/v2/alerts", timeout=5, json=[
+            {"labels": {**labels, "severity": "info"}}, {"labels": {**labels,
+                                                                    "severity": "warning"}},
+            {"labels": other}])
+        assert r.status_code == 200, r.text
+
+        def states() -> dict[tuple[str, str], str] | None:
+            alerts = requests.get(servers[1].url + "/api/v2/alerts", timeout=2).json()
+            out = {(a["labels"]["rank"], a["labels"]["severity"]): a["status"]["state"]
+                   for a in alerts}
+            return out if len(out) == 3 else None
+
+        assert wait_until(states, what="the three alerts") == {
+            ("0", "warning"): "active", ("0", "info"): "suppressed", ("1", "info"): "active"}
     finally:
         for server in servers:
             server.stop()

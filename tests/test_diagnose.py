@@ -193,7 +193,7 @@ def test_text_report_says_a_run_is_partly_visible():
 
 def test_every_recorded_series_diagnose_falls_back_to_is_a_shipped_recording_rule():
     from exporter.heuristics.diagnose import RECORDED
-    from exporter.heuristics.rules import recording_rules
+    from exporter.heuristics.promql import recording_rules
 
     assert set(RECORDED.values()) <= set(recording_rules(DEFAULTS["selector"]))
 

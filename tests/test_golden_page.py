@@ -1,6 +1,7 @@
 """The whole /metrics page, end to end through the real composition of collectors, pinned by
-a golden file (node_exporter's end-to-end fixture): GPUs through the scripted NVML fake, the
-host through a fake psutil, training through one push. Rewrite it with
+a golden file (node_exporter's end-to-end fixture): GPUs through the real nvidia-ml-py binding over
+the fake NVML driver (an H100 SXM and a V100, as their nvidia-smi outputs read), the host through
+a fake psutil, training through one push. Rewrite it with
 ``pytest tests/test_golden_page.py --update-golden`` and review the diff."""
 
 from __future__ import annotations
@@ -9,8 +10,9 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from conftest import FakeClock
-from fake_pynvml import FakeGpu, FakePynvml
+from fake_nvml import FakeDriver, h100_sxm, v100_sxm2
 from test_host_collector import FakePsutil
 
 from exporter.reading.collectors import host_collectors
@@ -20,6 +22,7 @@ from exporter.reading.sampler import Sampler
 from exporter.serving.exposition import Exposition
 from exporter.serving.ingest import IngestStore
 
+pytestmark = pytest.mark.nvml
 GOLDEN = Path(__file__).parent / "golden" / "metrics_page.prom"
 WALL = 1_795_000_000.0
 # What no fake can pin: the exporter process's own /proc figures, the Python version and the
@@ -38,20 +41,19 @@ STRANGER = 2**22 + 100
 
 def page(tmp_path) -> str:
     clock = FakeClock()
-    gpus = [FakeGpu(uuid="GPU-00000000-aaaa-bbbb-cccc-000000000000", pids=[4242],
-                    util_samples=[(100, 40), (200, 60)],
-                    gpm={"sm_util": 62.0, "sm_occupancy": 31.0, "tensor_util": 12.5,
-                         "dram_bw_util": 40.0, "pcie_rx_mib_s": 100.0, "pcie_tx_mib_s": 10.0},
-                    nvlink_links=18, nvlink_rx_kib=2**20, nvlink_tx_kib=2**19,
-                    ecc_volatile={0: 3, 1: 0}, remapped_rows=(2, 0, 0, 0)),
-            FakeGpu(uuid="GPU-11111111-aaaa-bbbb-cccc-111111111111", bus_id="00000000:28:00.0",
-                    pcie_rx_bytes=10**9, pcie_tx_bytes=10**8, name="Tesla V100-SXM2-16GB",
-                    remapped_rows=None, retired_pages={0: [0x1000, 0x2000], 1: []},
-                    retired_pending=1, pids=[STRANGER])]
+    gpus = [h100_sxm(0, uuid="GPU-00000000-aaaa-bbbb-cccc-000000000000",
+                     processes=[(4242, 20 * 2**30)], util_samples=[(100, 40), (200, 60)],
+                     nvlink_rx_kib=2**20, nvlink_tx_kib=2**19, nvlink_down={17},
+                     ecc_volatile={0: 3, 1: 0}, remapped_rows=(2, 0, 0, 0)),
+            v100_sxm2(1, uuid="GPU-11111111-aaaa-bbbb-cccc-111111111111",
+                      bus_id="00000000:28:00.0", name="Tesla V100-SXM2-16GB",
+                      memory_total=16160 * 2**20, retired_pages={0: [0x1000, 0x2000], 1: []},
+                      retired_pending=1, processes=[(STRANGER, 2**30)])]
+    driver = FakeDriver(gpus, version="575.51.03", clock=clock)
     (tmp_path / "virtual").mkdir()
     host = host_collectors(psutil_module=FakePsutil(),
                            network={"virtual_net_dir": str(tmp_path / "virtual")})
-    sampler = Sampler(NvmlBackend(Nvml(FakePynvml(gpus)), clock=clock), host, interval=1.0,
+    sampler = Sampler(NvmlBackend(Nvml(driver.binding), clock=clock), host, interval=1.0,
                       clock=clock, wall_clock=lambda: WALL + clock.now)
     store = IngestStore(clock=clock, wall_clock=lambda: WALL + clock.now)
     for _ in range(3):

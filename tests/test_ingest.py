@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
 from exporter.protocol import Refused
-from exporter.reading.collectors.training import TrainingCollector
 from exporter.reading.gpu_backends import DemoBackend
 from exporter.reading.sampler import Sampler
 from exporter.serving.exposition import Exposition
 from exporter.serving.ingest import IngestStore
 from exporter.serving.server import IngestHandler, make_server, serve_in_thread
+from exporter.serving.training import TrainingCollector
 
 TOKEN = "s3cret-token-0123456789"
 

@@ -12,10 +12,10 @@ from conftest import ROOT, synthetic_client
 from prometheus_client import CollectorRegistry
 
 from exporter.reading.collectors.owners import KubernetesCollector, SlurmCollector
-from exporter.reading.collectors.training import Owners, TrainingCollector
 from exporter.reading.gpu_backends import GpuIdentity, GpuSample
 from exporter.reading.sampler import GpuState, Snapshot
 from exporter.serving.ingest import IngestStore
+from exporter.serving.training import Owners, TrainingCollector
 
 GIB = 2**30
 

@@ -4,21 +4,31 @@ are the lines prometheus_client would write."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import pytest
 from conftest import FakeClock
-from fake_pynvml import FakeGpu, FakePynvml
+from fake_nvml import FakeDriver, FakeGpu
 from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from prometheus_client.utils import floatToGoString
 
 from exporter.protocol import MAX_BUCKETS, MAX_GPUS, MAX_PHASES, MAX_SERIES_PER_RANK, Refused
-from exporter.reading.collectors.training import TrainingCollector
 from exporter.reading.gpu_backends import DemoBackend, NvmlBackend
 from exporter.reading.nvml import Nvml
 from exporter.reading.sampler import Sampler
 from exporter.serving.exposition import Exposition
 from exporter.serving.ingest import IngestStore
+from exporter.serving.training import (
+    FAMILIES,
+    GpuIndex,
+    GpuShares,
+    Owners,
+    TrainingCollector,
+    resolve_gpus,
+)
 
 OPENMETRICS = "application/openmetrics-text;version=1.0.0,text/plain;q=0.5"
 
@@ -43,11 +53,103 @@ def finish_a_profile(store: IngestStore, run: str, rank: str, trace: str, **over
     assert store.profiles.get(profile.id).state == "done"
 
 
+class Reference:
+    """The training families built through prometheus_client, family by family, from the
+    same states: the referee the collector's own lines are held against."""
+
+    def __init__(self, store: IngestStore, snapshot, shares: GpuShares) -> None:
+        self._store, self._snapshot, self._owners = store, snapshot, Owners()
+        self._shares = shares  # the busy seconds accumulated: written here, not counted
+
+    def _families(self):
+        return {f.name: f.empty() for f in FAMILIES}
+
+    def collect(self) -> Iterator[Metric]:
+        states = sorted(self._store.states(), key=lambda s: (s.run, s.rank))
+        snap = self._snapshot()
+        gpus = GpuIndex(snap)
+        held, others = self._owners.attribute(snap, states)
+        f = self._families()
+        (steps, wait, samples, flops, elapsed, hist, phases, last_step, last_push, cpu, rss,
+         read, gpu_info, gpu_memory, profile, unattributed, strangers, requests, series) = (
+            f[f"gputrain_{n}"] for n in (
+                "training_steps_total", "training_data_wait_seconds_total",
+                "training_samples_total", "training_flops_total",
+                "training_elapsed_seconds_total", "training_step_duration_seconds",
+                "training_phase_seconds_total", "training_last_step_timestamp_seconds",
+                "training_last_push_timestamp_seconds", "training_process_cpu_seconds_total",
+                "training_process_resident_memory_bytes", "training_process_read_bytes_total",
+                "training_gpu_info", "training_gpu_memory_bytes", "training_profile_info",
+                "gpu_unattributed_memory_bytes", "gpu_unattributed_processes",
+                "ingest_requests_total", "ingest_series"))
+        busy, memory_busy = (f["gputrain_training_gpu_busy_seconds_total"],
+                             f["gputrain_training_gpu_memory_busy_seconds_total"])
+        others_busy, others_memory = (f["gputrain_gpu_unattributed_busy_seconds_total"],
+                                      f["gputrain_gpu_unattributed_memory_busy_seconds_total"])
+        ranks_busy, unowned = self._shares.totals()
+        profiles = self._store.profiles.latest_done()
+        for st in states:
+            lv = [st.run, st.rank]
+            steps.add_metric(lv, st.steps)
+            wait.add_metric(lv, st.data_wait_seconds)
+            samples.add_metric(lv, st.samples)
+            if st.flops is not None:
+                flops.add_metric(lv, st.flops)
+            elapsed.add_metric(lv, st.wall_seconds)
+            pairs = zip(st.bucket_bounds, st.bucket_counts, strict=True)
+            buckets = [(floatToGoString(b), c) for b, c in pairs]
+            buckets.append(("+Inf", st.steps))
+            hist.add_metric(lv, buckets, st.step_seconds)
+            for name, seconds in sorted(st.phases.items()):
+                phases.add_metric([*lv, name], seconds)
+            if st.last_step_timestamp is not None:
+                last_step.add_metric(lv, st.last_step_timestamp)
+            last_push.add_metric(lv, st.received_unix)
+            if "cpu_seconds" in st.process:
+                cpu.add_metric(lv, st.process["cpu_seconds"])
+            if "resident_memory_bytes" in st.process:
+                rss.add_metric(lv, st.process["resident_memory_bytes"])
+            if "read_bytes" in st.process:
+                read.add_metric(lv, st.process["read_bytes"])
+            for index, uuid in resolve_gpus(st, gpus):
+                gpu_info.add_metric([*lv, index, uuid, st.precision], 1)
+            for (index, uuid), used in sorted(held.get((st.run, st.rank), {}).items()):
+                gpu_memory.add_metric([*lv, index, uuid], used)
+            for (index, uuid), (b, m) in sorted(ranks_busy.get((st.run, st.rank), {}).items()):
+                busy.add_metric([*lv, index, uuid], b)
+                memory_busy.add_metric([*lv, index, uuid], m)
+            if (done := profiles.get((st.run, st.rank))) is not None:
+                profile.add_metric([*lv, done.trace], done.finished)
+        for (index, uuid), (count, used) in others.items():
+            unattributed.add_metric([index, uuid], used)
+            strangers.add_metric([index, uuid], count)
+        for (index, uuid), (b, m) in sorted(unowned.items()):
+            others_busy.add_metric([index, uuid], b)
+            others_memory.add_metric([index, uuid], m)
+        for family in (steps, wait, samples, flops, elapsed, hist, phases, last_step,
+                       last_push, cpu, rss, read, gpu_info, gpu_memory, busy, memory_busy,
+                       profile, unattributed, strangers, others_busy, others_memory):
+            if family.samples:
+                yield family
+        for code, n in sorted(self._store.requests().items()):
+            requests.add_metric([code], n)
+        yield requests
+        series.add_metric([], len(states))
+        yield series
+
+
+
 def test_training_lines_are_what_prometheus_client_writes_in_both_formats():
     clock = FakeClock()
-    gpus = [FakeGpu(uuid="GPU-00000000-aaaa-bbbb-cccc-000000000000", pids=[4242]),
+    # rank 1's process 4242 and a stranger, 5151, take turns on GPU 0: their busy seconds
+    gpus = [FakeGpu(uuid="GPU-00000000-aaaa-bbbb-cccc-000000000000",
+                    processes=[(4242, 2**30), (5151, 2**29)]),
             FakeGpu(uuid="GPU-11111111-aaaa-bbbb-cccc-111111111111", bus_id="00000000:28:00.0")]
-    sampler = Sampler(NvmlBackend(Nvml(FakePynvml(gpus)), clock=clock), None, clock=clock)
+    sampler = Sampler(NvmlBackend(Nvml(FakeDriver(gpus, clock=clock).binding), clock=clock),
+                      None, clock=clock)
+    sampler.run_once()
+    clock.advance(1.0)
+    gpus[0].process_samples = [(2_000_000, 4242, 40, 20), (2_000_000, 5151, 25, 10)]
     sampler.run_once()
     store = IngestStore(clock=clock)
     push(store)  # nothing optional
@@ -63,7 +165,7 @@ def test_training_lines_are_what_prometheus_client_writes_in_both_formats():
     store.count(429)
     collector = TrainingCollector(store, lambda: sampler.snapshot)
     registry = CollectorRegistry()
-    registry.register(collector)
+    registry.register(Reference(store, lambda: sampler.snapshot, collector.shares))
     for _ in range(2):  # the second time from the per-rank cache
         assert collector.render(False) == generate_latest(registry)
         assert collector.render(True) + b"# EOF\n" == generate_openmetrics(registry)
@@ -73,6 +175,11 @@ def test_training_lines_are_what_prometheus_client_writes_in_both_formats():
     assert collector.render(False) == generate_latest(registry)
     line = b'gputrain_training_gpu_info{gpu="0",precision="bf16",rank="1",run="resnet18"'
     assert line in collector.render()
+    page = collector.render()
+    assert (b'gputrain_training_gpu_busy_seconds_total{gpu="0",rank="1",run="resnet18",'
+            b'uuid="GPU-00000000-aaaa-bbbb-cccc-000000000000"} 0.4\n') in page
+    assert (b'gputrain_gpu_unattributed_busy_seconds_total{gpu="0",'
+            b'uuid="GPU-00000000-aaaa-bbbb-cccc-000000000000"} 0.25\n') in page
     assert (b'gputrain_training_profile_info{rank="3",run="alpha",trace="/tmp/a \\"quoted\\" '
             b'\\\\ path.pt.trace.json.gz"} 1.7000000005e+09\n') in collector.render()
 

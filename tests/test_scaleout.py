@@ -238,7 +238,10 @@ def test_an_input_bound_run_fires_once_per_rank_not_twice(world):
                 ("b", "llm", "1", "node-1")}
     got = settle(world["hook"], "GpuTrainInputBound", expected)
     assert set(got) == expected
-    assert all(len(copies) == 1 for copies in got.values()), got
+    # one copy of each tier (the info tier covers the warning's range): never a shard's twice
+    for copies in got.values():
+        severities = sorted(dict(labels)["severity"] for labels in copies)
+        assert severities in (["info"], ["info", "warning"]), got
 
 
 def test_the_federating_global_prometheus_sees_the_same_straggler(world):
@@ -261,7 +264,7 @@ def diagnose(url: str, thresholds: Path, *args: str) -> subprocess.CompletedProc
 def test_diagnose_against_victoriametrics_sees_the_whole_run_and_names_the_straggler(world):
     def answer():
         out = diagnose(world["vm"].url, world["thresholds"], "--run", "llm")
-        reports = json.loads(out.stdout or "[]")
+        reports = json.loads(out.stdout or "{}").get("ranks", [])
         lagging = [(r["labels"]["cluster"], r["rank"]) for r in reports
                    if "straggler" in r["findings"]]
         return out.returncode == 1 and lagging and (reports, lagging)
@@ -281,7 +284,7 @@ def test_diagnose_against_victoriametrics_sees_the_whole_run_and_names_the_strag
 
 def test_diagnose_against_one_shard_says_it_sees_part_of_the_run(world):
     out = diagnose(world["shards"]["a1"].url, world["thresholds"], "--run", "llm")
-    reports = json.loads(out.stdout)
+    reports = json.loads(out.stdout)["ranks"]
     assert sorted(r["rank"] for r in reports) == ["0", "1", "2", "3"]
     assert all("external labels" in r["partial"] and 'shard="a1"' in r["partial"]
                for r in reports), reports[0]["partial"]

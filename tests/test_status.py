@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import requests
 from conftest import ROOT, require_binary, synthetic_client, wait_until
-from fake_pynvml import FakeGpu, FakePynvml
+from fake_nvml import FakeDriver, FakeGpu
 
 from exporter.heuristics.catalogue import BY_VERDICT
 from exporter.heuristics.rules import DEFAULTS
+from exporter.heuristics.verdict import judge
 from exporter.protocol import SCHEMA_VERSION
 from exporter.reading.gpu_backends import NvmlBackend
 from exporter.reading.nvml import Nvml
@@ -42,9 +43,9 @@ class Node:
 
     def __init__(self, clock, gpus: list[FakeGpu], window: float = 60.0) -> None:
         self.clock = clock
-        self.fake = FakePynvml(gpus)
-        self.sampler = Sampler(NvmlBackend(Nvml(self.fake), clock=clock), None, interval=1.0,
-                               collectors={"gpu"}, clock=clock, wall_clock=clock)
+        self.driver = FakeDriver(gpus, clock=clock)
+        self.sampler = Sampler(NvmlBackend(Nvml(self.driver.binding), clock=clock), None,
+                               interval=1.0, collectors={"gpu"}, clock=clock, wall_clock=clock)
         self.store = IngestStore(clock=clock, wall_clock=clock)
         self.history = History(window=window, point_seconds=5.0, instance="n1")
         self.view = StatusView(self.history, T, lambda: self.sampler.gpu_error, "nvml")
@@ -149,6 +150,105 @@ def test_goodput_and_badput_stay_within_0_and_1_at_a_runs_edges(clock, edge):
     assert sum(shares) == pytest.approx(1.0)
     (run,) = node.document()["runs"]
     assert 0.0 <= run["goodput"] <= 1.0
+
+
+def test_faults_outrank_every_verdict_and_are_named_whoever_uses_the_gpu():
+    """A lost GPU, an Xid and an uncorrectable ECC error, a failing collector: each is a
+    finding of the node in /api/v1/status, as its alert is, and a rank on a faulty GPU gets
+    the fault as its verdict (never "gpu-bound" or "no-gpu-data")."""
+    from exporter.reading.collectors.cpu import CpuReading
+    from exporter.reading.gpu_backends import GpuIdentity, GpuSample
+    from exporter.reading.sampler import CollectorStatus, GpuState, Snapshot
+
+    now = [1_700_000_000.0]
+    store = IngestStore(clock=lambda: now[0], wall_clock=lambda: now[0])
+    history = History(window=60.0, point_seconds=5.0, instance="n1")
+    view = StatusView(history, T, backend="nvml")
+    for k in range(30):
+        t = float(k)
+        now[0] = 1_700_000_000.0 + t
+        for rank, gpu in (("0", "0"), ("1", "1"), ("2", "2")):
+            push(store, rank=rank, run_id=f"r{rank}", steps=10 * k, step_seconds=t,
+                 data_wait_seconds=0.01 * t, samples=320 * k, elapsed_seconds=t,
+                 last_step_timestamp=now[0], gpus=[gpu])
+        gpus = []
+        for i in range(3):
+            sample = GpuSample(now[0], utilization=0.97, sm_active=0.8, tensor_active=0.3,
+                               memory_used_bytes=50e9, memory_total_bytes=80e9,
+                               power_watts=600.0, power_limit_watts=700.0,
+                               remapped_rows={"correctable": 0.0, "uncorrectable": 0.0,
+                                              "pending": 0.0, "failed": 0.0})
+            gpus.append(GpuState(
+                GpuIdentity(str(i), f"GPU-{i}", H100), up=not (i == 0 and k >= 10),
+                sample=sample, sampled_seconds=t, busy_seconds=0.97 * t,
+                xid_errors={79: 1} if i == 1 and k >= 20 else {},
+                ecc_errors={"corrected": 0.0, "uncorrected": 1.0 if i == 1 else 0.0}))
+        collectors = {"gpu": CollectorStatus(True, 0.01, now[0]),
+                      "disk": CollectorStatus(False, 0.01, None)}
+        history.observe(Snapshot(k, now[0], "nvml", "570.86", tuple(gpus),
+                                 {"cpu": CpuReading({"user": 2 * t, "idle": 6 * t}, 8)},
+                                 collectors), store.states())
+    doc = view.document()
+    faults = {(f["gpu"], f["verdict"]): f["severity"] for f in doc["faults"]}
+    assert faults == {("0", "gpu-lost"): "critical", ("1", "xid-errors"): "critical",
+                      ("1", "gpu-memory-fault"): "critical", (None, "collector-failing"):
+                      "warning"}
+    (run,) = doc["runs"]
+    ranks = {r["rank"]: r for r in run["ranks"]}
+    assert (ranks["0"]["status"], ranks["0"]["verdict"]) == ("fault", "gpu-lost")
+    assert (ranks["1"]["status"], ranks["1"]["verdict"]) == ("fault", "xid-errors")
+    assert [a["verdict"] for a in ranks["1"]["also"]] == ["gpu-memory-fault",
+                                                          "collector-failing"]
+    assert ranks["2"]["verdict"] == "collector-failing"  # its GPU is fine; its node is not
+    assert "disk collector fails" in ranks["2"]["reason"]
+    assert run["status"] == "fault" and run["verdicts"][0]["verdict"] == "gpu-lost"
+
+
+def test_a_memory_fault_shows_on_the_page_and_in_top(daemon_factory):
+    """The demo's last GPU with --demo.memory-fault: an uncorrectable ECC error and a pending
+    remap, drawn as a fault on the page (real Chromium) and in `top`."""
+    daemon = daemon_factory("--gpu.backend=demo", "--demo.gpus=2", "--demo.memory-fault")
+    doc = wait_until(lambda: (d := requests.get(daemon.url + "/api/v1/status", timeout=5)
+                              .json())["faults"] and d, what="the fault in /api/v1/status")
+    assert {(f["gpu"], f["verdict"], f["severity"]) for f in doc["faults"]} == {
+        ("1", "gpu-memory-fault", "critical")}
+    run = chromium(daemon.url + "/", "--dump-dom")
+    assert 'data-fault="gpu-memory-fault"' in run.stdout, run.stderr[-2000:]
+    assert "GPU 1: A GPU's memory has a fault" in run.stdout
+    out = subprocess.run([sys.executable, "-m", "exporter", "top", "--once", "--url",
+                          daemon.url], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "GPU 1: A GPU's memory has a fault" in out.stdout
+    assert "gpu-memory-fault · critical: 1 uncorrectable ECC error(s)" in out.stdout
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_a_leak_is_one_processs_memory(restart):
+    """A rank's memory growing 480 MiB a minute for 20 minutes, on a node with 40 GiB left, is a
+    leak; a new process of it (a restart, a new run_id) starting up a minute ago is not,
+    whatever the old one held."""
+    from exporter.reading.collectors.memory import MemoryReading
+    from exporter.reading.gpu_backends import GpuIdentity, GpuSample
+    from exporter.reading.sampler import GpuState, Snapshot
+
+    now = [1_700_000_000.0]
+    store = IngestStore(clock=lambda: now[0], wall_clock=lambda: now[0])
+    history = History(window=60.0, point_seconds=5.0, instance="n1")
+    for k, second in enumerate(range(0, 1260, 5)):
+        now[0] = 1_700_000_000.0 + second
+        push(store, run_id="b" if restart and second >= 1200 else "a", gpus=["0"],
+             steps=second, step_seconds=float(second), samples=32.0 * second,
+             elapsed_seconds=float(second),
+             process={"pid": 4242, "resident_memory_bytes": 2**30 + 8 * 2**20 * second})
+        sample = GpuSample(now[0], utilization=0.95, memory_used_bytes=50e9,
+                           memory_total_bytes=80e9)
+        gpu = GpuState(GpuIdentity("0", "GPU-a", H100), up=True, sample=sample,
+                       sampled_seconds=float(second), busy_seconds=0.95 * second)
+        history.observe(Snapshot(k, now[0], "nvml", "", (gpu,),
+                                 {"memory": MemoryReading(512 * 2**30, 40 * 2**30)}),
+                        store.states())
+    (rep,) = judge(history.reports(), T)
+    assert ("memory-leak" in rep.findings()) is not restart, rep.findings()
 
 
 def test_histogram_quantile_matches_prometheus():
@@ -269,6 +369,25 @@ def test_status_api_and_top_show_the_gpus_and_the_runs_verdict(busy_node):
     assert "What to change: " in out.stdout
 
 
+def test_top_into_a_pipe_prints_frame_after_frame(daemon_factory):
+    """Live `top` with its output to a pipe (or a file) writes frames one after another: it
+    printed nothing there, drawing to a screen no one had."""
+    daemon = daemon_factory("--gpu.backend=demo", "--demo.gpus=1")
+    proc = subprocess.Popen([sys.executable, "-m", "exporter", "top", "--url", daemon.url,
+                             "--interval", "0.2"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        while len(seen) < 2:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()
+            if line.startswith("gputrain-exporter on "):
+                seen.append(line)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_top_says_when_the_daemon_cannot_be_read(daemon_factory):
     daemon = daemon_factory("--gpu.backend=demo", "--demo.gpus=1")
     for url, why in ((f"http://127.0.0.1:{daemon.ingest_port}", "HTTP 404"),
@@ -325,6 +444,8 @@ def test_status_page_in_chromium_shows_the_gpus_and_the_verdict(busy_node, tmp_p
     assert 'data-verdict="input-bound"' in dom or (
         'data-verdict="cpu-preprocessing"' in dom and 'data-also="input-bound"' in dom)
     assert 'href="metrics"' in dom
+    # who uses GPU 0, with the rank's share of its time (the demo's per-process samples)
+    assert re.search(r'<td class="who">input-starved/0 \d+(\.\d+)?%</td>', dom), dom[-3000:]
     # a rank's GPUs by name: an index alone ("0") reads as a count
     assert re.search(r'<tr data-rank="0">.*?<td>GPU 0 \(H100 80GB HBM3 \(demo\)\)</td>', dom)
     assert policy_violations(run) == []

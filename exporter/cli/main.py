@@ -137,10 +137,10 @@ def _read_token(path: str) -> str:
 
 def _thresholds(path: str | None) -> dict[str, float]:
     """The thresholds of a `rules --config` file (the catalogue's defaults without one)."""
-    from exporter.heuristics.rules import DEFAULTS, load_overrides, merge
+    from exporter.heuristics.rules import load_overrides, settings
 
     try:
-        return merge(DEFAULTS, load_overrides(path))["thresholds"]
+        return settings(load_overrides(path))["thresholds"]
     except ValueError as exc:
         raise ConfigError(f"--status.rules-config {exc}") from None
 
@@ -174,6 +174,7 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
         serve_in_thread,
     )
     from exporter.serving.status import StatusView
+    from exporter.serving.training import GpuShares
 
     setup_logging(settings["log.level"])
     try:
@@ -201,7 +202,8 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
 
     if settings["gpu.backend"] == "demo":
         backend = DemoBackend(settings["demo.gpus"], settings["demo.load"],
-                              memory_fault=settings["demo.memory-fault"])
+                              memory_fault=settings["demo.memory-fault"],
+                              foreign_load=settings["demo.foreign-load"])
         if store is not None:
             backend.follow(store.states)  # the laptop tour: training on the CPU uses a GPU
     else:
@@ -214,7 +216,9 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
             signal.signal(sig, lambda *_: stop.set())
     sampler = Sampler(backend, host, settings["sampler.interval"], settings.collectors)
     peaks = PeakTable(settings["gpu.peak-flops"])
-    history = History(settings["status.window"], peaks=peaks, instance=socket.gethostname())
+    shares = GpuShares()  # each rank's busy seconds per GPU: for /metrics and the history
+    history = History(settings["status.window"], peaks=peaks, instance=socket.gethostname(),
+                      shares=shares)
     status = StatusView(history, thresholds, lambda: sampler.gpu_error, backend.name,
                         lambda: sampler.snapshot.driver_version,
                         store.profiles if store is not None else None,
@@ -224,7 +228,7 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     sampler.listeners.append(lambda: _observe(history, sampler, store, status))
     sampler.start()
     status.start()
-    app = Exposition(sampler, store, peaks=peaks, status=status)
+    app = Exposition(sampler, store, peaks=peaks, status=status, shares=shares)
     app.start()
     raise_descriptor_limit()  # the connection caps are sized from it
     # a scrape waits for the GIL behind the page and sampler threads at most this long

@@ -18,10 +18,17 @@ from typing import Any
 import requests
 
 from exporter.client.pusher import ServerName
-from exporter.protocol import DEFAULT_PROFILE_STEPS, MAX_PROFILE_STEPS, PROFILE_PATH, STEP_PARTS
+from exporter.protocol import (
+    DEFAULT_INGEST_PORT,
+    DEFAULT_INGEST_URL,
+    DEFAULT_PROFILE_STEPS,
+    MAX_PROFILE_STEPS,
+    PROFILE_PATH,
+    STEP_PARTS,
+)
 from exporter.terminal import check_url, connection_error, printable
 
-DEFAULT_URL = "http://127.0.0.1:19401"
+DEFAULT_URL = DEFAULT_INGEST_URL
 TABLE_STEPS = 20  # a profile of more steps prints only its slowest
 SLOWEST_STEPS = 10
 PART_TITLES = {"data_loading": "data", "forward": "forward", "backward": "backward",
@@ -80,7 +87,8 @@ def _call(session: requests.Session, method: str, url: str, **kwargs: Any
                      "--ca-file and --tls-server-name") from None
     except requests.RequestException as exc:
         raise Failed(f"cannot reach the daemon: {connection_error(exc, url)}; is it running, "
-                     "and is --url its ingest address (port 19401 by default)?") from None
+                     f"and is --url its ingest address (port {DEFAULT_INGEST_PORT} by "
+                     "default)?") from None
     try:
         doc = r.json()
     except ValueError:

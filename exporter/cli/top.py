@@ -17,11 +17,11 @@ from typing import Any
 import requests
 
 from exporter.heuristics.verdict import percent
-from exporter.protocol import STEP_PARTS
+from exporter.protocol import DEFAULT_METRICS_PORT, STEP_PARTS
 from exporter.serving.status import STATUS_PATH
 from exporter.terminal import check_url, connection_error, printable, printable_doc
 
-DEFAULT_URL = "http://localhost:19400"
+DEFAULT_URL = f"http://localhost:{DEFAULT_METRICS_PORT}"
 TIMEOUT_SECONDS = 3.0
 
 
@@ -36,8 +36,8 @@ def fetch(url: str, session: requests.Session | None = None) -> dict[str, Any]:
         r = (session or requests).get(target, timeout=TIMEOUT_SECONDS)
     except requests.RequestException as exc:
         raise Unreachable(f"cannot read {target}: {connection_error(exc, url)}; is the "
-                          "daemon running, and is --url its metrics address (port 19400 by "
-                          "default)?") from None
+                          "daemon running, and is --url its metrics address (port "
+                          f"{DEFAULT_METRICS_PORT} by default)?") from None
     if r.status_code != 200:
         raise Unreachable(f"{target} answered HTTP {r.status_code}: is it a gputrain-exporter "
                           "0.1 or newer, on its metrics address (not the ingest one)?")
@@ -80,12 +80,16 @@ def frame(doc: dict[str, Any], error: str | None = None) -> Any:
     from rich.table import Table
     from rich.text import Text
 
+    # the document's bands: a busy ratio is coloured as the alerts judge it
+    bands = doc.get("bands", {}).get("busy", {"low": 0.5, "target": 0.9})
+
     def bar(ratio: float | None, label: str, good_high: bool = False, width: int = 10) -> Text:
         r = 0.0 if ratio is None else max(0.0, min(1.0, ratio))
         filled = round(r * width)
         style = "grey50"
         if good_high and ratio is not None:
-            style = "green" if r >= 0.9 else "yellow" if r >= 0.5 else "red"
+            style = "green" if r >= bands["target"] else "yellow" if r >= bands["low"] \
+                else "red"
         return Text.assemble(("█" * filled, style), ("░" * (width - filled), "grey23"),
                              f" {label}")
 
@@ -98,6 +102,12 @@ def frame(doc: dict[str, Any], error: str | None = None) -> Any:
     parts: list[Any] = [head]
     if error:
         parts.append(Text(f"{error}; showing the last answer", style="bold red"))
+    for f in doc.get("faults", []):  # they outrank every run's verdict
+        where = "node" if f["gpu"] is None else f"GPU {f['gpu']}"
+        parts.append(Text.assemble(
+            (f"{where}: {f['summary']} ", "bold red" if f["severity"] == "critical"
+             else "bold yellow"), (f"{f['verdict']} · {f['severity']}: {f['reason']}", "grey70"),
+            ("  What to do: ", "bold"), f["advice"]))
 
     gpus = Table(expand=False, box=None, header_style="bold", pad_edge=False)
     for col in ("GPU", "Name", "Busy", "SM", "Tensor", "Memory", "Power", "PCIe RX/TX",
@@ -105,7 +115,7 @@ def frame(doc: dict[str, Any], error: str | None = None) -> Any:
         gpus.add_column(col, no_wrap=True)
     for g in doc["gpus"]:
         name = (g["name"] or "").removeprefix("NVIDIA ")
-        users = ", ".join(f"{u['run']}/{u['rank']}" for u in g["ranks"]) or "idle"
+        users = gpu_users(g) or "idle"
         if not g["up"]:
             gpus.add_row(g["gpu"], name, Text("lost: does not answer NVML", style="bold red"),
                          "", "", "", "", "", "", users)
@@ -142,7 +152,7 @@ def frame(doc: dict[str, Any], error: str | None = None) -> Any:
 
     if not doc["runs"]:
         parts.append(Text("No training run is pushing to this daemon.", style="grey70"))
-    colour = {"bottleneck": "red", "underutilized": "yellow", "ok": "green",
+    colour = {"fault": "red", "bottleneck": "red", "underutilized": "yellow", "ok": "green",
               "no-gpu-data": "grey50"}
     for run in doc["runs"]:
         body: list[Any] = []
@@ -178,6 +188,20 @@ def frame(doc: dict[str, Any], error: str | None = None) -> Any:
         parts.append(Text(f"profile {p['id']} of {p['run']}/{p['rank']}: {profile_line(p)}",
                           style="red" if p["state"] in ("failed", "expired") else "grey70"))
     return Group(*parts)
+
+
+def gpu_users(g: dict[str, Any]) -> str:
+    """Who uses a GPU: its ranks, each with its share of the GPU's time where the driver gives
+    per-process samples, then the share no rank owns."""
+    shares = {(x["run"], x["rank"]): x["busy"] for x in g.get("shares", [])
+              if x["run"] is not None}
+    parts = [f"{u['run']}/{u['rank']}" + (f" {percent(shares[(u['run'], u['rank'])])}"
+                                          if (u["run"], u["rank"]) in shares else "")
+             for u in g["ranks"]]
+    others = next((x["busy"] for x in g.get("shares", []) if x["run"] is None), None)
+    if others:
+        parts.append(f"others {percent(others)}")
+    return ", ".join(parts)
 
 
 def gpu_names(gpus: list[dict[str, Any]], known: list[dict[str, Any]]) -> str:
@@ -236,6 +260,18 @@ def main(ns: argparse.Namespace) -> int:
         console.print(frame(doc))
         return 0
     interval = max(0.2, ns.interval)
+    if not sys.stdout.isatty():  # a pipe or a file: one frame after another, never a screen
+        try:
+            while True:
+                console.print(frame(doc))
+                sys.stdout.flush()
+                time.sleep(interval)
+                try:
+                    doc = fetch(ns.url, session)
+                except Unreachable as exc:
+                    console.print(f"{exc}; showing the last answer")
+        except (KeyboardInterrupt, BrokenPipeError):
+            return 0
     try:
         with Live(frame(doc), console=console, screen=True, auto_refresh=False) as live:
             while True:

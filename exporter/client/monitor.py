@@ -26,11 +26,14 @@ from typing import Any, TypeVar
 from exporter.client.profiling import RankProfiler
 from exporter.client.pusher import Pusher
 from exporter.protocol import (
+    DEFAULT_INGEST_URL,
     DEFAULT_PRECISION,
+    DEFAULT_PUSH_INTERVAL_SECONDS,
     MAX_BUCKETS,
     MAX_PHASE_NAME_LENGTH,
     MAX_PHASES,
     OTHER_PHASE,
+    OUTSIDE_STEP_PHASES,
     PRECISIONS,
     sanitize,
 )
@@ -43,7 +46,7 @@ _END = object()  # wrap()'s marker for the next() that raised StopIteration
 # Step-duration histogram bounds, in seconds: 1 ms to 60 s.
 DEFAULT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0, 60.0)
-DEFAULT_ENDPOINT = "http://127.0.0.1:19401"
+DEFAULT_ENDPOINT = DEFAULT_INGEST_URL
 _AUTOCAST_PRECISION = {"bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -116,11 +119,6 @@ def cuda_gpu_refs() -> list[str]:
     visible = os.environ.get("GPUTRAIN_GPUS") or os.environ.get("CUDA_VISIBLE_DEVICES", "")
     refs = [v.strip() for v in visible.split(",") if v.strip()]
     return [r for r in refs if r.isdigit() or r.startswith(("GPU-", "MIG-"))]
-
-
-# Phases that are not part of any step: their time is taken out of the step they interrupt
-# and is never data wait. Every other phase (callbacks, logging, ...) is part of its step.
-OUTSIDE_STEP_PHASES = frozenset({"dataloader_start", "evaluation", "checkpoint"})
 
 
 class _DataWait:
@@ -223,7 +221,7 @@ class TrainingMonitor:
     """
 
     def __init__(self, run: str | None = None, rank: str | int | None = None,
-                 endpoint: str | None = None, push_interval: float = 5.0,
+                 endpoint: str | None = None, push_interval: float = DEFAULT_PUSH_INTERVAL_SECONDS,
                  token: str | None = None, buckets: Iterable[float] = DEFAULT_BUCKETS,
                  start: bool = True, ca_file: str | None = None,
                  tls_server_name: str | None = None, flops_per_sample: float | None = None,

@@ -1,19 +1,32 @@
-"""The bottleneck catalogue: the one place each heuristic is written down.
+"""The bottleneck catalogue: each heuristic is one record, written once.
 
-Every threshold (its default, unit and source), every alert's `for`, severity, summary, advice,
-runbook text, README row and confirming dashboard panel is here. The rule file
-(:mod:`exporter.heuristics.rules`), ``diagnose``'s advice, the dashboards' threshold lines, the
-runbook and the README's alert table are generated from it (``gputrain-exporter generate``); a
-test fails when a committed copy is stale. HEURISTICS.md is the specification these entries
-encode.
+A :class:`Heuristic` holds its thresholds (default, unit, source), its alert's ``for``,
+severity, summary, advice, runbook text and confirming dashboard panel, and its condition twice
+side by side: :meth:`~Heuristic.rules`, the alert's PromQL over the recorded readings, and
+:meth:`~Heuristic.holds` (or ``holds_gpu``, ``holds_node``), the same predicate over a
+window's readings (:mod:`exporter.heuristics.readings`) that ``diagnose``, the status page and
+``top`` judge. ``tests/test_agreement.py`` backfills every rule case into a real Prometheus and
+checks, entry by entry, that the two agree. :data:`CATALOGUE` is in the decision order: faults
+first (a run with a lost GPU is not "gpu-bound"), then the pipeline from its input to its
+output, the first finding that holds being the verdict.
 
-Texts may name thresholds as ``{name}`` (shown in the threshold's unit: ``5 %``, ``2x``,
-``10 m``) and the alert's own ``for`` as ``{for}``.
+The rule files, the runbook, the alert table, the dashboards' threshold lines and the texts of
+every surface are generated from here (``gputrain-exporter generate``); a test fails when a
+committed copy is stale. Texts may name thresholds as ``{name}`` (shown in the threshold's
+unit: ``5 %``, ``2x``, ``10 m``), a derived value likewise, and the alert's ``for`` as
+``{for}``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import ClassVar
+
+from exporter.heuristics.promql import THROTTLE_REASONS, Q
+from exporter.heuristics.readings import WINDOWS, GpuReading, RankReport, percent
+from exporter.protocol import DEFAULT_METRICS_PORT, OUTSIDE_STEP_PHASES
+from exporter.reading.sampler import LOST_GPU_RETRY_SECONDS
 
 
 @dataclass(frozen=True)
@@ -23,344 +36,1012 @@ class Threshold:
     source: str
 
 
-THRESHOLDS: dict[str, Threshold] = {
-    "gpu_busy_low": Threshold(0.5, "ratio", "seed 001 (SM use under 50 %), PyTorch profiler "
-                                            "plugin"),
-    "gpu_busy_target": Threshold(0.9, "ratio", "seed 002: under 90 % is wasted money"),
-    "input_bound": Threshold(0.05, "ratio", "TF Profiler input-pipeline analysis: moderately"),
-    "input_bound_high": Threshold(0.20, "ratio", "TF Profiler input-pipeline analysis: highly"),
-    "cpu_saturated": Threshold(0.9, "ratio", "seed 002 preprocessing case (CPU 66 % -> 96 %)"),
-    "iowait_high": Threshold(0.2, "ratio", "seed 001: high disk I/O with low CPU use"),
-    "disk_busy_high": Threshold(0.9, "ratio", "seed 001"),
-    "network_saturated": Threshold(0.8, "ratio", "seed 002 network case, of the link speed"),
-    "pcie_rx_high": Threshold(0.5, "ratio", "seed 002 host-to-device case, of the PCIe link"),
-    "h2d_gpu_busy_below": Threshold(0.8, "ratio", "seed 002 host-to-device case"),
-    "memory_underused": Threshold(0.25, "ratio", "seed 003: under 1 GB of 16 GB"),
-    "launch_busy_above": Threshold(0.8, "ratio", "seeds 000, 001: busy but low power"),
-    "launch_power_below": Threshold(0.4, "ratio", "seeds 000, 001, of the enforced limit"),
-    "launch_sm_active_below": Threshold(0.3, "ratio", "GPM SM activity"),
-    "tensor_sm_active_above": Threshold(0.5, "ratio", "seed 003 optimisation 6"),
-    "tensor_active_below": Threshold(0.01, "ratio", "seed 003 optimisation 6 (0 % tensor "
-                                                    "cores)"),
-    "mfu_busy_above": Threshold(0.9, "ratio", "HEURISTICS.md: a GPU busy enough that its "
-                                              "work, not its feeding, is the question"),
-    "mfu_low": Threshold(0.2, "ratio", "torchtitan: 33-39 % MFU for Llama 3.1 8B on H100 "
-                                       "(bf16, against the 989 TFLOP/s dense peak)"),
-    "phase_dominates": Threshold(1.0, "factor", "Keras: a callback slow compared to the batch "
-                                                "time"),
-    "stall_p99_over_p50": Threshold(5.0, "factor", "seed 002: periodic stalls hurt the "
-                                                   "average"),
-    "checkpoint_share": Threshold(0.1, "ratio", "seed 002: checkpoint saves, a phase outside "
-                                                "the steps"),
-    "straggler_wait_factor": Threshold(2.0, "factor", "HTA straggler analysis"),
-    "straggler_compute_factor": Threshold(1.2, "factor", "HTA straggler analysis"),
-    "memory_near_limit": Threshold(0.95, "ratio", "PyTorch profiler plugin (> 90 % peak)"),
-    "throttle_ratio": Threshold(0.1, "ratio", "NVML clock-event reasons"),
-    "stalled_seconds": Threshold(600, "seconds", "HEURISTICS.md: no step for 10 m"),
-    "leak_horizon_seconds": Threshold(14400, "seconds", "seed 002: rising memory; exhausts "
-                                                        "the node within 4 h"),
-}
+class Heuristic:
+    """One row of the catalogue: an alert, what it means and when it holds.
 
+    ``kind``: ``fault`` (the GPU or the exporter's view of it is broken: outranks every
+    pipeline verdict), ``bottleneck`` (``diagnose`` names it), ``health`` (worth acting on,
+    no pipeline stage) or ``symptom`` (the GPU is under-used; the others say why).
+    ``scope``: what the condition is about: ``rank``, ``rank_gpu`` (a GPU as a rank uses it),
+    ``gpu`` (any GPU of a node; a rank's verdict takes its own GPUs'), ``node``, or ``run``
+    (compares the ranks of a run). ``stepping``: it holds only while its rank steps.
+    """
 
-@dataclass(frozen=True)
-class Entry:
-    """One row of the catalogue: an alert and what it means."""
-
-    alert: str
-    kind: str  # "bottleneck" (diagnose names it), "symptom" or "health"
-    severity: str  # "warning", or "info / warning" where two rules share the name
-    for_: str
-    summary: str  # the alert's static summary
-    advice: str  # what to change: the alert's description, diagnose and the runbook say this
-    fires_when: str  # the README's one-line condition
-    why: str  # the runbook's explanation, with the seeds' evidence
-    confirm: tuple[str, ...]  # the series that confirm it
-    panel: str  # where to see it on the dashboards (quoted titles are checked to exist)
-    verdict: str | None = None  # diagnose's name for it (kind "bottleneck")
+    alert: ClassVar[str]
+    verdict: ClassVar[str]  # its name in diagnose, the status page, top and the API
+    kind: ClassVar[str] = "bottleneck"
+    scope: ClassVar[str] = "rank"
+    severity: ClassVar[str]  # "warning", or "info / warning" where tiers share the name
+    for_: ClassVar[str]
+    summary: ClassVar[str]  # the alert's static summary
+    advice: ClassVar[str]  # what to change: the alert's description, diagnose and the runbook
+    fires_when: ClassVar[str]  # the alert table's one-line condition
+    why: ClassVar[str]  # the runbook's explanation
+    confirm: ClassVar[tuple[str, ...]]  # the series that confirm it
+    panel: ClassVar[str]  # where to see it on the dashboards (quoted titles checked to exist)
     # where its rule is evaluated: "node" needs one node's raw series, so it runs where the
     # node is scraped (each shard); "global" compares the ranks of a run across nodes, so it
     # runs where every shard is seen (a single Prometheus, vmalert over VictoriaMetrics)
-    level: str = "node"
+    level: ClassVar[str] = "node"
     # a firing alert of a rank asks the daemon for a profile of it (Alertmanager's webhook):
     # None means every bottleneck; a profile cannot explain a leak, a throttle or a stall
-    profile: bool | None = None
+    profile: ClassVar[bool | None] = None
+    stepping: ClassVar[bool] = True
+    thresholds: ClassVar[dict[str, Threshold]] = {}  # the thresholds this entry owns
 
     @property
     def profiled(self) -> bool:
         """Whether this alert, firing for a rank, triggers a profile of it."""
         return self.kind == "bottleneck" if self.profile is None else self.profile
 
+    def derived(self, t: dict[str, float]) -> dict[str, float]:
+        """Values computed from thresholds that its texts, rules and panels use."""
+        return {}
 
-CATALOGUE: tuple[Entry, ...] = (
-    Entry("GpuTrainGPUUnderutilized", "symptom", "info / warning", "10m",
-          "A training run leaves its GPU mostly idle.",
-          "Find the stage that starves it: the other GpuTrain alerts for this run say which.",
-          "a rank's GPU busy < {gpu_busy_target} / < {gpu_busy_low} for {for}",
-          "A GPU that a run uses was busy (any kernel running) less than {gpu_busy_low} of the "
-          "time over 5 m (warning), or between {gpu_busy_low} and {gpu_busy_target} (info). "
-          "Seed 001 calls SM use under 50 % a sure sign the GPU is not used well; seed 002 "
-          "calls anything under 90 % wasted money. This is the symptom: the other GpuTrain "
-          "alerts on the same run say which stage starves the GPU.",
-          ("run_rank_gpu:gputrain_gpu_busy_ratio:rate5m",),
-          'GpuTrain / Overview, the Runs table sorted by GPU busy; then GpuTrain / Run, panel '
-          '"GPU busy" ({gpu_busy_low} and {gpu_busy_target} lines), and the panels below it for '
-          'the stage.'),
-    Entry("GpuTrainInputBound", "bottleneck", "info / warning", "10m",
-          "A training run waits on its data loader.",
-          "Use more DataLoader workers (num_workers), pin_memory=True and prefetching, or cache "
-          "or pre-process the data set offline (DALI).",
-          "data-wait ratio >= {input_bound} / >= {input_bound_high} for {for}",
-          "The run spends {input_bound} (info) or {input_bound_high} (warning) of each step "
-          "blocked fetching its next batch (the TensorFlow profiler's input-pipeline "
-          "thresholds), with CPU, disk and network to spare. Seed 003 went from 31.65 % to "
-          "97.51 % GPU use mostly through this.",
-          ("run_rank:gputrain_training_data_wait_ratio:rate5m",),
-          'GpuTrain / Run, panel "Data wait" ({input_bound} and {input_bound_high} lines).',
-          "input-bound"),
-    Entry("GpuTrainCPUPreprocessingBound", "bottleneck", "warning", "10m",
-          "A training run is input-bound because the CPUs are saturated.",
-          "Move augmentation to the GPU (DALI, GPU transforms), pre-process offline, or get "
-          "more cores.",
-          "input-bound and host CPU busy >= {cpu_saturated}",
-          "Input-bound while the node's CPUs are at least {cpu_saturated} busy: preprocessing "
-          "cannot keep up (seed 002: CPU 66 % -> 96 %, GPU at most 36 %, 25 samples/s).",
-          ("instance:gputrain_host_cpu_busy:ratio_rate5m",),
-          'GpuTrain / Run, "Data wait" and the node\'s "CPU by mode" (user + system near '
-          '100 %), "Training processes" (the cores the DataLoader workers use).',
-          "cpu-preprocessing"),
-    Entry("GpuTrainDiskIOBound", "bottleneck", "warning", "10m",
-          "A training run is input-bound on disk I/O.",
-          "Cache the data set in memory or on local NVMe, use larger sequential reads or more "
-          "reader threads.",
-          "input-bound, iowait >= {iowait_high} or a disk busy >= {disk_busy_high}, CPU not "
-          "saturated",
-          "Input-bound while the CPUs wait on I/O (iowait >= {iowait_high}) or a disk is "
-          "{disk_busy_high} busy, and the CPUs are not saturated (seed 001: high disk I/O with "
-          "low CPU use).",
-          ("instance:gputrain_host_cpu_iowait:ratio_rate5m",
-           "instance:gputrain_host_disk_busy:max_rate5m"),
-          'GpuTrain / Run, "CPU by mode" (iowait band) and "Disk I/O"; GpuTrain / Node, '
-          '"Disk busy" ({disk_busy_high} line).',
-          "disk-io"),
-    Entry("GpuTrainNetworkInputBound", "bottleneck", "warning", "10m",
-          "A training run is input-bound on network input.",
-          "Compress or shrink the raw data, stream it, or use a node with more bandwidth.",
-          "input-bound and a NIC receiving >= {network_saturated} of its speed",
-          "Input-bound while a network interface receives at {network_saturated} or more of "
-          "its speed (seed 002: 77.8 % of step time waiting, 22 samples/s).",
-          ("instance:gputrain_host_network_receive_link_used:max_ratio_rate5m",),
-          'GpuTrain / Run, "Network receive against link speed" ({network_saturated} line). A '
-          'NIC whose driver reports no speed needs `--host.netdev-speed`.',
-          "network-input"),
-    Entry("GpuTrainHostToDeviceBound", "bottleneck", "warning", "10m",
-          "Host-to-device copies saturate the PCIe link and the GPU waits.",
-          "Send uint8 and normalise on the GPU (4x less data), use pin_memory with "
-          "non_blocking copies, defer one_hot and casts to the GPU.",
-          "PCIe RX >= {pcie_rx_high} of the link and GPU busy < {h2d_gpu_busy_below}",
-          "The GPU receives at least {pcie_rx_high} of its PCIe link's capacity while busy "
-          "less than {h2d_gpu_busy_below} (seed 002's host-to-device case; seed 003 "
-          "optimisation 4).",
-          ("run_rank_gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m",),
-          'GpuTrain / Run, "PCIe host-to-device against the link" ({pcie_rx_high} line) beside '
-          '"GPU busy".',
-          "host-to-device"),
-    Entry("GpuTrainGPUMemoryUnderused", "bottleneck", "info", "30m",
-          "A training run uses little of its GPU's memory: the batch may be too small.",
-          "Raise the batch size (and re-tune the learning rate).",
-          "GPU memory used < {memory_underused} for {for}",
-          "The run uses less than {memory_underused} of its GPU's memory (seed 003: under 1 GB "
-          "of 16 GB; seed 002: 23 %). Seed 003 went from 1200 to 1584 samples/s with a larger "
-          "batch.",
-          ("run_rank_gpu:gputrain_gpu_memory_used:ratio",),
-          'GpuTrain / Run, "GPU memory used" ({memory_underused} line).',
-          "small-batch"),
-    Entry("GpuTrainLaunchBound", "bottleneck", "info", "15m",
-          "A GPU is busy but does little work: kernels are too small.",
-          "Use a larger batch, CUDA graphs or torch.compile, and fuse small ops.",
-          "busy >= {launch_busy_above} but power < {launch_power_below} of the limit or SM "
-          "active < {launch_sm_active_below}, {for}",
-          "The GPU is busy at least {launch_busy_above} of the time but draws under "
-          "{launch_power_below} of its power limit, or its SMs are under "
-          "{launch_sm_active_below} active: many small kernels (seeds 000, 001; seed 002's "
-          "small batch). torch.compile gave seed 003 +32 %.",
-          ("run_rank_gpu:gputrain_gpu_power_limit_used:ratio_avg5m",
-           "run_rank_gpu:gputrain_gpu_sm_active_ratio:avg5m"),
-          'GpuTrain / Run, "Power against the limit" ({launch_power_below} line) and "SM and '
-          'tensor activity" ({launch_sm_active_below} line) while "GPU busy" is high.',
-          "launch-bound"),
-    Entry("GpuTrainTensorCoresIdle", "bottleneck", "info", "15m",
-          "A busy GPU never uses its tensor cores.",
-          "Train with automatic mixed precision (torch.autocast) or bf16 so the tensor cores "
-          "do the matrix work.",
-          "SM active >= {tensor_sm_active_above} and tensor active < {tensor_active_below}, "
-          "{for}",
-          "SMs at least {tensor_sm_active_above} active but tensor cores under "
-          "{tensor_active_below} (GPM, Hopper and newer). Seed 003: +50 % throughput from AMP.",
-          ("run_rank_gpu:gputrain_gpu_tensor_active_ratio:avg5m",),
-          'GpuTrain / Run, "SM and tensor activity": the tensor series flat at zero.',
-          "tensor-cores-idle"),
-    Entry("GpuTrainLowMFU", "bottleneck", "info", "15m",
-          "A busy GPU does little useful math: low model FLOPs utilisation.",
-          "Train in bf16 or with AMP (torch.autocast), raise the batch size, torch.compile the "
-          "model, use fused kernels (FlashAttention, fused optimizers) and fewer small ops.",
-          "busy >= {mfu_busy_above} and MFU < {mfu_low}, where the client reports FLOPs, "
-          "{for}",
-          "The rank's GPUs are busy at least {mfu_busy_above} of the time, yet its model's "
-          "FLOPs per second are under {mfu_low} of their dense peak at the precision it "
-          "trains in: the kernels run, but slowly (small or unfused ops, FP32 where bf16 would "
-          "do, memory-bound work). torchtitan reaches 33-39 % for Llama 3.1 8B on H100s; seed "
-          "003 gained 50 % from AMP and 32 % from torch.compile. Only ranks that report FLOPs "
-          "(flops_per_sample) on GPUs whose peak is known are judged.",
-          ("run_rank:gputrain_training_mfu:ratio_rate5m", "run_rank:gputrain_gpu_busy_ratio:avg5m"),
-          'GpuTrain / Run, "Model FLOPs utilisation" ({mfu_low} line) beside "SM and tensor '
-          'activity".',
-          "low-mfu"),
-    Entry("GpuTrainHostOverheadBound", "bottleneck", "warning", "10m",
-          "A training run's GPUs idle on host-side work, not on data.",
-          "Move post-processing to a background thread, do it every N steps, keep metrics on "
-          "the GPU, avoid .item() or other synchronisation in every step.",
-          "GPU busy < {gpu_busy_low} with data wait < {input_bound}, or a phase of the step "
-          "(not evaluation, checkpoint, start-up) > {phase_dominates} the rest of it",
-          "The GPUs idle although the run barely waits for data, or a phase of the step "
-          "(callbacks, logging) takes more than {phase_dominates} the rest of it (seed 002's "
-          "post-processing case: GPU 46 %, 43 samples/s; Keras warns at 1.0x). Evaluation, "
-          "checkpoint saves and DataLoader start-up are not part of any step and never count "
-          "here.",
-          ("run_rank:gputrain_training_step_phase_ratio:max_rate5m",
-           "run_rank_phase:gputrain_training_phase_ratio:rate5m"),
-          'GpuTrain / Run, "Phases" (50 % line) and "Data wait" low while "GPU busy" is low.',
-          "host-overhead"),
-    Entry("GpuTrainStepTimeStalls", "bottleneck", "info", "15m",
-          "A training run stalls periodically.",
-          "Checkpoint asynchronously or less often, write to local disk and upload later.",
-          "p99 step time > {stall_p99_over_p50} the median over 30m, or checkpoint saves > "
-          "{checkpoint_share} of the step time",
-          "The p99 step time is more than {stall_p99_over_p50} the median over 30 m, or "
-          "checkpoint saves (the phase `checkpoint`, which the client keeps out of step time) "
-          "take more than {checkpoint_share} of the step time: periodic stalls, usually "
-          "checkpoints (seed 002: even periodic bottlenecks hurt the average).",
-          ("run_rank:gputrain_training_step_seconds:p99_30m",
-           "run_rank:gputrain_training_checkpoint_ratio:rate5m"),
-          'GpuTrain / Run, "Step time": the max far above p50, in periodic spikes; "Phases" '
-          'shows `checkpoint` if the client marks it.',
-          "step-time-stalls"),
-    Entry("GpuTrainStragglerRank", "bottleneck", "warning", "15m",
-          "One rank of a run is slower than the others.",
-          "Check that rank's node: its input, thermal throttling, a slower GPU or link.",
-          "data wait > {straggler_wait_factor} the run's median (and >= {input_bound}), or "
-          "compute time > {straggler_compute_factor}",
-          "In synchronous data-parallel training every rank shares the step time, so a "
-          "straggler shows in what it does differently: it waits for data more than "
-          "{straggler_wait_factor} its run's median, or computes {straggler_compute_factor} "
-          "longer (HTA's straggler analysis). Compare the series below across the run's ranks.",
-          ("run_rank:gputrain_training_data_wait_ratio:rate5m",
-           "run_rank:gputrain_training_compute_seconds:mean5m"),
-          'GpuTrain / Run with all ranks selected: the rank whose "Data wait" or step time '
-          'stands out; then GpuTrain / Node for its node.',
-          "straggler", level="global"),
-    Entry("GpuTrainHostMemoryLeak", "bottleneck", "warning", "30m",
-          "A training process's memory keeps growing.",
-          "Look for tensors kept across steps (losses appended without .item()) and growing "
-          "caches.",
-          "process RSS growing (over 1h and 15m) fast enough to use up the node's available "
-          "memory within {leak_horizon_seconds}",
-          "The training process tree's RSS grows, over the last hour and still over the last "
-          "15 minutes, fast enough to use up the memory the node still has available within "
-          "{leak_horizon_seconds} (seed 002: rising memory may mean a leak). A high but flat "
-          "RSS, or one that grew during warm-up and then levelled off, does not fire.",
-          ("gputrain_training_process_resident_memory_bytes",
-           "gputrain_host_memory_available_bytes"),
-          'GpuTrain / Run, "Training process memory" rising steadily.',
-          "memory-leak", profile=False),
-    Entry("GpuTrainGPUMemoryNearLimit", "health", "warning", "5m",
-          "A GPU's memory is nearly full.",
-          "Use activation checkpointing, AMP, or a smaller micro-batch with gradient "
-          "accumulation.",
-          "GPU memory used > {memory_near_limit} for {for}",
-          "A GPU's memory is over {memory_near_limit} used: the next larger batch or sequence "
-          "will fail.",
-          ("gpu:gputrain_gpu_memory_used:ratio",),
-          'GpuTrain / Node, "GPU memory" (used against total); GpuTrain / Run, "GPU memory '
-          'used" ({memory_near_limit} line).'),
-    Entry("GpuTrainThrottling", "bottleneck", "warning", "10m",
-          "A GPU's clocks are held down by power or temperature.",
-          "Check cooling and the power limit: nvidia-smi -q -d PERFORMANCE.",
-          "power/thermal clock events > {throttle_ratio} of the time for {for}",
-          "Power-cap, thermal or power-brake clock events for more than {throttle_ratio} of "
-          "the time.",
-          ("gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m",
-           "gputrain_gpu_temperature_celsius"),
-          'GpuTrain / Run, "SM clock" and "Throttled time" ({throttle_ratio} line); GpuTrain / '
-          'Node, "Temperature" and "Power".',
-          "throttling", profile=False),
-    Entry("GpuTrainStalled", "bottleneck", "critical", "1m",
-          "A training run stopped making steps while its process lives.",
-          "Look for a hang in a collective, a dead DataLoader worker or a deadlock "
-          "(py-spy dump --pid).",
-          "no step for {stalled_seconds} while the rank still reports",
-          "A rank still reports but made no step for {stalled_seconds}.",
-          ("gputrain_training_last_step_timestamp_seconds",),
-          'GpuTrain / Run, "Samples per second" at zero while the rank is still listed.',
-          "stalled", profile=False),
-    Entry("GpuTrainGPULost", "health", "critical", "1m",
-          "A GPU stopped answering.",
-          "Drain the node; check dmesg for Xid 79.",
-          "`gputrain_gpu_up == 0` for {for}",
-          "NVML says the GPU is lost (fallen off the bus); the exporter retries it every 10 s.",
-          ("gputrain_gpu_up",),
-          'GpuTrain / Node, table "GPU health" (up 0).'),
-    Entry("GpuTrainXidErrors", "health", "critical", "0m",
-          "A GPU reported Xid errors.",
-          "Check the driver log for the Xid's meaning; drain the node if it repeats.",
-          "any Xid error in 10m",
-          "The driver reported Xid errors.",
-          ("gputrain_gpu_xid_errors_total",),
-          'GpuTrain / Node, table "GPU health" (Xid errors in the last hour).'),
-    Entry("GpuTrainGPUMemoryFault", "health", "warning / critical", "0m",
-          "A GPU's memory has a fault: drain it, or reset it when the job ends.",
-          "Critical (an uncorrectable ECC error or a failed row remap): drain the node and "
-          "have the GPU checked. Warning (a row remap or page retirement pending): reset the "
-          "GPU (nvidia-smi -r, or reboot) when the job ends, so the remap takes effect.",
-          "an uncorrectable ECC error in 10m (or found by an exporter started in the last "
-          "10m) or a failed remap (critical); a remap or page retirement pending (warning)",
-          "NVML's row remapper (Ampere and newer) replaces a faulty memory row at the next GPU "
-          "reset: until then the remap is pending, and a failed remap means the GPU cannot "
-          "heal itself. An uncorrectable ECC error can crash the job (Xid 48, 63, 94, 95). "
-          "GPUs before Ampere retire pages instead, also at the next reset.",
-          ("gputrain_gpu_ecc_errors_total", "gputrain_gpu_remapped_rows",
-           "gputrain_gpu_retired_pages_pending"),
-          'GpuTrain / Node, table "GPU health" (uncorrected ECC, remap pending and failed).'),
-    Entry("GpuTrainCollectorFailing", "health", "warning", "10m",
-          "A gputrain-exporter collector fails.",
-          "See the exporter's log; for gpu fix the driver or the container's GPU access "
-          "(NVIDIA_VISIBLE_DEVICES=all).",
-          "a collector failing for {for}",
-          "A collector has failed for {for}; its metrics are missing. For `gpu`, usually no "
-          "driver or no access to `/dev/nvidia*` (see the exporter's log line).",
-          ("gputrain_collector_success",),
-          'GpuTrain / Node: the failing collector\'s panels are empty; '
-          '`gputrain_collector_success` in Prometheus says which.'),
-    Entry("GpuTrainExporterDown", "health", "critical", "5m",
-          "Prometheus cannot scrape a gputrain-exporter.",
-          "Check the service (systemctl status gputrain-exporter) and the network path to "
-          "port 19400.",
-          "`up == 0` for {for}",
-          "Prometheus cannot scrape the exporter: its GPUs and runs are unmonitored.",
-          ("up",),
-          'GpuTrain / Overview: the node\'s runs and GPUs disappear; `up{{job=~"gputrain.*"}}` '
-          'in Prometheus.'),
+    # -- the condition, twice: as PromQL and over a window's readings -----------------------
+
+    def rules(self, q: Q) -> list[dict]:
+        """Its alerting rules, one per severity tier."""
+        raise NotImplementedError
+
+    def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
+        """Why it holds for this rank (a reason in words), or None."""
+        return None
+
+    def holds_gpu(self, g: GpuReading, t: dict[str, float]) -> str | None:
+        """For scope ``gpu`` and ``rank_gpu``: why it holds for this GPU, or None."""
+        return None
+
+    def holds_node(self, n: RankReport, t: dict[str, float]) -> str | None:
+        """For scope ``node``: why it holds on this rank's (or report's) node, or None."""
+        return None
+
+    def finding(self, r: RankReport, t: dict[str, float]) -> str | None:
+        """Why it holds for a rank, whatever its scope, or None."""
+        if self.scope in ("gpu", "rank_gpu"):
+            for g in r.gpus:
+                why = self.holds_gpu(g, t)
+                if why:
+                    return f"GPU {g.gpu}: {why}"
+            return None
+        if self.scope == "node":
+            return self.holds_node(r, t)
+        return self.holds(r, t)
+
+    # -- writing its rules ---------------------------------------------------------------
+
+    def rule(self, q: Q, severity: str, expr: str, situation: str) -> dict:
+        """An alerting rule of this entry; ``situation`` starts its description, the advice
+        ends it."""
+        expr = q.stepping(expr) if self.stepping and self.scope in ("rank", "rank_gpu") \
+            else expr
+        return {
+            "alert": self.alert,
+            "expr": " ".join(expr.split()),
+            "for": q.cfg["for"][self.alert],
+            "labels": {"severity": severity},
+            "annotations": {
+                "summary": self.summary,
+                "description": " ".join(f"{situation} {self.advice}".split()),
+                "runbook_url": f"{q.cfg['runbook_url']}#{self.alert.lower()}",
+            },
+        }
+
+
+def _v(x: float | None, op: str, threshold: float) -> bool:
+    """``x op threshold`` where ``x`` is known."""
+    if x is None:
+        return False
+    return {">=": x >= threshold, "<": x < threshold, ">": x > threshold}[op]
+
+
+# --- faults: the GPU, or the exporter's view of it, is broken ------------------------------
+
+
+class GPULost(Heuristic):
+    alert, verdict, kind, scope = "GpuTrainGPULost", "gpu-lost", "fault", "gpu"
+    severity, for_ = "critical", "1m"
+    summary = "A GPU stopped answering."
+    advice = "Drain the node; check dmesg for Xid 79."
+    fires_when = "`gputrain_gpu_up == 0` for {for}"
+    why = ("NVML says the GPU is lost (fallen off the bus); the exporter retries it every "
+           "{lost_gpu_retry}.")
+    confirm = ("gputrain_gpu_up",)
+    panel = 'GpuTrain / Node, table "GPU health" (up 0).'
+
+    def derived(self, t: dict[str, float]) -> dict[str, float]:
+        return {"lost_gpu_retry": LOST_GPU_RETRY_SECONDS}
+
+    def rules(self, q: Q) -> list[dict]:
+        return [self.rule(q, "critical", q.metric("gputrain_gpu_up") + " == 0",
+                          f"""GPU {{{{ $labels.gpu }}}} ({{{{ $labels.uuid }}}}) on {q.where}
+                          does not answer NVML (fallen off the bus).""")]
+
+    def holds_gpu(self, g: GpuReading, t: dict[str, float]) -> str | None:
+        return "lost: it does not answer NVML" if g.up is False else None
+
+
+class XidErrors(Heuristic):
+    alert, verdict, kind, scope = "GpuTrainXidErrors", "xid-errors", "fault", "gpu"
+    severity, for_ = "critical", "0m"
+    summary = "A GPU reported Xid errors."
+    advice = "Check the driver log for the Xid's meaning; drain the node if it repeats."
+    fires_when = "any Xid error in {fault_window}"
+    why = "The driver reported Xid errors."
+    confirm = ("gputrain_gpu_xid_errors_total",)
+    panel = 'GpuTrain / Node, table "GPU health" (Xid errors in the last hour).'
+
+    def rules(self, q: Q) -> list[dict]:
+        return [self.rule(
+            q, "critical", f"increase({q.metric('gputrain_gpu_xid_errors_total')}[{q.fault}]) > 0",
+            f"""{q.node_gpu} reported Xid {{{{ $labels.xid }}}} {{{{ $value | printf "%.0f" }}}}
+            time(s) in {q.fault}.""")]
+
+    def holds_gpu(self, g: GpuReading, t: dict[str, float]) -> str | None:
+        if g.xid_errors:
+            return f"{g.xid_errors:.0f} Xid error(s) in {WINDOWS['fault']}"
+        return None
+
+
+class GPUMemoryFault(Heuristic):
+    alert, verdict, kind, scope = "GpuTrainGPUMemoryFault", "gpu-memory-fault", "fault", "gpu"
+    severity, for_ = "warning / critical", "0m"
+    summary = "A GPU's memory has a fault: drain it, or reset it when the job ends."
+    advice = ("Critical (an uncorrectable ECC error or a failed row remap): drain the node and "
+              "have the GPU checked. Warning (a row remap or page retirement pending): reset "
+              "the GPU (nvidia-smi -r, or reboot) when the job ends, so the remap takes "
+              "effect.")
+    fires_when = ("an uncorrectable ECC error in {fault_window} (or found by an exporter "
+                  "started in the last {fault_window}) or a failed remap (critical); a remap "
+                  "or page retirement pending (warning)")
+    why = ("NVML's row remapper (Ampere and newer) replaces a faulty memory row at the next GPU "
+           "reset: until then the remap is pending, and a failed remap means the GPU cannot "
+           "heal itself. An uncorrectable ECC error can crash the job (Xid 48, 63, 94, 95). "
+           "GPUs before Ampere retire pages instead, also at the next reset.")
+    confirm = ("gputrain_gpu_ecc_errors_total", "gputrain_gpu_remapped_rows",
+               "gputrain_gpu_retired_pages_pending")
+    panel = ('GpuTrain / Node, table "GPU health" (uncorrected ECC, remap pending and '
+             'failed).')
+
+    def rules(self, q: Q) -> list[dict]:
+        # new uncorrectable errors, and those since the driver loaded that an exporter
+        # (re)started in the fault window finds (a counter's first sample is no increase)
+        ecc = q.metric("gputrain_gpu_ecc_errors_total", 'type="uncorrected"')
+        return [
+            self.rule(q, "critical", f"""increase({ecc}[{q.fault}]) > 0
+                      or ({ecc} > 0 unless {ecc} offset {q.fault})
+                      or {q.metric("gputrain_gpu_remapped_rows", 'state="failed"')} > 0""",
+                      f"{q.node_gpu} has an uncorrectable memory error or a failed row remap."),
+            self.rule(q, "warning", f"""{q.metric("gputrain_gpu_remapped_rows",
+                                                  'state="pending"')} > 0
+                      or {q.metric("gputrain_gpu_retired_pages_pending")} > 0""",
+                      f"""{q.node_gpu} has a memory row remap (or page retirement) waiting for
+                      a GPU reset.""")]
+
+    def holds_gpu(self, g: GpuReading, t: dict[str, float]) -> str | None:
+        if g.ecc_uncorrected:
+            return f"{g.ecc_uncorrected:.0f} uncorrectable ECC error(s)"
+        if g.remap_failed:
+            return "a memory row remap failed"
+        if g.remap_pending:
+            return "a memory row remap (or page retirement) waits for a GPU reset"
+        return None
+
+    @staticmethod
+    def severity_of(g: GpuReading) -> str:
+        """critical or warning, as the two rules split them."""
+        return "critical" if g.ecc_uncorrected or g.remap_failed else "warning"
+
+
+class CollectorFailing(Heuristic):
+    alert, verdict, kind, scope = ("GpuTrainCollectorFailing", "collector-failing", "fault",
+                                   "node")
+    severity, for_ = "warning", "10m"
+    summary = "A gputrain-exporter collector fails."
+    advice = ("See the exporter's log; for gpu fix the driver or the container's GPU access "
+              "(NVIDIA_VISIBLE_DEVICES=all).")
+    fires_when = "a collector failing for {for}"
+    why = ("A collector has failed for {for}; its metrics are missing. For `gpu`, usually no "
+           "driver or no access to `/dev/nvidia*` (see the exporter's log line).")
+    confirm = ("gputrain_collector_success",)
+    panel = ('GpuTrain / Node: the failing collector\'s panels are empty; '
+             '`gputrain_collector_success` in Prometheus says which.')
+
+    def rules(self, q: Q) -> list[dict]:
+        return [self.rule(q, "warning", q.metric("gputrain_collector_success") + " == 0",
+                          f"""The {{{{ $labels.collector }}}} collector on {q.where} has failed
+                          for a while; its metrics are missing.""")]
+
+    def holds_node(self, n: RankReport, t: dict[str, float]) -> str | None:
+        failing = n.collectors_failing
+        if len(failing) == 1:
+            return f"the {failing[0]} collector fails: its readings are missing"
+        if failing:
+            return f"the {', '.join(failing)} collectors fail: their readings are missing"
+        return None
+
+
+# --- the pipeline, from its input to its output: the first that holds is the verdict -------
+
+
+class Stalled(Heuristic):
+    alert, verdict = "GpuTrainStalled", "stalled"
+    severity, for_ = "critical", "1m"
+    summary = "A training run stopped making steps while its process lives."
+    advice = ("Look for a hang in a collective, a dead DataLoader worker or a deadlock "
+              "(py-spy dump --pid).")
+    fires_when = "no step for {stalled_seconds} while the rank still reports"
+    why = ("A rank still reports but made no step for {stalled_seconds}. Nothing else is said "
+           "of a stalled rank: with no step, no tuning advice holds.")
+    confirm = ("gputrain_training_last_step_timestamp_seconds",)
+    panel = 'GpuTrain / Run, "Samples per second" at zero while the rank is still listed.'
+    profile, stepping = False, False
+    thresholds = {"stalled_seconds": Threshold(600, "seconds", "no step for 10 minutes")}
+
+    def rules(self, q: Q) -> list[dict]:
+        return [self.rule(q, "critical", f"""time() -
+                          {q.metric("gputrain_training_last_step_timestamp_seconds")} >
+                          {q.t['stalled_seconds']}""",
+                          f"""{q.who} made no step for {{{{ $value | humanizeDuration }}}}
+                          although it still reports.""")]
+
+    def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
+        if _v(r.seconds_since_step, ">", t["stalled_seconds"]):
+            return f"no step for {r.seconds_since_step:.0f} s"
+        return None
+
+
+class GPUShared(Heuristic):
+    alert, verdict, scope = "GpuTrainGPUShared", "gpu-shared", "rank_gpu"
+    severity, for_ = "warning", "10m"
+    summary = "A GPU a run uses is busy with processes that are not the run's."
+    advice = ("Find the other process: the GPU's row on the status page (its shares), "
+              "`nvidia-smi` on the node, or its pod or job (gputrain_gpu_pod_info, "
+              "gputrain_gpu_job_info). Move one of the jobs, or give each its own GPU (exclusive "
+              "compute mode, MIG, the scheduler's GPU allocation).")
+    fires_when = ("a GPU the run uses spends >= {gpu_foreign_busy} of its time busy with "
+                  "processes no rank of the run owns, for {for}")
+    why = ("The GPU's SMs were busy at least {gpu_foreign_busy} of the time with processes that "
+           "no rank of the run owns: another job time-sliced onto it, a notebook, a process "
+           "without the client (NVML's per-process utilisation, joined to the ranks by their "
+           "process trees). Every step the run takes waits its turn. A run's own MFU and GPU "
+           "busy still divide by the whole GPU.")
+    confirm = ("run_gpu:gputrain_gpu_foreign_busy:ratio_rate5m",
+               "run_gpu:gputrain_training_gpu_busy:ratio_rate5m",
+               "gpu:gputrain_gpu_unattributed_busy:ratio_rate5m")
+    panel = 'GpuTrain / Overview, "GPU shares by run" (the unattributed band and the other runs).'
+    profile, stepping = False, False  # its rule checks the run steps, on the run's labels
+    thresholds = {"gpu_foreign_busy": Threshold(
+        0.1, "ratio", "time-slicing shares one GPU between processes (dcgm-exporter issue #307: "
+                      "per-process GPU use, its most asked-for feature)")}
+
+    def rules(self, q: Q) -> list[dict]:
+        run = q.run
+        return [self.rule(q, "warning", f"""run_gpu:gputrain_gpu_foreign_busy:ratio_rate5m >= {q.t['gpu_foreign_busy']}
+            and on ({run}) (sum by ({run}) ({q.steps}) > 0)""",
+            f"""GPU {{{{ $labels.gpu }}}} on {q.where}, used by run {{{{ $labels.run }}}}, was busy
+            {{{{ $value | humanizePercentage }}}} of the time with processes no rank of the run
+            owns.""")]
+
+    def holds_gpu(self, g: GpuReading, t: dict[str, float]) -> str | None:
+        if _v(g.foreign, ">=", t["gpu_foreign_busy"]):
+            return f"busy {percent(g.foreign)} of the time with processes not this run's"
+        return None
+
+
+class CPUPreprocessingBound(Heuristic):
+    alert, verdict = "GpuTrainCPUPreprocessingBound", "cpu-preprocessing"
+    severity, for_ = "warning", "10m"
+    summary = "A training run is input-bound because the CPUs are saturated."
+    advice = ("Move augmentation to the GPU (DALI, GPU transforms), pre-process offline, or get "
+              "more cores.")
+    fires_when = "input-bound and host CPU busy >= {cpu_saturated}"
+    why = ("Input-bound while the node's CPUs are at least {cpu_saturated} busy: preprocessing "
+           "cannot keep up (in a TensorFlow performance study's preprocessing case, CPU use "
+           "rose from 66 % to 96 %, the GPU stayed under 36 % busy, 25 samples/s).")
+    confirm = ("instance:gputrain_host_cpu_busy:ratio_rate5m",)
+    panel = ('GpuTrain / Run, "Data wait" and the node\'s "CPU by mode" (user + system near '
+             '100 %), "Training processes" (the cores the DataLoader workers use).')
+    thresholds = {"cpu_saturated": Threshold(
+        0.9, "ratio", "a TensorFlow performance study, preprocessing case (CPU 66 % -> 96 %)")}
+
+    def rules(self, q: Q) -> list[dict]:
+        return [self.rule(q, "warning", f"""({q.wait} >= {q.t['input_bound']}) and on ({q.node})
+                          (instance:gputrain_host_cpu_busy:ratio_rate5m >= {q.t['cpu_saturated']})""",
+                          f"""{q.who} waits {{{{ $value | humanizePercentage }}}} of each step for
+                          data while the node's CPUs are {q.t['cpu_saturated']} or more busy:
+                          preprocessing is the bottleneck.""")]
+
+    def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
+        cpu = r.host.get("cpu_busy")
+        if _v(r.data_wait_ratio, ">=", t["input_bound"]) and _v(cpu, ">=", t["cpu_saturated"]):
+            return f"data wait {percent(r.data_wait_ratio)} of each step, CPUs {percent(cpu)} busy"
+        return None
+
+
+class DiskIOBound(Heuristic):
+    alert, verdict = "GpuTrainDiskIOBound", "disk-io"
+    severity, for_ = "warning", "10m"
+    summary = "A training run is input-bound on disk I/O."
+    advice = ("Cache the data set in memory or on local NVMe, use larger sequential reads or "
+              "more reader threads.")
+    fires_when = ("input-bound, iowait >= {iowait_high} or a disk busy >= {disk_busy_high}, CPU "
+                  "not saturated")
+    why = ("Input-bound while the CPUs wait on I/O (iowait >= {iowait_high}) or a disk is "
+           "{disk_busy_high} busy, and the CPUs are not saturated (a profiling guide's sign of a "
+           "disk bottleneck: high disk I/O with low CPU use, in iostat and iotop).")
+    confirm = ("instance:gputrain_host_cpu_iowait:ratio_rate5m",
+               "instance:gputrain_host_disk_busy:max_rate5m")
+    panel = ('GpuTrain / Run, "CPU by mode" (iowait band) and "Disk I/O"; GpuTrain / Node, '
+             '"Disk busy" ({disk_busy_high} line).')
+    thresholds = {
+        "iowait_high": Threshold(0.2, "ratio", "a profiling guide: high disk I/O with low CPU "
+                                               "use"),
+        "disk_busy_high": Threshold(0.9, "ratio", "a profiling guide: a disk near saturation "
+                                                  "(iostat %util)")}
+
+    def rules(self, q: Q) -> list[dict]:
+        t = q.t
+        return [self.rule(q, "warning", f"""({q.wait} >= {t['input_bound']})
+            and on ({q.node}) (instance:gputrain_host_cpu_iowait:ratio_rate5m >= {t['iowait_high']}
+                 or instance:gputrain_host_disk_busy:max_rate5m >= {t['disk_busy_high']})
+            and on ({q.node}) (instance:gputrain_host_cpu_busy:ratio_rate5m < {t['cpu_saturated']})""",
+            f"""{q.who} waits {{{{ $value | humanizePercentage }}}} of each step for data while
+            the node waits on its disks (iowait >= {t['iowait_high']} or a disk busy >=
+            {t['disk_busy_high']}) and the CPUs are not saturated.""")]
+
+    def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
+        iowait, disk, cpu = (r.host.get(k) for k in ("iowait", "disk_busy", "cpu_busy"))
+        if _v(r.data_wait_ratio, ">=", t["input_bound"]) and _v(cpu, "<", t["cpu_saturated"]) \
+                and (_v(iowait, ">=", t["iowait_high"]) or _v(disk, ">=", t["disk_busy_high"])):
+            return (f"data wait {percent(r.data_wait_ratio)} of each step, iowait "
+                    f"{percent(iowait)}, busiest disk {percent(disk)}")
+        return None
+
+
+class NetworkInputBound(Heuristic):
+    alert, verdict = "GpuTrainNetworkInputBound", "network-input"
+    severity, for_ = "warning", "10m"
+    summary = "A training run is input-bound on network input."
+    advice = "Compress or shrink the raw data, stream it, or use a node with more bandwidth."
+    fires_when = "input-bound and a NIC receiving >= {network_saturated} of its speed"
+    why = ("Input-bound while a network interface receives at {network_saturated} or more of "
+           "its speed (in a TensorFlow performance study's network case, 77.8 % of the step "
+           "time went to waiting for data, 22 samples/s).")
+    confirm = ("instance:gputrain_host_network_receive_link_used:max_ratio_rate5m",)
+    panel = ('GpuTrain / Run, "Network receive against link speed" ({network_saturated} line). '
+             'A NIC whose driver reports no speed needs `--host.netdev-speed`.')
+    thresholds = {"network_saturated": Threshold(
+        0.8, "ratio", "a TensorFlow performance study, network case: of the link speed")}
+
+    def rules(self, q: Q) -> list[dict]:
+        return [self.rule(q, "warning", f"""({q.wait} >= {q.t['input_bound']}) and on ({q.node})
+            (instance:gputrain_host_network_receive_link_used:max_ratio_rate5m >=
+            {q.t['network_saturated']})""",
+            f"""{q.who} waits {{{{ $value | humanizePercentage }}}} of each step for data while a
+            network interface receives at {q.t['network_saturated']} or more of its speed.""")]
+
+    def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
+        net = r.host.get("network_rx_used")
+        if _v(r.data_wait_ratio, ">=", t["input_bound"]) and \
+                _v(net, ">=", t["network_saturated"]):
+            return (f"data wait {percent(r.data_wait_ratio)} of each step, network receive at "
+                    f"{percent(net)} of the link")
+        return None
+
+
+class InputBound(Heuristic):
+    alert, verdict = "GpuTrainInputBound", "input-bound"
+    severity, for_ = "info / warning", "10m"
+    summary = "A training run waits on its data loader."
+    advice = ("Use more DataLoader workers (num_workers), pin_memory=True and prefetching, or "
+              "cache or pre-process the data set offline (DALI).")
+    fires_when = "data-wait ratio >= {input_bound} / >= {input_bound_high} for {for}"
+    why = ("The run spends {input_bound} (info) or {input_bound_high} (warning) of each step "
+           "blocked fetching its next batch (the TensorFlow profiler's input-pipeline "
+           "thresholds), with CPU, disk and network to spare. A PyTorch tuning walk-through "
+           "went from 31.65 % to 97.51 % GPU use mostly through this. The info tier covers "
+           "the warning's range, so a ratio hovering at {input_bound_high} keeps alerting.")
+    confirm = ("run_rank:gputrain_training_data_wait_ratio:rate5m",)
+    panel = 'GpuTrain / Run, panel "Data wait" ({input_bound} and {input_bound_high} lines).'
+    thresholds = {
+        "input_bound": Threshold(0.05, "ratio", "TensorFlow Profiler's input-pipeline "
+                                                "analysis: moderately input-bound"),
+        "input_bound_high": Threshold(0.20, "ratio", "TensorFlow Profiler's input-pipeline "
+                                                     "analysis: highly input-bound")}
+
+    def rules(self, q: Q) -> list[dict]:
+        t = q.t
+        return [
+            self.rule(q, "info", f"{q.wait} >= {t['input_bound']}",
+                      f"""{q.who} spends {{{{ $value | humanizePercentage }}}} of each step
+                      waiting for the data loader (moderately input-bound at
+                      {t['input_bound']})."""),
+            self.rule(q, "warning", f"{q.wait} >= {t['input_bound_high']}",
+                      f"""{q.who} spends {{{{ $value | humanizePercentage }}}} of each step
+                      waiting for the data loader (highly input-bound at
+                      {t['input_bound_high']}).""")]
+
+    def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
+        if _v(r.data_wait_ratio, ">=", t["input_bound"]):
+            return f"data wait {percent(r.data_wait_ratio)} of each step"
+        return None
+
+
+class DataLoaderRestarts(Heuristic):
+    alert, verdict = "GpuTrainDataLoaderRestarts", "loader-restarts"
+    severity, for_ = "info", "15m"
+    summary = "A training run loses time starting its DataLoader workers, epoch after epoch."
+    advice = ("Keep the workers across epochs: DataLoader(..., persistent_workers=True), and a "
+              "lighter worker start (no heavy imports or dataset copies in each worker).")
+    fires_when = "DataLoader start-up > {loader_start_share} of the wall time for {for}"
+    why = ("Starting the DataLoader's workers (the phase `dataloader_start`, `iter(loader)`, "
+           "which the client keeps outside the steps) takes more than {loader_start_share} of "
+           "the rank's wall time: without persistent_workers, PyTorch starts every worker "
+           "again each epoch, and short epochs pay it often.")
+    confirm = ('run_rank_cause:gputrain_training_badput:ratio_rate5m{cause="dataloader_start"}',)
+    panel = 'GpuTrain / Run, "Goodput and badput": the `dataloader_start` band.'
+    thresholds = {"loader_start_share": Threshold(
+        0.05, "ratio", "PyTorch's DataLoader: persistent_workers keeps workers across epochs")}
+
+    def rules(self, q: Q) -> list[dict]:
+        # the badput share of the cause dataloader_start, written out: a recorded series is
+        # never selected with matchers here, so the rule can be inlined (diagnose, replays)
+        start = q.metric("gputrain_training_phase_seconds_total", 'phase="dataloader_start"')
+        return [self.rule(q, "info", f"""sum by ({q.rank}) (rate({start}[{WINDOWS['rate']}]))
+            / run_rank:gputrain_training_accounted_seconds:rate5m > {q.t['loader_start_share']}""",
+            f"""{q.who} spends {{{{ $value | humanizePercentage }}}} of its wall time starting
+            DataLoader workers.""")]
+
+    def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
+        share = r.badput.get("dataloader_start")
+        if _v(share, ">", t["loader_start_share"]):
+            return f"DataLoader start-up takes {percent(share)} of the wall time"
+        return None
+
+
+class HostToDeviceBound(Heuristic):
+    alert, verdict, scope = "GpuTrainHostToDeviceBound", "host-to-device", "rank_gpu"
+    severity, for_ = "warning", "10m"
+    summary = "Host-to-device copies saturate the PCIe link and the GPU waits."
+    advice = ("Send uint8 and normalise on the GPU (4x less data), use pin_memory with "
+              "non_blocking copies, defer one_hot and casts to the GPU.")
+    fires_when = "PCIe RX >= {pcie_rx_high} of the link and GPU busy < {h2d_gpu_busy_below}"
+    why = ("The GPU receives at least {pcie_rx_high} of its PCIe link's capacity while busy "
+           "less than {h2d_gpu_busy_below} (a TensorFlow performance study's host-to-device "
+           "case; sending uint8 is a PyTorch tuning walk-through's 4th step).")
+    confirm = ("run_rank_gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m",)
+    panel = ('GpuTrain / Run, "PCIe host-to-device against the link" ({pcie_rx_high} line) '
+             'beside "GPU busy".')
+    thresholds = {
+        "pcie_rx_high": Threshold(0.5, "ratio", "a TensorFlow performance study, host-to-device "
+                                                "case: of the PCIe link"),
+        "h2d_gpu_busy_below": Threshold(0.8, "ratio", "a TensorFlow performance study, "
+                                                      "host-to-device case")}
+
+    def rules(self, q: Q) -> list[dict]:
+        return [self.rule(q, "warning", f"""run_rank_gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m
+            >= {q.t['pcie_rx_high']} and on ({q.rank}, gpu, uuid) {q.busy} <
+            {q.t['h2d_gpu_busy_below']}""",
+            f"""{q.gpu_who} receives {{{{ $value | humanizePercentage }}}} of its PCIe link's
+            capacity while busy less than {q.t['h2d_gpu_busy_below']}.""")]
+
+    def holds_gpu(self, g: GpuReading, t: dict[str, float]) -> str | None:
+        if _v(g.pcie_rx_used, ">=", t["pcie_rx_high"]) and \
+                _v(g.busy, "<", t["h2d_gpu_busy_below"]):
+            return f"PCIe RX at {percent(g.pcie_rx_used)} of the link, busy {percent(g.busy)}"
+        return None
+
+
+class HostOverheadBound(Heuristic):
+    alert, verdict = "GpuTrainHostOverheadBound", "host-overhead"
+    severity, for_ = "warning", "10m"
+    summary = "A training run's GPUs idle on host-side work, not on data."
+    advice = ("Move post-processing to a background thread, do it every N steps, keep metrics "
+              "on the GPU, avoid .item() or other synchronisation in every step.")
+    fires_when = ("GPU busy < {gpu_busy_low} with data wait < {input_bound}, or a phase of the "
+                  "step (not evaluation, checkpoint, start-up) > {phase_dominates} the rest of "
+                  "it")
+    why = ("The GPUs idle although the run barely waits for data, or a phase of the step "
+           "(callbacks, logging) takes more than {phase_dominates} the rest of it, that is "
+           "over {phase_share} of the step (a TensorFlow performance study's post-processing "
+           "case: GPU 46 % busy, 43 samples/s; Keras warns of a callback slow against the "
+           "batch at 1.0x). Evaluation, checkpoint saves and DataLoader start-up are not part "
+           "of any step and never count here.")
+    confirm = ("run_rank:gputrain_training_step_phase_ratio:max_rate5m",
+               "run_rank_phase:gputrain_training_phase_ratio:rate5m")
+    panel = ('GpuTrain / Run, "Phases" ({phase_share} line) and "Data wait" low while "GPU '
+             'busy" is low.')
+    thresholds = {"phase_dominates": Threshold(
+        1.0, "factor", "Keras: a callback slow compared to the batch time")}
+
+    def derived(self, t: dict[str, float]) -> dict[str, float]:
+        # a phase more than k times the rest of its step is over k / (1 + k) of the step
+        return {"phase_share": t["phase_dominates"] / (1 + t["phase_dominates"])}
+
+    def rules(self, q: Q) -> list[dict]:
+        t, share = q.t, self.derived(q.t)["phase_share"]
+        return [self.rule(q, "warning", f"""({q.rank_busy} < {t['gpu_busy_low']}
+              and on ({q.rank}) {q.wait} < {t['input_bound']})
+            or on ({q.rank}) (run_rank:gputrain_training_step_phase_ratio:max_rate5m > {share:g})""",
+            f"""{q.who}: its GPUs are idle although it barely waits for data, or a phase of the
+            step (callbacks, logging) takes more than {t['phase_dominates']}x the rest of
+            it.""")]
+
+    def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
+        in_step = {p: v for p, v in r.phases.items() if p not in OUTSIDE_STEP_PHASES}
+        heavy = max(in_step.items(), key=lambda kv: kv[1], default=None)
+        if heavy is not None and heavy[1] > self.derived(t)["phase_share"]:
+            return f"phase '{heavy[0]}' takes {percent(heavy[1])} of each step"
+        busy = _mean_busy(r)
+        if _v(busy, "<", t["gpu_busy_low"]) and _v(r.data_wait_ratio, "<", t["input_bound"]):
+            return f"GPU busy {percent(busy)}, data wait only {percent(r.data_wait_ratio)}"
+        return None
+
+
+class LaunchBound(Heuristic):
+    alert, verdict, scope = "GpuTrainLaunchBound", "launch-bound", "rank_gpu"
+    severity, for_ = "info", "15m"
+    summary = "A GPU is busy but does little work: kernels are too small."
+    advice = "Use a larger batch, CUDA graphs or torch.compile, and fuse small ops."
+    fires_when = ("busy >= {launch_busy_above} but power < {launch_power_below} of the limit or "
+                  "SM active < {launch_sm_active_below}, {for}")
+    why = ("The GPU is busy at least {launch_busy_above} of the time but draws under "
+           "{launch_power_below} of its power limit, or its SMs are under "
+           "{launch_sm_active_below} active: many small kernels (low power means idle SMs, as "
+           "nvidia-smi shows them; a TensorFlow performance study's small-batch case spent "
+           "half its step launching kernels). torch.compile gave a PyTorch tuning walk-through "
+           "+32 %.")
+    confirm = ("run_rank_gpu:gputrain_gpu_power_limit_used:ratio_avg5m",
+               "run_rank_gpu:gputrain_gpu_sm_active_ratio:avg5m")
+    panel = ('GpuTrain / Run, "Power against the limit" ({launch_power_below} line) and "SM and '
+             'tensor activity" ({launch_sm_active_below} line) while "GPU busy" is high.')
+    thresholds = {
+        "launch_busy_above": Threshold(0.8, "ratio", "profiling guides: busy but low power"),
+        "launch_power_below": Threshold(0.4, "ratio", "profiling guides: low power means idle "
+                                                      "SMs; of the enforced limit"),
+        "launch_sm_active_below": Threshold(0.3, "ratio", "GPM SM activity")}
+
+    def rules(self, q: Q) -> list[dict]:
+        t = q.t
+        return [self.rule(q, "info", f"""{q.busy} >= {t['launch_busy_above']}
+            and on ({q.rank}, gpu, uuid)
+            (run_rank_gpu:gputrain_gpu_power_limit_used:ratio_avg5m < {t['launch_power_below']}
+             or run_rank_gpu:gputrain_gpu_sm_active_ratio:avg5m < {t['launch_sm_active_below']})""",
+            f"""{q.gpu_who} is busy {{{{ $value | humanizePercentage }}}} of the time but draws
+            less than {t['launch_power_below']} of its power limit (or its SMs are less than
+            {t['launch_sm_active_below']} active).""")]
+
+    def holds_gpu(self, g: GpuReading, t: dict[str, float]) -> str | None:
+        if _v(g.busy, ">=", t["launch_busy_above"]) and (
+                _v(g.power_used, "<", t["launch_power_below"])
+                or _v(g.sm_active, "<", t["launch_sm_active_below"])):
+            return (f"busy {percent(g.busy)} but power {percent(g.power_used)} of the limit, "
+                    f"SM active {percent(g.sm_active)}")
+        return None
+
+
+class TensorCoresIdle(Heuristic):
+    alert, verdict, scope = "GpuTrainTensorCoresIdle", "tensor-cores-idle", "rank_gpu"
+    severity, for_ = "info", "15m"
+    summary = "A busy GPU never uses its tensor cores."
+    advice = ("Train with automatic mixed precision (torch.autocast) or bf16 so the tensor "
+              "cores do the matrix work.")
+    fires_when = ("SM active >= {tensor_sm_active_above} and tensor active < "
+                  "{tensor_active_below}, {for}")
+    why = ("SMs at least {tensor_sm_active_above} active but tensor cores under "
+           "{tensor_active_below} (GPM, Hopper and newer). Automatic mixed precision gave a "
+           "PyTorch tuning walk-through +50 % throughput.")
+    confirm = ("run_rank_gpu:gputrain_gpu_tensor_active_ratio:avg5m",)
+    panel = 'GpuTrain / Run, "SM and tensor activity": the tensor series flat at zero.'
+    thresholds = {
+        "tensor_sm_active_above": Threshold(0.5, "ratio", "a PyTorch tuning walk-through, "
+                                                          "mixed precision step"),
+        "tensor_active_below": Threshold(0.01, "ratio", "a PyTorch tuning walk-through: 0 % "
+                                                        "tensor-core use before AMP")}
+
+    def rules(self, q: Q) -> list[dict]:
+        t = q.t
+        return [self.rule(q, "info", f"""run_rank_gpu:gputrain_gpu_sm_active_ratio:avg5m >=
+            {t['tensor_sm_active_above']} and on ({q.rank}, gpu, uuid)
+            run_rank_gpu:gputrain_gpu_tensor_active_ratio:avg5m < {t['tensor_active_below']}""",
+            f"""{q.gpu_who} has its SMs {{{{ $value | humanizePercentage }}}} active but its
+            tensor cores below {t['tensor_active_below']}.""")]
+
+    def holds_gpu(self, g: GpuReading, t: dict[str, float]) -> str | None:
+        if _v(g.sm_active, ">=", t["tensor_sm_active_above"]) and \
+                _v(g.tensor_active, "<", t["tensor_active_below"]):
+            return f"SM active {percent(g.sm_active)}, tensor active {percent(g.tensor_active)}"
+        return None
+
+
+class LowMFU(Heuristic):
+    alert, verdict = "GpuTrainLowMFU", "low-mfu"
+    severity, for_ = "info", "15m"
+    summary = "A busy GPU does little useful math: low model FLOPs utilisation."
+    advice = ("Train in bf16 or with AMP (torch.autocast), raise the batch size, torch.compile "
+              "the model, use fused kernels (FlashAttention, fused optimizers) and fewer small "
+              "ops.")
+    fires_when = ("busy >= {mfu_busy_above} and MFU < {mfu_low}, where the client reports "
+                  "FLOPs, {for}")
+    why = ("The rank's GPUs are busy at least {mfu_busy_above} of the time, yet its model's "
+           "FLOPs per second are under {mfu_low} of their dense peak at the precision it "
+           "trains in: the kernels run, but slowly (small or unfused ops, FP32 where bf16 "
+           "would do, memory-bound work). torchtitan reaches 33-39 % for Llama 3.1 8B on "
+           "H100s; a PyTorch tuning walk-through gained 50 % from AMP and 32 % from "
+           "torch.compile. Only ranks that report FLOPs (flops_per_sample) on GPUs whose peak "
+           "is known are judged.")
+    confirm = ("run_rank:gputrain_training_mfu:ratio_rate5m",
+               "run_rank:gputrain_gpu_busy_ratio:avg5m")
+    panel = ('GpuTrain / Run, "Model FLOPs utilisation" ({mfu_low} line) beside "SM and tensor '
+             'activity".')
+    thresholds = {
+        "mfu_busy_above": Threshold(0.9, "ratio", "a GPU busy enough that its work, not its "
+                                                  "feeding, is the question"),
+        "mfu_low": Threshold(0.2, "ratio", "torchtitan: 33-39 % MFU for Llama 3.1 8B on H100 "
+                                           "(bf16, against the 989 TFLOP/s dense peak)")}
+
+    def rules(self, q: Q) -> list[dict]:
+        t = q.t
+        return [self.rule(q, "info", f"""run_rank:gputrain_training_mfu:ratio_rate5m < {t['mfu_low']}
+            and on ({q.rank}) {q.rank_busy} >= {t['mfu_busy_above']}""",
+            f"""{q.who} reaches {{{{ $value | humanizePercentage }}}} model FLOPs utilisation
+            (under {t['mfu_low']}) while its GPUs are busy {t['mfu_busy_above']} or more of the
+            time.""")]
+
+    def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
+        busy = _mean_busy(r)
+        if _v(r.mfu, "<", t["mfu_low"]) and _v(busy, ">=", t["mfu_busy_above"]):
+            return f"MFU {percent(r.mfu)} while the GPUs are busy {percent(busy)}"
+        return None
+
+
+class GPUMemoryUnderused(Heuristic):
+    alert, verdict, scope = "GpuTrainGPUMemoryUnderused", "small-batch", "rank_gpu"
+    severity, for_ = "info", "30m"
+    summary = "A training run uses little of its GPU's memory: the batch may be too small."
+    advice = "Raise the batch size (and re-tune the learning rate)."
+    fires_when = "GPU memory used < {memory_underused} for {for}"
+    why = ("The run uses less than {memory_underused} of its GPU's memory (a PyTorch tuning "
+           "walk-through: under 1 GB of 16 GB; a TensorFlow performance study's small-batch "
+           "case: 23 %). The walk-through went from 1200 to 1584 samples/s with a larger "
+           "batch.")
+    confirm = ("run_rank_gpu:gputrain_gpu_memory_used:ratio",)
+    panel = 'GpuTrain / Run, "GPU memory used" ({memory_underused} line).'
+    thresholds = {"memory_underused": Threshold(
+        0.25, "ratio", "a PyTorch tuning walk-through: under 1 GB of 16 GB")}
+
+    def rules(self, q: Q) -> list[dict]:
+        return [self.rule(q, "info", f"run_rank_gpu:gputrain_gpu_memory_used:ratio < "
+                                     f"{q.t['memory_underused']}",
+                          f"""{q.gpu_who} uses {{{{ $value | humanizePercentage }}}} of its
+                          memory (threshold {q.t['memory_underused']}).""")]
+
+    def holds_gpu(self, g: GpuReading, t: dict[str, float]) -> str | None:
+        if _v(g.memory_used, "<", t["memory_underused"]):
+            return f"{percent(g.memory_used)} of its memory used"
+        return None
+
+
+class StepTimeStalls(Heuristic):
+    alert, verdict = "GpuTrainStepTimeStalls", "step-time-stalls"
+    severity, for_ = "info", "15m"
+    summary = "A training run stalls periodically."
+    advice = "Checkpoint asynchronously or less often, write to local disk and upload later."
+    fires_when = ("p99 step time > {stall_p99_over_p50} the median over {quantile_window}, or "
+                  "checkpoint saves > {checkpoint_share} of the step time")
+    why = ("The p99 step time is more than {stall_p99_over_p50} the median over "
+           "{quantile_window}, or checkpoint saves (the phase `checkpoint`, which the client "
+           "keeps out of step time) take more than {checkpoint_share} of the step time: "
+           "periodic stalls, usually checkpoints (a TensorFlow performance study: even "
+           "periodic bottlenecks hurt the average).")
+    confirm = ("run_rank:gputrain_training_step_seconds:p99_30m",
+               "run_rank:gputrain_training_checkpoint_ratio:rate5m")
+    panel = ('GpuTrain / Run, "Step time": the max far above p50, in periodic spikes; "Phases" '
+             'shows `checkpoint` if the client marks it.')
+    thresholds = {
+        "stall_p99_over_p50": Threshold(5.0, "factor", "a TensorFlow performance study: "
+                                                       "periodic stalls hurt the average"),
+        "checkpoint_share": Threshold(0.1, "ratio", "checkpoint saves, a phase outside the "
+                                                    "steps")}
+
+    def rules(self, q: Q) -> list[dict]:
+        t = q.t
+        return [self.rule(q, "info", f"""run_rank:gputrain_training_step_seconds:p99_30m
+            > {t['stall_p99_over_p50']} * run_rank:gputrain_training_step_seconds:p50_30m
+            or on ({q.rank}) (run_rank:gputrain_training_checkpoint_ratio:rate5m
+              > {t['checkpoint_share']})""",
+            f"""{q.who}: the p99 step time is more than {t['stall_p99_over_p50']}x the median
+            over {WINDOWS['quantile']}, or checkpoint saves take more than
+            {t['checkpoint_share']} of the step time ({{{{ $value | printf "%.3g" }}}}).""")]
+
+    def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
+        p50, p99 = r.step_p50_seconds, r.step_p99_seconds
+        if p50 and p99 and p99 > t["stall_p99_over_p50"] * p50:
+            return (f"p99 step time {p99:.3g} s is over {t['stall_p99_over_p50']:g}x the median "
+                    f"{p50:.3g} s ({WINDOWS['quantile']})")
+        checkpoint = r.phases.get("checkpoint")
+        if _v(checkpoint, ">", t["checkpoint_share"]):
+            return f"checkpoint saves take {percent(checkpoint)} of the step time"
+        return None
+
+
+class StragglerRank(Heuristic):
+    alert, verdict, scope, level = "GpuTrainStragglerRank", "straggler", "run", "global"
+    severity, for_ = "warning", "15m"
+    summary = "One rank of a run is slower than the others."
+    advice = "Check that rank's node: its input, thermal throttling, a slower GPU or link."
+    fires_when = ("data wait > {straggler_wait_factor} the run's median (and >= {input_bound}), "
+                  "or compute time > {straggler_compute_factor}")
+    why = ("In synchronous data-parallel training every rank shares the step time, so a "
+           "straggler shows in what it does differently: it waits for data more than "
+           "{straggler_wait_factor} its run's median, or computes {straggler_compute_factor} "
+           "longer (HTA's straggler analysis). Compare the series below across the run's "
+           "ranks.")
+    confirm = ("run_rank:gputrain_training_data_wait_ratio:rate5m",
+               "run_rank:gputrain_training_compute_seconds:mean5m")
+    panel = ('GpuTrain / Run with all ranks selected: the rank whose "Data wait" or step time '
+             'stands out; then GpuTrain / Node for its node.')
+    thresholds = {
+        "straggler_wait_factor": Threshold(2.0, "factor", "HTA straggler analysis"),
+        "straggler_compute_factor": Threshold(1.2, "factor", "HTA straggler analysis")}
+
+    def rules(self, q: Q) -> list[dict]:
+        t, wait, run = q.t, q.wait, q.run
+        compute = "run_rank:gputrain_training_compute_seconds:mean5m"
+        return [self.rule(q, "warning", f"""({wait} >= {t['input_bound']}
+              and {wait} > on ({run}) group_left ()
+                ({t['straggler_wait_factor']} * quantile by ({run}) (0.5, {wait})))
+            or ({compute} > on ({run}) group_left ()
+                ({t['straggler_compute_factor']} * quantile by ({run}) (0.5, {compute})))""",
+            f"""{q.who} lags its run's other ranks (it waits for data more than
+            {t['straggler_wait_factor']}x their median, or computes more than
+            {t['straggler_compute_factor']}x their median).""")]
+
+    def laggards(self, ranks: list[RankReport], t: dict[str, float]) -> dict[int, str]:
+        """The ranks of one run that lag the others (by ``id``), with the reason."""
+        waits = [r.data_wait_ratio for r in ranks if r.data_wait_ratio is not None]
+        computes = {id(r): r.step_seconds * (1 - (r.data_wait_ratio or 0))
+                    for r in ranks if r.step_seconds is not None}
+        wait_median = _median(waits) if waits else None
+        compute_median = _median(list(computes.values())) if computes else None
+        out: dict[int, str] = {}
+        for r in ranks:
+            w, c = r.data_wait_ratio, computes.get(id(r))
+            if w is not None and wait_median is not None and w >= t["input_bound"] \
+                    and w > t["straggler_wait_factor"] * wait_median:
+                out[id(r)] = (f"waits {percent(w)} of each step for data against its run's "
+                              f"median {percent(wait_median)}")
+            elif c is not None and compute_median and \
+                    c > t["straggler_compute_factor"] * compute_median:
+                out[id(r)] = (f"computes {c * 1000:.1f} ms per step against its run's median "
+                              f"{compute_median * 1000:.1f} ms")
+        return out
+
+
+class HostMemoryLeak(Heuristic):
+    alert, verdict = "GpuTrainHostMemoryLeak", "memory-leak"
+    severity, for_ = "warning", "30m"
+    summary = "A training process's memory keeps growing."
+    advice = ("Look for tensors kept across steps (losses appended without .item()) and growing "
+              "caches.")
+    fires_when = ("process RSS growing (over {leak_window} and {leak_recent_window}) fast enough "
+                  "to use up the node's available memory within {leak_horizon_seconds}")
+    why = ("The training process tree's RSS grows, over the last {leak_window} and still over "
+           "the last {leak_recent_window}, fast enough to use up the memory the node still has "
+           "available within {leak_horizon_seconds} (a TensorFlow performance study: rising "
+           "memory may mean a leak). A high but flat RSS, one that grew during warm-up and "
+           "then levelled off, or a process restarted within the {leak_window} (its memory is "
+           "a new process's) does not fire.")
+    confirm = ("gputrain_training_process_resident_memory_bytes",
+               "gputrain_host_memory_available_bytes")
+    panel = 'GpuTrain / Run, "Training process memory" rising steadily.'
+    profile = False
+    thresholds = {"leak_horizon_seconds": Threshold(
+        14400, "seconds", "rising memory that exhausts the node within 4 h")}
+
+    def rules(self, q: Q) -> list[dict]:
+        rss = q.metric("gputrain_training_process_resident_memory_bytes")
+        available = q.metric("gputrain_host_memory_available_bytes")
+        horizon = q.t["leak_horizon_seconds"]
+        steps = q.metric("gputrain_training_steps_total")
+        # one process's memory: a restart in the window (its steps counter reset) is a new
+        # process, whose warm-up is no leak
+        return [self.rule(q, "warning", f"""(deriv({rss}[{WINDOWS['leak']}]) * {horizon}
+              > {q.on_node} {available}
+            and deriv({rss}[{WINDOWS['leak_recent']}]) * {horizon}
+              > {q.on_node} {available})
+            unless on ({q.rank}) (resets({steps}[{WINDOWS['leak']}]) > 0)""",
+            f"""{q.who}: its resident memory grows fast enough to use up the node's available
+            memory within {{{{ {horizon} | humanizeDuration }}}}.""")]
+
+    def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
+        available, horizon = r.host.get("memory_available"), t["leak_horizon_seconds"]
+        if available is not None and r.rss_growth_1h is not None \
+                and r.rss_growth_15m is not None \
+                and min(r.rss_growth_1h, r.rss_growth_15m) * horizon > available:
+            return (f"resident memory grows {r.rss_growth_15m * 60 / 2**20:.0f} MiB/min: the "
+                    f"node's {available / 2**30:.1f} GiB available last about "
+                    f"{available / r.rss_growth_15m / 3600:.1f} h")
+        return None
+
+
+class GPUMemoryNearLimit(Heuristic):
+    alert, verdict, kind, scope = ("GpuTrainGPUMemoryNearLimit", "gpu-memory-near-limit",
+                                   "health", "gpu")
+    severity, for_ = "warning", "5m"
+    summary = "A GPU's memory is nearly full."
+    advice = ("Use activation checkpointing, AMP, or a smaller micro-batch with gradient "
+              "accumulation.")
+    fires_when = "GPU memory used > {memory_near_limit} for {for}"
+    why = ("A GPU's memory is over {memory_near_limit} used: the next larger batch or sequence "
+           "will fail.")
+    confirm = ("gpu:gputrain_gpu_memory_used:ratio",)
+    panel = ('GpuTrain / Node, "GPU memory" (used against total); GpuTrain / Run, "GPU memory '
+             'used" ({memory_near_limit} line).')
+    thresholds = {"memory_near_limit": Threshold(
+        0.95, "ratio", "the PyTorch profiler plugin's memory view (over 90 % of peak)")}
+
+    def rules(self, q: Q) -> list[dict]:
+        return [self.rule(q, "warning", f"gpu:gputrain_gpu_memory_used:ratio > "
+                                        f"{q.t['memory_near_limit']}",
+                          f"{q.node_gpu} uses {{{{ $value | humanizePercentage }}}} of its "
+                          "memory.")]
+
+    def holds_gpu(self, g: GpuReading, t: dict[str, float]) -> str | None:
+        if _v(g.memory_used, ">", t["memory_near_limit"]):
+            return f"{percent(g.memory_used)} of its memory used"
+        return None
+
+
+class Throttling(Heuristic):
+    alert, verdict, scope = "GpuTrainThrottling", "throttling", "gpu"
+    severity, for_ = "warning", "10m"
+    summary = "A GPU's clocks are held down by power or temperature."
+    advice = "Check cooling and the power limit: nvidia-smi -q -d PERFORMANCE."
+    fires_when = "power/thermal clock events > {throttle_ratio} of the time for {for}"
+    why = ("Power-cap, thermal or power-brake clock events ({throttle_reasons}) for more than "
+           "{throttle_ratio} of the time.")
+    confirm = ("gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m",
+               "gputrain_gpu_temperature_celsius")
+    panel = ('GpuTrain / Run, "SM clock" and "Throttled time" ({throttle_ratio} line); '
+             'GpuTrain / Node, "Temperature" and "Power".')
+    profile = False
+    thresholds = {"throttle_ratio": Threshold(0.1, "ratio", "NVML's clock-event reasons")}
+
+    def rules(self, q: Q) -> list[dict]:
+        return [self.rule(q, "warning", f"gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m > "
+                                        f"{q.t['throttle_ratio']}",
+                          f"""{q.node_gpu} was throttled {{{{ $value | humanizePercentage }}}} of
+                          the time (power cap, thermal slowdown or power brake).""")]
+
+    def holds_gpu(self, g: GpuReading, t: dict[str, float]) -> str | None:
+        if _v(g.throttled, ">", t["throttle_ratio"]):
+            return f"throttled {percent(g.throttled)} of the time"
+        return None
+
+
+# --- the symptom and the exporter itself ---------------------------------------------------
+
+
+class GPUUnderutilized(Heuristic):
+    alert, verdict, kind, scope = ("GpuTrainGPUUnderutilized", "underutilized", "symptom",
+                                   "rank_gpu")
+    severity, for_ = "info / warning", "10m"
+    summary = "A training run leaves its GPU mostly idle."
+    advice = ("Find the stage that starves it: the other GpuTrain alerts for this run say "
+              "which.")
+    fires_when = "a rank's GPU busy < {gpu_busy_target} / < {gpu_busy_low} for {for}"
+    why = ("A GPU that a run uses was busy (any kernel running) less than {gpu_busy_target} "
+           "of the time over {rate_window} (info), or less than {gpu_busy_low} (warning). A "
+           "profiling guide calls SM use under 50 % a sure sign the GPU is not used well; a "
+           "TensorFlow performance study calls anything under 90 % wasted money. This is the "
+           "symptom: the other GpuTrain alerts on the same run say which stage starves the "
+           "GPU. The info tier covers the warning's range, so a GPU hovering at "
+           "{gpu_busy_low} keeps alerting.")
+    confirm = ("run_rank_gpu:gputrain_gpu_busy_ratio:rate5m",)
+    panel = ('GpuTrain / Overview, the Runs table sorted by GPU busy; then GpuTrain / Run, '
+             'panel "GPU busy" ({gpu_busy_low} and {gpu_busy_target} lines), and the panels '
+             'below it for the stage.')
+    thresholds = {
+        "gpu_busy_low": Threshold(0.5, "ratio", "a profiling guide (SM use under 50 %) and the "
+                                                "PyTorch profiler plugin"),
+        "gpu_busy_target": Threshold(0.9, "ratio", "a TensorFlow performance study: under 90 % "
+                                                   "is wasted money")}
+
+    def rules(self, q: Q) -> list[dict]:
+        t = q.t
+        return [
+            self.rule(q, "info", f"{q.busy} < {t['gpu_busy_target']}",
+                      f"""{q.gpu_who} was busy {{{{ $value | humanizePercentage }}}} of the time
+                      over {WINDOWS['rate']}, below the {t['gpu_busy_target']} a well-fed GPU
+                      reaches."""),
+            self.rule(q, "warning", f"{q.busy} < {t['gpu_busy_low']}",
+                      f"""{q.gpu_who} was busy {{{{ $value | humanizePercentage }}}} of the time
+                      over {WINDOWS['rate']} (threshold {t['gpu_busy_low']}).""")]
+
+    def holds_gpu(self, g: GpuReading, t: dict[str, float]) -> str | None:
+        if _v(g.busy, "<", t["gpu_busy_target"]):
+            return f"busy {percent(g.busy)}"
+        return None
+
+
+class ExporterDown(Heuristic):
+    alert, verdict, kind, scope = "GpuTrainExporterDown", "exporter-down", "fault", "node"
+    severity, for_ = "critical", "5m"
+    summary = "Prometheus cannot scrape a gputrain-exporter."
+    advice = ("Check the service (systemctl status gputrain-exporter) and the network path to "
+              f"port {DEFAULT_METRICS_PORT}.")
+    fires_when = "`up == 0` for {for}"
+    why = "Prometheus cannot scrape the exporter: its GPUs and runs are unmonitored."
+    confirm = ("up",)
+    panel = ('GpuTrain / Overview: the node\'s runs and GPUs disappear; `up{{job=~"gputrain.*"}}` '
+             'in Prometheus.')
+    stepping = False
+
+    def rules(self, q: Q) -> list[dict]:
+        return [self.rule(q, "critical", q.metric("up") + " == 0",
+                          f"{q.where} has not been scraped: its GPUs and runs are unmonitored.")]
+
+
+# The catalogue, in the decision order: faults, the stall, the pipeline from its input to its
+# output, then what is not a stage of it, and the symptom. A rank's verdict is the first that
+# holds.
+CATALOGUE: tuple[Heuristic, ...] = (
+    GPULost(), XidErrors(), GPUMemoryFault(), CollectorFailing(), ExporterDown(),
+    Stalled(), GPUShared(),
+    CPUPreprocessingBound(), DiskIOBound(), NetworkInputBound(), InputBound(),
+    DataLoaderRestarts(),
+    HostToDeviceBound(), HostOverheadBound(), LaunchBound(), TensorCoresIdle(), LowMFU(),
+    GPUMemoryUnderused(), StepTimeStalls(), StragglerRank(), HostMemoryLeak(),
+    GPUMemoryNearLimit(), Throttling(),
+    GPUUnderutilized(),
 )
 
-BY_ALERT: dict[str, Entry] = {e.alert: e for e in CATALOGUE}
+
+def _collect_thresholds(entries: Iterable[Heuristic]) -> dict[str, Threshold]:
+    out: dict[str, Threshold] = {}
+    for e in entries:
+        for name, th in e.thresholds.items():
+            if name in out:
+                raise ValueError(f"threshold {name!r} is owned by two entries")
+            out[name] = th
+    return out
+
+
+THRESHOLDS: dict[str, Threshold] = _collect_thresholds(CATALOGUE)
+BY_ALERT: dict[str, Heuristic] = {e.alert: e for e in CATALOGUE}
+BY_VERDICT: dict[str, Heuristic] = {e.verdict: e for e in CATALOGUE}
 LEVELS = ("node", "global")
-BY_VERDICT: dict[str, Entry] = {e.verdict: e for e in CATALOGUE if e.verdict}
+KINDS = ("fault", "bottleneck", "health", "symptom")
 # the alerts whose firing for a rank asks for a profile of it (Alertmanager's webhook)
 PROFILED_ALERTS: frozenset[str] = frozenset(e.alert for e in CATALOGUE if e.profiled)
 
 
+def _median(values: list[float]) -> float:
+    v = sorted(values)
+    mid = len(v) // 2
+    return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
+
+
+def _mean_busy(r: RankReport) -> float | None:
+    known = [g.busy for g in r.gpus if g.busy is not None]
+    return sum(known) / len(known) if known else None
+
+
+def derived(thresholds: dict[str, float]) -> dict[str, float]:
+    """Every entry's derived values (HostOverheadBound's phase share, ...), by name."""
+    out: dict[str, float] = {}
+    for e in CATALOGUE:
+        out.update(e.derived(thresholds))
+    return out
+
+
 def show(name: str, value: float) -> str:
-    """A threshold as people read it: ``5 %``, ``2x``, ``10 m``, ``4 h``."""
-    unit = THRESHOLDS[name].unit
+    """A threshold as people read it: ``5 %``, ``2x``, ``10 m``, ``4 h``. Derived values are
+    shown as ratios, but the GPU retry interval, in seconds."""
+    unit = THRESHOLDS[name].unit if name in THRESHOLDS else \
+        ("seconds" if name.endswith("_retry") else "ratio")
     if unit == "ratio":
         return f"{value * 100:g} %"
     if unit == "factor":
@@ -372,10 +1053,12 @@ def show(name: str, value: float) -> str:
 
 
 def fill(text: str, thresholds: dict[str, float], for_: str = "") -> str:
-    """``text`` with ``{name}`` replaced by the threshold shown in its unit, ``{for}`` by
-    ``for_``."""
-    values = {name: show(name, v) for name, v in thresholds.items()}
-    return text.format(**values, **{"for": for_})
+    """``text`` with ``{name}`` replaced by the threshold (or derived value) shown in its unit,
+    ``{<window>_window}`` by a window of the readings, ``{for}`` by ``for_``."""
+    values = {name: show(name, v) for name, v in {**thresholds, **derived(thresholds)}.items()}
+    windows = {f"{name}_window": w for name, w in WINDOWS.items()}
+    return text.format(**values, **windows, throttle_reasons=", ".join(THROTTLE_REASONS),
+                       **{"for": for_})
 
 
 def defaults() -> dict[str, float]:

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from exporter.config import parse_duration
-from exporter.heuristics.catalogue import CATALOGUE, show
-from exporter.heuristics.rules import DEFAULTS, Identity, identity, merge
+from exporter.heuristics.catalogue import CATALOGUE, derived, show
+from exporter.heuristics.promql import Identity, identity
+from exporter.heuristics.rules import settings
 
 DS = {"type": "prometheus", "uid": "${datasource}"}
 TAGS = ["gputrain"]
@@ -225,7 +226,7 @@ def overview(t: dict[str, float], js: str, ids: Identity, extra: list[dict],
         lay.place(stat("Fleet GPU busy", f"avg(gpu:gputrain_gpu_busy_ratio:rate5m{{{js}}})",
                        "percentunit", busy,
                        f"Mean busy ratio of every GPU over 5m. Under {target_} is wasted money "
-                       "(seed 002)."), 6, 4),
+                       "(a TensorFlow performance study)."), 6, 4),
         lay.place(stat("Busy of GPUs that runs use",
                        f"avg(run_rank_gpu:gputrain_gpu_busy_ratio:rate5m{{{js}}})", "percentunit",
                        busy), 6, 4),
@@ -281,8 +282,8 @@ def overview(t: dict[str, float], js: str, ids: Identity, extra: list[dict],
             busy_steps=busy_pair(t)), 24, 8),
         lay.place(timeseries("GPU busy by run", [target(
             f"run_rank:gputrain_gpu_busy_ratio:avg5m{{{js}}}", "{{run}} rank {{rank}}")],
-            "percentunit", f"{target_} is the goal (seed 002); under {low} the GPU is badly "
-            "used (seed 001).", lines=busy_lines(t), max_=1), 12, 8),
+            "percentunit", f"{target_} is the goal; under {low} the GPU is badly used.",
+            lines=busy_lines(t), max_=1), 12, 8),
         lay.place(timeseries("Data wait by run", [target(
             f"run_rank:gputrain_training_data_wait_ratio:rate5m{{{js}}}", "{{run}} rank {{rank}}")],
             "percentunit", "Share of each step blocked on the data loader: "
@@ -290,6 +291,16 @@ def overview(t: dict[str, float], js: str, ids: Identity, extra: list[dict],
             f"{pct(t, 'input_bound_high')} highly input-bound (TF "
             "Profiler).", lines=[(t["input_bound"], "orange"), (t["input_bound_high"], "red")],
             max_=1), 12, 8),
+        lay.place(timeseries("GPU shares by run", [
+            target(f"run_gpu:gputrain_training_gpu_busy:ratio_rate5m{{{js}}}",
+                   "{{instance}} GPU {{gpu}}: {{run}}", "A"),
+            target(f"gpu:gputrain_gpu_unattributed_busy:ratio_rate5m{{{js}}}",
+                   "{{instance}} GPU {{gpu}}: no run (unattributed)", "B")],
+            "percentunit", "Of each GPU's time, the share each run's processes kept it busy and "
+            "the share processes no run owns did (NVML's per-process utilisation; absent where "
+            "the driver gives none). Over "
+            f"{pct(t, 'gpu_foreign_busy')} not a run's own is GpuTrainGPUShared.",
+            stack=True, max_=1), 24, 8),
     ]
     return dashboard("gputrain-overview", "GpuTrain / Overview",
                      "Every run on every node: which runs waste GPUs.", extra, panels, "")
@@ -314,14 +325,14 @@ def run(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict:
     sel = f'{js}, run="$run", rank=~"$rank", instance=~"$instance"'
     node = f'{js}, instance=~"$instance"'
 
-    dominating = t["phase_dominates"] / (1 + t["phase_dominates"])
+    dominating = derived(t)["phase_share"]
     q = "sum by (instance, rank, le) (rate(gputrain_training_step_duration_seconds_bucket" \
         f"{{{sel}}}[$__rate_interval]))"
     panels = [
         lay.row("Training loop"),
         lay.place(timeseries("Samples per second", [target(
             f"run_rank:gputrain_training_samples_per_second:rate5m{{{sel}}}", "rank {{rank}}")],
-            "none", "Throughput per second of step time (seed 002: compare runs in samples, "
+            "none", "Throughput per second of step time (compare runs in samples, "
             "not steps)."), 8, 8),
         lay.place(timeseries("Step time", [
             target(f"histogram_quantile(0.5, {q})", "p50 rank {{rank}}", "A"),
@@ -571,7 +582,7 @@ def node(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict
 def dashboards(overrides: dict | None = None) -> dict[str, dict]:
     """The dashboards by file name, with the thresholds and selector of ``overrides`` (a
     thresholds file's content, as for ``rules --config``)."""
-    cfg = merge(DEFAULTS, overrides or {})
+    cfg = settings(overrides)
     t, ids = cfg["thresholds"], identity(cfg)
     # a run label beyond `run` (cluster) is a variable of every dashboard and part of every
     # selector, so same-named runs of two clusters stay apart

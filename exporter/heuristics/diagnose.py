@@ -3,7 +3,7 @@
 For every (run, rank) it reads samples/s, step time, data-wait ratio, phases, the busy / SM /
 tensor / memory / power / PCIe ratios of the rank's GPUs (joined through
 ``gputrain_training_gpu_info``) and the node's CPU, disk and network, then follows the decision
-order of HEURISTICS.md to one verdict with its advice. It works against any layer: it queries
+order of the catalogue to one verdict with its advice. It works against any layer: it queries
 the raw metrics where they exist (so the recording rules need not be loaded), else the
 recording rules' results (a global VictoriaMetrics or Thanos fed only those). It says when a
 run's ranks are only partly visible: ranks missing below the highest one it sees, or a
@@ -30,25 +30,21 @@ import requests
 import yaml
 
 from exporter.config import parse_duration
-from exporter.heuristics.rules import (
-    DEFAULTS,
-    Identity,
-    identity,
-    inline,
-    load_overrides,
-    merge,
-    recording_rules,
-)
+from exporter.heuristics.promql import Identity, identity, inline, recording_rules
+from exporter.heuristics.readings import WINDOWS
+from exporter.heuristics.rules import load_overrides, settings
 from exporter.heuristics.verdict import (  # noqa: F401 - diagnose's API: the reports and their verdicts
     ORDER,
     STATUS_ADVICE,
     UNDERUTILIZED,
     Finding,
     GpuReading,
+    NodeReport,
     RankReport,
     advice,
     judge,
     mean,
+    node_findings,
     percent,
     rank_findings,
     rank_order,
@@ -112,22 +108,46 @@ class Prometheus:
 
 def queries(selector: str, window: str, ids: Identity | None = None) -> dict[str, str]:
     """The PromQL this command runs on the raw series, by name: the recording rules' own
-    expressions written inline (over ``window`` instead of 5m), so it needs no rules loaded."""
+    expressions written inline (their ratios over ``window``), so it needs no rules loaded."""
     ids = ids or Identity()
-    records = recording_rules(selector, ids)
-
-    def rule(name: str) -> str:
-        return inline(name, records).replace("[5m]", f"[{window}]")
-
+    records = recording_rules(selector, ids, rate=window)
     s, r = selector, ids.rank
-    q = {name: rule(record) for name, record in RECORDED.items()}
+    q = {name: inline(record, records) for name, record in RECORDED.items()}
     # every rank that exports anything (a rank that never stepped too)
     q["ranks"] = f'group by ({r}) ({{__name__=~"gputrain_training_.+", {s}}})'
     q["seconds_since_step"] = f"time() - {q['seconds_since_step']}"
     rss = f"gputrain_training_process_resident_memory_bytes{{{s}}}"
-    q["rss_growth_1h"] = f"sum by ({r}) (deriv({rss}[1h]))"
-    q["rss_growth_15m"] = f"sum by ({r}) (deriv({rss}[15m]))"
+    # one process's memory, as the leak alert reads it: none across a restart in the window
+    restarted = (f"unless on ({r}) (resets(gputrain_training_steps_total{{{s}}}"
+                 f"[{WINDOWS['leak']}]) > 0)")
+    q["rss_growth_1h"] = f"sum by ({r}) (deriv({rss}[{WINDOWS['leak']}])) {restarted}"
+    q["rss_growth_15m"] = f"sum by ({r}) (deriv({rss}[{WINDOWS['leak_recent']}])) {restarted}"
     return q
+
+
+def fault_queries(selector: str, ids: Identity, window: str) -> dict[str, str]:
+    """What the fault alerts read, per node (``up``, failing collectors) and per GPU (lost,
+    Xid and ECC errors, row remaps), from the raw series: they are read on the layer that
+    scrapes the node (a global layer fed only recorded series has none of them)."""
+    s, node, gpu, fault = selector, ids.node, ids.gpu, WINDOWS["fault"]
+    records = recording_rules(selector, ids, rate=window)
+    ecc = f'gputrain_gpu_ecc_errors_total{{{s},type="uncorrected"}}'
+    return {
+        "exporter_up": f"max by ({node}) (up{{{s}}})",
+        "collectors": f"max by ({node}, collector) (gputrain_collector_success{{{s}}})",
+        "up": f"max by ({gpu}) (gputrain_gpu_up{{{s}}})",  # every GPU the node has
+        "xid_errors": f"sum by ({gpu}) (increase(gputrain_gpu_xid_errors_total{{{s}}}[{fault}]))",
+        # as the alert: new ones, or those an exporter (re)started in the window found
+        "ecc_uncorrected": f"sum by ({gpu}) ((increase({ecc}[{fault}]) > 0) or ({ecc} unless "
+                           f"{ecc} offset {fault}))",
+        "remap_failed": f'max by ({gpu}) (gputrain_gpu_remapped_rows{{{s},state="failed"}})',
+        "remap_pending": f'max by ({gpu}) (gputrain_gpu_remapped_rows{{{s},state="pending"}} '
+                         f"or gputrain_gpu_retired_pages_pending{{{s}}})",
+        "memory_used": inline("gpu:gputrain_gpu_memory_used:ratio", records),
+        "throttled": inline("gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m", records),
+        # a rank's GPUs, whether or not their other readings exist (a lost one has none)
+        "rank_gpus": f"max by ({ids.rank}, gpu, uuid) (gputrain_training_gpu_info{{{s}}})",
+    }
 
 
 # Every reading, as the recording rule that holds it (over 5m): what a layer fed only the
@@ -146,6 +166,7 @@ RECORDED = {
     "power_used": "run_rank_gpu:gputrain_gpu_power_limit_used:ratio_avg5m",
     "pcie_rx_used": "run_rank_gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m",
     "throttled": "run_rank_gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m",
+    "foreign": "run_gpu:gputrain_gpu_foreign_busy:ratio_rate5m",
     "step_p50_seconds": "run_rank:gputrain_training_step_seconds:p50_30m",
     "step_p99_seconds": "run_rank:gputrain_training_step_seconds:p99_30m",
     "seconds_since_step": "run_rank:gputrain_training_last_step_timestamp_seconds:max",
@@ -192,8 +213,9 @@ def _read(prom: Prometheus, raw: str, recorded: str, key) -> tuple[list, set]:
 
 
 def collect(prom: Prometheus, selector: str, window: str, run: str | None,
-            ids: Identity | None = None) -> list[RankReport]:
-    """One report per (run, rank) active in the window, readings filled, no verdict yet."""
+            ids: Identity | None = None) -> tuple[list[RankReport], list[NodeReport]]:
+    """One report per (run, rank) active in the window, and one per node the selector
+    scrapes, readings filled, no verdict yet."""
     ids = ids or Identity()
     q, qr = queries(selector, window, ids), recorded_queries(selector)
 
@@ -232,17 +254,19 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
     def gpu_key(labels: dict[str, str]) -> tuple[str, ...]:
         return (*rank_key(labels), labels.get("gpu", ""), labels.get("uuid", ""))
 
+    def reading(rep: RankReport, labels: dict[str, str]) -> GpuReading:
+        found = next((x for x in rep.gpus if x.uuid == labels.get("uuid")
+                      and x.gpu == labels.get("gpu")), None)
+        if found is None:
+            found = GpuReading(labels.get("gpu", ""), labels.get("uuid", ""))
+            rep.gpus.append(found)
+        return found
+
     for name in GPU_READINGS:
         for labels, value in _read(prom, q[name], qr[name], gpu_key)[0]:
             rep = reports.get(rank_key(labels))
-            if not rep:
-                continue
-            reading = next((x for x in rep.gpus if x.uuid == labels.get("uuid")
-                            and x.gpu == labels.get("gpu")), None)
-            if reading is None:
-                reading = GpuReading(labels.get("gpu", ""), labels.get("uuid", ""))
-                rep.gpus.append(reading)
-            setattr(reading, name, value)
+            if rep:
+                setattr(reading(rep, labels), name, value)
     by_node: dict[tuple, list[RankReport]] = {}
     for key, rep in reports.items():
         by_node.setdefault(key[:len(ids.node_tuple)], []).append(rep)
@@ -250,11 +274,74 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
         for labels, value in _read(prom, q[name], qr[name], node_key)[0]:
             for rep in by_node.get(node_key(labels), []):
                 rep.host[name] = value
+    nodes = _nodes(prom, selector, ids, window, node_key)
+    for labels, _ in prom.query(fault_queries(selector, ids, window)["rank_gpus"]):
+        rep = reports.get(rank_key(labels))
+        if rep:
+            reading(rep, labels)
+    # a run's foreign share of a GPU is the same for each of its ranks on it
+    run_gpu = [*ids.run_labels, *ids.node_tuple, "gpu", "uuid"]
+    shared = {tuple(labels.get(k, "") for k in run_gpu): value for labels, value in
+              _read(prom, q["foreign"], qr["foreign"],
+                    lambda x: tuple(x.get(k, "") for k in run_gpu))[0]}
+    for rep in reports.values():
+        labels = {**rep.labels, "run": rep.run, "job": rep.job, "instance": rep.instance}
+        for x in rep.gpus:
+            found = shared.get(tuple({**labels, "gpu": x.gpu, "uuid": x.uuid}.get(k, "")
+                                     for k in run_gpu))
+            if found is not None:
+                x.foreign = found
+    for key, node in nodes.items():  # a rank's GPUs and node carry their faults
+        gpus = {(g.gpu, g.uuid): g for g in node.gpus}
+        for rep in by_node.get(key, []):
+            rep.collectors_failing = list(node.collectors_failing)
+            for x in rep.gpus:
+                if (g := gpus.get((x.gpu, x.uuid))) is not None:
+                    x.up, x.xid_errors, x.ecc_uncorrected = g.up, g.xid_errors, g.ecc_uncorrected
+                    x.remap_failed, x.remap_pending = g.remap_failed, g.remap_pending
     for rep in reports.values():
         rep.gpus.sort(key=lambda x: (len(x.gpu), x.gpu))
-    return sorted(reports.values(),
-                  key=lambda r: (r.run, sorted(r.labels.items()), rank_order(r.rank),
-                                 r.instance))
+    ranks = sorted(reports.values(), key=lambda r: (r.run, sorted(r.labels.items()),
+                                                   rank_order(r.rank), r.instance))
+    return ranks, sorted(nodes.values(), key=lambda n: (sorted(n.labels.items()), n.job,
+                                                         n.instance))
+
+
+def _nodes(prom: Prometheus, selector: str, ids: Identity, window: str,
+           node_key) -> dict[tuple, NodeReport]:
+    """Every node the selector scrapes, with its GPUs' fault readings and failing collectors."""
+    q = fault_queries(selector, ids, window)
+    nodes: dict[tuple, NodeReport] = {}
+
+    def node(labels: dict[str, str]) -> NodeReport:
+        key = node_key(labels)
+        if key not in nodes:
+            nodes[key] = NodeReport(labels.get("job", ""), labels.get("instance", ""),
+                                    labels={k: labels.get(k, "") for k in ids.extra})
+        return nodes[key]
+
+    for labels, value in prom.query(q["exporter_up"]):
+        node(labels).up = value == 1
+    for labels, value in prom.query(q["collectors"]):
+        if value == 0:
+            node(labels).collectors_failing.append(labels.get("collector", ""))
+    gpus: dict[tuple, GpuReading] = {}
+    for labels, value in prom.query(q["up"]):
+        g = GpuReading(labels.get("gpu", ""), labels.get("uuid", ""), up=value == 1)
+        gpus[(*node_key(labels), g.gpu, g.uuid)] = g
+        node(labels).gpus.append(g)
+    for name, convert in (("xid_errors", float),
+                          ("ecc_uncorrected", float), ("remap_failed", lambda v: v > 0),
+                          ("remap_pending", lambda v: v > 0), ("memory_used", float),
+                          ("throttled", float)):
+        for labels, value in prom.query(q[name]):
+            g = gpus.get((*node_key(labels), labels.get("gpu", ""), labels.get("uuid", "")))
+            if g is not None:
+                setattr(g, name, convert(value))
+    for n in nodes.values():
+        n.collectors_failing.sort()
+        n.gpus.sort(key=lambda x: (len(x.gpu), x.gpu))
+    return nodes
 
 
 def _fmt(x: float | None, scale: float = 100, unit: str = "%", digits: int = 1) -> str:
@@ -264,9 +351,28 @@ def _fmt(x: float | None, scale: float = 100, unit: str = "%", digits: int = 1) 
 
 
 
-def text_report(reports: list[RankReport], window_seconds: float = 300.0) -> str:
-    """The human report; ``window_seconds`` turns idle GPU-seconds per second into hours."""
+def node_lines(nodes: list[NodeReport]) -> list[str]:
+    """The nodes with a fault or health finding (a lost GPU, Xid or memory errors, a failing
+    collector, an exporter Prometheus cannot scrape), whoever uses their GPUs."""
     lines = []
+    for n in nodes:
+        if not n.findings:
+            continue
+        where = "".join(f" ({k} {v})" for k, v in sorted(n.labels.items()))
+        lines.append(f"== node {n.instance}{where} (job {n.job}): {len(n.findings)} "
+                     "finding(s)")
+        for gpu, severity, f in n.findings:
+            lines.append(f"  {'GPU ' + gpu if gpu else 'node'}: {f.name} ({severity}): "
+                         f"{f.reason}")
+            lines.append(f"    advice: {f.advice}")
+        lines.append("")
+    return lines
+
+
+def text_report(reports: list[RankReport], window_seconds: float = 300.0,
+                nodes: list[NodeReport] = ()) -> str:
+    """The human report; ``window_seconds`` turns idle GPU-seconds per second into hours."""
+    lines = node_lines(list(nodes))
     last_run = None
     for rep in reports:
         if run_key(rep) != last_run:
@@ -299,6 +405,9 @@ def text_report(reports: list[RankReport], window_seconds: float = 300.0) -> str
         for p, v in sorted(rep.phases.items()):
             lines.append(f"  phase {p}: {_fmt(v)} of each step")
         for x in rep.gpus:
+            if x.up is False:
+                lines.append(f"  GPU {x.gpu} ({x.uuid}): lost, it does not answer NVML")
+                continue
             lines.append(f"  GPU {x.gpu} ({x.uuid}): busy {_fmt(x.busy)}  SM {_fmt(x.sm_active)}"
                          f"  tensor {_fmt(x.tensor_active)}  memory {_fmt(x.memory_used)}  "
                          f"power {_fmt(x.power_used)} of limit  PCIe RX "
@@ -320,13 +429,15 @@ EXIT_OK, EXIT_ACT, EXIT_NO_DATA, EXIT_NO_GPU_DATA = 0, 1, 2, 3
 
 
 def diagnose(url: str, run: str | None = None, window: str = "5m",
-             overrides: dict[str, Any] | None = None, at: str | None = None) -> list[RankReport]:
+             overrides: dict[str, Any] | None = None, at: str | None = None) -> \
+        tuple[list[RankReport], list[NodeReport]]:
     """Reports with verdicts for every (run, rank) in the window ending ``at`` (default now),
-    each marked where its run is only partly visible; raises PrometheusError."""
-    cfg = merge(DEFAULTS, overrides or {})
+    each marked where its run is only partly visible, and every node with its faults; raises
+    PrometheusError."""
+    cfg = settings(overrides)
     prom = Prometheus(url, at=at)
     prom.query("vector(1)")  # reachable and a Prometheus at all
-    reports = collect(prom, cfg["selector"], window, run, identity(cfg))
+    reports, nodes = collect(prom, cfg["selector"], window, run, identity(cfg))
     external, remote_writes = prom.external_labels()
     shard = ""
     if external and remote_writes:
@@ -334,12 +445,15 @@ def diagnose(url: str, run: str | None = None, window: str = "5m",
         shard = (f"this server has external labels ({shown}) and remote-writes, so it is "
                  "likely one shard of several: ranks scraped by the other shards are missing; "
                  "run diagnose against the layer that sees them all")
-    return judge(visibility(reports, shard), cfg["thresholds"])
+    for n in nodes:
+        node_findings(n, cfg["thresholds"])
+    return judge(visibility(reports, shard), cfg["thresholds"]), nodes
 
 
-def exit_status(reports: list[RankReport]) -> int:
-    """1 when any rank has something to act on, else 3 when a rank's GPUs are unknown, else 0."""
-    if any(r.bottleneck for r in reports):
+def exit_status(reports: list[RankReport], nodes: list[NodeReport] = ()) -> int:
+    """1 when any rank or node has something to act on, else 3 when a rank's GPUs are
+    unknown, else 0."""
+    if any(r.bottleneck for r in reports) or any(n.findings for n in nodes):
         return EXIT_ACT
     if any(r.status == "no-gpu-data" for r in reports):
         return EXIT_NO_GPU_DATA
@@ -366,25 +480,36 @@ def main(ns: argparse.Namespace) -> int:
         print(f"gputrain-exporter diagnose: {bad}", file=sys.stderr)
         return EXIT_NO_DATA
     try:
-        reports = diagnose(ns.prometheus, ns.run, ns.window, load_overrides(ns.config),
-                           ns.time)
+        reports, nodes = diagnose(ns.prometheus, ns.run, ns.window, load_overrides(ns.config),
+                                  ns.time)
     except (PrometheusError, ValueError) as exc:
         print(printable(f"gputrain-exporter diagnose: {exc}"), file=sys.stderr)
         return EXIT_NO_DATA
     if not reports:
         what = f"run '{ns.run}'" if ns.run else "gputrain training data"
+        down = [n.instance for n in nodes if n.up is False]
+        # instances and label values come from Prometheus: escaped before a terminal
         print(printable(f"gputrain-exporter diagnose: Prometheus at {ns.prometheus} holds no "
                         f"{what} in the last {ns.window} (no gputrain_training_* series of a "
-                        "run and rank). Is it scraping the exporter, and is a training client "
-                        "pushing to it?"), file=sys.stderr)
-        return EXIT_NO_DATA
+                        "run and rank). "
+                        + (f"It cannot scrape the exporter on {', '.join(down)}: is it "
+                           "running? " if down else "")
+                        + "Is it scraping the exporter, and is a training client pushing to "
+                        "it?"), file=sys.stderr)
+        if not any(n.findings for n in nodes):
+            return EXIT_NO_DATA
     if ns.json:
-        out = [{**asdict(r), "bottleneck": r.bottleneck, "findings": r.findings()}
-               for r in reports]
-        json.dump(out, sys.stdout, indent=2)
+        doc = {"ranks": [{**asdict(r), "bottleneck": r.bottleneck, "findings": r.findings()}
+                         for r in reports],
+               "nodes": [{"job": n.job, "instance": n.instance, "labels": n.labels, "up": n.up,
+                          "collectors_failing": n.collectors_failing,
+                          "findings": [{"gpu": gpu, "severity": severity, **asdict(f)}
+                                       for gpu, severity, f in n.findings]}
+                         for n in nodes]}
+        json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         # label values come from Prometheus: escaped before the terminal sees them
-        sys.stdout.write(printable(text_report(reports, parse_duration(ns.window)),
+        sys.stdout.write(printable(text_report(reports, parse_duration(ns.window), nodes),
                                    newlines=True))
-    return exit_status(reports)
+    return exit_status(reports, nodes)

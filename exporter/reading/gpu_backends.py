@@ -19,37 +19,40 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from exporter.reading.nvml import VALUE_MEMBER, GpuLostError, Nvml, NvmlUnavailable
+from exporter.reading import nvml as fi
+from exporter.reading.gpu_metrics import DEMO_GAUGES, MIB, ONE_CALL, PCIE_LANE_BYTES_PER_SECOND
+from exporter.reading.nvml import (
+    VALUE_MEMBER,
+    VALUE_TYPE_MODULUS,
+    VALUE_TYPE_ULONGLONG,
+    GpuLostError,
+    Nvml,
+    NvmlUnavailable,
+    StaleHandleError,
+    clock_event_fields,
+)
 
 log = logging.getLogger(__name__)
 
-# Usable bytes per second per lane, by PCIe generation (after line encoding:
-# 8b/10b for gen 1-2, 128b/130b for gen 3-5, FLIT for gen 6).
-PCIE_LANE_BYTES_PER_SECOND = {
-    1: 250e6,
-    2: 500e6,
-    3: 984.6e6,
-    4: 1969.2e6,
-    5: 3938.5e6,
-    6: 7563.0e6,
-}
-
-# Cumulative clock-event (throttle) counters, in nanoseconds, by the `reason` label.
-CLOCK_EVENT_FIELDS = {
-    "sw_power_cap": "NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP",
-    "sync_boost": "NVML_FI_DEV_CLOCKS_EVENT_REASON_SYNC_BOOST",
-    "sw_thermal_slowdown": "NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_THERM_SLOWDOWN",
-    "hw_thermal_slowdown": "NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN",
-    "hw_power_brake_slowdown": "NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN",
-}
-# Older drivers: the (deprecated) violation counters, also in nanoseconds.
+# Cumulative clock-event (throttle) counters, in nanoseconds, by the `reason` label: fields
+# whose number never moved; the others from nvml.clock_event_fields, by the driver.
+STABLE_CLOCK_EVENT_FIELDS = {"sw_power_cap": fi.FI_PERF_POLICY_POWER,
+                             "sync_boost": fi.FI_PERF_POLICY_SYNC_BOOST}
+# Where a reason has no field: the (deprecated in 13.0) violation counters, also in ns.
 VIOLATION_POLICIES = {
-    "sw_power_cap": "NVML_PERF_POLICY_POWER",
-    "sw_thermal_slowdown": "NVML_PERF_POLICY_THERMAL",
-    "sync_boost": "NVML_PERF_POLICY_SYNC_BOOST",
+    "sw_power_cap": fi.PERF_POLICY_POWER,
+    "sw_thermal_slowdown": fi.PERF_POLICY_THERMAL,
+    "sync_boost": fi.PERF_POLICY_SYNC_BOOST,
 }
+# A throttle counter cannot grow faster than the wall clock: this much slack (ns a second, and
+# ns flat) covers the driver's and our timestamps disagreeing.
+THROTTLE_SLACK = (1.05, 50e6)
+# nvml.h: GPM samples must be over 100 ms apart; the 10 ms more cover the calls' own latency
+GPM_MIN_INTERVAL_SECONDS = 0.11
+MIG_RESCAN_SECONDS = 60.0  # MIG devices created without a handle going stale are found so
 
 GPM_METRICS = {
+    "busy": "NVML_GPM_METRIC_GRAPHICS_UTIL",
     "sm_active": "NVML_GPM_METRIC_SM_UTIL",
     "sm_occupancy": "NVML_GPM_METRIC_SM_OCCUPANCY",
     "tensor_active": "NVML_GPM_METRIC_ANY_TENSOR_UTIL",
@@ -59,13 +62,12 @@ GPM_METRICS = {
     "nvlink_rx_mib_per_second": "NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC",
     "nvlink_tx_mib_per_second": "NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC",
 }
-MIB = 1024 * 1024
 NVML_VALUE_NOT_AVAILABLE = 2**64 - 1  # usedGpuMemory where the driver cannot tell (WDDM, MIG)
 # NVLink through field values: data (not raw) KiB counters summed over every link (scope
-# UINT_MAX), the active link count and the common per-link speed (MB/s)
+# UINT_MAX), the links present and the common per-link speed (MB/s)
 NVLINK_ALL_LINKS = 0xFFFFFFFF
-NVLINK_FIELDS = {"rx": "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX",
-                 "tx": "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX"}
+NVLINK_FIELDS = {"rx": fi.FI_NVLINK_THROUGHPUT_DATA_RX, "tx": fi.FI_NVLINK_THROUGHPUT_DATA_TX}
+NVML_FEATURE_ENABLED = 1  # nvmlDeviceGetNvLinkState: the link is active
 # ECC error counts by the `type` label: nvmlMemoryErrorType_t
 ECC_TYPES = {"corrected": "NVML_MEMORY_ERROR_TYPE_CORRECTED",
              "uncorrected": "NVML_MEMORY_ERROR_TYPE_UNCORRECTED"}
@@ -78,6 +80,12 @@ REMAP_STATES = ("correctable", "uncorrectable", "pending", "failed")
 COMPUTE_PROCESS_VARIANTS = (("nvmlDeviceGetComputeRunningProcesses_v3", {}),
                             ("nvmlDeviceGetComputeRunningProcesses_v2", {}),
                             ("nvmlDeviceGetComputeRunningProcesses", {}))
+# newest first: nvmlDeviceGetProcessesUtilizationInfo is in the 12.4 header (driver 550, go-nvml
+# f7ceebd) and nvidia-ml-py 12.550 on; both take the last seen timestamp (CPU microseconds)
+PROCESS_UTILIZATION_VARIANTS = (("nvmlDeviceGetProcessesUtilizationInfo", {}),
+                                ("nvmlDeviceGetProcessUtilization", {}))
+# the GPU's own best generation (the 12.0 header, driver 525): a second opinion, not missed
+GPU_MAX_PCIE_GENERATION = (("nvmlDeviceGetGpuMaxPcieLinkGeneration", {}),)
 
 
 _MIG_PROFILE = re.compile(r"\bMIG (\d+g\.\d+gb(?:\+\w+)*)", re.IGNORECASE)
@@ -104,8 +112,9 @@ class GpuSample:
     """One reading of one GPU. None means "not available": the metric is left out.
 
     Units: ratios 0-1, bytes, watts, joules, hertz, degrees Celsius, seconds.
-    Cumulative values (energy, PCIe bytes, clock-event seconds) are the source's own counters;
-    the sampler turns their deltas into the exported counters.
+    The ``*_counter_*`` fields and ``ecc_volatile_errors`` are the source's own cumulative
+    counters (they may start anywhere, wrap or reset with the driver); the sampler turns their
+    increases into the exported counters of GpuState, which has the name without ``counter``.
     """
 
     timestamp: float
@@ -118,27 +127,32 @@ class GpuSample:
     memory_total_bytes: float | None = None
     power_watts: float | None = None
     power_limit_watts: float | None = None
-    energy_joules: float | None = None
-    pcie_rx_bytes: float | None = None
-    pcie_tx_bytes: float | None = None
+    energy_counter_joules: float | None = None
+    pcie_rx_counter_bytes: float | None = None
+    pcie_tx_counter_bytes: float | None = None
     pcie_rx_bytes_per_second: float | None = None
     pcie_tx_bytes_per_second: float | None = None
-    pcie_link_max_bytes_per_second: float | None = None
+    pcie_link_max_bytes_per_second: float | None = None  # the link at its best
+    pcie_link_current_bytes_per_second: float | None = None  # as trained now (it trains down idle)
     temperature_celsius: float | None = None
     clocks_hertz: dict[str, float] = field(default_factory=dict)
-    clock_event_seconds: dict[str, float] = field(default_factory=dict)
+    clock_event_counter_seconds: dict[str, float] = field(default_factory=dict)
     pids: tuple[int, ...] = ()
     process_memory: dict[int, float] = field(default_factory=dict)  # pid -> bytes it holds
-    nvlink_rx_bytes: float | None = None  # cumulative, all links (field values)
-    nvlink_tx_bytes: float | None = None
+    # pid -> (SM busy ratio, memory-bandwidth ratio or None): the means of the source's
+    # per-process samples since the last reading; a pid without a new sample is absent
+    process_utilization: dict[int, tuple[float, float | None]] = field(default_factory=dict)
+    nvlink_rx_counter_bytes: float | None = None  # cumulative, all links (field values)
+    nvlink_tx_counter_bytes: float | None = None
     nvlink_rx_bytes_per_second: float | None = None  # or rates (GPM)
     nvlink_tx_bytes_per_second: float | None = None
     nvlink_links: int | None = None  # active links; None (and no NVLink series) without any
     nvlink_link_max_bytes_per_second: float | None = None  # per link and direction
-    ecc_errors: dict[str, float] = field(default_factory=dict)  # volatile counts, by type
+    ecc_volatile_errors: dict[str, float] = field(default_factory=dict)  # by type
     remapped_rows: dict[str, float] = field(default_factory=dict)  # by REMAP_STATES
     retired_pages: dict[str, float] = field(default_factory=dict)  # by cause (pre-Ampere)
     retired_pages_pending: float | None = None
+    performance_state: float | None = None  # 0 (P0) to 15
 
 
 class GpuBackend(Protocol):
@@ -152,6 +166,9 @@ class GpuBackend(Protocol):
 
     def sample(self, gpu: GpuIdentity) -> GpuSample:
         """Read one GPU; raise GpuLostError when it stopped answering."""
+
+    def rescan(self) -> list[GpuIdentity] | None:
+        """The GPUs again when they changed (a MIG reconfiguration), else None."""
 
     def reopen(self, gpu: GpuIdentity) -> bool:
         """Try to reach a lost GPU again; True when it answers."""
@@ -180,10 +197,28 @@ class _NvmlDevice:
         self.parent_handle = parent_handle
         self.gpu_instance_id = gpu_instance_id
         self.last_sample_timestamp_us = 0
-        self.gpm_samples: list[Any] = []
-        self.gpm_primed = False
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what the last readings left (a GPU reopened)."""
         self.gpm_supported: bool | None = None
-        self.gpm_has_pcie: bool | None = None  # None until GPM's first metrics
+        self.gpm_buffers: list[Any] = []  # the two samples allocated for this device
+        self.gpm_base: tuple[int, float] | None = None  # (buffer index, taken at): window start
+        self.gpm_values: dict[str, float] = {}  # the metrics of the last full window
+        self.gpm_closed = False  # a window was closed (its metrics asked for)
+        self.pcie_max: float | None = None  # bytes/s of the link at its best, once known
+        self.pcie_counter: tuple[float, float, float] | None = None  # (at, rx, tx), 32-bit
+        self.throttle: dict[str, tuple[float, float]] = {}  # reason -> (at, ns) from a field
+        self.throttle_source: dict[str, str] = {}  # reason -> "field" or "violation"
+        self.nvlink_present = 0
+        self.process_seen_us = 0  # the newest per-process utilisation sample read
+
+
+def _link(gen: Any, width: Any) -> float | None:
+    """Usable bytes per second per direction of a PCIe link of ``gen`` and ``width`` lanes."""
+    if gen in PCIE_LANE_BYTES_PER_SECOND and width:
+        return PCIE_LANE_BYTES_PER_SECOND[gen] * int(width)
+    return None
 
 
 class NvmlBackend:
@@ -199,6 +234,8 @@ class NvmlBackend:
         self._event_set: Any = None
         self._event_lock = threading.Lock()
         self._memory_variants: tuple[tuple[str, dict], ...] = (("nvmlDeviceGetMemoryInfo", {}),)
+        self._mig_stale = False
+        self._next_mig_scan = 0.0
 
     # -- discovery -------------------------------------------------------------------------
 
@@ -225,12 +262,15 @@ class NvmlBackend:
             self._devices[index] = _NvmlDevice(identity, handle)
             identities.append(identity)
             if handle is not None:
-                identities.extend(self._mig_devices(index, handle))
+                identities.extend(d.identity for d in self._mig_devices(index, handle))
+        self._next_mig_scan = self._clock() + MIG_RESCAN_SECONDS
         return identities
 
     def _identify(self, index: str, handle: Any, parent: str = "") -> GpuIdentity:
         nv = self.nvml
-        uuid = _text(nv.call("nvmlDeviceGetUUID", handle, device=index) or "")
+        check = bool(parent)  # a MIG device may vanish between listing and identifying
+        uuid = _text(nv.call("nvmlDeviceGetUUID", handle, device=index, check_handle=check)
+                     or "")
         name = _text(nv.call("nvmlDeviceGetName", handle, device=index) or "")
         pci = nv.call("nvmlDeviceGetPciInfo", handle, device=index)
         bus_id = _text(getattr(pci, "busId", "") or "") if pci is not None else ""
@@ -241,55 +281,109 @@ class NvmlBackend:
         return GpuIdentity(index=index, uuid=uuid, name=name, pci_bus_id=bus_id, parent=parent,
                            profile=profile)
 
-    def _mig_devices(self, index: str, handle: Any) -> list[GpuIdentity]:
+    def _mig_devices(self, index: str, handle: Any) -> list[_NvmlDevice]:
+        """List the MIG devices of GPU ``index`` as NVML has them now (not yet registered)."""
         nv = self.nvml
-        mode = nv.call("nvmlDeviceGetMigMode", handle, device=index)
+        mode = nv.call("nvmlDeviceGetMigMode", handle, device=index, query="mig_mode")
         if not mode or int(mode[0]) != 1:
             return []
         out = []
         for j in range(nv.call("nvmlDeviceGetMaxMigDeviceCount", handle, device=index) or 0):
             mig_index = f"{index}/{j}"
-            mig = nv.call("nvmlDeviceGetMigDeviceHandleByIndex", handle, j, device=mig_index)
+            mig = nv.call("nvmlDeviceGetMigDeviceHandleByIndex", handle, j, device=mig_index,
+                          query="mig_handle")
             if mig is None:
                 continue
-            identity = self._identify(mig_index, mig, parent=index)
-            gi = nv.call("nvmlDeviceGetGpuInstanceId", mig, device=mig_index)
-            self._devices[mig_index] = _NvmlDevice(identity, mig, handle, gi)
-            out.append(identity)
+            try:
+                identity = self._identify(mig_index, mig, parent=index)
+            except StaleHandleError:
+                continue
+            gi = nv.call("nvmlDeviceGetGpuInstanceId", mig, device=mig_index, query="mig_gi")
+            out.append(_NvmlDevice(identity, mig, handle, gi))
+        for dev in out:
+            self._devices[dev.identity.index] = dev
         return out
+
+    def rescan(self) -> list[GpuIdentity] | None:
+        """Every GPU and MIG device again when the MIG devices changed since the last listing
+        (a handle went stale, or the periodic look every MIG_RESCAN_SECONDS found others);
+        None when nothing changed."""
+        now = self._clock()
+        if not self._mig_stale and now < self._next_mig_scan:
+            return None
+        self._mig_stale, self._next_mig_scan = False, now + MIG_RESCAN_SECONDS
+        changed = False
+        identities: list[GpuIdentity] = []
+        for index, dev in [(i, d) for i, d in self._devices.items() if not d.identity.parent]:
+            identities.append(dev.identity)
+            old = [d for d in self._devices.values() if d.identity.parent == index]
+            if dev.handle is None:
+                identities.extend(d.identity for d in old)
+                continue
+            for d in old:  # listed again below; a kept one keeps its state
+                del self._devices[d.identity.index]
+            try:
+                new = self._mig_devices(index, dev.handle)
+            except GpuLostError:
+                new = []
+            same = {d.identity: d for d in old}
+            for d in new:
+                if d.identity in same:  # the same MIG device: keep its GPM samples, counters
+                    kept = same.pop(d.identity)
+                    kept.handle = d.handle
+                    self._devices[d.identity.index] = kept
+            if same or len(new) != len(old):
+                changed = True
+                log.info("GPU %s: MIG devices now %s", index,
+                         ", ".join(f"{d.identity.index} {d.identity.profile}" for d in new)
+                         or "none")
+            for d in same.values():
+                self._free_gpm(d)
+                self.nvml.forget(d.identity.index)
+            identities.extend(d.identity for d in new)
+        return identities if changed else None
 
     # -- one reading -----------------------------------------------------------------------
 
     def sample(self, gpu: GpuIdentity) -> GpuSample:
-        dev = self._devices[gpu.index]
+        dev = self._devices.get(gpu.index)
+        if dev is None or dev.identity != gpu:
+            raise GpuLostError(f"GPU {gpu.index} ({gpu.uuid}) is no longer listed")
         if dev.handle is None:
             raise GpuLostError(f"GPU {gpu.index} has no handle")
-        nv, lib, h, key = self.nvml, self.nvml.lib, dev.handle, gpu.index
+        try:
+            return self._read(dev)
+        except StaleHandleError:
+            self._mig_stale = True  # the next cycle lists the MIG devices again
+            raise
+
+    def _read(self, dev: _NvmlDevice) -> GpuSample:
+        nv, lib, h, key = self.nvml, self.nvml.lib, dev.handle, dev.identity.index
+        if dev.parent_handle is not None:  # still the MIG device we listed?
+            uuid = _text(nv.call("nvmlDeviceGetUUID", h, device=key, query="probe",
+                                 check_handle=True) or "")
+            if uuid != dev.identity.uuid:
+                raise StaleHandleError(f"MIG device {key} is now {uuid or 'gone'}")
         s = GpuSample(timestamp=self._clock())
-        s.utilization = self._utilization(dev)
         # v2 first: its "used" leaves out the driver's reserved memory, as nvidia-smi does
         mem = nv.call_versioned(self._memory_variants, h, device=key)
         if mem is not None:
             s.memory_used_bytes, s.memory_total_bytes = float(mem.used), float(mem.total)
-        power_mw = nv.call("nvmlDeviceGetPowerUsage", h, device=key)
-        s.power_watts = None if power_mw is None else power_mw / 1000.0
-        limit_mw = nv.call("nvmlDeviceGetEnforcedPowerLimit", h, device=key)
-        s.power_limit_watts = None if limit_mw is None else limit_mw / 1000.0
+        self._one_call_readings(dev, s)
         energy_mj = nv.call("nvmlDeviceGetTotalEnergyConsumption", h, device=key)
-        s.energy_joules = None if energy_mj is None else energy_mj / 1000.0
-        s.temperature_celsius = _float(
-            nv.call("nvmlDeviceGetTemperature", h, lib.NVML_TEMPERATURE_GPU, device=key))
+        s.energy_counter_joules = None if energy_mj is None else energy_mj / 1000.0
         for clock, const in (("sm", "NVML_CLOCK_SM"), ("memory", "NVML_CLOCK_MEM")):
             mhz = nv.call("nvmlDeviceGetClockInfo", h, getattr(lib, const), device=key)
             if mhz is not None:
                 s.clocks_hertz[clock] = float(mhz) * 1e6
-        gen = nv.call("nvmlDeviceGetCurrPcieLinkGeneration", h, device=key)
-        width = nv.call("nvmlDeviceGetCurrPcieLinkWidth", h, device=key)
-        if gen in PCIE_LANE_BYTES_PER_SECOND and width:
-            s.pcie_link_max_bytes_per_second = PCIE_LANE_BYTES_PER_SECOND[gen] * int(width)
-        self._fields(dev, s)
-        self._gpm(dev, s)
-        self._pcie_fallback(dev, s)
+        self._pcie_link(dev, s)
+        pcie_covered = self._fields(dev, s)
+        busy = self._gpm(dev, s)
+        s.utilization = self._utilization(dev)
+        if s.utilization is None and busy is not None:  # MIG: NVML answers no utilisation
+            s.utilization = _ratio(busy)
+        if not pcie_covered:
+            self._pcie_fallback(dev, s)
         self._memory_health(dev, s)
         procs = nv.call_versioned(COMPUTE_PROCESS_VARIANTS, h, device=key)
         if procs:
@@ -298,7 +392,23 @@ class NvmlBackend:
                 used = getattr(p, "usedGpuMemory", None)
                 if used is not None and used < NVML_VALUE_NOT_AVAILABLE:
                     s.process_memory[int(p.pid)] = s.process_memory.get(int(p.pid), 0.0) + used
+        s.process_utilization = self._process_utilization(dev)
         return s
+
+    def _one_call_readings(self, dev: _NvmlDevice, s: GpuSample) -> None:
+        """The gauges whose reading is one NVML call, as their descriptors say
+        (gpu_metrics.NvmlRead): where the driver has several variants, the newest it
+        answers."""
+        nv, h, key = self.nvml, dev.handle, dev.identity.index
+        for m in ONE_CALL:
+            read = m.nvml
+            if len(read.functions) == 1:
+                got = nv.call(read.functions[0], h, *read.args, device=key)
+            else:
+                got = nv.call_versioned([(f, {}) for f in read.functions], h, *read.args,
+                                        device=key)
+            if got is not None and got != read.unknown:
+                setattr(s, m.attr, float(got) / read.per)
 
     def _utilization(self, dev: _NvmlDevice) -> float | None:
         """Mean of NVML's utilisation sample buffer since the last reading, as a ratio."""
@@ -316,61 +426,146 @@ class NvmlBackend:
         rates = nv.call("nvmlDeviceGetUtilizationRates", dev.handle, device=key)
         return None if rates is None else _ratio(rates.gpu)
 
-    def _fields(self, dev: _NvmlDevice, s: GpuSample) -> None:
-        """Clock events, PCIe and NVLink from one nvmlDeviceGetFieldValues call."""
-        nv, lib, key = self.nvml, self.nvml.lib, dev.identity.index
-        ids: dict[int, str] = {}
-        for label, const in CLOCK_EVENT_FIELDS.items():
-            if hasattr(lib, const):
-                ids[getattr(lib, const)] = label
-        rx_id = getattr(lib, "NVML_FI_DEV_PCIE_COUNT_RX_BYTES", None)
-        tx_id = getattr(lib, "NVML_FI_DEV_PCIE_COUNT_TX_BYTES", None)
+    def _process_utilization(self, dev: _NvmlDevice) -> dict[int, tuple[float, float | None]]:
+        """pid -> (SM busy ratio, memory-bandwidth ratio): the means of NVML's per-process
+        samples newer than the last one read (NVML gives one per sample period to a process
+        that had some utilisation in it). NOT_FOUND (no new sample) and an unsupported call
+        (asked once) read as no pid. Dropped, as nvtop drops them (its issue 110, real
+        drivers): samples not newer than the timestamp asked for, values over 100 %, pid 0."""
+        got = self.nvml.call_versioned(PROCESS_UTILIZATION_VARIANTS, dev.handle,
+                                       dev.process_seen_us, device=dev.identity.index)
+        since, fresh = dev.process_seen_us, {}
+        for x in got or ():
+            if x.timeStamp > since and x.pid and x.smUtil <= 100 and x.memUtil <= 100:
+                fresh.setdefault(int(x.pid), []).append((x.smUtil, x.memUtil))
+                dev.process_seen_us = max(dev.process_seen_us, int(x.timeStamp))
+        return {pid: (_ratio(sum(sm for sm, _ in v) / len(v)),
+                      _ratio(sum(mem for _, mem in v) / len(v))) for pid, v in fresh.items()}
+
+    def _pcie_link(self, dev: _NvmlDevice, s: GpuSample) -> None:
+        """The link's capacity at its best (the denominator of the host-to-device rule: a link
+        trains down when idle) and as it is trained now."""
+        nv, h, key = self.nvml, dev.handle, dev.identity.index
+        if dev.pcie_max is None:
+            # the GPU's and the system's best (an x16 Gen5 GPU in a Gen4 slot runs at Gen4)
+            gens = [g for g in (nv.call("nvmlDeviceGetMaxPcieLinkGeneration", h, device=key),
+                                nv.call_versioned(GPU_MAX_PCIE_GENERATION, h, device=key))
+                    if g]
+            width = nv.call("nvmlDeviceGetMaxPcieLinkWidth", h, device=key)
+            dev.pcie_max = _link(min(gens), width) if gens else None
+        s.pcie_link_max_bytes_per_second = dev.pcie_max
+        s.pcie_link_current_bytes_per_second = _link(
+            nv.call("nvmlDeviceGetCurrPcieLinkGeneration", h, device=key),
+            nv.call("nvmlDeviceGetCurrPcieLinkWidth", h, device=key))
+
+    def _fields(self, dev: _NvmlDevice, s: GpuSample) -> bool:
+        """Clock events, PCIe and NVLink from one nvmlDeviceGetFieldValues call. True when the
+        PCIe counters cover this reading (no throughput call needed)."""
+        nv, key = self.nvml, dev.identity.index
+        events = {**STABLE_CLOCK_EVENT_FIELDS, **clock_event_fields(nv.driver)}
+        pcie = (fi.FI_PCIE_COUNT_RX_BYTES, fi.FI_PCIE_COUNT_TX_BYTES)
         nvlink = self._nvlink_fields(dev)
-        wanted = list(ids) + [f for f in (rx_id, tx_id) if f is not None] + \
-            [f for f in nvlink.values() if f is not None]
-        values = nv.field_values(dev.handle, wanted, device=key)
-        for fid, label in ids.items():
-            if fid in values:
-                s.clock_event_seconds[label] = float(values[fid]) / 1e9
-        if rx_id in values and tx_id in values:
-            s.pcie_rx_bytes, s.pcie_tx_bytes = float(values[rx_id]), float(values[tx_id])
+        values = nv.field_values(dev.handle, [*events.values(), *pcie, *nvlink.values()],
+                                 device=key)
+        for label, fid in events.items():
+            if fid in values and self._throttle_trusted(dev, label, fid, values[fid],
+                                                        s.timestamp):
+                s.clock_event_counter_seconds[label] = float(values[fid].value) / 1e9
+                dev.throttle_source[label] = "field"
+        for label, policy in VIOLATION_POLICIES.items():
+            if label in s.clock_event_counter_seconds or dev.throttle_source.get(label) == "field":
+                continue
+            v = nv.call("nvmlDeviceGetViolationStatus", dev.handle, policy, device=key)
+            if v is not None:
+                s.clock_event_counter_seconds[label] = float(v.violationTime) / 1e9
+                dev.throttle_source[label] = "violation"
         if nvlink:
             self._nvlink(dev, s, nvlink, values)
-        if not s.clock_event_seconds:
-            for label, const in VIOLATION_POLICIES.items():
-                if not hasattr(lib, const):
-                    continue
-                v = nv.call("nvmlDeviceGetViolationStatus", dev.handle, getattr(lib, const),
-                            device=key)
-                if v is not None:
-                    s.clock_event_seconds[label] = float(v.violationTime) / 1e9
+        rx, tx = values.get(pcie[0]), values.get(pcie[1])
+        if rx is None or tx is None:
+            return False
+        if rx.value_type == VALUE_TYPE_ULONGLONG:
+            s.pcie_rx_counter_bytes, s.pcie_tx_counter_bytes = float(rx.value), float(tx.value)
+            return True
+        return self._pcie_wrapping(dev, s, rx.value, tx.value,
+                                   VALUE_TYPE_MODULUS.get(rx.value_type))
+
+    def _throttle_trusted(self, dev: _NvmlDevice, label: str, fid: int, got: fi.FieldValue,
+                          now: float) -> bool:
+        """Whether a clock-event field answers as a nanosecond counter should: 64-bit, never
+        going down, never faster than the wall clock. A field that fails is not asked again."""
+        prev = dev.throttle.get(label)
+        dev.throttle[label] = (now, float(got.value))
+        why = ""
+        if got.value_type != VALUE_TYPE_ULONGLONG:
+            why = f"a value of type {got.value_type}"
+        elif prev is not None:
+            grew, dt = float(got.value) - prev[1], now - prev[0]
+            if grew < 0:
+                why = "a decrease"
+            elif grew > dt * 1e9 * THROTTLE_SLACK[0] + THROTTLE_SLACK[1]:
+                why = f"{grew / 1e9:.3g} s of throttling in {dt:.3g} s"
+        if not why:
+            return True
+        dev.throttle.pop(label, None)
+        self.nvml.forget_field(dev.identity.index, fid)
+        log.warning("GPU %s: NVML field %d (clock events, %s) answered %s: not a nanosecond "
+                    "counter on driver %s; that reason is left out", dev.identity.index, fid,
+                    label, why, self.driver_version)
+        return False
+
+    def _pcie_wrapping(self, dev: _NvmlDevice, s: GpuSample, rx: float, tx: float,
+                       modulus: int | None) -> bool:
+        """Rates from PCIe byte counters narrower than 64 bits ("Value can be wrapped"): the
+        increase since the last reading modulo the counter's width, where the link cannot
+        have carried a whole wrap in between (else the count of wraps is unknown)."""
+        prev, dev.pcie_counter = dev.pcie_counter, (s.timestamp, rx, tx)
+        if modulus is None:
+            return False
+        if prev is None:
+            return True  # the first reading: nothing to integrate yet
+        dt = s.timestamp - prev[0]
+        link = s.pcie_link_max_bytes_per_second
+        if dt <= 0 or link is None or link * dt >= modulus:
+            self.nvml._log_once(("pcie_wrap", dev.identity.index), logging.INFO,
+                                "GPU %s: its PCIe byte counters are %d-bit and can wrap more "
+                                "than once in %.2fs; PCIe bytes come from the throughput "
+                                "call", dev.identity.index, modulus.bit_length() - 1, dt)
+            return False
+        s.pcie_rx_bytes_per_second = ((rx - prev[1]) % modulus) / dt
+        s.pcie_tx_bytes_per_second = ((tx - prev[2]) % modulus) / dt
+        return True
 
     def _nvlink_fields(self, dev: _NvmlDevice) -> dict[str, Any]:
         """The NVLink field ids to ask (the byte counters with scope all links), or none on a
-        GPU known to have no active link."""
-        lib = self.nvml.lib
-        count_id = getattr(lib, "NVML_FI_DEV_NVLINK_LINK_COUNT", None)
-        if count_id is None or self.nvml.is_unsupported(dev.identity.index, "nvlink"):
+        GPU known to have no NVLink."""
+        if self.nvml.is_unsupported(dev.identity.index, "nvlink"):
             return {}
-        return {"count": count_id,
-                "speed": getattr(lib, "NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON", None),
-                **{d: (getattr(lib, c), NVLINK_ALL_LINKS) for d, c in NVLINK_FIELDS.items()
-                   if hasattr(lib, c)}}
+        return {"present": fi.FI_NVLINK_LINK_COUNT, "speed": fi.FI_NVLINK_SPEED_MBPS_COMMON,
+                **{d: (f, NVLINK_ALL_LINKS) for d, f in NVLINK_FIELDS.items()}}
 
     def _nvlink(self, dev: _NvmlDevice, s: GpuSample, ids: dict[str, Any],
                 values: dict) -> None:
-        """Active links and their speed; the byte counters where the driver has them (else
-        GPM's rates fill them in). A GPU with no active link reports nothing."""
-        links = int(values.get(ids["count"], 0) or 0)
-        if links <= 0:
-            self.nvml.mark_unsupported(dev.identity.index, "nvlink")  # not asked again
+        """Active links (the field counts the links present) and their speed; the byte
+        counters where the driver has them (else GPM's rates fill them in). A GPU without
+        NVLink reports nothing."""
+        nv, key = self.nvml, dev.identity.index
+        present = int(values[ids["present"]].value) if ids["present"] in values else 0
+        if present <= 0:
+            nv.mark_unsupported(key, "nvlink")  # not asked again
             return
-        s.nvlink_links = links
-        if values.get(ids["speed"]):
-            s.nvlink_link_max_bytes_per_second = float(values[ids["speed"]]) * 1e6
-        if ids.get("rx") in values and ids.get("tx") in values:  # KiB
-            s.nvlink_rx_bytes = float(values[ids["rx"]]) * 1024
-            s.nvlink_tx_bytes = float(values[ids["tx"]]) * 1024
+        dev.nvlink_present = present
+        states = [nv.call("nvmlDeviceGetNvLinkState", dev.handle, link, device=key)
+                  for link in range(present)]
+        known = [state for state in states if state is not None]
+        s.nvlink_links = sum(state == NVML_FEATURE_ENABLED for state in known) if known \
+            else None
+        speed = values.get(ids["speed"])
+        if speed is not None and speed.value:
+            s.nvlink_link_max_bytes_per_second = float(speed.value) * 1e6
+        if ids["rx"] in values and ids["tx"] in values:  # KiB
+            s.nvlink_rx_counter_bytes = float(values[ids["rx"]].value) * 1024
+            s.nvlink_tx_counter_bytes = float(values[ids["tx"]].value) * 1024
 
     def _memory_health(self, dev: _NvmlDevice, s: GpuSample) -> None:
         """ECC error counts (volatile: since the driver loaded), row remapping (Ampere and
@@ -383,7 +578,7 @@ class NvmlBackend:
             n = nv.call("nvmlDeviceGetTotalEccErrors", h, getattr(lib, const), volatile,
                         device=key, query=("ecc", label))
             if n is not None:
-                s.ecc_errors[label] = float(n)
+                s.ecc_volatile_errors[label] = float(n)
         rows = nv.call("nvmlDeviceGetRemappedRows", h, device=key)
         if rows is not None:
             s.remapped_rows = {state: float(v) for state, v in zip(REMAP_STATES, rows,
@@ -400,64 +595,91 @@ class NvmlBackend:
             pending = nv.call("nvmlDeviceGetRetiredPagesPendingStatus", h, device=key)
             s.retired_pages_pending = None if pending is None else float(int(pending))
 
-    def _gpm(self, dev: _NvmlDevice, s: GpuSample) -> None:
-        """GPM metrics between this reading and the last (Hopper and newer)."""
-        nv, lib, key = self.nvml, self.nvml.lib, dev.identity.index
+    def _gpm(self, dev: _NvmlDevice, s: GpuSample) -> float | None:
+        """GPM metrics over the window since the GPM sample the last full window ended with
+        (Hopper and newer; per GPU instance on a MIG device). A window is closed only once it
+        is over GPM_MIN_INTERVAL_SECONDS long, whatever the sampling interval: a reading in a
+        younger window carries the last window's values. Returns GPM's busy percentage."""
+        nv, key = self.nvml, dev.identity.index
         if dev.gpm_supported is None:
-            support_handle = dev.parent_handle or dev.handle
-            support = nv.call("nvmlGpmQueryDeviceSupport", support_handle, device=key)
+            support = nv.call("nvmlGpmQueryDeviceSupport", dev.parent_handle or dev.handle,
+                              device=key)
             dev.gpm_supported = bool(support is not None and support.isSupportedDevice)
             if dev.gpm_supported:
-                a = nv.call("nvmlGpmSampleAlloc", device=key)
-                b = nv.call("nvmlGpmSampleAlloc", device=key)
-                dev.gpm_supported = a is not None and b is not None
-                dev.gpm_samples = [a, b]
+                dev.gpm_buffers = [b for b in (nv.call("nvmlGpmSampleAlloc", device=key,
+                                                       query=("gpm_alloc", n))
+                                               for n in range(2)) if b is not None]
+                dev.gpm_supported = len(dev.gpm_buffers) == 2
+                if not dev.gpm_supported:
+                    self._free_gpm(dev)
         if not dev.gpm_supported:
-            return
-        prev, cur = dev.gpm_samples
+            return None
+        base, now = dev.gpm_base, self._clock()  # when the sample is taken, not the reading
+        if base is not None and now - base[1] <= GPM_MIN_INTERVAL_SECONDS:
+            return self._apply_gpm(dev, s, dev.gpm_values)
+        target = 0 if base is None else 1 - base[0]
+        buffer = dev.gpm_buffers[target]
         if dev.parent_handle is not None:
-            got = nv.call("nvmlGpmMigSampleGet", dev.parent_handle, dev.gpu_instance_id, cur,
-                          device=key, query="gpm_sample")
+            got = nv.call("nvmlGpmMigSampleGet", dev.parent_handle, dev.gpu_instance_id,
+                          buffer, device=key, query="gpm_sample")
         else:
-            got = nv.call("nvmlGpmSampleGet", dev.handle, cur, device=key, query="gpm_sample")
+            got = nv.call("nvmlGpmSampleGet", dev.handle, buffer, device=key,
+                          query="gpm_sample")
         if got is None:
-            return
-        dev.gpm_samples = [cur, prev]
-        if not dev.gpm_primed:
-            dev.gpm_primed = True
-            return
+            return None
+        dev.gpm_base = (target, now)
+        if base is None:
+            return None  # the first sample opens the first window
+        dev.gpm_values = self._gpm_metrics(dev, dev.gpm_buffers[base[0]], buffer)
+        dev.gpm_closed = True
+        return self._apply_gpm(dev, s, dev.gpm_values)
+
+    def _gpm_metrics(self, dev: _NvmlDevice, first: Any, second: Any) -> dict[str, float]:
+        lib = self.nvml.lib
         names = [n for n, const in GPM_METRICS.items() if hasattr(lib, const)]
         request = lib.c_nvmlGpmMetricsGet_t()
         request.version = lib.NVML_GPM_METRICS_GET_VERSION
         request.numMetrics = len(names)
-        request.sample1, request.sample2 = prev, cur
+        request.sample1, request.sample2 = first, second
         for i, n in enumerate(names):
             request.metrics[i].metricId = getattr(lib, GPM_METRICS[n])
-        result = nv.call("nvmlGpmMetricsGet", request, device=key, query="gpm_metrics")
+        result = self.nvml.call("nvmlGpmMetricsGet", request, device=dev.identity.index,
+                                query="gpm_metrics")
         if result is None:
-            return
+            return {}
         values = {}
         for i, n in enumerate(names):
             m = result.metrics[i]
             if m.nvmlReturn == 0 and not math.isnan(m.value):
                 values[n] = float(m.value)
+        return values
+
+    def _apply_gpm(self, dev: _NvmlDevice, s: GpuSample, values: dict[str, float]
+                   ) -> float | None:
         for n in ("sm_active", "sm_occupancy", "tensor_active", "dram_active"):
             if n in values:
                 setattr(s, n, _ratio(values[n]))
-        if s.nvlink_links and s.nvlink_rx_bytes is None and "nvlink_rx_mib_per_second" in values:
+        if dev.nvlink_present and s.nvlink_rx_counter_bytes is None \
+                and "nvlink_rx_mib_per_second" in values:
             s.nvlink_rx_bytes_per_second = values["nvlink_rx_mib_per_second"] * MIB
             s.nvlink_tx_bytes_per_second = values.get("nvlink_tx_mib_per_second", 0.0) * MIB
-        dev.gpm_has_pcie = "pcie_rx_mib_per_second" in values
-        if dev.gpm_has_pcie and "pcie_tx_mib_per_second" in values:
+        if "pcie_rx_mib_per_second" in values and "pcie_tx_mib_per_second" in values:
+            # preferred to the byte counters: those may wrap (the sampler takes rates first)
             s.pcie_rx_bytes_per_second = values["pcie_rx_mib_per_second"] * MIB
             s.pcie_tx_bytes_per_second = values["pcie_tx_mib_per_second"] * MIB
+        return values.get("busy")
+
+    def _free_gpm(self, dev: _NvmlDevice) -> None:
+        for sample in dev.gpm_buffers:
+            self.nvml.call("nvmlGpmSampleFree", sample, query="gpm_free")
+        dev.gpm_buffers, dev.gpm_base, dev.gpm_values = [], None, {}
 
     def _pcie_fallback(self, dev: _NvmlDevice, s: GpuSample) -> None:
         """The throughput call, last: it blocks ~20 ms per direction (its sampling window)."""
-        if s.pcie_rx_bytes is not None or s.pcie_rx_bytes_per_second is not None:
+        if s.pcie_rx_counter_bytes is not None or s.pcie_rx_bytes_per_second is not None:
             return
-        if dev.gpm_supported and dev.gpm_has_pcie is not False:
-            return  # GPM gives the rates (from its second reading on)
+        if dev.gpm_supported and not dev.gpm_closed:
+            return  # GPM gives the rates from its first full window on
         nv, lib, key = self.nvml, self.nvml.lib, dev.identity.index
         rx = nv.call("nvmlDeviceGetPcieThroughput", dev.handle, lib.NVML_PCIE_UTIL_RX_BYTES,
                      device=key)
@@ -484,8 +706,10 @@ class NvmlBackend:
             log.warning("GPU %s came back with another UUID (%s, was %s)", gpu.index, uuid,
                         gpu.uuid)
         dev = self._devices[gpu.index]
+        self._free_gpm(dev)  # the samples of the old handle
         dev.handle = handle
-        dev.gpm_supported, dev.gpm_primed, dev.gpm_has_pcie = None, False, None
+        dev.reset()
+        self._mig_stale = True  # its MIG devices, if any, have new handles too
         return True
 
     def wait_xid(self, timeout_s: float) -> list[tuple[str, int]]:
@@ -495,7 +719,7 @@ class NvmlBackend:
                 self._event_set = nv.call("nvmlEventSetCreate", query="xid")
                 if self._event_set is None:
                     return []
-                for index, dev in self._devices.items():
+                for index, dev in list(self._devices.items()):  # rescan() may change it
                     if dev.handle is not None and not dev.identity.parent:
                         nv.call("nvmlDeviceRegisterEvents", dev.handle,
                                 lib.nvmlEventTypeXidCriticalError, self._event_set,
@@ -505,50 +729,47 @@ class NvmlBackend:
         if data is None:
             return []
         uuid = _text(nv.call("nvmlDeviceGetUUID", data.device, query="xid_uuid") or "")
-        for index, dev in self._devices.items():
+        for index, dev in list(self._devices.items()):
             if dev.identity.uuid == uuid:
                 return [(index, int(data.eventData))]
         return []
 
     def close(self) -> None:
-        for dev in self._devices.values():
-            for sample in dev.gpm_samples:
-                if sample is not None:
-                    self.nvml.call("nvmlGpmSampleFree", sample, query="gpm_free")
+        for dev in list(self._devices.values()):
+            self._free_gpm(dev)
         if self._event_set is not None:
             self.nvml.call("nvmlEventSetFree", self._event_set, query="xid_free")
-        self.nvml.shutdown()
-
-
-def _float(v: Any) -> float | None:
-    return None if v is None else float(v)
+        self.nvml.shutdown()  # after the calls still in flight (the Xid wait, a slow GPU)
 
 
 class DemoBackend:
-    """Simulated H100-like GPUs whose load moves over time (or is pinned with ``load``).
+    """Simulated H100 SXM GPUs whose load moves over time (or is pinned with ``load``).
 
-    Every value stays within what a real H100 SXM reports, so dashboards and alerts behave as
-    they would on hardware. ``load`` in 0-1 pins every GPU at that busy ratio; None lets each
-    GPU follow its own slow wave.
+    Each gauge's value is its descriptor's (gpu_metrics: a figure of an H100 SXM5 80GB as NVML
+    reports it, or a function of the GPU's busy ratio), so dashboards and alerts behave as they
+    would on hardware; the counters, clocks and memory health are simulated here from those.
+    ``load`` in 0-1 pins every GPU at that busy ratio; None lets each GPU follow its own slow
+    wave, or the processes on it (:meth:`follow`, ``foreign_load``). ``foreign_load`` in 0-1
+    puts a process no rank owns (:attr:`FOREIGN_PID`, holding :attr:`FOREIGN_MEMORY`) on GPU 0,
+    busy that share of the time.
     """
 
     name = "demo"
     driver_version = "demo"
-    MEMORY_TOTAL = 80 * 1024**3
-    POWER_LIMIT = 700.0
-    IDLE_POWER = 70.0
-
-    NVLINK_LINKS = 18  # H100 SXM: NVLink 4, 18 links of 26.5625 GB/s per direction
-    NVLINK_LINK_SPEED = 26.5625e9
+    SM_CLOCK_MAX, SM_CLOCK_IDLE, MEMORY_CLOCK = 1980e6, 1155e6, 2619e6
     ECC_EVERY_SECONDS = 600.0  # the last demo GPU corrects one ECC error this often
+    FOREIGN_PID = 2**22 + 7  # over Linux's largest pid: no real process is it or its parent
+    FOREIGN_MEMORY = 4 * 1024 * MIB
 
     def __init__(self, gpus: int = 8, load: float | None = None,
                  clock: Callable[[], float] = time.monotonic, host: str | None = None,
-                 memory_fault: bool = False) -> None:
-        if load is not None and not 0.0 <= load <= 1.0:
-            raise ValueError(f"demo load must be between 0 and 1, got {load}")
+                 memory_fault: bool = False, foreign_load: float | None = None) -> None:
+        for what, ratio in (("load", load), ("foreign load", foreign_load)):
+            if ratio is not None and not 0.0 <= ratio <= 1.0:
+                raise ValueError(f"demo {what} must be between 0 and 1, got {ratio}")
         self.gpus = gpus
         self.load = load
+        self.foreign_load = foreign_load
         self._clock = clock
         self._start = clock()
         self._last: dict[str, float] = {}
@@ -559,7 +780,7 @@ class DemoBackend:
         self._host = host or socket.gethostname()  # demo UUIDs differ between nodes
         self._ranks: Callable[[], Iterable[Any]] | None = None
         self._rates: dict[tuple, tuple[float, float, float]] = {}  # rank -> (at, compute, busy)
-        self._work: tuple[float, dict[str, tuple[tuple[int, ...], float]]] = (-1.0, {})
+        self._work: tuple[float, dict[str, dict[int, float]]] = (-1.0, {})
         self._work_lock = threading.Lock()
 
     def follow(self, ranks: Callable[[], Iterable[Any]]) -> None:
@@ -570,7 +791,8 @@ class DemoBackend:
         or UUID) uses those; any other rank with a pid uses GPU ``rank % gpus`` (rank 0 on
         GPU 0). The load is the share of wall time the rank spent in steps but not waiting
         for data, from its last two pushes; a rank that stopped pushing leaves its GPU idle
-        but held. A pinned ``load`` still wins."""
+        but held. A GPU's load is its processes' shares added up (at most 1); a pinned
+        ``load`` still wins, the shares then scaled to it."""
         self._ranks = ranks
         # what a rank may name a demo GPU by -> its index
         self._refs = {**{str(i): str(i) for i in range(self.gpus)},
@@ -593,15 +815,14 @@ class DemoBackend:
             return self.load
         return 0.55 + 0.4 * math.sin(t / 60.0 + index * 0.7)
 
-    def _workload(self, now: float) -> dict[str, tuple[tuple[int, ...], float]]:
-        """GPU index -> (pids, summed busy share) of the ranks followed, once per cycle."""
+    def _workload(self, now: float) -> dict[str, dict[int, float]]:
+        """GPU index -> {pid: busy share} of the ranks followed, once per cycle."""
         with self._work_lock:
             at, work = self._work
             if now - at < 0.2 or self._ranks is None:
                 return work
             refs = self._refs
-            pids: dict[str, list[int]] = {}
-            busy: dict[str, float] = {}
+            work = {}
             rates = {}
             for st in self._ranks():
                 if st.pid is None:
@@ -613,10 +834,9 @@ class DemoBackend:
                 key = (st.run, st.rank, st.run_id)
                 rates[key] = share = self._busy_share(key, st, now)
                 for index in mine:
-                    pids.setdefault(index, []).append(st.pid)
-                    busy[index] = busy.get(index, 0.0) + share[2] / len(mine)
+                    on = work.setdefault(index, {})
+                    on[st.pid] = on.get(st.pid, 0.0) + share[2] / len(mine)
             self._rates = rates
-            work = {i: (tuple(p), min(1.0, busy[i])) for i, p in pids.items()}
             self._work = (now, work)
             return work
 
@@ -640,63 +860,63 @@ class DemoBackend:
         now = self._clock()
         i = int(gpu.index)
         load = self.load_of(i, now - self._start)
-        pids, followed = self._workload(now).get(gpu.index, ((), None))
-        if followed is not None and self.load is None:
-            load = followed
+        shares = dict(self._workload(now).get(gpu.index, {}))  # pid -> busy share
+        ranks = tuple(shares)
+        if i == 0 and self.foreign_load is not None:
+            shares[self.FOREIGN_PID] = self.foreign_load
+        busy = sum(shares.values())
+        if shares and self.load is None:
+            load = min(1.0, busy)
+        scale = load / busy if busy > 0 else 0.0  # as a GPU shared in time: they add up
         dt = now - self._last.get(gpu.index, now)
         self._last[gpu.index] = now
-        power = self.IDLE_POWER + (self.POWER_LIMIT * 0.9 - self.IDLE_POWER) * load
-        self._energy[gpu.index] = self._energy.get(gpu.index, 0.0) + power * dt
-        link = PCIE_LANE_BYTES_PER_SECOND[5] * 16
+        s = GpuSample(timestamp=now, pids=tuple(shares))
+        for m in DEMO_GAUGES:
+            setattr(s, m.attr, m.demo_value(load))
+        # as NVML, only the processes busy in the window have a sample
+        s.process_utilization = {pid: (share * scale, s.dram_active * share * scale / load)
+                                 for pid, share in shares.items() if share * scale > 0}
+        self._energy[gpu.index] = self._energy.get(gpu.index, 0.0) + s.power_watts * dt
+        s.energy_counter_joules = self._energy[gpu.index]
+        link = s.pcie_link_max_bytes_per_second
         rx_rate, tx_rate = 0.08 * link * load, 0.01 * link * load
         pcie = self._pcie.setdefault(gpu.index, [0.0, 0.0])
         pcie[0] += rx_rate * dt
         pcie[1] += tx_rate * dt
+        s.pcie_rx_counter_bytes, s.pcie_tx_counter_bytes = pcie
         # gradients all-reduced over NVLink while busy: a third of the links' bandwidth at full load
-        nvlink_rate = 0.33 * self.NVLINK_LINKS * self.NVLINK_LINK_SPEED * load
+        nvlink_rate = 0.33 * s.nvlink_links * s.nvlink_link_max_bytes_per_second * load
         nvlink = self._nvlink.setdefault(gpu.index, [0.0, 0.0])
         nvlink[0] += nvlink_rate * dt
         nvlink[1] += nvlink_rate * dt
+        s.nvlink_rx_counter_bytes, s.nvlink_tx_counter_bytes = nvlink
         # the last GPU has remapped a row and corrects an ECC error now and then; with
         # memory_fault it has an uncorrectable error and a remap waiting for a reset
         last = i == self.gpus - 1
         fault = last and self.memory_fault
-        ecc = {"corrected": float(int((now - self._start) / self.ECC_EVERY_SECONDS)) if last
-               else 0.0, "uncorrected": 1.0 if fault else 0.0}
-        remapped = {"correctable": 1.0 if last else 0.0, "uncorrectable": 1.0 if fault else 0.0,
-                    "pending": 1.0 if fault else 0.0, "failed": 0.0}
-        return GpuSample(
-            timestamp=now,
-            nvlink_rx_bytes=nvlink[0],
-            nvlink_tx_bytes=nvlink[1],
-            nvlink_links=self.NVLINK_LINKS,
-            nvlink_link_max_bytes_per_second=self.NVLINK_LINK_SPEED,
-            ecc_errors=ecc,
-            remapped_rows=remapped,
-            utilization=load,
-            sm_active=0.85 * load,
-            sm_occupancy=0.45 * load,
-            tensor_active=0.35 * load,
-            dram_active=0.5 * load,
-            memory_used_bytes=self.MEMORY_TOTAL * (0.05 + 0.7 * min(1.0, load * 1.5)),
-            memory_total_bytes=float(self.MEMORY_TOTAL),
-            power_watts=power,
-            power_limit_watts=self.POWER_LIMIT,
-            energy_joules=self._energy[gpu.index],
-            pcie_rx_bytes=pcie[0],
-            pcie_tx_bytes=pcie[1],
-            pcie_link_max_bytes_per_second=link,
-            temperature_celsius=32.0 + 40.0 * load,
-            clocks_hertz={"sm": (1155 + 825 * load) * 1e6, "memory": 2619e6},
-            clock_event_seconds={"sw_power_cap": 0.0, "hw_thermal_slowdown": 0.0},
-            pids=pids,
-            # the ranks on it hold what the simulated GPU uses, less a context's 512 MiB
-            process_memory={pid: max(0.0, self.MEMORY_TOTAL * (0.05 + 0.7 * min(1.0, load * 1.5))
-                                     - 512 * MIB) / len(pids) for pid in pids},
-        )
+        s.ecc_volatile_errors = {
+            "corrected": float(int((now - self._start) / self.ECC_EVERY_SECONDS)) if last
+            else 0.0, "uncorrected": 1.0 if fault else 0.0}
+        s.remapped_rows = {"correctable": 1.0 if last else 0.0,
+                           "uncorrectable": 1.0 if fault else 0.0,
+                           "pending": 1.0 if fault else 0.0, "failed": 0.0}
+        s.clocks_hertz = {"sm": self.SM_CLOCK_IDLE + (self.SM_CLOCK_MAX - self.SM_CLOCK_IDLE)
+                          * load, "memory": self.MEMORY_CLOCK}
+        s.clock_event_counter_seconds = {"sw_power_cap": 0.0, "hw_thermal_slowdown": 0.0}
+        # the ranks on it hold what the simulated GPU uses, less a context's 512 MiB
+        s.process_memory = {pid: max(0.0, s.memory_used_bytes - 512 * MIB) / len(ranks)
+                            for pid in ranks}
+        if self.FOREIGN_PID in shares:
+            s.process_memory[self.FOREIGN_PID] = float(self.FOREIGN_MEMORY)
+            s.memory_used_bytes = min(s.memory_total_bytes,
+                                      s.memory_used_bytes + self.FOREIGN_MEMORY)
+        return s
 
     def reopen(self, gpu: GpuIdentity) -> bool:
         return True
+
+    def rescan(self) -> list[GpuIdentity] | None:
+        return None  # the demo GPUs never change
 
     def wait_xid(self, timeout_s: float) -> list[tuple[str, int]]:
         time.sleep(timeout_s)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from exporter.reading.gpu_backends import BackendUnavailable, GpuBackend, GpuIdentity, GpuSample
-from exporter.reading.nvml import GpuLostError
+from exporter.reading.nvml import GpuLostError, StaleHandleError
 
 if TYPE_CHECKING:
     from exporter.reading.collectors.base import HostCollector
@@ -42,8 +42,10 @@ class CollectorStatus:
 class GpuState:
     """One GPU in a snapshot: its latest reading and its integrated counters.
 
-    A counter is None until its source has given a value, so that a GPU without, say,
-    an energy counter exports no energy series rather than a zero.
+    Each counter here is the exported one: it counts from the exporter's start and never goes
+    down, whatever its source did (the source's own counters are GpuSample's ``*_counter_*``
+    and ``ecc_volatile_errors``). A counter is None until its source has given a value, so
+    that a GPU without, say, an energy counter exports no energy series rather than a zero.
     """
 
     identity: GpuIdentity
@@ -61,6 +63,11 @@ class GpuState:
     # from the driver's volatile count at the first reading, then its increases: monotonic
     # across a driver reload, where the volatile count starts again from 0
     ecc_errors: dict[str, float] = field(default_factory=dict)
+    # per process on the GPU, the seconds it kept the SMs (and the memory) busy while it was
+    # there: its utilisation samples integrated like the GPU's own busy time; a process is
+    # forgotten once it leaves the GPU
+    process_busy_seconds: dict[int, float] = field(default_factory=dict)
+    process_memory_busy_seconds: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -91,21 +98,37 @@ class _GpuSlot:
 def _integrate_link(st: GpuState, sample: GpuSample, prev: GpuSample | None, link: str,
                     dt: float) -> None:
     """Add a link's received and transmitted bytes since ``prev`` to the GPU's counters
-    (``<link>_rx_bytes``, ``<link>_tx_bytes``): the increase of the source's cumulative
-    counters where it has them, else its rates (bytes/s) times the ``dt`` seconds seen."""
-    rx, tx = getattr(sample, f"{link}_rx_bytes"), getattr(sample, f"{link}_tx_bytes")
-    if rx is not None and tx is not None:
-        before = (getattr(prev, f"{link}_rx_bytes"), getattr(prev, f"{link}_tx_bytes")) \
-            if prev else (None, None)
-        add = (_delta(rx, before[0]), _delta(tx, before[1]))
-    elif getattr(sample, f"{link}_rx_bytes_per_second") is not None:
+    (``<link>_rx_bytes``, ``<link>_tx_bytes``): the source's rates (bytes/s) times the ``dt``
+    seconds seen where it gives rates (the backend gives them where they are the better
+    source, as GPM's for PCIe), else the increase of its own cumulative counters
+    (``<link>_rx_counter_bytes``, ``<link>_tx_counter_bytes``)."""
+    rx, tx = (getattr(sample, f"{link}_{d}_counter_bytes") for d in ("rx", "tx"))
+    if getattr(sample, f"{link}_rx_bytes_per_second") is not None:
         add = (getattr(sample, f"{link}_rx_bytes_per_second") * dt,
                (getattr(sample, f"{link}_tx_bytes_per_second") or 0.0) * dt)
+    elif rx is not None and tx is not None:
+        before = tuple(getattr(prev, f"{link}_{d}_counter_bytes") for d in ("rx", "tx")) \
+            if prev else (None, None)
+        add = (_delta(rx, before[0]), _delta(tx, before[1]))
     else:
         return
     for direction, inc in zip(("rx", "tx"), add, strict=True):
         name = f"{link}_{direction}_bytes"
         setattr(st, name, (getattr(st, name) or 0.0) + inc)
+
+
+def _integrate_processes(st: GpuState, sample: GpuSample, dt: float) -> None:
+    """Add each process's busy seconds since the last reading (its utilisation ratios over the
+    ``dt`` seconds seen) to its counters; forget the processes that left the GPU."""
+    for pid, (sm, memory) in sample.process_utilization.items():
+        st.process_busy_seconds[pid] = st.process_busy_seconds.get(pid, 0.0) + sm * dt
+        if memory is not None:
+            st.process_memory_busy_seconds[pid] = \
+                st.process_memory_busy_seconds.get(pid, 0.0) + memory * dt
+    here = {*sample.pids, *sample.process_utilization}
+    for counters in (st.process_busy_seconds, st.process_memory_busy_seconds):
+        for pid in [p for p in counters if p not in here]:
+            del counters[pid]
 
 
 def _delta(current: float | None, previous: float | None) -> float:
@@ -140,6 +163,7 @@ class Sampler:
         self._backend_error: str | None = None
         self._backend_next_try = 0.0
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
         self._status: dict[str, CollectorStatus] = {}
         self._cycle = 0
         self._last_cycle_at: float | None = None
@@ -269,15 +293,41 @@ class Sampler:
         self._backend_error = None
         self._backend_ready = True
         self._slots = [_GpuSlot(i) for i in identities]
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self._slots)),
-                                        thread_name_prefix="gputrain-gpu")
+        self._size_pool()
         log.info("%s backend: %d GPU(s), driver %s", self.backend.name, len(self._slots),
                  self.backend.driver_version or "unknown")
         return True
 
+    def _size_pool(self) -> None:
+        """One worker per GPU, so that a hung GPU holds up no other."""
+        if self._pool is not None and self._pool_size >= len(self._slots):
+            return
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)  # its running reads finish on their own
+        self._pool_size = max(1, len(self._slots))
+        self._pool = ThreadPoolExecutor(max_workers=self._pool_size,
+                                        thread_name_prefix="gputrain-gpu")
+
+    def _rescan(self) -> None:
+        """Take the backend's new list of GPUs (MIG devices reconfigured): a GPU still listed
+        keeps its slot and counters, a new one starts from nothing, a gone one is dropped."""
+        rescan = getattr(self.backend, "rescan", None)
+        try:
+            identities = rescan() if rescan is not None else None
+        except Exception as exc:
+            log.warning("listing the GPUs again failed: %s", exc)
+            return
+        if identities is None:
+            return
+        old = {slot.state.identity: slot for slot in self._slots}
+        self._slots = [old.pop(i, None) or _GpuSlot(i) for i in identities]
+        self._size_pool()
+        log.info("GPUs now: %s", ", ".join(i.index for i in identities))
+
     def _sample_gpus(self) -> tuple[GpuState, ...] | None:
         if not self._open_backend():
             return None
+        self._rescan()
         now = self._clock()
         started: list[_GpuSlot] = []
         for slot in self._slots:
@@ -310,7 +360,11 @@ class Sampler:
         with self._xid_lock:
             return tuple(replace(s.state, clock_event_seconds=dict(s.state.clock_event_seconds),
                                  xid_errors=dict(s.state.xid_errors),
-                                 ecc_errors=dict(s.state.ecc_errors)) for s in self._slots)
+                                 ecc_errors=dict(s.state.ecc_errors),
+                                 process_busy_seconds=dict(s.state.process_busy_seconds),
+                                 process_memory_busy_seconds=dict(
+                                     s.state.process_memory_busy_seconds))
+                         for s in self._slots)
 
     def _reopen_and_sample(self, identity: GpuIdentity) -> GpuSample:
         if not self.backend.reopen(identity):
@@ -321,6 +375,11 @@ class Sampler:
         st = slot.state
         try:
             sample: GpuSample = fut.result()
+        except StaleHandleError as exc:  # a MIG device reconfigured away: listed again next
+            log.info("GPU %s (%s) is gone: %s", st.identity.index, st.identity.uuid, exc)
+            slot.lost, st.up, slot.previous = True, False, None
+            slot.next_retry = self._clock() + LOST_GPU_RETRY_SECONDS
+            return
         except GpuLostError as exc:
             if not slot.lost:
                 log.error("GPU %s (%s) is lost: %s; retrying every %.0fs", st.identity.index,
@@ -342,21 +401,24 @@ class Sampler:
         st.sampled_seconds += dt_seen
         if sample.utilization is not None:
             st.busy_seconds = (st.busy_seconds or 0.0) + sample.utilization * dt_seen
-        if sample.energy_joules is not None:
-            inc = _delta(sample.energy_joules, prev.energy_joules if prev else None)
+        if sample.energy_counter_joules is not None:
+            inc = _delta(sample.energy_counter_joules, prev.energy_counter_joules if prev else None)
             st.energy_joules = (st.energy_joules or 0.0) + inc
         elif sample.power_watts is not None:
             st.energy_joules = (st.energy_joules or 0.0) + sample.power_watts * dt_seen
         for link in ("pcie", "nvlink"):  # bytes each way: the source's counters, else rates
             _integrate_link(st, sample, prev, link, dt_seen)
-        for kind, count in sample.ecc_errors.items():
-            before = prev.ecc_errors.get(kind) if prev else None
+        for kind, count in sample.ecc_volatile_errors.items():
+            before = prev.ecc_volatile_errors.get(kind) if prev else None
             if kind not in st.ecc_errors:
                 st.ecc_errors[kind] = count  # the errors since the driver loaded
             else:
                 st.ecc_errors[kind] += _delta(count, before)
-        for reason, seconds in sample.clock_event_seconds.items():
-            before = prev.clock_event_seconds.get(reason) if prev else None
+        _integrate_processes(st, sample, dt_seen)
+        for reason in set(st.clock_event_seconds) - set(sample.clock_event_counter_seconds):
+            del st.clock_event_seconds[reason]  # its source was found untrustworthy: gone
+        for reason, seconds in sample.clock_event_counter_seconds.items():
+            before = prev.clock_event_counter_seconds.get(reason) if prev else None
             st.clock_event_seconds[reason] = st.clock_event_seconds.get(reason, 0.0) + _delta(
                 seconds, before)
         st.sample = sample

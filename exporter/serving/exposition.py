@@ -21,11 +21,11 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.exposition import choose_encoder
 
 from exporter.reading.collectors import GpuCollector, Rendered, SelfCollector
-from exporter.reading.collectors.training import TrainingCollector
 from exporter.reading.peak_flops import PeakTable
 from exporter.reading.sampler import CollectorStatus, Sampler
 from exporter.serving.ingest import IngestStore
 from exporter.serving.status import StatusView
+from exporter.serving.training import GpuShares, TrainingCollector
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,8 @@ class Exposition:
 
     def __init__(self, sampler: Sampler, store: IngestStore | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 peaks: PeakTable | None = None, status: StatusView | None = None) -> None:
+                 peaks: PeakTable | None = None, status: StatusView | None = None,
+                 shares: GpuShares | None = None) -> None:
         self.sampler = sampler
         self.status = status  # the daemon's own view (/, /api/v1/status), served beside
         self._clock = clock
@@ -68,7 +69,8 @@ class Exposition:
         self.node = CollectorRegistry()
         for collector in self.collectors:
             self.node.register(collector)
-        self.training = TrainingCollector(store, snap) if store is not None else None
+        self.training = TrainingCollector(store, snap, shares=shares) \
+            if store is not None else None
         # per content type, as prometheus_client's choose_encoder names it
         self._encoders: dict[str, Callable[[CollectorRegistry], bytes]] = {}
         self._node_cache: dict[str, tuple[int, bytes]] = {}

@@ -18,22 +18,23 @@ import math
 import threading
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
-from exporter.client.monitor import OUTSIDE_STEP_PHASES
-from exporter.heuristics.rules import THROTTLE_REASONS
-from exporter.heuristics.verdict import GpuReading, RankReport, rank_order
-from exporter.reading.collectors.training import GpuIndex, resolve_gpus
+from exporter.heuristics.promql import THROTTLE_REASONS
+from exporter.heuristics.readings import GpuReading, RankReport, rank_order, window_seconds
+from exporter.protocol import OUTSIDE_STEP_PHASES
 from exporter.reading.peak_flops import PeakTable
 from exporter.reading.sampler import GpuState, Snapshot
 from exporter.serving.ingest import RankState
+from exporter.serving.training import GpuIndex, GpuShares, resolve_gpus
 
-WINDOW_SECONDS = 300.0  # the recording rules' 5m
+WINDOW_SECONDS = window_seconds("rate")  # the recording rules' ratios
 POINT_SECONDS = 10.0  # a ratio over the window is exact to its end; its start may be this late
-RSS_POINT_SECONDS = 60.0
-RSS_SECONDS = 3600.0  # the leak rule's longer range (1h)
-LEAK_MIN_SECONDS = 900.0  # its shorter range (15m): the leak is judged once this much is seen
+SLOW_POINT_SECONDS = 60.0  # a rank's memory and a GPU's error counts: a point a minute
+RSS_SECONDS = window_seconds("leak")  # the leak rule's longer range
+LEAK_MIN_SECONDS = window_seconds("leak_recent")  # its shorter: judged once this much is seen
+FAULT_SECONDS = window_seconds("fault")  # new Xid and ECC errors count this long
 
 
 class _GpuPoint(NamedTuple):
@@ -49,6 +50,10 @@ class _GpuPoint(NamedTuple):
     tensor_n: int
     power: float
     power_n: int
+    # seconds its processes kept it busy: each live rank's, and no rank's (None where the
+    # driver gives no per-process samples)
+    ranks_busy: dict[tuple[str, str], float]
+    unattributed: float | None
 
 
 class _HostPoint(NamedTuple):
@@ -81,6 +86,9 @@ class _GpuTrack:
     points: deque = field(default_factory=deque)
     previous: _GpuPoint | None = None  # one cycle ago
     current: _GpuPoint | None = None
+    # (t, Xid errors, uncorrectable ECC errors) a minute apart, over the fault window
+    errors: deque = field(default_factory=lambda: deque(
+        maxlen=int(FAULT_SECONDS / SLOW_POINT_SECONDS) + 2))
 
 
 @dataclass
@@ -101,8 +109,10 @@ class History:
     """A bounded window of snapshots and rank totals (see the module docstring)."""
 
     def __init__(self, window: float = WINDOW_SECONDS, point_seconds: float = POINT_SECONDS,
-                 peaks: PeakTable | None = None, instance: str = "") -> None:
+                 peaks: PeakTable | None = None, instance: str = "",
+                 shares: GpuShares | None = None) -> None:
         self.window = window
+        self.shares = shares or GpuShares()  # the page's, where the daemon shares one
         self.point_seconds = point_seconds
         self.peaks = peaks or PeakTable()
         self.instance = instance
@@ -122,6 +132,9 @@ class History:
     def observe(self, snap: Snapshot, states: Iterable[RankState]) -> None:
         """Note one sampler cycle and the ranks live at its end."""
         t = snap.timestamp
+        states = list(states)
+        self.shares.observe(snap, states)
+        ranks_busy, unowned = self.shares.totals()
         with self._lock:
             if self.first_seen is None:
                 self.first_seen = t
@@ -133,7 +146,11 @@ class History:
                 track = self._gpus.get(key)
                 if track is None:
                     track = self._gpus[key] = _GpuTrack(st, points=deque(maxlen=self._points))
-                self._note_gpu(track, st, t)
+                gpu = (st.identity.index, st.identity.uuid)
+                self._note_gpu(track, st, t,
+                               {rank: busy[gpu][0] for rank, busy in ranks_busy.items()
+                                if gpu in busy},
+                               unowned[gpu][0] if gpu in unowned else None)
             for key in [k for k in self._gpus if k not in seen]:
                 del self._gpus[key]
             self._note_host(snap, t)
@@ -143,7 +160,7 @@ class History:
                 track = self._ranks.get(key)
                 if track is None:
                     track = _RankTrack(st, points=deque(maxlen=self._points),
-                                       rss=deque(maxlen=int(RSS_SECONDS / RSS_POINT_SECONDS) + 1))
+                                       rss=deque(maxlen=int(RSS_SECONDS / SLOW_POINT_SECONDS) + 1))
                     track.points.append(self._rank_point(track, t))
                 elif st is not track.state:
                     self._note_push(track, st)
@@ -152,13 +169,15 @@ class History:
                 if t - track.points[-1].t >= self.point_seconds:
                     track.points.append(self._rank_point(track, t))
                 rss = st.process.get("resident_memory_bytes")
-                if rss is not None and (not track.rss or t - track.rss[-1][0] >= RSS_POINT_SECONDS):
+                if rss is not None and (not track.rss
+                                        or t - track.rss[-1][0] >= SLOW_POINT_SECONDS):
                     track.rss.append((t, rss))
                 live[key] = track
             self._ranks = live  # a rank the ingest forgot is forgotten here too
             self.version += 1
 
-    def _note_gpu(self, track: _GpuTrack, st: GpuState, t: float) -> None:
+    def _note_gpu(self, track: _GpuTrack, st: GpuState, t: float,
+                  ranks_busy: dict[tuple[str, str], float], unattributed: float | None) -> None:
         track.state = st
         s = st.sample
         sums = track.sums
@@ -168,9 +187,11 @@ class History:
                 if value is not None:
                     sums[i] += value
                     sums[i + 1] += 1
+        if not track.errors or t - track.errors[-1][0] >= SLOW_POINT_SECONDS:
+            track.errors.append((t, *_error_counts(st)))
         throttle = sum(st.clock_event_seconds.get(r, 0.0) for r in THROTTLE_REASONS)
         point = _GpuPoint(t, st.sampled_seconds, st.busy_seconds, st.pcie_rx_bytes,
-                          st.pcie_tx_bytes, throttle, *sums)
+                          st.pcie_tx_bytes, throttle, *sums, ranks_busy, unattributed)
         track.previous, track.current = track.current, point
         if not track.points or t - track.points[-1].t >= self.point_seconds:
             track.points.append(point)
@@ -192,14 +213,16 @@ class History:
     def _note_push(self, track: _RankTrack, st: RankState) -> None:
         old = track.state
         if st.run_id != old.run_id:  # a restarted process counts from 0: carry the old totals
+            track.rss.clear()  # and its memory is a new process's: no leak across a restart
             for key in _COUNTERS:
                 track.offsets[key] = track.offsets.get(key, 0.0) + (getattr(old, key) or 0.0)
             for name, seconds in old.phases.items():
                 track.phase_offsets[name] = track.phase_offsets.get(name, 0.0) + seconds
             if st.bucket_bounds == old.bucket_bounds and old.bucket_counts:
+                counts = old.cumulative_counts
                 track.bucket_offsets = tuple(
-                    a + b for a, b in zip(track.bucket_offsets or (0,) * len(old.bucket_counts),
-                                          old.bucket_counts, strict=True))
+                    a + b for a, b in zip(track.bucket_offsets or (0,) * len(counts), counts,
+                                          strict=True))
             else:
                 track.bucket_offsets, track.epoch = (), track.epoch + 1
         elif st.bucket_bounds != old.bucket_bounds:
@@ -211,7 +234,7 @@ class History:
         phases = dict(track.phase_offsets)
         for name, seconds in st.phases.items():
             phases[name] = phases.get(name, 0.0) + seconds
-        buckets = st.bucket_counts
+        buckets = st.cumulative_counts
         if track.bucket_offsets and len(track.bucket_offsets) == len(buckets):
             buckets = tuple(a + b for a, b in zip(buckets, track.bucket_offsets, strict=True))
         flops = None if st.flops is None else st.flops + off.get("flops", 0.0)
@@ -219,7 +242,7 @@ class History:
                           st.step_seconds + off.get("step_seconds", 0.0),
                           st.data_wait_seconds + off.get("data_wait_seconds", 0.0),
                           st.samples + off.get("samples", 0.0), flops, st.wall_seconds, phases,
-                          (*buckets, st.steps + off.get("steps", 0.0)), track.epoch)
+                          buckets, track.epoch)
 
     # -- reading (a request's thread) -------------------------------------------------------
 
@@ -238,6 +261,11 @@ class History:
         """The latest pushed state of every live (run, rank)."""
         with self._lock:
             return {key: tr.state for key, tr in self._ranks.items()}
+
+    def collectors_failing(self) -> list[str]:
+        """The collectors whose last cycle failed, by name."""
+        snap = self._snapshot
+        return sorted(n for n, c in snap.collectors.items() if not c.success) if snap else []
 
     def seconds_seen(self) -> float:
         """How much of the window the history covers, in seconds."""
@@ -270,7 +298,8 @@ class History:
                     if start is not None and (old is None or old.t >= now.t):
                         # younger than a point: its last cycle, which lies inside it
                         old = tr.previous
-                reading = GpuReading(st.identity.index, st.identity.uuid)
+                reading = GpuReading(st.identity.index, st.identity.uuid, up=st.up)
+                self._faults(reading, tr)
                 s = st.sample
                 if s is not None and s.memory_total_bytes and s.memory_used_bytes is not None:
                     reading.memory_used = s.memory_used_bytes / s.memory_total_bytes
@@ -285,6 +314,27 @@ class History:
                             rates[name] = max(0.0, b - a) / dt
                 out[key] = (st, reading, rates)
             return out
+
+    def _faults(self, reading: GpuReading, tr: _GpuTrack) -> None:
+        """The GPU's Xid and uncorrectable ECC errors over the fault window, and its row
+        remaps, as the fault alerts read them. Errors the exporter found when it started,
+        less than a fault window ago, count too (a counter's first sample is no increase)."""
+        st, s = tr.state, tr.state.sample
+        if tr.errors and tr.current is not None:
+            t = tr.current.t
+            xid, ecc = _error_counts(st)
+            old = next(p for p in tr.errors if t - p[0] <= FAULT_SECONDS)
+            fresh = self.first_seen is not None and t - self.first_seen <= FAULT_SECONDS
+            reading.xid_errors = xid - old[1]
+            reading.ecc_uncorrected = ecc if fresh else ecc - old[2]
+        if s is not None and st.up:
+            rows = s.remapped_rows
+            if rows:
+                reading.remap_failed = rows.get("failed", 0.0) > 0
+            pending = rows.get("pending", 0.0) > 0 if rows else None
+            if s.retired_pages_pending is not None:
+                pending = bool(pending) or s.retired_pages_pending > 0
+            reading.remap_pending = pending
 
     def host_readings(self, recent: bool = False, start: float | None = None) -> \
             dict[str, float]:
@@ -360,7 +410,8 @@ class History:
                 if old.t not in younger:
                     younger[old.t] = (self.gpu_readings(old.t), self.host_readings(start=old.t))
                 rank_gpus, rank_host = younger[old.t]
-            rep = RankReport("", self.instance, st.run, st.rank, host=dict(rank_host))
+            rep = RankReport("", self.instance, st.run, st.rank, host=dict(rank_host),
+                             collectors_failing=self.collectors_failing())
             if old is not None:
                 _rank_window(rep, old, now, st.bucket_bounds)
             if st.last_step_timestamp is not None:
@@ -377,6 +428,9 @@ class History:
                 if entry is None:
                     continue
                 state, reading, _ = entry
+                if reading.unattributed is not None:  # the share no rank of this run owns
+                    reading = replace(reading, foreign=reading.unattributed + sum(
+                        v for (run, _), v in reading.shares.items() if run != st.run))
                 rep.gpus.append(reading)
                 if not state.identity.parent:  # a MIG slice has no peak of its own
                     peak += self.peaks.peaks(state.identity.name).get(st.precision, 0.0)
@@ -387,14 +441,25 @@ class History:
         return sorted(out, key=lambda r: (r.run, rank_order(r.rank)))
 
 
+def _error_counts(st: GpuState) -> tuple[float, float]:
+    """A GPU's Xid errors and uncorrectable ECC errors, both counted since the exporter
+    started (the ECC count from the driver's at the first reading)."""
+    return float(sum(st.xid_errors.values())), st.ecc_errors.get("uncorrected", 0.0)
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
 
 def _gpu_window(reading: GpuReading, old: _GpuPoint, now: _GpuPoint, sample) -> None:
-    """The rules' ``gpu:`` ratios over the window from ``old`` to ``now``."""
+    """The rules' ``gpu:`` ratios over the window from ``old`` to ``now``, and the shares of
+    the GPU's time each rank's processes, and no rank's, kept it busy."""
     sampled = now.sampled - old.sampled
     if sampled > 0:
+        reading.shares = {rank: max(0.0, busy - old.ranks_busy.get(rank, 0.0)) / sampled
+                          for rank, busy in now.ranks_busy.items()}
+        if now.unattributed is not None:
+            reading.unattributed = max(0.0, now.unattributed - (old.unattributed or 0.0)) / sampled
         if now.busy is not None:
             reading.busy = (now.busy - (old.busy or 0.0)) / sampled
         link = sample.pcie_link_max_bytes_per_second if sample is not None else None

@@ -2,7 +2,7 @@
 
 A push carries the client's cumulative totals, so a lost or repeated push loses nothing. A
 push is validated whole before anything is stored: a rejected push leaves the state as it was.
-See the README's "Push protocol" for the schema.
+docs/push-protocol.md has the schema.
 """
 
 from __future__ import annotations
@@ -73,6 +73,12 @@ class RankState:
     gpus: tuple[str, ...] = ()
     capabilities: tuple[str, ...] = ()  # what the client understands in a push answer
     profile_report: dict[str, Any] | None = None  # the client's state of a profile, this push
+
+    @property
+    def cumulative_counts(self) -> tuple[int, ...]:
+        """The step histogram's cumulative counts with the +Inf bucket, which is every step
+        (the client sends the finite buckets only)."""
+        return (*self.bucket_counts, self.steps)
 
 
 def _reject_constant(name: str) -> Any:

@@ -21,10 +21,11 @@ from typing import Any
 from exporter import __version__
 from exporter.heuristics.verdict import (
     ORDER,
-    UNDERUTILIZED,
+    NodeReport,
     RankReport,
     judge,
     mean,
+    node_findings,
     summary,
     visibility,
     wasted_gpus,
@@ -39,8 +40,7 @@ SCHEMA_VERSION = 1
 # A rank not heard from this long is shown as stopped (six missed pushes at the client's 5 s)
 STALE_PUSH_SECONDS = 30.0
 # Where each kind of verdict sorts on a run's card: what to act on first
-_RANKING = {**{name: i for i, name in enumerate(ORDER)}, UNDERUTILIZED: len(ORDER),
-            "no-gpu-data": len(ORDER) + 1, "gpu-bound": len(ORDER) + 2}
+_RANKING = {name: i for i, name in enumerate(ORDER)}
 # The page: path -> (file in exporter/serving/static, content type)
 ASSETS = {"/": ("index.html", "text/html; charset=utf-8"),
           "/static/status.css": ("status.css", "text/css; charset=utf-8"),
@@ -152,8 +152,7 @@ class StatusView:
                 log.exception("building the status document failed")
 
     def document(self) -> dict[str, Any]:
-        """The status document (the README's "Without Prometheus or Grafana" has an
-        example)."""
+        """The status document (docs/status-page.md has an example)."""
         h = self.history
         snap = h.snapshot
         now = snap.timestamp if snap is not None else time.time()
@@ -186,12 +185,22 @@ class StatusView:
                            "memory_used": window.memory_used, "power_used": window.power_used,
                            "pcie_rx_used": window.pcie_rx_used, "throttled": window.throttled},
                 "ranks": users.get(key, []),
+                # of the window, the share of the GPU's time each rank's processes kept it
+                # busy, then the share no rank's did (where the driver gives per-process
+                # samples)
+                "shares": [{"run": run, "rank": rank, "busy": v}
+                           for (run, rank), v in sorted(window.shares.items())]
+                + ([{"run": None, "rank": None, "busy": window.unattributed}]
+                   if window.unattributed is not None else []),
             })
         gpus.sort(key=lambda g: (g["parent"] or g["gpu"], g["parent"] is not None,
                                  len(g["gpu"]), g["gpu"]))
         runs: dict[str, list[RankReport]] = {}
         for rep in reports:
             runs.setdefault(rep.run, []).append(rep)
+        node = node_findings(NodeReport("", h.instance, gpus=[w for _, w, _ in readings.values()],
+                                        collectors_failing=h.collectors_failing()),
+                             self.thresholds)
         host_now = h.host_readings(recent=True)
         cpu = snap.host.get("cpu") if snap is not None else None
         mem = snap.host.get("memory") if snap is not None else None
@@ -215,7 +224,14 @@ class StatusView:
                     "network_transmitted_bytes_per_second")},
                 "window": host_window,
             },
+            # the colour bands of a busy ratio: under low is bad, from target on good
+            "bands": {"busy": {"low": self.thresholds["gpu_busy_low"],
+                               "target": self.thresholds["gpu_busy_target"]}},
             "gpus": gpus,
+            # faults and health findings of the node and its GPUs, whoever uses them
+            "faults": [{"gpu": gpu or None, "verdict": f.name, "severity": severity,
+                        "summary": summary(f.name), "reason": f.reason, "advice": f.advice}
+                       for gpu, severity, f in node.findings],
             "runs": [_run(name, ranks, states, now) for name, ranks in sorted(runs.items())],
             # the last profiles asked for (`gputrain-exporter profile`, alerts), newest first
             "profiles": [_shown(p.document(brief=True), self.guarded)

@@ -38,9 +38,11 @@ from exporter.cli.profile import Failed, ask  # noqa: E402
 from gpu.checks import check  # noqa: E402
 from gpu.scenarios import ALL, BY_NAME, CPU_BY_NAME, CPU_DEMO, Scenario  # noqa: E402
 
+# the link's max beside its current state: the exporter's PCIe capacity is the max (issue 28)
 SMI_FIELDS = ("timestamp", "index", "uuid", "utilization.gpu", "memory.used", "memory.total",
               "power.draw", "enforced.power.limit", "pcie.link.gen.current",
-              "pcie.link.width.current", "clocks.sm")
+              "pcie.link.width.current", "pcie.link.gen.max", "pcie.link.width.max",
+              "temperature.gpu", "clocks.sm")
 
 
 def free_port() -> int:

@@ -8,8 +8,8 @@ at every 5 s step of the last ``hold`` seconds: the ``for`` of the rules, scaled
 recording of a minute or two. The ratios divide two counters over the same window, so they are
 right from the first scrapes.
 
-    python3 tests/gpu/replay.py tests/data/gpu/*.prom.gz
-    python3 tests/gpu/replay.py --table tests/data/gpu      # the README's table
+    .venv/bin/python tests/gpu/replay.py tests/data/cpu-demo/*.prom.gz
+    .venv/bin/python tests/gpu/replay.py --table DIR     # docs/gpu-proof.md's table of a run
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
-from exporter.heuristics.rules import inline  # noqa: E402
+from exporter.heuristics.promql import inline  # noqa: E402
 from gpu.harness import free_port, markdown, read_recording  # noqa: E402
 
 JOB, INSTANCE = "gputrain", "gpu-node:19400"
@@ -164,7 +164,8 @@ def replay(recording: Path, rules_text: str | None = None, hold: float = 30.0) -
 
 
 def table(directory: Path) -> str:
-    """The README's table for a harness run: measured figures, alerts fired, the seed's."""
+    """docs/gpu-proof.md's table for a harness run: measured figures, alerts fired, the
+    published figures beside them."""
     import json
 
     results = json.loads((directory / "summary.json").read_text())["scenarios"]
@@ -174,10 +175,25 @@ def table(directory: Path) -> str:
     return markdown(results, fired)
 
 
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Replay harness recordings through the shipped "
+                                            "rules and say which alerts fire.")
+    p.add_argument("recordings", nargs="*", type=Path, help="*.prom.gz files of a harness run")
+    p.add_argument("--table", type=Path, metavar="DIR",
+                   help="print the Markdown table of a harness run's directory instead")
+    ns = p.parse_args(argv)
+    if ns.table:
+        print(table(ns.table), end="")
+        return 0
+    if not ns.recordings:
+        p.error("give recordings (*.prom.gz) or --table DIR")
+    for path in ns.recordings:
+        fired = replay(path)
+        print(f"{path.name}: {', '.join(sorted(fired)) or 'no alerts'}")
+    return 0
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--table"]:
-        print(table(Path(sys.argv[2])), end="")
-        sys.exit(0)
-    for path in sys.argv[1:]:
-        fired = replay(Path(path))
-        print(f"{Path(path).name}: {', '.join(sorted(fired)) or 'no alerts'}")
+    sys.exit(main())

@@ -1,4 +1,5 @@
-"""Per-GPU metric families from a snapshot."""
+"""Per-GPU metric families from a snapshot, as the descriptors of
+:mod:`exporter.reading.gpu_metrics` say (names, types, help, labels, page order)."""
 
 from __future__ import annotations
 
@@ -6,68 +7,14 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from exporter.reading import gpu_metrics as gm
 from exporter.reading.peak_flops import PeakTable
 from exporter.reading.sampler import Snapshot
 
-LABELS = ["gpu", "uuid"]
 
-# (attribute of GpuSample, metric name, help). Gauges read from the latest sample.
-SAMPLE_GAUGES = [
-    ("utilization", "gputrain_gpu_utilization_ratio",
-     "Fraction of the last sampling window in which any kernel ran (NVML utilization.gpu, "
-     "averaged over NVML's sample buffer); 0-1."),
-    ("sm_active", "gputrain_gpu_sm_active_ratio",
-     "Fraction of SM cycles with at least one warp resident (NVML GPM SM_UTIL); 0-1."),
-    ("sm_occupancy", "gputrain_gpu_sm_occupancy_ratio",
-     "Resident warps over the maximum the SMs hold (NVML GPM SM_OCCUPANCY); 0-1."),
-    ("tensor_active", "gputrain_gpu_tensor_active_ratio",
-     "Fraction of cycles a tensor core pipe was active (NVML GPM ANY_TENSOR_UTIL); 0-1."),
-    ("dram_active", "gputrain_gpu_dram_active_ratio",
-     "Fraction of peak device-memory bandwidth used (NVML GPM DRAM_BW_UTIL); 0-1."),
-    ("memory_used_bytes", "gputrain_gpu_memory_used_bytes",
-     "Device memory in use, in bytes (nvmlDeviceGetMemoryInfo)."),
-    ("memory_total_bytes", "gputrain_gpu_memory_total_bytes",
-     "Device memory size, in bytes (nvmlDeviceGetMemoryInfo)."),
-    ("power_watts", "gputrain_gpu_power_watts",
-     "Board power draw, in watts (nvmlDeviceGetPowerUsage)."),
-    ("power_limit_watts", "gputrain_gpu_power_limit_watts",
-     "Enforced power limit, in watts (nvmlDeviceGetEnforcedPowerLimit)."),
-    ("pcie_link_max_bytes_per_second", "gputrain_gpu_pcie_link_max_bytes_per_second",
-     "Usable bandwidth of the PCIe link per direction at its current generation and width, in "
-     "bytes per second."),
-    ("temperature_celsius", "gputrain_gpu_temperature_celsius",
-     "GPU die temperature, in degrees Celsius (nvmlDeviceGetTemperature)."),
-    ("nvlink_links", "gputrain_gpu_nvlink_links",
-     "Active NVLink links (NVML field NVLINK_LINK_COUNT); absent on a GPU without NVLink."),
-    ("nvlink_link_max_bytes_per_second", "gputrain_gpu_nvlink_link_max_bytes_per_second",
-     "Bandwidth of one NVLink link per direction, in bytes per second (NVML field "
-     "NVLINK_SPEED_MBPS_COMMON)."),
-    ("retired_pages_pending", "gputrain_gpu_retired_pages_pending",
-     "1 when a page retirement waits for the next driver reload or GPU reset (GPUs before "
-     "Ampere; nvmlDeviceGetRetiredPagesPendingStatus)."),
-]
-
-# (attribute of GpuState, metric name, help). Counters integrated by the sampler.
-STATE_COUNTERS = [
-    ("sampled_seconds", "gputrain_gpu_sampled_seconds_total",
-     "Seconds of wall time the sampler watched this GPU. Divide rate() of a *_seconds_total "
-     "counter by rate() of this one for a ratio that is exact from the first scrapes."),
-    ("busy_seconds", "gputrain_gpu_busy_seconds_total",
-     "Seconds in which any kernel ran: utilisation integrated over time by the sampler. "
-     "rate() of it is the exact mean utilisation over any window."),
-    ("energy_joules", "gputrain_gpu_energy_joules_total",
-     "Energy drawn since the exporter started, in joules "
-     "(nvmlDeviceGetTotalEnergyConsumption deltas)."),
-    ("pcie_rx_bytes", "gputrain_gpu_pcie_received_bytes_total",
-     "Bytes the GPU received over PCIe (host-to-device), since the exporter started."),
-    ("pcie_tx_bytes", "gputrain_gpu_pcie_transmitted_bytes_total",
-     "Bytes the GPU sent over PCIe (device-to-host), since the exporter started."),
-    ("nvlink_rx_bytes", "gputrain_gpu_nvlink_received_bytes_total",
-     "Data bytes the GPU received over all its NVLink links, since the exporter started "
-     "(NVML field NVLINK_THROUGHPUT_DATA_RX, or GPM NVLINK_TOTAL_RX_PER_SEC integrated)."),
-    ("nvlink_tx_bytes", "gputrain_gpu_nvlink_transmitted_bytes_total",
-     "Data bytes the GPU sent over all its NVLink links, since the exporter started."),
-]
+def _family(m: gm.GpuMetric) -> Metric:
+    kind = GaugeMetricFamily if m.type == "gauge" else CounterMetricFamily
+    return kind(m.name, m.help, labels=[*gm.LABELS, *m.labels])
 
 
 class GpuCollector:
@@ -78,64 +25,21 @@ class GpuCollector:
         self._peaks = peaks or PeakTable()
 
     def describe(self) -> list[Metric]:
-        return list(self._families())
-
-    def _families(self) -> tuple[Metric, ...]:
-        """Every family this collector can export, empty: info, up, the sample gauges, the
-        integrated counters, clocks, clock events, Xid errors, memory health and peaks."""
-        return (
-            GaugeMetricFamily(
-                "gputrain_gpu_info", "GPU identity; always 1.",
-                labels=[*LABELS, "name", "pci_bus_id", "driver_version", "backend", "parent",
-                        "profile"]),
-            GaugeMetricFamily(
-                "gputrain_gpu_up", "1 when the GPU answered the last sampling cycle, 0 when it "
-                "is lost or unreadable.", labels=LABELS),
-            *(GaugeMetricFamily(name, doc, labels=LABELS) for _, name, doc in SAMPLE_GAUGES),
-            *(CounterMetricFamily(name, doc, labels=LABELS) for _, name, doc in STATE_COUNTERS),
-            GaugeMetricFamily("gputrain_gpu_clock_hertz", "Current clock, in hertz.",
-                              labels=[*LABELS, "clock"]),
-            CounterMetricFamily(
-                "gputrain_gpu_clock_event_seconds_total",
-                "Seconds the clocks were held down, by reason (NVML clock-event counters).",
-                labels=[*LABELS, "reason"]),
-            CounterMetricFamily("gputrain_gpu_xid_errors_total",
-                                "Xid errors reported by the driver, by Xid code.",
-                                labels=[*LABELS, "xid"]),
-            CounterMetricFamily(
-                "gputrain_gpu_ecc_errors_total",
-                "Memory ECC errors by type (corrected, uncorrected): the driver's volatile "
-                "count at the exporter's first reading, then its increases, so it never "
-                "goes down (nvmlDeviceGetTotalEccErrors).", labels=[*LABELS, "type"]),
-            GaugeMetricFamily(
-                "gputrain_gpu_remapped_rows",
-                "Memory rows remapped by state (Ampere and newer, nvmlDeviceGetRemappedRows): "
-                "correctable and uncorrectable count rows; pending is 1 while a remap waits "
-                "for a GPU reset, failed is 1 when a remap failed.",
-                labels=[*LABELS, "state"]),
-            GaugeMetricFamily(
-                "gputrain_gpu_retired_pages",
-                "Memory pages retired by cause (GPUs before Ampere, nvmlDeviceGetRetiredPages).",
-                labels=[*LABELS, "cause"]),
-            GaugeMetricFamily(
-                "gputrain_gpu_peak_flops",
-                "Dense peak FLOP/s of the GPU at a precision (the datasheet figure without "
-                "sparsity; --gpu.peak-flops adds models). Absent for a GPU the table lacks.",
-                labels=[*LABELS, "precision"]),
-        )
+        return [_family(m) for m in gm.GPU_METRICS]
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
         if not snap.gpus:
             return
-        families = self._families()
-        info, up = families[:2]
-        n, m = len(SAMPLE_GAUGES), len(STATE_COUNTERS)
-        gauges = {attr: f for (attr, _, _), f in zip(SAMPLE_GAUGES, families[2:2 + n],
-                                                     strict=True)}
-        counters = {attr: f for (attr, _, _), f in zip(STATE_COUNTERS, families[2 + n:2 + n + m],
-                                                       strict=True)}
-        clocks, events, xids, ecc, remapped, retired, peak = families[2 + n + m:]
+        families = {m.name: _family(m) for m in gm.GPU_METRICS}
+        gauges = [(m.attr, families[m.name]) for m in gm.GPU_METRICS
+                  if m.attr and m.type == "gauge"]
+        counters = [(m.attr, families[m.name]) for m in gm.GPU_METRICS
+                    if m.attr and m.type == "counter"]
+        info, up, xids = (families[m.name] for m in (gm.INFO, gm.UP, gm.XID_ERRORS))
+        clocks, events, ecc, remapped, retired, peak = (families[m.name] for m in (
+            gm.CLOCKS, gm.CLOCK_EVENTS, gm.ECC_ERRORS, gm.REMAPPED_ROWS, gm.RETIRED_PAGES,
+            gm.PEAK_FLOPS))
         for g in snap.gpus:
             ident = g.identity
             labels = [ident.index, ident.uuid]
@@ -147,14 +51,11 @@ class GpuCollector:
             if not g.up or g.sample is None:
                 continue
             s = g.sample
-            for attr, family in gauges.items():
-                value = getattr(s, attr)
-                if value is not None:
-                    family.add_metric(labels, value)
-            for attr, family in counters.items():
-                value = getattr(g, attr)
-                if value is not None:
-                    family.add_metric(labels, value)
+            for source, plain in ((s, gauges), (g, counters)):
+                for attr, family in plain:
+                    value = getattr(source, attr)
+                    if value is not None:
+                        family.add_metric(labels, value)
             for clock, hz in sorted(s.clocks_hertz.items()):
                 clocks.add_metric([*labels, clock], hz)
             for reason, seconds in sorted(g.clock_event_seconds.items()):
@@ -168,9 +69,6 @@ class GpuCollector:
             if not ident.parent:  # a MIG slice's share of the peak depends on its profile
                 for precision, flops in sorted(self._peaks.peaks(ident.name).items()):
                     peak.add_metric([*labels, precision], flops)
-        yield info
-        yield up
-        for family in (*gauges.values(), *counters.values(), clocks, events, xids, ecc,
-                       remapped, retired, peak):
+        for family in families.values():  # the descriptors' order
             if family.samples:
                 yield family

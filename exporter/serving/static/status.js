@@ -4,6 +4,9 @@
 
 const REFRESH_MS = 2000;
 let lastOk = null;
+// where a busy ratio turns from bad to middling to good: the document's (the thresholds'
+// gpu_busy_low and gpu_busy_target), so the page colours as the alerts judge
+let bands = { low: 0.5, target: 0.9 };
 
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -46,15 +49,30 @@ function bar(ratio, label, good, wide) {
   const fill = el("div", { class: "fill" });
   const r = ratio === null || ratio === undefined ? 0 : Math.max(0, Math.min(1, ratio));
   fill.style.width = (r * 100).toFixed(1) + "%";
-  if (good === "high") fill.classList.add(r >= 0.9 ? "ok" : r >= 0.5 ? "mid" : "low");
+  if (good === "high") fill.classList.add(r >= bands.target ? "ok" : r >= bands.low ? "mid" : "low");
   else fill.classList.add("plain");
   return el("div", { class: wide ? "bar wide" : "bar", title: label }, fill, el("span", {}, label));
 }
 
+// Who uses a GPU: its ranks, each with its share of the GPU's time where the driver gives
+// per-process samples, then the share no rank owns ("others")
+function users(g) {
+  const shares = Object.fromEntries((g.shares || []).filter((x) => x.run !== null)
+    .map((x) => [x.run + "/" + x.rank, x.busy]));
+  const parts = g.ranks.map((r) => {
+    const key = r.run + "/" + r.rank;
+    return key + (key in shares ? " " + pct(shares[key]) : "");
+  });
+  const others = (g.shares || []).find((x) => x.run === null);
+  if (others && others.busy > 0) parts.push("others " + pct(others.busy));
+  return parts;
+}
+
 function gpuRow(g) {
   const name = (g.name || "").replace(/^NVIDIA /, "");
-  const who = el("td", { class: "who" }, ...(g.ranks.length ? g.ranks.map((r, i) =>
-    (i ? ", " : "") + r.run + "/" + r.rank) : [el("span", { class: "muted" }, "idle")]));
+  const parts = users(g);
+  const who = el("td", { class: "who" }, ...(parts.length ? parts.map((p, i) =>
+    (i ? ", " : "") + p) : [el("span", { class: "muted" }, "idle")]));
   if (!g.up) {
     return el("tr", { class: "lost", "data-gpu": g.gpu },
       el("td", {}, el("b", {}, g.gpu), " ", name),
@@ -175,7 +193,18 @@ function hostRows(h) {
   ];
 }
 
+// The node's faults and health findings (a lost GPU, Xid or memory errors, a failing
+// collector, memory near its limit), whoever uses the GPU: they outrank every verdict.
+function faultRows(faults) {
+  return faults.map((f) => el("div", { class: "card fault " + f.severity, "data-fault": f.verdict },
+    el("p", { class: "verdict" }, (f.gpu === null ? "Node: " : "GPU " + f.gpu + ": ") + f.summary,
+       " ", el("code", {}, f.verdict + " · " + f.severity)),
+    el("p", { class: "muted" }, f.reason),
+    el("p", { class: "advice" }, el("b", {}, "What to do: "), f.advice)));
+}
+
 function draw(s) {
+  if (s.bands && s.bands.busy) bands = s.bands.busy;
   document.getElementById("instance").textContent = s.instance ? "on " + s.instance : "";
   document.title = "gputrain-exporter" + (s.instance ? " · " + s.instance : "");
   document.getElementById("meta").textContent =
@@ -183,6 +212,9 @@ function draw(s) {
     + " · verdicts over the last " + ago(Math.min(s.seconds_seen, s.window_seconds))
     + " · updated " + new Date(s.time * 1000).toLocaleTimeString();
   const runs = document.getElementById("runs");
+  const faults = s.faults || [];
+  document.getElementById("faults-section").hidden = faults.length === 0;
+  document.getElementById("faults").replaceChildren(...faultRows(faults));
   const byUuid = Object.fromEntries(s.gpus.map((g) => [g.uuid, g]));
   runs.replaceChildren(...(s.runs.length ? s.runs.map((r) => runCard(r, byUuid)) :
     [el("p", { class: "muted" },

@@ -1,0 +1,144 @@
+"""What the heuristics judge: one window's readings of a rank, its GPUs and its node.
+
+They come from Prometheus (``diagnose`` queries the recording rules' values) or from the
+daemon's own history (:mod:`exporter.serving.history`, for ``/``, ``/api/v1/status`` and
+``top``); :mod:`exporter.heuristics.verdict` judges either with the catalogue's conditions. The
+windows every reading is taken over are one table, :data:`WINDOWS`, that the rules, the
+history and ``diagnose`` read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The ranges the readings are taken over, as PromQL writes them (seconds: window_seconds())
+WINDOWS = {
+    "rate": "5m",  # every ratio of counters and mean of gauges
+    "quantile": "30m",  # the step-time percentiles of the stall rule
+    "leak": "1h",  # the leak rule's long range ...
+    "leak_recent": "15m",  # ... and its recent one
+    "fault": "10m",  # new Xid and uncorrectable ECC errors, a fresh exporter's finds
+}
+
+
+def window_seconds(name: str) -> float:
+    """A window of :data:`WINDOWS` in seconds."""
+    text = WINDOWS[name]
+    return float(text[:-1]) * {"s": 1, "m": 60, "h": 3600}[text[-1]]
+
+
+@dataclass
+class GpuReading:
+    """One GPU over the window: ratios 0-1; counts of errors in the fault window."""
+
+    gpu: str
+    uuid: str
+    busy: float | None = None
+    sm_active: float | None = None
+    tensor_active: float | None = None
+    memory_used: float | None = None
+    power_used: float | None = None
+    pcie_rx_used: float | None = None
+    throttled: float | None = None
+    up: bool | None = None  # False: NVML says the GPU is lost
+    xid_errors: float | None = None  # Xid errors in the fault window
+    # uncorrectable ECC errors new in the fault window, or found by an exporter that started
+    # in it (a counter's first sample is no increase)
+    ecc_uncorrected: float | None = None
+    remap_failed: bool | None = None  # a row remap failed: the GPU cannot heal itself
+    remap_pending: bool | None = None  # a row remap or page retirement waits for a reset
+    # of the window, the share busy with processes no rank of the report's run owns: other
+    # runs', and those no client reports (only where the driver gives per-process samples)
+    foreign: float | None = None
+    # of the window, the share each (run, rank)'s processes kept the GPU busy, and the share
+    # no rank's did (None where the driver gives no per-process samples)
+    shares: dict[tuple[str, str], float] = field(default_factory=dict)
+    unattributed: float | None = None
+
+
+@dataclass
+class Finding:
+    name: str
+    reason: str
+    advice: str
+
+
+@dataclass
+class RankReport:
+    """One (run, rank) over the window, with its GPUs' and its node's readings."""
+
+    job: str
+    instance: str
+    run: str
+    rank: str
+    steps_per_second: float = 0.0
+    samples_per_second: float | None = None
+    step_seconds: float | None = None
+    data_wait_ratio: float | None = None
+    phases: dict[str, float] = field(default_factory=dict)
+    gpus: list[GpuReading] = field(default_factory=list)
+    host: dict[str, float] = field(default_factory=dict)
+    collectors_failing: list[str] = field(default_factory=list)  # on the rank's node
+    step_p50_seconds: float | None = None
+    step_p99_seconds: float | None = None
+    seconds_since_step: float | None = None
+    rss_growth_1h: float | None = None  # bytes per second, over the last hour
+    rss_growth_15m: float | None = None  # ... and over the last 15 minutes
+    mfu: float | None = None  # model FLOPs utilisation, where the client reports FLOPs
+    goodput: float | None = None  # productive share of the rank's wall time
+    badput: dict[str, float] = field(default_factory=dict)  # the rest, by cause
+    status: str = ""  # ok, fault, bottleneck, underutilized or no-gpu-data
+    verdict: str = ""
+    reason: str = ""
+    advice: str = ""
+    also: list[Finding] = field(default_factory=list)
+    labels: dict[str, str] = field(default_factory=dict)  # run labels beyond `run` (cluster)
+    source: str = "raw"  # "recorded" when read from the recording rules' results alone
+    partial: str = ""  # why the run's ranks are only partly visible here, if they are
+
+    @property
+    def bottleneck(self) -> bool:
+        """Something to act on."""
+        return self.status in ("fault", "bottleneck", "underutilized")
+
+    def findings(self) -> list[str]:
+        """The verdict and every finding beside it: the catalogue alerts that fire for it."""
+        first = [self.verdict] if self.status in ("fault", "bottleneck") else []
+        return first + [f.name for f in self.also]
+
+
+@dataclass
+class NodeReport:
+    """One node (a job and instance) and every GPU it exports, for the faults no rank owns."""
+
+    job: str
+    instance: str
+    labels: dict[str, str] = field(default_factory=dict)
+    up: bool | None = None  # False: Prometheus cannot scrape its exporter
+    gpus: list[GpuReading] = field(default_factory=list)
+    host: dict[str, float] = field(default_factory=dict)
+    collectors_failing: list[str] = field(default_factory=list)
+    findings: list[tuple[str, str, Finding]] = field(default_factory=list)  # (gpu, severity, f)
+
+
+def percent(x: float | None) -> str:
+    """A 0-1 ratio in percent for people: one decimal, two significant digits under 0.1 % (a
+    CPU run's MFU against an H100 is 0.011 %, not 0.0 %), "n/a" where unknown."""
+    if x is None:
+        return "n/a"
+    v = x * 100
+    return f"{v:.2g}%" if v and abs(v) < 0.1 else f"{v:.1f}%"
+
+
+def mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
+def rank_order(rank: str) -> tuple[int, str]:
+    return (int(rank), "") if rank.isdigit() else (1 << 62, rank)
+
+
+def run_key(rep: RankReport) -> tuple:
+    """What identifies a report's run: ``run`` and the run labels beyond it."""
+    return (rep.run, *sorted(rep.labels.items()))
