@@ -1026,11 +1026,12 @@ def test_diagnose_escapes_label_values_from_prometheus(monkeypatch, capsys):
     from test_diagnose import report
 
     from exporter.heuristics import diagnose
+    from exporter.heuristics.rules import DEFAULTS
 
     rep = report(0.3, 0.6)
     rep.run = "r\x1b]0;pwned\x07"
-    monkeypatch.setattr(diagnose, "diagnose", lambda *a, **k: (diagnose.judge([rep], {
-        **diagnose.DEFAULTS["thresholds"]}), []))
+    monkeypatch.setattr(diagnose, "diagnose", lambda *a, **k: (
+        diagnose.judge([rep], DEFAULTS["thresholds"]), []))
     ns = argparse.Namespace(prometheus="http://x", run=None, window="5m", config=None,
                             time=None, json=False)
     diagnose.main(ns)
