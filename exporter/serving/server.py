@@ -57,7 +57,7 @@ MAX_HEADERS = 64
 MAX_CONNECTIONS = 512  # per port, at most: fewer where the descriptor limit is lower
 RESERVED_DESCRIPTORS = 256  # kept for everything but the two ports (NVML, /proc, logs)
 ADDRESS_SHARE = 2  # one client address holds at most 1/ADDRESS_SHARE of a port's connections
-BODY_BUDGET_BYTES = 32 * 1024 * 1024  # request bodies being read at once, per port
+BODY_BUDGET_BYTES = 16 * 1024 * 1024  # request bodies being read at once, per port
 MAX_LONG_POLLS = 32  # per port: GETs of a profile that wait; more are answered at once
 MAX_WAIT_SECONDS = 5.0  # a GET of a profile may wait this long for it (< REQUEST_SECONDS)
 # the listen queue, and how many connections asyncio accepts at once (it closes the refused
