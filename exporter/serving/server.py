@@ -3,8 +3,8 @@ push endpoint, profile requests and Alertmanager's webhook on the ingest address
 
 Each address is served by aiohttp's low-level server on an asyncio event loop in a thread of
 its own, so a slow or idle connection costs a descriptor and a few kilobytes, never a thread.
-Around aiohttp's parser this module keeps the daemon's own limits (the docs' "Limits" page
-says why these values): a deadline for a request's headers and one for the whole request, a
+Around aiohttp's parser this module keeps the daemon's own limits (docs/flags.md, "Endpoints
+and limits", says why these values): a deadline for a request's headers and one for the whole request, a
 budget for the headers' bytes and lines, caps on connections per port and per client
 address, a budget for the bodies being read, and a bound on long-polls.
 
@@ -46,7 +46,7 @@ from exporter.serving.status import ASSETS, CONTENT_SECURITY_POLICY, STATUS_PATH
 
 log = logging.getLogger(__name__)
 
-# Bounds of one connection and of a port (the docs' "Limits" page says why these values).
+# Bounds of one connection and of a port (docs/flags.md, "Endpoints and limits", says why).
 HEADER_SECONDS = 5.0  # from connecting, or from a request's first byte, to its headers' end
 REQUEST_SECONDS = 10.0  # from a request's first byte to its answer's last byte
 IDLE_SECONDS = 60.0  # a keep-alive connection may wait this long for its next request
