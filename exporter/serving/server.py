@@ -4,9 +4,9 @@ push endpoint, profile requests and Alertmanager's webhook on the ingest address
 Each address is served by aiohttp's low-level server on an asyncio event loop in a thread of
 its own, so a slow or idle connection costs a descriptor and a few kilobytes, never a thread.
 Around aiohttp's parser this module keeps the daemon's own limits (docs/flags.md, "Endpoints
-and limits", says why these values): a deadline for a request's headers and one for the whole request, a
-budget for the headers' bytes and lines, caps on connections per port and per client
-address, a budget for the bodies being read, and a bound on long-polls.
+and limits", says why these values): a deadline for a request's headers and one for the
+whole request, a budget for the headers' bytes and lines, caps on connections per port and
+per client address, a budget for the bodies being read, and a bound on long-polls.
 
 A scrape sends the page that exporter.serving.exposition keeps ready (no NVML call, no
 rendering), so many Prometheus servers cost little more than one.
