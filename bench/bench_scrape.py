@@ -31,6 +31,9 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "bench"))
+import threadcpu  # noqa: E402
+
 from exporter.reading.collectors import host_collectors  # noqa: E402
 from exporter.reading.gpu_backends import DemoBackend  # noqa: E402
 from exporter.reading.sampler import Sampler  # noqa: E402
@@ -150,21 +153,25 @@ def render_anchor(ranks: int, phases: int, repeats: int) -> tuple[list[float], l
     return old, new
 
 
-def proc_cpu(pid: int) -> float:
-    import psutil
+def daemon_tag(tag: str, ranks: int) -> str:
+    return f"{tag}-{os.getpid()}-{ranks}"
 
-    t = psutil.Process(pid).cpu_times()
-    return t.user + t.system
+
+def cpu_file(tag: str) -> str:
+    """Where a daemon started by :func:`demo_daemon` writes its CPU by part (threadcpu.py)."""
+    return f"/tmp/bench-cpu-{tag}.json"
 
 
 @contextlib.contextmanager
 def demo_daemon(ranks: int, phases: int = 4, tag: str = "scrape"):
     """A demo daemon (8 GPUs) with ``ranks`` pushing every 5 s from a separate process;
-    yields (the daemon's process, its web address). Stops both on exit."""
+    yields (the daemon's process, its web address). Stops both on exit. The daemon writes its
+    CPU by part to ``cpu_file(daemon_tag(tag, ranks))``."""
     gp, ip = free_port(), free_port()
     stop_file = f"/tmp/bench-{tag}-stop-{os.getpid()}-{ranks}"
     daemon = subprocess.Popen(
-        [sys.executable, "-m", "exporter", "--gpu.backend=demo",
+        [sys.executable, str(ROOT / "bench" / "threadcpu.py"), cpu_file(daemon_tag(tag, ranks)),
+         "--gpu.backend=demo",
          f"--web.listen-address=127.0.0.1:{gp}", f"--ingest.listen-address=127.0.0.1:{ip}",
          f"--ingest.max-series={max(ranks, 1)}"], cwd=ROOT,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -187,7 +194,7 @@ def demo_daemon(ranks: int, phases: int = 4, tag: str = "scrape"):
 
 
 def measure(ranks: int, phases: int, scrapes: int, spacing: float) -> dict:
-    with demo_daemon(ranks, phases) as (daemon, base):
+    with demo_daemon(ranks, phases) as (_, base):
         url = base + "/metrics"
         session = requests.Session()
         want = 0 if ranks == 0 else ranks
@@ -198,15 +205,20 @@ def measure(ranks: int, phases: int, scrapes: int, spacing: float) -> dict:
             if held and float(held[0].split()[1]) >= want:
                 break
             time.sleep(0.5)
-        cpu0, wall0 = proc_cpu(daemon.pid), time.monotonic()
+        parts = cpu_file(daemon_tag("scrape", ranks))
+        cpu0, wall0 = threadcpu.read(parts), time.monotonic()
         rows = []
         for _ in range(scrapes):
             time.sleep(spacing)
             rows.append(scrape(session, url))
-        cpu = (proc_cpu(daemon.pid) - cpu0) / (time.monotonic() - wall0)
+        time.sleep(0.3)  # the file is rewritten every 0.2 s
+        cpu1, wall = threadcpu.read(parts), time.monotonic() - wall0 - 0.3
     times = [r[0] for r in rows]
+    share = {k: (cpu1[k] - cpu0[k]) / wall for k in cpu1}
     return {"p50": pct(times, 0.5), "p99": pct(times, 0.99), "gz": rows[-1][1],
-            "bytes": rows[-1][2], "series": rows[-1][3], "cpu": cpu}
+            "bytes": rows[-1][2], "series": rows[-1][3], "cpu": share["total"],
+            "serving": share["serving"], "page": share["page"],
+            "gc_full": cpu1["gc_full"] - cpu0["gc_full"], "gc_max": cpu1["gc_max_seconds"]}
 
 
 def node_exporter_row(scrapes: int, spacing: float) -> dict:
@@ -335,6 +347,8 @@ def main() -> None:
     p.add_argument("--phases", type=int, default=4, help="phases per rank (16 at most)")
     p.add_argument("--renders", type=int, default=20)
     p.add_argument("--cycles", type=int, default=200)
+    p.add_argument("--http-only", action="store_true",
+                   help="only the scrapes over HTTP, not the in-process render and sampler")
     p.add_argument("--nvml-only", action="store_true",
                    help="only the NVML backend's sampler cycles (no daemon, no scrape)")
     args = p.parse_args()
@@ -349,13 +363,15 @@ def main() -> None:
           f"{args.scrapes} scrapes {args.spacing} s apart (OpenMetrics + gzip, Prometheus' "
           f"headers), ranks push every 5 s with {args.phases} phases each")
     print(f"{'target':30} {'p50 ms':>8} {'p99 ms':>8} {'series':>7} {'bytes':>10} "
-          f"{'gzip':>9} {'CPU %':>6}")
+          f"{'gzip':>9} {'CPU %':>6} {'HTTP %':>6} {'page %':>6} {'full GCs':>8} "
+          f"{'GC max ms':>9}")
     rows = {}
     for n in (int(x) for x in args.ranks.split(",")):
         r = rows[n] = measure(n, args.phases, args.scrapes, args.spacing)
         print(f"{'gputrain, ' + str(n) + ' ranks':30} {r['p50'] * 1e3:8.2f} "
               f"{r['p99'] * 1e3:8.2f} {r['series']:7d} {r['bytes']:10d} {r['gz']:9d} "
-              f"{r['cpu'] * 100:6.1f}", flush=True)
+              f"{r['cpu'] * 100:6.1f} {r['serving'] * 100:6.1f} {r['page'] * 100:6.1f} "
+              f"{r['gc_full']:8.0f} {r['gc_max'] * 1e3:9.1f}", flush=True)
     ne = node_exporter_row(args.scrapes, args.spacing)
     print(f"{'node_exporter (anchor)':30} {ne['p50'] * 1e3:8.2f} {ne['p99'] * 1e3:8.2f} "
           f"{ne['series']:7d} {ne['bytes']:10d} {ne['gz']:9d}")
@@ -364,6 +380,10 @@ def main() -> None:
         for n, r in rows.items():
             if n:
                 print(f"p99 at {n} ranks / p99 at 0 ranks: {r['p99'] / base['p99']:.2f}")
+    for n, r in rows.items():
+        print(f"p50 at {n} ranks / node_exporter's p50: {r['p50'] / ne['p50']:.2f}")
+    if args.http_only:
+        return
     print("\nin-process render of the same page (ms), the anchor being prometheus_client's "
           "generate_latest:")
     print(f"{'ranks':>6} {'generate_latest p50':>20} {'p99':>8} {'page build p50':>15} "

@@ -47,6 +47,15 @@ def parse_duration(value: Any) -> float:
     return seconds
 
 
+def parse_interval(value: Any) -> float:
+    """A duration as :func:`parse_duration` reads it, or 0 ('0s', '0'): no limit."""
+    if not isinstance(value, bool) and str(value).strip() in ("0", "0s", "0ms", "0m", "0h"):
+        return 0.0
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+        return 0.0
+    return parse_duration(value)
+
+
 def parse_listen_address(value: str) -> tuple[str, int]:
     """'host:port', ':port' or '[v6]:port' -> (host, port); host '' means every address."""
     text = str(value).strip()
@@ -144,7 +153,10 @@ def parse_link_speeds(value: Any) -> dict[str, float]:
 
 
 def format_duration(seconds: float) -> str:
-    """1.0 -> '1s', 600.0 -> '10m', 0.5 -> '500ms': durations as the docs write them."""
+    """1.0 -> '1s', 600.0 -> '10m', 0.5 -> '500ms', 0 -> '0s': durations as the docs write
+    them."""
+    if seconds == 0:
+        return "0s"
     for unit, size in (("h", 3600), ("m", 60), ("s", 1)):
         if seconds >= size and seconds % size == 0:
             return f"{int(seconds // size)}{unit}"
@@ -161,7 +173,7 @@ class Option:
 
     def shown_default(self) -> str:
         """The default as a user writes it on the command line."""
-        if self.parse in (parse_duration, _status_window):
+        if self.parse in (parse_duration, parse_interval, _status_window):
             return format_duration(self.default)
         return str(self.default)
 
@@ -203,9 +215,13 @@ OPTIONS: list[Option] = [
     Option("ingest.max-series", _positive_int, 1024, "most live (run, rank) pairs kept", "N"),
     Option("ingest.ttl", parse_duration, 600.0,
            "forget a rank whose pushes stopped this long ago", "DURATION"),
-    Option("profile.alert-interval", parse_duration, 3600.0,
+    Option("profile.alert-interval", parse_interval, 3600.0,
            "at most one profile per run in this time for the alerts Alertmanager sends to "
            "/api/v1/alerts on the ingest address (0s: no limit)", "DURATION"),
+    Option("profile.rank-interval", parse_interval, 30.0,
+           "at most one profile of a rank in this time, however asked for (`profile`, "
+           "POST /api/v1/profile, an alert); a profile slows the steps it records (0s: no "
+           "limit)", "DURATION"),
     Option("host.disk-exclude", _regex, DEFAULT_DISK_EXCLUDE,
            "regular expression of block devices to leave out", "REGEX"),
     Option("host.netdev-exclude", _regex, DEFAULT_NETDEV_EXCLUDE,

@@ -22,6 +22,11 @@ PROFILE_PATH = "/api/v1/profile"  # POST a request; GET PROFILE_PATH/<id> its st
 ALERTS_PATH = "/api/v1/alerts"  # Alertmanager's webhook
 SCHEMA_VERSION = 1
 MAX_BODY_BYTES = 1024 * 1024
+# Whole-number counters (steps, bucket counts, a pid, a trace's bytes): a JSON integer up to
+# MAX_COUNT, or a float without a fraction up to MAX_EXACT_FLOAT (past it, a float holds no
+# exact integer: 9.3e18 is not a count of steps). Float counters are any finite number >= 0.
+MAX_COUNT = 2**63 - 1
+MAX_EXACT_FLOAT = 2**53
 MAX_NAME_LENGTH = 128  # run and rank
 MAX_PHASE_NAME_LENGTH = 64
 # Per rank, so that the page stays bounded at --ingest.max-series ranks: at most
@@ -64,11 +69,30 @@ STEP_PARTS = ("data_loading", "forward", "backward", "optimizer", "other", "idle
 
 class Refused(Exception):
     """A request the daemon refuses: ``status`` is the HTTP code, the message says why (a push,
-    a profile request, an Alertmanager call)."""
+    a profile request, an Alertmanager call); ``retry_after``, in whole seconds, when trying
+    again later helps."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after
+
+
+def count(value: object, field: str) -> int:
+    """A whole-number counter from JSON (see MAX_COUNT); Refused(400) naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise Refused(400, f"field '{field}' must be a whole number, got "
+                           f"{type(value).__name__}")
+    if isinstance(value, int):
+        if value > MAX_COUNT:
+            raise Refused(400, f"field '{field}' is too large (over 2^63 - 1)")
+    elif value != value or value in (float("inf"), float("-inf")) or \
+            not value.is_integer() or value > MAX_EXACT_FLOAT:
+        raise Refused(400, f"field '{field}' must be a whole number (a float at most 2^53), "
+                           f"got {value!r}")
+    if value < 0:
+        raise Refused(400, f"field '{field}' must be >= 0, got {value!r}")
+    return int(value)
 
 
 def is_name(value: str, max_length: int = MAX_NAME_LENGTH) -> bool:

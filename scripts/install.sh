@@ -4,8 +4,8 @@
 # --break-system-packages. Then run it: .venv/bin/gputrain-exporter
 #   - Debian package python3-venv, only if this python3 cannot make a venv (apt-get, as root or
 #     through sudo; it says so first)
-#   - Python: this package and its dependencies (prometheus-client, nvidia-ml-py, psutil,
-#     pyyaml, requests), into .venv only
+#   - Python: this package and its dependencies (aiohttp, prometheus-client, nvidia-ml-py,
+#     psutil, pyyaml, requests), into .venv only
 # Usage: scripts/install.sh [what to pip install, default ".[top]": this package and rich for
 #        `gputrain-exporter top`]   (PYTHON=python3.12 to choose)
 set -euo pipefail

@@ -73,20 +73,32 @@ def test_bad_values_are_a_400_that_says_why_and_is_counted_at_once(daemon, case,
     assert "evil" not in daemon.metrics()
 
 
-@pytest.mark.parametrize("length, reason", [
-    ("+8", "digits only"), ("1_0", "digits only"), ("-1", "digits only"),
-    ("8, 8", "digits only"),
-])
-def test_a_content_length_that_is_not_plain_digits_is_a_400(daemon, length, reason):
+def status_of(answer: bytes) -> int:
+    """The status of the first answer in raw bytes (HTTP/1.0 or 1.1), 0 for none."""
+    line = answer.split(b"\r\n", 1)[0].split()
+    return int(line[1]) if len(line) > 1 and line[0].startswith(b"HTTP/1.") else 0
+
+
+def closes(answer: bytes) -> bool:
+    """The first answer says that the server closes the connection after it."""
+    head = answer.split(b"\r\n\r\n", 1)[0].lower()
+    return b"\r\nconnection: close" in head
+
+
+@pytest.mark.parametrize("length", ["+8", "1_0", "-1", "8, 8"])
+def test_a_content_length_that_is_not_plain_digits_is_a_400(daemon, length):
     answer = raw_exchange(daemon.ingest_port, post(b"{}" * 4, Content_Length=length))
-    assert answer.startswith(b"HTTP/1.1 400") and reason.encode() in answer, answer[:200]
+    assert status_of(answer) == 400 and b"Content-Length" in answer.split(b"\r\n\r\n")[1], \
+        answer[:300]
+    assert closes(answer)
 
 
 def test_two_content_lengths_are_a_400(daemon):
     req = post(b"{}", Content_Length="2").replace(b"Content-Length: 2",
                                                     b"Content-Length: 2\r\nContent-Length: 2")
     answer = raw_exchange(daemon.ingest_port, req)
-    assert answer.startswith(b"HTTP/1.1 400") and b"more than one Content-Length" in answer
+    assert status_of(answer) == 400 and b"Content-Length" in answer.split(b"\r\n\r\n")[1]
+    assert closes(answer)
 
 
 def test_a_body_on_a_get_is_never_read_as_the_next_request(daemon):
@@ -293,19 +305,262 @@ def test_a_body_that_trickles_in_is_cut_at_the_request_deadline(daemon):
     sends its body a byte a second loses the connection, and the port keeps serving."""
     with socket.create_connection(("127.0.0.1", daemon.ingest_port), timeout=5) as s:
         s.sendall(b"POST /api/v1/push HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
-        started, closed = time.monotonic(), False
+        started, closed, answer = time.monotonic(), False, b""
         while time.monotonic() - started < 40:
             try:
                 s.sendall(b"{")
                 s.settimeout(1.0)
-                if s.recv(4096) == b"":
+                data = s.recv(4096)
+                if data == b"":
                     closed = True
                     break
+                answer += data
             except TimeoutError:
                 continue  # nothing to read yet: keep trickling
             except OSError:
                 closed = True
                 break
         assert closed, "the trickling client kept its connection for 40 s"
+        assert status_of(answer) == 408 and closes(answer), answer  # it says why
     assert requests.post(daemon.ingest_url + "/api/v1/push", json=GOOD, timeout=10).status_code \
         in (200, 429)
+
+
+# -- issue 29: the event-driven server's limits, fairness and clean refusals --------------------
+
+ATTACKER = "127.0.0.2"  # fairness is by client address: probes come from 127.0.0.1
+
+
+def attacker_socket(port: int, source: str = ATTACKER) -> socket.socket:
+    s = socket.socket()
+    s.settimeout(5)
+    s.bind((source, 0))
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+def limits_of(pid: int) -> tuple[int, int]:
+    """The (soft, hard) descriptor limits of a process, from /proc."""
+    for line in open(f"/proc/{pid}/limits").read().splitlines():  # noqa: SIM115 - /proc
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            return int(soft), int(hard)
+    raise AssertionError("no 'Max open files' line")
+
+
+def test_the_descriptor_limit_is_raised_to_the_hard_one_at_start():
+    import resource
+
+    from conftest import Daemon
+
+    d = Daemon("--gpu.backend=demo", "--demo.gpus=1")
+    d._log = open(d.log_path, "w")  # noqa: SIM115 - closed by stop()
+    d.proc = subprocess.Popen(
+        d.args, cwd=ROOT, env=d.env, stdout=d._log, stderr=subprocess.STDOUT,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 4096)))
+    try:
+        wait_until(lambda: requests.get(d.url + "/healthz", timeout=1).ok, timeout=20,
+                   what="the exporter")
+        assert limits_of(d.proc.pid) == (4096, 4096)
+    finally:
+        d.stop()
+
+
+def test_one_address_holding_slow_connections_cannot_blind_either_port(limited_daemon):
+    """A slowloris from 127.0.0.2 opens 300 connections per port that never finish their
+    headers (more than one address may hold: half the port's connections, 128 with 1,024
+    descriptors): the connections past its share are refused with a 503 that says why, and
+    scrapes and pushes from 127.0.0.1 are answered throughout."""
+    d = limited_daemon
+    held, refused = [], []
+    try:
+        for port, head in ((d.port, b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: "),
+                           (d.ingest_port, b"POST /api/v1/push HTTP/1.1\r\nHost: x\r\nX: ")):
+            for _ in range(300):
+                try:
+                    s = attacker_socket(port)
+                    s.sendall(head)
+                    held.append(s)
+                except OSError:
+                    refused.append(b"")
+        session = requests.Session()
+        for i in range(5):
+            r = session.get(d.url + "/metrics", timeout=10)
+            assert r.status_code == 200 and "gputrain_build_info" in r.text
+            r = session.post(d.ingest_url + "/api/v1/push", json={**GOOD, "steps": 1 + i},
+                             timeout=10)
+            assert r.status_code == 200, r.text
+        import select
+
+        readable, _, _ = select.select(held, [], [], 1.0)
+        for s in readable:  # answered: refused, or (on a slow machine) past the deadline
+            try:
+                refused.append(s.recv(4096))
+            except OSError:
+                refused.append(b"")
+        busy = [a for a in refused if status_of(a) == 503]
+        assert len(busy) >= 100, "past its share, an address's connections are refused"
+        assert all(closes(a) and b"connections from " + ATTACKER.encode() in a
+                   for a in busy), busy[:1]
+        assert all(status_of(a) in (503, 408) for a in refused if a), refused[:3]
+    finally:
+        for s in held:
+            s.close()
+    assert "Traceback" not in d.log_text()
+
+
+def test_at_the_cap_the_address_holding_the_most_makes_room(limited_daemon):
+    """Two addresses fill the web port's connections (256 with 1,024 descriptors) with
+    unfinished headers; a scrape from a third is served: the heaviest address's oldest
+    connection makes room."""
+    from exporter.serving.server import connection_caps
+
+    d = limited_daemon
+    per_port, per_address = connection_caps(1024)
+    held = []
+    try:
+        for source, n in (("127.0.0.2", per_address), ("127.0.0.3", per_port - per_address)):
+            for _ in range(n):
+                s = attacker_socket(d.port, source)
+                s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+                held.append(s)
+        for _ in range(3):
+            r = requests.get(d.url + "/metrics", timeout=10)
+            assert r.status_code == 200
+    finally:
+        for s in held:
+            s.close()
+
+
+@pytest.mark.parametrize("case, request_bytes, status", [
+    ("a 404", b"POST /nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}", 404),
+    ("no Content-Length", b"POST /api/v1/push HTTP/1.1\r\nHost: x\r\n\r\n", 411),
+    ("a chunked body", b"POST /api/v1/push HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: "
+                       b"chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n", 411),
+    ("a body over 1 MiB", b"POST /api/v1/push HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                          b"2000000\r\n\r\n{", 413),
+    ("a GET with a body", b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}",
+     200),
+    ("headers over 16 KiB", b"GET /healthz HTTP/1.1\r\nHost: x\r\n"
+                            + b"X-Pad: " + b"a" * 17000 + b"\r\n\r\n", 431),
+    ("over 64 headers", b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"X-A: b\r\n" * 70 + b"\r\n",
+     431),
+    ("a request line over 8 KiB", b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\n\r\n", 414),
+    ("not HTTP", b"\x16\x03\x01\x00\x05hello\r\n\r\n", 400),
+])
+def test_every_closing_answer_says_connection_close_and_then_closes(daemon, case,
+                                                                    request_bytes, status):
+    answer = raw_exchange(daemon.ingest_port, request_bytes)
+    assert status_of(answer) == status, (case, answer[:300])
+    assert closes(answer), (case, answer[:300])
+    assert answer.count(b"HTTP/1.") == 1, case  # nothing after it: the server closed
+    assert "Traceback" not in daemon.log_text()
+
+
+def test_the_token_refusal_closes_cleanly(daemon_factory, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret-token-of-16+")
+    d = daemon_factory("--gpu.backend=demo", "--demo.gpus=1", f"--ingest.token-file={token}")
+    body = json.dumps(GOOD).encode()
+    answer = raw_exchange(d.ingest_port, post(body, Content_Length=str(len(body))))
+    assert status_of(answer) == 401 and closes(answer) and b"bearer token" in answer
+
+
+def test_a_body_shorter_than_its_content_length_is_a_400_and_one_debug_line(daemon):
+    before = pushed(daemon, "400")
+    with socket.create_connection(("127.0.0.1", daemon.ingest_port), timeout=10) as s:
+        s.sendall(post(b'{"version": 1', Content_Length="100"))
+        s.shutdown(socket.SHUT_WR)  # the client is done: 13 of 100 bytes
+        answer = b""
+        while chunk := s.recv(4096):
+            answer += chunk
+    assert status_of(answer) == 400 and closes(answer), answer
+    assert b"shorter than Content-Length (13 of 100 bytes" in answer
+    daemon.wait_sample("gputrain_ingest_requests_total", {"code": "400"},
+                       lambda v: v >= before + 1)
+    assert pushed(daemon, "500") == 0
+    log = daemon.log_text()
+    assert "Traceback" not in log
+    assert log.count("shorter than Content-Length (13 of 100") == 1, "one debug line"
+
+
+def test_keep_alive_clients_get_every_answer_of_a_push_that_was_applied(limited_daemon):
+    """300 ranks from 16 threads on kept-alive connections, three rounds, against the 128
+    connections an address may hold with 1,024 descriptors: connections are reclaimed while
+    others push, yet every push the daemon applied was answered (its count of 200s is the
+    clients' count)."""
+    import threading
+
+    d = limited_daemon
+    ok, failed = [0], [0]
+    lock = threading.Lock()
+
+    def rank_pushes(ranks: range) -> None:
+        sessions = {r: requests.Session() for r in ranks}
+        for round_ in range(3):
+            for r, s in sessions.items():
+                try:
+                    code = s.post(d.ingest_url + "/api/v1/push", timeout=20,
+                                  json={**GOOD, "run": "ka", "rank": str(r),
+                                        "steps": 10 + round_}).status_code
+                except requests.ConnectionError:
+                    code = 0  # closed before the request was read: nothing was applied
+                with lock:
+                    if code == 200:
+                        ok[0] += 1
+                    else:
+                        failed[0] += 1
+        for s in sessions.values():
+            s.close()
+
+    threads = [threading.Thread(target=rank_pushes, args=(range(i, 300, 16),))
+               for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert ok[0] >= 600, (ok, failed)  # most pushes get through at the first try
+    assert pushed(d, "200") == ok[0], (ok, failed)
+    assert "Traceback" not in d.log_text()
+
+
+def test_more_long_polls_than_the_port_allows_are_answered_at_once(daemon_factory):
+    """40 long-polls of a queued profile from one address: the port lets a bounded number
+    wait; the others get the profile as it is at once, with Retry-After, and pushes from
+    another address are answered meanwhile."""
+    import threading
+
+    d = daemon_factory("--gpu.backend=demo", "--demo.gpus=1")
+    rank = {**GOOD, "run": "polled", "capabilities": ["profile"]}
+    assert requests.post(d.ingest_url + "/api/v1/push", json=rank, timeout=10).ok
+    pid = requests.post(d.ingest_url + "/api/v1/profile", json={"run": "polled"},
+                        timeout=10).json()["id"]
+    answers: list[requests.Response] = []
+
+    def poll() -> None:
+        s = requests.Session()
+        s.mount("http://", SourceAdapter(ATTACKER))
+        answers.append(s.get(f"{d.ingest_url}/api/v1/profile/{pid}?wait=5", timeout=30))
+
+    polls = [threading.Thread(target=poll) for _ in range(40)]
+    for t in polls:
+        t.start()
+    r = requests.post(d.ingest_url + "/api/v1/push", json={**rank, "steps": 2}, timeout=10)
+    assert r.status_code == 200
+    for t in polls:
+        t.join(timeout=60)
+    assert len(answers) == 40 and all(a.status_code == 200 and a.json()["id"] == pid
+                                      for a in answers)
+    assert any(a.headers.get("Retry-After") for a in answers), "no long-poll was bounded"
+
+
+class SourceAdapter(requests.adapters.HTTPAdapter):
+    """Connections from a given source address."""
+
+    def __init__(self, source: str) -> None:
+        self._source = source
+        super().__init__()
+
+    def init_poolmanager(self, *args, **kwargs):
+        kwargs["source_address"] = (self._source, 0)
+        return super().init_poolmanager(*args, **kwargs)

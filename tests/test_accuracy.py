@@ -396,12 +396,11 @@ def test_flush_waits_for_the_totals_it_was_called_with():
     holding at least the steps done before it was called (read from the daemon's store: its
     page is built a moment later, off the request path)."""
     from exporter.reading.sampler import Sampler
-    from exporter.serving.exposition import Exposition
     from exporter.serving.ingest import IngestStore
     from exporter.serving.server import IngestHandler, make_server, serve_in_thread
 
     store = IngestStore()
-    server = make_server("127.0.0.1", 0, IngestHandler, Exposition(Sampler(None), store))
+    server = make_server("127.0.0.1", 0, IngestHandler, store, Sampler(None).healthy)
     serve_in_thread(server, "flush-test")
     m = TrainingMonitor(run="flushy", endpoint=f"http://127.0.0.1:{server.server_address[1]}",
                         push_interval=0.001)

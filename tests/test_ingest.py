@@ -41,7 +41,7 @@ class Rig:
         self.sampler = Sampler(DemoBackend(2, 0.5, host="ingest-test"), None, collectors={"gpu"})
         self.sampler.run_once()
         self.app = Exposition(self.sampler, self.store)
-        self.server = make_server("127.0.0.1", 0, IngestHandler, self.app)
+        self.server = make_server("127.0.0.1", 0, IngestHandler, self.store, self.sampler.healthy)
         serve_in_thread(self.server, "ingest-test")
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/api/v1/push"
         self.registry = CollectorRegistry(auto_describe=False)
@@ -141,6 +141,34 @@ def test_a_client_without_elapsed_seconds_gets_the_daemons_clock(rig):
 def test_bad_flops_or_precision_is_a_400_that_says_why(rig, over, message):
     r = rig.push(body(**over))
     assert r.status_code == 400 and message in r.text, r.text
+
+
+@pytest.mark.parametrize("over, field", [
+    ({"steps": 1e300}, "steps"),
+    ({"steps": 9.3e18}, "steps"),  # a float past 2^53 holds no exact integer
+    ({"steps": 2**63}, "steps"),
+    ({"steps": 10.5}, "steps"),
+    ({"step_counts": [2, 9, 1e300]}, "step_counts"),
+    ({"step_counts": [2, 9.5, 10]}, "step_counts"),
+    ({"process": {"pid": 1e300}}, "process.pid"),
+    ({"process": {"cpu_seconds": -1.0}}, "process.cpu_seconds"),
+])
+def test_a_counter_past_what_it_can_hold_exactly_is_a_400_naming_the_field(rig, over, field):
+    r = rig.push(body(**over))
+    assert r.status_code == 400 and f"field '{field}'" in r.text, r.text
+    assert rig.v("gputrain_training_steps_total") is None  # nothing stored
+
+
+def test_counters_at_their_bounds_are_taken(rig):
+    """A whole-number counter up to 2^63-1 as an integer, or up to 2^53 as a float without a
+    fraction; a float counter such as model FLOPs past 2^53 (a day of one GPU's)."""
+    big = 2**63 - 1
+    r = rig.push(body(steps=big, step_counts=[2, 9, 10], flops=8.6e19))
+    assert r.status_code == 200, r.text
+    assert rig.v("gputrain_training_flops_total") == 8.6e19
+    r = rig.push(body(run_id="other", steps=float(2**53), step_counts=[2, 9, 10]))
+    assert r.status_code == 200, r.text
+    assert rig.v("gputrain_training_steps_total") == 2**53
 
 
 def test_gpus_resolve_from_uuids_and_from_the_nvml_process_list(rig):

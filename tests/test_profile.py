@@ -8,6 +8,7 @@ Alertmanager routing the shipped example config.
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import os
@@ -42,6 +43,7 @@ from exporter.protocol import (
     PROFILE_PATH,
     PUSH_PATH,
     STEP_PARTS,
+    Refused,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -174,7 +176,8 @@ def training(tmp_path_factory, request):
     tmp = tmp_path_factory.mktemp("profile")
     started: list = []
     try:
-        d = Daemon("--gpu.backend=demo", "--demo.gpus=2", "--profile.alert-interval=1h").start()
+        d = Daemon("--gpu.backend=demo", "--demo.gpus=2", "--profile.alert-interval=1h",
+                   "--profile.rank-interval=0s").start()
         started.append(d)
         proc = _train(d, "slow-input", tmp / "traces", "--input-sleep-ms", "50")
         started.append(proc)
@@ -551,7 +554,7 @@ def test_the_webhook_needs_the_ingest_token_when_one_is_set(daemon_factory, tmp_
     assert r.status_code == 401
     r = requests.post(d.ingest_url + "/api/v1/alerts", json={"alerts": []}, timeout=5,
                       headers={"Authorization": "Bearer s3cret-token-of-16+"})
-    assert r.status_code == 200 and r.json() == {"started": [], "skipped": []}
+    assert r.status_code == 200 and r.json() == {"started": [], "skipped": [], "skipped_total": 0}
     # the command says which flag or variable gives the token
     out = _cli("--run", "x", "--url", d.ingest_url, timeout=60)
     assert out.returncode == 2
@@ -832,3 +835,205 @@ def test_the_status_document_shows_a_profile_at_once(clock):
     profile = board.request("r", "0", 3)
     (shown,) = json.loads(view.json_bytes())["profiles"]
     assert shown["id"] == profile.id and shown["state"] == "queued"
+
+
+# -- issue 29: the webhook turned against the daemon, rate limits, redaction, the terminal ------
+
+RANK = {"version": 1, "run": "hooked", "rank": "0", "run_id": "abc", "steps": 1,
+        "step_seconds": 0.1, "data_wait_seconds": 0.0, "samples": 8,
+        "capabilities": ["profile"]}
+
+
+def test_a_malformed_alert_is_skipped_with_a_short_reason_never_a_traceback(daemon_factory):
+    d = daemon_factory("--gpu.backend=demo", "--demo.gpus=1", "--log.level=debug")
+    assert requests.post(d.ingest_url + PUSH_PATH, json=RANK, timeout=5).ok
+    bad_name = _alert("GpuTrainInputBound", "hooked", "0")
+    bad_name["labels"]["alertname"] = ["GpuTrainInputBound"]
+    bad_run = _alert("GpuTrainInputBound", "hooked", "0")
+    bad_run["labels"]["run"] = {"a": "x" * 10000}
+    for _ in range(20):  # the issue's client made thousands of tracebacks a second
+        r = requests.post(d.ingest_url + "/api/v1/alerts", timeout=5, json={"alerts": [
+            _alert("GpuTrainInputBound", "hooked", "0"), bad_name, "not an alert",
+            {"status": "firing", "labels": ["x"]}, bad_run]})
+        assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["skipped_total"] == 5  # 4 malformed and the rate-limited valid one
+    reasons = [s["reason"] for s in answer["skipped"]]
+    assert "the alert's alertname is not a string" in reasons
+    assert "the alert is not an object" in reasons and "the alert has no labels object" in reasons
+    assert "the alert names no valid run and rank" in reasons
+    assert len(r.content) < 4096, "no malformed value is echoed"
+    profiles = requests.get(d.ingest_url + PROFILE_PATH, timeout=5).json()["profiles"]
+    assert len(profiles) == 1  # the valid alert, once
+    assert "Traceback" not in d.log_text()
+
+
+def test_the_webhook_answer_stays_short_whatever_the_number_of_live_runs(daemon_factory):
+    """300 live runs with 128-character names, then 1,000 firing alerts for runs that are not
+    here: the answer lists 20 of the skipped alerts, counts all 1,000, and each reason names
+    at most 5 live runs (the issue's answer was 133 MB)."""
+    d = daemon_factory("--gpu.backend=demo", "--demo.gpus=1", "--ingest.max-series=300")
+    s = requests.Session()
+    for i in range(300):
+        assert s.post(d.ingest_url + PUSH_PATH, timeout=10,
+                      json={**RANK, "run": f"r{i:03d}" + "x" * 124}).ok
+    call = {"alerts": [_alert("GpuTrainInputBound", f"gone-{i}", "0") for i in range(1000)]}
+    r = s.post(d.ingest_url + "/api/v1/alerts", json=call, timeout=30)
+    assert r.status_code == 200
+    answer = r.json()
+    assert answer["started"] == [] and answer["skipped_total"] == 1000
+    assert len(answer["skipped"]) == 20
+    assert "runs here: r000" in answer["skipped"][0]["reason"]
+    assert answer["skipped"][0]["reason"].endswith("and 295 more")
+    assert len(r.content) < 64 * 1024, len(r.content)
+
+
+def test_a_rank_is_profiled_at_most_once_per_rank_interval(daemon_factory):
+    """After a profile of a rank ends, another within --profile.rank-interval is a 429 that
+    says when to ask again (Retry-After too); the command prints it."""
+    d = daemon_factory("--gpu.backend=demo", "--demo.gpus=1", "--profile.rank-interval=1h")
+    assert requests.post(d.ingest_url + PUSH_PATH, json=RANK, timeout=5).ok
+    pid = requests.post(d.ingest_url + PROFILE_PATH, json={"run": "hooked"},
+                        timeout=5).json()["id"]
+    r = requests.post(d.ingest_url + PUSH_PATH, json={**RANK, "steps": 2}, timeout=5)
+    assert r.json()["instructions"][0]["id"] == pid
+    r = requests.post(d.ingest_url + PUSH_PATH, timeout=5, json={
+        **RANK, "steps": 3, "profile": {"id": pid, "state": "failed", "error": "no torch"}})
+    assert r.ok
+    r = requests.post(d.ingest_url + PROFILE_PATH, json={"run": "hooked"}, timeout=5)
+    assert r.status_code == 429 and "--profile.rank-interval" in r.json()["error"]
+    assert 3500 <= int(r.headers["Retry-After"]) <= 3600
+    out = _cli("--run", "hooked", "--url", d.ingest_url, timeout=60)
+    assert out.returncode == 2 and "at most one profile of a rank per 3600 s" in out.stderr
+
+
+def test_0s_means_no_limit_for_both_profile_intervals(clock):
+    from types import SimpleNamespace
+
+    from exporter.config import resolve
+    from exporter.serving.profiles import QUEUE_TIMEOUT, ProfileBoard
+
+    ns = argparse.Namespace(**{"profile.alert-interval": "0s", "profile.rank-interval": "0"})
+    settings = resolve(ns)
+    assert settings["profile.alert-interval"] == 0 and settings["profile.rank-interval"] == 0
+    ranks = [SimpleNamespace(run="r", rank="0", run_id="a", capabilities=("profile",))]
+    board = ProfileBoard(lambda: ranks, alert_interval=0, clock=clock, rank_interval=0,
+                         profiled_alerts=frozenset({"GpuTrainInputBound"}))
+    call = json.dumps({"alerts": [_alert("GpuTrainInputBound", "r", "0")]}).encode()
+    for _ in range(3):
+        (started,) = board.alerts(call)["started"]
+        clock.advance(QUEUE_TIMEOUT + 1)  # nobody takes it: it expires, the rank is free
+        assert board.get(started["id"]).state == "expired"
+    limited = ProfileBoard(lambda: ranks, clock=clock, rank_interval=600)
+    limited.request("r", "0", 1)
+    clock.advance(QUEUE_TIMEOUT + 1)
+    with pytest.raises(Refused) as refused:
+        limited.request("r", "0", 1)
+    assert refused.value.status == 429 and refused.value.retry_after == 600 - QUEUE_TIMEOUT - 1
+    clock.advance(600)
+    assert limited.request("r", "0", 1).state == "queued"
+
+
+def test_with_a_token_the_status_view_leaves_out_what_the_token_guards(daemon_factory,
+                                                                         tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret-token-of-16+")
+    auth = {"Authorization": "Bearer s3cret-token-of-16+"}
+    d = daemon_factory("--gpu.backend=demo", "--demo.gpus=1", f"--ingest.token-file={token}")
+    assert requests.post(d.ingest_url + PUSH_PATH, json=RANK, headers=auth, timeout=5).ok
+    pid = requests.post(d.ingest_url + PROFILE_PATH, json={"run": "hooked"}, headers=auth,
+                        timeout=5).json()["id"]
+    requests.post(d.ingest_url + PUSH_PATH, json={**RANK, "steps": 2}, headers=auth, timeout=5)
+    requests.post(d.ingest_url + PUSH_PATH, headers=auth, timeout=5, json={
+        **RANK, "steps": 3, "profile": {"id": pid, "state": "failed",
+                                        "error": "cannot write /home/alice/secret"}})
+    status = requests.get(d.url + "/api/v1/status", timeout=5)
+    (shown,) = status.json()["profiles"]
+    assert shown["run"] == "hooked" and shown["state"] == "failed"
+    assert shown["id"] is None and "secret" not in status.text and pid not in status.text
+    guarded = requests.get(f"{d.ingest_url}{PROFILE_PATH}/{pid}", headers=auth, timeout=5)
+    assert "/home/alice/secret" in guarded.json()["error"]
+
+
+EVIL = "aten::mm\x1b]0;pwned\x07\x1b[2J\u202e"
+
+
+def test_the_profile_command_escapes_what_a_rank_sends(daemon_factory):
+    """A rank's operator names, trace path and errors reach the terminal with their control
+    characters escaped: they cannot set its title, clear it or reorder text."""
+    d = daemon_factory("--gpu.backend=demo", "--demo.gpus=1")
+    assert requests.post(d.ingest_url + PUSH_PATH, json=RANK, timeout=5).ok
+    cli = subprocess.Popen([sys.executable, "-m", "exporter", "profile", "--run", "hooked",
+                            "--steps", "1", "--url", d.ingest_url], cwd=ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        answer = wait_until(lambda: requests.post(
+            d.ingest_url + PUSH_PATH, json={**RANK, "steps": 2}, timeout=5).json()[
+            "instructions"], timeout=60, what="the command's request to reach the rank")
+        step = {"seconds": 0.1, **dict.fromkeys(STEP_PARTS, 0.0), "forward": 0.1}
+        r = requests.post(d.ingest_url + PUSH_PATH, timeout=5, json={
+            **RANK, "steps": 3, "profile": {
+                "id": answer[0]["id"], "state": "done", "trace": "/tmp/t\x9b2J.json.gz",
+                "trace_bytes": 10, "device": "cpu", "steps": [step],
+                "top_ops": [{"name": EVIL, "calls": 1, "self_cpu_seconds": 0.1}]}})
+        assert r.ok, r.text
+        out, err = cli.communicate(timeout=60)
+    finally:
+        cli.kill()
+    assert cli.returncode == 0, err
+    assert "aten::mm\\x1b]0;pwned\\x07\\x1b[2J\\u202e" in out and "t\\x9b2J" in out
+    for raw in ("\x1b", "\x07", "\x9b", "\u202e"):
+        assert raw not in out + err
+
+
+def test_top_escapes_what_the_daemon_sends(daemon_factory):
+    """`top` prints names from any daemon it is pointed at: control characters in them are
+    escaped (a status document served by a stand-in with a hostile instance and GPU name)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    d = daemon_factory("--gpu.backend=demo", "--demo.gpus=1")
+    doc = requests.get(d.url + "/api/v1/status", timeout=5).json()
+    doc["instance"] = "node\x1b]0;pwned\x07"
+    doc["gpus"][0]["name"] = "NVIDIA \x1b[2JH100"
+    body = json.dumps(doc).encode()
+
+    class Stand(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    stand = ThreadingHTTPServer(("127.0.0.1", 0), Stand)
+    threading.Thread(target=stand.serve_forever, daemon=True).start()
+    try:
+        top = subprocess.run([sys.executable, "-m", "exporter", "top", "--once", "--url",
+                              f"http://127.0.0.1:{stand.server_port}"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    finally:
+        stand.shutdown()
+    assert top.returncode == 0, top.stderr
+    assert "node\\x1b]0;pwned\\x07" in top.stdout and "\\x1b[2JH100" in top.stdout
+    assert "\x1b" not in top.stdout and "\x07" not in top.stdout
+
+
+def test_diagnose_escapes_label_values_from_prometheus(monkeypatch, capsys):
+    from test_diagnose import report
+
+    from exporter.heuristics import diagnose
+    from exporter.heuristics.rules import DEFAULTS
+
+    rep = report(0.3, 0.6)
+    rep.run = "r\x1b]0;pwned\x07"
+    monkeypatch.setattr(diagnose, "diagnose", lambda *a, **k: (
+        diagnose.judge([rep], DEFAULTS["thresholds"]), []))
+    ns = argparse.Namespace(prometheus="http://x", run=None, window="5m", config=None,
+                            time=None, json=False)
+    diagnose.main(ns)
+    out = capsys.readouterr().out
+    assert "r\\x1b]0;pwned\\x07" in out and "\x1b" not in out and "\x07" not in out

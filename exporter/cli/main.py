@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import errno
+import gc
 import ipaddress
 import logging
 import signal
@@ -163,7 +164,15 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     from exporter.serving.exposition import Exposition
     from exporter.serving.history import History
     from exporter.serving.ingest import IngestStore
-    from exporter.serving.server import IngestHandler, MetricsHandler, make_server, serve_in_thread
+    from exporter.serving.server import (
+        GC_YOUNG_THRESHOLD,
+        GIL_SWITCH_SECONDS,
+        IngestHandler,
+        MetricsHandler,
+        make_server,
+        raise_descriptor_limit,
+        serve_in_thread,
+    )
     from exporter.serving.status import StatusView
     from exporter.serving.training import GpuShares
 
@@ -184,7 +193,8 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
                     "jobs can push")
             store = IngestStore(settings["ingest.max-series"], settings["ingest.ttl"], token,
                                 alert_interval=settings["profile.alert-interval"],
-                                profiled_alerts=PROFILED_ALERTS)
+                                profiled_alerts=PROFILED_ALERTS,
+                                rank_interval=settings["profile.rank-interval"])
         thresholds = _thresholds(settings["status.rules-config"])
     except ConfigError as exc:
         log.error("%s", exc)
@@ -211,7 +221,8 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
                       shares=shares)
     status = StatusView(history, thresholds, lambda: sampler.gpu_error, backend.name,
                         lambda: sampler.snapshot.driver_version,
-                        store.profiles if store is not None else None)
+                        store.profiles if store is not None else None,
+                        guarded=store is not None and token is not None)
     if store is not None:  # a profile asked for or finished: a viewer sees it at once
         store.profiles.listeners.append(status.changed)
     sampler.listeners.append(lambda: _observe(history, sampler, store, status))
@@ -219,14 +230,21 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     status.start()
     app = Exposition(sampler, store, peaks=peaks, status=status, shares=shares)
     app.start()
+    raise_descriptor_limit()  # the connection caps are sized from it
+    # a scrape waits for the GIL behind the page and sampler threads at most this long
+    # (Python's default, 5 ms, made the scrape p99 at 1,024 ranks 4.9x that at none)
+    sys.setswitchinterval(GIL_SWITCH_SECONDS)
+    # a full garbage collection holds the GIL for tens of ms at 1,024 ranks: a tenth as often
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     servers = []
-    listen = [("web", web_host, web_port, MetricsHandler, tls)]
+    listen = [("web", web_host, web_port, MetricsHandler, (app,), tls)]
     if store is not None:
-        listen.append(("ingest", ingest_host, ingest_port, IngestHandler, ingest_tls))
-    for part, host_, port, handler, tls_ in listen:
+        listen.append(("ingest", ingest_host, ingest_port, IngestHandler,
+                       (store, sampler.healthy), ingest_tls))
+    for part, host_, port, handler, serves, tls_ in listen:
         flag = f"{part}.listen-address"
         try:
-            servers.append(make_server(host_, port, handler, app, tls_))
+            servers.append(make_server(host_, port, handler, *serves, tls=tls_))
         except ssl.SSLError as exc:
             log.error("--%s.tls-cert-file %s / --%s.tls-key-file %s: not a usable certificate "
                       "and key (%s)", part, tls_[0], part, tls_[1], exc.reason or exc)
@@ -245,8 +263,8 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
         status.stop()
         sampler.stop()
         return 1
-    for i, srv in enumerate(servers):
-        serve_in_thread(srv, f"gputrain-http-{i}")
+    for srv in servers:
+        serve_in_thread(srv, f"gputrain-http-{srv.name}")
     scheme = "https" if tls else "http"
     log.info("gputrain-exporter %s serving %s/metrics (%s backend)", __version__,
              url_of(scheme, servers[0]), backend.name)

@@ -26,7 +26,7 @@ from exporter.protocol import (
     PROFILE_PATH,
     STEP_PARTS,
 )
-from exporter.terminal import check_url, connection_error
+from exporter.terminal import check_url, connection_error, printable
 
 DEFAULT_URL = DEFAULT_INGEST_URL
 TABLE_STEPS = 20  # a profile of more steps prints only its slowest
@@ -76,7 +76,9 @@ def _token(path: str | None) -> str | None:
     return os.environ.get("GPUTRAIN_TOKEN") or None
 
 
-def _call(session: requests.Session, method: str, url: str, **kwargs: Any) -> dict[str, Any]:
+def _call(session: requests.Session, method: str, url: str, **kwargs: Any
+          ) -> tuple[dict[str, Any], float]:
+    """The daemon's JSON answer, and the seconds its Retry-After asks to wait (else 0)."""
     try:
         # verify per request: a session's own loses to REQUESTS_CA_BUNDLE in the environment
         r = session.request(method, url, timeout=(3.0, 15.0), verify=session.verify, **kwargs)
@@ -101,7 +103,11 @@ def _call(session: requests.Session, method: str, url: str, **kwargs: Any) -> di
     if r.status_code != 200:
         raise Failed(doc.get("error", f"the daemon answered {r.status_code}")
                      if isinstance(doc, dict) else f"the daemon answered {r.status_code}")
-    return doc
+    try:
+        retry = min(5.0, max(0.0, float(r.headers.get("Retry-After", 0))))
+    except ValueError:
+        retry = 1.0
+    return doc, retry
 
 
 def ask(url: str, run: str, rank: str | None, steps: int, timeout: float,
@@ -121,7 +127,7 @@ def ask(url: str, run: str, rank: str | None, steps: int, timeout: float,
     body: dict[str, Any] = {"run": run, "steps": steps}
     if rank is not None:
         body["rank"] = rank
-    doc = _call(session, "POST", base, data=json.dumps(body))
+    doc, retry = _call(session, "POST", base, data=json.dumps(body))
     deadline = time.monotonic() + timeout
     seen = None
     while True:
@@ -130,8 +136,10 @@ def ask(url: str, run: str, rank: str | None, steps: int, timeout: float,
             progress(doc)
         if doc["state"] in ("done", "failed", "expired") or time.monotonic() >= deadline:
             return doc
+        # answered without waiting (the daemon holds as many long-polls as it allows)
+        time.sleep(min(retry, max(0.0, deadline - time.monotonic())))
         wait = max(0.1, min(5.0, deadline - time.monotonic()))
-        doc = _call(session, "GET", f"{base}/{doc['id']}?wait={wait:.1f}")
+        doc, retry = _call(session, "GET", f"{base}/{doc['id']}?wait={wait:.1f}")
 
 
 def _progress(doc: dict[str, Any]) -> None:
@@ -139,8 +147,8 @@ def _progress(doc: dict[str, Any]) -> None:
              "accepted": "taken by the rank; it starts at its next step",
              "running": f"recording {doc['steps']} steps after one warm-up step"}
     if doc["state"] in words:
-        print(f"profile {doc['id']} of run {doc['run']} rank {doc['rank']}: "
-              f"{words[doc['state']]}", file=sys.stderr)
+        print(printable(f"profile {doc['id']} of run {doc['run']} rank {doc['rank']}: "
+                        f"{words[doc['state']]}"), file=sys.stderr)
 
 
 def _size(n: int) -> str:
@@ -209,20 +217,20 @@ def main(ns: argparse.Namespace) -> int:
         doc = ask(ns.url, ns.run, ns.rank, ns.steps, ns.timeout, _token(ns.token_file),
                   ns.ca_file, None if ns.json else _progress, ns.tls_server_name)
     except Failed as exc:
-        print(f"gputrain-exporter profile: {exc}", file=sys.stderr)
+        print(printable(f"gputrain-exporter profile: {exc}"), file=sys.stderr)
         return 2
     if ns.json:
-        print(json.dumps(doc, indent=2))
+        print(json.dumps(doc, indent=2))  # ASCII: every control character escaped
     elif doc["state"] == "done":
-        print(render(doc))
+        print(printable(render(doc), newlines=True))
     if doc["state"] == "done":
         return 0
     if not ns.json:
         if doc["state"] in ("failed", "expired"):
-            print(f"gputrain-exporter profile: {doc['id']} {doc['state']}: {doc.get('error')}",
-                  file=sys.stderr)
+            print(printable(f"gputrain-exporter profile: {doc['id']} {doc['state']}: "
+                            f"{doc.get('error')}"), file=sys.stderr)
         else:
-            print(f"gputrain-exporter profile: {doc['id']} still {doc['state']} after "
-                  f"{ns.timeout:.0f} s; ask again with GET {ns.url.rstrip('/')}{PROFILE_PATH}/"
-                  f"{doc['id']}", file=sys.stderr)
+            print(printable(f"gputrain-exporter profile: {doc['id']} still {doc['state']} "
+                            f"after {ns.timeout:.0f} s; ask again with GET "
+                            f"{ns.url.rstrip('/')}{PROFILE_PATH}/{doc['id']}"), file=sys.stderr)
     return 1

@@ -19,7 +19,7 @@ import requests
 from exporter.heuristics.verdict import percent
 from exporter.protocol import DEFAULT_METRICS_PORT, STEP_PARTS
 from exporter.serving.status import STATUS_PATH
-from exporter.terminal import check_url, connection_error
+from exporter.terminal import check_url, connection_error, printable, printable_doc
 
 DEFAULT_URL = f"http://localhost:{DEFAULT_METRICS_PORT}"
 TIMEOUT_SECONDS = 3.0
@@ -250,9 +250,9 @@ def main(ns: argparse.Namespace) -> int:
         return 2
     session = requests.Session()
     try:
-        doc = fetch(ns.url, session)
+        doc = printable_doc(fetch(ns.url, session))  # names and reasons from the network
     except Unreachable as exc:
-        print(f"gputrain-exporter top: {exc}", file=sys.stderr)
+        print(printable(f"gputrain-exporter top: {exc}"), file=sys.stderr)
         return 2
     # a pipe gets a wide plain frame, a terminal its own width and colour
     console = Console() if sys.stdout.isatty() else Console(width=160, color_system=None)
@@ -277,9 +277,9 @@ def main(ns: argparse.Namespace) -> int:
             while True:
                 time.sleep(interval)
                 try:
-                    doc, error = fetch(ns.url, session), None
+                    doc, error = printable_doc(fetch(ns.url, session)), None
                 except Unreachable as exc:
-                    error = str(exc)
+                    error = printable(str(exc))
                 live.update(frame(doc, error), refresh=True)
     except KeyboardInterrupt:
         return 0

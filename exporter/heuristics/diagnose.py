@@ -46,7 +46,7 @@ from exporter.heuristics.verdict import (
     visibility,
     wasted_gpus,
 )
-from exporter.terminal import check_url, connection_error
+from exporter.terminal import check_url, connection_error, printable
 
 
 class PrometheusError(Exception):
@@ -474,17 +474,19 @@ def main(ns: argparse.Namespace) -> int:
         reports, nodes = diagnose(ns.prometheus, ns.run, ns.window, load_overrides(ns.config),
                                   ns.time)
     except (PrometheusError, ValueError) as exc:
-        print(f"gputrain-exporter diagnose: {exc}", file=sys.stderr)
+        print(printable(f"gputrain-exporter diagnose: {exc}"), file=sys.stderr)
         return EXIT_NO_DATA
     if not reports:
         what = f"run '{ns.run}'" if ns.run else "gputrain training data"
         down = [n.instance for n in nodes if n.up is False]
-        print(f"gputrain-exporter diagnose: Prometheus at {ns.prometheus} holds no {what} in "
-              f"the last {ns.window} (no gputrain_training_* series of a run and rank). "
-              + (f"It cannot scrape the exporter on {', '.join(down)}: is it running? "
-                 if down else "")
-              + "Is it scraping the exporter, and is a training client pushing to it?",
-              file=sys.stderr)
+        # instances and label values come from Prometheus: escaped before a terminal
+        print(printable(f"gputrain-exporter diagnose: Prometheus at {ns.prometheus} holds no "
+                        f"{what} in the last {ns.window} (no gputrain_training_* series of a "
+                        "run and rank). "
+                        + (f"It cannot scrape the exporter on {', '.join(down)}: is it "
+                           "running? " if down else "")
+                        + "Is it scraping the exporter, and is a training client pushing to "
+                        "it?"), file=sys.stderr)
         if not any(n.findings for n in nodes):
             return EXIT_NO_DATA
     if ns.json:
@@ -498,5 +500,7 @@ def main(ns: argparse.Namespace) -> int:
         json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(text_report(reports, parse_duration(ns.window), nodes))
+        # label values come from Prometheus: escaped before the terminal sees them
+        sys.stdout.write(printable(text_report(reports, parse_duration(ns.window), nodes),
+                                   newlines=True))
     return exit_status(reports, nodes)

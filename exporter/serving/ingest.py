@@ -21,6 +21,7 @@ from exporter.protocol import (
     DEFAULT_PRECISION,
     GPU_REF_RE,
     MAX_BUCKETS,
+    MAX_COUNT,
     MAX_GPUS,
     MAX_NAME_LENGTH,
     MAX_PHASE_NAME_LENGTH,
@@ -30,6 +31,7 @@ from exporter.protocol import (
     RUN_ID_RE,
     SCHEMA_VERSION,
     Refused,
+    count,
 )
 from exporter.serving.profiles import ProfileBoard, parse_report
 
@@ -85,20 +87,30 @@ def _reject_constant(name: str) -> Any:
 
 def _number(body: dict, key: str, *, integer: bool = False, required: bool = True,
             where: str = "") -> float | int | None:
-    if key not in body or body[key] is None:
+    v = body.get(key)
+    if v is None:
         if required:
             raise Refused(400, f"missing field '{where}{key}'")
         return None
-    v = body[key]
+    return _value(v, key, where, integer)
+
+
+def _value(v: Any, key: str, where: str = "", integer: bool = False) -> float | int:
+    """A counter's value (see protocol.MAX_COUNT); the field is ``where + key``."""
+    t = type(v)  # the common cases first: a push holds some 40 numbers
+    if t is int and 0 <= v <= MAX_COUNT:
+        return v if integer else float(v)
+    if t is float and not integer and 0.0 <= v < math.inf:
+        return v
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise Refused(400, f"field '{where}{key}' must be a number, got {_kind(v)}")
-    if integer and not (isinstance(v, int) or float(v).is_integer()):
-        raise Refused(400, f"field '{where}{key}' must be a whole number, got {v}")
-    if isinstance(v, int) and v > 2**63:  # before math.isfinite, which overflows on it
-        raise Refused(400, f"field '{where}{key}' is too large (over 2^63)")
+    if integer:
+        return count(v, f"{where}{key}")
+    if isinstance(v, int) and v > MAX_COUNT:  # before math.isfinite, which overflows on it
+        raise Refused(400, f"field '{where}{key}' is too large (over 2^63 - 1)")
     if not math.isfinite(v) or v < 0:
         raise Refused(400, f"field '{where}{key}' must be a finite number >= 0, got {v}")
-    return int(v) if integer else float(v)
+    return float(v)
 
 
 def _kind(v: Any) -> str:
@@ -181,8 +193,8 @@ def _parse_histogram(body: dict, st: RankState) -> None:
                            f"has {len(counts)} counts")
     if len(bounds) > MAX_BUCKETS:
         raise Refused(400, f"at most {MAX_BUCKETS} histogram buckets, got {len(bounds)}")
-    b = [_number({"b": x}, "b", where="step_buckets ") for x in bounds]
-    c = [_number({"c": x}, "c", integer=True, where="step_counts ") for x in counts]
+    b = [_value(x, "step_buckets") for x in bounds]
+    c = [_value(x, "step_counts", integer=True) for x in counts]
     if any(x >= y for x, y in pairwise(b)) or (b and b[0] <= 0):
         raise Refused(400, "'step_buckets' must be positive and strictly increasing")
     if any(x > y for x, y in pairwise(c)):
@@ -286,7 +298,8 @@ class IngestStore:
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time,
                  alert_interval: float = 3600.0,
-                 profiled_alerts: frozenset[str] = frozenset()) -> None:
+                 profiled_alerts: frozenset[str] = frozenset(),
+                 rank_interval: float = 0.0) -> None:
         self.max_series = max_series
         self.ttl = ttl
         self._token = token
@@ -299,7 +312,7 @@ class IngestStore:
         self._next_expiry = math.inf  # no state expires before this (monotonic)
         self.listeners: list[Callable[[], None]] = []  # called after every change
         self.profiles = ProfileBoard(self.states, alert_interval, profiled_alerts, clock,
-                                     wall_clock)
+                                     wall_clock, rank_interval)
 
     def authorized(self, header: str | None) -> bool:
         """True when no token is configured or the header carries it."""

@@ -9,6 +9,7 @@ delivers, validates what comes back and keeps a bounded record of it.
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 import os
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 
 from exporter.protocol import (
     DEFAULT_PROFILE_STEPS,
+    MAX_COUNT,
     MAX_NAME_LENGTH,
     MAX_OP_NAME_LENGTH,
     MAX_PROFILE_ERROR_LENGTH,
@@ -34,6 +36,7 @@ from exporter.protocol import (
     PROFILE_VERSION,
     STEP_PARTS,
     Refused,
+    count,
 )
 
 
@@ -53,6 +56,8 @@ RUN_TIMEOUT = 1800.0  # seconds from the start to the result
 MAX_OPEN = 64  # profiles queued, accepted or running at once, over all ranks
 KEEP = 64  # finished profiles kept for the API and the status page
 MAX_ALERTS = 1000  # alerts in one webhook call
+MAX_SKIPPED_SHOWN = 20  # skipped alerts listed in a webhook answer (all are counted)
+MAX_NAMES_SHOWN = 5  # live runs or ranks a refusal lists (the rest are counted)
 
 @dataclass
 class Profile:
@@ -104,12 +109,13 @@ def mean_parts(steps: list[dict[str, float]]) -> dict[str, float]:
 
 
 def _number(value: Any, where: str, integer: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            not math.isfinite(value) or value < 0 or value > 2**63:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise Refused(400, f"'{where}' must be a number, got {str(value)[:40]!r}")
+    if integer:
+        return count(value, where)
+    if value > MAX_COUNT or not math.isfinite(value) or value < 0:
         raise Refused(400, f"'{where}' must be a finite number >= 0, got {value!r}")
-    if integer and not float(value).is_integer():
-        raise Refused(400, f"'{where}' must be a whole number, got {value!r}")
-    return int(value) if integer else float(value)
+    return float(value)
 
 
 def parse_report(report: Any) -> dict[str, Any]:
@@ -177,6 +183,40 @@ def _rank_order(rank: str) -> tuple[int, int | str]:
     return (0, int(rank)) if rank.isdigit() else (1, rank)
 
 
+def few(names: Any, key: Callable[[str], Any] | None = None) -> str:
+    """At most MAX_NAMES_SHOWN of ``names``, in order, and how many more: a message stays
+    short however many runs or ranks push here."""
+    shown = heapq.nsmallest(MAX_NAMES_SHOWN, names, key=key)
+    more = len(names) - len(shown)
+    return ", ".join(shown) + (f" and {more} more" if more > 0 else "")
+
+
+def _asked(alert: Any, profiled: frozenset[str]
+           ) -> tuple[str, str | None, str | None, str | None] | None:
+    """One webhook alert: None when it asks for nothing (not firing, or not an alert a
+    profile can explain); else (alertname, run, rank, why it is malformed or None). Values
+    that are not short names are never echoed."""
+    if not isinstance(alert, dict):
+        return "?", None, None, "the alert is not an object"
+    labels = alert.get("labels")
+    if not isinstance(labels, dict):
+        return "?", None, None, "the alert has no labels object"
+    if alert.get("status") != "firing":
+        return None
+    name = labels.get("alertname")
+    if not isinstance(name, str):
+        return "?", None, None, "the alert's alertname is not a string"
+    if name not in profiled:
+        return None
+    run, rank = labels.get("run"), labels.get("rank")
+    if not all(isinstance(v, str) and len(v) <= MAX_NAME_LENGTH and NAME_RE.fullmatch(v)
+               for v in (run, rank)):
+        shown = [v if isinstance(v, str) and len(v) <= MAX_NAME_LENGTH else None
+                 for v in (run, rank)]
+        return name, shown[0], shown[1], "the alert names no valid run and rank"
+    return name, run, rank, None
+
+
 class ProfileBoard:
     """The daemon's profiles: requests, delivery in push answers, results, the alert
     webhook's rate limit. ``states`` gives the live ranks (the ingest's)."""
@@ -184,9 +224,11 @@ class ProfileBoard:
     def __init__(self, states: Callable[[], list[Rank]], alert_interval: float = 3600.0,
                  profiled_alerts: frozenset[str] = frozenset(),
                  clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time,
+                 rank_interval: float = 0.0) -> None:
         self._states = states
         self.alert_interval = alert_interval
+        self.rank_interval = rank_interval
         self.profiled_alerts = profiled_alerts
         self._clock = clock
         self._wall = wall_clock
@@ -194,28 +236,31 @@ class ProfileBoard:
         self._profiles: OrderedDict[str, Profile] = OrderedDict()
         self._open: dict[tuple[str, str], Profile] = {}  # per rank, not final
         self._last_alert: dict[str, float] = {}  # run -> monotonic time of its alert profile
+        self._last_profile: dict[tuple[str, str], float] = {}  # rank -> its last profile's
         self.version = 0  # changes when a profile is asked for or changes state
         self.listeners: list[Callable[[], None]] = []
 
     # -- asking -------------------------------------------------------------------------------
 
     def request(self, run: str, rank: str | None = None, steps: int = DEFAULT_PROFILE_STEPS,
-                trigger: str = "cli") -> Profile:
+                trigger: str = "cli", live: dict[str, dict[str, Rank]] | None = None
+                ) -> Profile:
         """Queue a profile of ``rank`` of ``run`` (its lowest rank here when None), one per
-        rank at a time. Raises Refused."""
+        rank at a time and at most one per rank per ``rank_interval`` seconds. ``live`` is
+        :meth:`live` where the caller has it. Raises Refused."""
         if not 1 <= steps <= MAX_PROFILE_STEPS:
             raise Refused(400, f"steps must be 1-{MAX_PROFILE_STEPS}, got {steps}")
-        live = [s for s in self._states() if s.run == run]
-        if not live:
-            runs = sorted({s.run for s in self._states()})
+        live = self.live() if live is None else live
+        ranks = live.get(run)
+        if not ranks:
             raise Refused(404, f"no rank of run {run!r} pushes to this daemon; runs "
-                               f"here: {', '.join(runs) or 'none'}")
-        ranks = sorted((s.rank for s in live), key=_rank_order)
-        rank = ranks[0] if rank is None else rank
-        state = next((s for s in live if s.rank == rank), None)
+                               f"here: {few(live) or 'none'}")
+        if rank is None:
+            rank = min(ranks, key=_rank_order)
+        state = ranks.get(rank)
         if state is None:
             raise Refused(404, f"run {run!r} has no rank {rank!r} pushing to this "
-                               f"daemon; its ranks here: {', '.join(ranks)}")
+                               f"daemon; its ranks here: {few(ranks, _rank_order)}")
         if PROFILE_CAPABILITY not in state.capabilities:
             raise Refused(409, f"rank {rank} of run {run} cannot be profiled: its "
                                "client does not offer it (a gputrain client from before "
@@ -228,19 +273,40 @@ class ProfileBoard:
                                    f"({existing.id}, {existing.state}, asked for by "
                                    f"{existing.trigger}); one profile per rank at a time: "
                                    f"wait for it with GET {PROFILE_PATH}/{existing.id}")
+            now = self._clock()
+            last = self._last_profile.get((run, rank))
+            if last is not None and now - last < self.rank_interval:
+                left = self.rank_interval - (now - last)
+                raise Refused(429, f"rank {rank} of run {run} was profiled {now - last:.0f} s "
+                                   f"ago; at most one profile of a rank per "
+                                   f"{self.rank_interval:.0f} s (--profile.rank-interval): "
+                                   f"try again in {math.ceil(left)} s",
+                              retry_after=math.ceil(left))
             if len(self._open) >= MAX_OPEN:
                 raise Refused(429, f"{len(self._open)} profiles are already queued or "
                                    "running on this daemon; try again later")
-            now = self._clock()
             profile = Profile(id="p-" + os.urandom(6).hex(), run=run, rank=rank, steps=steps,
                               trigger=trigger, requested=self._wall(), requested_at=now,
                               changed_at=now)
             self._profiles[profile.id] = profile
             self._open[(run, rank)] = profile
+            if self.rank_interval > 0:
+                # ranks whose interval has passed are forgotten: the table stays bounded
+                if len(self._last_profile) >= MAX_OPEN:
+                    self._last_profile = {k: t for k, t in self._last_profile.items()
+                                          if now - t < self.rank_interval}
+                self._last_profile[(run, rank)] = now
             self._trim_locked()
             self._changed_locked()
         self._notify()
         return profile
+
+    def live(self) -> dict[str, dict[str, Rank]]:
+        """The live ranks by run and rank."""
+        out: dict[str, dict[str, Rank]] = {}
+        for s in self._states():
+            out.setdefault(s.run, {})[s.rank] = s
+        return out
 
     def get(self, pid: str) -> Profile | None:
         with self._cond:
@@ -330,7 +396,10 @@ class ProfileBoard:
     def alerts(self, raw: bytes) -> dict[str, Any]:
         """Alertmanager's webhook: each firing alert of ``profiled_alerts`` naming a run and
         a rank that push here starts one profile, at most one per run per
-        ``alert_interval`` seconds. Returns what was started and what was skipped, and why."""
+        ``alert_interval`` seconds. Returns what was started and what was skipped, and why:
+        a malformed alert is skipped with a short reason, and the answer stays short
+        whatever the number of alerts and live runs (MAX_SKIPPED_SHOWN are listed, all are
+        counted). A body that is not the webhook's JSON is refused whole (Refused)."""
         try:
             body = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError):
@@ -344,41 +413,45 @@ class ProfileBoard:
                                f"{MAX_ALERTS}")
         started: list[dict[str, Any]] = []
         skipped: list[dict[str, Any]] = []
+        total_skipped = 0
+        live = self.live()  # once per call: each alert then costs a lookup
         for alert in alerts:
-            labels = alert.get("labels") if isinstance(alert, dict) else None
-            if not isinstance(labels, dict) or alert.get("status") != "firing":
-                continue
-            name, run, rank = labels.get("alertname"), labels.get("run"), labels.get("rank")
-            if name not in self.profiled_alerts:
-                continue
-            about = {"alertname": name, "run": run, "rank": rank}
-            if not all(isinstance(v, str) and len(v) <= MAX_NAME_LENGTH and NAME_RE.fullmatch(v)
-                       for v in (run, rank)):
-                skipped.append({**about, "reason": "the alert names no valid run and rank"})
-                continue
-            now = self._clock()
-            with self._cond:  # take the run's slot before asking: concurrent calls race
-                last = self._last_alert.get(run)
-                if last is None or now - last >= self.alert_interval:
-                    # runs whose slot is free again are forgotten (Slurm job ids never recur)
-                    self._last_alert = {r: t for r, t in self._last_alert.items()
-                                        if now - t < self.alert_interval}
-                    self._last_alert[run] = now
-            if last is not None and now - last < self.alert_interval:
-                skipped.append({**about, "reason": f"run {run} was profiled for an alert "
-                                f"{now - last:.0f} s ago; at most one per "
-                                f"{self.alert_interval:.0f} s"})
-                continue
-            try:
-                profile = self.request(run, rank, DEFAULT_PROFILE_STEPS, f"alert:{name}")
-            except Refused as exc:
-                with self._cond:  # nothing started: the slot stays free
-                    if self._last_alert.get(run) == now:
-                        del self._last_alert[run]
-                skipped.append({**about, "reason": str(exc)})
-                continue
-            started.append({**about, "id": profile.id})
-        return {"started": started, "skipped": skipped}
+            asked = _asked(alert, self.profiled_alerts)
+            if asked is None:
+                continue  # resolved, or an alert a profile cannot explain
+            name, run, rank, why = asked
+            if why is None:
+                why, pid = self._alert(name, run, rank, live)
+                if why is None:
+                    started.append({"alertname": name, "run": run, "rank": rank, "id": pid})
+                    continue
+            total_skipped += 1
+            if len(skipped) < MAX_SKIPPED_SHOWN:
+                skipped.append({"alertname": name, "run": run, "rank": rank, "reason": why})
+        return {"started": started, "skipped": skipped, "skipped_total": total_skipped}
+
+    def _alert(self, name: str, run: str, rank: str,
+               live: dict[str, dict[str, Rank]]) -> tuple[str | None, str | None]:
+        """Start a profile for one valid alert: (why not, None) or (None, its id)."""
+        now = self._clock()
+        with self._cond:  # take the run's slot before asking: concurrent calls race
+            last = self._last_alert.get(run)
+            if last is None or now - last >= self.alert_interval:
+                # runs whose slot is free again are forgotten (Slurm job ids never recur)
+                self._last_alert = {r: t for r, t in self._last_alert.items()
+                                    if now - t < self.alert_interval}
+                self._last_alert[run] = now
+        if last is not None and now - last < self.alert_interval:
+            return (f"run {run} was profiled for an alert {now - last:.0f} s ago; at most "
+                    f"one per {self.alert_interval:.0f} s"), None
+        try:
+            profile = self.request(run, rank, DEFAULT_PROFILE_STEPS, f"alert:{name}", live)
+        except Refused as exc:
+            with self._cond:  # nothing started: the slot stays free
+                if self._last_alert.get(run) == now:
+                    del self._last_alert[run]
+            return str(exc), None
+        return None, profile.id
 
     # -- housekeeping -------------------------------------------------------------------------
 

@@ -1,25 +1,37 @@
 """HTTP: /metrics, /healthz, the status page (/) and /api/v1/status on the web address; the
 push endpoint, profile requests and Alertmanager's webhook on the ingest address.
 
+Each address is served by aiohttp's low-level server on an asyncio event loop in a thread of
+its own, so a slow or idle connection costs a descriptor and a few kilobytes, never a thread.
+Around aiohttp's parser this module keeps the daemon's own limits (docs/flags.md, "Endpoints
+and limits", says why these values): a deadline for a request's headers and one for the
+whole request, a budget for the headers' bytes and lines, caps on connections per port and
+per client address, a budget for the bodies being read, and a bound on long-polls.
+
 A scrape sends the page that exporter.serving.exposition keeps ready (no NVML call, no
 rendering), so many Prometheus servers cost little more than one.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import errno
-import http.client
 import json
 import logging
+import math
 import re
+import resource
 import socket
 import ssl
-import sys
 import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from exporter.protocol import (
     ALERTS_PATH,
@@ -29,22 +41,41 @@ from exporter.protocol import (
     PUSH_PATH,
     Refused,
 )
-from exporter.reading.sampler import Sampler
-from exporter.serving.ingest import IngestStore
-from exporter.serving.profiles import ProfileBoard
-from exporter.serving.status import CONTENT_SECURITY_POLICY, STATUS_PATH
+from exporter.serving.profiles import FINAL, Profile
+from exporter.serving.status import ASSETS, CONTENT_SECURITY_POLICY, STATUS_PATH
+
+if TYPE_CHECKING:
+    from exporter.serving.exposition import Exposition
+    from exporter.serving.ingest import IngestStore
 
 log = logging.getLogger(__name__)
 
-_DIGITS = re.compile(r"[0-9]{1,12}")
-# Bounds of one connection (module constants: the README's "Limits" says why these values).
-MAX_CONNECTIONS = 128  # per listening port, each with its own thread
+# Bounds of one connection and of a port (docs/flags.md, "Endpoints and limits", says why).
+HEADER_SECONDS = 5.0  # from connecting, or from a request's first byte, to its headers' end
+REQUEST_SECONDS = 10.0  # from a request's first byte to its answer's last byte
 IDLE_SECONDS = 60.0  # a keep-alive connection may wait this long for its next request
-REQUEST_SECONDS = 10.0  # from a request's first byte to its last, headers and body
-MAX_HEADER_BYTES = 16 * 1024  # request line excluded
+CLOSING_SECONDS = 1.0  # after a closing answer, unread input is discarded this long
+MAX_REQUEST_LINE = 8 * 1024
+MAX_HEADER_BYTES = 16 * 1024  # the request line excluded
 MAX_HEADERS = 64
-ACCEPT_BACKOFF_SECONDS = 0.1  # after accept() fails (no descriptors left): do not spin
+MAX_CONNECTIONS = 512  # per port, at most: fewer where the descriptor limit is lower
+RESERVED_DESCRIPTORS = 256  # kept for everything but the two ports (NVML, /proc, logs)
+ADDRESS_SHARE = 2  # one client address holds at most 1/ADDRESS_SHARE of a port's connections
+BODY_BUDGET_BYTES = 16 * 1024 * 1024  # request bodies being read at once, per port
+MAX_LONG_POLLS = 32  # per port: GETs of a profile that wait; more are answered at once
+MAX_WAIT_SECONDS = 5.0  # a GET of a profile may wait this long for it (< REQUEST_SECONDS)
+# the listen queue, and how many connections asyncio accepts at once (it closes the refused
+# ones only after): the caps keep that many descriptors free per port
+LISTEN_BACKLOG = 128
+SWEEP_SECONDS = 0.5  # how often a port looks for connections past their deadline
+READ_CHUNK = 16 * 1024  # bytes one read takes from a connection (asyncio's default: 256 KiB)
+BLOCKING_THREADS = 4  # per port, for calls that may wait (?fresh=1, a status build)
+GIL_SWITCH_SECONDS = 0.001  # the daemon's sys.setswitchinterval (bench/RESULTS.md says why)
+GC_YOUNG_THRESHOLD = 7000  # the daemon's first garbage-collection threshold (Python's: 700)
+_DIGITS = re.compile(r"[0-9]{1,12}")
 _CODING = re.compile(r"\s*([A-Za-z0-9*_-]+)\s*(?:;\s*q\s*=\s*([0-9.]+))?\s*")
+_TEXT = "text/plain; charset=utf-8"
+SERVER = "gputrain-exporter"
 
 
 def accepts_gzip(header: str | None) -> bool:
@@ -66,424 +97,882 @@ LANDING_PAGE = b"""<html><head><title>gputrain-exporter</title></head><body>
 """  # where no status view is wired (tests that serve the metrics page alone)
 
 
-class _HeaderBudget:
-    """A request's headers, read from ``rfile`` within a byte and line budget: beyond it,
-    http.server answers 431 before any body is read or any token checked."""
-
-    def __init__(self, rfile: Any) -> None:
-        self._rfile = rfile
-        self._bytes = 0
-        self._lines = 0
-
-    def readline(self, limit: int = -1) -> bytes:
-        left = MAX_HEADER_BYTES - self._bytes
-        line = self._rfile.readline(min(limit, left + 1) if limit >= 0 else left + 1)
-        self._bytes += len(line)
-        self._lines += 1
-        if self._bytes > MAX_HEADER_BYTES:
-            raise http.client.LineTooLong(f"headers over {MAX_HEADER_BYTES} bytes")
-        if self._lines > MAX_HEADERS + 1:
-            raise http.client.HTTPException(f"more than {MAX_HEADERS} headers")
-        return line
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server_version = "gputrain-exporter"
-    protocol_version = "HTTP/1.1"
-    # Headers and body go out in two writes; without TCP_NODELAY, Nagle's algorithm and the
-    # client's delayed ACK add ~40 ms to every keep-alive response.
-    disable_nagle_algorithm = True
-    timeout = REQUEST_SECONDS  # each read; the server's watchdog bounds a whole request
-
-    def setup(self) -> None:
-        super().setup()
-        self.requests_served = 0
-
-    def handle_one_request(self) -> None:
-        """http.server's, with deadlines: a new connection's first request within
-        REQUEST_SECONDS, a kept-alive one's next request within IDLE_SECONDS, each whole
-        request within REQUEST_SECONDS of its first byte, the headers within a budget. While
-        it waits for a request, the connection may be closed to make room for a new one."""
-        watchdog = self.server.watchdog
+def raise_descriptor_limit() -> int:
+    """Raise the soft limit on open descriptors to the hard one; returns the soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
         try:
-            watchdog.arm(self.connection, IDLE_SECONDS if self.requests_served else
-                         REQUEST_SECONDS)
-            self.server.waiting(self.connection, True)
-            try:
-                started = self.rfile.peek(1)
-            finally:
-                self.server.waiting(self.connection, False)
-            if not started:
-                self.close_connection = True
-                return
-            self.requests_served += 1
-            watchdog.arm(self.connection, REQUEST_SECONDS)
-            self.raw_requestline = self.rfile.readline(8193)
-            if len(self.raw_requestline) > 8192:
-                self.requestline = self.request_version = self.command = ""
-                self.send_error(414)
-                return
-            if not self.raw_requestline:
-                self.close_connection = True
-                return
-            rfile, self.rfile = self.rfile, _HeaderBudget(self.rfile)
-            try:
-                parsed = self.parse_request()
-            finally:
-                self.rfile = rfile
-            if not parsed:
-                return
-            method = getattr(self, "do_" + self.command, None)
-            if method is None:
-                self.send_error(501, f"unsupported method ({self.command!r})")
-                return
-            method()
-            self.wfile.flush()
-        except (TimeoutError, OSError, ValueError) as exc:
-            # a deadline passed (the watchdog shut the socket), or the client went away
-            log.debug("connection from %s ended: %s", self.client_address, exc)
-            self.close_connection = True
-        finally:
-            watchdog.disarm(self.connection)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the descriptor limit from %d to %d: %s", soft, hard, exc)
+    return soft
 
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s %s", self.address_string(), format % args)
 
-    def _has_body(self) -> bool:
-        """The request announces a body (which GET and HEAD handlers never read)."""
-        return bool(self.headers.get("Transfer-Encoding")) or \
-            self.headers.get("Content-Length", "0").strip() not in ("", "0")
+def connection_caps(soft: int | None = None, ports: int = 2) -> tuple[int, int]:
+    """(connections per port, connections per client address on a port), sized from the
+    soft descriptor limit (the process's, by default): RESERVED_DESCRIPTORS stay for the rest
+    of the daemon, and LISTEN_BACKLOG per port for connections accepted before they are
+    refused."""
+    if soft is None:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        soft = (MAX_CONNECTIONS + LISTEN_BACKLOG) * ports + RESERVED_DESCRIPTORS
+    per_port = max(16, min(MAX_CONNECTIONS,
+                           (soft - RESERVED_DESCRIPTORS) // ports - LISTEN_BACKLOG))
+    return per_port, max(4, per_port // ADDRESS_SHARE)
 
-    def _send(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8",
-              headers: dict[str, str] | None = None) -> None:
-        if self.command in ("GET", "HEAD") and self._has_body():
-            # an unread body must never be parsed as the next request
-            self.close_connection = True
-        self.send_response(code)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
 
-    def _health(self) -> None:
-        sampler: Sampler = self.server.app.sampler
-        if sampler.healthy():
-            self._send(200, b"ok\n")
+def _canned(status: int, reason: str, text: str) -> bytes:
+    """A whole closing answer, for the connection level (before aiohttp has a request)."""
+    body = (text + "\n").encode()
+    return (f"HTTP/1.1 {status} {reason}\r\nServer: {SERVER}\r\nContent-Type: {_TEXT}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+
+
+class _Port:
+    """The connections of one listening port: the caps, fairness between client addresses,
+    the body budget and the long-polls. Used from the port's event loop thread only."""
+
+    def __init__(self, name: str, max_connections: int, per_address: int) -> None:
+        self.name = name
+        self.max_connections = max_connections
+        self.per_address = per_address
+        self.conns: dict[_Connection, None] = {}
+        self.by_address: dict[str, dict[_Connection, None]] = {}  # oldest first
+        self.idle: dict[_Connection, None] = {}  # waiting for a request, longest first
+        self.body_bytes = 0
+        self.body_by_address: dict[str, int] = {}
+        self.long_polls: dict[str, int] = {}
+        self.refused = 0
+        self._wakers: set[asyncio.Future[None]] = set()
+
+    # -- connections ---------------------------------------------------------------------------
+
+    def admit(self, conn: _Connection) -> str | None:
+        """Take a new connection, making room as nginx would; or why it is refused. An idle
+        keep-alive connection goes first (its client reconnects on its next request); at the
+        port's cap, the address holding the most connections loses its oldest one that is
+        still sending headers; a connection whose request is being handled is never taken."""
+        mine = self.by_address.get(conn.address, {})
+        if len(mine) >= self.per_address and not self._close_idle(mine):
+            return self._refuse(f"{len(mine)} connections from {conn.address} are open on the "
+                                f"{self.name} port, the most one address may hold")
+        if len(self.conns) >= self.max_connections and not self._close_idle(self.idle):
+            heaviest = max(self.by_address.values(), key=len)
+            if len(heaviest) <= len(mine) + 1 or not self._close_sending(heaviest):
+                return self._refuse(f"{len(self.conns)} connections are open on the "
+                                    f"{self.name} port, its limit")
+        self.conns[conn] = None
+        self.by_address.setdefault(conn.address, {})[conn] = None
+        return None
+
+    def _refuse(self, why: str) -> str:
+        self.refused += 1
+        if self.refused in (1, 10, 100) or self.refused % 1000 == 0:
+            log.warning("%d connection(s) refused so far: %s", self.refused, why)
+        return why
+
+    def _close_idle(self, among: dict[_Connection, None]) -> bool:
+        for c in list(among) if among is self.idle else [c for c in among if c in self.idle]:
+            if c.reclaim():
+                return True
+        return False
+
+    def _close_sending(self, among: dict[_Connection, None]) -> bool:
+        for c in among:
+            if c.state == "head":
+                c.evict()
+                return True
+        return False
+
+    def sweep(self, now: float) -> None:
+        """Act on every connection whose deadline has passed (one look for all of them,
+        not a timer per request)."""
+        for conn in [c for c in self.conns if c.deadline <= now]:
+            conn.expired()
+
+    def forget(self, conn: _Connection) -> None:
+        self.conns.pop(conn, None)
+        self.idle.pop(conn, None)
+        mine = self.by_address.get(conn.address)
+        if mine is not None:
+            mine.pop(conn, None)
+            if not mine:
+                del self.by_address[conn.address]
+
+    # -- bodies and long-polls -----------------------------------------------------------------
+
+    def reserve_body(self, address: str, length: int) -> bool:
+        """Room for a body of ``length`` bytes from ``address``: within the port's budget,
+        and within an address's share of it."""
+        mine = self.body_by_address.get(address, 0)
+        if self.body_bytes + length > BODY_BUDGET_BYTES or \
+                mine + length > BODY_BUDGET_BYTES // ADDRESS_SHARE:
+            return False
+        self.body_bytes += length
+        self.body_by_address[address] = mine + length
+        return True
+
+    def release_body(self, address: str, length: int) -> None:
+        self.body_bytes -= length
+        left = self.body_by_address.get(address, 0) - length
+        if left > 0:
+            self.body_by_address[address] = left
         else:
-            self._send(503, b"the sampler has not completed a cycle in 3 intervals\n")
+            self.body_by_address.pop(address, None)
+
+    def start_long_poll(self, address: str) -> bool:
+        """A long-poll may wait: fewer than MAX_LONG_POLLS wait on the port, and the address
+        holds less than its share of them."""
+        if sum(self.long_polls.values()) >= MAX_LONG_POLLS or \
+                self.long_polls.get(address, 0) >= MAX_LONG_POLLS // ADDRESS_SHARE:
+            return False
+        self.long_polls[address] = self.long_polls.get(address, 0) + 1
+        return True
+
+    def end_long_poll(self, address: str) -> None:
+        left = self.long_polls.get(address, 0) - 1
+        if left > 0:
+            self.long_polls[address] = left
+        else:
+            self.long_polls.pop(address, None)
+
+    def wake(self) -> None:
+        """A profile changed: long-polls look again."""
+        for f in self._wakers:
+            if not f.done():
+                f.set_result(None)
+        self._wakers.clear()
+
+    async def changed(self, timeout: float) -> None:
+        """Return after the next :meth:`wake`, or after ``timeout`` seconds."""
+        f = asyncio.get_running_loop().create_future()
+        self._wakers.add(f)
+        try:
+            await asyncio.wait_for(f, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self._wakers.discard(f)
 
 
-class MetricsHandler(_Handler):
-    def do_GET(self) -> None:
-        path, _, query = self.path.partition("?")
+class _Connection(RequestHandler):
+    """aiohttp's protocol with the daemon's limits around it.
+
+    ``state``: ``head`` from connecting (or from a request's first byte) to the end of its
+    headers, with HEADER_SECONDS to get there; ``busy`` while the request is read and
+    answered, within REQUEST_SECONDS of its first byte; ``idle`` between requests, for up to
+    IDLE_SECONDS; ``closing`` after a closing answer. Only ``idle`` and ``head`` connections
+    are ever closed to make room for others.
+    """
+
+    def __init__(self, port: _Port, server: web.Server, loop: asyncio.AbstractEventLoop,
+                 tls: ssl.SSLContext | None) -> None:
+        super().__init__(server, loop=loop, keepalive_timeout=IDLE_SECONDS + 5,
+                         access_log=None, max_line_size=MAX_REQUEST_LINE,
+                         max_field_size=MAX_HEADER_BYTES, max_headers=MAX_HEADERS + 1,
+                         lingering_time=CLOSING_SECONDS)
+        self.port = port
+        self.tls = tls
+        self.address = ""
+        self.state = "new"
+        self.started = 0.0  # loop time of the current request's first byte
+        self.deadline = math.inf  # loop time; see _Port.sweep
+        self._head_bytes = 0
+        self._head_lines = 0
+        self._line_bytes = 0
+        self._tail = b""
+        self._busy_bytes = 0
+        self._raw: asyncio.BaseTransport | None = None
+        self._admitted = False
+        self._client_done = False  # the client closed its side
+        self._content: Any = None  # the body of the request being handled
+        self._handshake: asyncio.Task[None] | None = None
+
+    # -- connecting ----------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self._raw is not None:  # the TLS transport, after the handshake (see _start_tls)
+            super().connection_made(transport)
+            return
+        self._raw = transport
+        peer = transport.get_extra_info("peername")
+        self.address = str(peer[0]) if peer else ""
+        why = self.port.admit(self)
+        if why is not None:
+            transport.write(_canned(503, "Service Unavailable", f"busy: {why}; try again"))
+            transport.close()
+            return
+        self._admitted = True
+        _read_in_chunks(transport)
+        self._begin_head()
+        if self.tls is None:
+            super().connection_made(transport)
+        else:
+            self._handshake = self._loop.create_task(self._start_tls(transport))
+
+    async def _start_tls(self, transport: asyncio.BaseTransport) -> None:
+        try:
+            secure = await self._loop.start_tls(transport, self, self.tls, server_side=True,
+                                                ssl_handshake_timeout=HEADER_SECONDS)
+        except (OSError, RuntimeError, asyncio.TimeoutError) as exc:  # ssl.SSLError is OSError
+            log.debug("connection from %s ended: the TLS handshake failed (%s)", self.address,
+                      exc)
+            transport.abort()
+            self._released()
+            return
+        if secure is None or transport.is_closing():
+            self._released()
+            return
+        _read_in_chunks(getattr(secure, "_ssl_protocol", None))
+        self.connection_made(secure)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._released()
+        super().connection_lost(exc)
+
+    def _released(self) -> None:
+        self._disarm()
+        if self._admitted:
+            self._admitted = False
+            self.port.forget(self)
+
+    # -- deadlines -----------------------------------------------------------------------------
+
+    def _arm(self, at: float) -> None:
+        self.deadline = at  # the port's sweep looks every SWEEP_SECONDS
+
+    def _disarm(self) -> None:
+        self.deadline = math.inf
+
+    def expired(self) -> None:
+        """Its deadline has passed (the port's sweep): what to do depends on the state."""
+        self.deadline = math.inf
+        if self.state == "busy" and self._content is not None and \
+                not self._content.is_eof() and self._content.exception() is None:
+            # its body is late: the handler answers 408, then the connection closes
+            self._content.set_exception(asyncio.TimeoutError())
+            self._arm(self._loop.time() + CLOSING_SECONDS)
+            return
+        if self.state == "head":
+            log.debug("%s sent no whole request headers within %.0f s", self.address,
+                      HEADER_SECONDS)
+            self._close_with(408, "Request Timeout", "the request's headers did not arrive "
+                             f"within {HEADER_SECONDS:.0f} s")
+        elif self.state == "idle":  # past IDLE_SECONDS: closed as reclaim() does
+            if not self.reclaim():
+                self._arm(self._loop.time() + SWEEP_SECONDS)  # a request has just come
+        else:  # an answer not taken by REQUEST_SECONDS, or closing
+            self._abort()
+
+    def _begin_head(self) -> None:
+        self.state = "head"
+        self.started = self._loop.time()
+        self._head_bytes = self._head_lines = self._line_bytes = 0
+        self._tail = b""
+        self._arm(self.started + HEADER_SECONDS)
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        state = self.state
+        if state == "closing":
+            return  # discarded: the answer is out, the connection closes
+        if state == "idle":
+            self.port.idle.pop(self, None)
+            self._begin_head()
+            state = "head"
+        if state == "head":
+            if not self._scan(data):
+                return
+        else:
+            self._busy_bytes += len(data)
+            if self._busy_bytes > MAX_BODY_BYTES + MAX_HEADER_BYTES + MAX_REQUEST_LINE:
+                # more than one body and one pipelined request's headers while a request
+                # is handled: stop reading; the connection closes after this answer
+                self.state = "closing"
+                self.close()
+                return
+        super().data_received(data)
+
+    def _scan(self, data: bytes) -> bool:
+        """Count the request line's bytes and the headers' bytes and lines until their end;
+        past a limit, answer and close. Returns whether ``data`` may go on to the parser."""
+        joined = self._tail + data
+        ends = [e + n for e, n in ((joined.find(b"\r\n\r\n"), 4), (joined.find(b"\n\n"), 2))
+                if e >= 0]
+        stop = min(ends) if ends else len(joined)
+        new = joined[len(self._tail):stop]
+        self._head_bytes += len(new)
+        self._head_lines += new.count(b"\n")
+        if not self._line_bytes:
+            i = new.find(b"\n")
+            if i >= 0:
+                self._line_bytes = self._head_bytes - len(new) + i + 1
+            if (self._line_bytes or self._head_bytes) > MAX_REQUEST_LINE + 1:
+                self._close_with(414, "URI Too Long", "the request line is over "
+                                 f"{MAX_REQUEST_LINE} bytes")
+                return False
+        # the lines: the request line, the headers and the empty line that ends them
+        if self._head_bytes - self._line_bytes > MAX_HEADER_BYTES or \
+                self._head_lines > MAX_HEADERS + 2:
+            self._close_with(431, "Request Header Fields Too Large",
+                             f"the headers are over {MAX_HEADER_BYTES} bytes or "
+                             f"{MAX_HEADERS} lines")
+            return False
+        if ends:
+            self.begin_request()
+            self._busy_bytes = len(joined) - stop
+        else:
+            self._tail = joined[-3:]
+        return True
+
+    def begin_request(self, request: web.BaseRequest | None = None) -> None:
+        """The request's headers are in (or aiohttp starts on a pipelined one): it is being
+        handled, and must be answered within REQUEST_SECONDS of its first byte."""
+        if request is not None:  # its handler starts
+            self._content = request.content
+            if self._client_done and not request.content.is_eof():
+                request.content.feed_eof()
+        if self.state == "busy":
+            return
+        if self.state == "idle":
+            self.port.idle.pop(self, None)
+            self.started = self._loop.time()
+        self.state = "busy"
+        self._arm(self.started + REQUEST_SECONDS)
+
+    def eof_received(self) -> bool | None:
+        """The client closed its side: a request that is in (or whose body is being read)
+        is answered, a short body as such, and then the connection closes; otherwise it
+        closes now."""
+        if self.state != "busy":
+            return None
+        self._client_done = True
+        if self._content is not None and not self._content.is_eof():
+            self._content.feed_eof()
+        return True  # keep the transport open to write the answer
+
+    # -- the request's life --------------------------------------------------------------------
+
+    async def finish_response(self, request: web.BaseRequest, resp: web.StreamResponse,
+                              start_time: float | None) -> tuple[web.StreamResponse, bool]:
+        if self._client_done or (not request.content.is_eof() and not resp.prepared):
+            resp.force_close()  # a body left unread must never be parsed as a request
+        self._content = None
+        answer = await super().finish_response(request, resp, start_time)
+        if self.transport is None or self.state in ("closing", "closed"):
+            return answer
+        if resp.keep_alive:
+            self.state = "idle"
+            self.port.idle[self] = None
+            self._arm(self._loop.time() + IDLE_SECONDS)
+        else:
+            self.state = "closing"
+            self._arm(self._loop.time() + CLOSING_SECONDS)
+        return answer
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500,
+                     exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        """A request aiohttp could not parse is one debug line and a 4xx that says why; a
+        failure of our own code is a bug: a traceback and a 500."""
+        if isinstance(exc, HttpProcessingError) or status < 500:
+            log.debug("bad request from %s: %s", self.address, message or exc)
+            text = f"bad request: {getattr(exc, 'message', None) or message or status}"
+        else:
+            log.error("error while serving %s", self.address, exc_info=exc)
+            text = "the daemon failed to answer; its log says why"
+        resp = web.Response(status=status, text=text + "\n", content_type="text/plain",
+                            headers={"Connection": "close", "Server": SERVER})  # HTTP/1.0
+        resp.force_close()
+        return resp
+
+    # -- closing -------------------------------------------------------------------------------
+
+    def _close_with(self, status: int, reason: str, text: str) -> None:
+        """Answer at the connection level and close once the answer is out (input that
+        arrives meanwhile is discarded, so the answer is not lost to a reset)."""
+        transport = self.transport or self._raw
+        self.state = "closing"
+        if transport is None or transport.is_closing():
+            return
+        if self.transport is None and self.tls is not None:  # still in its TLS handshake
+            self._abort()
+            return
+        transport.write(_canned(status, reason, text))
+        if transport.can_write_eof():
+            transport.write_eof()
+        self._arm(self._loop.time() + CLOSING_SECONDS)
+
+    def _abort(self) -> None:
+        self.state = "closed"
+        transport = self.transport or self._raw
+        if transport is not None:
+            transport.abort()
+
+    def reclaim(self) -> bool:
+        """Close this idle connection to make room, unless a request has just arrived on
+        it (bytes waiting to be read): its client reconnects on its next request."""
+        if self.state != "idle" or self._pending_input():
+            return False
+        self.state = "closed"
+        self._released()  # its room is free now, not when the close completes
+        (self.transport or self._raw).close()
+        return True
+
+    def evict(self) -> None:
+        """Close this connection, which is still sending headers, to make room."""
+        transport = self.transport or self._raw
+        self.state = "closed"
+        self._released()
+        if self.transport is None and self.tls is not None:  # still in its TLS handshake
+            transport.abort()
+            return
+        transport.write(_canned(503, "Service Unavailable", f"busy: the {self.port.name} "
+                                "port is full and your address holds the most connections"))
+        transport.close()
+
+    def _pending_input(self) -> bool:
+        sock = (self._raw or self.transport).get_extra_info("socket")
+        if sock is None:
+            return False
+        try:  # asyncio's socket wrapper has no recv: look through a duplicate descriptor
+            with socket.fromfd(sock.fileno(), sock.family, sock.type) as dup:
+                return bool(dup.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True  # broken (or no descriptor left to look): leave it be
+
+
+def _read_in_chunks(transport: Any) -> None:
+    """Make a transport read READ_CHUNK bytes at a time, so that what a connection holds
+    before its handler has room for its body stays small (``max_size`` is an attribute of
+    CPython's socket and TLS transports; elsewhere their default stays)."""
+    if transport is not None and isinstance(getattr(transport, "max_size", None), int):
+        transport.max_size = READ_CHUNK
+
+
+# -- the answers ----------------------------------------------------------------------------------
+
+def _response(code: int, body: bytes, content_type: str = _TEXT,
+              headers: dict[str, str] | None = None, close: bool = False) -> web.Response:
+    resp = web.Response(status=code, body=body, headers={
+        "Content-Type": content_type, "Server": SERVER, **(headers or {})})
+    if close:
+        resp.force_close()
+    return resp
+
+
+def _json(code: int, doc: Any, close: bool = False) -> web.Response:
+    return _response(code, (json.dumps(doc) + "\n").encode(), "application/json",
+                     {"Cache-Control": "no-store"}, close)
+
+
+def _address(request: web.BaseRequest) -> str:
+    return request.protocol.address  # type: ignore[union-attr]
+
+
+def _has_body(request: web.BaseRequest) -> bool:
+    return bool(request.headers.get("Transfer-Encoding")) or \
+        request.headers.get("Content-Length", "0").strip() not in ("", "0")
+
+
+class _Site:
+    """A port's handler: what it serves, the port's accounting and the blocking pool."""
+
+    name: ClassVar[str]
+
+    def __init__(self, healthy: Callable[[], bool], port: _Port,
+                 pool: concurrent.futures.Executor) -> None:
+        self.healthy = healthy
+        self.port = port
+        self.pool = pool
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Called on the port's loop once it listens."""
+
+    async def blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def health(self) -> web.Response:
+        if self.healthy():
+            return _response(200, b"ok\n")
+        return _response(503, b"the sampler has not completed a cycle in 3 intervals\n")
+
+
+class MetricsHandler(_Site):
+    """The web port: /metrics, /healthz, the status page and /api/v1/status, from the page
+    builder."""
+
+    name = "web"
+
+    def __init__(self, page: Exposition, port: _Port, pool: concurrent.futures.Executor) -> None:
+        super().__init__(page.sampler.healthy, port, pool)
+        self.page = page
+
+    async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
+        if request.method not in ("GET", "HEAD"):
+            return _response(405, b"only GET and HEAD here\n", close=_has_body(request))
+        close = _has_body(request)  # an unread body must never be parsed as a request
+        path, _, query = request.raw_path.partition("?")
+        app = self.page
         if path == "/metrics":
-            gzip_ok = accepts_gzip(self.headers.get("Accept-Encoding"))
-            body, ctype = self.server.app.page(self.headers.get("Accept"), gzip_ok,
-                                               fresh="fresh=1" in query.split("&"))
+            gzip_ok = accepts_gzip(request.headers.get("Accept-Encoding"))
+            accept = request.headers.get("Accept")
+            if "fresh=1" in query.split("&"):
+                body, ctype = await self.blocking(app.page, accept, gzip_ok, True)
+            else:
+                body, ctype = app.page(accept, gzip_ok)
             headers = {"Vary": "Accept-Encoding"}
             if gzip_ok:
                 headers["Content-Encoding"] = "gzip"
-            self._send(200, body, ctype, headers)
-        elif path == "/healthz":
-            self._health()
-        elif path == STATUS_PATH and self.server.app.status is not None:
-            self._send(200, self.server.app.status.json_bytes(), "application/json",
-                       {"Cache-Control": "no-store"})
-        elif self.server.app.status is not None and \
-                (asset := self.server.app.status.asset(path)) is not None:
-            self._send(200, asset[0], asset[1], {
+            return _response(200, body, ctype, headers, close)
+        if path == "/healthz":
+            resp = self.health()
+        elif path == STATUS_PATH and app.status is not None:
+            resp = _response(200, await self.blocking(app.status.json_bytes),
+                             "application/json", {"Cache-Control": "no-store"})
+        elif app.status is not None and path in ASSETS and \
+                (asset := await self.blocking(app.status.asset, path)) is not None:
+            # in the pool: the page carries the status document, which may be built now
+            resp = _response(200, asset[0], asset[1], {
                 "Content-Security-Policy": CONTENT_SECURITY_POLICY,
                 "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"})
         elif path == "/":
-            self._send(200, LANDING_PAGE, "text/html; charset=utf-8")
+            resp = _response(200, LANDING_PAGE, "text/html; charset=utf-8")
         else:
-            self._send(404, b"not found: try /metrics, or / for the status page\n")
-
-    do_HEAD = do_GET
-
-
-MAX_WAIT_SECONDS = 5.0  # a GET of a profile may wait this long for it to finish (< REQUEST_SECONDS)
+            resp = _response(404, b"not found: try /metrics, or / for the status page\n")
+        if close:
+            resp.force_close()
+        return resp
 
 
-class IngestHandler(_Handler):
-    def do_POST(self) -> None:
-        store: IngestStore = self.server.app.store
-        path = self.path.split("?", 1)[0]
+class IngestHandler(_Site):
+    """The ingest port: pushes, profile requests and Alertmanager's webhook, into the store."""
+
+    name = "ingest"
+
+    def __init__(self, store: IngestStore, healthy: Callable[[], bool], port: _Port,
+                 pool: concurrent.futures.Executor) -> None:
+        super().__init__(healthy, port, pool)
+        self.store = store
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        # a profile changed (in any thread): this port's long-polls look again
+        self.store.profiles.listeners.append(lambda: loop.call_soon_threadsafe(self.port.wake))
+
+    async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
+        if request.method == "POST":
+            return await self._post(request)
+        if request.method in ("GET", "HEAD"):
+            return await self._get(request)
+        return _response(405, f"POST JSON to {PUSH_PATH}\n".encode(), close=True)
+
+    async def _post(self, request: web.BaseRequest) -> web.StreamResponse:
+        store = self.store
+        path = request.raw_path.partition("?")[0]
         if path == PUSH_PATH:
-            code, body, ctype = self._push(store)
+            try:
+                raw = await self._body(request)
+            except Refused as exc:
+                store.count(exc.status)
+                log.debug("push from %s refused (%d): %s", _address(request), exc.status, exc)
+                return _response(exc.status, (str(exc) + "\n").encode(), close=True)
+            code, body, ctype = self._push(raw)
             store.count(code)
-            self._send(code, body, ctype)
             if code >= 400:
                 log.debug("push rejected (%d): %s", code, body[:300])
-        elif path in (PROFILE_PATH, ALERTS_PATH):
+            return _response(code, body, ctype)
+        if path in (PROFILE_PATH, ALERTS_PATH):
             try:
-                raw = self._body(store)
+                raw = await self._body(request)
+            except Refused as exc:
+                log.debug("%s from %s refused (%d): %s", path, _address(request), exc.status,
+                          exc)
+                return _json(exc.status, {"error": str(exc)}, close=True)
+            try:
                 if path == PROFILE_PATH:
-                    answer = self._ask_profile(store.profiles, raw)
+                    answer = _ask_profile(store.profiles, raw)
                 else:
                     answer = store.profiles.alerts(raw)
             except Refused as exc:
-                self._json(exc.status, {"error": str(exc)})
-            else:
-                self._json(200, answer)
-        else:
-            self.close_connection = True
-            self._send(404, f"not found: push to {PUSH_PATH}; profiles at {PROFILE_PATH}, "
-                            f"Alertmanager's webhook at {ALERTS_PATH}\n".encode())
+                resp = _json(exc.status, {"error": str(exc)})
+                if exc.retry_after is not None:
+                    resp.headers["Retry-After"] = str(exc.retry_after)
+                return resp
+            return _json(200, answer)
+        return _response(404, f"not found: push to {PUSH_PATH}; profiles at {PROFILE_PATH}, "
+                              f"Alertmanager's webhook at {ALERTS_PATH}\n".encode(), close=True)
 
-    def _json(self, code: int, doc: Any) -> None:
-        self._send(code, (json.dumps(doc) + "\n").encode(), "application/json",
-                   {"Cache-Control": "no-store"})
-
-    def _body(self, store: IngestStore) -> bytes:
-        """The request's body, after the token and the framing are checked."""
-        if not store.authorized(self.headers.get("Authorization")):
-            self.close_connection = True
+    async def _body(self, request: web.BaseRequest) -> bytes:
+        """The request's body, after the token and the framing are checked, read within the
+        request's deadline and the port's body budget. Raises Refused (the connection then
+        closes: a body left unread must never be parsed as a request)."""
+        if not self.store.authorized(request.headers.get("Authorization")):
             raise Refused(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
-        lengths = self.headers.get_all("Content-Length") or []
-        if self.headers.get("Transfer-Encoding") or not lengths:
-            self.close_connection = True
+        lengths = request.headers.getall("Content-Length", [])
+        if request.headers.get("Transfer-Encoding") or not lengths:
             raise Refused(411, "a Content-Length header is required (no Transfer-Encoding)")
         if len(lengths) > 1:
-            self.close_connection = True
             raise Refused(400, "more than one Content-Length header")
         if not _DIGITS.fullmatch(lengths[0].strip()):
-            self.close_connection = True
             raise Refused(400, f"Content-Length must be digits only, got {lengths[0][:40]!r}")
         length = int(lengths[0])
         if length > MAX_BODY_BYTES:
-            self.close_connection = True  # the unread body must not be parsed as a request
             raise Refused(413, f"the body is {length} bytes; the limit is {MAX_BODY_BYTES}")
-        raw = self.rfile.read(length)
-        if len(raw) != length:
-            self.close_connection = True
-            raise Refused(400, "the body is shorter than Content-Length")
-        return raw
+        conn: _Connection = request.protocol  # type: ignore[assignment]
+        if not self.port.reserve_body(conn.address, length):
+            raise Refused(503, f"the daemon is reading {self.port.body_bytes} bytes of other "
+                               "requests' bodies, its limit; try again")
+        try:  # past the request's deadline, the port's sweep ends the read (TimeoutError)
+            return await request.content.readexactly(length)
+        except asyncio.TimeoutError:
+            raise Refused(408, f"the body did not arrive within {REQUEST_SECONDS:.0f} s of "
+                               "the request's start") from None
+        except (asyncio.IncompleteReadError, RequestPayloadError) as exc:
+            got = len(exc.partial) if isinstance(exc, asyncio.IncompleteReadError) else "fewer"
+            raise Refused(400, f"the body is shorter than Content-Length ({got} of {length} "
+                               "bytes came)") from None
+        finally:
+            self.port.release_body(conn.address, length)
 
-    def _push(self, store: IngestStore) -> tuple[int, bytes, str]:
-        text = "text/plain; charset=utf-8"
+    def _push(self, raw: bytes) -> tuple[int, bytes, str]:
         try:
-            message, state, instructions = store.accept(self._body(store))
+            message, state, instructions = self.store.accept(raw)
         except Refused as exc:
-            return exc.status, (str(exc) + "\n").encode(), text
+            return exc.status, (str(exc) + "\n").encode(), _TEXT
         except Exception:  # a bug: still answer and count it
             log.exception("processing a push failed")
-            return 500, b"the daemon failed to process this push; its log says why\n", text
+            return 500, b"the daemon failed to process this push; its log says why\n", _TEXT
         if state.capabilities:  # a client that reads a JSON answer
             return 200, json.dumps({"result": message, "instructions": instructions}).encode(), \
                 "application/json"
-        return 200, (message + "\n").encode(), text
+        return 200, (message + "\n").encode(), _TEXT
 
-    @staticmethod
-    def _ask_profile(board: ProfileBoard, raw: bytes) -> dict[str, Any]:
-        try:
-            ask = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError):
-            raise Refused(400, 'the body must be JSON: {"run": ..., "rank": ..., '
-                               '"steps": ...}') from None
-        if not isinstance(ask, dict) or not isinstance(ask.get("run"), str):
-            raise Refused(400, "field 'run' (a string) is required")
-        rank = ask.get("rank")
-        if isinstance(rank, int) and not isinstance(rank, bool):
-            rank = str(rank)
-        if rank is not None and not isinstance(rank, str):
-            raise Refused(400, "field 'rank' must be a string or a whole number")
-        steps = ask.get("steps", DEFAULT_PROFILE_STEPS)
-        if isinstance(steps, bool) or not isinstance(steps, int):
-            raise Refused(400, f"field 'steps' must be a whole number, got {steps!r}")
-        return board.request(ask["run"], rank, steps, "cli").document()
-
-    def do_GET(self) -> None:
-        path, _, query = self.path.partition("?")
+    async def _get(self, request: web.BaseRequest) -> web.StreamResponse:
+        close = _has_body(request)
+        path, _, query = request.raw_path.partition("?")
         if path == "/healthz":
-            self._health()
+            resp = self.health()
         elif path == PROFILE_PATH or path.startswith(PROFILE_PATH + "/"):
-            store: IngestStore = self.server.app.store
-            if not store.authorized(self.headers.get("Authorization")):
-                self._json(401, {"error": "missing or wrong bearer token"})
-                return
-            pid = path[len(PROFILE_PATH) + 1:]
-            if not pid:
-                self._json(200, {"profiles": [p.document(brief=True)
-                                              for p in store.profiles.recent()]})
-                return
-            wait = 0.0
-            for item in query.split("&"):
-                key, _, value = item.partition("=")
-                if key == "wait":
-                    try:
-                        wait = min(MAX_WAIT_SECONDS, max(0.0, float(value)))
-                    except ValueError:
-                        self._json(400, {"error": f"wait must be seconds, got {value!r}"})
-                        return
-            profile = store.profiles.wait(pid, wait)
-            if profile is None:
-                self._json(404, {"error": f"no profile {pid!r} on this daemon (it keeps the "
-                                          "last ones only)"})
-            else:
-                self._json(200, profile.document())
+            resp = await self._get_profile(request, path, query)
         else:
-            self._send(405 if path in (PUSH_PATH, ALERTS_PATH) else 404,
-                       f"POST JSON to {PUSH_PATH}\n".encode())
+            resp = _response(405 if path in (PUSH_PATH, ALERTS_PATH) else 404,
+                             f"POST JSON to {PUSH_PATH}\n".encode())
+        if close:
+            resp.force_close()
+        return resp
+
+    async def _get_profile(self, request: web.BaseRequest, path: str,
+                           query: str) -> web.Response:
+        store = self.store
+        if not store.authorized(request.headers.get("Authorization")):
+            return _json(401, {"error": "missing or wrong bearer token"})
+        pid = path[len(PROFILE_PATH) + 1:]
+        if not pid:
+            return _json(200, {"profiles": [p.document(brief=True)
+                                            for p in store.profiles.recent()]})
+        wait = 0.0
+        for item in query.split("&"):
+            key, _, value = item.partition("=")
+            if key == "wait":
+                try:
+                    wait = min(MAX_WAIT_SECONDS, max(0.0, float(value)))
+                except ValueError:
+                    return _json(400, {"error": f"wait must be seconds, got {value[:40]!r}"})
+        conn: _Connection = request.protocol  # type: ignore[assignment]
+        profile = store.profiles.get(pid)
+        bounded = False
+        if profile is not None and profile.state not in FINAL and wait > 0:
+            if self.port.start_long_poll(conn.address):
+                try:
+                    profile = await self._wait(pid, wait)
+                finally:
+                    self.port.end_long_poll(conn.address)
+            else:  # as many wait as the port allows: as it is now, and when to ask again
+                bounded = True
+        if profile is None:
+            return _json(404, {"error": f"no profile {pid[:40]!r} on this daemon (it keeps "
+                                        "the last ones only)"})
+        resp = _json(200, profile.document())
+        if bounded:
+            resp.headers["Retry-After"] = "1"
+        return resp
+
+    async def _wait(self, pid: str, seconds: float) -> Profile | None:
+        """The profile once final, or as it is after ``seconds``; looked at again whenever
+        a profile changes, and each second (expiry is judged by the clock)."""
+        board = self.store.profiles
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while True:
+            profile = board.get(pid)
+            left = deadline - loop.time()
+            if profile is None or profile.state in FINAL or left <= 0:
+                return profile
+            await self.port.changed(min(left, 1.0))
 
 
-class _Watchdog:
-    """One thread for all connections of a server: a connection whose deadline passes is shut
-    down, which ends the blocked read of the thread serving it (a slow client cannot hold a
-    thread and a descriptor past REQUEST_SECONDS, however slowly it trickles bytes in)."""
-
-    def __init__(self) -> None:
-        self._deadlines: dict[socket.socket, float] = {}
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="gputrain-http-watchdog",
-                                        daemon=True)
-        self._thread.start()
-
-    def arm(self, conn: socket.socket, seconds: float) -> None:
-        with self._lock:
-            self._deadlines[conn] = time.monotonic() + seconds
-
-    def disarm(self, conn: socket.socket) -> None:
-        with self._lock:
-            self._deadlines.pop(conn, None)
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.25):
-            now = time.monotonic()
-            with self._lock:
-                expired = [c for c, t in self._deadlines.items() if t <= now]
-                for c in expired:
-                    del self._deadlines[c]
-            for c in expired:
-                with contextlib.suppress(OSError):
-                    c.shutdown(socket.SHUT_RDWR)
+def _ask_profile(board: Any, raw: bytes) -> dict[str, Any]:
+    try:
+        ask = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise Refused(400, 'the body must be JSON: {"run": ..., "rank": ..., '
+                           '"steps": ...}') from None
+    if not isinstance(ask, dict) or not isinstance(ask.get("run"), str):
+        raise Refused(400, "field 'run' (a string) is required")
+    rank = ask.get("rank")
+    if isinstance(rank, int) and not isinstance(rank, bool):
+        rank = str(rank)
+    if rank is not None and not isinstance(rank, str):
+        raise Refused(400, "field 'rank' must be a string or a whole number")
+    steps = ask.get("steps", DEFAULT_PROFILE_STEPS)
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        raise Refused(400, f"field 'steps' must be a whole number, got {str(steps)[:40]!r}")
+    return board.request(ask["run"], rank, steps, "cli").document()
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 64
-    max_connections = MAX_CONNECTIONS
+# -- listening -------------------------------------------------------------------------------------
 
-    def server_activate(self) -> None:
-        super().server_activate()
-        self.watchdog = _Watchdog()
-        self._slots = threading.BoundedSemaphore(self.max_connections)
-        self._refused = 0
-        self._idle: dict[socket.socket, None] = {}  # waiting for a request, oldest first
-        self._idle_lock = threading.Lock()
+class Server:
+    """One listening address served by aiohttp on an event loop in a thread of its own
+    (:func:`serve_in_thread`). Bound when made, so that a port in use or a bad certificate
+    is an error at start."""
 
-    def waiting(self, conn: socket.socket, idle: bool) -> None:
-        """Mark a connection as waiting for its next request (or no longer)."""
-        with self._idle_lock:
-            if idle:
-                self._idle[conn] = None
-            else:
-                self._idle.pop(conn, None)
+    def __init__(self, sock: socket.socket,
+                 site: Callable[[_Port, concurrent.futures.Executor], _Site],
+                 tls: ssl.SSLContext | None, name: str) -> None:
+        self.socket = sock
+        self.server_address = sock.getsockname()
+        self._tls = tls
+        self._site = site
+        self.name = name
+        per_port, per_address = connection_caps()
+        self.port = _Port(name, per_port, per_address)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            BLOCKING_THREADS, thread_name_prefix=f"gputrain-http-{name}-wait")
 
-    def _close_an_idle_connection(self) -> bool:
-        """Close the connection that has waited longest for a request, as nginx reclaims
-        keep-alive connections: its client reconnects on its next request. A connection in
-        the middle of a request is never taken."""
-        with self._idle_lock:
-            if not self._idle:
-                return False
-            conn = next(iter(self._idle))
-            del self._idle[conn]
-        with contextlib.suppress(OSError):
-            conn.shutdown(socket.SHUT_RDWR)
-        return True
-
-    def get_request(self) -> tuple[Any, Any]:
+    def serve_forever(self) -> None:
+        """Serve until :meth:`shutdown` (in the calling thread)."""
+        loop = self._loop = asyncio.new_event_loop()
+        loop.set_exception_handler(self._loop_error)
         try:
-            return super().get_request()
-        except OSError as exc:
-            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                log.warning("cannot accept a connection on %s: %s; backing off",
-                            self.server_address, exc.strerror)
-                time.sleep(ACCEPT_BACKOFF_SECONDS)  # serve_forever would spin on it
-            raise
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        """A thread per connection, at most max_connections at once. At the limit, the
-        longest-idle connection makes room; when every one is mid-request, the new one is
-        closed at once (the client sees a reset and retries), never queued behind them."""
-        if not self._slots.acquire(blocking=False) and not (
-                self._close_an_idle_connection() and self._slots.acquire(timeout=1.0)):
-            self._refused += 1
-            if self._refused in (1, 10, 100) or self._refused % 1000 == 0:
-                log.warning("%d connection(s) to %s refused: %d are open (the limit)",
-                            self._refused, self.server_address, self.max_connections)
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except Exception:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
+            loop.run_until_complete(self._listen(loop))
+            self._started.set()
+            loop.run_forever()
         finally:
-            self._slots.release()
+            self._started.set()
+            tasks = asyncio.all_tasks(loop)
+            for task in tasks:  # handlers of connections cut at shutdown
+                task.cancel()
+            with contextlib.suppress(Exception):
+                loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+    def _loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        """asyncio's errors: accept() out of descriptors is a warning line (asyncio retries
+        in a second); anything else is a bug, with its traceback."""
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE,
+                                                      errno.ENOBUFS, errno.ENOMEM):
+            self.port.refused += 1
+            if self.port.refused in (1, 10, 100) or self.port.refused % 1000 == 0:
+                log.warning("cannot accept connections on the %s port: %s; trying again in "
+                            "a second", self.name, exc.strerror)
+            return
+        loop.default_exception_handler(context)
+
+    async def _listen(self, loop: asyncio.AbstractEventLoop) -> None:
+        site = self._site(self.port, self._pool)
+
+        async def dispatch(request: web.BaseRequest) -> web.StreamResponse:
+            request.protocol.begin_request(request)  # type: ignore[attr-defined]
+            return await site(request)
+
+        aio = web.Server(dispatch, loop=loop, handler_cancellation=False)
+        site.attach(loop)
+
+        def sweep() -> None:
+            self.port.sweep(loop.time())
+            loop.call_later(SWEEP_SECONDS, sweep)
+
+        loop.call_later(SWEEP_SECONDS, sweep)
+        self._aio = await loop.create_server(
+            lambda: _Connection(self.port, aio, loop, self._tls), sock=self.socket,
+            backlog=LISTEN_BACKLOG)
+
+    def shutdown(self) -> None:
+        """Stop serving: every connection is closed, the loop ends."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+
+        def stop() -> None:
+            self._aio.close()
+            for conn in list(self.port.conns):
+                conn._abort()
+            loop.stop()
+
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(stop)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def server_close(self) -> None:
-        super().server_close()
-        if hasattr(self, "watchdog"):
-            self.watchdog.stop()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A client that disconnects early, or speaks plain HTTP to the TLS port, is one line
-        at debug level; anything else is a bug worth a traceback."""
-        exc = sys.exc_info()[1]
-        if isinstance(exc, (OSError, ssl.SSLError, TimeoutError)):
-            log.debug("connection from %s ended: %s", client_address, exc)
-        else:
-            log.exception("error while serving %s", client_address)
-
-    def __init__(self, address: tuple[str, int], handler: type, app: Any,
-                 family: int = socket.AF_INET) -> None:
-        self.address_family = family
-        self.app = app
-        super().__init__(address, handler)
-
-    def server_bind(self) -> None:
-        if self.address_family == socket.AF_INET6:
-            # ':port' means every address, IPv4 included.
-            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        super().server_bind()
+        with contextlib.suppress(OSError):
+            self.socket.close()
 
 
-def make_server(host: str, port: int, handler: type, app: Any,
-                tls: tuple[str, str] | None = None) -> ThreadingHTTPServer:
-    """Bind an HTTP(S) server; an empty host listens on every IPv4 and IPv6 address."""
+def _bind(host: str, port: int) -> socket.socket:
     if host == "":
-        try:
-            server = _Server(("::", port), handler, app, socket.AF_INET6)
+        try:  # '' means every address: IPv6 and, through it, IPv4
+            sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            address: tuple = ("::", port)
         except OSError:
-            server = _Server(("0.0.0.0", port), handler, app)
+            sock, address = socket.socket(socket.AF_INET, socket.SOCK_STREAM), ("0.0.0.0", port)
     else:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        server = _Server((host, port), handler, app, family)
+        sock, address = socket.socket(family, socket.SOCK_STREAM), (host, port)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(LISTEN_BACKLOG)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def make_server(host: str, port: int, handler: type[_Site], *serves: Any,
+                tls: tuple[str, str] | None = None) -> Server:
+    """Bind an HTTP(S) server of ``handler(*serves)`` (MetricsHandler: the page builder;
+    IngestHandler: the store and the sampler's health check); an empty host listens on every
+    IPv4 and IPv6 address. Raises OSError (the port, the files) or ssl.SSLError (the
+    certificate) at once."""
+    context = None
     if tls is not None:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         context.load_cert_chain(certfile=tls[0], keyfile=tls[1])
-        # The handshake then happens in the request's own thread, not in the accept loop.
-        server.socket = context.wrap_socket(server.socket, server_side=True,
-                                            do_handshake_on_connect=False)
-    return server
+    sock = _bind(host, port)
+    return Server(sock, lambda p, pool: handler(*serves, p, pool), context, handler.name)
 
 
-def serve_in_thread(server: ThreadingHTTPServer, name: str) -> threading.Thread:
+def serve_in_thread(server: Server, name: str) -> threading.Thread:
+    """Serve ``server`` from a thread named ``name``; returns once it listens."""
     t = threading.Thread(target=server.serve_forever, name=name, daemon=True)
+    server._thread = t
     t.start()
+    server._started.wait(10)
     return t
+

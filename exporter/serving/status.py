@@ -60,9 +60,10 @@ class StatusView:
 
     def __init__(self, history: History, thresholds: dict[str, float],
                  gpu_error: Any = None, backend: str = "", driver: Any = None,
-                 profiles: Any = None) -> None:
+                 profiles: Any = None, guarded: bool = False) -> None:
         self.history = history
         self.profiles = profiles  # the ingest's ProfileBoard (recent(), version), if any
+        self.guarded = guarded  # an ingest token guards the profiles' ids, traces, errors
         self.thresholds = thresholds
         self._gpu_error = gpu_error or (lambda: None)
         self.backend = backend
@@ -233,9 +234,20 @@ class StatusView:
                        for gpu, severity, f in node.findings],
             "runs": [_run(name, ranks, states, now) for name, ranks in sorted(runs.items())],
             # the last profiles asked for (`gputrain-exporter profile`, alerts), newest first
-            "profiles": [p.document(brief=True) for p in self.profiles.recent(10)]
-            if self.profiles else [],
+            "profiles": [_shown(p.document(brief=True), self.guarded)
+                         for p in self.profiles.recent(10)] if self.profiles else [],
         }
+
+
+def _shown(profile: dict[str, Any], guarded: bool) -> dict[str, Any]:
+    """A profile as the status view shows it: with an ingest token set, without what
+    GET /api/v1/profile guards (its id, trace, top operators and error)."""
+    if not guarded:
+        return profile
+    hidden = {"id": None, "trace": None, "top_ops": []}
+    if profile.get("error"):
+        hidden["error"] = "hidden: the ingest token guards it (GET /api/v1/profile)"
+    return {**profile, **hidden}
 
 
 def _get(sample: Any, name: str) -> Any:
