@@ -173,9 +173,8 @@ def peak_rss_mb(pid: int) -> float:
     raise AssertionError("no VmHWM")
 
 
-@pytest.fixture
-def limited_daemon():
-    """A daemon whose descriptor limit is systemd's default, 1,024."""
+def daemon_with_descriptors(soft: int, hard: int):
+    """A demo daemon started with this descriptor limit (soft, hard), not yet waited for."""
     import resource
 
     from conftest import Daemon
@@ -184,7 +183,14 @@ def limited_daemon():
     d._log = open(d.log_path, "w")  # noqa: SIM115 - closed by stop()
     d.proc = subprocess.Popen(
         d.args, cwd=ROOT, env=d.env, stdout=d._log, stderr=subprocess.STDOUT,
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024)))
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)))
+    return d
+
+
+@pytest.fixture
+def limited_daemon():
+    """A daemon whose descriptor limit is systemd's default, 1,024."""
+    d = daemon_with_descriptors(1024, 1024)
     wait_until(lambda: requests.get(d.url + "/healthz", timeout=1).ok, timeout=20,
                what="the exporter")
     yield d
@@ -349,15 +355,7 @@ def limits_of(pid: int) -> tuple[int, int]:
 
 
 def test_the_descriptor_limit_is_raised_to_the_hard_one_at_start():
-    import resource
-
-    from conftest import Daemon
-
-    d = Daemon("--gpu.backend=demo", "--demo.gpus=1")
-    d._log = open(d.log_path, "w")  # noqa: SIM115 - closed by stop()
-    d.proc = subprocess.Popen(
-        d.args, cwd=ROOT, env=d.env, stdout=d._log, stderr=subprocess.STDOUT,
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 4096)))
+    d = daemon_with_descriptors(256, 4096)
     try:
         wait_until(lambda: requests.get(d.url + "/healthz", timeout=1).ok, timeout=20,
                    what="the exporter")
