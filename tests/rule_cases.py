@@ -213,6 +213,19 @@ def alert_cases() -> list[Case]:
              spinning_gpu("hung", "0+60x5 300x25"),
              [Fire("GpuTrainStalled", rank("hung"), "22m 0s")],
              fire_at="27m", quiet_at=None, quiet_alerts=[]),
+        Case("GpuTrainStalled: two ranks made their last step 22 minutes ago; the one in an "
+             "evaluation since (its client pushes the evaluation's seconds as they pass) is not "
+             "stalled, the other is",
+             {**{sel(m, run=r, rank="0"): v for r in ("evaluating", "stuck") for m, v in (
+                 ("gputrain_training_elapsed_seconds_total", ramp(60, 30)),
+                 ("gputrain_training_step_duration_seconds_sum", segments([(60, 5), (0, 25)])),
+                 ("gputrain_training_data_wait_seconds_total", segments([(1, 5), (0, 25)])),
+                 ("gputrain_training_step_duration_seconds_count", "0+60x5 300x25"),
+                 ("gputrain_training_last_step_timestamp_seconds", "0+60x5 300x25"))},
+              sel("gputrain_training_phase_seconds_total", run="evaluating", rank="0",
+                  phase="evaluation"): segments([(0, 5), (60, 25)])},
+             [Fire("GpuTrainStalled", rank("stuck"), "22m 0s")],
+             fire_at="27m", quiet_at=None, quiet_alerts=[]),
         Case("GpuTrainGPUShared: runs a (40% of GPU 0) and b (20%) share GPU 0 with a process no "
              "client reports (10%): each run sees the rest as foreign; run solo alone on GPU 1 "
              "stays silent",

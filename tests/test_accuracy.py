@@ -362,7 +362,17 @@ def test_transformers_against_trainer_runtime_and_collator(daemon_factory, tmp_p
         collate.sleep(0.040)
         return {k: torch.stack([it[k] for it in items]) for k in ("x", "labels")}
 
+    class Watch(transformers.TrainerCallback):
+        """What a push sees of an evaluation while it runs."""
+
+        seen: list[float] = []
+
+        def on_prediction_step(self, args, state, control, **kwargs):
+            self.seen.append(callback.monitor.totals()["phases"].get("evaluation", 0.0))
+
     d = daemon_factory()
+    callback = GpuTrainCallback(run="hf", endpoint=d.ingest_url, push_interval=60,
+                                flops_per_sample=2e6, precision="fp32")
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=4, per_device_eval_batch_size=4,
         gradient_accumulation_steps=2, max_steps=12, report_to=[], use_cpu=True,
@@ -371,9 +381,7 @@ def test_transformers_against_trainer_runtime_and_collator(daemon_factory, tmp_p
         remove_unused_columns=False)
     trainer = transformers.Trainer(
         model=Tiny(), args=args, train_dataset=Data(64, False), eval_dataset=Data(16, True),
-        data_collator=collator,
-        callbacks=[GpuTrainCallback(run="hf", endpoint=d.ingest_url, push_interval=60,
-                                    flops_per_sample=2e6, precision="fp32")])
+        data_collator=collator, callbacks=[callback, Watch()])
     out = trainer.train()
     runtime = trainer.state.global_step / out.metrics["train_steps_per_second"]
     got = measured(d, "hf")
@@ -385,6 +393,10 @@ def test_transformers_against_trainer_runtime_and_collator(daemon_factory, tmp_p
     assert sample_value(d.metrics(), "gputrain_training_flops_total", {"run": "hf"}) == 96 * 2e6
     assert got.wait == pytest.approx(collate.total, rel=0.05)
     assert got.phases["evaluation"] > 0 and got.phases["checkpoint"] > 0
+    # an evaluation in progress is pushed as it runs (each batch's collator sleeps 40 ms), and
+    # what a push saw is never more than the total
+    assert len(Watch.seen) >= 4 and Watch.seen[0] > 0.03
+    assert Watch.seen == sorted(Watch.seen) and Watch.seen[-1] <= got.phases["evaluation"]
     accounted = got.step_seconds + got.phases["evaluation"] + got.phases["checkpoint"]
     assert accounted == pytest.approx(runtime, rel=0.05)
 

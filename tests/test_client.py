@@ -298,3 +298,33 @@ def test_flop_counter_agrees_with_a_hand_count_on_a_small_mlp():
     target = torch.zeros(8, dtype=torch.long)
     assert count_training_flops(model, torch.randn(8, 16), lambda out: loss(out, target)) == 2816
     assert transformer_flops_per_sample(8e9, 4096) == 6 * 8e9 * 4096
+
+
+def test_an_evaluation_in_progress_is_pushed_while_it_lasts(monkeypatch):
+    """A 20-minute evaluation shows in every push, not only at its end (else the rank reads as
+    stalled meanwhile); the phase's total never goes down, even read as the phase ends."""
+    import exporter.client.monitor as monitor
+
+    now = [1000.0]
+    monkeypatch.setattr(monitor, "_now", lambda: now[0])
+    m = TrainingMonitor(run="evaly", start=False)
+    seen = []
+    with m.phase("evaluation"):
+        with m.phase("checkpoint"):  # nested: the outermost one is what is in progress
+            now[0] += 30
+        for _ in range(4):
+            now[0] += 300
+            seen.append(m.totals()["phases"]["evaluation"])
+        phase = m.phase("evaluation")
+        # the phase ends between a push's two reads: its share in progress is gone, its
+        # total not yet added
+        m._outside_depth, m._open_phase = 0, None
+        seen.append(m.totals()["phases"]["evaluation"])
+        m._outside_depth, m._open_phase = 1, ("evaluation", phase._t0)
+    seen.append(m.totals()["phases"]["evaluation"])
+    assert seen == [330, 630, 930, 1230, 1230, 1230]
+    assert m.totals()["phases"]["checkpoint"] == 30
+    with m.phase("callbacks"):  # a phase within steps is counted when it ends
+        now[0] += 5
+        assert "callbacks" not in m.totals()["phases"]
+    assert m.totals()["phases"]["callbacks"] == 5

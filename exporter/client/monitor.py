@@ -179,15 +179,20 @@ class _Phase:
         self._t0 = 0.0
 
     def __enter__(self) -> None:
+        m = self._m
+        self._t0 = t0 = _now()
         if self._outside:
-            self._m._outside_depth += 1
-        self._t0 = _now()
+            m._outside_depth += 1
+            if m._outside_depth == 1:  # pushed while it lasts: a long evaluation is no stall
+                m._open_phase = (self._name, t0)
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         elapsed = _now() - self._t0
         m = self._m
         if self._outside:
             m._outside_depth -= 1
+            if m._outside_depth == 0:
+                m._open_phase = None  # before the total grows: a push never counts it twice
         m._add_phase(self._name, elapsed, self._outside)
 
 
@@ -260,6 +265,8 @@ class TrainingMonitor:
         self._boundary: float | None = None
         self._pending_wait = 0.0
         self._outside_depth = 0
+        self._open_phase: tuple[str, float] | None = None  # the outermost outside phase: start
+        self._reported_phases: dict[str, float] = {}  # the pusher thread's, to stay monotonic
         self._wrap_samples: float | None = None  # samples of the wrap() step in progress
         self._data_wait = _DataWait(self)
         self._step = _Step(self)
@@ -448,7 +455,8 @@ class TrainingMonitor:
     # -- reading (pusher thread) -------------------------------------------------------------
 
     def totals(self) -> dict[str, Any]:
-        """A copy of the cumulative totals (safe from any thread, no lock: see the module)."""
+        """A copy of the cumulative totals (safe from any thread, no lock: see the module). An
+        outside-step phase in progress (an evaluation) counts its seconds so far."""
         wait = self._wait_seconds  # before the step seconds, which grow first
         counts = list(self._counts)
         cumulative, running = [], 0
@@ -456,12 +464,24 @@ class TrainingMonitor:
             running += c
             cumulative.append(running)
         last = self._last_step
+        phases = dict(self._phases)
+        open_phase = self._open_phase  # read after the totals (see _Phase.__exit__)
+        if open_phase is not None:
+            name, t0 = open_phase
+            key = name if name in phases or len(phases) < MAX_PHASES - 1 else OTHER_PHASE
+            phases[key] = phases.get(key, 0.0) + max(0.0, _now() - t0)
+        # between a phase's end and its total a read may see neither: report no less than before
+        reported = self._reported_phases
+        for name, seconds in list(reported.items()):
+            if phases.get(name, 0.0) < seconds:
+                phases[name] = seconds
+        reported.update(phases)
         return {
             "steps": running + counts[-1],
             "step_seconds": self._step_seconds,
             "data_wait_seconds": wait,
             "samples": self._samples,
-            "phases": dict(self._phases),
+            "phases": phases,
             "last_step_timestamp": last + self._wall_offset if last else None,
             "step_buckets": list(self._bounds),
             "step_counts": cumulative,
@@ -560,9 +580,19 @@ class HookTimer:
         """The step is done."""
         self.monitor._step_done(samples, self.mark())
 
+    def phase_begun(self, name: str, since: float | None = None) -> None:
+        """The phase ``name`` began at the last mark (or ``since``) and is running: pushes
+        count it while it lasts, where it is outside steps (:meth:`phase_since_mark` ends it)."""
+        m = self.monitor
+        timer = m.phase(name)
+        if timer._outside and m._outside_depth == 0:
+            m._open_phase = (timer._name, self._mark if since is None else since)
+
     def phase_since_mark(self, name: str, since: float | None = None) -> None:
         """The time from the last mark (or ``since``) to now was the phase ``name``."""
         start = self._mark if since is None else since
         now = self.mark()
         m = self.monitor
+        if m._outside_depth == 0:
+            m._open_phase = None  # before the total grows: a push never counts it twice
         m._add_phase(name, now - start, m.phase(name)._outside)

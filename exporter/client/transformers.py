@@ -60,6 +60,7 @@ class GpuTrainCallback(TrainerCallback):
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._hooks is not None and self._eval_since is None:
             self._eval_since = self._hooks._mark  # the evaluation began after the last mark
+            self._hooks.phase_begun("evaluation", self._eval_since)
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._hooks is not None:

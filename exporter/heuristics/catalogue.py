@@ -24,7 +24,15 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from exporter.heuristics.promql import THROTTLE_REASONS, Q, new_errors
-from exporter.heuristics.readings import WINDOWS, GpuReading, NodeReport, RankReport, mean, percent
+from exporter.heuristics.readings import (
+    WINDOWS,
+    GpuReading,
+    NodeReport,
+    RankReport,
+    mean,
+    outside_steps,
+    percent,
+)
 from exporter.protocol import DEFAULT_METRICS_PORT, OUTSIDE_STEP_PHASES
 from exporter.reading.sampler import LOST_GPU_RETRY_SECONDS
 
@@ -277,8 +285,11 @@ class Stalled(Heuristic):
     summary = "A training run stopped making steps while its process lives."
     advice = ("Look for a hang in a collective, a dead DataLoader worker or a deadlock "
               "(py-spy dump --pid).")
-    fires_when = "no step for {stalled_seconds} while the rank still reports"
-    why = ("A rank still reports but made no step for {stalled_seconds}. Nothing else is said "
+    fires_when = ("no step for {stalled_seconds} while the rank still reports and spent no "
+                  "time in an evaluation or checkpoint over the last 5 minutes")
+    why = ("A rank still reports but made no step for {stalled_seconds}, and is in no phase "
+           "outside steps (a client pushes an evaluation or checkpoint while it lasts, so a "
+           "long one is no stall; a hang inside one reads as that phase). Nothing else is said "
            "of a stalled rank: with no step, no tuning advice holds.")
     confirm = ("gputrain_training_last_step_timestamp_seconds",)
     panel = 'GpuTrain / Run, "Samples per second" at zero while the rank is still listed.'
@@ -286,14 +297,15 @@ class Stalled(Heuristic):
     thresholds = {"stalled_seconds": Threshold(600, "seconds", "no step for 10 minutes")}
 
     def rules(self, q: Q) -> list[dict]:
-        return [self.rule(q, "critical", f"""time() -
+        return [self.rule(q, "critical", f"""(time() -
                           {q.metric("gputrain_training_last_step_timestamp_seconds")} >
-                          {q.t['stalled_seconds']}""",
+                          {q.t['stalled_seconds']})
+                          unless on ({q.rank}) ({q.outside_steps()} > 0)""",
                           f"""{q.who} made no step for {{{{ $value | humanizeDuration }}}}
                           although it still reports.""")]
 
     def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
-        if _v(r.seconds_since_step, ">", t["stalled_seconds"]):
+        if _v(r.seconds_since_step, ">", t["stalled_seconds"]) and not outside_steps(r):
             return f"no step for {r.seconds_since_step:.0f} s"
         return None
 

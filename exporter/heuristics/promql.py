@@ -323,6 +323,14 @@ class Q:
         steps stopped while its GPUs spin is stalled, and nothing else holds for it."""
         return f"({expr}) and on ({self.rank}) ({self.steps} > 0)"
 
+    def outside_steps(self) -> str:
+        """Of each rank, the seconds a second in phases outside steps (an evaluation, a
+        checkpoint). Raw, as recorded readings cannot take a selector once inlined; it is
+        above 0 where the badput of those phases is, as every client that pushes a phase in
+        progress also pushes its wall time."""
+        return (f"sum by ({self.rank}) (rate(gputrain_training_phase_seconds_total"
+                f"{{{self.s},{OUTSIDE_STEP}}}[{WINDOWS['rate']}]))")
+
     def metric(self, name: str, matchers: str = "") -> str:
         """A raw series under the selector (``matchers`` added inside the braces)."""
         return f"{name}{{{self.s}{',' + matchers if matchers else ''}}}"

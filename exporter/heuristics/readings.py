@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from exporter.protocol import OUTSIDE_STEP_PHASES
+
 # The ranges the readings are taken over, as PromQL writes them (seconds: window_seconds())
 WINDOWS = {
     "rate": "5m",  # every ratio of counters and mean of gauges
@@ -119,6 +121,13 @@ class NodeReport:
     host: dict[str, float] = field(default_factory=dict)
     collectors_failing: list[str] = field(default_factory=list)
     findings: list[tuple[str, str, Finding]] = field(default_factory=list)  # (gpu, severity, f)
+
+
+def outside_steps(r: RankReport) -> tuple[str, float] | None:
+    """The phase outside steps (an evaluation, a checkpoint) that took the largest share of the
+    window's wall time, and that share; None where none took any."""
+    share, phase = max((r.badput.get(p, 0.0), p) for p in sorted(OUTSIDE_STEP_PHASES))
+    return (phase, share) if share > 0 else None
 
 
 def percent(x: float | None) -> str:

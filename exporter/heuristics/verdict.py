@@ -18,6 +18,7 @@ from exporter.heuristics.readings import (  # noqa: F401 - the readings, with th
     NodeReport,
     RankReport,
     mean,
+    outside_steps,
     percent,
     rank_order,
     run_key,
@@ -108,6 +109,9 @@ def judge(reports: list[RankReport], t: dict[str, float]) -> list[RankReport]:
         elif not rep.steps_per_second > 0:
             rep.status, rep.verdict = "ok", "paused"
             rep.reason = f"no step in the window; GPU busy {percent(busy)}"
+            if (phase := outside_steps(rep)) is not None:
+                rep.reason = (f"in {phase[0]} ({percent(phase[1])} of the window), no step; "
+                              f"GPU busy {percent(busy)}")
         elif BY_VERDICT[UNDERUTILIZED].finding(rep, t):  # as its alert: any GPU under target
             rep.status = rep.verdict = UNDERUTILIZED
             rep.reason = (f"GPU busy {percent(busy)}, a GPU under "
