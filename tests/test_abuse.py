@@ -441,6 +441,9 @@ def test_at_the_cap_the_address_holding_the_most_makes_room(limited_daemon):
      200),
     ("headers over 16 KiB", b"GET /healthz HTTP/1.1\r\nHost: x\r\n"
                             + b"X-Pad: " + b"a" * 17000 + b"\r\n\r\n", 431),
+    # the parser skips empty lines before a request line: they must not end the count
+    ("headers over 16 KiB after an empty line", b"\r\n\r\nGET /healthz HTTP/1.1\r\nHost: x\r\n"
+     + b"X-Pad: " + b"a" * 17000 + b"\r\n\r\n", 431),
     ("over 64 headers", b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"X-A: b\r\n" * 70 + b"\r\n",
      431),
     ("a request line over 8 KiB", b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\n\r\n", 414),
@@ -453,6 +456,12 @@ def test_every_closing_answer_says_connection_close_and_then_closes(daemon, case
     assert closes(answer), (case, answer[:300])
     assert answer.count(b"HTTP/1.") == 1, case  # nothing after it: the server closed
     assert "Traceback" not in daemon.log_text()
+
+
+def test_empty_lines_before_a_request_are_skipped_as_the_parser_does(daemon):
+    answer = raw_exchange(daemon.port, b"\r\n\n\r\nGET /healthz HTTP/1.1\r\nHost: x\r\n"
+                          b"Connection: close\r\n\r\n")
+    assert status_of(answer) == 200 and answer.endswith(b"ok\n"), answer[:300]
 
 
 def test_the_token_refusal_closes_cleanly(daemon_factory, tmp_path):

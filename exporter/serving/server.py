@@ -301,7 +301,8 @@ class _Connection(RequestHandler):
         self.address = str(peer[0]) if peer else ""
         why = self.port.admit(self)
         if why is not None:
-            transport.write(_canned(503, "Service Unavailable", f"busy: {why}; try again"))
+            if self.tls is None:  # a TLS client would read plain text as a broken handshake
+                transport.write(_canned(503, "Service Unavailable", f"busy: {why}; try again"))
             transport.close()
             return
         self._admitted = True
@@ -399,6 +400,12 @@ class _Connection(RequestHandler):
     def _scan(self, data: bytes) -> bool:
         """Count the request line's bytes and the headers' bytes and lines until their end;
         past a limit, answer and close. Returns whether ``data`` may go on to the parser."""
+        if not self._head_bytes:
+            # the parser skips empty lines before a request line (RFC 9112, 2.2); so does the
+            # count, else one would read as the end of the headers and lift their limits
+            data = data.lstrip(b"\r\n")
+            if not data:
+                return True
         joined = self._tail + data
         ends = [e + n for e, n in ((joined.find(b"\r\n\r\n"), 4), (joined.find(b"\n\n"), 2))
                 if e >= 0]
@@ -518,33 +525,42 @@ class _Connection(RequestHandler):
         if self.state != "idle" or self._pending_input():
             return False
         self.state = "closed"
-        self._released()  # its room is free now, not when the close completes
-        (self.transport or self._raw).close()
+        self._released()  # its room is free now, so its descriptor must be too
+        self._drop()
         return True
 
     def evict(self) -> None:
         """Close this connection, which is still sending headers, to make room."""
-        transport = self.transport or self._raw
         self.state = "closed"
         self._released()
-        if self.transport is None and self.tls is not None:  # still in its TLS handshake
-            transport.abort()
-            return
-        transport.write(_canned(503, "Service Unavailable", f"busy: the {self.port.name} "
-                                "port is full and your address holds the most connections"))
-        transport.close()
+        if self.tls is None:
+            self._raw.write(_canned(503, "Service Unavailable", f"busy: the {self.port.name} "
+                                    "port is full and your address holds the most connections"))
+        self._drop()
+
+    def _drop(self) -> None:
+        """Close at once: a TLS close waits up to 30 s for the peer's close_notify, holding a
+        descriptor the port no longer counts, so a TLS connection is cut."""
+        if self.tls is None:
+            self._raw.close()
+        else:
+            self._raw.abort()
 
     def _pending_input(self) -> bool:
         sock = (self._raw or self.transport).get_extra_info("socket")
         if sock is None:
             return False
-        try:  # asyncio's socket wrapper has no recv: look through a duplicate descriptor
-            with socket.fromfd(sock.fileno(), sock.family, sock.type) as dup:
-                return bool(dup.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        # asyncio's socket wrapper has no recv: look through a socket object on the same
+        # descriptor (no duplicate, which could fail just when descriptors run out)
+        peek = socket.socket(sock.family, sock.type, fileno=sock.fileno())
+        try:
+            return bool(peek.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
         except (BlockingIOError, InterruptedError):
             return False
         except OSError:
-            return True  # broken (or no descriptor left to look): leave it be
+            return True  # broken: leave it be
+        finally:
+            peek.detach()
 
 
 def _read_in_chunks(transport: Any) -> None:
@@ -661,8 +677,11 @@ class IngestHandler(_Site):
         self.store = store
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        # a profile changed (in any thread): this port's long-polls look again
-        self.store.profiles.listeners.append(lambda: loop.call_soon_threadsafe(self.port.wake))
+        def wake() -> None:  # a profile changed (in any thread): the long-polls look again
+            with contextlib.suppress(RuntimeError):  # the port has shut down
+                loop.call_soon_threadsafe(self.port.wake)
+
+        self.store.profiles.listeners.append(wake)
 
     async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
         if request.method == "POST":
@@ -900,8 +919,8 @@ class Server:
         site.attach(loop)
 
         def sweep() -> None:
+            loop.call_later(SWEEP_SECONDS, sweep)  # first: a failing sweep stops no deadline
             self.port.sweep(loop.time())
-            loop.call_later(SWEEP_SECONDS, sweep)
 
         loop.call_later(SWEEP_SECONDS, sweep)
         self._aio = await loop.create_server(
