@@ -71,11 +71,11 @@ def printable(text: str, newlines: bool = False) -> str:
 
 
 def printable_doc(doc: Any) -> Any:
-    """A JSON document with :func:`printable` applied to every string in it."""
+    """A JSON document with :func:`printable` applied to every string in it, keys included."""
     if isinstance(doc, str):
         return printable(doc)
     if isinstance(doc, list):
         return [printable_doc(v) for v in doc]
     if isinstance(doc, dict):
-        return {k: printable_doc(v) for k, v in doc.items()}
+        return {printable(k): printable_doc(v) for k, v in doc.items()}
     return doc

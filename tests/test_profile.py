@@ -995,7 +995,7 @@ def test_top_escapes_what_the_daemon_sends(daemon_factory):
     d = daemon_factory("--gpu.backend=demo", "--demo.gpus=1")
     doc = requests.get(d.url + "/api/v1/status", timeout=5).json()
     doc["instance"] = "node\x1b]0;pwned\x07"
-    doc["gpus"][0]["name"] = "NVIDIA \x1b[2JH100"
+    doc["gpus"][0]["name"] = "NVIDIA \x1b[2JH100 [link=http://evil]x[/link]"
     body = json.dumps(doc).encode()
 
     class Stand(BaseHTTPRequestHandler):
@@ -1011,15 +1011,35 @@ def test_top_escapes_what_the_daemon_sends(daemon_factory):
 
     stand = ThreadingHTTPServer(("127.0.0.1", 0), Stand)
     threading.Thread(target=stand.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{stand.server_port}"
     try:
-        top = subprocess.run([sys.executable, "-m", "exporter", "top", "--once", "--url",
-                              f"http://127.0.0.1:{stand.server_port}"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=60)
+        top = subprocess.run([sys.executable, "-m", "exporter", "top", "--once", "--url", url],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+        # into a pipe, frame after frame: the later ones are fetched again, escaped too
+        live = subprocess.Popen([sys.executable, "-m", "exporter", "top", "--interval", "0.2",
+                                 "--url", url], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        watchdog = threading.Timer(60, live.kill)
+        watchdog.start()
+        frames = []
+        try:
+            for line in live.stdout:
+                if "H100" in line:
+                    frames.append(line)
+                if len(frames) == 3:
+                    break
+        finally:
+            watchdog.cancel()
+            live.kill()
+            live.wait()
     finally:
         stand.shutdown()
     assert top.returncode == 0, top.stderr
     assert "node\\x1b]0;pwned\\x07" in top.stdout and "\\x1b[2JH100" in top.stdout
     assert "\x1b" not in top.stdout and "\x07" not in top.stdout
+    # rich markup from the network is shown as written, not made a link
+    assert "[link=http://evil]x[/link]" in top.stdout
+    assert len(frames) == 3 and all("\\x1b[2JH100 [link=http://evil]x[/link]" in f
+                                    for f in frames), frames
 
 
 def test_diagnose_escapes_label_values_from_prometheus(monkeypatch, capsys):

@@ -48,7 +48,7 @@ def fetch(url: str, session: requests.Session | None = None) -> dict[str, Any]:
     if not isinstance(doc, dict) or doc.get("version") != 1:
         raise Unreachable(f"{target} answered a status document this top cannot read "
                           f"(version {doc.get('version') if isinstance(doc, dict) else '?'})")
-    return doc
+    return printable_doc(doc)  # names and reasons come from the network
 
 
 def _bytes(x: float | None) -> str:
@@ -82,6 +82,10 @@ def frame(doc: dict[str, Any], error: str | None = None) -> Any:
 
     # the document's bands: a busy ratio is coloured as the alerts judge it
     bands = doc.get("bands", {}).get("busy", {"low": 0.5, "target": 0.9})
+
+    def row(table: Table, *cells: Any) -> None:
+        # plain text, never markup: names from the network may hold "[link=...]"
+        table.add_row(*(Text(c) if isinstance(c, str) else c for c in cells))
 
     def bar(ratio: float | None, label: str, good_high: bool = False, width: int = 10) -> Text:
         r = 0.0 if ratio is None else max(0.0, min(1.0, ratio))
@@ -117,15 +121,15 @@ def frame(doc: dict[str, Any], error: str | None = None) -> Any:
         name = (g["name"] or "").removeprefix("NVIDIA ")
         users = gpu_users(g) or "idle"
         if not g["up"]:
-            gpus.add_row(g["gpu"], name, Text("lost: does not answer NVML", style="bold red"),
+            row(gpus, g["gpu"], name, Text("lost: does not answer NVML", style="bold red"),
                          "", "", "", "", "", "", users)
             continue
         mem = (g["memory_used_bytes"] / g["memory_total_bytes"]
                if g["memory_total_bytes"] and g["memory_used_bytes"] is not None else None)
         power = (g["power_watts"] / g["power_limit_watts"]
                  if g["power_limit_watts"] and g["power_watts"] is not None else None)
-        gpus.add_row(
-            g["gpu"], name, bar(g["busy"], percent(g["busy"]), True),
+        row(
+            gpus, g["gpu"], name, bar(g["busy"], percent(g["busy"]), True),
             bar(g["sm_active"], percent(g["sm_active"]), True, 6),
             bar(g["tensor_active"], percent(g["tensor_active"]), False, 6),
             bar(mem, f"{_bytes(g['memory_used_bytes'])}", False, 6),
@@ -175,14 +179,14 @@ def frame(doc: dict[str, Any], error: str | None = None) -> Any:
             ranks.add_column(col, no_wrap=True)
         for r in run["ranks"]:
             push = _ago(r["seconds_since_push"]) + " ago"
-            ranks.add_row(
-                r["rank"], _num(r["samples_per_second"]),
+            row(
+                ranks, r["rank"], _num(r["samples_per_second"]),
                 _num(r["step_seconds"], ".1f", 1000, " ms"), percent(r["data_wait_ratio"]),
                 percent(r["mfu"]), gpu_names(r["gpus"], doc["gpus"]),
                 r["verdict"], push if r["pushing"] else Text(f"stopped pushing {push}",
                                                              style="bold red"))
         body.append(ranks)
-        parts.append(Panel(Group(*body), title=f"run {run['run']}", title_align="left",
+        parts.append(Panel(Group(*body), title=Text(f"run {run['run']}"), title_align="left",
                            border_style=colour[run["status"]]))
     for p in doc.get("profiles", [])[:3]:  # the last profiles asked for (newest first)
         parts.append(Text(f"profile {p['id']} of {p['run']}/{p['rank']}: {profile_line(p)}",
@@ -250,7 +254,7 @@ def main(ns: argparse.Namespace) -> int:
         return 2
     session = requests.Session()
     try:
-        doc = printable_doc(fetch(ns.url, session))  # names and reasons from the network
+        doc = fetch(ns.url, session)
     except Unreachable as exc:
         print(printable(f"gputrain-exporter top: {exc}"), file=sys.stderr)
         return 2
@@ -269,7 +273,7 @@ def main(ns: argparse.Namespace) -> int:
                 try:
                     doc = fetch(ns.url, session)
                 except Unreachable as exc:
-                    console.print(f"{exc}; showing the last answer")
+                    console.print(printable(f"{exc}; showing the last answer"), markup=False)
         except (KeyboardInterrupt, BrokenPipeError):
             return 0
     try:
@@ -277,7 +281,7 @@ def main(ns: argparse.Namespace) -> int:
             while True:
                 time.sleep(interval)
                 try:
-                    doc, error = printable_doc(fetch(ns.url, session)), None
+                    doc, error = fetch(ns.url, session), None
                 except Unreachable as exc:
                     error = printable(str(exc))
                 live.update(frame(doc, error), refresh=True)
