@@ -6,6 +6,7 @@ documents the schema these constants bound.
 
 from __future__ import annotations
 
+import math
 import re
 
 # Where the daemon listens by default: metrics (and the status page) on every address, pushes
@@ -93,6 +94,24 @@ def count(value: object, field: str) -> int:
     if value < 0:
         raise Refused(400, f"field '{field}' must be >= 0, got {value!r}")
     return int(value)
+
+
+def amount(value: object, field: str) -> float:
+    """A non-negative finite number from JSON (seconds, samples, FLOPs): an integer up to
+    MAX_COUNT or any finite float; Refused(400) naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise Refused(400, f"field '{field}' must be a number, got {json_kind(value)}")
+    if isinstance(value, int) and value > MAX_COUNT:  # before isfinite, which overflows on it
+        raise Refused(400, f"field '{field}' is too large (over 2^63 - 1)")
+    if not math.isfinite(value) or value < 0:
+        raise Refused(400, f"field '{field}' must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def json_kind(v: object) -> str:
+    """How an error message names a JSON value's type."""
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+            type(None): "null"}.get(type(v), type(v).__name__)
 
 
 def is_name(value: str, max_length: int = MAX_NAME_LENGTH) -> bool:

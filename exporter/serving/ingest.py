@@ -31,7 +31,9 @@ from exporter.protocol import (
     RUN_ID_RE,
     SCHEMA_VERSION,
     Refused,
+    amount,
     count,
+    json_kind,
 )
 from exporter.serving.profiles import ProfileBoard, parse_report
 
@@ -102,20 +104,9 @@ def _value(v: Any, key: str, where: str = "", integer: bool = False) -> float | 
         return v if integer else float(v)
     if t is float and not integer and 0.0 <= v < math.inf:
         return v
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise Refused(400, f"field '{where}{key}' must be a number, got {_kind(v)}")
-    if integer:
+    if integer and not isinstance(v, bool) and isinstance(v, (int, float)):
         return count(v, f"{where}{key}")
-    if isinstance(v, int) and v > MAX_COUNT:  # before math.isfinite, which overflows on it
-        raise Refused(400, f"field '{where}{key}' is too large (over 2^63 - 1)")
-    if not math.isfinite(v) or v < 0:
-        raise Refused(400, f"field '{where}{key}' must be a finite number >= 0, got {v}")
-    return float(v)
-
-
-def _kind(v: Any) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
-            type(None): "null"}.get(type(v), type(v).__name__)
+    return amount(v, f"{where}{key}")
 
 
 def _name(body: dict, key: str, what: str) -> str:
@@ -123,7 +114,7 @@ def _name(body: dict, key: str, what: str) -> str:
     if isinstance(v, int) and not isinstance(v, bool) and key == "rank":
         v = str(v)
     if not isinstance(v, str):
-        raise Refused(400, f"field '{key}' must be a string, got {_kind(v)}")
+        raise Refused(400, f"field '{key}' must be a string, got {json_kind(v)}")
     if not v:
         raise Refused(400, f"field '{key}' must not be empty")
     if len(v) > MAX_NAME_LENGTH:
@@ -149,7 +140,7 @@ def parse_push(raw: bytes, now: float, now_unix: float) -> tuple[RankState, bool
     except ValueError as exc:  # an integer over Python's digit limit (4,300 digits)
         raise Refused(400, f"invalid JSON: {exc}") from None
     if not isinstance(body, dict):
-        raise Refused(400, f"the body must be a JSON object, got {_kind(body)}")
+        raise Refused(400, f"the body must be a JSON object, got {json_kind(body)}")
     version = body.get("version")
     if version != SCHEMA_VERSION or isinstance(version, bool):
         raise Refused(400, f"field 'version' must be {SCHEMA_VERSION}, got {version!r}")
@@ -178,7 +169,7 @@ def parse_push(raw: bytes, now: float, now_unix: float) -> tuple[RankState, bool
     _parse_profile(body, st)
     goodbye = body.get("goodbye", False)
     if not isinstance(goodbye, bool):
-        raise Refused(400, f"field 'goodbye' must be true or false, got {_kind(goodbye)}")
+        raise Refused(400, f"field 'goodbye' must be true or false, got {json_kind(goodbye)}")
     return st, goodbye
 
 
@@ -208,7 +199,7 @@ def _parse_histogram(body: dict, st: RankState) -> None:
 def _parse_phases(body: dict, st: RankState) -> None:
     phases = body.get("phases") or {}
     if not isinstance(phases, dict):
-        raise Refused(400, f"field 'phases' must be an object, got {_kind(phases)}")
+        raise Refused(400, f"field 'phases' must be an object, got {json_kind(phases)}")
     if len(phases) > MAX_PHASES:
         raise Refused(400, f"at most {MAX_PHASES} phases, got {len(phases)}")
     for name in phases:
@@ -222,7 +213,7 @@ def _parse_process(body: dict, st: RankState) -> None:
     if proc is None:
         return
     if not isinstance(proc, dict):
-        raise Refused(400, f"field 'process' must be an object, got {_kind(proc)}")
+        raise Refused(400, f"field 'process' must be an object, got {json_kind(proc)}")
     for key in PROCESS_FIELDS:
         v = _number(proc, key, required=False, where="process.")
         if v is not None:

@@ -22,7 +22,6 @@ from typing import Any, Protocol
 
 from exporter.protocol import (
     DEFAULT_PROFILE_STEPS,
-    MAX_COUNT,
     MAX_NAME_LENGTH,
     MAX_OP_NAME_LENGTH,
     MAX_PROFILE_ERROR_LENGTH,
@@ -36,6 +35,7 @@ from exporter.protocol import (
     PROFILE_VERSION,
     STEP_PARTS,
     Refused,
+    amount,
     count,
 )
 
@@ -109,13 +109,9 @@ def mean_parts(steps: list[dict[str, float]]) -> dict[str, float]:
 
 
 def _number(value: Any, where: str, integer: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise Refused(400, f"'{where}' must be a number, got {str(value)[:40]!r}")
-    if integer:
+    if integer and not isinstance(value, bool) and isinstance(value, (int, float)):
         return count(value, where)
-    if value > MAX_COUNT or not math.isfinite(value) or value < 0:
-        raise Refused(400, f"'{where}' must be a finite number >= 0, got {value!r}")
-    return float(value)
+    return amount(value, where)
 
 
 def parse_report(report: Any) -> dict[str, Any]:
