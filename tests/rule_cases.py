@@ -226,6 +226,17 @@ def alert_cases() -> list[Case]:
                   phase="evaluation"): segments([(0, 5), (60, 25)])},
              [Fire("GpuTrainStalled", rank("stuck"), "22m 0s")],
              fire_at="27m", quiet_at=None, quiet_alerts=[]),
+        Case("GpuTrainStalled: a rank in an evaluation for over 2 hours (no step since 5m) is "
+             "taken for a hang inside it; at 1h it is not yet",
+             {**{sel(m, run="long-eval", rank="0"): v for m, v in (
+                 ("gputrain_training_elapsed_seconds_total", ramp(60, 135)),
+                 ("gputrain_training_step_duration_seconds_sum", segments([(60, 5), (0, 130)])),
+                 ("gputrain_training_step_duration_seconds_count", "0+60x5 300x130"),
+                 ("gputrain_training_last_step_timestamp_seconds", "0+60x5 300x130"))},
+              sel("gputrain_training_phase_seconds_total", run="long-eval", rank="0",
+                  phase="evaluation"): segments([(0, 5), (60, 130)])},
+             [Fire("GpuTrainStalled", rank("long-eval"), "2h 5m 0s")],
+             fire_at="130m", quiet_at="60m"),
         Case("GpuTrainGPUShared: runs a (40% of GPU 0) and b (20%) share GPU 0 with a process no "
              "client reports (10%): each run sees the rest as foreign; run solo alone on GPU 1 "
              "stays silent",

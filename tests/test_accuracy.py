@@ -399,6 +399,12 @@ def test_transformers_against_trainer_runtime_and_collator(daemon_factory, tmp_p
     assert Watch.seen == sorted(Watch.seen) and Watch.seen[-1] <= got.phases["evaluation"]
     accounted = got.step_seconds + got.phases["evaluation"] + got.phases["checkpoint"]
     assert accounted == pytest.approx(runtime, rel=0.05)
+    # Trainer.predict() runs prediction steps too, and ends in on_predict: the evaluation it
+    # counts ends there, rather than growing in every push for ever
+    trainer.predict(Data(8, True))
+    before = callback.monitor.totals()["phases"]["evaluation"]
+    time.sleep(0.05)
+    assert callback.monitor.totals()["phases"]["evaluation"] == before
 
 
 # -- flush() is exact --------------------------------------------------------------------------

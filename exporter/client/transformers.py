@@ -67,6 +67,10 @@ class GpuTrainCallback(TrainerCallback):
             self._hooks.phase_since_mark("evaluation", self._eval_since)
             self._eval_since = None
 
+    def on_predict(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # Trainer.predict() also calls on_prediction_step, and ends here, not in on_evaluate
+        self.on_evaluate(args, state, control, **kwargs)
+
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._hooks is not None:
             self._hooks.phase_since_mark("checkpoint")

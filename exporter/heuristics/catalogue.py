@@ -286,27 +286,35 @@ class Stalled(Heuristic):
     advice = ("Look for a hang in a collective, a dead DataLoader worker or a deadlock "
               "(py-spy dump --pid).")
     fires_when = ("no step for {stalled_seconds} while the rank still reports and spent no "
-                  "time in an evaluation or checkpoint over the last 5 minutes")
+                  "time in an evaluation or checkpoint over the last 5 minutes, or no step for "
+                  "{stalled_in_phase_seconds} whatever it did")
     why = ("A rank still reports but made no step for {stalled_seconds}, and is in no phase "
            "outside steps (a client pushes an evaluation or checkpoint while it lasts, so a "
-           "long one is no stall; a hang inside one reads as that phase). Nothing else is said "
-           "of a stalled rank: with no step, no tuning advice holds.")
+           "long one is no stall), or made none for {stalled_in_phase_seconds} even in one (a "
+           "hang inside an evaluation). Nothing else is said of a stalled rank: with no step, "
+           "no tuning advice holds.")
     confirm = ("gputrain_training_last_step_timestamp_seconds",)
     panel = 'GpuTrain / Run, "Samples per second" at zero while the rank is still listed.'
     profile, stepping = False, False
-    thresholds = {"stalled_seconds": Threshold(600, "seconds", "no step for 10 minutes")}
+    thresholds = {
+        "stalled_seconds": Threshold(600, "seconds", "no step for 10 minutes"),
+        "stalled_in_phase_seconds": Threshold(
+            7200, "seconds", "an evaluation or checkpoint of over 2 hours is taken for a hang "
+                             "inside it (our choice: set it above your longest)")}
 
     def rules(self, q: Q) -> list[dict]:
-        return [self.rule(q, "critical", f"""(time() -
-                          {q.metric("gputrain_training_last_step_timestamp_seconds")} >
-                          {q.t['stalled_seconds']})
-                          unless on ({q.rank}) ({q.outside_steps()} > 0)""",
+        since = f'time() - {q.metric("gputrain_training_last_step_timestamp_seconds")}'
+        return [self.rule(q, "critical", f"""({since} > {q.t['stalled_seconds']}
+                          unless on ({q.rank}) ({q.outside_steps()} > 0))
+                          or {since} > {q.t['stalled_in_phase_seconds']}""",
                           f"""{q.who} made no step for {{{{ $value | humanizeDuration }}}}
                           although it still reports.""")]
 
     def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
-        if _v(r.seconds_since_step, ">", t["stalled_seconds"]) and not outside_steps(r):
-            return f"no step for {r.seconds_since_step:.0f} s"
+        since = r.seconds_since_step
+        if (_v(since, ">", t["stalled_seconds"]) and not outside_steps(r)) or \
+                _v(since, ">", t["stalled_in_phase_seconds"]):
+            return f"no step for {since:.0f} s"
         return None
 
 

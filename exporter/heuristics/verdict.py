@@ -108,10 +108,10 @@ def judge(reports: list[RankReport], t: dict[str, float]) -> list[RankReport]:
             rep.reason = "the exporter reports no GPU for this rank"
         elif not rep.steps_per_second > 0:
             rep.status, rep.verdict = "ok", "paused"
-            rep.reason = f"no step in the window; GPU busy {percent(busy)}"
-            if (phase := outside_steps(rep)) is not None:
-                rep.reason = (f"in {phase[0]} ({percent(phase[1])} of the window), no step; "
-                              f"GPU busy {percent(busy)}")
+            phase = outside_steps(rep)
+            where = f"in {phase[0]} ({percent(phase[1])} of the window), no step" if phase \
+                else "no step in the window"
+            rep.reason = f"{where}; GPU busy {percent(busy)}"
         elif BY_VERDICT[UNDERUTILIZED].finding(rep, t):  # as its alert: any GPU under target
             rep.status = rep.verdict = UNDERUTILIZED
             rep.reason = (f"GPU busy {percent(busy)}, a GPU under "
