@@ -23,19 +23,19 @@ import contextlib
 import json
 import os
 import selectors
-import shutil
 import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import requests
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from bench_scrape import free_port, wait_ready  # noqa: E402
+from bench_scrape import free_port, start_node_exporter, wait_ready  # noqa: E402
 
 ATTACKER = "127.0.0.2"
 PROBE_TIMEOUT = 1.0
@@ -203,17 +203,11 @@ def slowloris(seconds: float, per_port: int) -> None:
               f"peak {rss_mb(proc.pid, 'VmHWM'):.0f} MB", flush=True)
     finally:
         stop(proc)
-    binary = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
-    if not binary:
-        raise SystemExit("install prometheus-node-exporter (Debian) for the anchor")
-    port = free_port()
-    ne = subprocess.Popen([binary, f"--web.listen-address=127.0.0.1:{port}"],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ne, url = start_node_exporter()
     try:
-        wait_ready(f"http://127.0.0.1:{port}/metrics")
-        attacker = Slowloris(port, per_port, HEAD).start()
+        attacker = Slowloris(urlsplit(url).port, per_port, HEAD).start()
         time.sleep(3)
-        ok, n = probe(f"http://127.0.0.1:{port}/metrics", seconds)
+        ok, n = probe(url, seconds)
         attacker.stop()
         print(f"node_exporter      scrapes {pct(ok, n)}  (anchor)  re-opened "
               f"{attacker.reopened:6d}  RSS peak {rss_mb(ne.pid, 'VmHWM'):.0f} MB", flush=True)

@@ -221,16 +221,27 @@ def measure(ranks: int, phases: int, scrapes: int, spacing: float) -> dict:
             "gc_full": cpu1["gc_full"] - cpu0["gc_full"], "gc_max": cpu1["gc_max_seconds"]}
 
 
-def node_exporter_row(scrapes: int, spacing: float) -> dict:
+def start_node_exporter() -> tuple[subprocess.Popen, str]:
+    """Debian's node_exporter, the anchor, on a free port: its process and /metrics URL, once
+    it answers."""
     binary = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
     if not binary:
         raise SystemExit("install prometheus-node-exporter (Debian) for the anchor")
     port = free_port()
     proc = subprocess.Popen([binary, f"--web.listen-address=127.0.0.1:{port}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/metrics"
     try:
-        url = f"http://127.0.0.1:{port}/metrics"
         wait_ready(url)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, url
+
+
+def node_exporter_row(scrapes: int, spacing: float) -> dict:
+    proc, url = start_node_exporter()
+    try:
         s = requests.Session()
         rows = []
         for _ in range(scrapes):
