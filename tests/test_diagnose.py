@@ -96,6 +96,23 @@ def test_a_rank_without_gpu_data():
     assert exit_status([judge_one(report(0.95, 0.01))]) == 0
 
 
+def test_a_rank_that_just_started_is_warming_up_not_blind():
+    """Seconds after a run (or its Prometheus) starts, its GPU is known but neither the steps
+    nor the GPU's busy time has two samples for a rate: diagnose says so and exits 0, not
+    "the exporter knows no GPU" (what it said before, exit 3)."""
+    rep = report(None, None, sm=0.8, memory=0.75)
+    rep.steps_per_second = None
+    judged = judge_one(rep)
+    assert (judged.status, judged.verdict) == ("ok", "warming-up"), judged.reason
+    assert "too few samples" in judged.reason and not judged.bottleneck
+    assert exit_status([judged]) == 0
+    # once it steps, a GPU with no busy time at all is still blind
+    rep = report(None, 0.01)
+    judged = judge_one(rep)
+    assert judged.verdict == "no-gpu-data" and "no busy time" in judged.reason
+    assert exit_status([judged]) == 3
+
+
 def test_an_underused_gpu_with_no_stage_to_blame_is_not_ok():
     judged = judge_one(report(0.85, 0.01))
     assert judged.status == judged.verdict == "underutilized" and judged.bottleneck

@@ -113,7 +113,7 @@ class Heuristic:
     def finding(self, r: RankReport, t: dict[str, float]) -> str | None:
         """Why it holds for a rank, whatever its scope, or None. As its rules, an entry
         ``guarded`` holds only for a rank that steps."""
-        if self.guarded and not r.steps_per_second > 0:
+        if self.guarded and not r.stepping:
             return None
         if self.scope in ("gpu", "rank_gpu"):
             for g in r.gpus:

@@ -73,7 +73,7 @@ class RankReport:
     instance: str
     run: str
     rank: str
-    steps_per_second: float = 0.0
+    steps_per_second: float | None = None  # None: too few samples in the window for a rate
     samples_per_second: float | None = None
     step_seconds: float | None = None
     data_wait_ratio: float | None = None
@@ -97,6 +97,11 @@ class RankReport:
     labels: dict[str, str] = field(default_factory=dict)  # run labels beyond `run` (cluster)
     source: str = "raw"  # "recorded" when read from the recording rules' results alone
     partial: str = ""  # why the run's ranks are only partly visible here, if they are
+
+    @property
+    def stepping(self) -> bool:
+        """It made steps in the window (an unknown rate is no step)."""
+        return (self.steps_per_second or 0.0) > 0
 
     @property
     def bottleneck(self) -> bool:

@@ -25,24 +25,28 @@ from exporter.heuristics.readings import (  # noqa: F401 - the readings, with th
 )
 
 UNDERUTILIZED = GPUUnderutilized.verdict  # busy under the target, no stage to blame
-# Verdicts that are no alert of the catalogue: the good case, a pause and the blind one.
+# Verdicts that are no alert of the catalogue: the good case, a pause, a start and the blind one.
 STATUS_ADVICE = {
     "gpu-bound": "The GPU is the bottleneck, as it should be. To make each GPU-second count, "
                  "profile the heaviest kernels.",
     "paused": "Nothing to change yet: the rank made no step in the window (start-up, an "
               "evaluation, a checkpoint). It is judged again once it steps, and called stalled "
               "after 10 minutes without a step.",
+    "warming-up": "Nothing to judge yet: the rank, its exporter or Prometheus started moments "
+                  "ago, and a rate needs two samples in the window. Ask again after two scrape "
+                  "intervals.",
     "no-gpu-data": "No GPU of this rank is known to the exporter: check that the client reports "
                    "its GPU (CUDA_VISIBLE_DEVICES or torch.cuda) and that the exporter sees it.",
 }
 STATUS_SUMMARY = {
     "gpu-bound": "The GPUs are busy: the model's own work sets the pace.",
     "paused": "The rank made no step in the window.",
+    "warming-up": "The window holds too few samples for a rate yet.",
     "no-gpu-data": "The exporter knows no GPU of this rank.",
 }
 # Every verdict a rank can get, in the order a page lists them: what to act on first
 ORDER: tuple[str, ...] = (*(e.verdict for e in CATALOGUE if e.kind != "symptom"),
-                          UNDERUTILIZED, "paused", "no-gpu-data", "gpu-bound")
+                          UNDERUTILIZED, "paused", "warming-up", "no-gpu-data", "gpu-bound")
 # A rank's status by the kind of its verdict
 _STATUS = {"fault": "fault", "bottleneck": "bottleneck", "health": "bottleneck"}
 
@@ -91,7 +95,7 @@ def judge(reports: list[RankReport], t: dict[str, float]) -> list[RankReport]:
     """Set every rank's status, verdict and findings in the catalogue's decision order; the
     findings are exactly the catalogue alerts that fire for it."""
     lagging = stragglers(reports, t)
-    stepping = {run_key(r) for r in reports if r.steps_per_second > 0}
+    stepping = {run_key(r) for r in reports if r.stepping}
     for rep in reports:
         found = rank_findings(rep, t, run_key(rep) in stepping)
         if id(rep) in lagging and "stalled" not in found:
@@ -103,10 +107,16 @@ def judge(reports: list[RankReport], t: dict[str, float]) -> list[RankReport]:
             rep.status = _STATUS[BY_VERDICT[rep.verdict].kind]
             rep.reason = found[ordered[0]]
             rep.also = [Finding(n, found[n], advice(n)) for n in ordered[1:]]
+        elif busy is None and rep.gpus and rep.steps_per_second is None:
+            # the GPU is known, but neither its busy time nor the steps have two samples yet
+            rep.status, rep.verdict = "ok", "warming-up"
+            rep.reason = ("too few samples in the window for a rate of the steps or of the "
+                          "GPU's busy time (a run, exporter or Prometheus that just started)")
         elif busy is None:
             rep.status = rep.verdict = "no-gpu-data"
-            rep.reason = "the exporter reports no GPU for this rank"
-        elif not rep.steps_per_second > 0:
+            rep.reason = ("the exporter reports no busy time for this rank's GPUs" if rep.gpus
+                          else "the exporter reports no GPU for this rank")
+        elif not rep.stepping:
             rep.status, rep.verdict = "ok", "paused"
             phase = outside_steps(rep)
             where = f"in {phase[0]} ({percent(phase[1])} of the window), no step" if phase \
