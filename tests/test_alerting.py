@@ -168,10 +168,13 @@ def test_a_demo_memory_fault_fires_both_severities_on_the_last_gpu(daemon_factor
         ("1", "gpu-memory-fault", "critical")]
     assert [n["instance"] for n in faulty] == [daemon.url.removeprefix("http://")]
     try:
-        out = wait_until(lambda: (o := diagnose("--prometheus", prom.url, "--run",
-                                                "elsewhere")).stdout and o, timeout=60,
-                         what="diagnose of the other node's run")
+        # judged once its rates exist (seconds after its first push it is warming-up)
+        out = wait_until(lambda: "verdict: " in (o := diagnose(
+            "--prometheus", prom.url, "--run", "elsewhere")).stdout
+            and "warming-up" not in o.stdout and o, timeout=60,
+            what="diagnose of the other node's run")
         assert "gpu-memory-fault" not in out.stdout and out.returncode == 0, out.stdout
+        assert "verdict: gpu-bound" in out.stdout, out.stdout
     finally:
         client.kill()
         client.wait()

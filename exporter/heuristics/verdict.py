@@ -110,8 +110,8 @@ def judge(reports: list[RankReport], t: dict[str, float]) -> list[RankReport]:
         elif busy is None and rep.gpus and rep.steps_per_second is None:
             # the GPU is known, but neither its busy time nor the steps have two samples yet
             rep.status, rep.verdict = "ok", "warming-up"
-            rep.reason = ("too few samples in the window for a rate of the steps or of the "
-                          "GPU's busy time (a run, exporter or Prometheus that just started)")
+            rep.reason = ("too few samples in the window for a rate of its steps or its "
+                          "GPUs' busy time: a run, exporter or Prometheus that just started")
         elif busy is None:
             rep.status = rep.verdict = "no-gpu-data"
             rep.reason = ("the exporter reports no busy time for this rank's GPUs" if rep.gpus
