@@ -120,7 +120,7 @@ def test_close_says_goodbye_with_the_final_totals(daemon_factory):
     m = TrainingMonitor(run="short", endpoint=d.ingest_url, push_interval=60)
     for _ in m.wrap(range(7), batch_size=2):
         pass
-    m.close()
+    m.close(timeout=10)  # the goodbye's wait, room for a loaded machine (1 s by default)
     m.close()  # twice is fine
     text = d.metrics()
     assert sample_value(text, "gputrain_training_steps_total", {"run": "short"}) == 7
@@ -138,7 +138,7 @@ def test_a_forked_child_never_pushes(daemon_factory):
             os._exit(0)
     os.waitpid(pid, 0)
     assert sample_value(d.metrics(), "gputrain_ingest_requests_total", {"code": "200"}) is None
-    m.close()
+    m.close(timeout=10)
     assert sample_value(d.metrics(), "gputrain_ingest_requests_total", {"code": "200"}) == 1
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import ENV_BIN, ROOT, free_port, require_binary, wait_until
+from conftest import DATA_WAIT_VERDICTS, ENV_BIN, ROOT, free_port, require_binary, wait_until
 from test_readme import README, code_blocks, section, shell_lines
 
 pytestmark = [pytest.mark.integration, pytest.mark.torch]
@@ -45,7 +45,6 @@ STEPS = {
     "profile": r"\.venv/bin/gputrain-exporter profile .*",
 }
 RUN = "pytorch_train"  # the example's run: named after the script
-DATA_WAIT_VERDICTS = ("input-bound", "cpu-preprocessing")  # the latter on a saturated machine
 ANSI = re.compile(r"\x1b(\[[0-9;?]*[A-Za-z]|\][^\x07]*\x07|[()][A-Z0-9]|[=>])")
 
 
