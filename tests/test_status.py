@@ -127,6 +127,34 @@ def test_a_ranks_window_starts_at_its_first_push(clock):
     assert node.document()["gpus"][0]["window"]["busy"] < 0.5  # the GPU's own view: the minute
 
 
+def test_a_run_seconds_old_is_warming_up_then_judged(clock):
+    """The page, /api/v1/status and top on a run's first push, with a daemon that just started:
+    its GPU is known, but nothing has a rate yet. It is warming-up (ok), never "the exporter
+    knows no GPU" (no-gpu-data), and judged on its rates from the next cycles on."""
+    node = Node(clock, [FakeGpu("GPU-a", name=H100, util_rate=95)], window=60.0)
+    steps = 0
+
+    def second() -> dict:
+        nonlocal steps
+        steps += 10
+        push(node.store, gpus=["0"], steps=steps, step_seconds=steps / 10,
+             data_wait_seconds=steps / 1000, samples=steps * 32, elapsed_seconds=steps / 10)
+        node.cycle()
+        (run,) = node.document()["runs"]
+        return run
+
+    run = second()
+    first = run["verdicts"][0]
+    assert first["verdict"] == "warming-up", run
+    assert first["summary"] == "The window holds too few samples for a rate yet."
+    assert run["ranks"][0]["steps_per_second"] is None
+    for _ in range(5):
+        run = second()
+    # judged on its rates now (this fake GPU's memory is barely used: small-batch)
+    assert run["verdicts"][0]["verdict"] not in ("warming-up", "no-gpu-data", "paused"), run
+    assert run["ranks"][0]["steps_per_second"] == pytest.approx(10)
+
+
 @pytest.mark.parametrize("edge", ["start", "end"])
 def test_goodput_and_badput_stay_within_0_and_1_at_a_runs_edges(clock, edge):
     """A step that straddles the window's start counts whole at its end, so the raw shares can
