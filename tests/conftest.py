@@ -17,6 +17,13 @@ from pathlib import Path
 import pytest
 import requests
 
+from exporter.heuristics.catalogue import (
+    CPUPreprocessingBound,
+    DiskIOBound,
+    InputBound,
+    NetworkInputBound,
+)
+
 ROOT = Path(__file__).resolve().parent.parent
 # The environment under test: its interpreter is sys.executable and its scripts sit beside it
 # (.venv/bin). Tests start the project from here, never from a bare `python3` or PATH.
@@ -46,12 +53,14 @@ def clock() -> FakeClock:
 # A run that waits on its data loader is judged input-bound, or, where the machine's host
 # readings make a refinement of it true (saturated CPUs, a busy disk or NIC: a loaded CI
 # machine), that refinement, with input-bound beside it.
-DATA_WAIT_VERDICTS = ("input-bound", "cpu-preprocessing", "disk-io", "network-input")
+DATA_WAIT_VERDICTS = tuple(e.verdict for e in (InputBound, CPUPreprocessingBound, DiskIOBound,
+                                                NetworkInputBound))
 
 
 def names_the_data_wait(verdict: str | None, also: list[str]) -> bool:
     """The verdict (and the findings beside it) say the run waits on its data."""
-    return verdict == "input-bound" or (verdict in DATA_WAIT_VERDICTS and "input-bound" in also)
+    return verdict == InputBound.verdict or (verdict in DATA_WAIT_VERDICTS
+                                             and InputBound.verdict in also)
 
 
 _PORTS_GIVEN: set[int] = set()

@@ -27,7 +27,7 @@ from fake_nvml import FakeDriver, FakeGpu
 
 from exporter.heuristics.catalogue import BY_VERDICT
 from exporter.heuristics.rules import DEFAULTS
-from exporter.heuristics.verdict import judge
+from exporter.heuristics.verdict import RankReport, judge
 from exporter.protocol import SCHEMA_VERSION
 from exporter.reading.gpu_backends import NvmlBackend
 from exporter.reading.nvml import Nvml
@@ -347,10 +347,16 @@ def test_the_document_is_built_once_per_cycle_however_many_requests(clock):
     assert node.view.builds == 2
 
 
-def verdict_is_input_bound(verdict: dict, doc: dict) -> bool:
+def verdict_is_input_bound(verdict: dict, doc: dict, rank: dict) -> bool:
     """The run waits on its loader: input-bound, or on a box whose CPUs are saturated or whose
-    disk is busy (a loaded CI machine) rightly a refinement of it, with input-bound beside it."""
-    return names_the_data_wait(verdict["verdict"], verdict["also"])
+    disk is busy (a loaded CI machine) rightly a refinement of it, with input-bound beside it,
+    and only where the document's host readings make the refinement's condition true."""
+    name = verdict["verdict"]
+    if not names_the_data_wait(name, verdict["also"]):
+        return False
+    host = RankReport("", "", "", "", data_wait_ratio=rank["data_wait_ratio"],
+                      host=doc["host"]["window"])
+    return name == "input-bound" or BY_VERDICT[name].holds(host, T) is not None
 
 
 # --- the daemon as a user runs it -------------------------------------------------------------
@@ -384,12 +390,11 @@ def test_status_api_and_top_show_the_gpus_and_the_runs_verdict(busy_node):
     assert [g["gpu"] for g in doc["gpus"]] == [str(i) for i in range(8)]
     assert all(g["up"] and 0 <= g["busy"] <= 1 for g in doc["gpus"])
     (run,) = [x for x in doc["runs"] if x["run"] == "input-starved"]
-    verdict = run["verdicts"][0]
-    assert verdict_is_input_bound(verdict, doc)
+    verdict, rank = run["verdicts"][0], run["ranks"][0]
+    assert verdict_is_input_bound(verdict, doc, rank)
     name = verdict["verdict"]
     assert verdict["advice"] == BY_VERDICT[name].advice
     assert verdict["summary"] == BY_VERDICT[name].summary
-    rank = run["ranks"][0]
     assert rank["data_wait_ratio"] > 0.5 and rank["pushing"]
     assert rank["gpus"] == [{"gpu": "0", "uuid": doc["gpus"][0]["uuid"]}]
     assert doc["host"]["cpus"] >= 1 and doc["host"]["cpu_busy"] is not None
