@@ -123,3 +123,54 @@ def sanitize(name: str, max_length: int = MAX_NAME_LENGTH) -> str:
     """``name`` made valid: other characters become ``_``, cut to ``max_length``."""
     cleaned = "".join(c if c.isascii() and (c.isalnum() or c in "_.:-") else "_" for c in name)
     return cleaned[:max_length] or "_"
+
+
+def as_text(value: str) -> str:
+    """``value`` with every lone surrogate written as its escape (``\\udcff``): what a
+    client sends for a path read with Python's surrogateescape (a non-UTF-8 byte in a
+    directory's name), and how an error message quotes a bad key."""
+    return value.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _encodable(s: str) -> bool:
+    if s.isascii():  # O(1) in CPython: the common case
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def unicode_fault(doc: object, raw: bytes | None = None) -> str | None:
+    """The field of a parsed JSON document (keys included) whose string is not valid Unicode
+    text (a lone surrogate such as ``"\\ud800"``, which JSON's escapes allow but UTF-8
+    cannot encode), or None. ``raw``, the bytes it was parsed from, skips the walk where no
+    ``\\u`` escape could have made one."""
+    if raw is not None and b"\\u" not in raw and b"\\U" not in raw:
+        return None
+    stack: list[tuple[object, str]] = [(doc, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not _encodable(value):
+                return path or "(the body)"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                where = f"{path}.{as_text(key)}" if path else as_text(key)
+                if not _encodable(key):
+                    return where
+                stack.append((item, where))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
+    return None
+
+
+def check_unicode(doc: object, raw: bytes | None = None) -> None:
+    """Refused(400) naming the field whose string is not valid Unicode (see unicode_fault):
+    such a string could never be written to a page or a log."""
+    where = unicode_fault(doc, raw)
+    if where is not None:
+        raise Refused(400, f"field '{where}' is not valid Unicode text (a lone surrogate "
+                           "escape such as \\ud800; send UTF-8 strings, e.g. paths decoded "
+                           "with errors='replace')")

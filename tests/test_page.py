@@ -4,6 +4,7 @@ are the lines prometheus_client would write."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 
 import pytest
@@ -71,7 +72,8 @@ class Reference:
         held, others = self._owners.attribute(snap, states)
         f = self._families()
         (steps, wait, samples, flops, elapsed, hist, phases, last_step, last_push, cpu, rss,
-         read, gpu_info, gpu_memory, profile, unattributed, strangers, requests, series) = (
+         read, gpu_info, gpu_memory, profile, unattributed, strangers, requests, series,
+         left_out) = (
             f[f"gputrain_{n}"] for n in (
                 "training_steps_total", "training_data_wait_seconds_total",
                 "training_samples_total", "training_flops_total",
@@ -81,7 +83,7 @@ class Reference:
                 "training_process_resident_memory_bytes", "training_process_read_bytes_total",
                 "training_gpu_info", "training_gpu_memory_bytes", "training_profile_info",
                 "gpu_unattributed_memory_bytes", "gpu_unattributed_processes",
-                "ingest_requests_total", "ingest_series"))
+                "ingest_requests_total", "ingest_series", "ingest_ranks_left_out"))
         busy, memory_busy = (f["gputrain_training_gpu_busy_seconds_total"],
                              f["gputrain_training_gpu_memory_busy_seconds_total"])
         others_busy, others_memory = (f["gputrain_gpu_unattributed_busy_seconds_total"],
@@ -136,6 +138,8 @@ class Reference:
         yield requests
         series.add_metric([], len(states))
         yield series
+        left_out.add_metric([], 0)  # every rank here can be written
+        yield left_out
 
 
 def test_training_lines_are_what_prometheus_client_writes_in_both_formats():
@@ -188,7 +192,7 @@ def _rig(clock: FakeClock) -> tuple[Sampler, IngestStore, Exposition]:
                       collectors={"gpu"}, clock=clock)
     sampler.run_once()
     store = IngestStore(clock=clock)
-    return sampler, store, Exposition(sampler, store)
+    return sampler, store, Exposition(sampler, store, clock=clock)
 
 
 def test_a_scrape_sends_the_page_built_off_the_request_path(clock):
@@ -276,3 +280,28 @@ def test_a_rank_is_bounded_to_max_series_per_rank_lines(clock):
                                      "step_counts": [10] * len(full["step_buckets"])
                                      if key != "step_buckets" else [10] * (MAX_BUCKETS + 1)})
         assert err.value.status == 400 and "at most" in str(err.value)
+
+
+def test_a_rank_whose_lines_cannot_be_written_is_left_out_counted_and_logged_once(clock, caplog):
+    """Whatever reaches a rank's state that UTF-8 cannot encode (here a profile's trace path
+    set past validation), the page is still built: that rank is left out and counted, every
+    other rank is shown, and the rank is named in the log once, not at every build."""
+    _, store, app = _rig(clock)
+    push(store, rank="0")
+    push(store, rank="1", capabilities=["profile"])
+    finish_a_profile(store, "resnet18", "1", trace="/tmp/ok.pt.trace.json.gz")
+    store.profiles.latest_done()[("resnet18", "1")].trace = "/tmp/tr\udcffaces"
+    caplog.set_level(logging.ERROR, logger="exporter.serving.training")
+    for steps in (11, 12):
+        push(store, rank="0", steps=steps)
+        text = app.render()[0].decode()
+        assert f'gputrain_training_steps_total{{rank="0",run="resnet18"}} {steps}.0' in text
+        assert 'rank="1"' not in text
+        assert "gputrain_ingest_ranks_left_out 1.0" in text
+    logged = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert len(logged) == 1 and "'1'" in logged[0], logged
+    # the near miss: every rank writable, none left out
+    store.profiles.latest_done()[("resnet18", "1")].trace = "/tmp/traçes"
+    push(store, rank="1", steps=11, capabilities=["profile"])
+    text = app.render()[0].decode()
+    assert "gputrain_ingest_ranks_left_out 0.0" in text and 'trace="/tmp/traçes"' in text

@@ -18,6 +18,7 @@ from conftest import ENV_BIN, ROOT, synthetic_client, wait_until
 
 from exporter.config import OPTIONS
 from exporter.reading.collectors import COLLECTORS, GpuCollector, SelfCollector, host_collectors
+from exporter.serving.exposition import page_families
 from exporter.serving.ingest import IngestStore
 from exporter.serving.training import TrainingCollector
 
@@ -70,8 +71,8 @@ def exported() -> dict[str, tuple[str, list[str]]]:
     collectors = [GpuCollector(lambda: None), SelfCollector(lambda: None),
                   TrainingCollector(IngestStore(), lambda: None), *host_collectors(COLLECTORS)]
     out = {}
-    for c in collectors:
-        families = c.describe() if hasattr(c, "describe") else c.families()
+    for families in [c.describe() if hasattr(c, "describe") else c.families()
+                     for c in collectors] + [page_families()]:
         for f in families:
             name = f.name + "_total" if f.type == "counter" else f.name
             out[name] = (f.type, [])

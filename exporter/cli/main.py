@@ -240,7 +240,7 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     listen = [("web", web_host, web_port, MetricsHandler, (app,), tls)]
     if store is not None:
         listen.append(("ingest", ingest_host, ingest_port, IngestHandler,
-                       (store, sampler.healthy), ingest_tls))
+                       (store, app.healthy), ingest_tls))
     for part, host_, port, handler, serves, tls_ in listen:
         flag = f"{part}.listen-address"
         try:

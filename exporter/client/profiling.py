@@ -34,6 +34,7 @@ from exporter.protocol import (
     MAX_TRACE_PATH_LENGTH,
     PROFILE_ID_RE,
     PROFILE_VERSION,
+    as_text,
     sanitize,
 )
 
@@ -369,7 +370,7 @@ class RankProfiler:
                 if self._ready or len(self._records) > self._steps + 1:
                     self._stop()
         except Exception as exc:  # torch missing, a profiler already running, anything
-            self._fail(f"{type(exc).__name__}: {exc}")
+            self._fail(as_text(f"{type(exc).__name__}: {exc}"))
 
     def close(self, timeout: float = 10.0) -> None:
         """Training ended (training thread): a profile still recording cannot finish; one
@@ -452,7 +453,7 @@ class RankProfiler:
             log.warning("gputrain: profile %s could not be written: %s", pid, exc)
             if partial is not None:
                 partial.unlink(missing_ok=True)
-            self._fail(f"{type(exc).__name__}: {exc}")
+            self._fail(as_text(f"{type(exc).__name__}: {exc}"))
             return
         size = path.stat().st_size
         log.info("gputrain: profile %s written to %s (%d bytes)", pid, path, size)
@@ -463,7 +464,8 @@ class RankProfiler:
         with self._lock:
             self._state = "done"
             self._report = {"id": pid, "state": "done", "started": self._started,
-                            "finished": time.time(), "trace": str(path), "trace_bytes": size,
+                            "finished": time.time(), "trace": as_text(str(path)),
+                            "trace_bytes": size,
                             **summary}
             self._prof = None
         self._wake()

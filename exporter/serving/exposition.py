@@ -12,13 +12,19 @@ from __future__ import annotations
 
 import gzip
 import logging
+import math
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, ProcessCollector
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_CONTENT_TYPE
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from prometheus_client.utils import floatToGoString
 
 from exporter.reading.collectors import GpuCollector, Rendered, SelfCollector
 from exporter.reading.peak_flops import PeakTable
@@ -33,22 +39,63 @@ MIN_GAP_SECONDS = 0.05  # between two builds, at the least
 BUILD_SHARE = 0.1  # of one core, at most, spent building pages under a storm of pushes
 UNUSED_SECONDS = 600.0  # a format nobody asked for this long is no longer built
 FRESH_TIMEOUT_SECONDS = 5.0  # the longest /metrics?fresh=1 waits for the page thread
+# /healthz fails when a change has waited this many sampler intervals for a page that shows
+# it (at least STALE_MIN_SECONDS): the page builder fails or hangs
+STALE_INTERVALS = 3
+STALE_MIN_SECONDS = 3.0
+FAILURE_LOG_SECONDS = 60.0  # a failing build logs its traceback at most this often
 _EOF = b"# EOF\n"
-_OPENMETRICS = "application/openmetrics-text"
+# The only formats served, whatever the Accept header says (an Accept header is never a key:
+# each distinct one kept a page, an encoder and a rebuild for ever)
+TEXT = CONTENT_TYPE_PLAIN_0_0_4
+OPENMETRICS = OPENMETRICS_CONTENT_TYPE
+_OM_MEDIA = "application/openmetrics-text"
+AGE_NAME = "gputrain_exporter_page_age_seconds"
+_AGE_HELP = ("Seconds since the page being served was last brought up to date (it is rebuilt "
+             "at every sampler cycle and push); it grows when the page builder fails.")
+_AGE_HEADER = f"# HELP {AGE_NAME} {_AGE_HELP}\n# TYPE {AGE_NAME} gauge\n".encode()
+
+
+def page_families() -> list[GaugeMetricFamily]:
+    """The families the page itself adds at each request (written by :meth:`Exposition.page`,
+    not by a collector)."""
+    return [GaugeMetricFamily(AGE_NAME, _AGE_HELP)]
+
+
+def wants_openmetrics(accept: str | None) -> bool:
+    """Whether an Accept header asks for OpenMetrics 1.0.0 (listed with no version, or
+    version 1.0.0, and q above 0); anything else gets the text format 0.0.4. Never raises,
+    whatever the header holds."""
+    for part in (accept or "").split(","):
+        media, *params = (p.strip().lower() for p in part.split(";"))
+        if media != _OM_MEDIA:
+            continue
+        values = dict(p.partition("=")[::2] for p in params)
+        if values.get("version", "1.0.0").strip() != "1.0.0":
+            continue
+        try:
+            if float(values.get("q", "1")) <= 0:
+                continue
+        except ValueError:
+            continue
+        return True
+    return False
 
 
 @dataclass
 class _Page:
     key: tuple[int, int]  # (snapshot cycle, ingest version) it shows
-    plain: bytes
+    plain: bytes  # without OpenMetrics' "# EOF" (the age line goes before it)
+    built_at: float  # clock time it was last found up to date
     gzipped: bytes | None = None
 
 
 class Exposition:
     """Builds the registry from the enabled collectors and keeps its page ready.
 
-    :meth:`page` is the scrape path (no rendering once a variant has been asked for);
-    :meth:`render` builds a page now, for tests and tools.
+    :meth:`page` is the scrape path (no rendering once a format has been asked for);
+    :meth:`render` builds a page now, for tests and tools. The page served ends with its
+    age (AGE_NAME), written at each request.
     """
 
     def __init__(self, sampler: Sampler, store: IngestStore | None = None,
@@ -71,18 +118,22 @@ class Exposition:
             self.node.register(collector)
         self.training = TrainingCollector(store, snap, shares=shares) \
             if store is not None else None
-        # per content type, as prometheus_client's choose_encoder names it
-        self._encoders: dict[str, Callable[[CollectorRegistry], bytes]] = {}
-        self._node_cache: dict[str, tuple[int, bytes]] = {}
-        self._pages: dict[str, _Page] = {}
+        # by format (OpenMetrics or not): at most two of each, whatever clients send
+        self._node_cache: dict[bool, tuple[int, bytes]] = {}
+        self._pages: dict[bool, _Page] = {}
         self._lock = threading.Lock()  # one build at a time
         self._built = threading.Condition()  # notified after every build
-        # the variants scrapers asked for (content type, gzip), and when they last did
-        self._wanted: dict[tuple[str, bool], float] = {}
+        # the variants scrapers asked for (OpenMetrics, gzip), and when they last did
+        self._wanted: dict[tuple[bool, bool], float] = {}
         self._dirty = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.builds = 0
+        self.failures = 0  # builds that raised
+        self._failure_logged = -math.inf
+        self._failure_why = ""
+        # clock time of the oldest change no successful rebuild has taken in yet
+        self._waiting_since: float | None = None
 
     def _training_status(self) -> dict[str, CollectorStatus]:
         return {} if self.training is None else {"training": self.training.status}
@@ -95,37 +146,43 @@ class Exposition:
         waits (at most FRESH_TIMEOUT_SECONDS) for a page that holds every push answered
         before this call: for scripts and tests that push and then read, never needed by
         Prometheus. It waits for the page thread; it never renders."""
-        ctype = self._content_type(accept)
+        om = wants_openmetrics(accept)
         now = self._clock()
-        last = self._wanted.get((ctype, gzip_ok))
-        self._wanted[(ctype, gzip_ok)] = now
+        last = self._wanted.get((om, gzip_ok))
+        self._wanted[(om, gzip_ok)] = now
         if fresh and self.store is not None:
-            self._wait_for(ctype, gzip_ok, self.store.version)
-        page = self._pages.get(ctype)
-        body = None
-        if page is not None and last is not None and now - last <= UNUSED_SECONDS:
-            body = page.gzipped if gzip_ok else page.plain
-        if body is None:  # the first request of this variant in a while: build it here
-            page = self._build(ctype, gzip_ok)
-            body = page.gzipped if gzip_ok else page.plain
-        return body, ctype
+            self._wait_for(om, gzip_ok, self.store.version)
+        page = self._pages.get(om)
+        if page is None or (gzip_ok and page.gzipped is None) or last is None or \
+                now - last > UNUSED_SECONDS:
+            # the first request of this variant in a while: build it here
+            try:
+                page = self._build(om, gzip_ok)
+            except Exception:
+                self._failed()
+                page = self._pages.get(om)
+                if page is None or (gzip_ok and page.gzipped is None):
+                    raise
+        return self._finish(page, om, gzip_ok, self._clock()), OPENMETRICS if om else TEXT
 
-    def _content_type(self, accept: str | None) -> str:
-        """The content type prometheus_client chooses for this Accept header (its encoder
-        kept for the builds)."""
-        encoder, ctype = choose_encoder(accept or "")
-        self._encoders.setdefault(ctype, encoder)
-        return ctype
+    def _finish(self, page: _Page, om: bool, gzip_ok: bool, now: float) -> bytes:
+        """The page as sent: its body, then its age (and OpenMetrics' end), gzipped as a
+        second gzip member where the body is (a gzip stream may hold several)."""
+        age = floatToGoString(round(max(0.0, now - page.built_at), 3))
+        tail = b"".join((_AGE_HEADER, f"{AGE_NAME} {age}\n".encode(), _EOF if om else b""))
+        if gzip_ok:
+            return page.gzipped + gzip.compress(tail, compresslevel=1)  # type: ignore[operator]
+        return page.plain + tail
 
-    def _wait_for(self, ctype: str, gzip_ok: bool, version: int) -> None:
+    def _wait_for(self, om: bool, gzip_ok: bool, version: int) -> None:
         if self._thread is None:  # no page thread: build here (tests, tools)
-            self._build(ctype, gzip_ok)
+            self._build(om, gzip_ok)
             return
         deadline = time.monotonic() + FRESH_TIMEOUT_SECONDS
         with self._built:
             self._dirty.set()
             while True:
-                page = self._pages.get(ctype)
+                page = self._pages.get(om)
                 if page is not None and page.key[1] >= version and (
                         page.gzipped is not None or not gzip_ok):
                     return
@@ -136,9 +193,47 @@ class Exposition:
 
     def render(self, accept: str | None = None, gzip_ok: bool = False) -> tuple[bytes, str]:
         """A page built now from the latest state: (body, content type)."""
-        ctype = self._content_type(accept)
-        page = self._build(ctype, gzip_ok)
-        return page.gzipped if gzip_ok else page.plain, ctype
+        om = wants_openmetrics(accept)
+        page = self._build(om, gzip_ok)
+        return self._finish(page, om, gzip_ok, page.built_at), OPENMETRICS if om else TEXT
+
+    # -- health ----------------------------------------------------------------------------
+
+    def stale_for(self) -> float:
+        """Seconds a change (a snapshot, a push) has waited for a page that shows it: 0 while
+        the builder keeps up."""
+        since = self._waiting_since
+        return 0.0 if since is None else max(0.0, self._clock() - since)
+
+    def problem(self) -> str | None:
+        """Why /healthz fails, or None: the sampler stopped completing cycles, or the page
+        has not been rebuilt for STALE_INTERVALS intervals (its builder fails or hangs)."""
+        if not self.sampler.healthy():
+            return "the sampler has not completed a cycle in 3 intervals"
+        limit = max(STALE_MIN_SECONDS, STALE_INTERVALS * self.sampler.interval)
+        stale = self.stale_for()
+        if stale > limit:
+            why = f" (last error: {self._failure_why})" if self._failure_why else ""
+            return (f"the /metrics page has not been rebuilt for {stale:.0f} s, over "
+                    f"{STALE_INTERVALS} sampler intervals: Prometheus sees a page that stops "
+                    f"changing{why}")
+        return None
+
+    def healthy(self) -> bool:
+        """True when /healthz should answer 200 (see :meth:`problem`)."""
+        return self.problem() is None
+
+    def _failed(self) -> None:
+        """A build raised: counted, and logged with its traceback at most once per
+        FAILURE_LOG_SECONDS (with the count of failures since)."""
+        self.failures += 1
+        exc = sys.exc_info()[1]
+        self._failure_why = f"{type(exc).__name__}: {exc}"[:300]
+        now = self._clock()
+        if now - self._failure_logged >= FAILURE_LOG_SECONDS:
+            self._failure_logged = now
+            log.error("building the /metrics page failed (%d failure(s) so far); the last "
+                      "page built is served and its age grows", self.failures, exc_info=True)
 
     # -- building --------------------------------------------------------------------------
 
@@ -146,36 +241,38 @@ class Exposition:
         return (self.sampler.snapshot.cycle,
                 self.store.states_version() if self.store is not None else 0)
 
-    def _build(self, ctype: str, gzip_ok: bool) -> _Page:
+    def _build(self, om: bool, gzip_ok: bool) -> _Page:
         with self._lock:
             key = self._key()
-            page = self._pages.get(ctype)
+            now = self._clock()
+            page = self._pages.get(om)
             if page is None or page.key != key:
-                page = _Page(key, self._plain(ctype, key[0]))
+                page = _Page(key, self._plain(om, key[0]), now)
+            else:
+                page.built_at = now  # still the latest
             if gzip_ok and page.gzipped is None:
                 page.gzipped = gzip.compress(page.plain, compresslevel=1)
-            self._pages[ctype] = page
+            self._pages[om] = page
             self.builds += 1
         with self._built:
             self._built.notify_all()
         return page
 
-    def _plain(self, ctype: str, cycle: int) -> bytes:
-        om = ctype.startswith(_OPENMETRICS)
-        cached = self._node_cache.get(ctype)
+    def _plain(self, om: bool, cycle: int) -> bytes:
+        cached = self._node_cache.get(om)
         if cached is None or cached[0] != cycle:
-            body = self._encoders[ctype](self.node)
+            body = generate_openmetrics(self.node) if om else generate_latest(self.node)
             cached = (cycle, body.removesuffix(_EOF) if om else body)
-            self._node_cache[ctype] = cached
+            self._node_cache[om] = cached
         parts = [cached[1]]
         if self.training is not None:
             parts.append(self.training.render(om))
-        if om:
-            parts.append(_EOF)
         return b"".join(parts)
 
     def changed(self) -> None:
         """Something the page shows changed (a snapshot, a push): rebuild soon."""
+        if self._waiting_since is None:
+            self._waiting_since = self._clock()
         self._dirty.set()
 
     def start(self) -> None:
@@ -195,9 +292,9 @@ class Exposition:
     def rebuild(self) -> None:
         """Build every variant a scraper asked for in the last UNUSED_SECONDS."""
         now = self._clock()
-        for (ctype, gz), seen in sorted(dict(self._wanted).items()):
+        for (om, gz), seen in sorted(dict(self._wanted).items()):
             if now - seen <= UNUSED_SECONDS:
-                self._build(ctype, gz)
+                self._build(om, gz)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -205,11 +302,17 @@ class Exposition:
             if self._stop.is_set():
                 return
             self._dirty.clear()
+            began = self._clock()
             started = time.perf_counter()
             try:
                 self.rebuild()
             except Exception:  # the loop must outlive a bug in one build
-                log.exception("building the /metrics page failed")
+                self._failed()
+            else:
+                since = self._waiting_since
+                if since is not None and since <= began:
+                    self._waiting_since = None
+                self._failure_why = ""
             took = time.perf_counter() - started
             # Coalesce: a storm of pushes waits here and is built once.
             self._stop.wait(max(MIN_GAP_SECONDS, took * (1 - BUILD_SHARE) / BUILD_SHARE))

@@ -32,6 +32,7 @@ from exporter.protocol import (
     SCHEMA_VERSION,
     Refused,
     amount,
+    check_unicode,
     count,
     json_kind,
 )
@@ -141,6 +142,7 @@ def parse_push(raw: bytes, now: float, now_unix: float) -> tuple[RankState, bool
         raise Refused(400, f"invalid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise Refused(400, f"the body must be a JSON object, got {json_kind(body)}")
+    check_unicode(body, raw)
     version = body.get("version")
     if version != SCHEMA_VERSION or isinstance(version, bool):
         raise Refused(400, f"field 'version' must be {SCHEMA_VERSION}, got {version!r}")
@@ -311,7 +313,11 @@ class IngestStore:
             return True
         if not header or not header.startswith("Bearer "):
             return False
-        return hmac.compare_digest(header[7:].strip().encode(), self._token.encode())
+        try:  # aiohttp reads a byte that is not UTF-8 as a lone surrogate
+            given = header[7:].strip().encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return hmac.compare_digest(given, self._token.encode())
 
     def count(self, code: int) -> None:
         """Count one push by its HTTP status; /metrics shows it at once."""

@@ -36,6 +36,7 @@ from exporter.protocol import (
     STEP_PARTS,
     Refused,
     amount,
+    check_unicode,
     count,
 )
 
@@ -400,6 +401,7 @@ class ProfileBoard:
             body = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError):
             raise Refused(400, "the body must be Alertmanager's webhook JSON") from None
+        check_unicode(body, raw)
         alerts = body.get("alerts") if isinstance(body, dict) else None
         if not isinstance(alerts, list):
             raise Refused(400, "the body must be Alertmanager's webhook JSON: an object "

@@ -26,6 +26,7 @@ import resource
 import socket
 import ssl
 import threading
+import urllib.parse
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -40,6 +41,7 @@ from exporter.protocol import (
     PROFILE_PATH,
     PUSH_PATH,
     Refused,
+    check_unicode,
 )
 from exporter.serving.profiles import FINAL, Profile
 from exporter.serving.status import ASSETS, CONTENT_SECURITY_POLICY, STATUS_PATH
@@ -272,7 +274,8 @@ class _Connection(RequestHandler):
         super().__init__(server, loop=loop, keepalive_timeout=IDLE_SECONDS + 5,
                          access_log=None, max_line_size=MAX_REQUEST_LINE,
                          max_field_size=MAX_HEADER_BYTES, max_headers=MAX_HEADERS + 1,
-                         lingering_time=CLOSING_SECONDS)
+                         lingering_time=CLOSING_SECONDS,
+                         auto_decompress=False)  # a coded body is refused (415), never inflated
         self.port = port
         self.tls = tls
         self.address = ""
@@ -587,8 +590,26 @@ def _json(code: int, doc: Any, close: bool = False) -> web.Response:
                      {"Cache-Control": "no-store"}, close)
 
 
+def _quoted(value: str, limit: int = 40) -> str:
+    """A header's value as an answer may quote it: cut, every non-ASCII character escaped
+    (aiohttp reads a byte that is not UTF-8 as a lone surrogate)."""
+    return ascii(value[:limit])
+
+
 def _address(request: web.BaseRequest) -> str:
     return request.protocol.address  # type: ignore[union-attr]
+
+
+def _target(request: web.BaseRequest) -> tuple[str, str]:
+    """The request target's path and query; an absolute-form target
+    (``GET http://host/metrics``, RFC 9112 3.2.2, which proxies send) as its origin form."""
+    raw = request.raw_path
+    if not raw.startswith("/"):
+        parts = urllib.parse.urlsplit(raw)
+        if parts.scheme.lower() in ("http", "https") and parts.netloc:
+            raw = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    path, _, query = raw.partition("?")
+    return path, query
 
 
 def _has_body(request: web.BaseRequest) -> bool:
@@ -614,9 +635,17 @@ class _Site:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     def health(self) -> web.Response:
-        if self.healthy():
+        why = self.problem()
+        if why is None:
             return _response(200, b"ok\n")
-        return _response(503, b"the sampler has not completed a cycle in 3 intervals\n")
+        return _response(503, (why + "\n").encode())
+
+    def problem(self) -> str | None:
+        """Why /healthz fails, or None."""
+        if self.healthy():
+            return None
+        return ("the sampler has not completed a cycle in 3 intervals, or the /metrics page "
+                "has stopped being rebuilt (the web port's /healthz says which)")
 
 
 class MetricsHandler(_Site):
@@ -626,14 +655,17 @@ class MetricsHandler(_Site):
     name = "web"
 
     def __init__(self, page: Exposition, port: _Port, pool: concurrent.futures.Executor) -> None:
-        super().__init__(page.sampler.healthy, port, pool)
+        super().__init__(page.healthy, port, pool)
         self.page = page
+
+    def problem(self) -> str | None:
+        return self.page.problem()
 
     async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
         if request.method not in ("GET", "HEAD"):
             return _response(405, b"only GET and HEAD here\n", close=_has_body(request))
         close = _has_body(request)  # an unread body must never be parsed as a request
-        path, _, query = request.raw_path.partition("?")
+        path, query = _target(request)
         app = self.page
         if path == "/metrics":
             gzip_ok = accepts_gzip(request.headers.get("Accept-Encoding"))
@@ -692,7 +724,7 @@ class IngestHandler(_Site):
 
     async def _post(self, request: web.BaseRequest) -> web.StreamResponse:
         store = self.store
-        path = request.raw_path.partition("?")[0]
+        path = _target(request)[0]
         if path == PUSH_PATH:
             try:
                 raw = await self._body(request)
@@ -742,10 +774,20 @@ class IngestHandler(_Site):
         length = int(lengths[0])
         if length > MAX_BODY_BYTES:
             raise Refused(413, f"the body is {length} bytes; the limit is {MAX_BODY_BYTES}")
+        coding = ",".join(request.headers.getall("Content-Encoding", [])).strip().lower()
+        if coding not in ("", "identity"):
+            raise Refused(415, f"Content-Encoding {_quoted(coding)} is not accepted: send the "
+                               "JSON uncompressed (a push is a few kilobytes)")
+        expect = request.headers.get("Expect")
+        if expect is not None and expect.strip().lower() != "100-continue":
+            raise Refused(417, f"Expect {_quoted(expect)} is not supported (only "
+                               "100-continue)")
         conn: _Connection = request.protocol  # type: ignore[assignment]
         if not self.port.reserve_body(conn.address, length):
             raise Refused(503, f"the daemon is reading {self.port.body_bytes} bytes of other "
                                "requests' bodies, its limit; try again")
+        if expect is not None and length:  # every check passed: the client may send it
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         try:  # past the request's deadline, the port's sweep ends the read (TimeoutError)
             return await request.content.readexactly(length)
         except asyncio.TimeoutError:
@@ -773,7 +815,7 @@ class IngestHandler(_Site):
 
     async def _get(self, request: web.BaseRequest) -> web.StreamResponse:
         close = _has_body(request)
-        path, _, query = request.raw_path.partition("?")
+        path, query = _target(request)
         if path == "/healthz":
             resp = self.health()
         elif path == PROFILE_PATH or path.startswith(PROFILE_PATH + "/"):
@@ -841,6 +883,7 @@ def _ask_profile(board: Any, raw: bytes) -> dict[str, Any]:
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise Refused(400, 'the body must be JSON: {"run": ..., "rank": ..., '
                            '"steps": ...}') from None
+    check_unicode(ask, raw)
     if not isinstance(ask, dict) or not isinstance(ask.get("run"), str):
         raise Refused(400, "field 'run' (a string) is required")
     rank = ask.get("rank")

@@ -9,6 +9,7 @@ lines from it directly, each rank's lines once per push and reused until its nex
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +26,8 @@ from prometheus_client.utils import floatToGoString
 
 from exporter.reading.sampler import CollectorStatus, Snapshot
 from exporter.serving.ingest import IngestStore, RankState
+
+log = logging.getLogger(__name__)
 
 LABELS = ["run", "rank"]
 
@@ -276,6 +279,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("gputrain_ingest_requests_total", "counter",
            "Push requests received, by HTTP status code.", ("code",)),
     Family("gputrain_ingest_series", "gauge", "Live (run, rank) pairs the daemon holds.", ()),
+    Family("gputrain_ingest_ranks_left_out", "gauge",
+           "Live (run, rank) pairs left out of the page because their lines could not be "
+           "built (the daemon's log names each once); the other ranks are shown.", ()),
 )
 INDEX = {f.name: i for i, f in enumerate(FAMILIES)}
 
@@ -292,6 +298,8 @@ class TrainingCollector:
         self._status = CollectorStatus(True, 0.0, time.time())
         # a rank's own lines by family index, until its next push
         self._lines: dict[tuple[str, str], tuple[RankState, tuple[tuple[int, str], ...]]] = {}
+        self._left_out: set[tuple[str, str]] = set()  # ranks logged as left out
+        self.left_out = 0  # ranks left out of the last render: their lines cannot be built
 
     def describe(self) -> list[Metric]:
         return [f.empty() for f in FAMILIES]
@@ -318,31 +326,22 @@ class TrainingCollector:
         profiles = self._store.profiles.latest_done()
         chunks: list[list[str]] = [[] for _ in FAMILIES]
         cache: dict[tuple[str, str], tuple[RankState, tuple[tuple[int, str], ...]]] = {}
+        left_out = 0
         for st in states:
             key = (st.run, st.rank)
-            hit = self._lines.get(key)
-            lines = hit[1] if hit is not None and hit[0] is st else _rank_lines(st)
-            cache[key] = (st, lines)
+            try:
+                lines = self._rank_parts(st, gpus, held, busy, profiles, cache)
+            except Exception as exc:  # one rank's bad state must never stop the page
+                left_out += 1
+                if key not in self._left_out:
+                    log.error("run %r rank %r is left out of /metrics: its lines cannot be "
+                              "built (%s: %s)", st.run, st.rank, type(exc).__name__, exc)
+                self._left_out.add(key)
+                continue
             for i, chunk in lines:
                 chunks[i].append(chunk)
-            lbl = _labels(st)
-            chunks[INDEX["gputrain_training_gpu_info"]].extend(
-                f'gputrain_training_gpu_info{{gpu="{_escape(index)}",precision="{st.precision}",'
-                f'{lbl},uuid="{_escape(uuid)}"}} 1.0\n' for index, uuid in resolve_gpus(st, gpus))
-            chunks[INDEX["gputrain_training_gpu_memory_bytes"]].extend(
-                f'gputrain_training_gpu_memory_bytes{{gpu="{_escape(index)}",{lbl},'
-                f'uuid="{_escape(uuid)}"}} {floatToGoString(used)}\n'
-                for (index, uuid), used in sorted(held.get(key, {}).items()))
-            for (index, uuid), seconds in sorted(busy.get(key, {}).items()):
-                for name, v in zip(("gputrain_training_gpu_busy_seconds_total",
-                                    "gputrain_training_gpu_memory_busy_seconds_total"), seconds,
-                                   strict=True):
-                    chunks[INDEX[name]].append(f'{name}{{gpu="{_escape(index)}",{lbl},'
-                                               f'uuid="{_escape(uuid)}"}} {floatToGoString(v)}\n')
-            if (done := profiles.get(key)) is not None:
-                chunks[INDEX["gputrain_training_profile_info"]].append(
-                    f'gputrain_training_profile_info{{{lbl},trace="{_escape(done.trace)}"}} '
-                    f"{floatToGoString(done.finished)}\n")
+        self._left_out &= {(st.run, st.rank) for st in states}  # gone: logged if back
+        self.left_out = left_out
         self._lines = cache  # forgets ranks that are gone
         for name, field in (("gputrain_gpu_unattributed_memory_bytes", 1),
                             ("gputrain_gpu_unattributed_processes", 0)):
@@ -360,8 +359,11 @@ class TrainingCollector:
             for code, n in sorted(self._store.requests().items()))
         chunks[INDEX["gputrain_ingest_series"]].append(
             f"gputrain_ingest_series {floatToGoString(len(states))}\n")
+        chunks[INDEX["gputrain_ingest_ranks_left_out"]].append(
+            f"gputrain_ingest_ranks_left_out {floatToGoString(left_out)}\n")
         out: list[str] = []
-        always = ("gputrain_ingest_requests_total", "gputrain_ingest_series")
+        always = ("gputrain_ingest_requests_total", "gputrain_ingest_series",
+                  "gputrain_ingest_ranks_left_out")
         for family, header, lines in zip(FAMILIES, self._headers[openmetrics], chunks,
                                          strict=True):
             if lines or family.name in always:
@@ -369,6 +371,40 @@ class TrainingCollector:
                 out.extend(lines)
         self._status = CollectorStatus(True, time.perf_counter() - started, time.time())
         return "".join(out).encode()
+
+    def _rank_parts(self, st: RankState, gpus: GpuIndex, held: dict, busy: dict,
+                    profiles: dict, cache: dict) -> list[tuple[int, str]]:
+        """One rank's lines by family index; raises when they cannot be written (a string
+        UTF-8 cannot encode)."""
+        key = (st.run, st.rank)
+        hit = self._lines.get(key)
+        own = hit[1] if hit is not None and hit[0] is st else _rank_lines(st)
+        parts = list(own)
+        lbl = _labels(st)
+        parts.extend(
+            (INDEX["gputrain_training_gpu_info"],
+             f'gputrain_training_gpu_info{{gpu="{_escape(index)}",precision="{st.precision}",'
+             f'{lbl},uuid="{_escape(uuid)}"}} 1.0\n') for index, uuid in resolve_gpus(st, gpus))
+        parts.extend(
+            (INDEX["gputrain_training_gpu_memory_bytes"],
+             f'gputrain_training_gpu_memory_bytes{{gpu="{_escape(index)}",{lbl},'
+             f'uuid="{_escape(uuid)}"}} {floatToGoString(used)}\n')
+            for (index, uuid), used in sorted(held.get(key, {}).items()))
+        for (index, uuid), seconds in sorted(busy.get(key, {}).items()):
+            for name, v in zip(("gputrain_training_gpu_busy_seconds_total",
+                                "gputrain_training_gpu_memory_busy_seconds_total"), seconds,
+                               strict=True):
+                parts.append((INDEX[name], f'{name}{{gpu="{_escape(index)}",{lbl},'
+                                           f'uuid="{_escape(uuid)}"}} {floatToGoString(v)}\n'))
+        if (done := profiles.get(key)) is not None:
+            parts.append((INDEX["gputrain_training_profile_info"],
+                          f'gputrain_training_profile_info{{{lbl},trace="{_escape(done.trace)}"}} '
+                          f"{floatToGoString(done.finished)}\n"))
+        for _, line in parts:
+            if not line.isascii():  # O(1): the page is encoded whole, so check here
+                line.encode("utf-8")
+        cache[key] = (st, own)
+        return parts
 
     @functools.cached_property
     def _headers(self) -> dict[bool, tuple[str, ...]]:

@@ -1,0 +1,259 @@
+"""Nothing a client sends may freeze what Prometheus sees (issue 35): strings UTF-8 cannot
+encode are refused, the page builder leaves out a rank it cannot write, Accept headers map to
+the two formats that exist, a page that stops being rebuilt turns /healthz red and shows its
+age, and requests that are not errors get no 500. Real daemons over raw sockets on loopback."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+
+import pytest
+import requests
+from conftest import Daemon, sample_value, wait_until
+from test_abuse import GOOD, closes, post, raw_exchange, status_of
+
+from exporter.reading.gpu_backends import DemoBackend
+from exporter.reading.sampler import Sampler
+from exporter.serving.exposition import Exposition
+from exporter.serving.ingest import IngestStore
+from exporter.serving.server import MetricsHandler, make_server, serve_in_thread
+
+TEXT = "text/plain; version=0.0.4; charset=utf-8"
+OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0;q=0.5,"
+                     "application/openmetrics-text;version=0.0.1;q=0.4,"
+                     "text/plain;version=0.0.4;q=0.3,*/*;q=0.2")
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    d = Daemon("--gpu.backend=demo", "--demo.gpus=1", "--sampler.interval=1s",
+               "--log.level=debug").start()
+    yield d
+    d.stop()
+
+
+def push(d: Daemon, **over) -> requests.Response:
+    return requests.post(d.ingest_url + "/api/v1/push", data=json.dumps({**GOOD, **over}),
+                         headers={"Content-Type": "application/json"}, timeout=10)
+
+
+def steps_on_page(d: Daemon, run: str) -> float | None:
+    return sample_value(d.metrics(), "gputrain_training_steps_total", {"run": run, "rank": "0"})
+
+
+def finish_profile(d: Daemon, run: str, trace: str) -> requests.Response:
+    """Ask for a profile of (run, 0) and push it done with ``trace`` as its path (the
+    rank's answer); returns the answer to that push."""
+    assert push(d, run=run, capabilities=["profile"]).status_code == 200
+    asked = requests.post(d.ingest_url + "/api/v1/profile",
+                          json={"run": run, "rank": "0", "steps": 1}, timeout=10).json()
+    step = {"seconds": 1.0, "data_loading": 0.5, "forward": 0.2, "backward": 0.2,
+            "optimizer": 0.1, "other": 0.0, "idle": 0.0}
+    return push(d, run=run, steps=2, capabilities=["profile"],
+                profile={"id": asked["id"], "state": "done", "finished": 1.7e9, "trace": trace,
+                         "trace_bytes": 10, "steps": [step], "top_ops": []})
+
+
+# -- 1. one push must not freeze the page for the whole node ------------------------------------
+
+def test_a_trace_path_utf8_cannot_encode_is_refused_and_the_page_goes_on(daemon):
+    """The push that froze the page: a profile's trace path holding a lone surrogate (a
+    non-UTF-8 byte in the trace directory, read by Python). It is a 400 naming the field;
+    later pushes of every rank still reach /metrics, and /healthz stays green."""
+    answer = finish_profile(daemon, "surrogate", "/tmp/tr\udcffaces/x.pt.trace.json.gz")
+    assert answer.status_code == 400 and "'profile.trace'" in answer.text, answer.text
+    assert "Unicode" in answer.text
+    for steps in (5, 6):
+        assert push(daemon, run="after", steps=steps).status_code == 200
+        assert steps_on_page(daemon, "after") == steps, "the page must follow every push"
+    assert requests.get(daemon.url + "/healthz", timeout=5).status_code == 200
+
+
+def test_a_trace_path_of_valid_unicode_is_taken_and_shown(daemon):
+    """The near miss: a path with non-ASCII letters (valid UTF-8) is an honest path."""
+    answer = finish_profile(daemon, "unicode", "/tmp/trâces/été.pt.trace.json.gz")
+    assert answer.status_code == 200, answer.text
+    page = requests.get(daemon.url + "/metrics?fresh=1", timeout=10).content.decode("utf-8")
+    assert 'trace="/tmp/trâces/été.pt.trace.json.gz"' in page
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/api/v1/push", {**GOOD, "phases": {"fwd\ud800": 1.0}}, "phases.fwd\\ud800"),
+    ("/api/v1/push", {**GOOD, "capabilities": ["profile", "\udfff"]}, "capabilities[1]"),
+    ("/api/v1/push", {**GOOD, "\ud83d": 1}, "\\ud83d"),
+    ("/api/v1/profile", {"run": "ok", "rank": "0\udc80", "steps": 1}, "rank"),
+    ("/api/v1/alerts", {"alerts": [{"status": "firing", "labels": {
+        "alertname": "GPUTrainingInputBound", "run": "a\udcff", "rank": "0"}}]},
+     "alerts[0].labels.run"),
+])
+def test_every_string_must_be_unicode_text_on_every_endpoint(daemon, path, body, field):
+    raw = json.dumps(body).encode()  # json escapes the surrogate: valid JSON, bad text
+    answer = raw_exchange(daemon.ingest_port, b"POST " + path.encode() + b" HTTP/1.1\r\n"
+                          b"Host: x\r\nContent-Type: application/json\r\nContent-Length: "
+                          + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+    assert status_of(answer) == 400, answer
+    assert f"'{field}'".encode() in answer and b"Unicode" in answer, answer
+    assert requests.get(daemon.url + "/healthz", timeout=5).status_code == 200
+    assert "Traceback" not in daemon.log_text()
+
+
+# -- 2 and 7. Accept headers map to the formats that exist; no header is an error ---------------
+
+def test_distinct_accept_headers_get_the_two_formats_and_never_a_page_each(daemon):
+    """300 distinct Accept headers (a version per request, odd versions, a latin-1 byte): each
+    gets text 0.0.4 or OpenMetrics 1.0.0, never its own content type; Prometheus' own header
+    still gets OpenMetrics and a page that follows pushes."""
+    headers = [f"application/openmetrics-text; version=1.0.{i}".encode() for i in range(1, 101)] + \
+        [f"text/plain; version={i}.0.0; escaping=values".encode() for i in range(100)] + \
+        [b"application/openmetrics-text; version=" + bytes([0xe9, 0x80 + i]) for i in range(50)] + \
+        [f"application/openmetrics-text; version=x{i}; q=1".encode() for i in range(50)]
+    for accept in headers:
+        answer = raw_exchange(daemon.port, b"GET /metrics HTTP/1.1\r\nHost: x\r\nAccept: "
+                              + accept + b"\r\nConnection: close\r\n\r\n")
+        assert status_of(answer) == 200, (accept, answer[:300])
+        assert f"Content-Type: {TEXT}\r\n".encode() in answer, (accept, answer[:300])
+    r = requests.get(daemon.url + "/metrics", headers={"Accept": PROMETHEUS_ACCEPT}, timeout=10)
+    assert r.headers["Content-Type"] == OPENMETRICS and r.text.endswith("# EOF\n")
+    assert push(daemon, run="accept", steps=9).status_code == 200
+    wait_until(lambda: sample_value(requests.get(
+        daemon.url + "/metrics", headers={"Accept": PROMETHEUS_ACCEPT}, timeout=10).text,
+        "gputrain_training_steps_total", {"run": "accept", "rank": "0"}) == 9,
+        timeout=20, what="the push on Prometheus' page")
+    assert "Traceback" not in daemon.log_text()
+
+
+def test_the_exposition_keeps_one_page_per_format_whatever_the_accept_headers(clock):
+    sampler = Sampler(DemoBackend(1, 0.5, clock=clock), None, collectors={"gpu"}, clock=clock)
+    sampler.run_once()
+    app = Exposition(sampler, IngestStore(clock=clock), clock=clock)
+    types = {app.page(f"application/openmetrics-text; version=1.0.{i}", i % 2 == 0)[1]
+             for i in range(1, 501)}
+    types |= {app.page(f"text/plain; version={i}.0.0")[1] for i in range(500)}
+    assert types == {TEXT}
+    assert app.page("application/openmetrics-text")[1] == OPENMETRICS
+    assert len(app._pages) <= 2 and len(app._wanted) <= 4, "a page per format, never more"
+
+
+def test_a_non_ascii_authorization_header_is_a_401_not_a_500(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret-token-of-16+")
+    d = Daemon("--gpu.backend=demo", "--demo.gpus=1", f"--ingest.token-file={token}",
+               "--log.level=debug").start()
+    try:
+        body = json.dumps(GOOD).encode()
+        for auth in (b"Bearer \xff\xfe", b"Bearer s3cret-token-of-16+\xe9", b"Bearer \xc3\xa9"):
+            answer = raw_exchange(d.ingest_port, post(body, Content_Length=str(len(body)))
+                                  .replace(b"\r\n\r\n", b"\r\nAuthorization: " + auth
+                                           + b"\r\n\r\n", 1))
+            assert status_of(answer) == 401 and b"bearer token" in answer, answer
+        ok = requests.post(d.ingest_url + "/api/v1/push", json=GOOD, timeout=10,
+                           headers={"Authorization": "Bearer s3cret-token-of-16+"})
+        assert ok.status_code == 200, ok.text  # the near miss: the right token
+    finally:
+        d.stop()
+    assert "Traceback" not in d.log_text()
+
+
+# -- 10. Content-Encoding, Expect: 100-continue, absolute-form targets ---------------------------
+
+@pytest.mark.parametrize("coding", ["gzip", "br", "x-unknown", "gzip, identity"])
+def test_a_coded_body_is_refused_with_415_that_says_why(daemon, coding):
+    body = json.dumps(GOOD).encode()
+    answer = raw_exchange(daemon.ingest_port, post(body, Content_Length=str(len(body)),
+                                                   Content_Encoding=coding))
+    assert status_of(answer) == 415 and closes(answer), answer
+    assert b"Content-Encoding" in answer and b"uncompressed" in answer
+
+
+def test_an_identity_coded_body_is_taken(daemon):
+    body = json.dumps({**GOOD, "run": "identity"}).encode()
+    answer = raw_exchange(daemon.ingest_port, post(body, Content_Length=str(len(body)),
+                                                   Content_Encoding="identity"))
+    assert status_of(answer) == 200, answer
+
+
+def test_expect_100_continue_is_answered_before_the_body(daemon):
+    body = json.dumps({**GOOD, "run": "expect"}).encode()
+    with socket.create_connection(("127.0.0.1", daemon.ingest_port), timeout=10) as s:
+        s.sendall(post(b"", Content_Length=str(len(body)), Expect="100-continue"))
+        interim = s.recv(4096)
+        assert interim.startswith(b"HTTP/1.1 100 Continue\r\n\r\n"), interim
+        s.sendall(body)
+        answer = interim[len(b"HTTP/1.1 100 Continue\r\n\r\n"):] or s.recv(4096)
+    assert status_of(answer) == 200, answer
+    # the near miss: a body that is refused before it is sent gets no 100, its refusal
+    big = post(b"", Content_Length=str(2 * 1024 * 1024), Expect="100-continue")
+    assert status_of(raw_exchange(daemon.ingest_port, big)) == 413
+
+
+def test_absolute_form_targets_are_served_as_their_path(daemon):
+    answer = raw_exchange(daemon.port, b"GET http://node:19400/metrics HTTP/1.1\r\nHost: node"
+                          b"\r\nConnection: close\r\n\r\n")
+    assert status_of(answer) == 200 and b"gputrain_build_info" in answer, answer[:300]
+    body = json.dumps({**GOOD, "run": "absolute"}).encode()
+    answer = raw_exchange(daemon.ingest_port, post(body, Content_Length=str(len(body)))
+                          .replace(b"POST /api/v1/push", b"POST http://x/api/v1/push", 1))
+    assert status_of(answer) == 200, answer
+    answer = raw_exchange(daemon.port, b"GET http://node/nothing HTTP/1.1\r\nHost: node"
+                          b"\r\nConnection: close\r\n\r\n")
+    assert status_of(answer) == 404  # the near miss: an absolute target is still routed
+
+
+# -- 3. a page that stops being rebuilt is a signal ---------------------------------------------
+
+def test_a_page_builder_that_raises_turns_healthz_red_and_the_page_shows_its_age(caplog):
+    """Any build that raises (a bug, a rank state nobody foresaw): /metrics keeps serving the
+    last page, its age grows, /healthz answers 503 saying why within seconds, and the failure
+    is logged once, not at every build."""
+    sampler = Sampler(DemoBackend(1, 0.5), None, interval=0.2, collectors={"gpu"})
+    store = IngestStore()
+    app = Exposition(sampler, store)
+    sampler.start()
+    app.start()
+    server = make_server("127.0.0.1", 0, MetricsHandler, app)
+    serve_in_thread(server, "test-http")
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        wait_until(lambda: requests.get(url + "/healthz", timeout=5).ok, what="a green start")
+        first = requests.get(url + "/metrics", timeout=5).text
+        # the near miss: a page that keeps being rebuilt stays green over many intervals
+        wait_until(lambda: sampler.snapshot.cycle > 20, what="20 sampler cycles")
+        assert requests.get(url + "/healthz", timeout=5).status_code == 200
+        age = sample_value(requests.get(url + "/metrics", timeout=5).text,
+                           "gputrain_exporter_page_age_seconds")
+        assert age is not None and age < 3.0
+        assert sample_value(first, "gputrain_exporter_page_age_seconds") is not None
+
+        def broken(openmetrics: bool = False) -> bytes:
+            raise RuntimeError("a bug in one build")
+
+        caplog.set_level(logging.ERROR, logger="exporter.serving.exposition")
+        app.training.render = broken
+        red = wait_until(lambda: (r := requests.get(url + "/healthz", timeout=5))
+                         .status_code == 503 and (r,), timeout=20,
+                         what="/healthz to turn red")[0]
+        assert "not been rebuilt" in red.text and "a bug in one build" in red.text
+        page = requests.get(url + "/metrics", timeout=5)
+        assert page.status_code == 200
+        assert sample_value(page.text, "gputrain_exporter_page_age_seconds") >= 0.6
+        failures = [r for r in caplog.records if "building the /metrics page failed" in
+                    r.getMessage()]
+        assert len(failures) == 1 and app.failures > 3, (len(failures), app.failures)
+    finally:
+        server.shutdown()
+        server.server_close()
+        app.stop()
+        sampler.stop()
+
+
+def test_the_daemons_page_shows_its_age(daemon):
+    page = requests.get(daemon.url + "/metrics", timeout=10)
+    age = sample_value(page.text, "gputrain_exporter_page_age_seconds")
+    assert age is not None and 0 <= age < 10
+    om = requests.get(daemon.url + "/metrics", headers={"Accept": PROMETHEUS_ACCEPT,
+                                                        "Accept-Encoding": "gzip"}, timeout=10)
+    assert om.text.endswith("# EOF\n") and om.text.count("# EOF") == 1
+    assert "gputrain_exporter_page_age_seconds " in om.text
