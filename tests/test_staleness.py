@@ -257,3 +257,17 @@ def test_the_daemons_page_shows_its_age(daemon):
                                                         "Accept-Encoding": "gzip"}, timeout=10)
     assert om.text.endswith("# EOF\n") and om.text.count("# EOF") == 1
     assert "gputrain_exporter_page_age_seconds " in om.text
+
+
+# -- 8. SIGHUP --------------------------------------------------------------------------------
+
+def test_sighup_is_ignored_with_a_warning_and_sigterm_still_stops(daemon_factory):
+    import signal
+
+    d = daemon_factory("--gpu.backend=demo", "--demo.gpus=1")
+    d.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: "SIGHUP ignored" in d.log_text(), timeout=10, what="the warning")
+    assert d.proc.poll() is None
+    assert requests.get(d.url + "/healthz", timeout=5).status_code == 200
+    d.proc.send_signal(signal.SIGTERM)  # the near miss: a stop is still a stop
+    assert d.proc.wait(timeout=20) == 0

@@ -154,6 +154,15 @@ def _observe(history: Any, sampler: Any, store: Any, status: Any) -> None:
     status.changed()
 
 
+def _hangup(signum: int, frame: Any) -> None:
+    """SIGHUP (a closed terminal, a reload by habit) is ignored, and said so: the flags and
+    the config file are read at start only, and a restart loses what the daemon holds
+    (docs/flags.md, "Signals and restarts")."""
+    log.warning("SIGHUP ignored: the flags and the config file are read at start only; "
+                "restart the daemon to apply a change (docs/flags.md, \"Signals and "
+                "restarts\", says what a restart loses)")
+
+
 def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     """Run the daemon until SIGTERM/SIGINT (or ``stop`` is set); returns the exit code."""
     from exporter.heuristics.catalogue import PROFILED_ALERTS
@@ -214,6 +223,7 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
+        signal.signal(signal.SIGHUP, _hangup)
     sampler = Sampler(backend, host, settings["sampler.interval"], settings.collectors)
     peaks = PeakTable(settings["gpu.peak-flops"])
     shares = GpuShares()  # each rank's busy seconds per GPU: for /metrics and the history

@@ -73,6 +73,8 @@ SWEEP_SECONDS = 0.5  # how often a port looks for connections past their deadlin
 READ_CHUNK = 16 * 1024  # bytes one read takes from a connection (asyncio's default: 256 KiB)
 BLOCKING_THREADS = 4  # per port, for calls that may wait (?fresh=1, a status build)
 GIL_SWITCH_SECONDS = 0.001  # the daemon's sys.setswitchinterval (bench/RESULTS.md says why)
+ERROR_LOG_SECONDS = 60.0  # a client's failing requests are logged once in this long
+MAX_LOGGED_ADDRESSES = 4096
 GC_YOUNG_THRESHOLD = 7000  # the daemon's first garbage-collection threshold (Python's: 700)
 _DIGITS = re.compile(r"[0-9]{1,12}")
 _CODING = re.compile(r"\s*([A-Za-z0-9*_-]+)\s*(?:;\s*q\s*=\s*([0-9.]+))?\s*")
@@ -147,6 +149,7 @@ class _Port:
         self.body_by_address: dict[str, int] = {}
         self.long_polls: dict[str, int] = {}
         self.refused = 0
+        self._logged: dict[str, float] = {}  # client address -> loop time of its last error
         self._wakers: set[asyncio.Future[None]] = set()
 
     # -- connections ---------------------------------------------------------------------------
@@ -168,6 +171,18 @@ class _Port:
         self.conns[conn] = None
         self.by_address.setdefault(conn.address, {})[conn] = None
         return None
+
+    def may_log(self, address: str, now: float) -> bool:
+        """Whether an error while serving ``address`` is logged: once per ERROR_LOG_SECONDS
+        per client address (a client repeating a request that fails cannot flood the
+        log)."""
+        last = self._logged.get(address)
+        if last is not None and now - last < ERROR_LOG_SECONDS:
+            return False
+        if len(self._logged) >= MAX_LOGGED_ADDRESSES:
+            self._logged.clear()
+        self._logged[address] = now
+        return True
 
     def _refuse(self, why: str) -> str:
         self.refused += 1
@@ -492,7 +507,9 @@ class _Connection(RequestHandler):
             log.debug("bad request from %s: %s", self.address, message or exc)
             text = f"bad request: {getattr(exc, 'message', None) or message or status}"
         else:
-            log.error("error while serving %s", self.address, exc_info=exc)
+            if self.port.may_log(self.address, self._loop.time()):
+                log.error("error while serving %s (logged once a minute per client)",
+                          self.address, exc_info=exc)
             text = "the daemon failed to answer; its log says why"
         resp = web.Response(status=status, text=text + "\n", content_type="text/plain",
                             headers={"Connection": "close", "Server": SERVER})  # HTTP/1.0
