@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import time
 
 import pytest
 import requests
@@ -271,3 +272,70 @@ def test_sighup_is_ignored_with_a_warning_and_sigterm_still_stops(daemon_factory
     assert requests.get(d.url + "/healthz", timeout=5).status_code == 200
     d.proc.send_signal(signal.SIGTERM)  # the near miss: a stop is still a stop
     assert d.proc.wait(timeout=20) == 0
+
+
+# -- 9. client clocks and FLOPs ------------------------------------------------------------------
+
+def page_values(d: Daemon, run: str) -> dict[str, float | None]:
+    text = d.metrics()
+    labels = {"run": run, "rank": "0"}
+    return {name: sample_value(text, f"gputrain_training_{name}", labels)
+            for name in ("last_step_timestamp_seconds", "last_push_timestamp_seconds",
+                         "clock_skew_seconds", "steps_total", "flops_total")}
+
+
+def test_a_clock_a_day_ahead_cannot_hide_a_stall(daemon):
+    """The rank's clock is a day ahead: its last step's timestamp is moved onto the daemon's
+    clock (never after the push) and the skew exported; when it stops stepping, the timestamp
+    stays where its last step really ended, so the stall shows."""
+    day = 86400.0
+    ahead = time.time() + day
+    assert push(daemon, run="ahead", steps=1, last_step_timestamp=ahead).ok
+    v = page_values(daemon, "ahead")
+    assert v["last_step_timestamp_seconds"] <= v["last_push_timestamp_seconds"]
+    assert day - 60 < v["clock_skew_seconds"] <= day + 1
+    stalled_at = v["last_step_timestamp_seconds"]
+    wait_until(lambda: time.time() > v["last_push_timestamp_seconds"] + 1.5, what="a second")
+    # stalled: the same step count and the same (client) timestamp, pushed again
+    assert push(daemon, run="ahead", steps=1, last_step_timestamp=ahead).ok
+    w = page_values(daemon, "ahead")
+    assert w["last_step_timestamp_seconds"] <= stalled_at + 0.5, "the stall must show"
+    assert w["last_push_timestamp_seconds"] > stalled_at + 1.0
+
+
+def test_a_clock_a_day_behind_cannot_invent_a_stall(daemon):
+    day = 86400.0
+    assert push(daemon, run="behind", steps=1, last_step_timestamp=time.time() - day).ok
+    first = page_values(daemon, "behind")["last_push_timestamp_seconds"]
+    assert push(daemon, run="behind", steps=5, last_step_timestamp=time.time() - day).ok
+    v = page_values(daemon, "behind")
+    # steps grew since the first push: the last one ended after it, whatever the clock says
+    assert v["last_step_timestamp_seconds"] >= first - 0.001
+    assert -day - 60 < v["clock_skew_seconds"] < -day + 60
+
+
+def test_an_honest_clock_is_left_as_it_is(daemon):
+    """The near miss: a timestamp within 2 s of the daemon's clock is exported unchanged."""
+    ts = round(time.time() - 1.0, 3)
+    assert push(daemon, run="honest", steps=1, last_step_timestamp=ts).ok
+    assert push(daemon, run="honest", steps=2, last_step_timestamp=ts + 0.5).ok
+    v = page_values(daemon, "honest")
+    assert v["last_step_timestamp_seconds"] == pytest.approx(ts + 0.5, abs=1e-3)
+    assert v["clock_skew_seconds"] == 0
+
+
+@pytest.mark.parametrize("flops, elapsed", [(1e308, 10.0), (1e21, 10.0), (5e20, 1.0)])
+def test_flops_no_gpu_could_do_are_a_400_naming_the_field(daemon, flops, elapsed):
+    answer = push(daemon, run="flops-bad", steps=1, flops=flops, elapsed_seconds=elapsed,
+                  gpus=["0"])
+    assert answer.status_code == 400 and "'flops'" in answer.text, answer.text
+    assert page_values(daemon, "flops-bad")["steps_total"] is None  # nothing stored
+
+
+def test_flops_of_a_busy_gpu_are_taken(daemon):
+    """The near miss: an H100 at its bf16 peak for 100 s, then a 10 s step of the same."""
+    assert push(daemon, run="flops-ok", steps=1, flops=989e12 * 100, elapsed_seconds=100.0,
+                gpus=["0"]).ok
+    assert push(daemon, run="flops-ok", steps=2, flops=989e12 * 110, elapsed_seconds=110.0,
+                gpus=["0"]).ok
+    assert page_values(daemon, "flops-ok")["flops_total"] == pytest.approx(989e12 * 110)

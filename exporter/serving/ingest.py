@@ -18,10 +18,13 @@ from itertools import pairwise
 from typing import Any
 
 from exporter.protocol import (
+    CLOCK_TOLERANCE_SECONDS,
     DEFAULT_PRECISION,
+    FLOPS_SLACK_SECONDS,
     GPU_REF_RE,
     MAX_BUCKETS,
     MAX_COUNT,
+    MAX_GPU_FLOPS,
     MAX_GPUS,
     MAX_NAME_LENGTH,
     MAX_PHASE_NAME_LENGTH,
@@ -70,7 +73,10 @@ class RankState:
     bucket_bounds: tuple[float, ...] = ()
     bucket_counts: tuple[int, ...] = ()
     phases: dict[str, float] = field(default_factory=dict)
-    last_step_timestamp: float | None = None
+    last_step_timestamp: float | None = None  # on the daemon's clock (see _clock_skew)
+    # the client's clock minus the daemon's, as its timestamps show it (0 within
+    # CLOCK_TOLERANCE_SECONDS); its timestamps are moved by it
+    clock_skew: float = 0.0
     process: dict[str, float] = field(default_factory=dict)
     pid: int | None = None
     gpus: tuple[str, ...] = ()
@@ -272,6 +278,43 @@ def _check_monotonic(old: RankState, new: RankState) -> None:
             raise Refused(409, f"'process.{key}' went down within one run_id")
 
 
+def _check_flops(old: RankState | None, new: RankState) -> None:
+    """FLOPs that no GPU could have done are refused (a wrong FLOPs per sample would make
+    every MFU figure absurd): the growth since the last push of this run_id (or since the
+    process started, where the client says when) is bounded by the rank's wall seconds at
+    MAX_GPU_FLOPS per GPU. A first push without ``elapsed_seconds`` only sets the base."""
+    if new.flops is None or (old is None and new.elapsed_seconds is None):
+        return
+    before = old.flops if old is not None and old.flops is not None else 0.0
+    seconds = new.wall_seconds - (old.wall_seconds if old is not None else 0.0)
+    gpus = len(new.gpus) or MAX_GPUS
+    most = (max(0.0, seconds) + FLOPS_SLACK_SECONDS) * MAX_GPU_FLOPS * gpus
+    if new.flops - before > most:
+        raise Refused(400, f"field 'flops' grew by {new.flops - before:.3g} in {seconds:.0f} s "
+                           f"of wall time: more than {gpus} GPU(s) can do (at most "
+                           f"{MAX_GPU_FLOPS:.0e} FLOP/s each); check the FLOPs per sample "
+                           "the client states")
+
+
+def _clock_skew(old: RankState | None, new: RankState) -> None:
+    """Move ``last_step_timestamp`` onto the daemon's clock. A step cannot end after the
+    push that reports it, nor (when steps grew since the last push) before that push: past
+    CLOCK_TOLERANCE_SECONDS either way, the difference is the client's clock skew, kept
+    for the run_id and taken off its timestamps (so a clock a day ahead cannot hide a stall,
+    nor one behind invent one); a timestamp is never after the push."""
+    ts = new.last_step_timestamp
+    skew = old.clock_skew if old is not None else 0.0
+    if ts is not None:
+        now = new.received_unix
+        if ts - skew - now > CLOCK_TOLERANCE_SECONDS:
+            skew = ts - now
+        elif old is not None and new.steps > old.steps and \
+                old.received_unix - (ts - skew) > CLOCK_TOLERANCE_SECONDS:
+            skew = ts - old.received_unix
+        new.last_step_timestamp = min(ts - skew, now)
+    new.clock_skew = skew
+
+
 def _wall_seconds(old: RankState | None, new: RankState) -> float:
     """The rank's wall seconds at ``new``: its process's age on its first push; then the
     client's clock (the daemon's where the client sends none); and across a restart (a new
@@ -346,9 +389,12 @@ class IngestStore:
         with self._lock:
             self._expire_locked()
             old = self._states.get(key)
-            if old is not None and old.run_id == new.run_id:
-                _check_monotonic(old, new)
+            same = old if old is not None and old.run_id == new.run_id else None
+            if same is not None:
+                _check_monotonic(same, new)
             new.wall_seconds = _wall_seconds(old, new)
+            _check_flops(same, new)
+            _clock_skew(same, new)
             if old is None and len(self._states) >= self.max_series:
                 raise Refused(429, f"{len(self._states)} (run, rank) pairs are live, the "
                                    f"limit (--ingest.max-series) is {self.max_series}")
