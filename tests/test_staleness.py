@@ -13,7 +13,7 @@ import time
 import pytest
 import requests
 from conftest import Daemon, sample_value, wait_until
-from test_abuse import GOOD, closes, post, raw_exchange, status_of
+from test_abuse import GOOD, closes, limited_daemon, post, raw_exchange, status_of  # noqa: F401
 
 from exporter.reading.gpu_backends import DemoBackend
 from exporter.reading.sampler import Sampler
@@ -339,3 +339,176 @@ def test_flops_of_a_busy_gpu_are_taken(daemon):
     assert push(daemon, run="flops-ok", steps=2, flops=989e12 * 110, elapsed_seconds=110.0,
                 gpus=["0"]).ok
     assert page_values(daemon, "flops-ok")["flops_total"] == pytest.approx(989e12 * 110)
+
+
+# -- 4-6. memory and fairness --------------------------------------------------------------------
+
+def client_hello() -> bytes:
+    """A real TLS ClientHello, as the first bytes a TLS client sends."""
+    import ssl
+
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = ctx.wrap_bio(incoming, outgoing)
+    with pytest.raises(ssl.SSLWantReadError):
+        obj.do_handshake()
+    return outgoing.read()
+
+
+def rss_mb(pid: int, field: str = "VmRSS") -> float:
+    for line in open(f"/proc/{pid}/status").read().splitlines():  # noqa: SIM115 - /proc
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(field)
+
+
+def test_tls_handshakes_that_never_finish_do_not_keep_their_memory(tmp_path):
+    """1,200 TLS handshakes per port from one address, each a whole or half ClientHello and
+    then a close, with TLS on both ports: the daemon's memory stays within 40 MB of where it
+    started (each dead handshake kept asyncio's 256 KiB buffer and an SSL object in a
+    reference cycle), and an honest HTTPS scrape and push are answered after."""
+    from conftest import self_signed_cert
+
+    cert, key = self_signed_cert(tmp_path, "IP:127.0.0.1")
+    d = Daemon("--gpu.backend=demo", "--demo.gpus=1", f"--web.tls-cert-file={cert}",
+               f"--web.tls-key-file={key}", f"--ingest.tls-cert-file={cert}",
+               f"--ingest.tls-key-file={key}")
+    d._log = open(d.log_path, "w")  # noqa: SIM115 - closed by stop()
+    import subprocess
+
+    d.proc = subprocess.Popen(d.args, env=d.env, stdout=d._log, stderr=subprocess.STDOUT,
+                              cwd=str(__import__("conftest").ROOT))
+    url, ingest = f"https://127.0.0.1:{d.port}", f"https://127.0.0.1:{d.ingest_port}"
+    try:
+        wait_until(lambda: requests.get(url + "/healthz", verify=str(cert), timeout=2).ok,
+                   timeout=20, what="the TLS exporter")
+        before = rss_mb(d.proc.pid)
+        hello = client_hello()
+        for i in range(1200):
+            for port in (d.port, d.ingest_port):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.2", 0))
+                    s.connect(("127.0.0.1", port))
+                    s.sendall(hello if i % 2 else hello[:len(hello) // 2])
+        assert requests.get(url + "/metrics", verify=str(cert), timeout=10).ok
+        assert requests.post(ingest + "/api/v1/push", json=GOOD, verify=str(cert),
+                             timeout=10).status_code == 200
+        grown = wait_until(lambda: (g := rss_mb(d.proc.pid) - before) < 40 and (g,),
+                           timeout=15, what="the memory of dead handshakes to be freed")[0]
+        assert grown < 40
+    finally:
+        d.stop()
+    assert "Traceback" not in d.log_text()
+
+
+def test_many_addresses_holding_one_slow_connection_each_cannot_blind_either_port(
+        limited_daemon):  # noqa: F811 - the fixture of test_abuse
+    """280 addresses (127.0.1.x, 127.0.2.x) each hold one connection per port that never
+    finishes its headers: more than a port takes at 1,024 descriptors (256), yet no address
+    holds more than one, so there is no heaviest to evict. The slowest sender makes room:
+    every scrape and push from 127.0.0.1 is answered, and the evicted are told why."""
+    d = limited_daemon
+    held = []
+    try:
+        for n in range(280):
+            source = f"127.0.{1 + n // 200}.{1 + n % 200}"
+            for port, head in ((d.port, b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: "),
+                               (d.ingest_port, b"POST /api/v1/push HTTP/1.1\r\nHost: x\r\n")):
+                s = socket.socket()
+                s.settimeout(5)
+                s.bind((source, 0))
+                try:
+                    s.connect(("127.0.0.1", port))
+                    s.sendall(head)
+                except OSError:
+                    s.close()
+                    continue
+                held.append(s)
+        session = requests.Session()
+        for i in range(10):
+            fresh = requests.get(d.url + "/metrics", timeout=10)  # a new connection each
+            assert fresh.status_code == 200 and "gputrain_build_info" in fresh.text
+            r = requests.post(d.ingest_url + "/api/v1/push", json={**GOOD, "steps": 1 + i},
+                              timeout=10)
+            assert r.status_code == 200, r.text
+            assert session.get(d.url + "/metrics", timeout=10).status_code == 200
+        import select
+
+        readable, _, _ = select.select(held, [], [], 1.0)
+        answers = []
+        for s in readable:
+            with __import__("contextlib").suppress(OSError):
+                answers.append(s.recv(4096))
+        evicted = [a for a in answers if status_of(a) == 503]
+        assert evicted and all(b"sent the least" in a for a in evicted), answers[:3]
+    finally:
+        for s in held:
+            s.close()
+    assert "Traceback" not in d.log_text()
+
+
+def test_ipv6_addresses_of_one_64_count_as_one_client():
+    from exporter.serving.server import client_key
+
+    assert client_key("2001:db8:1:2::1") == client_key("2001:db8:1:2:ffff:ffff:ffff:fffe")
+    assert client_key("2001:db8:1:2::1") != client_key("2001:db8:1:3::1")  # the near miss
+    assert client_key("::ffff:10.0.0.7") == client_key("10.0.0.7") == "10.0.0.7"
+    assert client_key("10.0.0.7") != client_key("10.0.0.8")
+
+
+def test_bodies_that_trickle_are_cut_and_cannot_hold_the_budget(daemon):
+    """16 addresses each declare a 1,000,000-byte push and send it a byte at a time: each is
+    cut with a 408 saying it came too slowly, long before the 10 s request deadline, and an
+    honest push from 127.0.0.1 is answered meanwhile."""
+    import select
+
+    held = []
+    for n in range(16):
+        s = socket.socket()
+        s.settimeout(5)
+        s.bind((f"127.0.3.{1 + n}", 0))
+        s.connect(("127.0.0.1", daemon.ingest_port))
+        s.sendall(post(b"{", Content_Length="1000000"))
+        held.append(s)
+    try:
+        answers: dict[socket.socket, bytes] = {}
+        deadline = time.monotonic() + 8.0  # under REQUEST_SECONDS: the old cut came at 10 s
+        while len(answers) < len(held) and time.monotonic() < deadline:
+            waiting = [s for s in held if s not in answers]
+            readable, _, _ = select.select(waiting, [], [], 0.2)
+            for s in readable:
+                answers[s] = raw_answer(s)
+            for s in waiting:
+                if s not in answers:
+                    with __import__("contextlib").suppress(OSError):
+                        s.sendall(b" ")
+        assert len(answers) == len(held), f"{len(answers)} of {len(held)} cut within 8 s"
+        assert all(status_of(a) == 408 and b"slower than" in a for a in answers.values()), \
+            list(answers.values())[:2]
+        assert push(daemon, run="budget").status_code == 200
+    finally:
+        for s in held:
+            s.close()
+
+
+def raw_answer(s: socket.socket) -> bytes:
+    chunks = []
+    with __import__("contextlib").suppress(OSError):
+        while data := s.recv(65536):
+            chunks.append(data)
+    return b"".join(chunks)
+
+
+def test_a_large_body_sent_at_a_modest_pace_is_taken(daemon):
+    """The near miss: 600 KB sent in 6 parts a tenth of a second apart (about 1 MB/s, 30 times
+    the minimum rate) is an ordinary push."""
+    body = json.dumps({**GOOD, "run": "paced", "pad": "x" * 600_000}).encode()
+    with socket.create_connection(("127.0.0.1", daemon.ingest_port), timeout=10) as s:
+        s.sendall(post(b"", Content_Length=str(len(body)), Connection="close"))
+        step = len(body) // 6 + 1
+        for i in range(0, len(body), step):
+            s.sendall(body[i:i + step])
+            time.sleep(0.1)
+        answer = raw_answer(s)
+    assert status_of(answer) == 200, answer

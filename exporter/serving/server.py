@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import errno
+import ipaddress
 import json
 import logging
 import math
@@ -63,7 +64,19 @@ MAX_HEADERS = 64
 MAX_CONNECTIONS = 512  # per port, at most: fewer where the descriptor limit is lower
 RESERVED_DESCRIPTORS = 256  # kept for everything but the two ports (NVML, /proc, logs)
 ADDRESS_SHARE = 2  # one client address holds at most 1/ADDRESS_SHARE of a port's connections
+# this share of a port's connections is kept for connections that completed a request before
+# (Prometheus and ranks keep theirs alive): connections that never did may fill the rest only
+RESERVED_SHARE = 0.25
+# TLS handshakes under way at once, per port and per client address: each holds asyncio's
+# 256 KiB read buffer and an SSL object until it ends (HEADER_SECONDS at most)
+MAX_HANDSHAKES = 64
+MAX_HANDSHAKES_PER_ADDRESS = 16
 BODY_BUDGET_BYTES = 16 * 1024 * 1024  # request bodies being read at once, per port
+BODY_ADDRESS_SHARE = 8  # one client address reads at most 1/BODY_ADDRESS_SHARE of it (2 MiB)
+# a body must arrive at this rate on average, after BODY_GRACE_SECONDS, or it is cut (408):
+# a client trickling large declared bodies cannot hold the budget
+MIN_BODY_BYTES_PER_SECOND = 32 * 1024
+BODY_GRACE_SECONDS = 1.0
 MAX_LONG_POLLS = 32  # per port: GETs of a profile that wait; more are answered at once
 MAX_WAIT_SECONDS = 5.0  # a GET of a profile may wait this long for it (< REQUEST_SECONDS)
 # the listen queue, and how many connections asyncio accepts at once (it closes the refused
@@ -127,6 +140,20 @@ def connection_caps(soft: int | None = None, ports: int = 2) -> tuple[int, int]:
     return per_port, max(4, per_port // ADDRESS_SHARE)
 
 
+def client_key(address: str) -> str:
+    """What fairness counts as one client: an IPv4 address (an IPv4-mapped IPv6 one as
+    such), or an IPv6 address's /64 (one host or site holds a whole /64)."""
+    try:
+        ip = ipaddress.ip_address(address.partition("%")[0])
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return address
+
+
 def _canned(status: int, reason: str, text: str) -> bytes:
     """A whole closing answer, for the connection level (before aiohttp has a request)."""
     body = (text + "\n").encode()
@@ -145,8 +172,11 @@ class _Port:
         self.conns: dict[_Connection, None] = {}
         self.by_address: dict[str, dict[_Connection, None]] = {}  # oldest first
         self.idle: dict[_Connection, None] = {}  # waiting for a request, longest first
+        self.handshakes: dict[_Connection, None] = {}  # in their TLS handshake, oldest first
         self.body_bytes = 0
         self.body_by_address: dict[str, int] = {}
+        # connections reading a body: (loop time the read began, the body's length)
+        self.reading: dict[_Connection, tuple[float, int]] = {}
         self.long_polls: dict[str, int] = {}
         self.refused = 0
         self._logged: dict[str, float] = {}  # client address -> loop time of its last error
@@ -155,22 +185,51 @@ class _Port:
     # -- connections ---------------------------------------------------------------------------
 
     def admit(self, conn: _Connection) -> str | None:
-        """Take a new connection, making room as nginx would; or why it is refused. An idle
-        keep-alive connection goes first (its client reconnects on its next request); at the
-        port's cap, the address holding the most connections loses its oldest one that is
-        still sending headers; a connection whose request is being handled is never taken."""
-        mine = self.by_address.get(conn.address, {})
+        """Take a new connection, making room by age and progress; or why it is refused.
+
+        Past its address's share, an address's idle connection makes room, else the new one
+        is refused. At the port's cap (or when connections that never completed a request
+        fill all but RESERVED_SHARE of it), the connection still sending headers that has sent
+        the least for its age goes first, among those that never completed a request; then
+        the longest-idle keep-alive connection (its client reconnects on its next request);
+        then the slowest sender of all. Connections that completed a request (Prometheus and
+        ranks keep theirs alive) are thus the last to go, and a connection whose request is
+        being handled is never taken. With many addresses at one connection each, the
+        slowest loses, not the heaviest address."""
+        mine = self.by_address.get(conn.client, {})
         if len(mine) >= self.per_address and not self._close_idle(mine):
             return self._refuse(f"{len(mine)} connections from {conn.address} are open on the "
                                 f"{self.name} port, the most one address may hold")
-        if len(self.conns) >= self.max_connections and not self._close_idle(self.idle):
-            heaviest = max(self.by_address.values(), key=len)
-            if len(heaviest) <= len(mine) + 1 or not self._close_sending(heaviest):
+        full = len(self.conns) >= self.max_connections
+        fresh_cap = self.max_connections - max(1, int(self.max_connections * RESERVED_SHARE))
+        if full or len(self.conns) >= fresh_cap:
+            fresh = sum(1 for c in self.conns if not c.served)
+            if (full or fresh >= fresh_cap) and not self._evict_slowest(fresh_only=True) and \
+                    (fresh >= fresh_cap or not (self._close_idle(self.idle)
+                                                or self._evict_slowest(fresh_only=False))):
                 return self._refuse(f"{len(self.conns)} connections are open on the "
-                                    f"{self.name} port, its limit")
+                                    f"{self.name} port ({fresh} that never completed a "
+                                    "request), its limit")
         self.conns[conn] = None
-        self.by_address.setdefault(conn.address, {})[conn] = None
+        self.by_address.setdefault(conn.client, {})[conn] = None
         return None
+
+    def _evict_slowest(self, fresh_only: bool) -> bool:
+        """Close the connection still sending headers (or in its TLS handshake) that has sent
+        the fewest bytes for its age (only among those that never completed a request, with
+        ``fresh_only``); False when there is none."""
+        now = asyncio.get_running_loop().time()
+        slowest, least = None, math.inf
+        for c in self.conns:
+            if c.state != "head" or (fresh_only and c.served):
+                continue
+            rate = (c.head_progress + 1) / max(now - c.started, 1e-3)
+            if rate < least:
+                slowest, least = c, rate
+        if slowest is None:
+            return False
+        slowest.evict()
+        return True
 
     def may_log(self, address: str, now: float) -> bool:
         """Whether an error while serving ``address`` is logged: once per ERROR_LOG_SECONDS
@@ -196,27 +255,39 @@ class _Port:
                 return True
         return False
 
-    def _close_sending(self, among: dict[_Connection, None]) -> bool:
-        for c in among:
-            if c.state == "head":
-                c.evict()
-                return True
-        return False
-
     def sweep(self, now: float) -> None:
         """Act on every connection whose deadline has passed (one look for all of them,
         not a timer per request)."""
         for conn in [c for c in self.conns if c.deadline <= now]:
             conn.expired()
+        for conn, (began, length) in list(self.reading.items()):
+            want = min(length, MIN_BODY_BYTES_PER_SECOND * (now - began - BODY_GRACE_SECONDS))
+            if conn.received < want:
+                conn.too_slow()
+
+    def start_handshake(self, conn: _Connection) -> str | None:
+        """Room for ``conn``'s TLS handshake, or why it is refused: an address holds at most
+        MAX_HANDSHAKES_PER_ADDRESS handshakes at once; past MAX_HANDSHAKES on the port, the
+        oldest handshake is cut (an honest one takes milliseconds)."""
+        mine = sum(1 for c in self.handshakes if c.client == conn.client)
+        if mine >= MAX_HANDSHAKES_PER_ADDRESS:
+            return self._refuse(f"{mine} TLS handshakes from {conn.address} are under way on "
+                                f"the {self.name} port, the most one address may hold")
+        if len(self.handshakes) >= MAX_HANDSHAKES:
+            next(iter(self.handshakes)).evict()
+        self.handshakes[conn] = None
+        return None
 
     def forget(self, conn: _Connection) -> None:
         self.conns.pop(conn, None)
+        self.handshakes.pop(conn, None)
+        self.reading.pop(conn, None)
         self.idle.pop(conn, None)
-        mine = self.by_address.get(conn.address)
+        mine = self.by_address.get(conn.client)
         if mine is not None:
             mine.pop(conn, None)
             if not mine:
-                del self.by_address[conn.address]
+                del self.by_address[conn.client]
 
     # -- bodies and long-polls -----------------------------------------------------------------
 
@@ -225,7 +296,7 @@ class _Port:
         and within an address's share of it."""
         mine = self.body_by_address.get(address, 0)
         if self.body_bytes + length > BODY_BUDGET_BYTES or \
-                mine + length > BODY_BUDGET_BYTES // ADDRESS_SHARE:
+                mine + length > BODY_BUDGET_BYTES // BODY_ADDRESS_SHARE:
             return False
         self.body_bytes += length
         self.body_by_address[address] = mine + length
@@ -293,7 +364,10 @@ class _Connection(RequestHandler):
                          auto_decompress=False)  # a coded body is refused (415), never inflated
         self.port = port
         self.tls = tls
-        self.address = ""
+        self.address = ""  # the peer's address, for logs
+        self.client = ""  # what fairness counts as one client: the address, an IPv6 /64
+        self.served = 0  # requests completed on this connection
+        self.slow_body = False  # its body was cut for arriving too slowly
         self.state = "new"
         self.started = 0.0  # loop time of the current request's first byte
         self.deadline = math.inf  # loop time; see _Port.sweep
@@ -317,6 +391,7 @@ class _Connection(RequestHandler):
         self._raw = transport
         peer = transport.get_extra_info("peername")
         self.address = str(peer[0]) if peer else ""
+        self.client = client_key(self.address)
         why = self.port.admit(self)
         if why is not None:
             if self.tls is None:  # a TLS client would read plain text as a broken handshake
@@ -329,6 +404,11 @@ class _Connection(RequestHandler):
         if self.tls is None:
             super().connection_made(transport)
         else:
+            why = self.port.start_handshake(self)
+            if why is not None:
+                self._released()
+                transport.abort()
+                return
             self._handshake = self._loop.create_task(self._start_tls(transport))
 
     async def _start_tls(self, transport: asyncio.BaseTransport) -> None:
@@ -338,9 +418,12 @@ class _Connection(RequestHandler):
         except (OSError, RuntimeError, asyncio.TimeoutError) as exc:  # ssl.SSLError is OSError
             log.debug("connection from %s ended: the TLS handshake failed (%s)", self.address,
                       exc)
+            _forget_traceback(exc)
             transport.abort()
             self._released()
             return
+        finally:
+            self.port.handshakes.pop(self, None)
         if secure is None or transport.is_closing():
             self._released()
             return
@@ -384,6 +467,26 @@ class _Connection(RequestHandler):
                 self._arm(self._loop.time() + SWEEP_SECONDS)  # a request has just come
         else:  # an answer not taken by REQUEST_SECONDS, or closing
             self._abort()
+
+    @property
+    def head_progress(self) -> int:
+        """Bytes of the request's head received so far (0 in a TLS handshake)."""
+        return self._head_bytes
+
+    @property
+    def received(self) -> int:
+        """Bytes received since the request's head ended (its body, and what follows)."""
+        return self._busy_bytes
+
+    def too_slow(self) -> None:
+        """Its body arrives slower than MIN_BODY_BYTES_PER_SECOND (the port's sweep): the
+        handler answers 408, then the connection closes."""
+        self.port.reading.pop(self, None)
+        if self._content is not None and not self._content.is_eof() and \
+                self._content.exception() is None:
+            self.slow_body = True
+            self._content.set_exception(asyncio.TimeoutError())
+            self._arm(self._loop.time() + CLOSING_SECONDS)
 
     def _begin_head(self) -> None:
         self.state = "head"
@@ -489,6 +592,7 @@ class _Connection(RequestHandler):
         answer = await super().finish_response(request, resp, start_time)
         if self.transport is None or self.state in ("closing", "closed"):
             return answer
+        self.served += 1
         if resp.keep_alive:
             self.state = "idle"
             self.port.idle[self] = None
@@ -555,7 +659,8 @@ class _Connection(RequestHandler):
         self._released()
         if self.tls is None:
             self._raw.write(_canned(503, "Service Unavailable", f"busy: the {self.port.name} "
-                                    "port is full and your address holds the most connections"))
+                                    "port is full and this connection had sent the least for "
+                                    "its age"))
         self._drop()
 
     def _drop(self) -> None:
@@ -581,6 +686,18 @@ class _Connection(RequestHandler):
             return True  # broken: leave it be
         finally:
             peek.detach()
+
+
+def _forget_traceback(exc: BaseException) -> None:
+    """Drop the tracebacks of a failed handshake's exception and of those it chains. Its
+    traceback holds asyncio's start_tls frame, whose future holds the exception: a reference
+    cycle that kept the connection's TLS buffers (256 KiB and an SSL object) until a full
+    garbage collection, which the daemon's raised threshold makes rare."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
 
 
 def _read_in_chunks(transport: Any) -> None:
@@ -800,14 +917,19 @@ class IngestHandler(_Site):
             raise Refused(417, f"Expect {_quoted(expect)} is not supported (only "
                                "100-continue)")
         conn: _Connection = request.protocol  # type: ignore[assignment]
-        if not self.port.reserve_body(conn.address, length):
+        if not self.port.reserve_body(conn.client, length):
             raise Refused(503, f"the daemon is reading {self.port.body_bytes} bytes of other "
                                "requests' bodies, its limit; try again")
         if expect is not None and length:  # every check passed: the client may send it
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        self.port.reading[conn] = (asyncio.get_running_loop().time(), length)
         try:  # past the request's deadline, the port's sweep ends the read (TimeoutError)
             return await request.content.readexactly(length)
         except asyncio.TimeoutError:
+            if conn.slow_body:
+                raise Refused(408, "the body arrived slower than "
+                                   f"{MIN_BODY_BYTES_PER_SECOND // 1024} KiB/s (after "
+                                   f"{BODY_GRACE_SECONDS:.0f} s); it was cut") from None
             raise Refused(408, f"the body did not arrive within {REQUEST_SECONDS:.0f} s of "
                                "the request's start") from None
         except (asyncio.IncompleteReadError, RequestPayloadError) as exc:
@@ -815,7 +937,8 @@ class IngestHandler(_Site):
             raise Refused(400, f"the body is shorter than Content-Length ({got} of {length} "
                                "bytes came)") from None
         finally:
-            self.port.release_body(conn.address, length)
+            self.port.reading.pop(conn, None)
+            self.port.release_body(conn.client, length)
 
     def _push(self, raw: bytes) -> tuple[int, bytes, str]:
         try:
@@ -865,11 +988,11 @@ class IngestHandler(_Site):
         profile = store.profiles.get(pid)
         bounded = False
         if profile is not None and profile.state not in FINAL and wait > 0:
-            if self.port.start_long_poll(conn.address):
+            if self.port.start_long_poll(conn.client):
                 try:
                     profile = await self._wait(pid, wait)
                 finally:
-                    self.port.end_long_poll(conn.address)
+                    self.port.end_long_poll(conn.client)
             else:  # as many wait as the port allows: as it is now, and when to ask again
                 bounded = True
         if profile is None:
