@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from exporter.reading import nvml as fi
 from exporter.reading.gpu_metrics import DEMO_GAUGES, MIB, ONE_CALL, PCIE_LANE_BYTES_PER_SECOND
+from exporter.reading.host_processes import HostProcess, find_host_pid, read_process
 from exporter.reading.nvml import (
     VALUE_MEMBER,
     VALUE_TYPE_MODULUS,
@@ -788,6 +789,7 @@ class DemoBackend:
         self._rates: dict[tuple, tuple[float, float, float]] = {}  # rank -> (at, compute, busy)
         self._work: tuple[float, dict[str, dict[int, float]]] = (-1.0, {})
         self._work_lock = threading.Lock()
+        self._host_pids: dict[tuple[int, int], int] = {}  # (pushed pid, start) -> host pid
 
     def follow(self, ranks: Callable[[], Iterable[Any]]) -> None:
         """Attach the training processes that push to this daemon to demo GPUs, as NVML
@@ -839,12 +841,36 @@ class DemoBackend:
                     mine = [str(n % self.gpus)]
                 key = (st.run, st.rank, st.run_id)
                 rates[key] = share = self._busy_share(key, st, now)
+                pid = self._host_pid(st)
                 for index in mine:
                     on = work.setdefault(index, {})
-                    on[st.pid] = on.get(st.pid, 0.0) + share[2] / len(mine)
+                    on[pid] = on.get(pid, 0.0) + share[2] / len(mine)
             self._rates = rates
+            live = {(st.pid, st.start_time) for st in self._ranks()}
+            self._host_pids = {k: v for k, v in self._host_pids.items() if k in live}
             self._work = (now, work)
             return work
+
+    def _host_pid(self, st: Any) -> int:
+        """The pid NVML would list for a rank: the host's, found from the pid the rank pushed
+        (its own, inside its PID namespace) and its start time; the pushed pid where the
+        host process cannot be found (no start time pushed, or not on this /proc)."""
+        if st.start_time is None:
+            return int(st.pid)
+        ref = (int(st.pid), int(st.start_time))
+        if ref not in self._host_pids:
+            found = find_host_pid(*ref)
+            if found is None:
+                return ref[0]  # not cached: the process may show up by the next cycle
+            self._host_pids[ref] = found
+        return self._host_pids[ref]
+
+    def host_process(self, pid: int) -> HostProcess | None:
+        """The host process ``pid`` (see host_processes.read_process), and the demo's own
+        process no rank owns, which exists only here."""
+        if pid == self.FOREIGN_PID:
+            return HostProcess(pid, pid, 0, None)
+        return read_process(pid)
 
     def _busy_share(self, key: tuple, st: Any, now: float) -> tuple[float, float, float]:
         compute = max(0.0, st.step_seconds - st.data_wait_seconds)
