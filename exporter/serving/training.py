@@ -36,11 +36,19 @@ class GpuIndex:
 
     def __init__(self, snap: Snapshot) -> None:
         self.by_uuid = {g.identity.uuid: g.identity.index for g in snap.gpus if g.identity.uuid}
+        # a UUID without its "GPU-"/"MIG-" prefix: what identifies the device (a rank on a MIG
+        # slice may push the slice's UUID as "GPU-...", as torch names every device)
+        self.by_body = {uuid_body(u): (i, u) for u, i in self.by_uuid.items()}
         self.by_index = {g.identity.index: g.identity.uuid for g in snap.gpus}
         self.by_pid: dict[int, list[tuple[str, str]]] = {}
         for g in snap.gpus:
             for pid in g.sample.pids if g.sample is not None else ():
                 self.by_pid.setdefault(pid, []).append((g.identity.index, g.identity.uuid))
+
+
+def uuid_body(ref: str) -> str:
+    """A device UUID without its ``GPU-`` or ``MIG-`` prefix (an index stays as it is)."""
+    return ref[4:].lower() if ref[:4] in ("GPU-", "MIG-") else ref
 
 
 def resolve_gpus(st: RankState, gpus: Snapshot | GpuIndex) -> list[tuple[str, str]]:
@@ -51,6 +59,8 @@ def resolve_gpus(st: RankState, gpus: Snapshot | GpuIndex) -> list[tuple[str, st
     for ref in st.gpus:
         if ref in idx.by_uuid:
             out.append((idx.by_uuid[ref], ref))
+        elif uuid_body(ref) in idx.by_body:
+            out.append(idx.by_body[uuid_body(ref)])
         elif ref in idx.by_index:
             out.append((ref, idx.by_index[ref]))
     if not out and st.pid is not None:
