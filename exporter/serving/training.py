@@ -12,7 +12,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 from prometheus_client.core import (
@@ -51,9 +51,13 @@ def uuid_body(ref: str) -> str:
     return ref[4:].lower() if ref[:4] in ("GPU-", "MIG-") else ref
 
 
-def resolve_gpus(st: RankState, gpus: Snapshot | GpuIndex) -> list[tuple[str, str]]:
-    """(gpu index, uuid) pairs a rank uses: from its pushed UUIDs or indices, else from the
-    GPUs whose NVML process list holds its pid. Only GPUs this node has are returned."""
+def resolve_gpus(st: RankState, gpus: Snapshot | GpuIndex,
+                 listed: Iterable[tuple[str, str]] = ()) -> list[tuple[str, str]]:
+    """(gpu index, uuid) pairs a rank uses: its pushed UUIDs or indices (torch's current
+    device), and every GPU whose NVML process list holds its process or a descendant
+    (``listed``, as :class:`Owners` joins them: one process may drive several GPUs, as
+    device_map="auto" or pipeline stages in one process do); else the GPUs that list its pid.
+    Only GPUs this node has are returned."""
     idx = gpus if isinstance(gpus, GpuIndex) else GpuIndex(gpus)
     out: list[tuple[str, str]] = []
     for ref in st.gpus:
@@ -63,6 +67,9 @@ def resolve_gpus(st: RankState, gpus: Snapshot | GpuIndex) -> list[tuple[str, st
             out.append(idx.by_body[uuid_body(ref)])
         elif ref in idx.by_index:
             out.append((ref, idx.by_index[ref]))
+    for key in sorted(listed, key=lambda k: (len(k[0]), k)):
+        if key not in out and idx.by_index.get(key[0]) == key[1]:
+            out.append(key)
     if not out and st.pid is not None:
         out = list(idx.by_pid.get(st.pid, ()))
     return out
@@ -202,6 +209,7 @@ class GpuShares:
         self._others: dict[GpuKey, tuple[float, float]] = {}
         self._by_cycle: dict[int, Totals] = {}
         self.unresolved: dict[GpuKey, int] = {}  # per GPU, its processes none can read
+        self.listed: dict[RankKey, set[GpuKey]] = {}  # the GPUs NVML lists a rank's processes on
         self._warned = False
 
     def observe(self, snap: Snapshot, states: list[RankState]) -> None:
@@ -216,11 +224,15 @@ class GpuShares:
             others = dict(self._others)
             last: dict[tuple[GpuKey, int], tuple[float, float]] = {}
             unresolved: dict[GpuKey, int] = {}
+            listed: dict[RankKey, set[GpuKey]] = {}
             for g in snap.gpus:
                 key = (g.identity.index, g.identity.uuid)
                 pids = g.sample.pids if g.sample is not None else ()
                 owner_of = {pid: self.owners.owner(pid, keys)
                             for pid in dict.fromkeys((*pids, *g.process_busy_seconds))}
+                for o in owner_of.values():
+                    if o is not None and o is not UNRESOLVED:
+                        listed.setdefault(o, set()).add(key)
                 if unknown := sum(o is UNRESOLVED for o in owner_of.values()):
                     unresolved[key] = unknown
                 if g.sample is not None and g.sample.process_utilization is not None:
@@ -240,7 +252,7 @@ class GpuShares:
                     was = held.get(key, (0.0, 0.0))
                     held[key] = (was[0] + added[0], was[1] + added[1])
             self._cycle, self._last, self._ranks, self._others = snap.cycle, last, ranks, others
-            self.unresolved = unresolved
+            self.unresolved, self.listed = unresolved, listed
             if unresolved and not self._warned:
                 self._warned = True
                 log.warning("%d GPU process(es) cannot be read in /proc: their GPU shares are "
@@ -396,7 +408,8 @@ class TrainingCollector:
             lbl = _labels(st)
             chunks[INDEX["gputrain_training_gpu_info"]].extend(
                 f'gputrain_training_gpu_info{{gpu="{_escape(index)}",precision="{st.precision}",'
-                f'{lbl},uuid="{_escape(uuid)}"}} 1.0\n' for index, uuid in resolve_gpus(st, gpus))
+                f'{lbl},uuid="{_escape(uuid)}"}} 1.0\n'
+                for index, uuid in resolve_gpus(st, gpus, held.get(key, {})))
             chunks[INDEX["gputrain_training_gpu_memory_bytes"]].extend(
                 f'gputrain_training_gpu_memory_bytes{{gpu="{_escape(index)}",{lbl},'
                 f'uuid="{_escape(uuid)}"}} {floatToGoString(used)}\n'
