@@ -65,21 +65,20 @@ def test_turning_mig_on_lists_the_slices_and_stops_asking_what_mig_mode_refuses(
 
 
 def test_a_reopened_gpu_is_asked_again_what_it_refused_before_its_reset(clock):
+    """A GPU lost and reset answers what it refused before (a reset can change what the
+    firmware supports): the reopen forgets its cached NOT_SUPPORTED answers."""
     g = gpu(0, errors={"nvmlDeviceGetPowerUsage": fd.NOT_SUPPORTED})
     rig = Rig([g], clock)
     rig.cycle()
     rig.cycle()
     assert rig.value("gputrain_gpu_power_watts") is None
     assert rig.calls["nvmlDeviceGetPowerUsage"] == 1
-    g.lost = True
-    rig.cycle()
-    g.lost, g.errors = False, {}  # reset: the new firmware state answers
-    for _ in range(6):  # the retry comes 10 s on (a slow machine may absorb it a cycle late)
-        rig.cycle(10.0)
-        if rig.value("gputrain_gpu_up") == 1 and rig.value("gputrain_gpu_power_watts"):
-            break
-    assert rig.value("gputrain_gpu_up") == 1
-    assert rig.value("gputrain_gpu_power_watts") == 350.0
+    identity = state(rig).identity
+    assert rig.backend.sample(identity).power_watts is None  # the near miss: still cached
+    assert rig.calls["nvmlDeviceGetPowerUsage"] == 1
+    g.errors = {}  # reset: the new firmware state answers
+    assert rig.backend.reopen(identity)  # what the sampler does with a GPU that was lost
+    assert rig.backend.sample(identity).power_watts == 350.0
 
 
 # --- 2. per-process busy time weighted by the samples' timestamps -----------------------------
