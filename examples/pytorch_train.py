@@ -47,10 +47,13 @@ class SyntheticImages(Dataset):
                             dtype=torch.uint8)
         if self.input_sleep:
             time.sleep(self.input_sleep)  # slow storage or network input
-        if not self.uint8:
+        if self.cpu_work:  # heavy CPU augmentation, whatever crosses PCIe after it
+            work = img.float().div_(255)
+            for _ in range(self.cpu_work):
+                work = torch.roll(work, 1, dims=2).mul_(0.999).add_(0.001)
+            img = work.mul_(255).clamp_(0, 255).to(torch.uint8) if self.uint8 else work
+        elif not self.uint8:
             img = img.float().div_(255)
-            for _ in range(self.cpu_work):  # heavy CPU augmentation
-                img = torch.roll(img, 1, dims=2).mul_(0.999).add_(0.001)
         return img, i % 10
 
 
@@ -84,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="send uint8 images and normalise on the GPU (4x less PCIe traffic)")
     p.add_argument("--amp", action="store_true", help="automatic mixed precision (bf16/fp16)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--no-tf32", dest="tf32", action="store_false",
+                   help="true fp32: no TF32 tensor cores for matmuls and convolutions (cuDNN "
+                        "allows TF32 convolutions by default)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--run", default=None, help="run label (default: GPUTRAIN_RUN or the script)")
     p.add_argument("--cpu-work", type=int, default=0, help="inject: CPU preprocessing per sample")
@@ -106,6 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     device = torch.device(args.device)
+    if not args.tf32:  # PyTorch's "fp32" convolutions run as TF32 on tensor cores by default
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     steps_wanted = args.steps if not args.seconds else 10**9
     data = SyntheticImages(min(steps_wanted * args.batch_size, 10**9), args.uint8_transfer,
                            args.cpu_work, args.input_sleep_ms, args.h2d_inflate,

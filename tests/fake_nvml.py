@@ -51,6 +51,7 @@ SUCCESS = 0
 UNINITIALIZED = 1
 INVALID_ARGUMENT = 2
 NOT_SUPPORTED = 3
+NO_PERMISSION = 4
 NOT_FOUND = 6
 INSUFFICIENT_SIZE = 7
 DRIVER_NOT_LOADED = 9
@@ -243,11 +244,14 @@ PERF_POLICIES = {0: "sw_power_cap", 1: "sw_thermal_slowdown", 2: "sync_boost"}
 CLOCK_SM, CLOCK_MEM = 1, 2
 PCIE_UTIL_TX, PCIE_UTIL_RX = 0, 1
 XID_EVENT = 8  # nvmlEventTypeXidCriticalError
-# functions a MIG device handle answers; the rest say NOT_SUPPORTED on it
+# functions a MIG device handle answers; the rest say NOT_SUPPORTED on it (volatile ECC
+# included: nvml.h's ECC calls take the GPU's handle). GPM answers on a MIG device handle from
+# the 12.x headers on (nvmlGpmQueryDeviceSupport, nvmlGpmSampleGet: the GPU instance's counters)
 MIG_DEVICE_CALLS = {"nvmlDeviceGetUUID", "nvmlDeviceGetName", "nvmlDeviceGetPciInfo_v3",
                     "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetMemoryInfo_v2",
                     "nvmlDeviceGetComputeRunningProcesses_v3",
-                    "nvmlDeviceGetComputeRunningProcesses_v2", "nvmlDeviceGetGpuInstanceId"}
+                    "nvmlDeviceGetComputeRunningProcesses_v2", "nvmlDeviceGetGpuInstanceId",
+                    "nvmlGpmQueryDeviceSupport", "nvmlGpmSampleGet"}
 # what NVML refuses on a GPU in MIG mode (nvml.h: "On MIG-enabled GPUs, querying device
 # utilization rates is not currently supported", and the same of process utilisation)
 MIG_PARENT_REFUSES = {"nvmlDeviceGetUtilizationRates", "nvmlDeviceGetSamples",
@@ -486,13 +490,18 @@ class FakeDriver:
 
     ``calls`` counts the C calls per symbol (a two-pass list call counts once). ``missing`` takes
     symbols away from this driver, ``init_error`` makes nvmlInit fail with that code. ``clock``
-    (seconds) stamps GPM samples.
+    (seconds) stamps GPM samples. ``privileged`` is a caller with the privileges nvml.h asks for
+    the aggregated process list of a GPU in MIG mode. An Xid event (``events``: a GPU or a MIG
+    device, and the Xid) reaches a waiting caller only where its GPU is registered now
+    (:meth:`reset` drops a GPU's registrations, as a GPU reset does).
     """
 
     def __init__(self, gpus: list[FakeGpu], version: str = "590.48.01",
                  clock: Callable[[], float] = time.monotonic, init_error: int | None = None,
-                 missing: tuple[str, ...] = ()) -> None:
+                 missing: tuple[str, ...] = (), privileged: bool = True) -> None:
         self.gpus = gpus
+        self.privileged = privileged
+        self.xid_registered: set[int] = set()  # id() of the GPUs registered for Xid events
         self.version = version
         self.branch = tuple(int(p) for p in version.split("."))
         self.clock = clock
@@ -546,6 +555,10 @@ class FakeDriver:
         parent.mig = instances
         for m in instances or []:
             m.parent = parent
+
+    def reset(self, gpu: FakeGpu) -> None:
+        """``nvidia-smi -r``: the GPU's event registrations are gone."""
+        self.xid_registered.discard(id(gpu))
 
     def _enter(self, name: str, impl: Callable[..., int], args: tuple) -> int:
         with self._lock:
@@ -935,6 +948,8 @@ class FakeDriver:
         g = self._dev(name, handle) if infos is None else self._handles.get(_address(handle))
         if isinstance(g, int) or g is None:
             return g if isinstance(g, int) else INVALID_ARGUMENT
+        if g.mig is not None and not self.privileged:
+            return NO_PERMISSION  # nvml.h: a MIG-mode GPU's aggregate only with privileges
         owners = [(p, used, m.gpu_instance_id) for m in (g.mig or []) for p, used in m.processes]
         procs = [(p, used, g.gpu_instance_id if g.parent else 0xFFFFFFFF)
                  for p, used in g.processes] + owners
@@ -994,9 +1009,12 @@ class FakeDriver:
         if head.version != PROCESSES_UTILIZATION_V1:
             return ARGUMENT_VERSION_MISMATCH
         fresh = self._process_samples(g, head.lastSeenTimeStamp)
+        if not head.procUtilArray:  # the sizing call: INSUFFICIENT_SIZE, with or without any
+            head.processSamplesCount = len(fresh)
+            return INSUFFICIENT_SIZE
         if not fresh:
             return NOT_FOUND
-        if not head.procUtilArray or head.processSamplesCount < len(fresh):
+        if head.processSamplesCount < len(fresh):
             head.processSamplesCount = len(fresh)  # the minimum array size
             return INSUFFICIENT_SIZE
         for n, (ts, pid, sm, mem) in enumerate(fresh):
@@ -1012,7 +1030,8 @@ class FakeDriver:
             return g
         if _read(out, _CGpmSupport).version != 1:  # NVML_GPM_SUPPORT_VERSION
             return ARGUMENT_VERSION_MISMATCH
-        _write(out, _CGpmSupport(version=1, isSupportedDevice=int(g.gpm is not None)))
+        supported = (g.parent or g).gpm is not None  # a MIG device: its GPU's answer
+        _write(out, _CGpmSupport(version=1, isSupportedDevice=int(supported)))
         return SUCCESS
 
     def _c_nvmlGpmSampleAlloc(self, out: Any) -> int:
@@ -1045,6 +1064,8 @@ class FakeDriver:
         g = self._dev("nvmlGpmSampleGet", handle)
         if isinstance(g, int):
             return g
+        if g.parent is not None and g.parent.gpm is None:
+            return NOT_SUPPORTED  # a MIG device of a GPU without GPM (an A100)
         if g.gpm is None:
             return NOT_SUPPORTED
         return self._take_sample(sample, g.gpm)
@@ -1092,16 +1113,27 @@ class FakeDriver:
 
     def _c_nvmlDeviceRegisterEvents(self, handle: Any, types: Any, event_set: Any) -> int:
         g = self._dev("nvmlDeviceRegisterEvents", handle)
-        return g if isinstance(g, int) else SUCCESS
+        if isinstance(g, int):
+            return g
+        if g.parent is not None:
+            return NOT_SUPPORTED  # events are the GPU's, with the GPU instance in their data
+        self.xid_registered.add(id(g))
+        return SUCCESS
 
     def _c_nvmlEventSetWait_v2(self, event_set: Any, out: Any, timeout_ms: Any) -> int:
         self._count("nvmlEventSetWait_v2")
-        try:
-            gpu, xid = self.events.get(timeout=_int(timeout_ms) / 1000.0)
-        except queue.Empty:
-            return TIMEOUT
-        _write(out, _CEventData(device=self.handle(gpu), eventType=XID_EVENT, eventData=xid,
-                                gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF))
+        deadline = time.monotonic() + _int(timeout_ms) / 1000.0
+        while True:
+            try:
+                gpu, xid = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return TIMEOUT
+            root = gpu.parent or gpu
+            if id(root) in self.xid_registered:
+                break  # an event of a GPU not registered now is never delivered
+        gi = gpu.gpu_instance_id if gpu.parent is not None else 0xFFFFFFFF
+        _write(out, _CEventData(device=self.handle(root), eventType=XID_EVENT, eventData=xid,
+                                gpuInstanceId=gi, computeInstanceId=0 if gpu.parent else gi))
         return SUCCESS
 
     def _c_nvmlEventSetFree(self, event_set: Any) -> int:

@@ -392,6 +392,26 @@ def alert_cases() -> list[Case]:
               Fire("GpuTrainHostOverheadBound", rank("cb"), "58.33%"),
               Fire("GpuTrainGPUUnderutilized", rank_gpu("post", "0", "0", "GPU-a"), "46%",
                    "warning")]),
+        Case("GpuTrainHostOverheadBound adds up a rank's GPUs: one process driving four GPUs as "
+             "pipeline stages, each 25% busy (one busy at every moment), is no host overhead, "
+             "though each GPU is judged under-utilised; one driving two GPUs 20% busy each "
+             "(40% added up) with its data ready is",
+             {**{k: v for g, u in (("0", "GPU-a"), ("1", "GPU-b"), ("2", "GPU-c"),
+                                   ("3", "GPU-d"))
+                 for k, v in {**gpu_of("pipe", "0", g, u),
+                              sel("gputrain_gpu_busy_seconds_total", gpu=g, uuid=u):
+                                  ramp(15)}.items()},
+              **{k: v for g, u in (("4", "GPU-e"), ("5", "GPU-f"))
+                 for k, v in {**gpu_of("split", "0", g, u),
+                              sel("gputrain_gpu_busy_seconds_total", gpu=g, uuid=u):
+                                  ramp(12)}.items()},
+              **run_steps("pipe", 0.01), **run_steps("split", 0.01)},
+             [Fire("GpuTrainHostOverheadBound", rank("split"), "40%"),
+              *(Fire("GpuTrainGPUUnderutilized", rank_gpu("pipe", "0", g, u), "25%", "warning")
+                for g, u in (("0", "GPU-a"), ("1", "GPU-b"), ("2", "GPU-c"), ("3", "GPU-d"))),
+              *(Fire("GpuTrainGPUUnderutilized", rank_gpu("split", "0", g, u), "20%", "warning")
+                for g, u in (("4", "GPU-e"), ("5", "GPU-f")))],
+             quiet_alerts=["GpuTrainHostOverheadBound"]),
         Case("GpuTrainStepTimeStalls: one 30 s step a minute among 1 s steps (p99 17.8 s), "
              "and checkpoint saves (a phase outside the steps) at 20% of the step time; steady "
              "1 s steps and 5% in checkpoints stay silent",

@@ -227,3 +227,23 @@ def test_text_report_gives_each_runs_mfu_goodput_and_wasted_gpu_hours():
     assert "   MFU 30.0%   goodput 70.0%   wasted 1 GPU-hours over the window (1.00 GPUs " \
            "idle on average)" in text
     assert "goodput 60.0% of wall time; lost to checkpoint 35.0%, data_wait 5.0%" in text
+
+
+def on_gpus(busy: list[float], wait: float) -> RankReport:
+    """One process driving several GPUs (pipeline stages, device_map="auto")."""
+    rep = report(busy[0], wait)
+    rep.gpus = [GpuReading(str(i), f"GPU-{i}", b, None, None, 0.6, 0.7, 0.02)
+                for i, b in enumerate(busy)]
+    return rep
+
+
+def test_a_pipeline_over_four_gpus_is_not_host_overhead():
+    """One of four GPUs busy at every moment (25 % each, data ready): a pipeline, judged
+    under-utilised GPU by GPU, never host overhead; the near miss, two GPUs 20 % busy each
+    (40 % added up) with the data ready, is host overhead."""
+    pipeline = judge_one(on_gpus([0.25] * 4, 0.01))
+    assert pipeline.verdict != "host-overhead" and pipeline.bottleneck
+    assert pipeline.verdict == "underutilized"
+    split = judge_one(on_gpus([0.2, 0.2], 0.01))
+    assert split.verdict == "host-overhead"
+    assert "2 GPUs busy, added up, 40.0%" in split.reason

@@ -268,16 +268,22 @@ def test_32_bit_pcie_counters_that_may_wrap_twice_give_way_to_the_throughput_cal
     for _ in range(3):
         rig.cycle(2.0)
         g.pcie_rx_bytes += 5 * 2**32 + 7
-    assert rig.value("gputrain_gpu_pcie_received_bytes_total") == pytest.approx(2000 * 1000 * 4)
-    assert rig.value("gputrain_gpu_pcie_transmitted_bytes_total") == pytest.approx(100 * 1000 * 4)
+    assert rig.value("gputrain_gpu_pcie_received_bytes_total") == pytest.approx(2000 * 1024 * 4)
+    assert rig.value("gputrain_gpu_pcie_transmitted_bytes_total") == pytest.approx(100 * 1024 * 4)
 
 
-def test_pcie_falls_back_to_the_throughput_call_before_driver_555(clock):
+def test_pcie_falls_back_to_the_throughput_call_before_driver_555(clock, caplog):
+    """The throughput call answers KB/s that are KiB/s (nvml.h's unit; nvitop multiplies by
+    1024), and one ~20 ms window stands for the cycle: an estimate, said once in the log."""
     rig = Rig([gpu(0, pcie_rx_kbs=2000, pcie_tx_kbs=100)], clock, version="550.54.15")
-    for _ in range(3):
-        rig.cycle(2.0)
+    with caplog.at_level(logging.INFO, logger="exporter"):
+        for _ in range(3):
+            rig.cycle(2.0)
     assert rig.calls["nvmlDeviceGetPcieThroughput"] == 3 * 2  # each cycle, both directions
-    assert rig.value("gputrain_gpu_pcie_received_bytes_total") == pytest.approx(2000 * 1000 * 4)
+    assert rig.value("gputrain_gpu_pcie_received_bytes_total") == pytest.approx(2000 * 1024 * 4)
+    assert rig.value("gputrain_gpu_pcie_transmitted_bytes_total") == pytest.approx(100 * 1024 * 4)
+    said = [r.getMessage() for r in caplog.records if "throughput call" in r.getMessage()]
+    assert len(said) == 1 and "20 ms" in said[0] and "estimate" in said[0]
 
 
 # --- energy, clock events ---------------------------------------------------------------------

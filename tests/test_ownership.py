@@ -219,3 +219,21 @@ def test_a_failing_source_is_retried_every_ten_seconds_not_every_cycle(tmp_path)
             collector.read()
         now[0] += 1.0
     assert fetched == [0.0, 10.0]
+
+
+def test_a_process_driving_several_gpus_is_on_each_gpu_nvml_lists_it_on():
+    """device_map="auto" or pipeline stages in one process: the client pushes torch's current
+    device only, NVML lists the process (or a child) on four GPUs; the rank's GPUs are the
+    four. The near miss: a GPU holding only another job's process is not the rank's."""
+    store = IngestStore()
+    store.push(json.dumps({"version": 1, "run": "llm", "rank": "0", "run_id": "a",
+                           "steps": 1, "step_seconds": 1.0, "data_wait_seconds": 0.0,
+                           "samples": 8, "gpus": ["GPU-0"], "process": {"pid": 100}}).encode())
+    snap = snapshot(("0", {100: 20 * GIB}), ("1", {100: 20 * GIB}), ("2", {150: 20 * GIB}),
+                    ("3", {100: 20 * GIB}), ("4", {900: 5 * GIB}))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(TrainingCollector(store, lambda: snap,
+                                        Owners({150: 100, 100: 1, 900: 1}.get)))
+    info = sorted(s.labels["gpu"] for f in registry.collect()
+                  if f.name == "gputrain_training_gpu_info" for s in f.samples)
+    assert info == ["0", "1", "2", "3"]

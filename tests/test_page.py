@@ -54,12 +54,18 @@ def finish_a_profile(store: IngestStore, run: str, rank: str, trace: str, **over
     assert store.profiles.get(profile.id).state == "done"
 
 
+def scripted(pid: int) -> None:
+    """The fake driver's pids as a process table: each its own root (no parent), so 5151 is a
+    stranger rather than a process the daemon cannot read (whose share would be unknown)."""
+    return None
+
+
 class Reference:
     """The training families built through prometheus_client, family by family, from the
     same states: the referee the collector's own lines are held against."""
 
     def __init__(self, store: IngestStore, snapshot, shares: GpuShares) -> None:
-        self._store, self._snapshot, self._owners = store, snapshot, Owners()
+        self._store, self._snapshot, self._owners = store, snapshot, Owners(scripted)
         self._shares = shares  # the busy seconds accumulated: written here, not counted
 
     def _families(self):
@@ -169,7 +175,7 @@ def test_training_lines_are_what_prometheus_client_writes_in_both_formats():
     finish_a_profile(store, "alpha", "3", trace='/tmp/a "quoted" \\ path.pt.trace.json.gz')
     store.count(200)
     store.count(429)
-    collector = TrainingCollector(store, lambda: sampler.snapshot)
+    collector = TrainingCollector(store, lambda: sampler.snapshot, Owners(scripted))
     registry = CollectorRegistry()
     registry.register(Reference(store, lambda: sampler.snapshot, collector.shares))
     for _ in range(2):  # the second time from the per-rank cache

@@ -183,7 +183,7 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
         serve_in_thread,
     )
     from exporter.serving.status import StatusView
-    from exporter.serving.training import GpuShares
+    from exporter.serving.training import GpuShares, Owners
 
     setup_logging(settings["log.level"])
     try:
@@ -226,7 +226,9 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
         signal.signal(signal.SIGHUP, _hangup)
     sampler = Sampler(backend, host, settings["sampler.interval"], settings.collectors)
     peaks = PeakTable(settings["gpu.peak-flops"])
-    shares = GpuShares()  # each rank's busy seconds per GPU: for /metrics and the history
+    # each rank's busy seconds per GPU: for /metrics and the history
+    shares = GpuShares(Owners(read=backend.host_process)) if isinstance(backend, DemoBackend) \
+        else GpuShares()
     history = History(settings["status.window"], peaks=peaks, instance=socket.gethostname(),
                       shares=shares)
     status = StatusView(history, thresholds, lambda: sampler.gpu_error, backend.name,

@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from exporter.reading.host_processes import read_stat
+
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -29,6 +31,10 @@ class ProcessTree:
 
             self._psutil = psutil
         self._last: dict[int, tuple[float, float]] = {}  # pid -> (cpu seconds, read bytes)
+        # clock ticks after boot (the same in every PID namespace): with the pid, it names
+        # this process to a daemon that sees the host's pids (NVML's)
+        stat = read_stat(pid, self._proc) if self._use_proc else None
+        self.start_time = None if stat is None else stat[1]
         self.cpu_seconds = 0.0
         self.read_bytes = 0.0
 
@@ -43,8 +49,11 @@ class ProcessTree:
             rss += resident
             seen[pid] = (cpu, read)
         self._last = seen
-        return {"cpu_seconds": self.cpu_seconds, "resident_memory_bytes": rss,
-                "read_bytes": self.read_bytes, "pid": self.pid}
+        out: dict[str, float] = {"cpu_seconds": self.cpu_seconds, "resident_memory_bytes": rss,
+                                 "read_bytes": self.read_bytes, "pid": self.pid}
+        if self.start_time is not None:
+            out["start_time"] = self.start_time
+        return out
 
     # -- /proc ------------------------------------------------------------------------------
 

@@ -568,10 +568,12 @@ class HostOverheadBound(Heuristic):
     summary = "A training run's GPUs idle on host-side work, not on data."
     advice = ("Move post-processing to a background thread, do it every N steps, keep metrics "
               "on the GPU, avoid .item() or other synchronisation in every step.")
-    fires_when = ("GPU busy < {gpu_busy_low} with data wait < {input_bound}, or a phase of the "
-                  "step (not evaluation, checkpoint, start-up) > {phase_dominates} the rest of "
-                  "it")
-    why = ("The GPUs idle although the run barely waits for data, or a phase of the step "
+    fires_when = ("the rank's GPUs' busy time added up < {gpu_busy_low} with data wait < "
+                  "{input_bound}, or a phase of the step (not evaluation, checkpoint, start-up) "
+                  "> {phase_dominates} the rest of it")
+    why = ("The GPUs idle although the run barely waits for data (their busy time added up: "
+           "one process driving four GPUs as pipeline stages, one busy at every moment, is a "
+           "pipeline, not host overhead), or a phase of the step "
            "(callbacks, logging) takes more than {phase_dominates} the rest of it, that is "
            "over {phase_share} of the step (a TensorFlow performance study's post-processing "
            "case: GPU 46 % busy, 43 samples/s; Keras warns of a callback slow against the "
@@ -590,7 +592,10 @@ class HostOverheadBound(Heuristic):
 
     def rules(self, q: Q) -> list[dict]:
         t, share = q.t, self.derived(q.t)["phase_share"]
-        return [self.rule(q, "warning", f"""({q.rank_busy} < {t['gpu_busy_low']}
+        # the rank's GPUs added up: a process driving several GPUs (pipeline stages,
+        # device_map="auto") keeps one busy at a time, which is no host overhead
+        return [self.rule(q, "warning", f"""(clamp_max(sum by ({q.rank}) ({q.busy}), 1)
+              < {t['gpu_busy_low']}
               and on ({q.rank}) {q.wait} < {t['input_bound']})
             or on ({q.rank}) (run_rank:gputrain_training_step_phase_ratio:max_rate5m > {share:g})""",
             f"""{q.who}: its GPUs are idle although it barely waits for data, or a phase of the
@@ -602,9 +607,11 @@ class HostOverheadBound(Heuristic):
         heavy = max(in_step.items(), key=lambda kv: kv[1], default=None)
         if heavy is not None and heavy[1] > self.derived(t)["phase_share"]:
             return f"phase '{heavy[0]}' takes {percent(heavy[1])} of each step"
-        busy = mean([g.busy for g in r.gpus])
+        known = [g.busy for g in r.gpus if g.busy is not None]
+        busy = min(1.0, sum(known)) if known else None  # the rank's GPUs added up
         if _v(busy, "<", t["gpu_busy_low"]) and _v(r.data_wait_ratio, "<", t["input_bound"]):
-            return f"GPU busy {percent(busy)}, data wait only {percent(r.data_wait_ratio)}"
+            what = "GPU busy" if len(known) == 1 else f"its {len(known)} GPUs busy, added up,"
+            return f"{what} {percent(busy)}, data wait only {percent(r.data_wait_ratio)}"
         return None
 
 
@@ -959,7 +966,8 @@ class GPUUnderutilized(Heuristic):
     severity, for_ = "info / warning", "10m"
     summary = "A training run leaves its GPU mostly idle."
     advice = ("Find the stage that starves it: the other GpuTrain alerts for this run say "
-              "which.")
+              "which. A rank driving several GPUs as pipeline stages leaves each idle in its "
+              "bubbles: more micro-batches per step fill them.")
     fires_when = "a rank's GPU busy < {gpu_busy_target} / < {gpu_busy_low} for {for}"
     why = ("A GPU that a run uses was busy (any kernel running) less than {gpu_busy_target} "
            "of the time over {rate_window} (info), or less than {gpu_busy_low} (warning). A "
@@ -967,7 +975,9 @@ class GPUUnderutilized(Heuristic):
            "TensorFlow performance study calls anything under 90 % wasted money. This is the "
            "symptom: the other GpuTrain alerts on the same run say which stage starves the "
            "GPU. The info tier covers the warning's range, so a GPU hovering at "
-           "{gpu_busy_low} keeps alerting.")
+           "{gpu_busy_low} keeps alerting. A rank's GPUs are every GPU NVML lists its "
+           "processes on (one process may drive several: device_map=\"auto\", pipeline "
+           "stages), each judged; a GPU no run uses is idle capacity, never a run's.")
     confirm = ("run_rank_gpu:gputrain_gpu_busy_ratio:rate5m",)
     panel = ('GpuTrain / Overview, the Runs table sorted by GPU busy; then GpuTrain / Run, '
              'panel "GPU busy" ({gpu_busy_low} and {gpu_busy_target} lines), and the panels '

@@ -8,6 +8,7 @@ ever sees :class:`GpuIdentity` and :class:`GpuSample`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import re
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 
 from exporter.reading import nvml as fi
 from exporter.reading.gpu_metrics import DEMO_GAUGES, MIB, ONE_CALL, PCIE_LANE_BYTES_PER_SECOND
+from exporter.reading.host_processes import HostProcess, find_host_pid, read_process
 from exporter.reading.nvml import (
     VALUE_MEMBER,
     VALUE_TYPE_MODULUS,
@@ -49,6 +51,7 @@ VIOLATION_POLICIES = {
 THROTTLE_SLACK = (1.05, 50e6)
 # nvml.h: GPM samples must be over 100 ms apart; the 10 ms more cover the calls' own latency
 GPM_MIN_INTERVAL_SECONDS = 0.11
+NO_INSTANCE = 0xFFFFFFFF  # an event's gpuInstanceId when it is no MIG device's
 MIG_RESCAN_SECONDS = 60.0  # MIG devices created without a handle going stale are found so
 
 GPM_METRICS = {
@@ -143,6 +146,11 @@ class GpuSample:
     # per-process samples since the last reading; a pid without a new sample is absent. None
     # where the source gives no per-process samples at all (unsupported, MIG)
     process_utilization: dict[int, tuple[float, float | None]] | None = None
+    # pid -> (SM busy, memory busy) seconds its samples since the last reading stand for,
+    # each weighted by the driver's sample period (from their timestamps), not by the
+    # sampler's cycle: NVML's period can be longer than a cycle. None: the sampler weights
+    # process_utilization by the seconds between readings (the demo)
+    process_seconds: dict[int, tuple[float, float]] | None = None
     nvlink_rx_counter_bytes: float | None = None  # cumulative, all links (field values)
     nvlink_tx_counter_bytes: float | None = None
     nvlink_rx_bytes_per_second: float | None = None  # or rates (GPM)
@@ -198,6 +206,7 @@ class _NvmlDevice:
         self.parent_handle = parent_handle
         self.gpu_instance_id = gpu_instance_id
         self.last_sample_timestamp_us = 0
+        self.mig_mode: int | None = None  # NVML's current MIG mode, as last read
         self.reset()
 
     def reset(self) -> None:
@@ -213,6 +222,11 @@ class _NvmlDevice:
         self.throttle_source: dict[str, str] = {}  # reason -> "field" or "violation"
         self.nvlink_present = 0
         self.process_seen_us = 0  # the newest per-process utilisation sample read
+        self.process_last_us: dict[int, int] = {}  # pid -> its newest sample's timestamp
+        # NVML's per-process sample period, microseconds: the shortest gap seen between two
+        # samples of one process (a process busy in consecutive periods); None until seen
+        self.process_period_us: int | None = None
+        self.process_read_at: float | None = None  # when the samples were last read
 
 
 def _link(gen: Any, width: Any) -> float | None:
@@ -234,6 +248,7 @@ class NvmlBackend:
         self._devices: dict[str, _NvmlDevice] = {}
         self._event_set: Any = None
         self._event_lock = threading.Lock()
+        self._xid_registered: dict[str, Any] = {}  # GPU index -> the handle registered
         self._memory_variants: tuple[tuple[str, dict], ...] = (("nvmlDeviceGetMemoryInfo", {}),)
         self._mig_stale = False
         self._next_mig_scan = 0.0
@@ -286,7 +301,18 @@ class NvmlBackend:
         """List the MIG devices of GPU ``index`` as NVML has them now (not yet registered)."""
         nv = self.nvml
         mode = nv.call("nvmlDeviceGetMigMode", handle, device=index, query="mig_mode")
-        if not mode or int(mode[0]) != 1:
+        current = None if not mode else int(mode[0])
+        parent = self._devices.get(index)
+        if parent is not None and current is not None and current != parent.mig_mode:
+            if parent.mig_mode is not None:
+                # what NVML refused in the old mode (utilisation, per-process samples, ECC in
+                # MIG mode) may answer now, and what it answered may not
+                log.info("GPU %s: MIG mode %s", index, "on" if current == 1 else "off")
+                self._free_gpm(parent)
+                parent.reset()
+                nv.forget(index)
+            parent.mig_mode = current
+        if current != 1:
             return []
         out = []
         for j in range(nv.call("nvmlDeviceGetMaxMigDeviceCount", handle, device=index) or 0):
@@ -393,7 +419,7 @@ class NvmlBackend:
                 used = getattr(p, "usedGpuMemory", None)
                 if used is not None and used < NVML_VALUE_NOT_AVAILABLE:
                     s.process_memory[int(p.pid)] = s.process_memory.get(int(p.pid), 0.0) + used
-        s.process_utilization = self._process_utilization(dev)
+        s.process_utilization, s.process_seconds = self._process_utilization(dev, s.timestamp)
         return s
 
     def _one_call_readings(self, dev: _NvmlDevice, s: GpuSample) -> None:
@@ -427,26 +453,48 @@ class NvmlBackend:
         rates = nv.call("nvmlDeviceGetUtilizationRates", dev.handle, device=key)
         return None if rates is None else _ratio(rates.gpu)
 
-    def _process_utilization(self, dev: _NvmlDevice) -> \
-            dict[int, tuple[float, float | None]] | None:
+    def _process_utilization(self, dev: _NvmlDevice, now: float) -> tuple[
+            dict[int, tuple[float, float | None]] | None, dict[int, tuple[float, float]] | None]:
         """pid -> (SM busy ratio, memory-bandwidth ratio): the means of NVML's per-process
         samples newer than the last one read (NVML gives one per sample period to a process
-        that had some utilisation in it). NOT_FOUND (no new sample) reads as no pid; an
-        unsupported call (asked once) as None. Dropped, as nvtop drops them (its issue 110,
-        real drivers): samples not newer than the timestamp asked for, values over 100 %,
-        pid 0."""
+        that had some utilisation in it), and pid -> the busy seconds they stand for: each
+        sample weighted by the sample period (the shortest gap between two samples of one
+        process; the seconds since the last reading shared out while it is unknown). NOT_FOUND
+        (no new sample) reads as no pid; an unsupported call (asked once) as None. Dropped, as
+        nvtop drops them (its issue 110, real drivers): samples not newer than the timestamp
+        asked for, values over 100 %, pid 0."""
         key = dev.identity.index
         got = self.nvml.call_versioned(PROCESS_UTILIZATION_VARIANTS, dev.handle,
                                        dev.process_seen_us, device=key)
         if got is None and self.nvml.none_answers(PROCESS_UTILIZATION_VARIANTS, device=key):
-            return None
+            return None, None
         since, fresh = dev.process_seen_us, {}
         for x in got or ():
             if x.timeStamp > since and x.pid and x.smUtil <= 100 and x.memUtil <= 100:
-                fresh.setdefault(int(x.pid), []).append((x.smUtil, x.memUtil))
+                fresh.setdefault(int(x.pid), []).append((int(x.timeStamp), x.smUtil, x.memUtil))
                 dev.process_seen_us = max(dev.process_seen_us, int(x.timeStamp))
-        return {pid: (_ratio(sum(sm for sm, _ in v) / len(v)),
-                      _ratio(sum(mem for _, mem in v) / len(v))) for pid, v in fresh.items()}
+        for pid, v in fresh.items():
+            v.sort()
+            last = dev.process_last_us.get(pid)
+            stamps = [*([last] if last else []), *(t for t, _, _ in v)]
+            gaps = [b - a for a, b in itertools.pairwise(stamps) if b > a]
+            if gaps:
+                shortest = min(gaps)
+                dev.process_period_us = shortest if dev.process_period_us is None \
+                    else min(dev.process_period_us, shortest)
+            dev.process_last_us[pid] = v[-1][0]
+        dt = 0.0 if dev.process_read_at is None else max(0.0, now - dev.process_read_at)
+        dev.process_read_at = now
+        dev.process_last_us = {p: t for p, t in dev.process_last_us.items()
+                               if p in fresh or t > dev.process_seen_us - 60_000_000}
+        seconds = {}
+        for pid, v in fresh.items():
+            weight = dev.process_period_us / 1e6 if dev.process_period_us else dt / len(v)
+            seconds[pid] = (sum(_ratio(sm) for _, sm, _ in v) * weight,
+                            sum(_ratio(mem) for _, _, mem in v) * weight)
+        means = {pid: (_ratio(sum(sm for _, sm, _ in v) / len(v)),
+                       _ratio(sum(mem for _, _, mem in v) / len(v))) for pid, v in fresh.items()}
+        return means, seconds
 
     def _pcie_link(self, dev: _NvmlDevice, s: GpuSample) -> None:
         """The link's capacity at its best (the denominator of the host-to-device rule: a link
@@ -691,8 +739,12 @@ class NvmlBackend:
                      device=key)
         tx = nv.call("nvmlDeviceGetPcieThroughput", dev.handle, lib.NVML_PCIE_UTIL_TX_BYTES,
                      device=key)
-        if rx is not None and tx is not None:  # KB/s
-            s.pcie_rx_bytes_per_second, s.pcie_tx_bytes_per_second = rx * 1000.0, tx * 1000.0
+        if rx is not None and tx is not None:  # KB/s in nvml.h, KiB/s as nvitop reads it
+            s.pcie_rx_bytes_per_second, s.pcie_tx_bytes_per_second = rx * 1024.0, tx * 1024.0
+            nv._log_once(("pcie_throughput", key), logging.INFO,
+                         "GPU %s: PCIe bytes are estimated from NVML's throughput call, a "
+                         "~20 ms window taken once a cycle and counted for the whole cycle "
+                         "(this driver has no PCIe byte counters or GPM)", key)
 
     # -- recovery and events ---------------------------------------------------------------
 
@@ -715,30 +767,43 @@ class NvmlBackend:
         self._free_gpm(dev)  # the samples of the old handle
         dev.handle = handle
         dev.reset()
+        self.nvml.forget(gpu.index)  # a reset GPU may answer what it refused before
         self._mig_stale = True  # its MIG devices, if any, have new handles too
         return True
 
     def wait_xid(self, timeout_s: float) -> list[tuple[str, int]]:
+        """Xid events of the GPUs, each registered again whenever its handle is new (a GPU
+        that appeared later, reopened or reset: a reset drops the driver's registration); a
+        MIG device's event (its GPU instance id) is counted on that MIG device."""
         nv, lib = self.nvml, self.nvml.lib
         with self._event_lock:
             if self._event_set is None:
                 self._event_set = nv.call("nvmlEventSetCreate", query="xid")
                 if self._event_set is None:
                     return []
-                for index, dev in list(self._devices.items()):  # rescan() may change it
-                    if dev.handle is not None and not dev.identity.parent:
-                        nv.call("nvmlDeviceRegisterEvents", dev.handle,
-                                lib.nvmlEventTypeXidCriticalError, self._event_set,
-                                device=index, query="xid")
+            for index, dev in list(self._devices.items()):  # rescan() may change it
+                if dev.handle is None or dev.identity.parent or \
+                        self._xid_registered.get(index) is dev.handle:
+                    continue
+                nv.call("nvmlDeviceRegisterEvents", dev.handle,
+                        lib.nvmlEventTypeXidCriticalError, self._event_set,
+                        device=index, query="xid")
+                self._xid_registered[index] = dev.handle
         data = nv.call("nvmlEventSetWait_v2", self._event_set, int(timeout_s * 1000),
                        query="xid_wait")
         if data is None:
             return []
         uuid = _text(nv.call("nvmlDeviceGetUUID", data.device, query="xid_uuid") or "")
-        for index, dev in list(self._devices.items()):
-            if dev.identity.uuid == uuid:
-                return [(index, int(data.eventData))]
-        return []
+        instance = getattr(data, "gpuInstanceId", NO_INSTANCE)
+        devices = list(self._devices.items())
+        parent = next((i for i, d in devices if d.identity.uuid == uuid), None)
+        if parent is None:
+            return []
+        if instance != NO_INSTANCE:
+            for index, dev in devices:
+                if dev.identity.parent == parent and dev.gpu_instance_id == instance:
+                    return [(index, int(data.eventData))]
+        return [(parent, int(data.eventData))]
 
     def close(self) -> None:
         for dev in list(self._devices.values()):
@@ -788,6 +853,7 @@ class DemoBackend:
         self._rates: dict[tuple, tuple[float, float, float]] = {}  # rank -> (at, compute, busy)
         self._work: tuple[float, dict[str, dict[int, float]]] = (-1.0, {})
         self._work_lock = threading.Lock()
+        self._host_pids: dict[tuple[int, int], int] = {}  # (pushed pid, start) -> host pid
 
     def follow(self, ranks: Callable[[], Iterable[Any]]) -> None:
         """Attach the training processes that push to this daemon to demo GPUs, as NVML
@@ -839,12 +905,36 @@ class DemoBackend:
                     mine = [str(n % self.gpus)]
                 key = (st.run, st.rank, st.run_id)
                 rates[key] = share = self._busy_share(key, st, now)
+                pid = self._host_pid(st)
                 for index in mine:
                     on = work.setdefault(index, {})
-                    on[st.pid] = on.get(st.pid, 0.0) + share[2] / len(mine)
+                    on[pid] = on.get(pid, 0.0) + share[2] / len(mine)
             self._rates = rates
+            live = {(st.pid, st.start_time) for st in self._ranks()}
+            self._host_pids = {k: v for k, v in self._host_pids.items() if k in live}
             self._work = (now, work)
             return work
+
+    def _host_pid(self, st: Any) -> int:
+        """The pid NVML would list for a rank: the host's, found from the pid the rank pushed
+        (its own, inside its PID namespace) and its start time; the pushed pid where the
+        host process cannot be found (no start time pushed, or not on this /proc)."""
+        if st.start_time is None:
+            return int(st.pid)
+        ref = (int(st.pid), int(st.start_time))
+        if ref not in self._host_pids:
+            found = find_host_pid(*ref)
+            if found is None:
+                return ref[0]  # not cached: the process may show up by the next cycle
+            self._host_pids[ref] = found
+        return self._host_pids[ref]
+
+    def host_process(self, pid: int) -> HostProcess | None:
+        """The host process ``pid`` (see host_processes.read_process), and the demo's own
+        process no rank owns, which exists only here."""
+        if pid == self.FOREIGN_PID:
+            return HostProcess(pid, pid, 0, None)
+        return read_process(pid)
 
     def _busy_share(self, key: tuple, st: Any, now: float) -> tuple[float, float, float]:
         compute = max(0.0, st.step_seconds - st.data_wait_seconds)

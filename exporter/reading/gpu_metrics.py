@@ -292,7 +292,8 @@ GPU_METRICS: tuple[GpuMetric, ...] = (
         "host-to-device: GPM `PCIE_RX_PER_SEC` x time where GPM works (Hopper and newer), else "
         "field `NVML_FI_DEV_PCIE_COUNT_RX_BYTES` (driver 555 and newer; a 32-bit counter is "
         "followed across its wraps while the link cannot carry 4 GiB between two readings), "
-        "else `nvmlDeviceGetPcieThroughput` x time",
+        "else `nvmlDeviceGetPcieThroughput` (KiB/s) x time: one ~20 ms window a cycle, an "
+        "estimate the log says it uses",
         attr="pcie_rx_bytes"),
     GpuMetric(
         "gputrain_gpu_pcie_transmitted_bytes_total", "counter", "bytes",

@@ -121,11 +121,16 @@ def _integrate_processes(st: GpuState, sample: GpuSample, dt: float) -> None:
     """Add each process's busy seconds since the last reading (its utilisation ratios over the
     ``dt`` seconds seen) to its counters; forget the processes that left the GPU."""
     shares = sample.process_utilization or {}
-    for pid, (sm, memory) in shares.items():
-        st.process_busy_seconds[pid] = st.process_busy_seconds.get(pid, 0.0) + sm * dt
-        if memory is not None:
+    if sample.process_seconds is not None:  # weighted by the source's own sample period
+        added: dict[int, tuple[float, float | None]] = dict(sample.process_seconds)
+    else:
+        added = {pid: (sm * dt, None if memory is None else memory * dt)
+                 for pid, (sm, memory) in shares.items()}
+    for pid, (sm_s, memory_s) in added.items():
+        st.process_busy_seconds[pid] = st.process_busy_seconds.get(pid, 0.0) + sm_s
+        if memory_s is not None:
             st.process_memory_busy_seconds[pid] = \
-                st.process_memory_busy_seconds.get(pid, 0.0) + memory * dt
+                st.process_memory_busy_seconds.get(pid, 0.0) + memory_s
     here = {*sample.pids, *shares}
     for counters in (st.process_busy_seconds, st.process_memory_busy_seconds):
         for pid in [p for p in counters if p not in here]:

@@ -423,7 +423,8 @@ class History:
                     rep.rss_growth_1h = _deriv(rss, snap.timestamp - RSS_SECONDS)
                     rep.rss_growth_15m = _deriv(rss, snap.timestamp - LEAK_MIN_SECONDS)
             peak = 0.0
-            for index_, uuid in resolve_gpus(st, index):
+            for index_, uuid in resolve_gpus(st, index,
+                                             self.shares.listed.get((st.run, st.rank), ())):
                 entry = rank_gpus.get(uuid or index_)
                 if entry is None:
                     continue

@@ -78,7 +78,8 @@ class RankState:
     # CLOCK_TOLERANCE_SECONDS); its timestamps are moved by it
     clock_skew: float = 0.0
     process: dict[str, float] = field(default_factory=dict)
-    pid: int | None = None
+    pid: int | None = None  # as the rank's process sees itself (inside its PID namespace)
+    start_time: int | None = None  # the process's start, clock ticks after boot
     gpus: tuple[str, ...] = ()
     capabilities: tuple[str, ...] = ()  # what the client understands in a push answer
     profile_report: dict[str, Any] | None = None  # the client's state of a profile, this push
@@ -228,6 +229,8 @@ def _parse_process(body: dict, st: RankState) -> None:
             st.process[key] = v
     pid = _number(proc, "pid", integer=True, required=False, where="process.")
     st.pid = None if pid is None else int(pid)
+    start = _number(proc, "start_time", integer=True, required=False, where="process.")
+    st.start_time = None if start is None else int(start)
 
 
 def _parse_gpus(body: dict, st: RankState) -> None:

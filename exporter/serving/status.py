@@ -212,6 +212,7 @@ class StatusView:
             "backend": self.backend,
             "driver_version": self._driver() or None,
             "gpu_error": self._gpu_error(),
+            "attribution": attribution_note(h.shares.unresolved),
             "window_seconds": h.window,
             "seconds_seen": h.seconds_seen(),
             "host": {
@@ -237,6 +238,19 @@ class StatusView:
             "profiles": [_shown(p.document(brief=True), self.guarded)
                          for p in self.profiles.recent(10)] if self.profiles else [],
         }
+
+
+def attribution_note(unresolved: dict[tuple[str, str], int]) -> dict[str, Any] | None:
+    """None where every GPU process could be read on the host, else how many could not and
+    the fix: their GPU shares are unknown (not zero) and no GPU of theirs is called shared."""
+    if not unresolved:
+        return None
+    return {"unresolved_processes": sum(unresolved.values()),
+            "gpus": sorted(gpu for gpu, _ in unresolved),
+            "note": "GPU processes this daemon cannot read in /proc (it does not run in the "
+                    "host's PID namespace, or a sandbox hides it): their ranks' GPU shares "
+                    "are unknown. Run the daemon with hostPID: true (Kubernetes) or "
+                    "--pid=host / pid: host (Docker, compose)."}
 
 
 def _shown(profile: dict[str, Any], guarded: bool) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 from prometheus_client.core import (
@@ -24,6 +24,7 @@ from prometheus_client.core import (
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
+from exporter.reading.host_processes import HostProcess, read_process
 from exporter.reading.sampler import CollectorStatus, Snapshot
 from exporter.serving.ingest import IngestStore, RankState
 
@@ -37,6 +38,9 @@ class GpuIndex:
 
     def __init__(self, snap: Snapshot) -> None:
         self.by_uuid = {g.identity.uuid: g.identity.index for g in snap.gpus if g.identity.uuid}
+        # a UUID without its "GPU-"/"MIG-" prefix: what identifies the device (a rank on a MIG
+        # slice may push the slice's UUID as "GPU-...", as torch names every device)
+        self.by_body = {uuid_body(u): (i, u) for u, i in self.by_uuid.items()}
         self.by_index = {g.identity.index: g.identity.uuid for g in snap.gpus}
         self.by_pid: dict[int, list[tuple[str, str]]] = {}
         for g in snap.gpus:
@@ -44,54 +48,94 @@ class GpuIndex:
                 self.by_pid.setdefault(pid, []).append((g.identity.index, g.identity.uuid))
 
 
-def resolve_gpus(st: RankState, gpus: Snapshot | GpuIndex) -> list[tuple[str, str]]:
-    """(gpu index, uuid) pairs a rank uses: from its pushed UUIDs or indices, else from the
-    GPUs whose NVML process list holds its pid. Only GPUs this node has are returned."""
+def uuid_body(ref: str) -> str:
+    """A device UUID without its ``GPU-`` or ``MIG-`` prefix (an index stays as it is)."""
+    return ref[4:].lower() if ref[:4] in ("GPU-", "MIG-") else ref
+
+
+def resolve_gpus(st: RankState, gpus: Snapshot | GpuIndex,
+                 listed: Iterable[tuple[str, str]] = ()) -> list[tuple[str, str]]:
+    """(gpu index, uuid) pairs a rank uses: its pushed UUIDs or indices (torch's current
+    device), and every GPU whose NVML process list holds its process or a descendant
+    (``listed``, as :class:`Owners` joins them: one process may drive several GPUs, as
+    device_map="auto" or pipeline stages in one process do); else the GPUs that list its pid.
+    Only GPUs this node has are returned."""
     idx = gpus if isinstance(gpus, GpuIndex) else GpuIndex(gpus)
     out: list[tuple[str, str]] = []
     for ref in st.gpus:
         if ref in idx.by_uuid:
             out.append((idx.by_uuid[ref], ref))
+        elif uuid_body(ref) in idx.by_body:
+            out.append(idx.by_body[uuid_body(ref)])
         elif ref in idx.by_index:
             out.append((ref, idx.by_index[ref]))
+    for key in sorted(listed, key=lambda k: (len(k[0]), k)):
+        if key not in out and idx.by_index.get(key[0]) == key[1]:
+            out.append(key)
     if not out and st.pid is not None:
         out = list(idx.by_pid.get(st.pid, ()))
     return out
 
 
-def _ppid(pid: int) -> int | None:
-    """The parent of ``pid`` (psutil, from /proc), or None when it cannot be read."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).ppid()
-    except (psutil.Error, OSError):
-        return None
-
-
 GpuKey = tuple[str, str]  # (gpu index, uuid)
+RankKey = tuple[str, str]  # (run, rank)
+UNRESOLVED = ("", "")  # a process this daemon cannot read: whose it is, is unknown
+
+log = logging.getLogger(__name__)
+
+
+class RankProcesses:
+    """The pushed ranks by what names their process on the host: the pid the process sees
+    and its start time (both pushed), matched to a host process's ``NSpid`` and start time;
+    a rank whose client pushes no start time (before 0.9) by its pid taken as the host's."""
+
+    def __init__(self, states: list[RankState]) -> None:
+        self.by_start: dict[tuple[int, int], RankKey] = {}
+        self.by_pid: dict[int, RankKey] = {}
+        for st in states:
+            if st.pid is None:
+                continue
+            if st.start_time is None:
+                self.by_pid[st.pid] = (st.run, st.rank)
+            else:
+                self.by_start[(st.pid, st.start_time)] = (st.run, st.rank)
+
+    def match(self, p: HostProcess) -> RankKey | None:
+        """The rank whose process ``p`` is, if any."""
+        if p.start_ticks is not None:
+            hit = self.by_start.get((p.ns_pid, p.start_ticks))
+            if hit is not None:
+                return hit
+        return self.by_pid.get(p.pid)
 
 
 class Owners:
-    """Which rank holds each process on a GPU: the one whose pushed pid is the process or an
-    ancestor of it (a launcher's child, a compile or DataLoader worker that touched CUDA). A
-    process's parent is read once (psutil) and kept while the process is on a GPU. Pids are
-    never labels: they only join NVML's process list to the pushed ranks. One instance serves
-    the page thread and the sampler's (thread-safe)."""
+    """Which rank holds each process on a GPU: the one whose process (see
+    :class:`RankProcesses`) is the process or an ancestor of it on the host (a launcher's
+    child, a compile or DataLoader worker that touched CUDA). A process is read once (its
+    ``/proc`` entry) and kept while it is on a GPU. A process this daemon cannot read (no
+    hostPID, a sandbox) is :data:`UNRESOLVED`: neither a rank's nor a stranger's. Pids are never
+    labels: they only join NVML's process list to the pushed ranks. One instance serves the
+    page thread and the sampler's (thread-safe)."""
 
     MAX_DEPTH = 16
 
-    def __init__(self, parent_of: Callable[[int], int | None] = _ppid) -> None:
-        self._parent_of = parent_of
-        self._parents: dict[int, int | None] = {}
+    def __init__(self, parent_of: Callable[[int], int | None] | None = None,
+                 read: Callable[[int], HostProcess | None] = read_process) -> None:
+        if parent_of is not None:  # a scripted process tree without namespaces
+            def read(pid: int) -> HostProcess:
+                return HostProcess(pid, pid, parent_of(pid) or 0, None)
+        self._read = read
+        self._procs: dict[int, HostProcess | None] = {}
         self._lock = threading.Lock()
 
     def attribute(self, snap: Snapshot, states: list[RankState]) -> tuple[
-            dict[tuple[str, str], dict[GpuKey, float]], dict[GpuKey, tuple[int, float]]]:
+            dict[RankKey, dict[GpuKey, float]], dict[GpuKey, tuple[int, float]]]:
         """Bytes each (run, rank) holds per GPU, and per GPU the count and bytes of the
-        processes no rank owns. The parents of processes no longer on any GPU are forgotten."""
-        by_pid = {st.pid: (st.run, st.rank) for st in states if st.pid is not None}
-        ranks: dict[tuple[str, str], dict[GpuKey, float]] = {}
+        processes no rank owns (those that cannot be read left out: unknown). The processes no
+        longer on any GPU are forgotten."""
+        keys = RankProcesses(states)
+        ranks: dict[RankKey, dict[GpuKey, float]] = {}
         others: dict[GpuKey, tuple[int, float]] = {}
         seen: set[int] = set()
         with self._lock:
@@ -99,35 +143,45 @@ class Owners:
                 if not g.up or g.sample is None:
                     continue
                 key = (g.identity.index, g.identity.uuid)
-                count, held = 0, 0.0
+                count, held, unknown = 0, 0.0, 0
                 for pid in dict.fromkeys((*g.sample.pids, *g.sample.process_memory)):
                     used = g.sample.process_memory.get(pid, 0.0)
-                    owner = self._owner(pid, by_pid, seen)
-                    if owner is None:
+                    owner = self._owner(pid, keys, seen)
+                    if owner is UNRESOLVED:
+                        unknown += 1
+                    elif owner is None:
                         count, held = count + 1, held + used
                     else:
                         mine = ranks.setdefault(owner, {})
                         mine[key] = mine.get(key, 0.0) + used
-                others[key] = (count, held)
-            self._parents = {pid: ppid for pid, ppid in self._parents.items() if pid in seen}
+                if not unknown or count:
+                    others[key] = (count, held)
+            self._procs = {pid: p for pid, p in self._procs.items() if pid in seen}
         return ranks, others
 
-    def owner(self, pid: int, by_pid: dict) -> tuple[str, str] | None:
-        """The (run, rank) whose pushed pid (``by_pid``) is ``pid`` or an ancestor of it."""
+    def owner(self, pid: int, keys: RankProcesses) -> RankKey | None:
+        """The (run, rank) whose process is ``pid`` or an ancestor of it; :data:`UNRESOLVED`
+        where ``pid`` cannot be read."""
         with self._lock:
-            return self._owner(pid, by_pid, set())
+            return self._owner(pid, keys, set())
 
-    def _owner(self, pid: int, by_pid: dict, seen: set[int]) -> tuple[str, str] | None:
-        for _ in range(self.MAX_DEPTH):
+    def _owner(self, pid: int, keys: RankProcesses, seen: set[int]) -> RankKey | None:
+        if pid in keys.by_pid:  # needs no /proc: a client that pushes the host's pid
             seen.add(pid)
-            if pid in by_pid:
-                return by_pid[pid]
-            if pid not in self._parents:
-                self._parents[pid] = self._parent_of(pid)
-            parent = self._parents[pid]
-            if parent is None or parent <= 1:
+            return keys.by_pid[pid]
+        for depth in range(self.MAX_DEPTH):
+            seen.add(pid)
+            if pid not in self._procs:
+                self._procs[pid] = self._read(pid)
+            p = self._procs[pid]
+            if p is None:
+                return UNRESOLVED if depth == 0 else None
+            hit = keys.match(p)
+            if hit is not None:
+                return hit
+            if p.ppid <= 1:
                 return None
-            pid = parent
+            pid = p.ppid
         return None
 
 
@@ -156,32 +210,57 @@ class GpuShares:
         self._ranks: dict[tuple[str, str], dict[GpuKey, tuple[float, float]]] = {}
         self._others: dict[GpuKey, tuple[float, float]] = {}
         self._by_cycle: dict[int, Totals] = {}
+        self.unresolved: dict[GpuKey, int] = {}  # per GPU, its processes none can read
+        self.listed: dict[RankKey, set[GpuKey]] = {}  # the GPUs NVML lists a rank's processes on
+        self._warned = False
 
     def observe(self, snap: Snapshot, states: list[RankState]) -> None:
         """Count the busy seconds the processes added since the last snapshot observed."""
         with self._lock:
             if snap.cycle <= self._cycle:
                 return
-            by_pid = {st.pid: (st.run, st.rank) for st in states if st.pid is not None}
+            keys = RankProcesses(states)
             live = {(st.run, st.rank) for st in states}
             # built aside and taken at once: a failure half-way counts nothing twice
             ranks = {k: dict(v) for k, v in self._ranks.items() if k in live}
             others = dict(self._others)
             last: dict[tuple[GpuKey, int], tuple[float, float]] = {}
+            unresolved: dict[GpuKey, int] = {}
+            listed: dict[RankKey, set[GpuKey]] = {}
             for g in snap.gpus:
                 key = (g.identity.index, g.identity.uuid)
+                pids = g.sample.pids if g.sample is not None else ()
+                owner_of = {pid: self.owners.owner(pid, keys)
+                            for pid in dict.fromkeys((*pids, *g.process_busy_seconds))}
+                for o in owner_of.values():
+                    if o is not None and o is not UNRESOLVED:
+                        listed.setdefault(o, set()).add(key)
+                if unknown := sum(o is UNRESOLVED for o in owner_of.values()):
+                    unresolved[key] = unknown
                 if g.sample is not None and g.sample.process_utilization is not None:
-                    others.setdefault(key, (0.0, 0.0))
+                    if owner_of and all(o is UNRESOLVED for o in owner_of.values()):
+                        others.pop(key, None)  # no process readable: unknown, not zero
+                    else:
+                        others.setdefault(key, (0.0, 0.0))
                 for pid, busy in g.process_busy_seconds.items():
                     now = (busy, g.process_memory_busy_seconds.get(pid, 0.0))
                     before = self._last.get((key, pid), (0.0, 0.0))
                     last[(key, pid)] = now
                     added = (max(0.0, now[0] - before[0]), max(0.0, now[1] - before[1]))
-                    owner = self.owners.owner(pid, by_pid)
+                    owner = owner_of[pid]
+                    if owner is UNRESOLVED:
+                        continue  # whose it is is unknown: never counted as a stranger's
                     held = others if owner is None else ranks.setdefault(owner, {})
                     was = held.get(key, (0.0, 0.0))
                     held[key] = (was[0] + added[0], was[1] + added[1])
             self._cycle, self._last, self._ranks, self._others = snap.cycle, last, ranks, others
+            self.unresolved, self.listed = unresolved, listed
+            if unresolved and not self._warned:
+                self._warned = True
+                log.warning("%d GPU process(es) cannot be read in /proc: their GPU shares are "
+                            "unknown. Run the daemon in the host's PID namespace (Kubernetes "
+                            "hostPID: true, docker --pid=host, compose pid: host).",
+                            sum(unresolved.values()))
             self._by_cycle[snap.cycle] = (ranks, others)
             for old in sorted(self._by_cycle)[:-self.KEEP]:
                 del self._by_cycle[old]
@@ -387,7 +466,8 @@ class TrainingCollector:
         parts.extend(
             (INDEX["gputrain_training_gpu_info"],
              f'gputrain_training_gpu_info{{gpu="{_escape(index)}",precision="{st.precision}",'
-             f'{lbl},uuid="{_escape(uuid)}"}} 1.0\n') for index, uuid in resolve_gpus(st, gpus))
+             f'{lbl},uuid="{_escape(uuid)}"}} 1.0\n')
+            for index, uuid in resolve_gpus(st, gpus, held.get(key, {})))
         parts.extend(
             (INDEX["gputrain_training_gpu_memory_bytes"],
              f'gputrain_training_gpu_memory_bytes{{gpu="{_escape(index)}",{lbl},'

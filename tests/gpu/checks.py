@@ -10,15 +10,22 @@ import re
 POWER_TOLERANCE = 0.10    # relative, against nvidia-smi power.draw
 MEMORY_TOLERANCE = 0.02   # relative, against nvidia-smi memory.used
 UTIL_TOLERANCE = 15.0     # percentage points: NVML's sample buffer average vs an instant
+H2D_BYTES_PER_SAMPLE_RISE = 5.0  # s002-h2d-copy against s003-5-uint8
 GPM_GPUS = re.compile(r"H100|H200|H800|H20|GH200|B100|B200|GB200", re.I)
 
 
-def check(results: list[dict]) -> list[str]:
-    """The failures, one line each; empty when everything holds."""
+def check(results: list[dict], gpu: bool = True) -> list[str]:
+    """The failures, one line each; empty when everything holds. ``gpu`` False (a
+    --cpu-demo run: the demo backend, no nvidia-smi): only the trainers' failures."""
+    if not gpu:
+        return [f"{r['scenario']}: the trainer failed: {r.get('trainer_errors', '')[-300:]}"
+                for r in results if r.get("returncode")]
     failures: list[str] = []
     by_name = {r["scenario"]: r for r in results}
     for r in results:
         name, smi = r["scenario"], r.get("nvidia_smi") or {}
+        if r.get("skipped"):
+            continue  # out of time: said in the summary, not a failure of the exporter
         if r["returncode"]:
             failures.append(f"{name}: the trainer failed: {r['trainer_errors'][-300:]}")
             continue
@@ -57,10 +64,16 @@ def check(results: list[dict]) -> list[str]:
         if x is not None and y is not None and y <= x:
             failures.append(f"MFU did not rise from {a['scenario']} to {b['scenario']}: "
                             f"{x:.3f} -> {y:.3f}")
+    # bytes per sample, not per second: the inflated input also lowers the step rate, and the
+    # seeds' figures give throughputs, not link rates. uint8 images of 3x224x224 are 150 KB a
+    # sample; inflated 20 times (and sent as uint8 too) 3 MB: ask for at least 5 times more
     h2d = by_name.get("s002-h2d-copy")
-    if plain and h2d and (h2d["measured"].get("pcie_rx_bytes_per_second") or 0) <= 2 * (
-            plain["measured"].get("pcie_rx_bytes_per_second") or 0):
-        failures.append("PCIe received bytes did not rise with the ten times larger input")
+    if plain and h2d and not plain.get("skipped") and not h2d.get("skipped"):
+        x = plain["measured"].get("pcie_rx_bytes_per_sample")
+        y = h2d["measured"].get("pcie_rx_bytes_per_sample")
+        if x is None or y is None or y < H2D_BYTES_PER_SAMPLE_RISE * x:
+            failures.append(f"PCIe bytes per sample did not rise {H2D_BYTES_PER_SAMPLE_RISE}x "
+                            f"with the larger input: {x} -> {y}")
     return failures
 
 
@@ -81,3 +94,23 @@ def check_profile(name: str, doc: dict | None) -> list[str]:
     if not any(op["self_device_seconds"] > 0 for op in doc.get("top_ops", [])):
         out.append(f"{name}: no top operator has GPU time")
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python3 tests/gpu/checks.py DIR/summary.json``: the failures of a run, on any machine
+    (the archive of scripts/gpu-proof.sh, unpacked)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    argv = sys.argv[1:] if argv is None else argv
+    summary = json.loads(Path(argv[0]).read_text())
+    failures = check(summary["scenarios"], gpu=not summary.get("cpu_demo"))
+    for failure in failures:
+        print("FAIL:", failure)
+    print(f"{len(failures)} failure(s) in {len(summary['scenarios'])} scenario(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -39,6 +39,9 @@ from gpu.checks import check  # noqa: E402
 from gpu.scenarios import ALL, BY_NAME, CPU_BY_NAME, CPU_DEMO, Scenario  # noqa: E402
 
 # the link's max beside its current state: the exporter's PCIe capacity is the max (issue 28)
+# seconds a scenario takes beyond its training time: the trainer's start (torch, CUDA, the
+# model), its last push and scrape; gpu-proof.sh's timing table measures it
+SCENARIO_OVERHEAD_SECONDS = 25.0
 SMI_FIELDS = ("timestamp", "index", "uuid", "utilization.gpu", "memory.used", "memory.total",
               "power.draw", "enforced.power.limit", "pcie.link.gen.current",
               "pcie.link.width.current", "pcie.link.gen.max", "pcie.link.width.max",
@@ -173,6 +176,7 @@ def summarize(scrapes, run: str, gpu: str, t0: float, t1: float) -> dict[str, An
                  t0, t1)
     flops = _delta(_series(scrapes, "gputrain_training_flops_total", **r), t0, t1)
     wall = _delta(_series(scrapes, "gputrain_training_elapsed_seconds_total", **r), t0, t1)
+    samples = _delta(_series(scrapes, "gputrain_training_samples_total", **r), t0, t1)
     return {
         "gpu_busy": ratio(_delta(_series(scrapes, "gputrain_gpu_busy_seconds_total", **g),
                                  t0, t1), sampled),
@@ -187,10 +191,48 @@ def summarize(scrapes, run: str, gpu: str, t0: float, t1: float) -> dict[str, An
         "power_used": ratio(power, limit),
         "pcie_rx_bytes_per_second": ratio(rx, sampled),
         "pcie_rx_link_used": ratio(ratio(rx, sampled), link),
+        # what a sample costs the link, whatever the step rate: the seeds' cases compare
+        # inputs of different sizes at different throughputs
+        "pcie_rx_bytes_per_sample": ratio(rx, samples),
+        "window_seconds": t1 - t0,
         "host_cpu_busy": _cpu_busy(scrapes, t0, t1),
         "precision": precision,
         "mfu": ratio(ratio(flops, wall), peak),
     }
+
+
+def first_push(scrapes, run: str) -> float | None:
+    """The time of the first scrape that shows the run's steps: before it, the window would
+    hold the trainer's start-up, not its steps."""
+    return next((t for t, samples in scrapes
+                 if any(n == "gputrain_training_steps_total" and dict(labels).get("run") == run
+                        for n, labels in samples)), None)
+
+
+def _arg(args: tuple[str, ...], flag: str, default: str) -> str:
+    return args[args.index(flag) + 1] if flag in args else default
+
+
+def adapt_workers(args: tuple[str, ...], shm_free: float | None) -> tuple[tuple[str, ...], str]:
+    """The scenario's flags with fewer DataLoader workers where ``/dev/shm`` (``shm_free``
+    bytes) cannot hold what they pass: each worker keeps 2 batches in flight (the default
+    prefetch factor), and half of /dev/shm is left to everything else. A small /dev/shm (a
+    container's 64 MiB default) otherwise kills the DataLoader ("bus error"). Returns the flags
+    and a note ("" when unchanged)."""
+    workers = int(_arg(args, "--workers", "0"))
+    if not workers or shm_free is None:
+        return args, ""
+    side = int(_arg(args, "--image-size", "32"))
+    pixel = 1 if "--uint8-transfer" in args else 4
+    batch = int(_arg(args, "--batch-size", "128")) * 3 * side * side \
+        * int(_arg(args, "--h2d-inflate", "1")) * pixel
+    fits = int(shm_free / 2 // (2 * batch))
+    if fits >= workers:
+        return args, ""
+    i = args.index("--workers")
+    new = (*args[:i + 1], str(max(0, fits)), *args[i + 2:])
+    return new, (f"--workers {workers} -> {max(0, fits)}: /dev/shm has {shm_free / 2**20:.0f} "
+                 f"MiB free, a batch is {batch / 2**20:.1f} MiB")
 
 
 def _cpu_busy(scrapes, t0: float, t1: float) -> float | None:
@@ -253,6 +295,11 @@ def compare_with_smi(scrapes, smi_path: Path, gpu: str, t0: float, t1: float) ->
 
 def run_scenario(sc: Scenario, args, exporter_url: str, ingest_url: str, out: Path) -> dict:
     rec_path = out / f"{sc.name}.prom.gz"
+    try:
+        shm_free: float | None = shutil.disk_usage("/dev/shm").free
+    except OSError:
+        shm_free = None
+    flags, adapted = adapt_workers(sc.args, shm_free)
     recorder = Recorder(exporter_url + "/metrics", rec_path)
     smi = SmiSampler(out / f"{sc.name}.smi.csv.gz") if shutil.which("nvidia-smi") else None
     recorder.start()
@@ -263,27 +310,34 @@ def run_scenario(sc: Scenario, args, exporter_url: str, ingest_url: str, out: Pa
            # CUDA's default order is fastest first; NVML's (the exporter's) is PCI bus order
            "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     seconds = sc.seconds or args.seconds
-    cmd = [sys.executable, str(ROOT / "examples" / "pytorch_train.py"), *sc.args,
+    cmd = [sys.executable, str(ROOT / "examples" / "pytorch_train.py"), *flags,
            "--run", sc.name, "--seconds", str(seconds), "--device", args.device]
     started = time.time()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     profile = None
-    if args.profile and seconds > (sc.warmup or args.warmup) + 10:
+    profiled = args.profile and args.profile_only in ("", sc.name)
+    if profiled and seconds > (sc.warmup or args.warmup) + 10:
         # a profile of the running trainer, as `gputrain-exporter profile` asks for one
         time.sleep(sc.warmup or args.warmup)
         try:
             profile = ask(ingest_url, sc.name, "0", 5, timeout=120)
         except Failed as exc:
             profile = {"state": "failed", "error": str(exc)}
-    stdout, stderr = proc.communicate(timeout=seconds + 600)
+    stdout, stderr = proc.communicate(timeout=seconds + 180)
     proc = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     ended = time.time()
     time.sleep(3)  # the client's last push, then one more scrape
+    try:  # whether the daemon could join the trainer's processes (a sandbox may hide them)
+        attribution = requests.get(exporter_url + "/api/v1/status", timeout=10).json().get(
+            "attribution")
+    except (requests.RequestException, ValueError) as exc:
+        attribution = {"error": str(exc)}
     recorder.stop()
     if smi:
         smi.stop()
-    result = {"scenario": sc.name, "args": list(sc.args), "seed": sc.seed,
+    result = {"scenario": sc.name, "args": list(flags), "seed": sc.seed, "adapted": adapted,
+              "attribution": attribution,
               "returncode": proc.returncode, "trainer_output": proc.stdout.strip()[-500:],
               "trainer_errors": proc.stderr.strip()[-2000:] if proc.returncode else "",
               "started": started, "ended": ended, "scrapes": recorder.scrapes,
@@ -293,8 +347,11 @@ def run_scenario(sc: Scenario, args, exporter_url: str, ingest_url: str, out: Pa
              for (n, labels) in samples if n == "gputrain_gpu_info"
              and dict(labels).get("gpu") == args.gpu}
     result["gpu_name"] = next(iter(names - {None}), "")
-    # the exporter's own index of the GPU the trainer used (CUDA_VISIBLE_DEVICES=args.gpu)
-    t0, t1 = started + (sc.warmup or args.warmup), ended
+    # the exporter's own index of the GPU the trainer used (CUDA_VISIBLE_DEVICES=args.gpu);
+    # the window opens after the warm-up counted from the first push, not from the start
+    pushed = first_push(scrapes, sc.name)
+    result["first_push_seconds"] = None if pushed is None else pushed - started
+    t0, t1 = max(started, pushed or started) + (sc.warmup or args.warmup), ended
     result["measured"] = summarize(scrapes, sc.name, args.gpu, t0, t1)
     if smi:
         result["nvidia_smi"] = compare_with_smi(scrapes, out / f"{sc.name}.smi.csv.gz",
@@ -355,6 +412,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--no-profile", dest="profile", action="store_false",
                    help="do not profile each trainer (5 steps, after the warm-up)")
+    p.add_argument("--profile-only", default="", metavar="SCENARIO",
+                   help="profile this scenario's trainer only")
+    p.add_argument("--deadline", type=float, default=0.0, metavar="UNIX_TIME",
+                   help="skip the scenarios that would end after it (recorded as skipped)")
     p.add_argument("--cpu-demo", action="store_true",
                    help="no GPU: the demo GPU backend, torch on the CPU, the CPU scenarios")
     args = p.parse_args(argv)
@@ -386,8 +447,16 @@ def main(argv: list[str] | None = None) -> int:
             except requests.RequestException:
                 time.sleep(0.2)
         for name in names:
+            sc = table[name]
+            need = (sc.seconds or args.seconds) + SCENARIO_OVERHEAD_SECONDS
+            if args.deadline and time.time() + need > args.deadline:
+                print(f"scenario {name}: skipped, {need:.0f} s would pass the deadline",
+                      flush=True)
+                results.append({"scenario": name, "skipped": True, "seed": sc.seed,
+                                "args": list(sc.args), "returncode": 0, "measured": {}})
+                continue
             print(f"scenario {name} ...", flush=True)
-            result = run_scenario(table[name], args, url, ingest_url, args.out)
+            result = run_scenario(sc, args, url, ingest_url, args.out)
             results.append(result)
             print(json.dumps(result["measured"]), flush=True)
         # while the exporter still serves: its series beside nvidia-smi's
@@ -396,9 +465,10 @@ def main(argv: list[str] | None = None) -> int:
         exporter.terminate()
         exporter.wait(timeout=15)
         log.close()
-    failures = [] if args.cpu_demo else check(results)
+    failures = check(results, gpu=not args.cpu_demo)
     (args.out / "summary.json").write_text(json.dumps(
-        {"scenarios": results, "failures": failures, "hardware": hardware}, indent=2) + "\n")
+        {"scenarios": results, "failures": failures, "hardware": hardware,
+         "cpu_demo": args.cpu_demo}, indent=2) + "\n")
     (args.out / "summary.md").write_text(markdown(results))
     print(markdown(results))
     for failure in failures:

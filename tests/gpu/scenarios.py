@@ -52,8 +52,9 @@ LADDER = [
     Scenario("s003-4-batch512", (*RESNET, "--batch-size", "512", "--workers", "8",
                                  "--pin-memory"),
              "11.3 GB used, 1584 samples/s", silent=INPUT | _s("GPUMemoryUnderused")),
+    # the walk-through's fp32 is true fp32: PyTorch's default runs its convolutions as TF32
     Scenario("s003-5-uint8", (*RESNET, "--batch-size", "512", "--workers", "8",
-                              "--pin-memory", "--uint8-transfer"),
+                              "--pin-memory", "--uint8-transfer", "--no-tf32"),
              "97.51% GPU, 1670 samples/s; tensor cores 0%",
              fire=_s("TensorCoresIdle"), silent=INPUT | _s("GPUUnderutilized")),
     Scenario("s003-6-amp", (*RESNET, "--batch-size", "1024", "--workers", "8",
@@ -93,6 +94,14 @@ SIX = [
 
 ALL = LADDER + SIX
 BY_NAME = {s.name: s for s in ALL}
+
+# What scripts/gpu-proof.sh runs in one loan of a GPU machine (about 5 minutes of training):
+# nvidia-smi agreement and the fp32 baseline (tensor cores idle), GPM activity rising with AMP
+# (and the one torch profile), PCIe bytes per sample rising with a larger transfer, an
+# input-bound and a memory-underused case. torch.compile needs a C compiler: not there.
+PROOF = ("s003-5-uint8", "s003-6-amp", "s002-h2d-copy", "s003-1-workers0", "s003-3-pinned")
+PROOF_PROFILED = "s003-6-amp"
+CPU_PROOF = ("cpu-slow-input", "cpu-healthy")
 
 # On a CPU-only machine the harness runs these with the demo GPU backend: the training
 # signals are real (torch on the CPU), the GPU's are simulated. They prove the harness and the
