@@ -188,6 +188,39 @@ def test_the_text_names_the_workers_function_with_its_share(loader_bound):
     assert stacks and any(r["role"] == "loader_workers" for r in stacks[0]["roles"])
 
 
+def test_the_page_top_and_diagnose_show_the_last_capture_beside_the_run(loader_bound):
+    from test_status import chromium, policy_violations
+
+    from exporter.heuristics.diagnose import RankReport, daemon_stacks, judge, text_report
+    from exporter.heuristics.rules import DEFAULTS
+
+    d = loader_bound["daemon"]
+    out = _cli("--stacks", "--seconds", "2", "--run", "loader-bound", "--url", d.ingest_url,
+               "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    doc = json.loads(out.stdout)
+    run = chromium(d.url + "/", "--dump-dom")
+    dom = run.stdout
+    assert 'data-ready="1"' in dom, run.stderr[-2000:]
+    assert 'data-stacks="0"' in dom and f'data-profile="{doc["id"]}"' in dom
+    assert "% in zz_distinctive_resize (train_stacks.py:" in dom
+    assert policy_violations(run) == []
+    top = subprocess.run([sys.executable, "-m", "exporter", "top", "--once", "--url", d.url],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert top.returncode == 0, top.stderr
+    flat = " ".join(top.stdout.split())  # rich may wrap a long line
+    assert "rank 0 py-spy stacks" in flat and "in zz_distinctive_resize" in flat
+    # diagnose --daemon: under the rank the daemon holds a capture of, and only there
+    stacks = daemon_stacks(d.url)
+    assert set(stacks) == {("loader-bound", "0")}
+    reps = [RankReport("gputrain", "n1:19400", "loader-bound", r, steps_per_second=1,
+                       data_wait_ratio=0.8) for r in ("0", "1")]
+    text = text_report(judge(reps, DEFAULTS["thresholds"]), stacks=stacks)
+    rank0, rank1 = text.split("run loader-bound rank 1")
+    assert "py-spy stacks of the daemon" in rank0 and "zz_distinctive_resize" in rank0
+    assert "py-spy" not in rank1
+
+
 def test_a_dump_names_every_process_and_a_non_python_child_does_not_break_it(loader_bound):
     d = loader_bound["daemon"]
     out = _cli("--stacks", "--dump", "--run", "loader-bound", "--url", d.ingest_url, "--json")
