@@ -490,8 +490,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(ns: argparse.Namespace) -> int:
+    daemon = getattr(ns, "daemon", None)
     bad = check_url(ns.prometheus, "--prometheus") or (
-        check_url(ns.daemon, "--daemon") if ns.daemon else None)
+        check_url(daemon, "--daemon") if daemon else None)
     if bad:
         print(f"gputrain-exporter diagnose: {bad}", file=sys.stderr)
         return EXIT_NO_DATA
@@ -515,9 +516,9 @@ def main(ns: argparse.Namespace) -> int:
         if not any(n.findings for n in nodes):
             return EXIT_NO_DATA
     stacks: dict[tuple[str, str], dict[str, Any]] = {}
-    if ns.daemon:
+    if daemon:
         try:
-            stacks = daemon_stacks(ns.daemon)
+            stacks = daemon_stacks(daemon)
         except PrometheusError as exc:  # the verdicts stand without the captures
             print(printable(f"gputrain-exporter diagnose: {exc}"), file=sys.stderr)
     if ns.json:
