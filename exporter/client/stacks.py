@@ -145,16 +145,25 @@ def _not_dumpable(pid: int) -> bool:
     return st.st_uid == 0 and real.st_uid != 0
 
 
-def allow_parent_tracer() -> None:
-    """In a forked child (a DataLoader worker): let the parent's descendants, py-spy among
-    them, read this process under Yama ptrace_scope 1. A no-op without Yama."""
+def prctl() -> Callable[..., int] | None:
+    """libc's ``prctl``, looked up now: a forked child must not dlopen (another thread of
+    the parent may have held the loader's lock at the fork)."""
     if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(Exception):
+        return None
+    try:
         import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PTRACER, os.getppid(), 0, 0, 0)
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def allow_parent_tracer(call: Callable[..., int] | None) -> None:
+    """In a forked child (a DataLoader worker): let the parent's descendants, py-spy among
+    them, read this process under Yama ptrace_scope 1. A no-op without Yama."""
+    if call is not None:
+        with contextlib.suppress(Exception):
+            call(PR_SET_PTRACER, os.getppid(), 0, 0, 0)
 
 
 # -- reading py-spy's output ----------------------------------------------------------------------
@@ -387,6 +396,7 @@ class StackSampler:
         self._thread: threading.Thread | None = None
         self._proc: subprocess.Popen | None = None
         self._pid = os.getpid()
+        self._prctl = prctl()  # for the fork hook, which must not look it up
 
     def offer(self, instruction: Any) -> None:
         """An instruction from a push answer; anything not understood is ignored."""
@@ -430,7 +440,7 @@ class StackSampler:
         """After a fork (a DataLoader worker): never capture here, and let the parent's
         py-spy read this process."""
         self._busy, self._report, self._proc = True, None, None
-        allow_parent_tracer()
+        allow_parent_tracer(self._prctl)
 
     def close(self, timeout: float = 5.0) -> None:
         """Training ended: stop a capture under way (py-spy writes what it has on SIGINT)."""
