@@ -559,8 +559,9 @@ def _dump_tree(pid: int, started: Callable[[subprocess.Popen], None]) -> dict[in
     dumps: dict[int, Any] = {}
     for p in _tree(pid):
         try:
+            # 10 s each at most: the daemon gives a dump STACKS_GRACE (120 s) in all
             out, _ = _run_py_spy(["dump", "--pid", str(p), "--nonblocking", "--json"], p,
-                                 30.0, started)
+                                 10.0, started)
             dumps[p] = json.loads(out)
         except (CaptureFailed, ValueError) as exc:
             if p == pid:
