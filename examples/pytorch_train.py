@@ -48,13 +48,18 @@ class SyntheticImages(Dataset):
         if self.input_sleep:
             time.sleep(self.input_sleep)  # slow storage or network input
         if self.cpu_work:  # heavy CPU augmentation, whatever crosses PCIe after it
-            work = img.float().div_(255)
-            for _ in range(self.cpu_work):
-                work = torch.roll(work, 1, dims=2).mul_(0.999).add_(0.001)
+            work = augment(img.float().div_(255), self.cpu_work)
             img = work.mul_(255).clamp_(0, 255).to(torch.uint8) if self.uint8 else work
         elif not self.uint8:
             img = img.float().div_(255)
         return img, i % 10
+
+
+def augment(img: torch.Tensor, rounds: int) -> torch.Tensor:
+    """Heavy CPU augmentation: ``rounds`` shifts and blends of the image (--cpu-work)."""
+    for _ in range(rounds):
+        img = torch.roll(img, 1, dims=2).mul_(0.999).add_(0.001)
+    return img
 
 
 class SmallCNN(nn.Module):

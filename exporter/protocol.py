@@ -75,6 +75,27 @@ MAX_PROFILE_ERROR_LENGTH = 500
 # where a profiled step's time went, in seconds; they sum to the step
 STEP_PARTS = ("data_loading", "forward", "backward", "optimizer", "other", "idle")
 
+# Stacks (see exporter.client.stacks): py-spy samples a rank's process tree. A push that lists
+# STACKS_CAPABILITY may be answered with {"type": "stacks", "version": STACKS_VERSION, "id": ...,
+# "mode": "record" | "dump", "seconds": N}; the client reports in the push's "stacks" field.
+STACKS_CAPABILITY = "stacks"
+STACKS_VERSION = 1
+STACKS_MODES = ("record", "dump")  # sample for N seconds; one dump of every thread
+DEFAULT_STACKS_SECONDS = 10
+MAX_STACKS_SECONDS = 60
+STACKS_RATE = 100  # samples per second and thread
+# the roles of a rank's process tree, in the order they are shown
+STACK_ROLES = ("main", "pin_memory", "loader_workers", "other")
+STACK_ROLE_WORDS = {"main": "main process", "pin_memory": "pin-memory thread",
+                    "loader_workers": "loader workers", "other": "other children"}
+MAX_STACK_TOP = 5  # functions listed per role
+MAX_FUNCTION_LENGTH = 200  # characters of a function's or a file's name
+# a dump: at most this many processes, threads per process, frames per thread and in all
+MAX_DUMP_PROCESSES = 16
+MAX_DUMP_THREADS = 32
+MAX_DUMP_FRAMES = 30
+MAX_DUMP_FRAMES_TOTAL = 1500
+
 
 class Refused(Exception):
     """A request the daemon refuses: ``status`` is the HTTP code, the message says why (a push,

@@ -4,7 +4,7 @@
 #     prometheus-node-exporter (the benchmark's anchor), victoria-metrics (VictoriaMetrics and
 #     vmalert: the global layer of the scale-out test), chromium (draws the status page headless)
 #   - Python, into the virtual environment .venv (scripts/install.sh): this package with its
-#     [test] and [top] extras, and tests/frameworks.txt at its versions (torch, lightning, keras,
+#     [test], [top] and [stacks] (py-spy) extras, and tests/frameworks.txt at its versions (torch, lightning, keras,
 #     transformers, accelerate); the README's quick start names the same list
 #   - nvidia-ml-py at each release of the binding matrix, one small venv each under .venv-nvml/
 #     (scripts/nvml_matrix.sh), where the NVML tests run again
@@ -29,7 +29,7 @@ fi
 
 # Everything Python goes into ./.venv (scripts/install.sh makes it: a stock Debian python3
 # refuses pip installs, PEP 668), never into the system's python.
-bash scripts/install.sh -e '.[test,top]'
+bash scripts/install.sh -e '.[test,top,stacks]'
 py=.venv/bin/python
 # PyTorch and the frameworks the integration tests drive, at the versions pinned in one place
 echo "installing the test frameworks into .venv: $(grep -v '^#' tests/frameworks.txt | xargs)"

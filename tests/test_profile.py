@@ -590,18 +590,26 @@ def test_alertmanager_with_the_shipped_config_asks_the_daemon_for_a_profile(trai
         r = requests.post(am.url + "/api/v2/alerts", json=[alert], timeout=5)
         assert r.status_code == 200, r.text
 
-        def finished():
+        def finished(kind: str):
             docs = requests.get(d.ingest_url + PROFILE_PATH, timeout=5).json()["profiles"]
-            new = [p for p in docs if p["id"] not in before
+            new = [p for p in docs if p["id"] not in before and p["kind"] == kind
                    and p["trigger"] == "alert:GpuTrainInputBound"]
             return new if new and new[0]["state"] in ("done", "failed", "expired") else None
 
-        (profile,) = wait_until(finished, timeout=120, what="the alert's profile")
+        (profile,) = wait_until(lambda: finished("torch"), timeout=120,
+                                what="the alert's profile")
         assert profile["state"] == "done", profile
         assert profile["mean"]["data_loading"] / profile["mean"]["seconds"] > 0.5
         assert Path(profile["trace"]).is_file()
         status = requests.get(d.url + "/api/v1/status", timeout=5).json()
         assert any(p["id"] == profile["id"] for p in status["profiles"])
+        # the same alert asked for py-spy stacks of the rank too: the main process's time is
+        # in the dataset that sleeps (the example's slow input)
+        (stacks,) = wait_until(lambda: finished("stacks"), timeout=120,
+                               what="the alert's py-spy stacks")
+        assert stacks["state"] == "done" and stacks["mode"] == "record", stacks
+        main = next(r for r in stacks["roles"] if r["role"] == "main")
+        assert main["top"][0]["function"] == "SyntheticImages.__getitem__", main
     finally:
         stop_all([am])
 

@@ -42,6 +42,8 @@ STEPS = {
     "prometheus": r"prometheus --config\.file=deploy/prometheus/local\.yml .*",
     "top": r"\.venv/bin/gputrain-exporter top",
     "diagnose": r"\.venv/bin/gputrain-exporter diagnose .*",
+    # before "profile": the first name a command matches is its step
+    "stacks": r"\.venv/bin/gputrain-exporter profile --stacks .*",
     "profile": r"\.venv/bin/gputrain-exporter profile .*",
 }
 RUN = "pytorch_train"  # the example's run: named after the script
@@ -236,6 +238,17 @@ def test_the_laptop_tour_runs_as_written(tour):
     assert Path(trace).is_file() and Path(trace).is_relative_to(tour.tmp / "traces")
     wait_until(lambda: top.shows("profile p-"), timeout=60, what="top listing the profile")
     assert tour.status()["profiles"][0]["state"] == "done"
+
+    # 7. py-spy stacks of the running rank: the main process's time is in the slow dataset
+    stacks = tour.run(tour.argv(found["stacks"]), timeout=400)
+    assert stacks.returncode == 0, stacks.stdout + stacks.stderr
+    main = next(line for line in stacks.stdout.splitlines() if "main process: " in line)
+    assert re.search(r"main process: .*\d+ % in SyntheticImages\.__getitem__ "
+                     r"\(pytorch_train\.py:\d+\)", main), stacks.stdout
+    flame = re.search(r"Flame graph: (\S+)", stacks.stdout).group(1)
+    assert Path(flame).is_file() and Path(flame).is_relative_to(tour.tmp / "traces")
+    wait_until(lambda: top.shows("py-spy stacks"), timeout=60,
+               what="top showing the stacks beside the run")
 
     # Ctrl-C ends top cleanly; the training never warned about numpy
     os.killpg(top.proc.pid, signal.SIGINT)

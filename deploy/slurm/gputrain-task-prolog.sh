@@ -11,4 +11,12 @@ if [ -n "${SLURM_ARRAY_JOB_ID}" ] && [ -n "${SLURM_ARRAY_TASK_ID}" ]; then
 fi
 [ -n "${run}" ] && echo "export GPUTRAIN_RUN=${run}"
 # The rank needs nothing: the client takes RANK (torchrun's global rank) and else SLURM_PROCID.
+# `gputrain-exporter profile --stacks`: py-spy runs as the task's own child, which Yama's
+# ptrace_scope 0 or 1 allows with no privilege; at 2 or 3 it cannot attach, and each task is
+# told why in its output (docs/profiles.md, "Where py-spy runs").
+scope="$(cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null || echo 0)"
+case "${scope}" in
+    2|3) echo "print gputrain: kernel.yama.ptrace_scope is ${scope} on this node: py-spy" \
+              "stacks (profile --stacks) cannot attach to this task; scope 1 allows it" ;;
+esac
 exit 0

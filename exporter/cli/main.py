@@ -165,7 +165,7 @@ def _hangup(signum: int, frame: Any) -> None:
 
 def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     """Run the daemon until SIGTERM/SIGINT (or ``stop`` is set); returns the exit code."""
-    from exporter.heuristics.catalogue import PROFILED_ALERTS
+    from exporter.heuristics.catalogue import PROFILED_ALERTS, STACK_ALERTS
     from exporter.reading.collectors import host_collectors
     from exporter.reading.gpu_backends import DemoBackend, NvmlBackend
     from exporter.reading.peak_flops import PeakTable
@@ -202,7 +202,7 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
                     "jobs can push")
             store = IngestStore(settings["ingest.max-series"], settings["ingest.ttl"], token,
                                 alert_interval=settings["profile.alert-interval"],
-                                profiled_alerts=PROFILED_ALERTS,
+                                profiled_alerts=PROFILED_ALERTS, stack_alerts=STACK_ALERTS,
                                 rank_interval=settings["profile.rank-interval"])
         thresholds = _thresholds(settings["status.rules-config"])
     except ConfigError as exc:

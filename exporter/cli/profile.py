@@ -1,5 +1,5 @@
 """`gputrain-exporter profile`: ask a running rank for a torch.profiler trace and print where
-its steps' time went.
+its steps' time went; with ``--stacks``, py-spy stacks of its process tree instead.
 
 The daemon queues the request; the rank's client takes it from the answer to its next push,
 profiles N steps, writes the trace on its own machine and pushes a summary back, which this
@@ -22,10 +22,13 @@ from exporter.protocol import (
     DEFAULT_INGEST_PORT,
     DEFAULT_INGEST_URL,
     DEFAULT_PROFILE_STEPS,
+    DEFAULT_STACKS_SECONDS,
     MAX_PROFILE_STEPS,
+    MAX_STACKS_SECONDS,
     PROFILE_PATH,
     STEP_PARTS,
 )
+from exporter.serving.stacks import render as render_stacks
 from exporter.terminal import check_url, connection_error, printable
 
 DEFAULT_URL = DEFAULT_INGEST_URL
@@ -47,6 +50,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                        "and print where their time went")
     p.add_argument("--run", required=True, help="the run's name (its `run` label)")
     p.add_argument("--rank", help="the rank (default: the run's lowest rank on this node)")
+    p.add_argument("--stacks", action="store_true",
+                   help="instead of torch.profiler: py-spy samples the rank's process tree "
+                        "(main process, DataLoader workers, pin-memory thread, other children) "
+                        "for --seconds and prints which functions each spends its time in "
+                        "(py-spy in the training environment: gputrain-exporter[stacks])")
+    p.add_argument("--dump", action="store_true",
+                   help="with --stacks: one dump of every thread of every process of the rank "
+                        "instead (where is a stalled rank stuck)")
+    p.add_argument("--seconds", type=int, default=DEFAULT_STACKS_SECONDS,
+                   help=f"with --stacks: seconds to sample (1-{MAX_STACKS_SECONDS}, default "
+                        f"{DEFAULT_STACKS_SECONDS})")
     p.add_argument("--steps", type=int, default=DEFAULT_PROFILE_STEPS,
                    help=f"steps to record after one warm-up step (1-{MAX_PROFILE_STEPS}, "
                         f"default {DEFAULT_PROFILE_STEPS})")
@@ -112,7 +126,8 @@ def _call(session: requests.Session, method: str, url: str, **kwargs: Any
 
 def ask(url: str, run: str, rank: str | None, steps: int, timeout: float,
         token: str | None = None, ca_file: str | None = None,
-        progress: Any = None, server_name: str | None = None) -> dict[str, Any]:
+        progress: Any = None, server_name: str | None = None,
+        stacks: str | None = None, seconds: int = DEFAULT_STACKS_SECONDS) -> dict[str, Any]:
     """Ask for a profile and wait for it: the daemon's final document of it (state done,
     failed or expired), or the last one seen after ``timeout`` seconds. Raises Failed."""
     session = requests.Session()
@@ -127,6 +142,8 @@ def ask(url: str, run: str, rank: str | None, steps: int, timeout: float,
     body: dict[str, Any] = {"run": run, "steps": steps}
     if rank is not None:
         body["rank"] = rank
+    if stacks is not None:
+        body.update(stacks=stacks, seconds=seconds)
     doc, retry = _call(session, "POST", base, data=json.dumps(body))
     deadline = time.monotonic() + timeout
     seen = None
@@ -145,7 +162,10 @@ def ask(url: str, run: str, rank: str | None, steps: int, timeout: float,
 def _progress(doc: dict[str, Any]) -> None:
     words = {"queued": "queued; the rank takes it with its next push",
              "accepted": "taken by the rank; it starts at its next step",
-             "running": f"recording {doc['steps']} steps after one warm-up step"}
+             "running": f"recording {doc['steps']} steps after one warm-up step"
+             if doc.get("kind", "torch") == "torch" else
+             f"py-spy samples its processes for {doc['seconds']} s"
+             if doc.get("mode") == "record" else "py-spy dumps every thread"}
     if doc["state"] in words:
         print(printable(f"profile {doc['id']} of run {doc['run']} rank {doc['rank']}: "
                         f"{words[doc['state']]}"), file=sys.stderr)
@@ -205,6 +225,13 @@ def render(doc: dict[str, Any]) -> str:
 
 
 def main(ns: argparse.Namespace) -> int:
+    if ns.dump and not ns.stacks:
+        print("gputrain-exporter profile: --dump goes with --stacks", file=sys.stderr)
+        return 2
+    if ns.stacks and not 1 <= ns.seconds <= MAX_STACKS_SECONDS:
+        print(f"gputrain-exporter profile: --seconds must be 1-{MAX_STACKS_SECONDS}",
+              file=sys.stderr)
+        return 2
     if not 1 <= ns.steps <= MAX_PROFILE_STEPS:
         print(f"gputrain-exporter profile: --steps must be 1-{MAX_PROFILE_STEPS}",
               file=sys.stderr)
@@ -215,14 +242,16 @@ def main(ns: argparse.Namespace) -> int:
         return 2
     try:
         doc = ask(ns.url, ns.run, ns.rank, ns.steps, ns.timeout, _token(ns.token_file),
-                  ns.ca_file, None if ns.json else _progress, ns.tls_server_name)
+                  ns.ca_file, None if ns.json else _progress, ns.tls_server_name,
+                  ("dump" if ns.dump else "record") if ns.stacks else None, ns.seconds)
     except Failed as exc:
         print(printable(f"gputrain-exporter profile: {exc}"), file=sys.stderr)
         return 2
     if ns.json:
         print(json.dumps(doc, indent=2))  # ASCII: every control character escaped
     elif doc["state"] == "done":
-        print(printable(render(doc), newlines=True))
+        text = render_stacks(doc) if doc.get("kind") == "stacks" else render(doc)
+        print(printable(text, newlines=True))
     if doc["state"] == "done":
         return 0
     if not ns.json:

@@ -18,6 +18,7 @@ import requests
 
 from exporter.heuristics.verdict import percent
 from exporter.protocol import DEFAULT_METRICS_PORT, STEP_PARTS
+from exporter.serving.stacks import summary_lines
 from exporter.serving.status import STATUS_PATH
 from exporter.terminal import check_url, connection_error, printable, printable_doc
 
@@ -186,6 +187,9 @@ def frame(doc: dict[str, Any], error: str | None = None) -> Any:
                 r["verdict"], push if r["pushing"] else Text(f"stopped pushing {push}",
                                                              style="bold red"))
         body.append(ranks)
+        for r in run["ranks"]:  # beside the verdict: what py-spy saw the rank run lately
+            for line in stacks_lines(r):
+                body.append(Text(line, style="grey70"))
         parts.append(Panel(Group(*body), title=Text(f"run {run['run']}"), title_align="left",
                            border_style=colour[run["status"]]))
     for p in doc.get("profiles", [])[:3]:  # the last profiles asked for (newest first)
@@ -218,10 +222,24 @@ def gpu_names(gpus: list[dict[str, Any]], known: list[dict[str, Any]]) -> str:
         f" ({', '.join(models)})" if models else "")
 
 
+def stacks_lines(rank: dict[str, Any]) -> list[str]:
+    """A rank's recent py-spy capture (the status document's ``stacks``), in a few lines."""
+    s = rank.get("stacks")
+    if not s:
+        return []
+    what = "stacks" if s["mode"] == "record" else "dump"
+    return [f"rank {rank['rank']} py-spy {what} {_ago(s['age_seconds'])} ago: {line}"
+            for line in s["lines"][:4]]
+
+
 def profile_line(p: dict[str, Any]) -> str:
-    """One profile in a line: where the mean step's time went, or its state."""
+    """One profile in a line: where the mean step's time went, or its state; of py-spy
+    stacks, the first role's functions or where the main thread is."""
     if p["state"] != "done":
         return p["state"] + (f": {p['error']}" if p.get("error") else "")
+    if p.get("kind") == "stacks":
+        lines = summary_lines(p)
+        return f"py-spy {p['mode']}: {lines[0] if lines else 'nothing'}; file {p['file']}"
     mean = p["mean"]
     seconds = mean.get("seconds") or 0.0
     parts = sorted(STEP_PARTS, key=lambda k: -mean.get(k, 0.0))[:3]

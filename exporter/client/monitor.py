@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from exporter.client.profiling import RankProfiler
 from exporter.client.pusher import Pusher
+from exporter.client.stacks import StackSampler
 from exporter.protocol import (
     DEFAULT_INGEST_URL,
     DEFAULT_PRECISION,
@@ -278,11 +279,12 @@ class TrainingMonitor:
         self._closed = False
         self._profiler = RankProfiler(self.run, self.rank, lambda: self._pusher.wake(),
                                       self._want_attention)
+        self._stacks = StackSampler(self.run, self.rank, lambda: self._pusher.wake())
         self._pusher = Pusher(self.totals, self.run, self.rank, self.run_id, self.endpoint,
                               self.push_interval, self.token,
                               ca_file or os.environ.get("GPUTRAIN_CA_FILE") or None,
                               tls_server_name or os.environ.get("GPUTRAIN_TLS_SERVER_NAME")
-                              or None, profiler=self._profiler)
+                              or None, profiler=self._profiler, stacks=self._stacks)
         if start:
             self._pusher.start()
         ref = weakref.ref(self)
@@ -510,6 +512,7 @@ class TrainingMonitor:
         self._closed = True
         self._flush_wait()
         self._profiler.close()
+        self._stacks.close()
         self._pusher.stop(goodbye=True, timeout=timeout)
 
     def __enter__(self) -> TrainingMonitor:
@@ -539,6 +542,7 @@ def _disable_in_child(ref: weakref.ref) -> None:
         monitor._pusher.disable()
         monitor._attention = False
         monitor._profiler.in_child()
+        monitor._stacks.in_child()
 
 
 def _close_at_exit(ref: weakref.ref) -> None:

@@ -79,7 +79,9 @@ def trace_path(directory: Path, run: str, rank: str, profile_id: str) -> Path:
 
 
 # A trace of ours, and only ours: a user's own torch.profiler traces beside them are never pruned
-_OUR_TRACE = re.compile(r".+-rank.+-p-[0-9a-f]{12}\.pt\.trace\.json\.gz")
+# (torch traces, and the py-spy stacks' speedscope and dump files of exporter.client.stacks)
+_OUR_TRACE = re.compile(r".+-rank.+-p-[0-9a-f]{12}\.(pt\.trace\.json\.gz|speedscope\.json|"
+                        r"dump\.json)")
 
 
 def trace_budget() -> int:
@@ -98,13 +100,13 @@ def trace_budget() -> int:
 
 
 def prune_traces(directory: Path, budget: int, keep: Path) -> list[Path]:
-    """Delete the oldest of our traces until they take at most ``budget`` bytes, never
-    ``keep`` (the one just written). Counts ``directory`` and, where it is a run's directory
-    under the default ``<tmp>/gputrain-traces-<uid>``, every run's beside it. Returns what
-    it deleted."""
+    """Delete the oldest of our traces (and stacks' files) until they take at most
+    ``budget`` bytes, never ``keep`` (the one just written). Counts ``directory`` and, where
+    it is a run's directory under the default ``<tmp>/gputrain-traces-<uid>``, every run's
+    beside it. Returns what it deleted."""
     configured = os.environ.get(TRACE_DIR_ENV)
-    files = (directory.glob("*.pt.trace.json.gz") if configured else
-             directory.parent.glob("*/*.pt.trace.json.gz"))
+    files = (directory.glob("*-rank*-p-*.json*") if configured else
+             directory.parent.glob("*/*-rank*-p-*.json*"))
     found = []
     for f in files:
         if _OUR_TRACE.fullmatch(f.name):

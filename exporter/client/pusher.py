@@ -18,7 +18,8 @@ import requests
 
 from exporter.client.process_tree import ProcessTree
 from exporter.client.profiling import RankProfiler
-from exporter.protocol import PROFILE_CAPABILITY, PUSH_PATH, SCHEMA_VERSION
+from exporter.client.stacks import StackSampler
+from exporter.protocol import PROFILE_CAPABILITY, PUSH_PATH, SCHEMA_VERSION, STACKS_CAPABILITY
 
 log = logging.getLogger("exporter.client")
 
@@ -33,9 +34,11 @@ class Pusher:
     def __init__(self, totals: Callable[[], dict[str, Any]], run: str, rank: str, run_id: str,
                  endpoint: str, interval: float, token: str | None = None,
                  ca_file: str | None = None, server_name: str | None = None,
-                 profiler: RankProfiler | None = None) -> None:
+                 profiler: RankProfiler | None = None,
+                 stacks: StackSampler | None = None) -> None:
         self._totals = totals
         self._profiler = profiler
+        self._stacks = stacks
         self._identity = {"version": SCHEMA_VERSION, "run": run, "rank": rank,
                           "run_id": run_id}
         self.interval = interval
@@ -115,6 +118,12 @@ class Pusher:
             report = self._profiler.report()
             if report is not None:
                 body["profile"] = report
+        if self._stacks is not None:
+            # without py-spy too: its capture then fails saying how to install it
+            body.setdefault("capabilities", []).append(STACKS_CAPABILITY)
+            report = self._stacks.report()
+            if report is not None:
+                body["stacks"] = report
         return body
 
     def push_once(self, goodbye: bool = False, timeout: Any = TIMEOUT) -> bool:
@@ -159,6 +168,8 @@ class Pusher:
         if r.status_code == 400 and self._profiler is not None and "profile" in body:
             # never let a report the daemon cannot read block the totals' pushes
             self._profiler.reported(body["profile"], refused=r.text.strip()[:300])
+        if r.status_code == 400 and self._stacks is not None and "stacks" in body:
+            self._stacks.reported(body["stacks"], refused=r.text.strip()[:300])
         if r.status_code not in self._warned_codes:
             self._warned_codes.add(r.status_code)
             log.warning("gputrain: the daemon refused a push (%d): %s", r.status_code,
@@ -169,10 +180,12 @@ class Pusher:
     def _answered(self, r: requests.Response, body: dict[str, Any]) -> None:
         """Hand the answer's instructions to the profiler (a JSON answer, for a push that
         listed capabilities; anything not understood is ignored)."""
-        if self._profiler is None:
+        if self._profiler is None and self._stacks is None:
             return
-        if "profile" in body:
+        if "profile" in body and self._profiler is not None:
             self._profiler.reported(body["profile"])
+        if "stacks" in body and self._stacks is not None:
+            self._stacks.reported(body["stacks"])
         if not r.headers.get("Content-Type", "").startswith("application/json"):
             return
         try:
@@ -181,7 +194,9 @@ class Pusher:
             return
         instructions = answer.get("instructions") if isinstance(answer, dict) else None
         for instruction in instructions if isinstance(instructions, list) else ():
-            self._profiler.offer(instruction)
+            for taker in (self._profiler, self._stacks):
+                if taker is not None:  # each ignores a type it does not know
+                    taker.offer(instruction)
 
     def stop(self, goodbye: bool, timeout: float) -> None:
         """Stop the thread and send the final state once (short timeout)."""

@@ -74,6 +74,9 @@ class Heuristic:
     # a firing alert of a rank asks the daemon for a profile of it (Alertmanager's webhook):
     # None means every bottleneck; a profile cannot explain a leak, a throttle or a stall
     profile: ClassVar[bool | None] = None
+    # and the py-spy capture of the rank's process tree it asks for: "record" (which functions
+    # its processes spend their samples in) or "dump" (where every thread is now), or None
+    stacks: ClassVar[str | None] = None
     stepping: ClassVar[bool] = True
     run_stepping: ClassVar[bool] = False  # holds only while a rank of its run steps
     thresholds: ClassVar[dict[str, Threshold]] = {}  # the thresholds this entry owns
@@ -296,6 +299,7 @@ class Stalled(Heuristic):
     confirm = ("gputrain_training_last_step_timestamp_seconds",)
     panel = 'GpuTrain / Run, "Samples per second" at zero while the rank is still listed.'
     profile, stepping = False, False
+    stacks = "dump"  # where is it stuck: a collective, a lock, a dead worker
     thresholds = {
         "stalled_seconds": Threshold(600, "seconds", "no step for 10 minutes"),
         "stalled_in_phase_seconds": Threshold(
@@ -361,6 +365,7 @@ class GPUShared(Heuristic):
 class CPUPreprocessingBound(Heuristic):
     alert, verdict = "GpuTrainCPUPreprocessingBound", "cpu-preprocessing"
     severity, for_ = "warning", "10m"
+    stacks = "record"  # which functions its main process and loader workers run
     summary = "A training run is input-bound because the CPUs are saturated."
     advice = ("Move augmentation to the GPU (DALI, GPU transforms), pre-process offline, or get "
               "more cores.")
@@ -462,6 +467,7 @@ class NetworkInputBound(Heuristic):
 class InputBound(Heuristic):
     alert, verdict = "GpuTrainInputBound", "input-bound"
     severity, for_ = "info / warning", "10m"
+    stacks = "record"  # which functions its main process and loader workers run
     summary = "A training run waits on its data loader."
     advice = ("Use more DataLoader workers (num_workers), pin_memory=True and prefetching, or "
               "cache or pre-process the data set offline (DALI).")
@@ -565,6 +571,7 @@ class HostToDeviceBound(Heuristic):
 class HostOverheadBound(Heuristic):
     alert, verdict = "GpuTrainHostOverheadBound", "host-overhead"
     severity, for_ = "warning", "10m"
+    stacks = "record"  # which functions its main process and loader workers run
     summary = "A training run's GPUs idle on host-side work, not on data."
     advice = ("Move post-processing to a background thread, do it every N steps, keep metrics "
               "on the GPU, avoid .item() or other synchronisation in every step.")
@@ -1055,6 +1062,8 @@ LEVELS = ("node", "global")
 KINDS = ("fault", "bottleneck", "health", "symptom")
 # the alerts whose firing for a rank asks for a profile of it (Alertmanager's webhook)
 PROFILED_ALERTS: frozenset[str] = frozenset(e.alert for e in CATALOGUE if e.profiled)
+# the alerts whose firing for a rank asks for py-spy stacks of it, and which capture
+STACK_ALERTS: dict[str, str] = {e.alert: e.stacks for e in CATALOGUE if e.stacks}
 
 
 def _median(values: list[float]) -> float:

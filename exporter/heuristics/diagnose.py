@@ -360,9 +360,24 @@ def node_lines(nodes: list[NodeReport]) -> list[str]:
     return lines
 
 
+def daemon_stacks(url: str, timeout: float = 5.0) -> dict[tuple[str, str], dict[str, Any]]:
+    """The recent py-spy captures a daemon holds (its ``/api/v1/status``), by (run, rank);
+    raises PrometheusError (the caller says it and goes on without them)."""
+    try:
+        r = requests.get(url.rstrip("/") + "/api/v1/status", timeout=timeout)
+        doc = r.json()
+        return {(run["run"], rank["rank"]): rank["stacks"] for run in doc["runs"]
+                for rank in run["ranks"] if rank.get("stacks")}
+    except (requests.RequestException, ValueError, KeyError, TypeError) as exc:
+        raise PrometheusError(f"cannot read the daemon's status at {url}: "
+                              f"{type(exc).__name__}") from None
+
+
 def text_report(reports: list[RankReport], window_seconds: float = 300.0,
-                nodes: list[NodeReport] = ()) -> str:
-    """The human report; ``window_seconds`` turns idle GPU-seconds per second into hours."""
+                nodes: list[NodeReport] = (),
+                stacks: dict[tuple[str, str], dict[str, Any]] | None = None) -> str:
+    """The human report; ``window_seconds`` turns idle GPU-seconds per second into hours;
+    ``stacks``, a daemon's recent py-spy captures by (run, rank), are said under their rank."""
     lines = node_lines(list(nodes))
     last_run = None
     for rep in reports:
@@ -412,6 +427,12 @@ def text_report(reports: list[RankReport], window_seconds: float = 300.0,
         for f in rep.also:
             lines.append(f"  also: {f.name} ({f.reason})")
             lines.append(f"    advice: {f.advice}")
+        capture = (stacks or {}).get((rep.run, rep.rank))
+        if capture:
+            what = "stacks" if capture["mode"] == "record" else "dump"
+            lines.append(f"  py-spy {what} of the daemon, {capture['age_seconds'] / 60:.0f} "
+                         "min ago:")
+            lines += [f"    {line}" for line in capture["lines"]]
         lines.append("")
     return "\n".join(lines)
 
@@ -462,11 +483,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="judge the window ending at TIME (unix seconds or RFC 3339), not now")
     p.add_argument("--config", metavar="FILE", help="thresholds file, as for `rules --config`")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
+    p.add_argument("--daemon", metavar="URL",
+                   help="also say what the recent py-spy captures this daemon holds show of "
+                        "each rank (its metrics address, e.g. http://node-1:19400)")
     p.set_defaults(func=main)
 
 
 def main(ns: argparse.Namespace) -> int:
-    bad = check_url(ns.prometheus, "--prometheus")
+    daemon = getattr(ns, "daemon", None)
+    bad = check_url(ns.prometheus, "--prometheus") or (
+        check_url(daemon, "--daemon") if daemon else None)
     if bad:
         print(f"gputrain-exporter diagnose: {bad}", file=sys.stderr)
         return EXIT_NO_DATA
@@ -489,9 +515,15 @@ def main(ns: argparse.Namespace) -> int:
                         "it?"), file=sys.stderr)
         if not any(n.findings for n in nodes):
             return EXIT_NO_DATA
+    stacks: dict[tuple[str, str], dict[str, Any]] = {}
+    if daemon:
+        try:
+            stacks = daemon_stacks(daemon)
+        except PrometheusError as exc:  # the verdicts stand without the captures
+            print(printable(f"gputrain-exporter diagnose: {exc}"), file=sys.stderr)
     if ns.json:
-        doc = {"ranks": [{**asdict(r), "bottleneck": r.bottleneck, "findings": r.findings()}
-                         for r in reports],
+        doc = {"ranks": [{**asdict(r), "bottleneck": r.bottleneck, "findings": r.findings(),
+                          "stacks": stacks.get((r.run, r.rank))} for r in reports],
                "nodes": [{"job": n.job, "instance": n.instance, "labels": n.labels, "up": n.up,
                           "collectors_failing": n.collectors_failing,
                           "findings": [{"gpu": gpu, "severity": severity, **asdict(f)}
@@ -501,6 +533,6 @@ def main(ns: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         # label values come from Prometheus: escaped before the terminal sees them
-        sys.stdout.write(printable(text_report(reports, parse_duration(ns.window), nodes),
-                                   newlines=True))
+        sys.stdout.write(printable(text_report(reports, parse_duration(ns.window), nodes,
+                                               stacks), newlines=True))
     return exit_status(reports, nodes)

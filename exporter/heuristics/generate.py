@@ -37,6 +37,23 @@ Prometheus, or open the run's Grafana dashboard (GpuTrain / Run), which draws th
 thresholds. The advice is the alert's own, and the one `gputrain-exporter diagnose` gives.
 """
 
+STACKS_LINE = {
+    "record": """\
+Which function: `gputrain-exporter profile --stacks --run <run> --rank <rank>` samples the rank's
+main process, DataLoader workers and other children with py-spy for 10 s and names the functions
+each spends its time in ("loader workers: 71 % in resize (transforms.py:142)"); with the
+example Alertmanager config this alert asks for it by itself (at most once per run per hour).
+Read it on the status page beside the run, in `top`, or open the speedscope file it names
+(docs/profiles.md, "Which Python function?").
+""",
+    "dump": """\
+Where is it stuck: with the example Alertmanager config this alert asks the rank for one
+py-spy dump of every thread of every process (a collective, a lock, a dead DataLoader
+worker); `gputrain-exporter profile --stacks --dump --run <run> --rank <rank>` takes one by hand.
+Read it on the status page beside the run, in `top`, or in `/api/v1/profile`
+(docs/profiles.md, "Which Python function?").
+""",
+}
 PROFILE_LINE = """\
 Why: `gputrain-exporter profile --run <run> --rank <rank>` on the rank's node records its
 steps with torch.profiler and prints where their time went (data loading, forward, backward,
@@ -67,6 +84,8 @@ def runbook(overrides: dict | None = None) -> str:
                      f"Dashboard: {fill(e.panel, t, for_)}\n")
         if e.profiled:
             parts.append(PROFILE_LINE)
+        if e.stacks:
+            parts.append(STACKS_LINE[e.stacks])
     return "".join(parts)
 
 

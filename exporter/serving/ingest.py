@@ -39,7 +39,7 @@ from exporter.protocol import (
     count,
     json_kind,
 )
-from exporter.serving.profiles import ProfileBoard, parse_report
+from exporter.serving.profiles import ProfileBoard, parse_report, parse_stacks_report
 
 MAX_CAPABILITIES = 8
 GOODBYE_GRACE_SECONDS = 60.0  # a finished rank's final totals stay this long, for one more scrape
@@ -83,6 +83,7 @@ class RankState:
     gpus: tuple[str, ...] = ()
     capabilities: tuple[str, ...] = ()  # what the client understands in a push answer
     profile_report: dict[str, Any] | None = None  # the client's state of a profile, this push
+    stacks_report: dict[str, Any] | None = None  # and of a py-spy capture
 
     @property
     def cumulative_counts(self) -> tuple[int, ...]:
@@ -254,6 +255,8 @@ def _parse_profile(body: dict, st: RankState) -> None:
     st.capabilities = tuple(dict.fromkeys(caps))
     if body.get("profile") is not None:
         st.profile_report = parse_report(body["profile"])
+    if body.get("stacks") is not None:
+        st.stacks_report = parse_stacks_report(body["stacks"])
 
 
 def _check_monotonic(old: RankState, new: RankState) -> None:
@@ -338,7 +341,8 @@ class IngestStore:
                  wall_clock: Callable[[], float] = time.time,
                  alert_interval: float = 3600.0,
                  profiled_alerts: frozenset[str] = frozenset(),
-                 rank_interval: float = 0.0) -> None:
+                 rank_interval: float = 0.0,
+                 stack_alerts: dict[str, str] | None = None) -> None:
         self.max_series = max_series
         self.ttl = ttl
         self._token = token
@@ -351,7 +355,7 @@ class IngestStore:
         self._next_expiry = math.inf  # no state expires before this (monotonic)
         self.listeners: list[Callable[[], None]] = []  # called after every change
         self.profiles = ProfileBoard(self.states, alert_interval, profiled_alerts, clock,
-                                     wall_clock, rank_interval)
+                                     wall_clock, rank_interval, stack_alerts)
 
     def authorized(self, header: str | None) -> bool:
         """True when no token is configured or the header carries it."""
@@ -411,8 +415,8 @@ class IngestStore:
             self._states[key] = new
             self._next_expiry = min(self._next_expiry, new.expires_at)
             self.version += 1
-        instructions = self.profiles.on_push(new, new.profile_report)
-        new.profile_report = None
+        instructions = self.profiles.on_push(new, new.profile_report, new.stacks_report)
+        new.profile_report = new.stacks_report = None
         self._changed()
         return message, new, instructions
 

@@ -22,17 +22,29 @@ from typing import Any, Protocol
 
 from exporter.protocol import (
     DEFAULT_PROFILE_STEPS,
+    DEFAULT_STACKS_SECONDS,
+    MAX_DUMP_FRAMES,
+    MAX_DUMP_FRAMES_TOTAL,
+    MAX_DUMP_PROCESSES,
+    MAX_DUMP_THREADS,
+    MAX_FUNCTION_LENGTH,
     MAX_NAME_LENGTH,
     MAX_OP_NAME_LENGTH,
     MAX_PROFILE_ERROR_LENGTH,
     MAX_PROFILE_STEPS,
     MAX_PROFILE_TOP_OPS,
+    MAX_STACK_TOP,
+    MAX_STACKS_SECONDS,
     MAX_TRACE_PATH_LENGTH,
     NAME_RE,
     PROFILE_CAPABILITY,
     PROFILE_ID_RE,
     PROFILE_PATH,
     PROFILE_VERSION,
+    STACK_ROLES,
+    STACKS_CAPABILITY,
+    STACKS_MODES,
+    STACKS_VERSION,
     STEP_PARTS,
     Refused,
     amount,
@@ -54,6 +66,8 @@ FINAL = ("done", "failed", "expired")
 QUEUE_TIMEOUT = 60.0  # seconds for the rank to take it: it pushes every few seconds
 START_TIMEOUT = 600.0  # seconds from taking it to the first step boundary
 RUN_TIMEOUT = 1800.0  # seconds from the start to the result
+STACKS_GRACE = 120.0  # seconds past a capture's own for py-spy to start, finish and report
+KINDS = ("torch", "stacks")  # one open profile of each kind per rank
 MAX_OPEN = 64  # profiles queued, accepted or running at once, over all ranks
 KEEP = 64  # finished profiles kept for the API and the status page
 MAX_ALERTS = 1000  # alerts in one webhook call
@@ -67,7 +81,7 @@ class Profile:
     id: str
     run: str
     rank: str
-    steps: int
+    steps: int  # torch: steps recorded; stacks: 0
     trigger: str  # "cli", or "alert:<alertname>"
     requested: float  # unix seconds
     requested_at: float  # monotonic
@@ -82,16 +96,29 @@ class Profile:
     device: str | None = None
     step_parts: list[dict[str, float]] = field(default_factory=list)
     top_ops: list[dict[str, Any]] = field(default_factory=list)
+    kind: str = "torch"  # or "stacks": py-spy over the rank's process tree
+    mode: str | None = None  # stacks: "record" (sample for ``seconds``) or "dump"
+    seconds: int = 0  # stacks, record: the seconds asked for
+    stacks: dict[str, Any] = field(default_factory=dict)  # stacks: the client's result
 
     def document(self, brief: bool = False) -> dict[str, Any]:
         """The JSON the API answers with; ``brief`` leaves out the per-step parts (up to
-        MAX_PROFILE_STEPS of them) and keeps their mean, for the status document."""
+        MAX_PROFILE_STEPS of them) and keeps their mean, and of a dump keeps where each
+        thread is (:func:`dump_summary`), for the status document."""
         doc: dict[str, Any] = {
-            "id": self.id, "run": self.run, "rank": self.rank, "steps": self.steps,
-            "trigger": self.trigger, "state": self.state, "requested": self.requested,
-            "started": self.started, "finished": self.finished}
+            "id": self.id, "kind": self.kind, "run": self.run, "rank": self.rank,
+            "steps": self.steps, "trigger": self.trigger, "state": self.state,
+            "requested": self.requested, "started": self.started, "finished": self.finished}
         if self.error:
             doc["error"] = self.error
+        if self.kind == "stacks":
+            doc.update(mode=self.mode, seconds=self.seconds)
+            if self.state == "done":
+                result = dict(self.stacks)
+                if brief and "processes" in result:
+                    result["where"] = dump_summary(result.pop("processes"))
+                doc.update(result)
+            return doc
         if self.state == "done":
             doc.update(trace=self.trace, trace_bytes=self.trace_bytes, device=self.device,
                        mean=mean_parts(self.step_parts), top_ops=self.top_ops)
@@ -130,18 +157,11 @@ def parse_report(report: Any) -> dict[str, Any]:
         if report.get(key) is not None:
             out[key] = _number(report[key], f"profile.{key}")
     if state == "failed":
-        error = report.get("error", "")
-        if not isinstance(error, str):
-            raise Refused(400, "'profile.error' must be a string")
-        out["error"] = error[:MAX_PROFILE_ERROR_LENGTH]
+        out["error"] = _text(report.get("error", ""), "profile.error",
+                             MAX_PROFILE_ERROR_LENGTH)
     if state != "done":
         return out
-    trace = report.get("trace")
-    if not isinstance(trace, str) or not trace or len(trace) > MAX_TRACE_PATH_LENGTH or \
-            any(ord(c) < 32 for c in trace):
-        raise Refused(400, f"'profile.trace' must be a path of 1-{MAX_TRACE_PATH_LENGTH} "
-                           "printable characters")
-    out["trace"] = trace
+    out["trace"] = _path(report.get("trace"), "profile.trace")
     out["trace_bytes"] = _number(report.get("trace_bytes"), "profile.trace_bytes", True)
     device = report.get("device", "cpu")
     if device not in ("cpu", "cuda"):
@@ -174,6 +194,151 @@ def parse_report(report: Any) -> dict[str, Any]:
             "self_device_seconds": _number(op.get("self_device_seconds", 0.0),
                                            f"profile.top_ops[{i}].self_device_seconds")})
     return out
+
+
+def _path(value: Any, where: str) -> str:
+    """A file on the rank's machine, as the client names it."""
+    if not isinstance(value, str) or not value or len(value) > MAX_TRACE_PATH_LENGTH or \
+            any(ord(c) < 32 for c in value):
+        raise Refused(400, f"'{where}' must be a path of 1-{MAX_TRACE_PATH_LENGTH} "
+                           "printable characters")
+    return value
+
+
+def _text(value: Any, where: str, limit: int = MAX_FUNCTION_LENGTH) -> str:
+    if not isinstance(value, str):
+        raise Refused(400, f"'{where}' must be a string")
+    return value[:limit]
+
+
+def _frames(frames: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(frames, list) or len(frames) > MAX_DUMP_FRAMES:
+        raise Refused(400, f"'{where}' must be an array of at most {MAX_DUMP_FRAMES} frames")
+    out = []
+    for i, f in enumerate(frames):
+        if not isinstance(f, dict):
+            raise Refused(400, f"'{where}[{i}]' must be an object")
+        out.append({"function": _text(f.get("function"), f"{where}[{i}].function"),
+                    "file": _text(f.get("file", ""), f"{where}[{i}].file"),
+                    "line": _number(f.get("line", 0), f"{where}[{i}].line", True)})
+    return out
+
+
+def parse_stacks_report(report: Any) -> dict[str, Any]:
+    """Validate the ``stacks`` field of a push (the client's state of one py-spy capture)."""
+    if not isinstance(report, dict):
+        raise Refused(400, "field 'stacks' must be an object")
+    pid, state, mode = report.get("id"), report.get("state"), report.get("mode")
+    if not isinstance(pid, str) or not PROFILE_ID_RE.fullmatch(pid):
+        raise Refused(400, "'stacks.id' must be a profile id (p- and 12 hex digits)")
+    if state not in ("running", "done", "failed"):
+        raise Refused(400, f"'stacks.state' must be running, done or failed, got {state!r}")
+    if mode not in STACKS_MODES:
+        raise Refused(400, f"'stacks.mode' must be record or dump, got {mode!r}")
+    out: dict[str, Any] = {"id": pid, "state": state}
+    for key in ("started", "finished"):
+        if report.get(key) is not None:
+            out[key] = _number(report[key], f"stacks.{key}")
+    if state == "failed":
+        out["error"] = _text(report.get("error", ""), "stacks.error", MAX_PROFILE_ERROR_LENGTH)
+    if state != "done":
+        return out
+    result: dict[str, Any] = {"file": _path(report.get("file"), "stacks.file"),
+                              "file_bytes": _number(
+        report.get("file_bytes"), "stacks.file_bytes", True)}
+    if report.get("warning") is not None:
+        result["warning"] = _text(report["warning"], "stacks.warning",
+                                  MAX_PROFILE_ERROR_LENGTH)
+    if mode == "record":
+        result["seconds_sampled"] = _number(report.get("seconds"), "stacks.seconds")
+        result["rate"] = _number(report.get("rate"), "stacks.rate")
+        result["samples"] = _number(report.get("samples"), "stacks.samples", True)
+        roles = report.get("roles")
+        if not isinstance(roles, list) or len(roles) > len(STACK_ROLES):
+            raise Refused(400, "'stacks.roles' must be an array of at most "
+                               f"{len(STACK_ROLES)} roles")
+        result["roles"] = []
+        for i, r in enumerate(roles):
+            w = f"stacks.roles[{i}]"
+            if not isinstance(r, dict) or r.get("role") not in STACK_ROLES:
+                raise Refused(400, f"'{w}' must be an object whose role is one of "
+                                   f"{', '.join(STACK_ROLES)}")
+            top = r.get("top")
+            if not isinstance(top, list) or len(top) > MAX_STACK_TOP:
+                raise Refused(400, f"'{w}.top' must be an array of at most {MAX_STACK_TOP}")
+            result["roles"].append({
+                "role": r["role"],
+                **{k: _number(r.get(k), f"{w}.{k}", True)
+                   for k in ("processes", "threads", "samples")},
+                "top": [{**_frames([{k: f.get(k) for k in ("function", "file", "line")}
+                                    if isinstance(f, dict) else f], f"{w}.top[{j}]")[0],
+                         "samples": _number(f.get("samples"), f"{w}.top[{j}].samples", True),
+                         "share": min(1.0, _number(f.get("share"), f"{w}.top[{j}].share"))}
+                        for j, f in enumerate(top)]})
+    else:
+        processes = report.get("processes")
+        if not isinstance(processes, list) or len(processes) > MAX_DUMP_PROCESSES:
+            raise Refused(400, "'stacks.processes' must be an array of at most "
+                               f"{MAX_DUMP_PROCESSES} processes")
+        result["processes"] = []
+        total = 0
+        for i, p in enumerate(processes):
+            w = f"stacks.processes[{i}]"
+            threads = p.get("threads") if isinstance(p, dict) else None
+            if not isinstance(threads, list) or len(threads) > MAX_DUMP_THREADS or \
+                    p.get("role") not in STACK_ROLES:
+                raise Refused(400, f"'{w}' must be an object with a role and at most "
+                                   f"{MAX_DUMP_THREADS} threads")
+            entry: dict[str, Any] = {"pid": _number(p.get("pid"), f"{w}.pid", True),
+                                     "role": p["role"], "threads": []}
+            if p.get("error") is not None:
+                entry["error"] = _text(p["error"], f"{w}.error")
+            for j, t in enumerate(threads):
+                if not isinstance(t, dict):
+                    raise Refused(400, f"'{w}.threads[{j}]' must be an object")
+                frames = _frames(t.get("frames"), f"{w}.threads[{j}].frames")
+                total += len(frames)
+                own = t.get("where")
+                entry["threads"].append({
+                    "name": _text(t.get("name", ""), f"{w}.threads[{j}].name"),
+                    "tid": _number(t.get("tid", 0), f"{w}.threads[{j}].tid", True),
+                    "active": t.get("active") is True, "gil": t.get("gil") is True,
+                    "role": t.get("role") if t.get("role") in STACK_ROLES else p["role"],
+                    "frames": frames,
+                    "where": own if isinstance(own, int) and not isinstance(own, bool)
+                    and 0 <= own < len(frames) else None})
+            result["processes"].append(entry)
+        if total > MAX_DUMP_FRAMES_TOTAL:
+            raise Refused(400, f"'stacks.processes' hold {total} frames; at most "
+                               f"{MAX_DUMP_FRAMES_TOTAL}")
+    out["result"] = result
+    return out
+
+
+MAX_WHERE = 12  # threads a dump's summary names (the status document, top)
+
+
+def dump_summary(processes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Where the threads of a dump are, at most MAX_WHERE of them, the main process's main
+    thread first, then the running ones: its innermost frame and, where that is library
+    code, the innermost frame of the program's own code (``caller``). Helper threads parked
+    in library code only (queue feeders) are left out; each process's main thread never."""
+    rows = []
+    for p in processes:
+        if p.get("error"):
+            rows.append({"pid": p["pid"], "role": p["role"], "thread": "", "error": p["error"]})
+        for t in p["threads"]:
+            main = t["name"] == "MainThread"
+            if not t["frames"] or not (main or t["active"] or t["where"] is not None):
+                continue
+            row = {"pid": p["pid"], "role": t["role"], "thread": t["name"],
+                   "active": t["active"], "at": t["frames"][0]}
+            if t["where"]:
+                row["caller"] = t["frames"][t["where"]]
+            rows.append(row)
+    rows.sort(key=lambda r: (r["role"] != "main", r["thread"] != "MainThread",
+                             not r.get("active"), "error" in r))
+    return rows[:MAX_WHERE]
 
 
 def _rank_order(rank: str) -> tuple[int, int | str]:
@@ -222,77 +387,94 @@ class ProfileBoard:
                  profiled_alerts: frozenset[str] = frozenset(),
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time,
-                 rank_interval: float = 0.0) -> None:
+                 rank_interval: float = 0.0,
+                 stack_alerts: dict[str, str] | None = None) -> None:
         self._states = states
         self.alert_interval = alert_interval
         self.rank_interval = rank_interval
         self.profiled_alerts = profiled_alerts
+        # alertname -> the py-spy capture its firing asks for ("record" or "dump")
+        self.stack_alerts = dict(stack_alerts or {})
         self._clock = clock
         self._wall = wall_clock
         self._cond = threading.Condition()
         self._profiles: OrderedDict[str, Profile] = OrderedDict()
-        self._open: dict[tuple[str, str], Profile] = {}  # per rank, not final
-        self._last_alert: dict[str, float] = {}  # run -> monotonic time of its alert profile
-        self._last_profile: dict[tuple[str, str], float] = {}  # rank -> its last profile's
+        self._open: dict[tuple[str, str, str], Profile] = {}  # per rank and kind, not final
+        # (run, kind) -> monotonic time of its alert profile
+        self._last_alert: dict[tuple[str, str], float] = {}
+        # (run, rank, kind) -> its last profile's
+        self._last_profile: dict[tuple[str, str, str], float] = {}
         self.version = 0  # changes when a profile is asked for or changes state
         self.listeners: list[Callable[[], None]] = []
 
     # -- asking -------------------------------------------------------------------------------
 
     def request(self, run: str, rank: str | None = None, steps: int = DEFAULT_PROFILE_STEPS,
-                trigger: str = "cli", live: dict[str, dict[str, Rank]] | None = None
-                ) -> Profile:
-        """Queue a profile of ``rank`` of ``run`` (its lowest rank here when None), one per
-        rank at a time and at most one per rank per ``rank_interval`` seconds. ``live`` is
-        :meth:`live` where the caller has it. Raises Refused."""
-        if not 1 <= steps <= MAX_PROFILE_STEPS:
+                trigger: str = "cli", live: dict[str, dict[str, Rank]] | None = None,
+                mode: str | None = None, seconds: int = DEFAULT_STACKS_SECONDS) -> Profile:
+        """Queue a profile of ``rank`` of ``run`` (its lowest rank here when None), one of
+        each kind per rank at a time and at most one of a kind per rank per
+        ``rank_interval`` seconds: a torch profile of ``steps`` steps, or with ``mode``
+        (record, dump) py-spy stacks of the rank's process tree, recorded for ``seconds``.
+        ``live`` is :meth:`live` where the caller has it. Raises Refused."""
+        kind = "torch" if mode is None else "stacks"
+        if mode is not None and mode not in STACKS_MODES:
+            raise Refused(400, f"mode must be record or dump, got {str(mode)[:20]!r}")
+        if mode is not None and not 1 <= seconds <= MAX_STACKS_SECONDS:
+            raise Refused(400, f"seconds must be 1-{MAX_STACKS_SECONDS}, got {seconds}")
+        if mode is None and not 1 <= steps <= MAX_PROFILE_STEPS:
             raise Refused(400, f"steps must be 1-{MAX_PROFILE_STEPS}, got {steps}")
         live = self.live() if live is None else live
         ranks = live.get(run)
-        if not ranks:
-            raise Refused(404, f"no rank of run {run!r} pushes to this daemon; runs "
-                               f"here: {few(live) or 'none'}")
-        if rank is None:
+        if ranks and rank is None:
             rank = min(ranks, key=_rank_order)
-        state = ranks.get(rank)
+        state = ranks.get(rank) if ranks else None
         if state is None:
-            raise Refused(404, f"run {run!r} has no rank {rank!r} pushing to this "
-                               f"daemon; its ranks here: {few(ranks, _rank_order)}")
-        if PROFILE_CAPABILITY not in state.capabilities:
+            raise Refused(404, self._not_here(run, rank, live))
+        if kind == "torch" and PROFILE_CAPABILITY not in state.capabilities:
             raise Refused(409, f"rank {rank} of run {run} cannot be profiled: its "
                                "client does not offer it (a gputrain client from before "
                                "profiles)")
+        if kind == "stacks" and STACKS_CAPABILITY not in state.capabilities:
+            raise Refused(409, f"rank {rank} of run {run} cannot take py-spy stacks: its "
+                               "client does not offer it (a gputrain client from before "
+                               "stacks: upgrade gputrain-exporter in the training "
+                               "environment)")
+        what = "profiled" if kind == "torch" else "sampled by py-spy"
+        noun = "profile" if kind == "torch" else "py-spy capture"
         with self._cond:
             self._expire_locked()
-            existing = self._open.get((run, rank))
+            existing = self._open.get((run, rank, kind))
             if existing is not None:
-                raise Refused(409, f"rank {rank} of run {run} is already being profiled "
+                raise Refused(409, f"rank {rank} of run {run} is already being {what} "
                                    f"({existing.id}, {existing.state}, asked for by "
-                                   f"{existing.trigger}); one profile per rank at a time: "
+                                   f"{existing.trigger}); one {noun} per rank at a time: "
                                    f"wait for it with GET {PROFILE_PATH}/{existing.id}")
             now = self._clock()
-            last = self._last_profile.get((run, rank))
+            last = self._last_profile.get((run, rank, kind))
             if last is not None and now - last < self.rank_interval:
                 left = self.rank_interval - (now - last)
-                raise Refused(429, f"rank {rank} of run {run} was profiled {now - last:.0f} s "
-                                   f"ago; at most one profile of a rank per "
+                raise Refused(429, f"rank {rank} of run {run} was {what} {now - last:.0f} s "
+                                   f"ago; at most one {noun} of a rank per "
                                    f"{self.rank_interval:.0f} s (--profile.rank-interval): "
                                    f"try again in {math.ceil(left)} s",
                               retry_after=math.ceil(left))
             if len(self._open) >= MAX_OPEN:
                 raise Refused(429, f"{len(self._open)} profiles are already queued or "
                                    "running on this daemon; try again later")
-            profile = Profile(id="p-" + os.urandom(6).hex(), run=run, rank=rank, steps=steps,
-                              trigger=trigger, requested=self._wall(), requested_at=now,
-                              changed_at=now)
+            profile = Profile(id="p-" + os.urandom(6).hex(), run=run, rank=rank,
+                              steps=steps if kind == "torch" else 0, trigger=trigger,
+                              requested=self._wall(), requested_at=now, changed_at=now,
+                              kind=kind, mode=mode,
+                              seconds=seconds if mode == "record" else 0)
             self._profiles[profile.id] = profile
-            self._open[(run, rank)] = profile
+            self._open[(run, rank, kind)] = profile
             if self.rank_interval > 0:
                 # ranks whose interval has passed are forgotten: the table stays bounded
                 if len(self._last_profile) >= MAX_OPEN:
                     self._last_profile = {k: t for k, t in self._last_profile.items()
                                           if now - t < self.rank_interval}
-                self._last_profile[(run, rank)] = now
+                self._last_profile[(run, rank, kind)] = now
             self._trim_locked()
             self._changed_locked()
         self._notify()
@@ -334,40 +516,58 @@ class ProfileBoard:
         with self._cond:
             out: dict[tuple[str, str], Profile] = {}
             for p in self._profiles.values():
-                if p.state == "done":
+                if p.state == "done" and p.kind == "torch":
                     out[(p.run, p.rank)] = p
             return out
 
     # -- the push path ------------------------------------------------------------------------
 
-    def on_push(self, state: Rank, report: dict[str, Any] | None) -> list[dict[str, Any]]:
-        """Apply a rank's report and return the instructions for its push answer."""
-        key = (state.run, state.rank)
+    def latest_stacks(self) -> dict[tuple[str, str], Profile]:
+        """Per (run, rank), its last finished py-spy capture."""
+        with self._cond:
+            return {(p.run, p.rank): p for p in self._profiles.values()
+                    if p.state == "done" and p.kind == "stacks"}
+
+    def on_push(self, state: Rank, report: dict[str, Any] | None,
+                stacks: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Apply a rank's reports (its torch profile's, its stacks') and return the
+        instructions for its push answer."""
         changed = False
         with self._cond:
             self._expire_locked()
             if report is not None:
-                changed = self._apply_locked(state, report)
-            profile = self._open.get(key)
+                changed = self._apply_locked(state, report, "torch")
+            if stacks is not None:
+                changed = self._apply_locked(state, stacks, "stacks") or changed
             instructions = []
-            if profile is not None and profile.state in ("queued", "accepted") and \
-                    PROFILE_CAPABILITY in state.capabilities:
+            for kind, capability in (("torch", PROFILE_CAPABILITY),
+                                     ("stacks", STACKS_CAPABILITY)):
+                profile = self._open.get((state.run, state.rank, kind))
+                if profile is None or profile.state not in ("queued", "accepted") or \
+                        capability not in state.capabilities:
+                    continue
                 if profile.run_id != state.run_id:  # first delivery, or the rank restarted
                     profile.run_id = state.run_id
                     if profile.state == "accepted":
                         profile.state, profile.changed_at = "queued", self._clock()
-                instructions.append({"type": "profile", "version": PROFILE_VERSION,
-                                     "id": profile.id, "steps": profile.steps})
+                if kind == "torch":
+                    instructions.append({"type": "profile", "version": PROFILE_VERSION,
+                                         "id": profile.id, "steps": profile.steps})
+                else:
+                    instructions.append({"type": "stacks", "version": STACKS_VERSION,
+                                         "id": profile.id, "mode": profile.mode,
+                                         "seconds": profile.seconds or DEFAULT_STACKS_SECONDS})
             if changed:
                 self._changed_locked()
         if changed:
             self._notify()
         return instructions
 
-    def _apply_locked(self, state: Rank, report: dict[str, Any]) -> bool:
+    def _apply_locked(self, state: Rank, report: dict[str, Any], kind: str) -> bool:
         profile = self._profiles.get(report["id"])
         if profile is None or (profile.run, profile.rank) != (state.run, state.rank) or \
-                profile.state in FINAL or profile.run_id not in (None, state.run_id):
+                profile.state in FINAL or profile.run_id not in (None, state.run_id) or \
+                profile.kind != kind:
             return False  # unknown, finished, or from a process it was not handed to
         order = ("queued", "accepted", "running", "done", "failed")
         if order.index(report["state"]) <= order.index(profile.state):
@@ -376,10 +576,12 @@ class ProfileBoard:
         profile.changed_at = self._clock()
         profile.started = report.get("started", profile.started)
         if profile.state in FINAL:
-            self._open.pop((profile.run, profile.rank), None)
+            self._open.pop((profile.run, profile.rank, kind), None)
             profile.finished = report.get("finished") or self._wall()
         if profile.state == "failed":
             profile.error = report.get("error") or "the client gave no reason"
+        elif profile.state == "done" and kind == "stacks":
+            profile.stacks = report["result"]
         elif profile.state == "done":
             profile.trace = report["trace"]
             profile.trace_bytes = report["trace_bytes"]
@@ -413,41 +615,73 @@ class ProfileBoard:
         skipped: list[dict[str, Any]] = []
         total_skipped = 0
         live = self.live()  # once per call: each alert then costs a lookup
+        wanted = self.profiled_alerts | frozenset(self.stack_alerts)
         for alert in alerts:
-            asked = _asked(alert, self.profiled_alerts)
+            asked = _asked(alert, wanted)
             if asked is None:
-                continue  # resolved, or an alert a profile cannot explain
+                continue  # resolved, or an alert neither a profile nor stacks can explain
             name, run, rank, why = asked
-            if why is None:
-                why, pid = self._alert(name, run, rank, live)
+            modes: list[str | None] = []
+            state = live.get(run or "", {}).get(rank or "")
+            if why is None and state is not None:
+                # a client from before stacks is profiled as before, without a complaint
+                modes = [*([None] if name in self.profiled_alerts else []),
+                         *([self.stack_alerts[name]] if name in self.stack_alerts and
+                           STACKS_CAPABILITY in state.capabilities else [])]
+            reasons = [why] if why is not None else [] if modes else [
+                self._not_here(run, rank, live)]
+            for mode in modes:
+                why, pid = self._alert(name, run, rank, live, mode)
                 if why is None:
-                    started.append({"alertname": name, "run": run, "rank": rank, "id": pid})
-                    continue
-            total_skipped += 1
-            if len(skipped) < MAX_SKIPPED_SHOWN:
-                skipped.append({"alertname": name, "run": run, "rank": rank, "reason": why})
+                    started.append({"alertname": name, "run": run, "rank": rank, "id": pid,
+                                    "kind": "torch" if mode is None else "stacks"})
+                else:
+                    reasons.append(why)
+            for why in reasons:
+                total_skipped += 1
+                if len(skipped) < MAX_SKIPPED_SHOWN:
+                    skipped.append({"alertname": name, "run": run, "rank": rank,
+                                    "reason": why})
         return {"started": started, "skipped": skipped, "skipped_total": total_skipped}
 
-    def _alert(self, name: str, run: str, rank: str,
-               live: dict[str, dict[str, Rank]]) -> tuple[str | None, str | None]:
-        """Start a profile for one valid alert: (why not, None) or (None, its id)."""
+    @staticmethod
+    def _not_here(run: str | None, rank: str | None, live: dict[str, dict[str, Rank]]) -> str:
+        """Why an alert's rank cannot be profiled here (it does not push here, or cannot
+        take what the alert asks for)."""
+        ranks = live.get(run or "")
+        if not ranks:
+            return f"no rank of run {run!r} pushes to this daemon; runs here: " \
+                   f"{few(live) or 'none'}"
+        if rank not in ranks:
+            return f"run {run!r} has no rank {rank!r} pushing to this daemon; its ranks " \
+                   f"here: {few(ranks, _rank_order)}"
+        return f"rank {rank} of run {run} cannot take py-spy stacks: its client does not " \
+               "offer it (a gputrain client from before stacks)"
+
+    def _alert(self, name: str, run: str, rank: str, live: dict[str, dict[str, Rank]],
+               mode: str | None = None) -> tuple[str | None, str | None]:
+        """Start a profile (``mode`` None) or a py-spy capture (record, dump) for one valid
+        alert: (why not, None) or (None, its id). Each kind has its own slot per run."""
         now = self._clock()
+        slot = (run, "torch" if mode is None else "stacks")
         with self._cond:  # take the run's slot before asking: concurrent calls race
-            last = self._last_alert.get(run)
+            last = self._last_alert.get(slot)
             if last is None or now - last >= self.alert_interval:
                 # runs whose slot is free again are forgotten (Slurm job ids never recur)
                 self._last_alert = {r: t for r, t in self._last_alert.items()
                                     if now - t < self.alert_interval}
-                self._last_alert[run] = now
+                self._last_alert[slot] = now
         if last is not None and now - last < self.alert_interval:
-            return (f"run {run} was profiled for an alert {now - last:.0f} s ago; at most "
+            what = "profiled" if mode is None else "sampled by py-spy"
+            return (f"run {run} was {what} for an alert {now - last:.0f} s ago; at most "
                     f"one per {self.alert_interval:.0f} s"), None
         try:
-            profile = self.request(run, rank, DEFAULT_PROFILE_STEPS, f"alert:{name}", live)
+            profile = self.request(run, rank, DEFAULT_PROFILE_STEPS, f"alert:{name}", live,
+                                   mode=mode)
         except Refused as exc:
             with self._cond:  # nothing started: the slot stays free
-                if self._last_alert.get(run) == now:
-                    del self._last_alert[run]
+                if self._last_alert.get(slot) == now:
+                    del self._last_alert[slot]
             return str(exc), None
         return None, profile.id
 
@@ -464,8 +698,9 @@ class ProfileBoard:
                        "stopped pushing?)")
             elif p.state == "accepted" and waited > START_TIMEOUT:
                 why = f"no step of rank {p.rank} ended in {START_TIMEOUT:.0f} s"
-            elif p.state == "running" and waited > RUN_TIMEOUT:
-                why = f"rank {p.rank} sent no result in {RUN_TIMEOUT:.0f} s"
+            elif p.state == "running" and waited > (RUN_TIMEOUT if p.kind == "torch" else
+                                                    p.seconds + STACKS_GRACE):
+                why = f"rank {p.rank} sent no result in {waited:.0f} s"
             if why:
                 p.state, p.error, p.finished, p.changed_at = "expired", why, self._wall(), now
                 del self._open[key]

@@ -38,9 +38,11 @@ from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from exporter.protocol import (
     ALERTS_PATH,
     DEFAULT_PROFILE_STEPS,
+    DEFAULT_STACKS_SECONDS,
     MAX_BODY_BYTES,
     PROFILE_PATH,
     PUSH_PATH,
+    STACKS_MODES,
     Refused,
     check_unicode,
 )
@@ -1034,7 +1036,16 @@ def _ask_profile(board: Any, raw: bytes) -> dict[str, Any]:
     steps = ask.get("steps", DEFAULT_PROFILE_STEPS)
     if isinstance(steps, bool) or not isinstance(steps, int):
         raise Refused(400, f"field 'steps' must be a whole number, got {str(steps)[:40]!r}")
-    return board.request(ask["run"], rank, steps, "cli").document()
+    mode = ask.get("stacks")
+    if mode is not None and mode not in STACKS_MODES:
+        raise Refused(400, "field 'stacks' must be \"record\" (py-spy samples the rank's "
+                           "processes for 'seconds') or \"dump\" (every thread once)")
+    seconds = ask.get("seconds", DEFAULT_STACKS_SECONDS)
+    if isinstance(seconds, bool) or not isinstance(seconds, int):
+        raise Refused(400, f"field 'seconds' must be a whole number, got "
+                           f"{str(seconds)[:40]!r}")
+    return board.request(ask["run"], rank, steps, "cli", mode=mode,
+                         seconds=seconds).document()
 
 
 # -- listening -------------------------------------------------------------------------------------

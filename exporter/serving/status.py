@@ -31,6 +31,7 @@ from exporter.heuristics.verdict import (
     wasted_gpus,
 )
 from exporter.serving.history import History
+from exporter.serving.stacks import GUARDED, recent_stacks, with_lines
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +196,7 @@ class StatusView:
             })
         gpus.sort(key=lambda g: (g["parent"] or g["gpu"], g["parent"] is not None,
                                  len(g["gpu"]), g["gpu"]))
+        stacks = self.profiles.latest_stacks() if self.profiles else {}
         runs: dict[str, list[RankReport]] = {}
         for rep in reports:
             runs.setdefault(rep.run, []).append(rep)
@@ -233,9 +235,10 @@ class StatusView:
             "faults": [{"gpu": gpu or None, "verdict": f.name, "severity": severity,
                         "summary": summary(f.name), "reason": f.reason, "advice": f.advice}
                        for gpu, severity, f in node.findings],
-            "runs": [_run(name, ranks, states, now) for name, ranks in sorted(runs.items())],
+            "runs": [_run(name, ranks, states, now, stacks, self.guarded)
+                     for name, ranks in sorted(runs.items())],
             # the last profiles asked for (`gputrain-exporter profile`, alerts), newest first
-            "profiles": [_shown(p.document(brief=True), self.guarded)
+            "profiles": [_shown(with_lines(p.document(brief=True)), self.guarded)
                          for p in self.profiles.recent(10)] if self.profiles else [],
         }
 
@@ -255,12 +258,17 @@ def attribution_note(unresolved: dict[tuple[str, str], int]) -> dict[str, Any] |
 
 def _shown(profile: dict[str, Any], guarded: bool) -> dict[str, Any]:
     """A profile as the status view shows it: with an ingest token set, without what
-    GET /api/v1/profile guards (its id, trace, top operators and error)."""
+    GET /api/v1/profile guards (its id, trace, top operators and error; of py-spy stacks,
+    the file and the functions)."""
     if not guarded:
         return profile
-    hidden = {"id": None, "trace": None, "top_ops": []}
+    hidden: dict[str, Any] = {"id": None, "trace": None, "top_ops": []}
+    if profile.get("kind") == "stacks" and profile.get("state") == "done":
+        # py-spy's functions and files are the program's, as an operator's name is
+        hidden.update(file=None, where=[], lines=[GUARDED], roles=[
+            {**r, "top": []} for r in profile.get("roles", [])])
     if profile.get("error"):
-        hidden["error"] = "hidden: the ingest token guards it (GET /api/v1/profile)"
+        hidden["error"] = GUARDED
     return {**profile, **hidden}
 
 
@@ -268,8 +276,10 @@ def _get(sample: Any, name: str) -> Any:
     return None if sample is None else getattr(sample, name)
 
 
-def _run(name: str, ranks: list[RankReport], states: dict, now: float) -> dict[str, Any]:
-    """One run's card: its verdicts, worst first, and its ranks."""
+def _run(name: str, ranks: list[RankReport], states: dict, now: float,
+         stacks: dict | None = None, guarded: bool = False) -> dict[str, Any]:
+    """One run's card: its verdicts, worst first, and its ranks (each with its last py-spy
+    capture where it is recent)."""
     by_verdict: dict[str, list[RankReport]] = {}
     for rep in ranks:
         by_verdict.setdefault(rep.verdict, []).append(rep)
@@ -288,7 +298,9 @@ def _run(name: str, ranks: list[RankReport], states: dict, now: float) -> dict[s
         "mfu": mean([r.mfu for r in ranks]),
         "goodput": mean([r.goodput for r in ranks]),
         "gpus_idle": wasted,
-        "ranks": [_rank(rep, states.get((rep.run, rep.rank)), now) for rep in ranks],
+        "ranks": [{**_rank(rep, states.get((rep.run, rep.rank)), now),
+                   "stacks": recent_stacks((stacks or {}).get((rep.run, rep.rank)), now,
+                                           guarded)} for rep in ranks],
     }
 
 

@@ -139,6 +139,14 @@ function runCard(run, byUuid) {
   card.append(el("table", {}, el("thead", {}, el("tr", {},
     ...["rank", "samples/s", "step", "data wait", "phases", "MFU", "GPUs", "verdict",
         "last push"].map((h) => el("th", {}, h)))), el("tbody", {}, ...rows)));
+  // beside the verdict: what py-spy saw each rank's processes run lately
+  for (const r of run.ranks.filter((x) => x.stacks)) {
+    card.append(el("div", { class: "stacks", "data-stacks": r.rank },
+      el("p", { class: "muted" }, "rank " + r.rank + ", py-spy "
+        + (r.stacks.mode === "record" ? "stacks" : "dump") + " " + ago(r.stacks.age_seconds)
+        + " ago:"),
+      el("ul", {}, ...r.stacks.lines.map((line) => el("li", {}, el("code", {}, line))))));
+  }
   return card;
 }
 
@@ -152,9 +160,17 @@ function profileRow(p, now) {
     el("td", {}, p.trigger === "cli" ? "gputrain-exporter profile" : p.trigger.slice(6)),
     el("td", { class: "state-" + p.state }, p.state),
     el("td", {}, ago(now - (p.finished || p.requested)) + " ago")];
+  const stacks = p.kind === "stacks";
   if (p.state !== "done") {
     cells.push(el("td", { colspan: 3, class: "muted" }, p.error ||
-      (p.state === "running" ? "recording " + p.steps + " steps" : "waiting for the rank")));
+      (p.state !== "running" ? "waiting for the rank" : stacks ? "py-spy " + p.mode
+       : "recording " + p.steps + " steps")));
+    return el("tr", { "data-profile": p.id }, ...cells);
+  }
+  if (stacks) {  // py-spy: each role's functions, or where each thread is; the file
+    cells.push(el("td", { colspan: 2, "data-stacks-lines": "" },
+      ...p.lines.map((line) => el("div", {}, el("code", {}, line)))),
+      el("td", {}, el("code", {}, p.file), p.file ? " (" + bytes(p.file_bytes) + ")" : ""));
     return el("tr", { "data-profile": p.id }, ...cells);
   }
   const m = p.mean;
