@@ -195,31 +195,32 @@ HEAD = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: "
 PUSH_HEAD = b"POST /api/v1/push HTTP/1.1\r\nHost: x\r\nX-Slow: "
 
 
-def slowloris(seconds: float, per_port: int) -> None:
+def slowloris(seconds: float, per_port: int, source: str | list[str] = ATTACKER,
+              label: str = "") -> None:
     proc, web, ingest = start_daemon()
     try:
         idle = rss_mb(proc.pid)
         requests.post(f"http://127.0.0.1:{ingest}/api/v1/push", json=push_body(), timeout=5)
-        attackers = [Slowloris(web, per_port, HEAD).start(),
-                     Slowloris(ingest, per_port, PUSH_HEAD).start()]
+        attackers = [Slowloris(web, per_port, HEAD, source).start(),
+                     Slowloris(ingest, per_port, PUSH_HEAD, source).start()]
         time.sleep(3)  # the attack is in place
         (s_ok, s_n), (p_ok, p_n) = in_parallel(
             (probe, (f"http://127.0.0.1:{web}/metrics", seconds)),
             (probe, (f"http://127.0.0.1:{ingest}/api/v1/push", seconds, "POST", push_body())))
         for a in attackers:
             a.stop()
-        print(f"gputrain-exporter  scrapes {pct(s_ok, s_n)}  pushes {pct(p_ok, p_n)}  "
+        print(f"gputrain-exporter  {label}scrapes {pct(s_ok, s_n)}  pushes {pct(p_ok, p_n)}  "
               f"re-opened {sum(a.reopened for a in attackers):6d}  RSS idle {idle:.0f} MB, "
               f"peak {rss_mb(proc.pid, 'VmHWM'):.0f} MB", flush=True)
     finally:
         stop(proc)
     ne, url = start_node_exporter()
     try:
-        attacker = Slowloris(urlsplit(url).port, per_port, HEAD).start()
+        attacker = Slowloris(urlsplit(url).port, per_port, HEAD, source).start()
         time.sleep(3)
         ok, n = probe(url, seconds)
         attacker.stop()
-        print(f"node_exporter      scrapes {pct(ok, n)}  (anchor)  re-opened "
+        print(f"node_exporter      {label}scrapes {pct(ok, n)}  (anchor)  re-opened "
               f"{attacker.reopened:6d}  RSS peak {rss_mb(ne.pid, 'VmHWM'):.0f} MB", flush=True)
     finally:
         stop(ne)
@@ -319,34 +320,7 @@ def sources(count: int) -> list[str]:
 def addresses(seconds: float, count: int) -> None:
     """Fairness against many addresses: ``count`` addresses each hold one slow connection per
     port (re-opened when closed), more than a port takes; probes from 127.0.0.1."""
-    many = sources(count)
-    proc, web, ingest = start_daemon()
-    try:
-        requests.post(f"http://127.0.0.1:{ingest}/api/v1/push", json=push_body(), timeout=5)
-        attackers = [Slowloris(web, count, HEAD, many).start(),
-                     Slowloris(ingest, count, PUSH_HEAD, many).start()]
-        time.sleep(3)
-        (s_ok, s_n), (p_ok, p_n) = in_parallel(
-            (probe, (f"http://127.0.0.1:{web}/metrics", seconds)),
-            (probe, (f"http://127.0.0.1:{ingest}/api/v1/push", seconds, "POST", push_body())))
-        for a in attackers:
-            a.stop()
-        print(f"gputrain-exporter  {count} addresses: scrapes {pct(s_ok, s_n)}  pushes "
-              f"{pct(p_ok, p_n)}  re-opened {sum(a.reopened for a in attackers):6d}  RSS peak "
-              f"{rss_mb(proc.pid, 'VmHWM'):.0f} MB", flush=True)
-    finally:
-        stop(proc)
-    ne, url = start_node_exporter()
-    try:
-        attacker = Slowloris(urlsplit(url).port, count, HEAD, many).start()
-        time.sleep(3)
-        ok, n = probe(url, seconds)
-        attacker.stop()
-        print(f"node_exporter      {count} addresses: scrapes {pct(ok, n)}  (anchor)  "
-              f"re-opened {attacker.reopened:6d}  RSS peak {rss_mb(ne.pid, 'VmHWM'):.0f} MB",
-              flush=True)
-    finally:
-        stop(ne)
+    slowloris(seconds, count, sources(count), f"{count} addresses: ")
 
 
 PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0;q=0.5,"
