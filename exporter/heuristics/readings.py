@@ -77,6 +77,10 @@ class RankReport:
     samples_per_second: float | None = None
     step_seconds: float | None = None
     data_wait_ratio: float | None = None
+    # of the step time, the gradient communication that ran and the part the step waited for
+    # (None where the client measures no communication)
+    comm_ratio: float | None = None
+    comm_exposed_ratio: float | None = None
     phases: dict[str, float] = field(default_factory=dict)
     gpus: list[GpuReading] = field(default_factory=list)
     host: dict[str, float] = field(default_factory=dict)
