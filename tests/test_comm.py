@@ -170,7 +170,7 @@ def _firing(prom: Prometheus, alert: str, run: str) -> set[str]:
 def _judged(ranks: dict[str, dict]) -> bool:
     return len(ranks) == 2 and all(
         r.get("verdict") not in (None, "warming-up", "no-gpu-data", "paused")
-        for r in ranks.values())
+        and r.get("comm_exposed_ratio") is not None for r in ranks.values())
 
 
 @pytest.fixture(scope="module")
@@ -229,18 +229,23 @@ def _heavy(stack) -> dict:
 
 def test_a_communication_heavy_run_is_communication_bound_everywhere(stack):
     """Six Linear(2048, 2048) at batch 4 over two gloo ranks: most of each step is the
-    gradients' all-reduce. The page, diagnose, top and the alert call it communication-bound
-    (not gpu-bound, though its demo GPUs are 100 % busy), and the exported exposed wait lies
-    within 0.5x-1.25x of the step time with sync less the step time under no_sync()."""
+    gradients' all-reduce. The page, diagnose, top and the alert call the run
+    communication-bound (not gpu-bound, though its demo GPUs are 100 % busy): every rank that
+    waits for it, and at most one rank, the one the other waits for, a straggler (on two
+    shared cores one rank may fall behind the other). The exported exposed wait lies within
+    0.5x-1.25x of the step time with sync less the step time under no_sync(), on every rank."""
     res = _heavy(stack)
     prom = stack["prom"]
-    for rank in ("0", "1"):
-        assert res["page"][rank]["verdict"] == COMM_BOUND, res["page"][rank]
-        assert res["diagnose"][rank]["verdict"] == COMM_BOUND, res["diagnose"][rank]
-        assert "bucket_cap_mb" in res["diagnose"][rank]["advice"]
+    for surface in ("page", "diagnose"):
+        verdicts = {k: r["verdict"] for k, r in res[surface].items()}
+        assert COMM_BOUND in verdicts.values(), (surface, res[surface])
+        assert set(verdicts.values()) <= {COMM_BOUND, "straggler"}, (surface, res[surface])
+        assert list(verdicts.values()).count("straggler") <= 1, (surface, verdicts)
+    bound = [r for r in res["diagnose"].values() if r["verdict"] == COMM_BOUND]
+    assert "bucket_cap_mb" in bound[0]["advice"] and "NCCL_DEBUG=INFO" in bound[0]["advice"]
     assert COMM_BOUND in res["top"]
-    wait_until(lambda: _firing(prom, "GpuTrainCommunicationBound", "heavy") == {"0", "1"},
-               timeout=120, what="GpuTrainCommunicationBound for both ranks of heavy")
+    wait_until(lambda: _firing(prom, "GpuTrainCommunicationBound", "heavy"), timeout=120,
+               what="GpuTrainCommunicationBound for run heavy")
     for rank, (ref, tot) in enumerate(zip(res["refs"], res["totals"], strict=True)):
         reference = ref["sync"] - ref["nosync"]
         exposed = tot["comm_exposed_seconds_total"] / tot["steps_total"]

@@ -26,6 +26,7 @@ reports nothing: no communication measured, no verdict that needs it.
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 from typing import Any
@@ -40,8 +41,9 @@ DDP_SAMPLE_RATE = 100
 
 
 def find_ddp(model: Any) -> Any | None:
-    """The DistributedDataParallel module of ``model``: itself, or what a framework wrapped
-    (Lightning's strategy model, accelerate's ``model_wrapped``); None where there is none."""
+    """The DistributedDataParallel module of ``model``: itself, one it wraps (Lightning's
+    ``trainer.strategy.model``), or, in a process group, the one that wraps it (the model a
+    transformers Trainer hands its callbacks, which accelerate wrapped); None where none."""
     torch = sys.modules.get("torch")
     if torch is None or model is None:
         return None
@@ -49,12 +51,35 @@ def find_ddp(model: Any) -> Any | None:
         ddp_type = torch.nn.parallel.DistributedDataParallel
     except AttributeError:
         return None
-    seen = 0
-    while model is not None and seen < 4:  # a wrapper of a wrapper, at most a few deep
-        if isinstance(model, ddp_type):
-            return model
-        model = getattr(model, "module", None) if not isinstance(model, ddp_type) else None
-        seen += 1
+    inner = model
+    for _ in range(4):  # a wrapper of a wrapper, at most a few deep
+        if isinstance(inner, ddp_type):
+            return inner
+        inner = getattr(inner, "module", None)
+        if inner is None:
+            break
+    dist = getattr(torch, "distributed", None)
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return _wrapper(model, ddp_type)
+
+
+def _wrapper(model: Any, ddp_type: type) -> Any | None:
+    """The DDP module whose ``module`` is ``model``, found among the objects that refer to it
+    (its ``_modules`` dict, that dict's owner): once, at the start of training."""
+    frontier, seen = [model], {id(model)}
+    for _ in range(3):
+        found = []
+        for obj in frontier:
+            for ref in gc.get_referrers(obj):
+                if id(ref) in seen:
+                    continue
+                seen.add(id(ref))
+                if isinstance(ref, ddp_type) and getattr(ref, "module", None) is model:
+                    return ref
+                if isinstance(ref, dict):
+                    found.append(ref)
+        frontier = found[:64]  # bounded: a model referred to from everywhere is no DDP's
     return None
 
 
