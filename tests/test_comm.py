@@ -12,7 +12,7 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -168,9 +168,18 @@ def _firing(prom: Prometheus, alert: str, run: str) -> set[str]:
 
 
 def _judged(ranks: dict[str, dict]) -> bool:
+    """Both ranks judged on communication that has run (the meter reads an iteration at the
+    next one's forward: a run's first pushes carry none)."""
     return len(ranks) == 2 and all(
         r.get("verdict") not in (None, "warming-up", "no-gpu-data", "paused")
-        and r.get("comm_exposed_ratio") is not None for r in ranks.values())
+        and (r.get("comm_exposed_ratio") or 0) > 0 for r in ranks.values())
+
+
+def _named(verdict: str) -> Callable[[dict[str, dict]], bool]:
+    """Judged, and some rank's verdict is ``verdict`` (the surfaces judge a moving window:
+    the test waits for the verdict, then checks what else they say)."""
+    return lambda ranks: _judged(ranks) and any(
+        r["verdict"] == verdict for r in ranks.values())
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +199,8 @@ def stack(tmp_path_factory):
         stop_all(started)
 
 
-def _judge_live(stack, name: str, *args: str) -> dict:
+def _judge_live(stack, name: str, *args: str,
+                settled: Callable[[dict[str, dict]], bool] = _judged) -> dict:
     """Train ``name`` until the page, diagnose and the alerts have judged both ranks, then
     finish it: what each surface said, the references and the daemon's totals (once per
     module: a later test reads the same run)."""
@@ -199,10 +209,10 @@ def _judge_live(stack, name: str, *args: str) -> dict:
     daemon, prom = stack["daemon"], stack["prom"]
     run = Run(stack["tmp"], name, daemon.ingest_url, *args)
     try:
-        page = wait_until(lambda: (r := _status_ranks(daemon, name)) and _judged(r) and r,
-                          timeout=240, interval=1, what=f"the page to judge run {name}")
-        diag = wait_until(lambda: (r := _diagnose(prom, name)) and _judged(r) and r,
-                          timeout=240, interval=2, what=f"diagnose to judge run {name}")
+        page = wait_until(lambda: (r := _status_ranks(daemon, name)) and settled(r) and r,
+                          timeout=300, interval=1, what=f"the page to judge run {name}")
+        diag = wait_until(lambda: (r := _diagnose(prom, name)) and settled(r) and r,
+                          timeout=300, interval=2, what=f"diagnose to judge run {name}")
         # the rules have evaluated the run's exposed share (and their `for` has passed)
         wait_until(lambda: len(prom.query(
             f'run_rank:gputrain_training_comm_exposed_ratio:rate5m{{run="{name}"}}')) == 2,
@@ -224,7 +234,8 @@ def _judge_live(stack, name: str, *args: str) -> dict:
 
 
 def _heavy(stack) -> dict:
-    return _judge_live(stack, "heavy", *HEAVY, "--reference", "--steps", "3")
+    return _judge_live(stack, "heavy", *HEAVY, "--reference", "--steps", "3",
+                       settled=_named(COMM_BOUND))
 
 
 def test_a_communication_heavy_run_is_communication_bound_everywhere(stack):
@@ -277,7 +288,7 @@ def test_the_rank_slowed_on_purpose_is_the_only_straggler(stack):
     which waits least, is the straggler on the page, in diagnose and in the alert; rank 0,
     which waits, never is."""
     res = _judge_live(stack, "slowed", *LIGHT, "--steps", "4", "--slow-rank", "1",
-                      "--slow-seconds", "0.3")
+                      "--slow-seconds", "0.3", settled=_named("straggler"))
     page, diag = res["page"], res["diagnose"]
 
     def stragglers(ranks: dict[str, dict]) -> set[str]:

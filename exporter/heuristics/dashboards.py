@@ -367,6 +367,13 @@ def run(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict:
             f"run_rank:gputrain_training_comm_bytes:rate5m{{{sel}}}", "rank {{rank}}")],
             "Bps", "Gradient bytes all-reduced per second (the size of DDP's buckets times "
             "the synchronised steps)."), 12, 8),
+        lay.place(timeseries("NCCL bus bandwidth", [target(
+            f"gputrain_nccl_bus_bandwidth_bytes_per_second{{{node}}}",
+            "{{collective}} {{comm_id}} rank {{nccl_rank}} {{instance}}")], "Bps",
+            "The bus bandwidth each NCCL communicator's latest collective achieved (NCCL "
+            "Inspector, `--collector.nccl`): far under the fabric's speed (3 GB/s on a "
+            "400 Gb/s InfiniBand) is NCCL on TCP sockets; NCCL_DEBUG=INFO names the "
+            "transport."), 24, 8),
         lay.place(timeseries("Goodput and badput", [
             target(f"avg(run_rank:gputrain_training_goodput:ratio_rate5m{{{sel}}})",
                    "productive steps", "A"),
