@@ -301,3 +301,31 @@ def test_the_rank_slowed_on_purpose_is_the_only_straggler(stack):
     assert page["0"]["comm_exposed_ratio"] > page["1"]["comm_exposed_ratio"]
     wait_until(lambda: _firing(stack["prom"], "GpuTrainStragglerRank", "slowed") == {"1"},
                timeout=120, what="GpuTrainStragglerRank for rank 1 alone")
+
+
+@pytest.mark.parametrize("framework, run, launcher", [
+    ("lightning", "pl-ddp", []),
+    ("transformers", "hf-ddp", ["-m", "torch.distributed.run", "--nproc-per-node", "2"]),
+])
+def test_the_framework_integrations_push_ddps_communication(daemon_factory, framework, run,
+                                                           launcher):
+    """Lightning's DDP strategy and the transformers Trainer (accelerate, gloo) wrap the model
+    in DDP themselves; their callbacks find that module and push its communication on both
+    ranks: 12 synchronised steps, the gradient bytes of each."""
+    d = daemon_factory()
+    out = subprocess.run(
+        [sys.executable, *launcher, str(ROOT / "tests" / "ddp_frameworks.py"), framework,
+         d.ingest_url], cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    grad_bytes = 4 * (256 * 256 + 256) * 4
+    text = d.metrics()
+    for rank in ("0", "1"):
+        labels = {"run": run, "rank": rank}
+        assert sample_value(text, "gputrain_training_steps_total", labels) == 12
+        # the 12th step's times are read at a 13th forward, which training never makes
+        assert sample_value(text, "gputrain_training_comm_bytes_total", labels) == \
+            11 * grad_bytes
+        exposed = sample_value(text, "gputrain_training_comm_exposed_seconds_total", labels)
+        ran = sample_value(text, "gputrain_training_comm_seconds_total", labels)
+        assert 0 < exposed <= ran, (exposed, ran)
