@@ -144,7 +144,6 @@ def substitute(expr: str, instance: str) -> str:
             .replace('rank=~"$rank"', 'rank=~".*"').replace("$instance", instance))
 
 
-@pytest.fixture(scope="module")
 class _Allreduce:
     """Stands in for a DDP model's meter (no torch here): 40 % of the wall time in the
     all-reduce, half of it exposed, 100 MB a second."""
@@ -169,6 +168,7 @@ def _ddp_rank(endpoint: str, stop: threading.Event) -> None:
     m.close()
 
 
+@pytest.fixture(scope="module")
 def fed_prometheus(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dash")
     # This machine's NIC reports no speed (as cloud NICs do): configure one, as users would.
