@@ -106,6 +106,7 @@ class DDPComm:
         # one iteration's communication seconds, exposed seconds and bytes
         self._latest: tuple[float, float, float] | None = None
         self._synced = 0  # synchronised forwards seen
+        self._syncing = False  # the forward in progress synchronises gradients
         self._iteration = -1  # the reducer iteration of the latest sample read
         self._rate = DDP_SAMPLE_RATE
         self._ddp = ddp
@@ -132,7 +133,7 @@ class DDPComm:
     def _after_forward(self, module: Any, args: Any, output: Any) -> None:
         """After a synchronised forward, the previous synchronised iteration has finished its
         backward, and DDP has just logged its times if it sampled it."""
-        if not getattr(self, "_syncing", False):
+        if not self._syncing:
             return
         done = self._synced  # synchronised iterations finished before this one
         self._synced = done + 1
