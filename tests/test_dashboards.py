@@ -157,8 +157,9 @@ class _Allreduce:
 
 
 def _ddp_rank(endpoint: str, stop: threading.Event) -> None:
-    """Rank 1 of the run 'tour', stepping every 20 ms, with its gradient communication."""
-    m = TrainingMonitor(run="tour", rank=1, endpoint=endpoint, push_interval=0.5)
+    """Rank 2 of the run 'tour' (on demo GPU 2 % 2, rank 0's: GPU 1 stays unused), stepping
+    every 20 ms, with its gradient communication."""
+    m = TrainingMonitor(run="tour", rank=2, endpoint=endpoint, push_interval=0.5)
     with m.step(samples=32):
         time.sleep(0.02)
     m._comm.append(_Allreduce())
