@@ -156,19 +156,20 @@ def with_comm(*waits_and_comms, step=1.0, run="sync"):
 
 def test_the_rank_the_others_wait_for_in_the_all_reduce_is_the_only_straggler():
     """Principle 8: rank 2 computes longer; ranks 0, 1 and 3 wait 40 % of each step for it in
-    the gradient all-reduce (communication-bound, measured). Rank 2 is the straggler; the
-    ranks that wait never are."""
+    the gradient all-reduce. Rank 2 is the straggler; the ranks that wait never are, and
+    their wait is no communication-bound verdict either."""
     reps = with_comm((0.01, 0.4), (0.01, 0.4), (0.01, 0.02), (0.01, 0.38))
     assert [("straggler" in names(r)) for r in reps] == [False, False, True, False]
     assert reps[2].verdict == "straggler" and "the others wait for it" in reps[2].reason
-    assert all(r.verdict == "communication-bound" for r in (reps[0], reps[1], reps[3]))
-    assert "bucket_cap_mb" in reps[0].advice and "NCCL_DEBUG=INFO" in reps[0].advice
+    # their wait is for rank 2, not for the link: the run's least wait (2 %) is the link's
+    assert not any("communication-bound" in names(r) for r in reps)
 
 
 def test_ranks_that_all_wait_alike_for_communication_have_no_straggler():
     reps = with_comm((0.01, 0.3), (0.01, 0.3), (0.01, 0.28))
     assert not any("straggler" in names(r) for r in reps)
     assert all(r.verdict == "communication-bound" for r in reps)
+    assert "bucket_cap_mb" in reps[0].advice and "NCCL_DEBUG=INFO" in reps[0].advice
 
 
 def test_a_fast_rank_waiting_for_a_slow_ones_input_is_never_a_straggler():

@@ -531,7 +531,8 @@ class DataLoaderRestarts(Heuristic):
 
 
 class CommunicationBound(Heuristic):
-    alert, verdict = "GpuTrainCommunicationBound", "communication-bound"
+    # global: the ranks of a run are compared (a run spans nodes)
+    alert, verdict, level = "GpuTrainCommunicationBound", "communication-bound", "global"
     severity, for_ = "warning", "10m"
     summary = "A training run waits for its gradient communication (all-reduce)."
     advice = ("Overlap and shrink the gradient sync: tune DDP's bucket_cap_mb, set "
@@ -540,15 +541,17 @@ class CommunicationBound(Heuristic):
               "so that fewer steps all-reduce, and raise the per-GPU batch so that each "
               "all-reduce serves more compute. Check the fabric: NCCL_DEBUG=INFO names the "
               "transport in use; it should be NVLink, InfiniBand or RoCE, not TCP sockets.")
-    fires_when = ("exposed gradient communication >= {comm_bound} of the step time; or, where "
-                  "none is measured, a NIC at >= {network_saturated} of its speed both ways "
+    fires_when = ("exposed gradient communication >= {comm_bound} of the step time on every "
+                  "rank of the run that measures it; or, where none is measured, a NIC at >= {network_saturated} of its speed both ways "
                   "with data wait < {input_bound} (inferred)")
     why = ("In data-parallel training every step ends with the gradients' all-reduce; the "
            "part of it that the backward pass does not hide is time the GPU waits (NCCL's "
            "kernels keep it \"busy\" meanwhile, so GPU busy does not show it). The client "
-           "reads DDP's own reducer timers (`watch_communication`): when the step waits "
-           "{comm_bound} or more of its time for communication, communication is the "
-           "bottleneck. Where no client measures it, a network interface saturated both "
+           "reads DDP's own reducer timers (`watch_communication`): when the steps of every rank "
+           "of the run wait {comm_bound} or more of their time for communication, "
+           "communication is the bottleneck. A rank that waits more than its run's others "
+           "waits for them (a straggler), not for the link: the run's least wait is what "
+           "communication costs. Where no client measures it, a network interface saturated both "
            "ways ({network_saturated} of its speed, received and sent: an all-reduce sends "
            "as much as it receives) while the data wait stays under {input_bound} points "
            "at it too; that verdict is marked inferred. What the measured figure leaves out: "
@@ -564,7 +567,9 @@ class CommunicationBound(Heuristic):
 
     def rules(self, q: Q) -> list[dict]:
         t = q.t
-        measured = f"{q.comm} >= {t['comm_bound']}"
+        # every rank of the run waits: the least wait of its ranks is the communication's own
+        measured = (f"{q.comm} >= {t['comm_bound']} and on ({q.run}) "
+                    f"(min by ({q.run}) ({q.comm}) >= {t['comm_bound']})")
         duplex = "instance:gputrain_host_network_duplex_link_used:max_ratio_rate5m"
         inferred = (f"""({q.wait} < {t['input_bound']}) unless on ({q.rank}) {q.comm}
             and on ({q.node}) ({duplex} >= {t['network_saturated']})""")
@@ -580,9 +585,13 @@ class CommunicationBound(Heuristic):
 
     def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
         if r.comm_exposed_ratio is not None:
-            if _v(r.comm_exposed_ratio, ">=", t["comm_bound"]):
+            least = r.comm_exposed_ratio if r.run_comm_exposed_min is None \
+                else r.run_comm_exposed_min
+            if _v(r.comm_exposed_ratio, ">=", t["comm_bound"]) and \
+                    _v(least, ">=", t["comm_bound"]):
                 return (f"waits {percent(r.comm_exposed_ratio)} of each step for gradient "
-                        f"communication ({percent(r.comm_ratio)} runs), measured")
+                        f"communication ({percent(r.comm_ratio)} runs; its run's ranks "
+                        f"{percent(least)} or more), measured")
             return None
         duplex = r.host.get("network_duplex_used")
         if _v(r.data_wait_ratio, "<", t["input_bound"]) and \
