@@ -242,8 +242,9 @@ def test_a_communication_heavy_run_is_communication_bound_everywhere(stack):
     """Six Linear(2048, 2048) at batch 4 over two gloo ranks: most of each step is the
     gradients' all-reduce. The page, diagnose, top and the alert call the run
     communication-bound (not gpu-bound, though its demo GPUs are 100 % busy): both ranks, as
-    both wait for it (the least wait of the run's ranks reaches the threshold). The exported exposed wait lies within 0.5x-1.25x of the step time with sync less the step
-    time under no_sync(), on every rank."""
+    both wait for it (the least wait of the run's ranks reaches the threshold). The exported
+    exposed wait lies within 0.5x-1.25x of the step time with sync less the step time under
+    no_sync(), on every rank."""
     res = _heavy(stack)
     prom = stack["prom"]
     for surface in ("page", "diagnose"):
