@@ -267,7 +267,8 @@ def test_a_communication_heavy_run_is_communication_bound_everywhere(stack):
 
 def test_a_compute_heavy_run_is_not_communication_bound(stack):
     """Four Linear(256, 256) at batch 1024: little to all-reduce, much to compute. No surface
-    calls it communication-bound, and its exposed share is under half the heavy run's."""
+    calls it communication-bound, and its exposed share (the run's least, as the verdict
+    judges it) is under half the heavy run's."""
     res = _judge_live(stack, "light", *LIGHT, "--steps", "5")
     for rank in ("0", "1"):
         assert res["page"][rank]["verdict"] != COMM_BOUND, res["page"][rank]
@@ -275,10 +276,16 @@ def test_a_compute_heavy_run_is_not_communication_bound(stack):
         assert res["page"][rank]["comm_exposed_ratio"] is not None
     assert _firing(stack["prom"], "GpuTrainCommunicationBound", "light") == set()
     heavy = _heavy(stack)
-    for light_t, heavy_t in zip(res["totals"], heavy["totals"], strict=True):
-        light_share = light_t["comm_exposed_seconds_total"] / light_t["step_duration_seconds_sum"]
-        heavy_share = heavy_t["comm_exposed_seconds_total"] / heavy_t["step_duration_seconds_sum"]
-        assert heavy_share >= 2 * light_share, (heavy_share, light_share)
+
+    def least_share(totals: list[dict]) -> float:
+        # what the verdict judges: the run's least exposed share (a rank's wait beyond it is
+        # for a slower rank, which two ranks on two shared cores often are)
+        return min(t["comm_exposed_seconds_total"] / t["step_duration_seconds_sum"]
+                   for t in totals)
+
+    light_share, heavy_share = least_share(res["totals"]), least_share(heavy["totals"])
+    print(f"\nexposed share: heavy {heavy_share:.3f}, light {light_share:.3f}")
+    assert heavy_share >= 2 * light_share, (heavy_share, light_share)
 
 
 def test_the_rank_slowed_on_purpose_is_the_only_straggler(stack):
