@@ -236,6 +236,9 @@ OPTIONS: list[Option] = [
     Option("slurm.job-mapping-dir", _text, "/run/gputrain/slurm-gpus",
            "a file per GPU (named by index or UUID) listing the Slurm jobs using it, read by "
            "--collector.slurm; deploy/slurm/gputrain-prolog.sh writes it", "DIR"),
+    Option("nccl.inspector-dir", _text, "/var/lib/node_exporter/nccl_inspector",
+           "the NCCL_INSPECTOR_DUMP_DIR of NCCL Inspector run with NCCL_INSPECTOR_PROM_DUMP=1, "
+           "read by --collector.nccl", "DIR"),
     Option("status.window", _status_window, 300.0,
            "the window the status page, /api/v1/status and `top` judge each run over (the "
            "daemon keeps this much history; 30s-1h)", "DURATION"),

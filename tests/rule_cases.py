@@ -165,6 +165,21 @@ def run_steps(run: str, wait: float, r: str = "0", step_sum: float = 60,
                 ramp(step_sum / step_s)}
 
 
+def measured(who: dict[str, str]) -> dict[str, str]:
+    """The labels of a rank's measured GpuTrainCommunicationBound alert."""
+    return {**who, "evidence": "measured"}
+
+
+def run_comm(run: str, exposed: float, r: str = "0", ran: float | None = None,
+             **node: str) -> dict[str, str]:
+    """A rank whose client measures its gradient communication: ``ran`` (default twice
+    ``exposed``) of each minute in collectives, ``exposed`` of it waited for by the steps."""
+    where = {**node, "run": run, "rank": r}
+    ran = 2 * exposed if ran is None else ran
+    return {sel("gputrain_training_comm_exposed_seconds_total", **where): ramp(exposed * 60),
+            sel("gputrain_training_comm_seconds_total", **where): ramp(ran * 60)}
+
+
 def host_cpu(busy: float, iowait: float = 0.0, cores: int = 8) -> dict[str, str]:
     per_min = cores * 60
     return {sel("gputrain_host_cpu_seconds_total", mode="user"): ramp(per_min * busy),
@@ -290,6 +305,36 @@ def alert_cases() -> list[Case]:
                   flat(1.25e9)},
              [Fire("GpuTrainInputBound", rank("net"), "77.8%", "warning"),
               Fire("GpuTrainNetworkInputBound", rank("net"), "77.8%")]),
+        Case("GpuTrainCommunicationBound: a rank waits 35% of each step for its all-reduce "
+             "(measured); one that waits 10% while its communication runs 60% of the step "
+             "(overlapped) stays silent",
+             {**run_steps("allreduce", 0.01), **run_comm("allreduce", 0.35),
+              **run_steps("overlapped", 0.01), **run_comm("overlapped", 0.1, ran=0.6)},
+             [Fire("GpuTrainCommunicationBound", measured(rank("allreduce")), "35%")]),
+        Case("GpuTrainCommunicationBound, inferred: no communication measured, data wait 1%, "
+             "eth0 at 88% of 10 Gbit/s both ways; on n2 a NIC that only receives at 88% "
+             "(input) and on n3 a saturated NIC beside a measured 5% wait stay silent",
+             {**run_steps("fabric", 0.01),
+              **{sel(f"gputrain_host_network_{d}_bytes_total", interface="eth0"):
+                 ramp(1.1e9 * 60) for d in ("received", "transmitted")},
+              sel("gputrain_host_network_speed_bytes_per_second", interface="eth0"):
+                  flat(1.25e9),
+              **run_steps("inbound", 0.01, instance="n2:19400"),
+              sel("gputrain_host_network_received_bytes_total", interface="eth0",
+                  instance="n2:19400"): ramp(1.1e9 * 60),
+              sel("gputrain_host_network_transmitted_bytes_total", interface="eth0",
+                  instance="n2:19400"): ramp(1e8 * 60),
+              sel("gputrain_host_network_speed_bytes_per_second", interface="eth0",
+                  instance="n2:19400"): flat(1.25e9),
+              **run_steps("measured", 0.01, instance="n3:19400"),
+              **run_comm("measured", 0.05, instance="n3:19400"),
+              **{sel(f"gputrain_host_network_{d}_bytes_total", interface="eth0",
+                     instance="n3:19400"): ramp(1.1e9 * 60)
+                 for d in ("received", "transmitted")},
+              sel("gputrain_host_network_speed_bytes_per_second", interface="eth0",
+                  instance="n3:19400"): flat(1.25e9)},
+             [Fire("GpuTrainCommunicationBound", {**rank("fabric"), "evidence": "inferred"},
+                   "1%")]),
         Case("GpuTrainDataLoaderRestarts: DataLoader start-up takes 10% of the wall time; 2% "
              "stays silent",
              {**{sel(m, run=r, rank="0"): ramp(v)
@@ -444,6 +489,30 @@ def alert_cases() -> list[Case]:
              [Fire("GpuTrainStragglerRank", rank("ddp", "3"), "30%"),
               Fire("GpuTrainInputBound", rank("ddp", "3"), "30%", "warning"),
               Fire("GpuTrainStragglerRank", rank("async", "2"), "1.5")],
+             fire_at="30m", quiet_at="12m", quiet_alerts=["GpuTrainStragglerRank"]),
+        # principle 8: in synchronous training the fast ranks wait for the slow one
+        Case("GpuTrainStragglerRank: in run 'sync' rank 1 computes longer and rank 0 waits 40% "
+             "of each step for it in the all-reduce: rank 1 is the straggler, rank 0 never, and "
+             "its wait is for rank 1, not communication-bound; in run 'balanced' both ranks "
+             "wait 30% for communication: communication-bound, and none is a straggler",
+             {**run_steps("sync", 0.01, "0"), **run_comm("sync", 0.4, "0"),
+              **run_steps("sync", 0.01, "1"), **run_comm("sync", 0.02, "1"),
+              **run_steps("balanced", 0.01, "0"), **run_comm("balanced", 0.3, "0"),
+              **run_steps("balanced", 0.01, "1"), **run_comm("balanced", 0.3, "1")},
+             [Fire("GpuTrainStragglerRank", rank("sync", "1"), "2%"),
+              Fire("GpuTrainCommunicationBound", measured(rank("balanced", "0")), "30%"),
+              Fire("GpuTrainCommunicationBound", measured(rank("balanced", "1")), "30%")],
+             fire_at="30m", quiet_at="12m", quiet_alerts=["GpuTrainStragglerRank"]),
+        Case("GpuTrainStragglerRank: rank 1 of runs 'slow2' and 'slow3' waits 50% for data and "
+             "the other ranks (no communication measured) spend that time waiting for it in "
+             "the all-reduce: they are never stragglers (their step less data wait is no "
+             "compute); rank 1 is, where a median of the others exists (3 ranks)",
+             {**run_steps("slow2", 0.0, "0"), **run_steps("slow2", 0.5, "1"),
+              **run_steps("slow3", 0.0, "0"), **run_steps("slow3", 0.5, "1"),
+              **run_steps("slow3", 0.0, "2")},
+             [Fire("GpuTrainStragglerRank", rank("slow3", "1"), "50%"),
+              Fire("GpuTrainInputBound", rank("slow2", "1"), "50%", "warning"),
+              Fire("GpuTrainInputBound", rank("slow3", "1"), "50%", "warning")],
              fire_at="30m", quiet_at="12m", quiet_alerts=["GpuTrainStragglerRank"]),
         # a run is `run`, never `job`: a rack scraped under another job name is the same run
         Case("GpuTrainStragglerRank: run 'span' has ranks 0-2 on n1 (job gputrain) and rank 3 "
@@ -746,8 +815,11 @@ def _humanize_duration(seconds: float) -> str:
 
 
 def expected_alert(fire: Fire, rules: list[dict]) -> dict:
+    # rules of one severity tell themselves apart by their other labels (evidence)
     matching = [r for r in rules if r["alert"] == fire.alert
-                and (fire.severity is None or r["labels"]["severity"] == fire.severity)]
+                and (fire.severity is None or r["labels"]["severity"] == fire.severity)
+                and all(fire.labels.get(k) == v for k, v in r["labels"].items()
+                        if k != "severity")]
     if len(matching) != 1:
         raise ValueError(f"{fire.alert}: give the severity of the expected alert")
     rule = matching[0]

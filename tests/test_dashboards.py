@@ -7,11 +7,14 @@ import json
 import re
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import yaml
 from conftest import ROOT, Daemon, Prometheus, rules_file, synthetic_client, wait_until
 
+from exporter.client import TrainingMonitor
 from exporter.heuristics import dashboards as generate
 from exporter.heuristics.catalogue import THRESHOLDS
 
@@ -141,13 +144,44 @@ def substitute(expr: str, instance: str) -> str:
             .replace('rank=~"$rank"', 'rank=~".*"').replace("$instance", instance))
 
 
+class _Allreduce:
+    """Stands in for a DDP model's meter (no torch here): 40 % of the wall time in the
+    all-reduce, half of it exposed, 100 MB a second."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+
+    def totals(self) -> dict[str, float]:
+        s = time.monotonic() - self.t0
+        return {"comm_seconds": 0.4 * s, "comm_exposed_seconds": 0.2 * s, "comm_bytes": 1e8 * s}
+
+
+def _ddp_rank(endpoint: str, stop: threading.Event) -> None:
+    """Rank 2 of the run 'tour' (on demo GPU 2 % 2, rank 0's: GPU 1 stays unused), stepping
+    every 20 ms, with its gradient communication."""
+    m = TrainingMonitor(run="tour", rank=2, endpoint=endpoint, push_interval=0.5)
+    with m.step(samples=32):
+        time.sleep(0.02)
+    m._comm.append(_Allreduce())
+    while not stop.is_set():
+        with m.step(samples=32):
+            time.sleep(0.02)
+    m.close()
+
+
 @pytest.fixture(scope="module")
 def fed_prometheus(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dash")
     # This machine's NIC reports no speed (as cloud NICs do): configure one, as users would.
     # a process no client reports shares GPU 0 with the run, as on a time-sliced GPU
+    # NCCL Inspector's textfiles, as its README documents them, for the bus bandwidth panel
     daemon = Daemon("--gpu.backend=demo", "--demo.gpus=2", "--demo.load=0.3",
-                    "--demo.foreign-load=0.1", "--host.netdev-speed=10Gbit").start()
+                    "--demo.foreign-load=0.1", "--host.netdev-speed=10Gbit",
+                    "--collector.nccl",
+                    f"--nccl.inspector-dir={ROOT / 'tests' / 'data' / 'nccl_inspector'}").start()
+    stop = threading.Event()
+    ddp = threading.Thread(target=_ddp_rank, args=(daemon.ingest_url, stop), daemon=True)
+    ddp.start()
     client = synthetic_client("tour", daemon.ingest_url, "--batch-size", "32",
                               "--data-wait-ms", "20", "--compute-ms", "10", "--callback-ms", "5",
                               "--flops-per-sample", "1e9")
@@ -161,6 +195,8 @@ def fed_prometheus(tmp_path_factory):
                    timeout=90, what="recording rules and a firing alert")
         yield prom, daemon
     finally:
+        stop.set()
+        ddp.join(timeout=10)
         client.kill()
         client.wait()
         prom.stop()

@@ -143,6 +143,59 @@ def test_a_rank_that_computes_over_1_2x_its_runs_median_is_a_straggler():
     assert [names(r) for r in reps] == [[], [], ["straggler"]]
 
 
+def with_comm(*waits_and_comms, step=1.0, run="sync"):
+    """Ranks of one synchronous run, each (data wait, exposed communication) of its step."""
+    out = []
+    for i, (wait, comm) in enumerate(waits_and_comms):
+        rep = report(0.95, wait)
+        rep.run, rep.rank, rep.step_seconds = run, str(i), step
+        rep.comm_exposed_ratio, rep.comm_ratio = comm, 2 * comm
+        out.append(rep)
+    return judge(out, T)
+
+
+def test_the_rank_the_others_wait_for_in_the_all_reduce_is_the_only_straggler():
+    """Principle 8: rank 2 computes longer; ranks 0, 1 and 3 wait 40 % of each step for it in
+    the gradient all-reduce. Rank 2 is the straggler; the ranks that wait never are, and
+    their wait is no communication-bound verdict either."""
+    reps = with_comm((0.01, 0.4), (0.01, 0.4), (0.01, 0.02), (0.01, 0.38))
+    assert [("straggler" in names(r)) for r in reps] == [False, False, True, False]
+    assert reps[2].verdict == "straggler" and "the others wait for it" in reps[2].reason
+    # their wait is for rank 2, not for the link: the run's least wait (2 %) is the link's
+    assert not any("communication-bound" in names(r) for r in reps)
+
+
+def test_ranks_that_all_wait_alike_for_communication_have_no_straggler():
+    reps = with_comm((0.01, 0.3), (0.01, 0.3), (0.01, 0.28))
+    assert not any("straggler" in names(r) for r in reps)
+    assert all(r.verdict == "communication-bound" for r in reps)
+    assert "bucket_cap_mb" in reps[0].advice and "NCCL_DEBUG=INFO" in reps[0].advice
+
+
+def test_a_fast_rank_waiting_for_a_slow_ones_input_is_never_a_straggler():
+    """No communication measured: rank 1 waits 50 % for data; rank 0's step less its data wait
+    is its wait for rank 1 in the all-reduce, not compute, and it is no straggler."""
+    reps = ranks((0.0, 1.0), (0.5, 1.0))
+    assert "straggler" not in names(reps[0])
+    assert names(reps[1])[0] == "input-bound"
+
+
+def test_an_overlapped_all_reduce_is_not_communication_bound():
+    (rep,) = with_comm((0.01, 0.1))
+    assert rep.verdict != "communication-bound"
+
+
+def test_a_nic_saturated_both_ways_with_no_data_wait_is_inferred_communication_bound():
+    rep = report(0.95, 0.01)
+    rep.host["network_duplex_used"] = 0.9
+    judge_one(rep)
+    assert rep.verdict == "communication-bound" and rep.reason.startswith("inferred")
+    near = report(0.95, 0.01)
+    near.host["network_duplex_used"] = 0.9
+    near.comm_exposed_ratio = 0.05  # measured, and low: the measure wins
+    assert judge_one(near).verdict != "communication-bound"
+
+
 def test_one_rank_is_never_a_straggler():
     (rep,) = ranks((0.3, 1.0))
     assert "straggler" not in names(rep)

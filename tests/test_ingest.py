@@ -143,6 +143,37 @@ def test_bad_flops_or_precision_is_a_400_that_says_why(rig, over, message):
     assert r.status_code == 400 and message in r.text, r.text
 
 
+def test_gradient_communication_is_exported_where_the_client_measures_it(rig):
+    """A client watching a DDP model pushes the seconds its all-reduce ran, the part its steps
+    waited for and the bytes; one that measures none exports no such line (no verdict can be
+    drawn from it), and a total that goes down within a process is a 409."""
+    assert rig.push(body()).ok
+    assert rig.v("gputrain_training_comm_exposed_seconds_total") is None
+    assert rig.push(body(steps=11, step_counts=[2, 9, 11], comm_seconds=1.5,
+                         comm_exposed_seconds=0.4, comm_bytes=4e8)).ok
+    assert rig.v("gputrain_training_comm_seconds_total") == 1.5
+    assert rig.v("gputrain_training_comm_exposed_seconds_total") == 0.4
+    assert rig.v("gputrain_training_comm_bytes_total") == 4e8
+    r = rig.push(body(steps=12, step_counts=[2, 9, 12], comm_seconds=1.5,
+                      comm_exposed_seconds=0.3, comm_bytes=4e8))
+    assert r.status_code == 409 and "'comm_exposed_seconds' went down" in r.text, r.text
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"comm_exposed_seconds": 0.1}, "'comm_exposed_seconds' needs 'comm_seconds'"),
+    ({"comm_seconds": 0.5, "comm_exposed_seconds": 0.9},
+     "'comm_exposed_seconds' (0.9) is more than 'comm_seconds' (0.5)"),
+    ({"comm_seconds": 5.0, "comm_exposed_seconds": 3.0},
+     "'comm_exposed_seconds' (3) is more than 'step_seconds' (2)"),
+    ({"comm_seconds": -1.0}, "field 'comm_seconds' must be a finite number >= 0"),
+    ({"comm_bytes": "lots"}, "field 'comm_bytes' must be a number"),
+])
+def test_inconsistent_communication_is_a_400_that_says_why(rig, over, message):
+    r = rig.push(body(**over))
+    assert r.status_code == 400 and message in r.text, r.text
+    assert rig.v("gputrain_training_steps_total") is None  # nothing stored
+
+
 @pytest.mark.parametrize("over, field", [
     ({"steps": 1e300}, "steps"),
     ({"steps": 9.3e18}, "steps"),  # a float past 2^53 holds no exact integer

@@ -175,15 +175,16 @@ def frame(doc: dict[str, Any], error: str | None = None) -> Any:
         if run.get("partial"):
             body.append(Text(f"partly visible: {run['partial']}", style="grey50"))
         ranks = Table(box=None, header_style="bold", pad_edge=False)
-        for col in ("rank", "samples/s", "step", "data wait", "MFU", "GPUs", "verdict",
-                    "last push"):
+        for col in ("rank", "samples/s", "step", "data wait", "comm wait", "MFU", "GPUs",
+                    "verdict", "last push"):
             ranks.add_column(col, no_wrap=True)
         for r in run["ranks"]:
             push = _ago(r["seconds_since_push"]) + " ago"
             row(
                 ranks, r["rank"], _num(r["samples_per_second"]),
                 _num(r["step_seconds"], ".1f", 1000, " ms"), percent(r["data_wait_ratio"]),
-                percent(r["mfu"]), gpu_names(r["gpus"], doc["gpus"]),
+                percent(r.get("comm_exposed_ratio")), percent(r["mfu"]),
+                gpu_names(r["gpus"], doc["gpus"]),
                 r["verdict"], push if r["pushing"] else Text(f"stopped pushing {push}",
                                                              style="bold red"))
         body.append(ranks)

@@ -106,6 +106,8 @@ class GpuTrainCallback(Callback):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self.monitor._detect_gpus()
+        # the DDP strategy has wrapped the module by now: its gradient sync, from DDP's timers
+        self.monitor.watch_communication(getattr(trainer.strategy, "model", None))
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self.monitor.new_epoch()

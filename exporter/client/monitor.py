@@ -23,6 +23,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from time import perf_counter as _now
 from typing import Any, TypeVar
 
+from exporter.client.comm import DDPComm, find_ddp
 from exporter.client.profiling import RankProfiler
 from exporter.client.pusher import Pusher
 from exporter.client.stacks import StackSampler
@@ -275,6 +276,7 @@ class TrainingMonitor:
         self._redetect = True  # look for the GPUs again after the first step (CUDA is up then)
         # the step's end calls _attend while this is set: one test on the hot path for both
         self._attention = True
+        self._comm: list[DDPComm] = []
         self._pid = os.getpid()
         self._closed = False
         self._profiler = RankProfiler(self.run, self.rank, lambda: self._pusher.wake(),
@@ -306,6 +308,22 @@ class TrainingMonitor:
         self.precision = precision or _autocast_precision() or self.precision
         self._flops_known = self._flops_known or flops is not None
         self._flops_per_sample = float(flops or 0.0)
+
+    def watch_communication(self, model: Any) -> bool:
+        """Measure the gradient communication of ``model`` (a DistributedDataParallel
+        module, or a framework's wrapper of one) from DDP's own timers (see
+        :mod:`exporter.client.comm`): seconds in collectives, the part the step waited for,
+        bytes all-reduced. True where it is measured; False where ``model`` is no DDP model.
+        Call it once per model, on the training thread, before training."""
+        ddp = find_ddp(model)
+        if ddp is None:
+            return False
+        if any(c._ddp is ddp for c in self._comm):
+            return True
+        meter = DDPComm(ddp)
+        if meter.working:
+            self._comm.append(meter)
+        return meter.working
 
     # -- measuring ---------------------------------------------------------------------------
 
@@ -491,7 +509,16 @@ class TrainingMonitor:
             "precision": self.precision,
             "elapsed_seconds": max(0.0, _now() - self._started()),
             **({"flops": self._flops} if self._flops_known else {}),
+            **self._comm_totals(),
         }
+
+    def _comm_totals(self) -> dict[str, float]:
+        """The communication totals of the watched DDP models; none where none is watched."""
+        out: dict[str, float] = {}
+        for meter in list(self._comm):
+            for key, value in meter.totals().items():
+                out[key] = out.get(key, 0.0) + value
+        return out
 
     def _started(self) -> float:
         if self._process_start is None:  # two threads may both look: the same answer

@@ -40,6 +40,8 @@ class GpuTrainCallback(TrainerCallback):
             self.monitor = TrainingMonitor(**self._kwargs)
         self._hooks = HookTimer(self.monitor)
         self._samples = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        # accelerate has wrapped the model in DDP by now (in a process group): its gradient sync
+        self.monitor.watch_communication(kwargs.get("model"))
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._hooks.epoch_start()

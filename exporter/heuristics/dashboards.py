@@ -352,6 +352,28 @@ def run(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict:
             f"{dominating:.0%} ({pct(t, 'phase_dominates')} the rest) is host overhead; checkpoint "
             f"saves over {pct(t, 'checkpoint_share')} are stalls.",
             lines=[(dominating, "red")], max_=1), 12, 8),
+        lay.row("Gradient communication"),
+        lay.place(timeseries("Gradient communication", [
+            target(f"run_rank:gputrain_training_comm_exposed_ratio:rate5m{{{sel}}}",
+                   "exposed rank {{rank}}", "A"),
+            target(f"run_rank:gputrain_training_comm_ratio:rate5m{{{sel}}}",
+                   "ran rank {{rank}}", "B")], "percentunit",
+            "Of each step, the gradient all-reduce that ran (DDP's reducer timers, where the "
+            "client watches a DDP model) and the part the step waited for (exposed). Over "
+            f"{pct(t, 'comm_bound')} exposed: communication-bound. In synchronous training the "
+            "rank that waits least is the one the others wait for.",
+            lines=[(t["comm_bound"], "red")], max_=1), 12, 8),
+        lay.place(timeseries("Bytes all-reduced", [target(
+            f"run_rank:gputrain_training_comm_bytes:rate5m{{{sel}}}", "rank {{rank}}")],
+            "Bps", "Gradient bytes all-reduced per second (the size of DDP's buckets times "
+            "the synchronised steps)."), 12, 8),
+        lay.place(timeseries("NCCL bus bandwidth", [target(
+            f"gputrain_nccl_bus_bandwidth_bytes_per_second{{{node}}}",
+            "{{collective}} {{comm_id}} rank {{nccl_rank}} {{instance}}")], "Bps",
+            "The bus bandwidth each NCCL communicator's latest collective achieved (NCCL "
+            "Inspector, `--collector.nccl`): far under the fabric's speed (3 GB/s on a "
+            "400 Gb/s InfiniBand) is NCCL on TCP sockets; NCCL_DEBUG=INFO names the "
+            "transport."), 24, 8),
         lay.place(timeseries("Goodput and badput", [
             target(f"avg(run_rank:gputrain_training_goodput:ratio_rate5m{{{sel}}})",
                    "productive steps", "A"),
@@ -496,6 +518,13 @@ def node(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict
                    "device-to-host GPU {{gpu}}", "B"),
             target(f"gputrain_gpu_pcie_link_max_bytes_per_second{{{n}}}",
                    "link max GPU {{gpu}}", "C")], "Bps"), 8, 8),
+        lay.place(timeseries("Network both ways", [target(
+            f"instance:gputrain_host_network_duplex_link_used:max_ratio_rate5m{{{n}}}",
+            "busiest NIC, lesser direction")], "percentunit",
+            f"The busiest interface's lesser direction against its speed: over "
+            f"{pct(t, 'network_saturated')} both ways with little data wait is an all-reduce "
+            "on the wire (communication-bound, inferred).",
+            lines=[(t["network_saturated"], "red")], max_=1), 8, 8),
         lay.place(timeseries("NVLink", [
             target(f"rate(gputrain_gpu_nvlink_received_bytes_total{{{n}}}{r})",
                    "received GPU {{gpu}}", "A"),

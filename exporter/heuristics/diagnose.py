@@ -148,6 +148,8 @@ RECORDED = {
     "samples_per_second": "run_rank:gputrain_training_samples_per_second:rate5m",
     "step_seconds": "run_rank:gputrain_training_step_seconds:mean5m",
     "data_wait_ratio": "run_rank:gputrain_training_data_wait_ratio:rate5m",
+    "comm_ratio": "run_rank:gputrain_training_comm_ratio:rate5m",
+    "comm_exposed_ratio": "run_rank:gputrain_training_comm_exposed_ratio:rate5m",
     "phases": "run_rank_phase:gputrain_training_phase_ratio:rate5m",
     "busy": "run_rank_gpu:gputrain_gpu_busy_ratio:rate5m",
     "sm_active": "run_rank_gpu:gputrain_gpu_sm_active_ratio:avg5m",
@@ -170,6 +172,7 @@ RECORDED = {
     "iowait": "instance:gputrain_host_cpu_iowait:ratio_rate5m",
     "disk_busy": "instance:gputrain_host_disk_busy:max_rate5m",
     "network_rx_used": "instance:gputrain_host_network_receive_link_used:max_ratio_rate5m",
+    "network_duplex_used": "instance:gputrain_host_network_duplex_link_used:max_ratio_rate5m",
 }
 
 
@@ -184,7 +187,8 @@ def recorded_queries(selector: str) -> dict[str, str]:
 
 GPU_READINGS = ("busy", "sm_active", "tensor_active", "memory_used", "power_used",
                 "pcie_rx_used", "throttled")
-HOST_READINGS = ("cpu_busy", "iowait", "disk_busy", "network_rx_used", "memory_available")
+HOST_READINGS = ("cpu_busy", "iowait", "disk_busy", "network_rx_used", "network_duplex_used",
+                 "memory_available")
 
 
 def _read(prom: Prometheus, raw: str, recorded: str, key) -> tuple[list, set]:
@@ -222,7 +226,8 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
                 labels.get("job", ""), labels.get("instance", ""), labels.get("run", ""),
                 labels.get("rank", ""), labels={k: labels.get(k, "") for k in ids.extra})
     for name in ("steps", "samples_per_second", "step_seconds", "data_wait_ratio",
-                 "step_p50_seconds", "step_p99_seconds", "seconds_since_step",
+                 "comm_ratio", "comm_exposed_ratio", "step_p50_seconds", "step_p99_seconds",
+                 "seconds_since_step",
                  "rss_growth_1h", "rss_growth_15m", "mfu", "goodput"):
         results, recorded = _read(prom, q[name], qr[name], rank_key)
         for labels, value in results:
@@ -404,6 +409,9 @@ def text_report(reports: list[RankReport], window_seconds: float = 300.0,
         lines.append(f"  samples/s {_fmt(rep.samples_per_second, 1, '', 1)}   step time "
                      f"{_fmt(rep.step_seconds, 1000, ' ms', 1)}   data wait "
                      f"{_fmt(rep.data_wait_ratio)}   MFU {_fmt(rep.mfu)}")
+        if rep.comm_exposed_ratio is not None:
+            lines.append(f"  gradient communication {_fmt(rep.comm_ratio)} of each step, "
+                         f"{_fmt(rep.comm_exposed_ratio)} exposed (the step waited for it)")
         if rep.goodput is not None:
             lost = ", ".join(f"{cause} {_fmt(v)}" for cause, v in
                              sorted(rep.badput.items(), key=lambda kv: -kv[1]))

@@ -123,9 +123,23 @@ def recording(s: str, ids: Identity, r: str = WINDOWS["rate"]) -> list[dict]:
         _rec("run_rank:gputrain_training_step_seconds:mean5m", f"""
             sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{r}]))
             / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[{r}]))"""),
+        # gradient communication, where the client measures it: the share of the step time it
+        # ran, and the share the step waited for it (exposed)
+        _rec("run_rank:gputrain_training_comm_ratio:rate5m", f"""
+            sum by ({rank}) (rate(gputrain_training_comm_seconds_total{{{s}}}[{r}]))
+            / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{r}]))"""),
+        _rec("run_rank:gputrain_training_comm_exposed_ratio:rate5m", f"""
+            sum by ({rank}) (rate(gputrain_training_comm_exposed_seconds_total{{{s}}}[{r}]))
+            / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{r}]))"""),
+        _rec("run_rank:gputrain_training_comm_bytes:rate5m", f"""
+            sum by ({rank}) (rate(gputrain_training_comm_bytes_total{{{s}}}[{r}]))"""),
+        # a step's compute: its time less the data wait and, where measured, the wait for
+        # gradient communication (a fast rank waiting for a slow one computes no longer)
         _rec("run_rank:gputrain_training_compute_seconds:mean5m", f"""
             (sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{r}]))
-             - sum by ({rank}) (rate(gputrain_training_data_wait_seconds_total{{{s}}}[{r}])))
+             - sum by ({rank}) (rate(gputrain_training_data_wait_seconds_total{{{s}}}[{r}]))
+             - (sum by ({rank}) (rate(gputrain_training_comm_exposed_seconds_total{{{s}}}[{r}]))
+                or 0 * sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{r}]))))
             / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[{r}]))"""),
         _rec("run_rank:gputrain_training_step_seconds:p50_30m", f"""
             histogram_quantile(0.5, sum by ({rank}, le)
@@ -240,6 +254,16 @@ def recording(s: str, ids: Identity, r: str = WINDOWS["rate"]) -> list[dict]:
             max by ({node}) (
               rate(gputrain_host_network_received_bytes_total{{{s}}}[{r}])
               / gputrain_host_network_speed_bytes_per_second{{{s}}})"""),
+        # of the busiest interface, the lesser of its two directions against its speed: a
+        # link saturated both ways (an all-reduce sends as much as it receives), not an input
+        _rec("instance:gputrain_host_network_duplex_link_used:max_ratio_rate5m", f"""
+            max by ({node}) (
+              (rate(gputrain_host_network_received_bytes_total{{{s}}}[{r}])
+               / gputrain_host_network_speed_bytes_per_second{{{s}}})
+              < (rate(gputrain_host_network_transmitted_bytes_total{{{s}}}[{r}])
+                 / gputrain_host_network_speed_bytes_per_second{{{s}}})
+              or (rate(gputrain_host_network_transmitted_bytes_total{{{s}}}[{r}])
+                  / gputrain_host_network_speed_bytes_per_second{{{s}}}))"""),
     ]
 
 
@@ -302,6 +326,7 @@ class Q:
 
     # the recorded readings an alert compares (their ranges are the rate window's)
     wait = "run_rank:gputrain_training_data_wait_ratio:rate5m"
+    comm = "run_rank:gputrain_training_comm_exposed_ratio:rate5m"  # where it is measured
     busy = "run_rank_gpu:gputrain_gpu_busy_ratio:rate5m"  # each GPU of a rank
     rank_busy = "run_rank:gputrain_gpu_busy_ratio:avg5m"  # the mean over a rank's GPUs
     steps = "run_rank:gputrain_training_steps:rate5m"

@@ -77,6 +77,13 @@ class RankReport:
     samples_per_second: float | None = None
     step_seconds: float | None = None
     data_wait_ratio: float | None = None
+    # of the step time, the gradient communication that ran and the part the step waited for
+    # (None where the client measures no communication)
+    comm_ratio: float | None = None
+    comm_exposed_ratio: float | None = None
+    # the least exposed share among the ranks of its run that measure it: what communication
+    # costs the rank the others wait for (the rest of a fast rank's wait is for that rank)
+    run_comm_exposed_min: float | None = None
     phases: dict[str, float] = field(default_factory=dict)
     gpus: list[GpuReading] = field(default_factory=list)
     host: dict[str, float] = field(default_factory=dict)

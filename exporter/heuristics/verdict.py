@@ -96,6 +96,13 @@ def judge(reports: list[RankReport], t: dict[str, float]) -> list[RankReport]:
     findings are exactly the catalogue alerts that fire for it."""
     lagging = stragglers(reports, t)
     stepping = {run_key(r) for r in reports if r.stepping}
+    least: dict[tuple, float] = {}
+    for r in reports:
+        if r.comm_exposed_ratio is not None:
+            key = run_key(r)
+            least[key] = min(least.get(key, r.comm_exposed_ratio), r.comm_exposed_ratio)
+    for r in reports:
+        r.run_comm_exposed_min = least.get(run_key(r))
     for rep in reports:
         found = rank_findings(rep, t, run_key(rep) in stepping)
         if id(rep) in lagging and "stalled" not in found:

@@ -72,6 +72,8 @@ class _RankPoint(NamedTuple):
     wait: float
     samples: float
     flops: float | None
+    comm: float | None  # seconds of gradient communication, where the client measures it
+    exposed: float | None  # ... and the part the steps waited for
     wall: float
     phases: dict[str, float]
     buckets: tuple[int, ...]
@@ -102,7 +104,8 @@ class _RankTrack:
     rss: deque = field(default_factory=deque)  # (t, bytes), a point a minute
 
 
-_COUNTERS = ("steps", "step_seconds", "data_wait_seconds", "samples", "flops")
+_COUNTERS = ("steps", "step_seconds", "data_wait_seconds", "samples", "flops", "comm_seconds",
+             "comm_exposed_seconds")
 
 
 class History:
@@ -238,10 +241,14 @@ class History:
         if track.bucket_offsets and len(track.bucket_offsets) == len(buckets):
             buckets = tuple(a + b for a, b in zip(buckets, track.bucket_offsets, strict=True))
         flops = None if st.flops is None else st.flops + off.get("flops", 0.0)
+        comm = None if st.comm_seconds is None else st.comm_seconds + off.get("comm_seconds", 0.0)
+        exposed = None if st.comm_exposed_seconds is None else \
+            st.comm_exposed_seconds + off.get("comm_exposed_seconds", 0.0)
         return _RankPoint(t, st.steps + off.get("steps", 0.0),
                           st.step_seconds + off.get("step_seconds", 0.0),
                           st.data_wait_seconds + off.get("data_wait_seconds", 0.0),
-                          st.samples + off.get("samples", 0.0), flops, st.wall_seconds, phases,
+                          st.samples + off.get("samples", 0.0), flops, comm, exposed,
+                          st.wall_seconds, phases,
                           buckets, track.epoch)
 
     # -- reading (a request's thread) -------------------------------------------------------
@@ -370,6 +377,11 @@ class History:
                 if (o := old.nics.get(nic)) is not None and speeds.get(nic)]
         if used:
             out["network_rx_used"] = max(used)
+        duplex = [min(n[0] - o[0], n[1] - o[1]) / dt / speeds[nic]
+                  for nic, n in now.nics.items()
+                  if (o := old.nics.get(nic)) is not None and speeds.get(nic)]
+        if duplex:
+            out["network_duplex_used"] = max(duplex)
         if recent:
             for name, i, parts in (("disk_read_bytes_per_second", 0, "disks"),
                                    ("disk_written_bytes_per_second", 1, "disks"),
@@ -487,6 +499,10 @@ def _rank_window(rep: RankReport, old: _RankPoint, now: _RankPoint,
     if step_s > 0:
         rep.samples_per_second = (now.samples - old.samples) / step_s
         rep.data_wait_ratio = wait / step_s
+        if now.exposed is not None and old.exposed is not None:
+            rep.comm_exposed_ratio = (now.exposed - old.exposed) / step_s
+        if now.comm is not None and old.comm is not None:
+            rep.comm_ratio = (now.comm - old.comm) / step_s
         rep.phases = {p: v / step_s for p, v in phases.items()}
     if steps > 0:
         rep.step_seconds = step_s / steps

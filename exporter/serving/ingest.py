@@ -45,7 +45,9 @@ MAX_CAPABILITIES = 8
 GOODBYE_GRACE_SECONDS = 60.0  # a finished rank's final totals stay this long, for one more scrape
 
 COUNTERS = ("steps", "step_seconds", "data_wait_seconds", "samples")
-OPTIONAL_COUNTERS = ("flops", "elapsed_seconds")  # only where the client sends them
+# only where the client sends them (the communication fields where it measures a DDP model)
+OPTIONAL_COUNTERS = ("flops", "elapsed_seconds", "comm_seconds", "comm_exposed_seconds",
+                     "comm_bytes")
 PROCESS_COUNTERS = ("cpu_seconds", "read_bytes")
 PROCESS_FIELDS = (*PROCESS_COUNTERS, "resident_memory_bytes")
 
@@ -66,6 +68,11 @@ class RankState:
     samples: float = 0.0
     flops: float | None = None  # model FLOPs, when the client knows its FLOPs per sample
     elapsed_seconds: float | None = None  # since the process started, by the client's clock
+    # gradient communication, where the client measures it: seconds in collectives, the part
+    # the steps waited for, bytes all-reduced
+    comm_seconds: float | None = None
+    comm_exposed_seconds: float | None = None
+    comm_bytes: float | None = None
     # wall seconds of the rank across its processes (see IngestStore.push): goodput's and
     # MFU's denominator
     wall_seconds: float = 0.0
@@ -167,6 +174,7 @@ def parse_push(raw: bytes, now: float, now_unix: float) -> tuple[RankState, bool
     st.last_step_timestamp = _number(body, "last_step_timestamp", required=False)
     st.flops = _number(body, "flops", required=False)
     st.elapsed_seconds = _number(body, "elapsed_seconds", required=False)
+    _parse_comm(body, st)
     precision = body.get("precision", DEFAULT_PRECISION)
     if precision not in PRECISIONS:
         raise Refused(400, f"field 'precision' must be one of {', '.join(PRECISIONS)}, "
@@ -181,6 +189,23 @@ def parse_push(raw: bytes, now: float, now_unix: float) -> tuple[RankState, bool
     if not isinstance(goodbye, bool):
         raise Refused(400, f"field 'goodbye' must be true or false, got {json_kind(goodbye)}")
     return st, goodbye
+
+
+def _parse_comm(body: dict, st: RankState) -> None:
+    st.comm_seconds = _number(body, "comm_seconds", required=False)
+    st.comm_exposed_seconds = _number(body, "comm_exposed_seconds", required=False)
+    st.comm_bytes = _number(body, "comm_bytes", required=False)
+    if st.comm_exposed_seconds is not None:
+        if st.comm_seconds is None:
+            raise Refused(400, "field 'comm_exposed_seconds' needs 'comm_seconds' beside it")
+        if st.comm_exposed_seconds > st.comm_seconds:
+            raise Refused(400, f"'comm_exposed_seconds' ({st.comm_exposed_seconds:g}) is more "
+                               f"than 'comm_seconds' ({st.comm_seconds:g}): the exposed part "
+                               "of the communication is part of it")
+    if st.comm_exposed_seconds is not None and st.comm_exposed_seconds > st.step_seconds:
+        raise Refused(400, f"'comm_exposed_seconds' ({st.comm_exposed_seconds:g}) is more than "
+                           f"'step_seconds' ({st.step_seconds:g}): a step's wait for its "
+                           "gradients is part of the step")
 
 
 def _parse_histogram(body: dict, st: RankState) -> None:

@@ -317,6 +317,8 @@ def _rank(rep: RankReport, st: Any, now: float) -> dict[str, Any]:
         "steps_per_second": rep.steps_per_second,
         "step_seconds": rep.step_seconds,
         "data_wait_ratio": rep.data_wait_ratio,
+        "comm_ratio": rep.comm_ratio,
+        "comm_exposed_ratio": rep.comm_exposed_ratio,
         "phases": rep.phases,
         "mfu": rep.mfu,
         "goodput": rep.goodput,

@@ -304,6 +304,14 @@ FAMILIES: tuple[Family, ...] = (
     Family("gputrain_training_flops_total", "counter",
            "Model FLOPs of the training steps (forward and backward), from the FLOPs per sample "
            "the client states."),
+    Family("gputrain_training_comm_seconds_total", "counter",
+           "Seconds the rank's gradient communication ran (DDP's all-reduce, from DDP's own "
+           "timers; absent where the client measures none), overlapped with compute or not."),
+    Family("gputrain_training_comm_exposed_seconds_total", "counter",
+           "Seconds the training steps waited for gradient communication that compute did not "
+           "hide (inside step time)."),
+    Family("gputrain_training_comm_bytes_total", "counter",
+           "Bytes of gradients all-reduced (the size of DDP's gradient buckets)."),
     Family("gputrain_training_elapsed_seconds_total", "counter",
            "Wall seconds of the rank since its process started, restarts included (the gap "
            "between a process's last push and its successor's first counts): the denominator "
@@ -533,6 +541,9 @@ def _rank_lines(st: RankState) -> tuple[tuple[int, str], ...]:
         "gputrain_training_data_wait_seconds_total": st.data_wait_seconds,
         "gputrain_training_samples_total": st.samples,
         "gputrain_training_flops_total": st.flops,
+        "gputrain_training_comm_seconds_total": st.comm_seconds,
+        "gputrain_training_comm_exposed_seconds_total": st.comm_exposed_seconds,
+        "gputrain_training_comm_bytes_total": st.comm_bytes,
         "gputrain_training_elapsed_seconds_total": st.wall_seconds,
         "gputrain_training_last_step_timestamp_seconds": st.last_step_timestamp,
         "gputrain_training_last_push_timestamp_seconds": st.received_unix,

@@ -19,6 +19,7 @@ from exporter.reading.collectors.cpu import CpuCollector
 from exporter.reading.collectors.disk import DiskCollector
 from exporter.reading.collectors.gpu import GpuCollector
 from exporter.reading.collectors.memory import MemoryCollector
+from exporter.reading.collectors.nccl import NcclInspectorCollector
 from exporter.reading.collectors.network import NetworkCollector
 from exporter.reading.collectors.owners import KubernetesCollector, SlurmCollector
 from exporter.reading.collectors.selfmetrics import SelfCollector
@@ -51,6 +52,9 @@ COLLECTORS: dict[str, CollectorEntry] = {
                                  (("kubernetes.pod-resources-socket", "socket_path"),)),
     "slurm": CollectorEntry(False, "the Slurm job using each GPU, from a job-mapping directory",
                             SlurmCollector, (("slurm.job-mapping-dir", "directory"),)),
+    "nccl": CollectorEntry(False, "the bus bandwidth of each NCCL communicator's collectives, "
+                                  "from NCCL Inspector's Prometheus textfiles",
+                           NcclInspectorCollector, (("nccl.inspector-dir", "directory"),)),
 }
 
 

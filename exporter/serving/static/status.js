@@ -129,6 +129,7 @@ function runCard(run, byUuid) {
     el("td", {}, num(r.samples_per_second, 1)),
     el("td", {}, r.step_seconds === null ? "n/a" : num(r.step_seconds * 1000, 1) + " ms"),
     el("td", {}, pct(r.data_wait_ratio)),
+    el("td", {}, pct(r.comm_exposed_ratio)),
     el("td", {}, Object.entries(r.phases).map(([p, v]) => p + " " + pct(v)).join(", ") || "—"),
     el("td", {}, pct(r.mfu)),
     el("td", {}, gpuNames(r.gpus, byUuid)),
@@ -137,8 +138,8 @@ function runCard(run, byUuid) {
        r.pushing ? ago(r.seconds_since_push) + " ago" :
        "stopped pushing " + ago(r.seconds_since_push) + " ago")));
   card.append(el("table", {}, el("thead", {}, el("tr", {},
-    ...["rank", "samples/s", "step", "data wait", "phases", "MFU", "GPUs", "verdict",
-        "last push"].map((h) => el("th", {}, h)))), el("tbody", {}, ...rows)));
+    ...["rank", "samples/s", "step", "data wait", "comm wait", "phases", "MFU", "GPUs",
+        "verdict", "last push"].map((h) => el("th", {}, h)))), el("tbody", {}, ...rows)));
   // beside the verdict: what py-spy saw each rank's processes run lately
   for (const r of run.ranks.filter((x) => x.stacks)) {
     card.append(el("div", { class: "stacks", "data-stacks": r.rank },
