@@ -154,6 +154,22 @@ def spinning_gpu(run: str, steps: str) -> dict[str, str]:
             sel("gputrain_training_last_step_timestamp_seconds", run=run, rank="0"): steps}
 
 
+def vanishing(run: str, r: str, g: str, uuid: str, finished: bool = False,
+              busy_after: float = 0, pushing: bool = False) -> dict[str, str]:
+    """Rank ``r`` of ``run`` on GPU ``g`` stepping and pushing for 10 minutes, its GPU 95 %
+    busy, then silent (``finished``: after its goodbye; ``pushing``: never silent) with its
+    GPU ``busy_after`` seconds a minute busy."""
+    where = {"run": run, "rank": r}
+    steps = "0+60x30" if pushing else "0+60x10 600x20"
+    return {**gpu_of(run, r, g, uuid),
+            sel("gputrain_gpu_busy_seconds_total", gpu=g, uuid=uuid):
+                segments([(57, 10), (busy_after, 20)]),
+            sel("gputrain_training_step_duration_seconds_count", **where): steps,
+            sel("gputrain_training_step_duration_seconds_sum", **where): steps,
+            sel("gputrain_training_last_push_timestamp_seconds", **where): steps,
+            sel("gputrain_training_finished", **where): "0x9 1x21" if finished else flat(0, 30)}
+
+
 def run_steps(run: str, wait: float, r: str = "0", step_sum: float = 60,
               step_s: float = 1.0, **node: str) -> dict[str, str]:
     """A rank waiting ``wait`` of each minute for data, out of ``step_sum`` seconds of steps
@@ -237,6 +253,18 @@ def alert_cases() -> list[Case]:
                   phase="evaluation"): segments([(0, 5), (60, 130)])},
              [Fire("GpuTrainStalled", rank("long-eval"), "2h 5m 0s")],
              fire_at="130m", quiet_at="60m"),
+        Case("GpuTrainRunVanished: both ranks of run 'vanish-killed' stop pushing at 10m without a "
+             "goodbye and their GPUs go idle; a run that said goodbye, a silent rank whose GPU "
+             "stays busy and a run whose other rank still pushes stay silent",
+             {**vanishing("vanish-killed", "0", "0", "GPU-a"),
+              **vanishing("vanish-killed", "1", "1", "GPU-b"),
+              **vanishing("vanish-done", "0", "2", "GPU-c", finished=True),
+              **vanishing("vanish-spinning", "0", "3", "GPU-d", busy_after=57),
+              **vanishing("vanish-partial", "0", "4", "GPU-e"),
+              **vanishing("vanish-partial", "1", "5", "GPU-f", pushing=True)},
+             # at 14m the ranks have been silent 4 minutes; at 11m only one
+             [Fire("GpuTrainRunVanished", {"run": "vanish-killed"}, "4m 0s")],
+             fire_at="14m", quiet_at="11m"),
         Case("GpuTrainGPUShared: runs a (40% of GPU 0) and b (20%) share GPU 0 with a process no "
              "client reports (10%): each run sees the rest as foreign; run solo alone on GPU 1 "
              "stays silent",

@@ -70,14 +70,16 @@ class Reference:
         gpus = GpuIndex(snap)
         held, others = self._owners.attribute(snap, states)
         f = self._families()
-        (steps, wait, samples, flops, elapsed, hist, phases, last_step, last_push, cpu, rss,
+        (steps, wait, samples, flops, elapsed, hist, phases, last_step, last_push, finished,
+         cpu, rss,
          read, gpu_info, gpu_memory, profile, unattributed, strangers, requests, series) = (
             f[f"gputrain_{n}"] for n in (
                 "training_steps_total", "training_data_wait_seconds_total",
                 "training_samples_total", "training_flops_total",
                 "training_elapsed_seconds_total", "training_step_duration_seconds",
                 "training_phase_seconds_total", "training_last_step_timestamp_seconds",
-                "training_last_push_timestamp_seconds", "training_process_cpu_seconds_total",
+                "training_last_push_timestamp_seconds", "training_finished",
+                "training_process_cpu_seconds_total",
                 "training_process_resident_memory_bytes", "training_process_read_bytes_total",
                 "training_gpu_info", "training_gpu_memory_bytes", "training_profile_info",
                 "gpu_unattributed_memory_bytes", "gpu_unattributed_processes",
@@ -105,6 +107,7 @@ class Reference:
             if st.last_step_timestamp is not None:
                 last_step.add_metric(lv, st.last_step_timestamp)
             last_push.add_metric(lv, st.received_unix)
+            finished.add_metric(lv, 1.0 if st.finished else 0.0)
             if "cpu_seconds" in st.process:
                 cpu.add_metric(lv, st.process["cpu_seconds"])
             if "resident_memory_bytes" in st.process:
@@ -127,7 +130,7 @@ class Reference:
             others_busy.add_metric([index, uuid], b)
             others_memory.add_metric([index, uuid], m)
         for family in (steps, wait, samples, flops, elapsed, hist, phases, last_step,
-                       last_push, cpu, rss, read, gpu_info, gpu_memory, busy, memory_busy,
+                       last_push, finished, cpu, rss, read, gpu_info, gpu_memory, busy, memory_busy,
                        profile, unattributed, strangers, others_busy, others_memory):
             if family.samples:
                 yield family

@@ -410,6 +410,29 @@ def test_status_api_and_top_show_the_gpus_and_the_runs_verdict(busy_node):
     assert "What to change: " in out.stdout
 
 
+@pytest.mark.parametrize("columns", [80, 120, 200])
+def test_top_once_fits_the_terminal_it_is_given(busy_node, columns):
+    """`top --once` lays out for COLUMNS: no line past it, every GPU's index and busy
+    percentage whole, the run's verdict and numbers shown; the widest shows every column."""
+    out = subprocess.run([sys.executable, "-m", "exporter", "top", "--once", "--url",
+                          busy_node.url], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
+                              "COLUMNS": str(columns)})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert max(map(len, lines)) <= columns, out.stdout
+    assert "…" not in out.stdout  # nothing cut short: whole columns go instead
+    rows = [line for line in lines if re.match(r"^[0-7] ", line)]
+    assert [r.split()[0] for r in rows] == [str(i) for i in range(8)], out.stdout
+    assert all(re.search(r" \d+\.\d%", r) for r in rows), out.stdout
+    assert "input-starved/0" in rows[0]
+    assert re.search(r"^│ 0 +[\d.]+ ", out.stdout, re.M), out.stdout  # rank 0's numbers
+    assert "What to change: " in out.stdout
+    headers = {"Name", "SM", "Tensor", "Power", "PCIe RX/TX"}
+    if columns >= 200:
+        assert headers <= set(re.split(r"\s{2,}", lines[1].strip())), lines[1]
+
+
 def test_top_into_a_pipe_prints_frame_after_frame(daemon_factory):
     """Live `top` with its output to a pipe (or a file) writes frames one after another: it
     printed nothing there, drawing to a screen no one had."""
@@ -556,3 +579,62 @@ def test_top_without_rich_says_how_to_get_it(monkeypatch, capsys):
     ns = build_parser().parse_args(["top", "--once", "--url", "http://127.0.0.1:9"])
     assert top.main(ns) == 2
     assert "pip install 'gputrain-exporter[top]'" in capsys.readouterr().err
+
+
+def test_a_killed_run_says_it_stopped_and_a_closed_one_finished(daemon_factory, tmp_path):
+    """A run killed with SIGTERM (no goodbye) turns from its red input-bound card to a grey
+    "stopped without finishing", on the API and in `top`; a run that closes cleanly is
+    finished, never red; a run still pushing beside them is still judged on its steps."""
+    cfg = tmp_path / "thresholds.yml"
+    cfg.write_text("thresholds:\n  vanished_seconds: 6\n")
+    # every demo GPU idle, as a starved loader leaves its GPU
+    daemon = daemon_factory("--gpu.backend=demo", "--demo.gpus=4", "--demo.load=0",
+                            f"--status.rules-config={cfg}")
+    starved = ("--data-wait-ms", "30", "--compute-ms", "0")
+    clients = {run: synthetic_client(run, daemon.ingest_url, *starved, *extra, gpu=gpu)
+               for run, gpu, extra in (("killed", 1, ()), ("running", 3, ()),
+                                       ("done", 2, ("--steps", "150")))}
+
+    def runs() -> dict[str, dict]:
+        doc = requests.get(daemon.url + "/api/v1/status", timeout=5).json()
+        return {r["run"]: r for r in doc["runs"]}
+
+    def judged(run: str, status: str) -> dict | None:
+        card = runs().get(run)
+        return card if card and card["status"] == status else None
+
+    try:
+        wait_until(lambda: judged("killed", "bottleneck"), timeout=60,
+                   what="the killed run judged input-bound first")
+        wait_until(lambda: judged("done", "finished"), timeout=60,
+                   what="the closed run called finished")
+        clients["killed"].terminate()  # SIGTERM: the process ends without a goodbye
+        clients["killed"].wait(timeout=30)
+        card = wait_until(lambda: judged("killed", "stopped"), timeout=60,
+                          what="the killed run shown as stopped")
+        verdict = card["verdicts"][0]
+        assert verdict["verdict"] == "vanished"
+        assert verdict["reason"].startswith("stopped without finishing")
+        assert verdict["advice"] == BY_VERDICT["vanished"].advice
+        assert verdict["also"] == []  # nothing is judged of a run that is gone
+        assert card["ranks"][0]["pushing"] is False
+
+        now = runs()
+        done = now["done"]
+        assert done["status"] == "finished" and done["verdicts"][0]["verdict"] == "finished"
+        assert done["ranks"][0]["finished"] is True
+        running = now["running"]
+        assert running["status"] == "bottleneck" and running["ranks"][0]["pushing"]
+        assert names_the_data_wait(running["verdicts"][0]["verdict"],
+                                   running["verdicts"][0]["also"])
+
+        out = subprocess.run([sys.executable, "-m", "exporter", "top", "--once", "--url",
+                              daemon.url], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60, env={"PATH": "/usr/bin:/bin", "COLUMNS": "120",
+                                              "PYTHONPATH": str(ROOT)})
+        assert out.returncode == 0, out.stderr
+        assert "stopped without finishing" in out.stdout
+    finally:
+        for c in clients.values():
+            c.kill()
+            c.wait()

@@ -35,6 +35,7 @@ SLOW_POINT_SECONDS = 60.0  # a rank's memory and a GPU's error counts: a point a
 RSS_SECONDS = window_seconds("leak")  # the leak rule's longer range
 LEAK_MIN_SECONDS = window_seconds("leak_recent")  # its shorter: judged once this much is seen
 FAULT_SECONDS = window_seconds("fault")  # new Xid and ECC errors count this long
+RECENT_SECONDS = window_seconds("recent")  # a vanished run's GPUs: idle this long
 
 
 class _GpuPoint(NamedTuple):
@@ -395,6 +396,7 @@ class History:
         if snap is None:
             return []
         index = GpuIndex(snap)
+        recent = self.gpu_readings(snap.timestamp - RECENT_SECONDS)
         younger: dict[float, tuple[dict, dict[str, float]]] = {}  # by a rank's first point
         out = []
         for tr in ranks:
@@ -416,6 +418,8 @@ class History:
                 _rank_window(rep, old, now, st.bucket_bounds)
             if st.last_step_timestamp is not None:
                 rep.seconds_since_step = max(0.0, snap.timestamp - st.last_step_timestamp)
+            rep.seconds_since_push = max(0.0, snap.timestamp - st.received_unix)
+            rep.finished = st.finished
             current_rss = st.process.get("resident_memory_bytes")
             if current_rss is not None and rss:
                 rss.append((snap.timestamp, current_rss))
@@ -424,6 +428,9 @@ class History:
                     rep.rss_growth_15m = _deriv(rss, snap.timestamp - LEAK_MIN_SECONDS)
             peak = 0.0
             for index_, uuid in resolve_gpus(st, index):
+                if (last := recent.get(uuid or index_)) is not None and \
+                        last[1].busy is not None:
+                    rep.recent_busy = max(rep.recent_busy or 0.0, last[1].busy)
                 entry = rank_gpus.get(uuid or index_)
                 if entry is None:
                     continue

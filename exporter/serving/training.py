@@ -235,6 +235,9 @@ FAMILIES: tuple[Family, ...] = (
            "Unix time the last step ended."),
     Family("gputrain_training_last_push_timestamp_seconds", "gauge",
            "Unix time the daemon last heard from the rank."),
+    Family("gputrain_training_finished", "gauge",
+           "1 once the rank said goodbye (a clean close()), else 0: a rank that stops pushing "
+           "without it has vanished."),
     Family("gputrain_training_process_cpu_seconds_total", "counter",
            "CPU seconds of the training process and its children (DataLoader workers)."),
     Family("gputrain_training_process_resident_memory_bytes", "gauge",
@@ -417,6 +420,7 @@ def _rank_lines(st: RankState) -> tuple[tuple[int, str], ...]:
         "gputrain_training_elapsed_seconds_total": st.wall_seconds,
         "gputrain_training_last_step_timestamp_seconds": st.last_step_timestamp,
         "gputrain_training_last_push_timestamp_seconds": st.received_unix,
+        "gputrain_training_finished": 1.0 if st.finished else 0.0,
         "gputrain_training_process_cpu_seconds_total": proc.get("cpu_seconds"),
         "gputrain_training_process_resident_memory_bytes": proc.get("resident_memory_bytes"),
         "gputrain_training_process_read_bytes_total": proc.get("read_bytes"),
