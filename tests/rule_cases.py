@@ -468,8 +468,8 @@ def alert_cases() -> list[Case]:
              fire_at="30m", quiet_at="12m", quiet_alerts=["GpuTrainStragglerRank"]),
         Case("GpuTrainHostMemoryLeak: RSS rising 300 MiB/min on a 512 GiB node with 40 GiB "
              "available (exhausted in about 2 h 15 min); a high flat RSS, one that grows "
-             "500 MiB/min for a 10-minute warm-up, then levels off, and a process restarted "
-             "in the last hour stay silent",
+             "500 MiB/min for a 10-minute warm-up, then levels off, one that stepped up 20 GiB "
+             "once and a process restarted in the last hour stay silent",
              {sel("gputrain_training_process_resident_memory_bytes", run="leak", rank="0"):
                   "10737418240+314572800x80",
               sel("gputrain_training_process_resident_memory_bytes", run="flat", rank="0"):
@@ -482,6 +482,10 @@ def alert_cases() -> list[Case]:
                   rank="0"): "10737418240+314572800x80",
               sel("gputrain_training_steps_total", run="restarted", rank="0"):
                   "0+60x40 0+60x39",
+              # a step up of 20 GiB at 40m (a profile, a cache filled once): the last 15
+              # minutes rise, the 15 before them do not
+              sel("gputrain_training_process_resident_memory_bytes", run="stepped",
+                  rank="0"): "10737418240x39 32212254720x40",
               sel("gputrain_host_memory_total_bytes"): flat(549755813888, 80),
               sel("gputrain_host_memory_available_bytes"): "42949672960-314572800x80"},
              [Fire("GpuTrainHostMemoryLeak", rank("leak"))],

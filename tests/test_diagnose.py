@@ -152,7 +152,7 @@ def test_stalls_throttling_and_leaks_are_found_beside_the_verdict():
     rep = report(0.95, 0.01)
     rep.step_p50_seconds, rep.step_p99_seconds = 0.75, 17.8  # a 30 s checkpoint a minute
     rep.gpus[0].throttled = 0.25
-    rep.rss_growth_1h = rep.rss_growth_15m = 300 * 2**20 / 60  # 300 MiB/min
+    rep.rss_growth_1h = rep.rss_growth_15m = rep.rss_growth_15m_before = 300 * 2**20 / 60
     rep.host["memory_available"] = 40 * 2**30  # gone in about 2 h 15 min
     judged = judge_one(rep)
     assert judged.verdict == "step-time-stalls"
@@ -161,6 +161,7 @@ def test_stalls_throttling_and_leaks_are_found_beside_the_verdict():
     healthy.step_p50_seconds, healthy.step_p99_seconds = 0.75, 1.0
     healthy.gpus[0].throttled = 0.05
     healthy.rss_growth_1h, healthy.rss_growth_15m = 300 * 2**20 / 60, 0.0  # warmed up
+    healthy.rss_growth_15m_before = 300 * 2**20 / 60
     healthy.host["memory_available"] = 40 * 2**30
     judged = judge_one(healthy)
     assert names(judged) == [] and not judged.bottleneck

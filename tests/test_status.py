@@ -261,24 +261,31 @@ def test_a_memory_fault_shows_on_the_page_and_in_top(daemon_factory):
     assert "gpu-memory-fault · critical: 1 uncorrectable ECC error(s)" in out.stdout
 
 
-@pytest.mark.parametrize("restart", [False, True])
-def test_a_leak_is_one_processs_memory(restart):
-    """A rank's memory growing 480 MiB a minute for 20 minutes, on a node with 40 GiB left, is a
-    leak; a new process of it (a restart, a new run_id) starting up a minute ago is not,
-    whatever the old one held."""
+@pytest.mark.parametrize("pattern", ["sustained", "restart", "step", "young"])
+def test_a_leak_is_one_processs_sustained_slope(pattern):
+    """A rank's memory growing 480 MiB a minute for 35 minutes, on a node with 40 GiB left, is a
+    leak. Not: a new process of it (a restart, a new run_id) starting up a minute ago, whatever
+    the old one held; memory that stepped up 20 GiB once (a profile, a cache filled) 5 minutes
+    ago; a run 3 minutes old whose memory rose since it started."""
     from exporter.reading.collectors.memory import MemoryReading
     from exporter.reading.gpu_backends import GpuIdentity, GpuSample
     from exporter.reading.sampler import GpuState, Snapshot
 
+    def rss(second: int) -> float:
+        if pattern == "step":
+            return 2**30 + (20 * 2**30 if second >= 1800 else 0)
+        return 2**30 + 8 * 2**20 * second
+
+    end = 180 if pattern == "young" else 2100
     now = [1_700_000_000.0]
     store = IngestStore(clock=lambda: now[0], wall_clock=lambda: now[0])
     history = History(window=60.0, point_seconds=5.0, instance="n1")
-    for k, second in enumerate(range(0, 1260, 5)):
+    for k, second in enumerate(range(0, end + 5, 5)):
         now[0] = 1_700_000_000.0 + second
-        push(store, run_id="b" if restart and second >= 1200 else "a", gpus=["0"],
-             steps=second, step_seconds=float(second), samples=32.0 * second,
+        push(store, run_id="b" if pattern == "restart" and second >= end - 60 else "a",
+             gpus=["0"], steps=second, step_seconds=float(second), samples=32.0 * second,
              elapsed_seconds=float(second),
-             process={"pid": 4242, "resident_memory_bytes": 2**30 + 8 * 2**20 * second})
+             process={"pid": 4242, "resident_memory_bytes": rss(second)})
         sample = GpuSample(now[0], utilization=0.95, memory_used_bytes=50e9,
                            memory_total_bytes=80e9)
         gpu = GpuState(GpuIdentity("0", "GPU-a", H100), up=True, sample=sample,
@@ -287,7 +294,7 @@ def test_a_leak_is_one_processs_memory(restart):
                                  {"memory": MemoryReading(512 * 2**30, 40 * 2**30)}),
                         store.states())
     (rep,) = judge(history.reports(), T)
-    assert ("memory-leak" in rep.findings()) is not restart, rep.findings()
+    assert ("memory-leak" in rep.findings()) is (pattern == "sustained"), rep.findings()
 
 
 def test_histogram_quantile_matches_prometheus():

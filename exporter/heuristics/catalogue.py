@@ -931,14 +931,18 @@ class HostMemoryLeak(Heuristic):
     summary = "A training process's memory keeps growing."
     advice = ("Look for tensors kept across steps (losses appended without .item()) and growing "
               "caches.")
-    fires_when = ("process RSS growing (over {leak_window} and {leak_recent_window}) fast enough "
-                  "to use up the node's available memory within {leak_horizon_seconds}")
+    fires_when = ("process RSS growing (over {leak_window}, the last {leak_recent_window} and the "
+                  "{leak_recent_window} before) fast enough to use up the node's available "
+                  "memory within {leak_horizon_seconds}")
     why = ("The training process tree's RSS grows, over the last {leak_window} and still over "
-           "the last {leak_recent_window}, fast enough to use up the memory the node still has "
-           "available within {leak_horizon_seconds} (a TensorFlow performance study: rising "
-           "memory may mean a leak). A high but flat RSS, one that grew during warm-up and "
-           "then levelled off, or a process restarted within the {leak_window} (its memory is "
-           "a new process's) does not fire.")
+           "the last {leak_recent_window} and the {leak_recent_window} before them, fast "
+           "enough to use up the memory the node still has available within "
+           "{leak_horizon_seconds} (a TensorFlow performance study: rising memory may mean a "
+           "leak). A slope must be sustained: a step up (a profile, a cache filled once) lies "
+           "in one of the two {leak_recent_window} windows only, and a run too young for both "
+           "is not judged. A high but flat RSS, one that grew during warm-up and then "
+           "levelled off, or a process restarted within the {leak_window} (its memory is a "
+           "new process's) does not fire.")
     confirm = ("gputrain_training_process_resident_memory_bytes",
                "gputrain_host_memory_available_bytes")
     panel = 'GpuTrain / Run, "Training process memory" rising steadily.'
@@ -953,9 +957,12 @@ class HostMemoryLeak(Heuristic):
         steps = q.metric("gputrain_training_steps_total")
         # one process's memory: a restart in the window (its steps counter reset) is a new
         # process, whose warm-up is no leak
+        recent = WINDOWS["leak_recent"]
         return [self.rule(q, "warning", f"""(deriv({rss}[{WINDOWS['leak']}]) * {horizon}
               > {q.on_node} {available}
-            and deriv({rss}[{WINDOWS['leak_recent']}]) * {horizon}
+            and deriv({rss}[{recent}]) * {horizon}
+              > {q.on_node} {available}
+            and deriv({rss}[{recent}] offset {recent}) * {horizon}
               > {q.on_node} {available})
             unless on ({q.rank}) (resets({steps}[{WINDOWS['leak']}]) > 0)""",
             f"""{q.who}: its resident memory grows fast enough to use up the node's available
@@ -963,9 +970,8 @@ class HostMemoryLeak(Heuristic):
 
     def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
         available, horizon = r.host.get("memory_available"), t["leak_horizon_seconds"]
-        if available is not None and r.rss_growth_1h is not None \
-                and r.rss_growth_15m is not None \
-                and min(r.rss_growth_1h, r.rss_growth_15m) * horizon > available:
+        slopes = (r.rss_growth_1h, r.rss_growth_15m, r.rss_growth_15m_before)
+        if available is not None and None not in slopes and min(slopes) * horizon > available:
             return (f"resident memory grows {r.rss_growth_15m * 60 / 2**20:.0f} MiB/min: the "
                     f"node's {available / 2**30:.1f} GiB available last about "
                     f"{available / r.rss_growth_15m / 3600:.1f} h")

@@ -114,6 +114,8 @@ def queries(selector: str, window: str, ids: Identity | None = None) -> dict[str
                  f"[{WINDOWS['leak']}]) > 0)")
     q["rss_growth_1h"] = f"sum by ({r}) (deriv({rss}[{WINDOWS['leak']}])) {restarted}"
     q["rss_growth_15m"] = f"sum by ({r}) (deriv({rss}[{WINDOWS['leak_recent']}])) {restarted}"
+    q["rss_growth_15m_before"] = (f"sum by ({r}) (deriv({rss}[{WINDOWS['leak_recent']}] offset "
+                                  f"{WINDOWS['leak_recent']})) {restarted}")
     return q
 
 
@@ -166,6 +168,7 @@ RECORDED = {
     "recent_busy": "run_rank:gputrain_gpu_busy_ratio:max_rate2m",
     "rss_growth_1h": "run_rank:gputrain_training_process_resident_memory_bytes:sum",
     "rss_growth_15m": "run_rank:gputrain_training_process_resident_memory_bytes:sum",
+    "rss_growth_15m_before": "run_rank:gputrain_training_process_resident_memory_bytes:sum",
     "mfu": "run_rank:gputrain_training_mfu:ratio_rate5m",
     "goodput": "run_rank:gputrain_training_goodput:ratio_rate5m",
     "badput": "run_rank_cause:gputrain_training_badput:ratio_rate5m",
@@ -184,6 +187,7 @@ def recorded_queries(selector: str) -> dict[str, str]:
     q["seconds_since_push"] = f"time() - {q['seconds_since_push']}"
     q["rss_growth_1h"] = f"deriv({q['rss_growth_1h']}[1h])"
     q["rss_growth_15m"] = f"deriv({q['rss_growth_15m']}[15m])"
+    q["rss_growth_15m_before"] = f"deriv({q['rss_growth_15m_before']}[15m] offset 15m)"
     return q
 
 
@@ -228,8 +232,8 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
                 labels.get("rank", ""), labels={k: labels.get(k, "") for k in ids.extra})
     for name in ("steps", "samples_per_second", "step_seconds", "data_wait_ratio",
                  "step_p50_seconds", "step_p99_seconds", "seconds_since_step",
-                 "rss_growth_1h", "rss_growth_15m", "mfu", "goodput", "seconds_since_push",
-                 "finished", "recent_busy"):
+                 "rss_growth_1h", "rss_growth_15m", "rss_growth_15m_before", "mfu", "goodput",
+                 "seconds_since_push", "finished", "recent_busy"):
         results, recorded = _read(prom, q[name], qr[name], rank_key)
         for labels, value in results:
             rep = reports.get(rank_key(labels))

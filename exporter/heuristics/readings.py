@@ -90,6 +90,7 @@ class RankReport:
     recent_busy: float | None = None  # its busiest GPU over the recent window (0-1)
     rss_growth_1h: float | None = None  # bytes per second, over the last hour
     rss_growth_15m: float | None = None  # ... and over the last 15 minutes
+    rss_growth_15m_before: float | None = None  # ... and over the 15 minutes before those
     mfu: float | None = None  # model FLOPs utilisation, where the client reports FLOPs
     goodput: float | None = None  # productive share of the rank's wall time
     badput: dict[str, float] = field(default_factory=dict)  # the rest, by cause

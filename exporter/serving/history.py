@@ -423,9 +423,14 @@ class History:
             current_rss = st.process.get("resident_memory_bytes")
             if current_rss is not None and rss:
                 rss.append((snap.timestamp, current_rss))
+                # as deriv() over the ranges, and the recent one offset by itself: a slope is
+                # sustained where both halves rise (a step up lies in one of them only)
                 if snap.timestamp - rss[0][0] >= LEAK_MIN_SECONDS:
                     rep.rss_growth_1h = _deriv(rss, snap.timestamp - RSS_SECONDS)
                     rep.rss_growth_15m = _deriv(rss, snap.timestamp - LEAK_MIN_SECONDS)
+                    rep.rss_growth_15m_before = _deriv(
+                        rss, snap.timestamp - 2 * LEAK_MIN_SECONDS,
+                        snap.timestamp - LEAK_MIN_SECONDS)
             peak = 0.0
             for index_, uuid in resolve_gpus(st, index):
                 if (last := recent.get(uuid or index_)) is not None and \
@@ -547,9 +552,11 @@ def histogram_quantile(q: float, bounds: tuple[float, ...], counts: tuple[float,
     return bounds[-1] if bounds else None
 
 
-def _deriv(points: list[tuple[float, float]], since: float) -> float | None:
-    """Prometheus' deriv(): the least-squares slope of the points at or after ``since``."""
-    xs = [(t, v) for t, v in points if t >= since]
+def _deriv(points: list[tuple[float, float]], since: float,
+           until: float = math.inf) -> float | None:
+    """Prometheus' deriv(): the least-squares slope of the points from ``since`` to
+    ``until``."""
+    xs = [(t, v) for t, v in points if since <= t <= until]
     if len(xs) < 2:
         return None
     n = len(xs)
