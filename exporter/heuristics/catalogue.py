@@ -267,8 +267,11 @@ class CollectorFailing(Heuristic):
     advice = ("See the exporter's log; for gpu fix the driver or the container's GPU access "
               "(NVIDIA_VISIBLE_DEVICES=all).")
     fires_when = "a collector failing for {for}"
-    why = ("A collector has failed for {for}; its metrics are missing. For `gpu`, usually no "
-           "driver or no access to `/dev/nvidia*` (see the exporter's log line).")
+    why = ("A collector has failed for {for}; its metrics are missing. For `gpu`, usually a "
+           "driver that fails or went away, or no access to `/dev/nvidia*` (see the "
+           "exporter's log line). A node with no NVIDIA driver at all is no failure: it serves "
+           "host metrics by design, says so once in its log and on its status page, and its "
+           "gpu collector reports nothing.")
     confirm = ("gputrain_collector_success",)
     panel = ('GpuTrain / Node: the failing collector\'s panels are empty; '
              '`gputrain_collector_success` in Prometheus says which.')
