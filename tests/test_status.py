@@ -407,7 +407,9 @@ def test_status_api_and_top_show_the_gpus_and_the_runs_verdict(busy_node):
     assert doc["host"]["cpus"] >= 1 and doc["host"]["cpu_busy"] is not None
 
     out = subprocess.run([sys.executable, "-m", "exporter", "top", "--once", "--url",
-                          busy_node.url], cwd=ROOT, capture_output=True, text=True, timeout=60)
+                          busy_node.url], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
+                              "COLUMNS": "160"})
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if re.match(r"^[0-7] +H100", line)]
     assert len(rows) == 8, out.stdout

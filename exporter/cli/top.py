@@ -194,10 +194,12 @@ def frame(doc: dict[str, Any], error: str | None = None, width: int = 80) -> Any
 # Each table's columns: (header, the order it is dropped in when the frame is too narrow; 0:
 # never, as a GPU's index and the numbers a verdict rests on)
 GPU_COLUMNS = (("GPU", 0), ("Name", 4), ("Busy", 0), ("SM", 5), ("Tensor", 8), ("Memory", 3),
-               ("Power", 7), ("PCIe RX/TX", 6), ("Temp", 2), ("Used by", 1))
+               ("Power", 7), ("PCIe RX/TX", 6), ("Temp", 2), ("Used by", 0))
 RANK_COLUMNS = (("rank", 0), ("samples/s", 0), ("step", 3), ("data wait", 0), ("MFU", 4),
                 ("GPUs", 2), ("verdict", 0), ("last push", 1))
 GAP = 2  # columns between two cells of a table
+PIPE_COLUMNS = 160  # into a pipe without COLUMNS
+FOLDED = 16  # the last column folds its text: it needs this much
 
 
 def fitted(columns: tuple[tuple[str, int], ...], rows: list[list[Any]], width: int) -> Any:
@@ -211,8 +213,12 @@ def fitted(columns: tuple[tuple[str, int], ...], rows: list[list[Any]], width: i
     cells = [[Text(c) if isinstance(c, str) else c for c in r] for r in rows]
     wide = [max([len(h)] + [r[i].cell_len for r in cells]) for i, (h, _) in enumerate(columns)]
     keep = list(range(len(columns)))
+    def needs(kept: list[int]) -> int:
+        folded = min(wide[kept[-1]], FOLDED)
+        return sum(wide[k] for k in kept[:-1]) + folded + GAP * (len(kept) - 1)
+
     for i in sorted(keep, key=lambda i: -columns[i][1]):
-        if sum(wide[k] for k in keep) + GAP * (len(keep) - 1) <= width or not columns[i][1]:
+        if needs(keep) <= width or not columns[i][1]:
             break
         keep.remove(i)
     table = Table(expand=False, box=None, header_style="bold", pad_edge=False)
@@ -225,8 +231,8 @@ def fitted(columns: tuple[tuple[str, int], ...], rows: list[list[Any]], width: i
 
 
 def console_width(environ: dict[str, str] | None = None) -> int | None:
-    """The width ``top`` lays out for when it writes to a pipe: ``COLUMNS`` when set, else 80;
-    None where it is a terminal (rich reads its size)."""
+    """The width ``top`` lays out for: ``COLUMNS`` when set; else, into a pipe, a wide plain
+    frame (160, for logs and scripts), and None in a terminal (rich reads its size)."""
     env = os.environ if environ is None else environ
     try:
         columns = int(env.get("COLUMNS", ""))
@@ -234,7 +240,7 @@ def console_width(environ: dict[str, str] | None = None) -> int | None:
         columns = 0
     if columns > 0:
         return columns
-    return None if sys.stdout.isatty() else 80
+    return None if sys.stdout.isatty() else PIPE_COLUMNS
 
 
 def gpu_users(g: dict[str, Any]) -> str:
@@ -301,8 +307,7 @@ def main(ns: argparse.Namespace) -> int:
     except Unreachable as exc:
         print(printable(f"gputrain-exporter top: {exc}"), file=sys.stderr)
         return 2
-    # a pipe gets a plain frame COLUMNS wide (80 by default), a terminal its own width and
-    # colour
+    # COLUMNS wide where it is set; a pipe gets a plain frame, a terminal colour
     width = console_width()
     console = Console(width=width) if sys.stdout.isatty() else \
         Console(width=width, color_system=None)

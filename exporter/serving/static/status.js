@@ -178,7 +178,7 @@ function profileRow(p, now) {
       " of " + num(m.seconds * 1000, 1) + " ms"
       + (m.gpu_busy !== undefined ? " · GPU busy " + pct(m.gpu_busy / m.seconds) : "")),
     el("td", {}, op ? op.name : "—"),
-    el("td", {}, el("code", {}, p.trace), " (" + bytes(p.trace_bytes) + ")"));
+    el("td", { class: "trace" }, el("code", {}, p.trace), " (" + bytes(p.trace_bytes) + ")"));
   return el("tr", { "data-profile": p.id }, ...cells);
 }
 
