@@ -228,3 +228,28 @@ def test_text_report_gives_each_runs_mfu_goodput_and_wasted_gpu_hours():
     assert "   MFU 30.0%   goodput 70.0%   wasted 1 GPU-hours over the window (1.00 GPUs " \
            "idle on average)" in text
     assert "goodput 60.0% of wall time; lost to checkpoint 35.0%, data_wait 5.0%" in text
+
+
+def test_a_run_whose_every_rank_went_silent_without_a_goodbye_is_stopped_not_a_bottleneck():
+    """Both ranks silent 5 minutes, no goodbye, GPUs idle: vanished, status stopped, nothing
+    else judged of their stale window (data wait 80 %), exit 1. Near misses: one rank still
+    pushing (the other is judged as before), a GPU still busy, a rank that said goodbye."""
+    def rank(r: str, silent: float, busy: float = 0.0, finished: bool = False) -> RankReport:
+        rep = report(0.2, 0.8)
+        rep.rank, rep.seconds_since_push, rep.recent_busy = r, silent, busy
+        rep.finished = finished
+        return rep
+
+    gone = judge([rank("0", 300), rank("1", 290)], T)
+    assert [(r.status, r.verdict, r.also) for r in gone] == [("stopped", "vanished", [])] * 2
+    assert gone[0].reason.startswith("stopped without finishing 5 min ago")
+    assert exit_status(gone) == 1
+    partly = judge([rank("0", 300), rank("1", 2)], T)
+    assert [(r.status, r.verdict) for r in partly] == [("ok", "paused"),
+                                                       ("bottleneck", "input-bound")]
+    assert "vanished" not in {f for r in partly for f in r.findings()}
+    spinning = judge([rank("0", 300, busy=0.9)], T)
+    assert spinning[0].verdict != "vanished"
+    done = judge([rank("0", 300, finished=True)], T)
+    assert (done[0].status, done[0].verdict) == ("finished", "finished")
+    assert exit_status(done) == 0

@@ -453,9 +453,10 @@ def diagnose(url: str, run: str | None = None, window: str = "5m",
 
 
 def exit_status(reports: list[RankReport], nodes: list[NodeReport] = ()) -> int:
-    """1 when any rank or node has something to act on, else 3 when a rank's GPUs are
-    unknown, else 0."""
-    if any(r.bottleneck for r in reports) or any(n.findings for n in nodes):
+    """1 when any rank or node has something to act on (a run that stopped without
+    finishing too: its job died), else 3 when a rank's GPUs are unknown, else 0."""
+    if any(r.bottleneck or r.status == "stopped" for r in reports) or \
+            any(n.findings for n in nodes):
         return EXIT_ACT
     if any(r.status == "no-gpu-data" for r in reports):
         return EXIT_NO_GPU_DATA

@@ -11,7 +11,13 @@ page, ``/api/v1/status``, ``top``): both are judged by this code.
 
 from __future__ import annotations
 
-from exporter.heuristics.catalogue import BY_VERDICT, CATALOGUE, GPUMemoryFault, GPUUnderutilized
+from exporter.heuristics.catalogue import (
+    BY_VERDICT,
+    CATALOGUE,
+    GPUMemoryFault,
+    GPUUnderutilized,
+    gone,
+)
 from exporter.heuristics.readings import (  # noqa: F401 - the readings, with the verdicts
     Finding,
     GpuReading,
@@ -130,6 +136,10 @@ def judge(reports: list[RankReport], t: dict[str, float]) -> list[RankReport]:
             rep.status = rep.verdict = "no-gpu-data"
             rep.reason = ("the exporter reports no busy time for this rank's GPUs" if rep.gpus
                           else "the exporter reports no GPU for this rank")
+        elif gone(rep, t):  # silent while its run's other ranks push: nothing to judge
+            rep.status, rep.verdict = "ok", "paused"
+            rep.reason = (f"no push for {rep.seconds_since_push:.0f} s while its run's other "
+                          "ranks push: nothing is judged of its steps")
         elif not rep.stepping:
             rep.status, rep.verdict = "ok", "paused"
             phase = outside_steps(rep)
