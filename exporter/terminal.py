@@ -29,6 +29,29 @@ def check_url(url: str, flag: str) -> str | None:
     return None
 
 
+def ingest_address(url: str, where: str) -> str:
+    """The daemon's ingest address from ``url`` (given as ``where``: ``endpoint=``,
+    ``GPUTRAIN_URL``, ``--url``), as a base to add ``/api/v1/push`` or
+    ``/api/v1/profile`` to; ValueError says exactly what is wrong with it. The push path
+    itself is accepted (and dropped); any other path is refused, as the daemon serves none."""
+    from exporter.protocol import DEFAULT_INGEST_PORT, PUSH_PATH
+
+    url = url.strip()
+    bad = check_url(url, where)
+    if bad:
+        raise ValueError(f"{bad} (the daemon's ingest address, port {DEFAULT_INGEST_PORT} by "
+                         "default)")
+    parts = urlsplit(url)
+    path = parts.path.rstrip("/")
+    if path.endswith(PUSH_PATH):
+        path = path[:-len(PUSH_PATH)]
+    if path or parts.query or parts.fragment:
+        base = f"{parts.scheme}://{parts.netloc}"
+        raise ValueError(f"{where} {url}: give the daemon's ingest address without a path, as "
+                         f"in {base} (the client adds {PUSH_PATH} itself)")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
 def connection_error(exc: BaseException, url: str) -> str:
     """Why a request to ``url`` failed, in words, from a requests exception."""
     import requests

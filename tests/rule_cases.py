@@ -154,6 +154,22 @@ def spinning_gpu(run: str, steps: str) -> dict[str, str]:
             sel("gputrain_training_last_step_timestamp_seconds", run=run, rank="0"): steps}
 
 
+def vanishing(run: str, r: str, g: str, uuid: str, finished: bool = False,
+              busy_after: float = 0, pushing: bool = False) -> dict[str, str]:
+    """Rank ``r`` of ``run`` on GPU ``g`` stepping and pushing for 10 minutes, its GPU 95 %
+    busy, then silent (``finished``: after its goodbye; ``pushing``: never silent) with its
+    GPU ``busy_after`` seconds a minute busy."""
+    where = {"run": run, "rank": r}
+    steps = "0+60x30" if pushing else "0+60x10 600x20"
+    return {**gpu_of(run, r, g, uuid),
+            sel("gputrain_gpu_busy_seconds_total", gpu=g, uuid=uuid):
+                segments([(57, 10), (busy_after, 20)]),
+            sel("gputrain_training_step_duration_seconds_count", **where): steps,
+            sel("gputrain_training_step_duration_seconds_sum", **where): steps,
+            sel("gputrain_training_last_push_timestamp_seconds", **where): steps,
+            sel("gputrain_training_finished", **where): "0x9 1x21" if finished else flat(0, 30)}
+
+
 def run_steps(run: str, wait: float, r: str = "0", step_sum: float = 60,
               step_s: float = 1.0, **node: str) -> dict[str, str]:
     """A rank waiting ``wait`` of each minute for data, out of ``step_sum`` seconds of steps
@@ -252,6 +268,18 @@ def alert_cases() -> list[Case]:
                   phase="evaluation"): segments([(0, 5), (60, 130)])},
              [Fire("GpuTrainStalled", rank("long-eval"), "2h 5m 0s")],
              fire_at="130m", quiet_at="60m"),
+        Case("GpuTrainRunVanished: both ranks of run 'vanish-killed' stop pushing at 10m without a "
+             "goodbye and their GPUs go idle; a run that said goodbye, a silent rank whose GPU "
+             "stays busy and a run whose other rank still pushes stay silent",
+             {**vanishing("vanish-killed", "0", "0", "GPU-a"),
+              **vanishing("vanish-killed", "1", "1", "GPU-b"),
+              **vanishing("vanish-done", "0", "2", "GPU-c", finished=True),
+              **vanishing("vanish-spinning", "0", "3", "GPU-d", busy_after=57),
+              **vanishing("vanish-partial", "0", "4", "GPU-e"),
+              **vanishing("vanish-partial", "1", "5", "GPU-f", pushing=True)},
+             # at 14m the ranks have been silent 4 minutes; at 11m only one
+             [Fire("GpuTrainRunVanished", {"run": "vanish-killed"}, "4m 0s")],
+             fire_at="14m", quiet_at="11m"),
         Case("GpuTrainGPUShared: runs a (40% of GPU 0) and b (20%) share GPU 0 with a process no "
              "client reports (10%): each run sees the rest as foreign; run solo alone on GPU 1 "
              "stays silent",
@@ -529,8 +557,8 @@ def alert_cases() -> list[Case]:
              fire_at="30m", quiet_at="12m", quiet_alerts=["GpuTrainStragglerRank"]),
         Case("GpuTrainHostMemoryLeak: RSS rising 300 MiB/min on a 512 GiB node with 40 GiB "
              "available (exhausted in about 2 h 15 min); a high flat RSS, one that grows "
-             "500 MiB/min for a 10-minute warm-up, then levels off, and a process restarted "
-             "in the last hour stay silent",
+             "500 MiB/min for a 10-minute warm-up, then levels off, one that stepped up 20 GiB "
+             "once and a process restarted in the last hour stay silent",
              {sel("gputrain_training_process_resident_memory_bytes", run="leak", rank="0"):
                   "10737418240+314572800x80",
               sel("gputrain_training_process_resident_memory_bytes", run="flat", rank="0"):
@@ -543,6 +571,10 @@ def alert_cases() -> list[Case]:
                   rank="0"): "10737418240+314572800x80",
               sel("gputrain_training_steps_total", run="restarted", rank="0"):
                   "0+60x40 0+60x39",
+              # a step up of 20 GiB at 40m (a profile, a cache filled once): the last 15
+              # minutes rise, the 15 before them do not
+              sel("gputrain_training_process_resident_memory_bytes", run="stepped",
+                  rank="0"): "10737418240x39 32212254720x40",
               sel("gputrain_host_memory_total_bytes"): flat(549755813888, 80),
               sel("gputrain_host_memory_available_bytes"): "42949672960-314572800x80"},
              [Fire("GpuTrainHostMemoryLeak", rank("leak"))],

@@ -161,6 +161,68 @@ def test_a_token_goes_along(daemon_factory, tmp_path, caplog):
     right.close()
 
 
+def test_an_address_with_the_push_path_or_as_url_reaches_the_daemon(daemon_factory,
+                                                                     monkeypatch):
+    """GPUTRAIN_URL holding the push path itself is the daemon's address (not the path
+    twice and a 404); url= is endpoint= by another name."""
+    d = daemon_factory()
+    monkeypatch.setenv("GPUTRAIN_URL", d.ingest_url + "/api/v1/push")
+    from_env = TrainingMonitor(run="env-path", push_interval=60)
+    assert from_env.endpoint == d.ingest_url
+    by_url = TrainingMonitor(run="by-url", url=d.ingest_url + "/", push_interval=60)
+    for m in (from_env, by_url):
+        for _ in m.wrap(range(3), batch_size=1):
+            pass
+        assert m.flush(10)
+        m.close()
+    text = d.metrics()
+    for run in ("env-path", "by-url"):
+        assert sample_value(text, "gputrain_training_steps_total", {"run": run}) == 3
+
+
+@pytest.mark.parametrize("where, value, message", [
+    ("GPUTRAIN_URL", "127.0.0.1:19401",
+     "GPUTRAIN_URL 127.0.0.1:19401: give the scheme, as in GPUTRAIN_URL http://127.0.0.1:19401"),
+    ("GPUTRAIN_URL", "http://node-3:19401/ingest",
+     "GPUTRAIN_URL http://node-3:19401/ingest: give the daemon's ingest address without a "
+     "path, as in http://node-3:19401 (the client adds /api/v1/push itself)"),
+    ("endpoint", "ftp://node-3:19401", "endpoint= ftp://node-3:19401: the scheme must be "
+                                      "http:// or https://, not ftp://"),
+    ("url", "http://node-3:port", "url= http://node-3:port: the port is not a number"),
+])
+def test_a_wrong_address_is_refused_at_once_saying_what_is_wrong(monkeypatch, where, value,
+                                                                 message):
+    monkeypatch.delenv("GPUTRAIN_URL", raising=False)
+    if where == "GPUTRAIN_URL":
+        monkeypatch.setenv("GPUTRAIN_URL", value)
+        kwargs = {}
+    else:
+        kwargs = {where: value}
+    with pytest.raises(ValueError) as exc:
+        TrainingMonitor(run="typo", start=False, **kwargs)
+    assert message in str(exc.value)
+
+
+def test_endpoint_and_url_that_differ_are_refused():
+    with pytest.raises(ValueError, match=r"endpoint=.* and url=.* differ"):
+        TrainingMonitor(endpoint="http://a:19401", url="http://b:19401", start=False)
+    same = TrainingMonitor(endpoint="http://a:19401", url="http://a:19401", start=False)
+    assert same.endpoint == "http://a:19401"
+
+
+def test_a_refused_push_names_the_address_it_went_to(daemon_factory, caplog):
+    """A push to the metrics port (not the ingest one) is refused; the log line shows the URL
+    used and what to check."""
+    d = daemon_factory()
+    m = TrainingMonitor(run="wrong-port", endpoint=d.url, push_interval=60)
+    with caplog.at_level(logging.WARNING, logger="exporter.client"):
+        assert not m.flush(3)
+    (line,) = [r.getMessage() for r in caplog.records if "refused a push" in r.getMessage()]
+    assert f"{d.url}/api/v1/push refused a push (405)" in line
+    assert "ingest address" in line
+    m.close(timeout=1)
+
+
 def test_defaults_from_the_environment(monkeypatch):
     for var in ("GPUTRAIN_RUN", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "RANK", "SLURM_PROCID",
                 "OMPI_COMM_WORLD_RANK"):

@@ -58,8 +58,11 @@ def test_without_a_driver_it_serves_host_metrics_and_says_so(daemon_factory):
     text = d.metrics()
     for name in CONTRACT_HOST_METRICS:
         assert name in text, name
-    assert sample_value(text, "gputrain_collector_success", {"collector": "gpu"}) == 0
+    # no driver is no fault: no collector fails, no alert fires, the page shows no fault card
+    assert sample_value(text, "gputrain_collector_success", {"collector": "gpu"}) is None
     assert "gputrain_gpu_up" not in text
+    doc = requests.get(d.url + "/api/v1/status", timeout=5).json()
+    assert doc["faults"] == [] and doc["gpu_error"]
     log = d.log_text()
     assert log.count("No NVIDIA GPU can be read") == 1, log
     assert "serving host metrics only" in log

@@ -179,6 +179,29 @@ def test_compose_files_parse_and_every_mounted_file_exists():
         assert (DEPLOY / "compose" / source).exists(), f"compose mounts missing {source}"
 
 
+def test_compose_files_need_compose_v2_and_the_docs_say_so():
+    """The files use what only Compose v2 reads (a top-level name, the !reset tag); the page
+    that shows the commands says so, and where a Compose v2 is installed it accepts them."""
+    import shutil
+    import subprocess
+
+    base_text = (DEPLOY / "compose" / "compose.yaml").read_text()
+    demo_text = (DEPLOY / "compose" / "compose.demo.yaml").read_text()
+    assert compose("compose.yaml")["name"] == "gputrain" and "!reset" in demo_text
+    assert "\nversion:" not in "\n" + base_text  # Compose v1's key, obsolete in v2
+    page = " ".join((ROOT / "docs" / "deploy.md").read_text().split())
+    assert "need Docker Compose v2" in page and "`docker-compose` 1.29" in page
+    docker = shutil.which("docker")
+    version = subprocess.run([docker, "compose", "version", "--short"], capture_output=True,
+                             text=True) if docker else None
+    if version is not None and version.returncode == 0:
+        files = ["-f", str(DEPLOY / "compose" / "compose.yaml"),
+                 "-f", str(DEPLOY / "compose" / "compose.demo.yaml")]
+        run = subprocess.run([docker, "compose", *files, "config", "-q"],
+                             capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+
+
 def prometheus_as_compose_mounts_it(etc: Path) -> Path:
     """The files compose mounts under /etc/prometheus, laid out under ``etc``."""
     for source, target in bind_mounts(compose("compose.yaml")):

@@ -205,7 +205,7 @@ def test_stalls_throttling_and_leaks_are_found_beside_the_verdict():
     rep = report(0.95, 0.01)
     rep.step_p50_seconds, rep.step_p99_seconds = 0.75, 17.8  # a 30 s checkpoint a minute
     rep.gpus[0].throttled = 0.25
-    rep.rss_growth_1h = rep.rss_growth_15m = 300 * 2**20 / 60  # 300 MiB/min
+    rep.rss_growth_1h = rep.rss_growth_15m = rep.rss_growth_15m_before = 300 * 2**20 / 60
     rep.host["memory_available"] = 40 * 2**30  # gone in about 2 h 15 min
     judged = judge_one(rep)
     assert judged.verdict == "step-time-stalls"
@@ -214,6 +214,7 @@ def test_stalls_throttling_and_leaks_are_found_beside_the_verdict():
     healthy.step_p50_seconds, healthy.step_p99_seconds = 0.75, 1.0
     healthy.gpus[0].throttled = 0.05
     healthy.rss_growth_1h, healthy.rss_growth_15m = 300 * 2**20 / 60, 0.0  # warmed up
+    healthy.rss_growth_15m_before = 300 * 2**20 / 60
     healthy.host["memory_available"] = 40 * 2**30
     judged = judge_one(healthy)
     assert names(judged) == [] and not judged.bottleneck
@@ -300,3 +301,28 @@ def test_a_pipeline_over_four_gpus_is_not_host_overhead():
     split = judge_one(on_gpus([0.2, 0.2], 0.01))
     assert split.verdict == "host-overhead"
     assert "2 GPUs busy, added up, 40.0%" in split.reason
+
+
+def test_a_run_whose_every_rank_went_silent_without_a_goodbye_is_stopped_not_a_bottleneck():
+    """Both ranks silent 5 minutes, no goodbye, GPUs idle: vanished, status stopped, nothing
+    else judged of their stale window (data wait 80 %), exit 1. Near misses: one rank still
+    pushing (the other is judged as before), a GPU still busy, a rank that said goodbye."""
+    def rank(r: str, silent: float, busy: float = 0.0, finished: bool = False) -> RankReport:
+        rep = report(0.2, 0.8)
+        rep.rank, rep.seconds_since_push, rep.recent_busy = r, silent, busy
+        rep.finished = finished
+        return rep
+
+    gone = judge([rank("0", 300), rank("1", 290)], T)
+    assert [(r.status, r.verdict, r.also) for r in gone] == [("stopped", "vanished", [])] * 2
+    assert gone[0].reason.startswith("stopped without finishing 5 min ago")
+    assert exit_status(gone) == 1
+    partly = judge([rank("0", 300), rank("1", 2)], T)
+    assert [(r.status, r.verdict) for r in partly] == [("ok", "paused"),
+                                                       ("bottleneck", "input-bound")]
+    assert "vanished" not in {f for r in partly for f in r.findings()}
+    spinning = judge([rank("0", 300, busy=0.9)], T)
+    assert spinning[0].verdict != "vanished"
+    done = judge([rank("0", 300, finished=True)], T)
+    assert (done[0].status, done[0].verdict) == ("finished", "finished")
+    assert exit_status(done) == 0

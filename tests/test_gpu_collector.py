@@ -458,8 +458,13 @@ def test_lost_gpu_turns_up_to_zero_while_others_carry_on_and_is_retried(clock, c
     assert rig.value("gputrain_gpu_power_watts", gpu="1") == 350.0
 
 
-@pytest.mark.parametrize("code", [fd.LIBRARY_NOT_FOUND, fd.DRIVER_NOT_LOADED])
-def test_no_driver_means_host_only_one_log_line_and_gpu_collector_failing(clock, caplog, code):
+@pytest.mark.parametrize("code, failing", [(fd.LIBRARY_NOT_FOUND, None),
+                                           (fd.DRIVER_NOT_LOADED, None), (fd.NO_PERMISSION, 0)])
+def test_no_driver_means_host_only_one_log_line_and_no_failing_collector(clock, caplog, code,
+                                                                         failing):
+    """No NVIDIA driver at all (a CPU node) is no fault: host metrics, one log line, and no
+    gpu collector failing. A driver that is there but unusable (no permission on /dev/nvidia*)
+    is: its collector fails."""
     from exporter.reading.collectors import host_collectors
 
     driver = FakeDriver([], init_error=code)
@@ -471,7 +476,8 @@ def test_no_driver_means_host_only_one_log_line_and_gpu_collector_failing(clock,
             clock.advance(1)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SelfCollector(lambda: sampler.snapshot))
-    assert registry.get_sample_value("gputrain_collector_success", {"collector": "gpu"}) == 0
+    assert registry.get_sample_value("gputrain_collector_success",
+                                     {"collector": "gpu"}) == failing
     assert registry.get_sample_value("gputrain_collector_success", {"collector": "cpu"}) == 1
     assert {"cpu", "memory"} <= set(sampler.snapshot.host)
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]

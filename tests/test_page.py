@@ -77,15 +77,16 @@ class Reference:
         gpus = GpuIndex(snap)
         held, others = self._owners.attribute(snap, states)
         f = self._families()
-        (steps, wait, samples, flops, elapsed, hist, phases, last_step, last_push, skew, cpu,
-         rss, read, gpu_info, gpu_memory, profile, unattributed, strangers, requests, series,
-         left_out) = (
+        (steps, wait, samples, flops, elapsed, hist, phases, last_step, last_push, skew,
+         finished, cpu, rss, read, gpu_info, gpu_memory, profile, unattributed, strangers,
+         requests, series, left_out) = (
             f[f"gputrain_{n}"] for n in (
                 "training_steps_total", "training_data_wait_seconds_total",
                 "training_samples_total", "training_flops_total",
                 "training_elapsed_seconds_total", "training_step_duration_seconds",
                 "training_phase_seconds_total", "training_last_step_timestamp_seconds",
                 "training_last_push_timestamp_seconds", "training_clock_skew_seconds",
+                "training_finished",
                 "training_process_cpu_seconds_total",
                 "training_process_resident_memory_bytes", "training_process_read_bytes_total",
                 "training_gpu_info", "training_gpu_memory_bytes", "training_profile_info",
@@ -116,6 +117,7 @@ class Reference:
             last_push.add_metric(lv, st.received_unix)
             if st.last_step_timestamp is not None:
                 skew.add_metric(lv, st.clock_skew)
+            finished.add_metric(lv, 1.0 if st.finished else 0.0)
             if "cpu_seconds" in st.process:
                 cpu.add_metric(lv, st.process["cpu_seconds"])
             if "resident_memory_bytes" in st.process:
@@ -138,8 +140,8 @@ class Reference:
             others_busy.add_metric([index, uuid], b)
             others_memory.add_metric([index, uuid], m)
         for family in (steps, wait, samples, flops, elapsed, hist, phases, last_step,
-                       last_push, skew, cpu, rss, read, gpu_info, gpu_memory, busy, memory_busy,
-                       profile, unattributed, strangers, others_busy, others_memory):
+                       last_push, skew, finished, cpu, rss, read, gpu_info, gpu_memory, busy,
+                       memory_busy, profile, unattributed, strangers, others_busy, others_memory):
             if family.samples:
                 yield family
         for code, n in sorted(self._store.requests().items()):

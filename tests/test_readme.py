@@ -466,7 +466,8 @@ def test_the_status_pages_timings_are_the_codes():
     text = flat(page("status-page.md"))
     for phrase in (f"It redraws every {refresh:g} s",
                    f"once {status.STALE_PUSH_SECONDS:.0f} s pass without a push",
-                   f"once {history.LEAK_MIN_SECONDS / 60:.0f} minutes of the rank's memory",
+                   f"rising over the last {history.LEAK_MIN_SECONDS / 60:.0f} minutes and the "
+                   f"{history.LEAK_MIN_SECONDS / 60:.0f} before them",
                    f"asked in the last {status.VIEWER_SECONDS:.0f} s",
                    f"a point every {history.POINT_SECONDS:.0f} s"):
         assert phrase in text, phrase

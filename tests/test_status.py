@@ -261,24 +261,31 @@ def test_a_memory_fault_shows_on_the_page_and_in_top(daemon_factory):
     assert "gpu-memory-fault · critical: 1 uncorrectable ECC error(s)" in out.stdout
 
 
-@pytest.mark.parametrize("restart", [False, True])
-def test_a_leak_is_one_processs_memory(restart):
-    """A rank's memory growing 480 MiB a minute for 20 minutes, on a node with 40 GiB left, is a
-    leak; a new process of it (a restart, a new run_id) starting up a minute ago is not,
-    whatever the old one held."""
+@pytest.mark.parametrize("pattern", ["sustained", "restart", "step", "young"])
+def test_a_leak_is_one_processs_sustained_slope(pattern):
+    """A rank's memory growing 480 MiB a minute for 35 minutes, on a node with 40 GiB left, is a
+    leak. Not: a new process of it (a restart, a new run_id) starting up a minute ago, whatever
+    the old one held; memory that stepped up 20 GiB once (a profile, a cache filled) 5 minutes
+    ago; a run 3 minutes old whose memory rose since it started."""
     from exporter.reading.collectors.memory import MemoryReading
     from exporter.reading.gpu_backends import GpuIdentity, GpuSample
     from exporter.reading.sampler import GpuState, Snapshot
 
+    def rss(second: int) -> float:
+        if pattern == "step":
+            return 2**30 + (20 * 2**30 if second >= 1800 else 0)
+        return 2**30 + 8 * 2**20 * second
+
+    end = 180 if pattern == "young" else 2100
     now = [1_700_000_000.0]
     store = IngestStore(clock=lambda: now[0], wall_clock=lambda: now[0])
     history = History(window=60.0, point_seconds=5.0, instance="n1")
-    for k, second in enumerate(range(0, 1260, 5)):
+    for k, second in enumerate(range(0, end + 5, 5)):
         now[0] = 1_700_000_000.0 + second
-        push(store, run_id="b" if restart and second >= 1200 else "a", gpus=["0"],
-             steps=second, step_seconds=float(second), samples=32.0 * second,
+        push(store, run_id="b" if pattern == "restart" and second >= end - 60 else "a",
+             gpus=["0"], steps=second, step_seconds=float(second), samples=32.0 * second,
              elapsed_seconds=float(second),
-             process={"pid": 4242, "resident_memory_bytes": 2**30 + 8 * 2**20 * second})
+             process={"pid": 4242, "resident_memory_bytes": rss(second)})
         sample = GpuSample(now[0], utilization=0.95, memory_used_bytes=50e9,
                            memory_total_bytes=80e9)
         gpu = GpuState(GpuIdentity("0", "GPU-a", H100), up=True, sample=sample,
@@ -287,7 +294,7 @@ def test_a_leak_is_one_processs_memory(restart):
                                  {"memory": MemoryReading(512 * 2**30, 40 * 2**30)}),
                         store.states())
     (rep,) = judge(history.reports(), T)
-    assert ("memory-leak" in rep.findings()) is not restart, rep.findings()
+    assert ("memory-leak" in rep.findings()) is (pattern == "sustained"), rep.findings()
 
 
 def test_histogram_quantile_matches_prometheus():
@@ -400,7 +407,9 @@ def test_status_api_and_top_show_the_gpus_and_the_runs_verdict(busy_node):
     assert doc["host"]["cpus"] >= 1 and doc["host"]["cpu_busy"] is not None
 
     out = subprocess.run([sys.executable, "-m", "exporter", "top", "--once", "--url",
-                          busy_node.url], cwd=ROOT, capture_output=True, text=True, timeout=60)
+                          busy_node.url], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
+                              "COLUMNS": "160"})
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if re.match(r"^[0-7] +H100", line)]
     assert len(rows) == 8, out.stdout
@@ -408,6 +417,29 @@ def test_status_api_and_top_show_the_gpus_and_the_runs_verdict(busy_node):
     assert BY_VERDICT["input-bound"].summary in out.stdout or \
         "input-bound" in out.stdout.split("also found:")[1]
     assert "What to change: " in out.stdout
+
+
+@pytest.mark.parametrize("columns", [80, 120, 200])
+def test_top_once_fits_the_terminal_it_is_given(busy_node, columns):
+    """`top --once` lays out for COLUMNS: no line past it, every GPU's index and busy
+    percentage whole, the run's verdict and numbers shown; the widest shows every column."""
+    out = subprocess.run([sys.executable, "-m", "exporter", "top", "--once", "--url",
+                          busy_node.url], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
+                              "COLUMNS": str(columns)})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert max(map(len, lines)) <= columns, out.stdout
+    assert "…" not in out.stdout  # nothing cut short: whole columns go instead
+    rows = [line for line in lines if re.match(r"^[0-7] ", line)]
+    assert [r.split()[0] for r in rows] == [str(i) for i in range(8)], out.stdout
+    assert all(re.search(r" \d+\.\d%", r) for r in rows), out.stdout
+    assert "input-starved/0" in rows[0]
+    assert re.search(r"^│ 0 +[\d.]+ ", out.stdout, re.M), out.stdout  # rank 0's numbers
+    assert "What to change: " in out.stdout
+    headers = {"Name", "SM", "Tensor", "Power", "PCIe RX/TX"}
+    if columns >= 200:
+        assert headers <= set(re.split(r"\s{2,}", lines[1].strip())), lines[1]
 
 
 def test_top_into_a_pipe_prints_frame_after_frame(daemon_factory):
@@ -556,3 +588,62 @@ def test_top_without_rich_says_how_to_get_it(monkeypatch, capsys):
     ns = build_parser().parse_args(["top", "--once", "--url", "http://127.0.0.1:9"])
     assert top.main(ns) == 2
     assert "pip install 'gputrain-exporter[top]'" in capsys.readouterr().err
+
+
+def test_a_killed_run_says_it_stopped_and_a_closed_one_finished(daemon_factory, tmp_path):
+    """A run killed with SIGTERM (no goodbye) turns from its red input-bound card to a grey
+    "stopped without finishing", on the API and in `top`; a run that closes cleanly is
+    finished, never red; a run still pushing beside them is still judged on its steps."""
+    cfg = tmp_path / "thresholds.yml"
+    cfg.write_text("thresholds:\n  vanished_seconds: 6\n")
+    # every demo GPU idle, as a starved loader leaves its GPU
+    daemon = daemon_factory("--gpu.backend=demo", "--demo.gpus=4", "--demo.load=0",
+                            f"--status.rules-config={cfg}")
+    starved = ("--data-wait-ms", "30", "--compute-ms", "0")
+    clients = {run: synthetic_client(run, daemon.ingest_url, *starved, *extra, gpu=gpu)
+               for run, gpu, extra in (("killed", 1, ()), ("running", 3, ()),
+                                       ("done", 2, ("--steps", "150")))}
+
+    def runs() -> dict[str, dict]:
+        doc = requests.get(daemon.url + "/api/v1/status", timeout=5).json()
+        return {r["run"]: r for r in doc["runs"]}
+
+    def judged(run: str, status: str) -> dict | None:
+        card = runs().get(run)
+        return card if card and card["status"] == status else None
+
+    try:
+        wait_until(lambda: judged("killed", "bottleneck"), timeout=60,
+                   what="the killed run judged input-bound first")
+        wait_until(lambda: judged("done", "finished"), timeout=60,
+                   what="the closed run called finished")
+        clients["killed"].terminate()  # SIGTERM: the process ends without a goodbye
+        clients["killed"].wait(timeout=30)
+        card = wait_until(lambda: judged("killed", "stopped"), timeout=60,
+                          what="the killed run shown as stopped")
+        verdict = card["verdicts"][0]
+        assert verdict["verdict"] == "vanished"
+        assert verdict["reason"].startswith("stopped without finishing")
+        assert verdict["advice"] == BY_VERDICT["vanished"].advice
+        assert verdict["also"] == []  # nothing is judged of a run that is gone
+        assert card["ranks"][0]["pushing"] is False
+
+        now = runs()
+        done = now["done"]
+        assert done["status"] == "finished" and done["verdicts"][0]["verdict"] == "finished"
+        assert done["ranks"][0]["finished"] is True
+        running = now["running"]
+        assert running["status"] == "bottleneck" and running["ranks"][0]["pushing"]
+        assert names_the_data_wait(running["verdicts"][0]["verdict"],
+                                   running["verdicts"][0]["also"])
+
+        out = subprocess.run([sys.executable, "-m", "exporter", "top", "--once", "--url",
+                              daemon.url], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60, env={"PATH": "/usr/bin:/bin", "COLUMNS": "120",
+                                              "PYTHONPATH": str(ROOT)})
+        assert out.returncode == 0, out.stderr
+        assert "stopped without finishing" in out.stdout
+    finally:
+        for c in clients.values():
+            c.kill()
+            c.wait()

@@ -29,7 +29,7 @@ from exporter.protocol import (
     STEP_PARTS,
 )
 from exporter.serving.stacks import render as render_stacks
-from exporter.terminal import check_url, connection_error, printable
+from exporter.terminal import connection_error, ingest_address, printable
 
 DEFAULT_URL = DEFAULT_INGEST_URL
 TABLE_STEPS = 20  # a profile of more steps prints only its slowest
@@ -236,9 +236,10 @@ def main(ns: argparse.Namespace) -> int:
         print(f"gputrain-exporter profile: --steps must be 1-{MAX_PROFILE_STEPS}",
               file=sys.stderr)
         return 2
-    bad = check_url(ns.url, "--url")
-    if bad:
-        print(f"gputrain-exporter profile: {bad}", file=sys.stderr)
+    try:
+        ns.url = ingest_address(ns.url, "--url")
+    except ValueError as exc:
+        print(printable(f"gputrain-exporter profile: {exc}"), file=sys.stderr)
         return 2
     try:
         doc = ask(ns.url, ns.run, ns.rank, ns.steps, ns.timeout, _token(ns.token_file),

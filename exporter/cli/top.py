@@ -10,6 +10,7 @@ Exit status: 0 after a frame (or Ctrl-C); 2 when the daemon cannot be read or ri
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any
@@ -74,28 +75,25 @@ def _num(x: float | None, fmt: str = ".1f", scale: float = 1.0, unit: str = "") 
     return "n/a" if x is None else f"{x * scale:{fmt}}{unit}"
 
 
-def frame(doc: dict[str, Any], error: str | None = None) -> Any:
-    """One screen of ``top`` as a rich renderable."""
+def frame(doc: dict[str, Any], error: str | None = None, width: int = 80) -> Any:
+    """One screen of ``top`` as a rich renderable, laid out for ``width`` columns."""
     from rich.console import Group
     from rich.panel import Panel
-    from rich.table import Table
     from rich.text import Text
 
     # the document's bands: a busy ratio is coloured as the alerts judge it
     bands = doc.get("bands", {}).get("busy", {"low": 0.5, "target": 0.9})
 
-    def row(table: Table, *cells: Any) -> None:
-        # plain text, never markup: names from the network may hold "[link=...]"
-        table.add_row(*(Text(c) if isinstance(c, str) else c for c in cells))
-
-    def bar(ratio: float | None, label: str, good_high: bool = False, width: int = 10) -> Text:
+    def bar(ratio: float | None, label: str, good_high: bool = False, cells: int = 10) -> Text:
         r = 0.0 if ratio is None else max(0.0, min(1.0, ratio))
-        filled = round(r * width)
+        filled = round(r * cells)
         style = "grey50"
         if good_high and ratio is not None:
             style = "green" if r >= bands["target"] else "yellow" if r >= bands["low"] \
                 else "red"
-        return Text.assemble(("█" * filled, style), ("░" * (width - filled), "grey23"),
+        if not cells:
+            return Text(label, style=style if good_high else "")
+        return Text.assemble(("█" * filled, style), ("░" * (cells - filled), "grey23"),
                              f" {label}")
 
     seen = min(doc["seconds_seen"], doc["window_seconds"])
@@ -114,30 +112,30 @@ def frame(doc: dict[str, Any], error: str | None = None) -> Any:
              else "bold yellow"), (f"{f['verdict']} · {f['severity']}: {f['reason']}", "grey70"),
             ("  What to do: ", "bold"), f["advice"]))
 
-    gpus = Table(expand=False, box=None, header_style="bold", pad_edge=False)
-    for col in ("GPU", "Name", "Busy", "SM", "Tensor", "Memory", "Power", "PCIe RX/TX",
-                "Temp", "Used by"):
-        gpus.add_column(col, no_wrap=True)
+    narrow = width < 120  # short bars: the numbers beside them are what counts
+    gpu_rows = []
     for g in doc["gpus"]:
         name = (g["name"] or "").removeprefix("NVIDIA ")
-        users = gpu_users(g) or "idle"
+        users = gpu_users(g) or "no run pushes here"
         if not g["up"]:
-            row(gpus, g["gpu"], name, Text("lost: does not answer NVML", style="bold red"),
-                         "", "", "", "", "", "", users)
+            gpu_rows.append([g["gpu"], name, Text("lost", style="bold red"), "", "", "", "", "",
+                             "", Text(f"does not answer NVML; {users}", style="red")])
             continue
         mem = (g["memory_used_bytes"] / g["memory_total_bytes"]
                if g["memory_total_bytes"] and g["memory_used_bytes"] is not None else None)
         power = (g["power_watts"] / g["power_limit_watts"]
                  if g["power_limit_watts"] and g["power_watts"] is not None else None)
-        row(
-            gpus, g["gpu"], name, bar(g["busy"], percent(g["busy"]), True),
-            bar(g["sm_active"], percent(g["sm_active"]), True, 6),
-            bar(g["tensor_active"], percent(g["tensor_active"]), False, 6),
-            bar(mem, f"{_bytes(g['memory_used_bytes'])}", False, 6),
-            bar(power, _num(g["power_watts"], ".0f", unit=" W"), False, 6),
+        small = 0 if narrow else 6
+        gpu_rows.append([
+            g["gpu"], name, bar(g["busy"], percent(g["busy"]), True, 5 if narrow else 10),
+            bar(g["sm_active"], percent(g["sm_active"]), True, small),
+            bar(g["tensor_active"], percent(g["tensor_active"]), False, small),
+            bar(mem, f"{_bytes(g['memory_used_bytes'])}", False, small),
+            bar(power, _num(g["power_watts"], ".0f", unit=" W"), False, small),
             f"{_bytes(g['pcie_rx_bytes_per_second'])}/s / "
             f"{_bytes(g['pcie_tx_bytes_per_second'])}/s",
-            _num(g["temperature_celsius"], ".0f", unit=" °C"), users)
+            _num(g["temperature_celsius"], ".0f", unit=" °C"), users])
+    gpus = fitted(GPU_COLUMNS, gpu_rows, width)
     if doc["gpus"]:
         parts.append(gpus)
     else:
@@ -158,7 +156,7 @@ def frame(doc: dict[str, Any], error: str | None = None) -> Any:
     if not doc["runs"]:
         parts.append(Text("No training run is pushing to this daemon.", style="grey70"))
     colour = {"fault": "red", "bottleneck": "red", "underutilized": "yellow", "ok": "green",
-              "no-gpu-data": "grey50"}
+              "no-gpu-data": "grey50", "stopped": "grey50", "finished": "grey50"}
     for run in doc["runs"]:
         body: list[Any] = []
         for v in run["verdicts"]:
@@ -174,19 +172,18 @@ def frame(doc: dict[str, Any], error: str | None = None) -> Any:
             style="grey70"))
         if run.get("partial"):
             body.append(Text(f"partly visible: {run['partial']}", style="grey50"))
-        ranks = Table(box=None, header_style="bold", pad_edge=False)
-        for col in ("rank", "samples/s", "step", "data wait", "comm wait", "MFU", "GPUs",
-                    "verdict", "last push"):
-            ranks.add_column(col, no_wrap=True)
+        rank_rows = []
         for r in run["ranks"]:
             push = _ago(r["seconds_since_push"]) + " ago"
-            row(
-                ranks, r["rank"], _num(r["samples_per_second"]),
+            last = Text(f"finished {push}", style="grey50") if r.get("finished") else \
+                push if r["pushing"] else Text(f"stopped pushing {push}", style="bold red")
+            rank_rows.append([
+                r["rank"], _num(r["samples_per_second"]),
                 _num(r["step_seconds"], ".1f", 1000, " ms"), percent(r["data_wait_ratio"]),
                 percent(r.get("comm_exposed_ratio")), percent(r["mfu"]),
-                gpu_names(r["gpus"], doc["gpus"]),
-                r["verdict"], push if r["pushing"] else Text(f"stopped pushing {push}",
-                                                             style="bold red"))
+                gpu_names(r["gpus"], doc["gpus"]), r["verdict"], last])
+        # inside the run's panel: its border and padding take four columns
+        ranks = fitted(RANK_COLUMNS, rank_rows, width - 4)
         body.append(ranks)
         for r in run["ranks"]:  # beside the verdict: what py-spy saw the rank run lately
             for line in stacks_lines(r):
@@ -197,6 +194,58 @@ def frame(doc: dict[str, Any], error: str | None = None) -> Any:
         parts.append(Text(f"profile {p['id']} of {p['run']}/{p['rank']}: {profile_line(p)}",
                           style="red" if p["state"] in ("failed", "expired") else "grey70"))
     return Group(*parts)
+
+
+# Each table's columns: (header, the order it is dropped in when the frame is too narrow; 0:
+# never, as a GPU's index and the numbers a verdict rests on)
+GPU_COLUMNS = (("GPU", 0), ("Name", 4), ("Busy", 0), ("SM", 5), ("Tensor", 8), ("Memory", 3),
+               ("Power", 7), ("PCIe RX/TX", 6), ("Temp", 2), ("Used by", 0))
+RANK_COLUMNS = (("rank", 0), ("samples/s", 0), ("step", 3), ("data wait", 0), ("comm wait", 5),
+                ("MFU", 4), ("GPUs", 2), ("verdict", 0), ("last push", 1))
+GAP = 2  # columns between two cells of a table
+PIPE_COLUMNS = 160  # into a pipe without COLUMNS
+FOLDED = 16  # the last column folds its text: it needs this much
+
+
+def fitted(columns: tuple[tuple[str, int], ...], rows: list[list[Any]], width: int) -> Any:
+    """A table of ``rows`` in ``width`` terminal columns: whole columns are dropped, in their
+    fixed order, until the rest fits; a cell is never cut short. The last column kept folds
+    its text where it alone is too wide."""
+    from rich.table import Table
+    from rich.text import Text
+
+    # plain text, never markup: names from the network may hold "[link=...]"
+    cells = [[Text(c) if isinstance(c, str) else c for c in r] for r in rows]
+    wide = [max([len(h)] + [r[i].cell_len for r in cells]) for i, (h, _) in enumerate(columns)]
+    keep = list(range(len(columns)))
+    def needs(kept: list[int]) -> int:
+        folded = min(wide[kept[-1]], FOLDED)
+        return sum(wide[k] for k in kept[:-1]) + folded + GAP * (len(kept) - 1)
+
+    for i in sorted(keep, key=lambda i: -columns[i][1]):
+        if needs(keep) <= width or not columns[i][1]:
+            break
+        keep.remove(i)
+    table = Table(expand=False, box=None, header_style="bold", pad_edge=False)
+    for k in keep:
+        last = k == keep[-1]
+        table.add_column(columns[k][0], no_wrap=not last, overflow="fold" if last else "ellipsis")
+    for r in cells:
+        table.add_row(*(r[k] for k in keep))
+    return table
+
+
+def console_width(environ: dict[str, str] | None = None) -> int | None:
+    """The width ``top`` lays out for: ``COLUMNS`` when set; else, into a pipe, a wide plain
+    frame (160, for logs and scripts), and None in a terminal (rich reads its size)."""
+    env = os.environ if environ is None else environ
+    try:
+        columns = int(env.get("COLUMNS", ""))
+    except ValueError:
+        columns = 0
+    if columns > 0:
+        return columns
+    return None if sys.stdout.isatty() else PIPE_COLUMNS
 
 
 def gpu_users(g: dict[str, Any]) -> str:
@@ -277,16 +326,18 @@ def main(ns: argparse.Namespace) -> int:
     except Unreachable as exc:
         print(printable(f"gputrain-exporter top: {exc}"), file=sys.stderr)
         return 2
-    # a pipe gets a wide plain frame, a terminal its own width and colour
-    console = Console() if sys.stdout.isatty() else Console(width=160, color_system=None)
+    # COLUMNS wide where it is set; a pipe gets a plain frame, a terminal colour
+    width = console_width()
+    console = Console(width=width) if sys.stdout.isatty() else \
+        Console(width=width, color_system=None)
     if ns.once:
-        console.print(frame(doc))
+        console.print(frame(doc, width=console.width))
         return 0
     interval = max(0.2, ns.interval)
     if not sys.stdout.isatty():  # a pipe or a file: one frame after another, never a screen
         try:
             while True:
-                console.print(frame(doc))
+                console.print(frame(doc, width=console.width))
                 sys.stdout.flush()
                 time.sleep(interval)
                 try:
@@ -296,13 +347,14 @@ def main(ns: argparse.Namespace) -> int:
         except (KeyboardInterrupt, BrokenPipeError):
             return 0
     try:
-        with Live(frame(doc), console=console, screen=True, auto_refresh=False) as live:
+        with Live(frame(doc, width=console.width), console=console, screen=True,
+                  auto_refresh=False) as live:
             while True:
                 time.sleep(interval)
                 try:
                     doc, error = fetch(ns.url, session), None
                 except Unreachable as exc:
                     error = printable(str(exc))
-                live.update(frame(doc, error), refresh=True)
+                live.update(frame(doc, error, console.width), refresh=True)
     except KeyboardInterrupt:
         return 0

@@ -39,6 +39,7 @@ from exporter.protocol import (
     PRECISIONS,
     sanitize,
 )
+from exporter.terminal import ingest_address
 
 log = logging.getLogger("exporter.client")
 
@@ -209,11 +210,27 @@ def _process_age() -> float | None:
         return None
 
 
+def daemon_address(endpoint: str | None = None, url: str | None = None) -> str:
+    """The ingest address a monitor pushes to: ``endpoint=`` (or its alias ``url=``), else
+    ``GPUTRAIN_URL``, else the node's own daemon; checked once, here, so a mistake is a
+    ValueError naming where the address came from and what is wrong, never a push retried for
+    ever."""
+    if endpoint and url and endpoint != url:
+        raise ValueError(f"TrainingMonitor: endpoint={endpoint!r} and url={url!r} differ; give "
+                         "one (url= is another name for endpoint=)")
+    given = endpoint or url
+    if given:
+        return ingest_address(given, "endpoint=" if endpoint else "url=")
+    env = os.environ.get("GPUTRAIN_URL")
+    return ingest_address(env, "GPUTRAIN_URL") if env else DEFAULT_ENDPOINT
+
+
 class TrainingMonitor:
     """Measures a training loop and pushes its totals to the gputrain-exporter daemon.
 
     ``run`` and ``rank`` label the series (see :func:`default_run`, :func:`default_rank`);
-    ``endpoint`` defaults to ``GPUTRAIN_URL``, then ``http://127.0.0.1:19401``; ``token`` to
+    ``endpoint`` (or ``url``) defaults to ``GPUTRAIN_URL``, then ``http://127.0.0.1:19401``, and
+    is checked at once (:func:`daemon_address`: a ValueError says what is wrong); ``token`` to
     ``GPUTRAIN_TOKEN`` (or the file named by ``GPUTRAIN_TOKEN_FILE``). ``push_interval`` is in
     seconds. If the daemon is down, training goes on unslowed and the totals arrive later.
     For an ``https://`` endpoint, ``ca_file`` (``GPUTRAIN_CA_FILE``) is the CA bundle that
@@ -232,11 +249,10 @@ class TrainingMonitor:
                  token: str | None = None, buckets: Iterable[float] = DEFAULT_BUCKETS,
                  start: bool = True, ca_file: str | None = None,
                  tls_server_name: str | None = None, flops_per_sample: float | None = None,
-                 precision: str | None = None) -> None:
+                 precision: str | None = None, url: str | None = None) -> None:
         self.run = sanitize(run or default_run())
         self.rank = sanitize(str(rank if rank is not None else default_rank()))
-        self.endpoint = (endpoint or os.environ.get("GPUTRAIN_URL") or DEFAULT_ENDPOINT).rstrip(
-            "/")
+        self.endpoint = daemon_address(endpoint, url)
         self.push_interval = float(push_interval)
         self.token = token or _env_token()
         self.run_id = os.urandom(8).hex()

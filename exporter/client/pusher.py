@@ -19,7 +19,13 @@ import requests
 from exporter.client.process_tree import ProcessTree
 from exporter.client.profiling import RankProfiler
 from exporter.client.stacks import StackSampler
-from exporter.protocol import PROFILE_CAPABILITY, PUSH_PATH, SCHEMA_VERSION, STACKS_CAPABILITY
+from exporter.protocol import (
+    DEFAULT_INGEST_PORT,
+    PROFILE_CAPABILITY,
+    PUSH_PATH,
+    SCHEMA_VERSION,
+    STACKS_CAPABILITY,
+)
 
 log = logging.getLogger("exporter.client")
 
@@ -172,8 +178,11 @@ class Pusher:
             self._stacks.reported(body["stacks"], refused=r.text.strip()[:300])
         if r.status_code not in self._warned_codes:
             self._warned_codes.add(r.status_code)
-            log.warning("gputrain: the daemon refused a push (%d): %s", r.status_code,
-                        r.text.strip()[:300])
+            hint = (" (is GPUTRAIN_URL, endpoint= or --url the daemon's ingest address, "
+                    f"port {DEFAULT_INGEST_PORT} by default, without a path?)"
+                    if r.status_code in (404, 405) else "")
+            log.warning("gputrain: %s refused a push (%d)%s: %s", self._url, r.status_code,
+                        hint, r.text.strip()[:300])
         self._failing = True
         return False
 

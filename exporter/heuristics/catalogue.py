@@ -48,8 +48,9 @@ class Heuristic:
     """One row of the catalogue: an alert, what it means and when it holds.
 
     ``kind``: ``fault`` (the GPU or the exporter's view of it is broken: outranks every
-    pipeline verdict), ``bottleneck`` (``diagnose`` names it), ``health`` (worth acting on,
-    no pipeline stage) or ``symptom`` (the GPU is under-used; the others say why).
+    pipeline verdict), ``state`` (the run is no longer running: nothing else is judged),
+    ``bottleneck`` (``diagnose`` names it), ``health`` (worth acting on, no pipeline stage) or
+    ``symptom`` (the GPU is under-used; the others say why).
     ``scope``: what the condition is about: ``rank``, ``rank_gpu`` (a GPU as a rank uses it),
     ``gpu`` (any GPU of a node; a rank's verdict takes its own GPUs'), ``node``, or ``run``
     (compares the ranks of a run). ``stepping``: it holds only while its rank steps.
@@ -108,6 +109,10 @@ class Heuristic:
         """For scope ``node``: why it holds on this rank's (or report's) node, or None."""
         return None
 
+    def holds_run(self, ranks: list[RankReport], t: dict[str, float]) -> dict[int, str]:
+        """For scope ``run``: the ranks of one run it holds for (by ``id``), with why."""
+        return {}
+
     @property
     def guarded(self) -> bool:
         """Holds only while its rank steps (its rules say ``Q.stepping``)."""
@@ -115,8 +120,8 @@ class Heuristic:
 
     def finding(self, r: RankReport, t: dict[str, float]) -> str | None:
         """Why it holds for a rank, whatever its scope, or None. As its rules, an entry
-        ``guarded`` holds only for a rank that steps."""
-        if self.guarded and not r.stepping:
+        ``guarded`` holds only for a rank that steps and still runs."""
+        if self.guarded and (not r.stepping or gone(r, t)):
             return None
         if self.scope in ("gpu", "rank_gpu"):
             for g in r.gpus:
@@ -146,6 +151,12 @@ class Heuristic:
                 "runbook_url": f"{q.cfg['runbook_url']}#{self.alert.lower()}",
             },
         }
+
+
+def gone(r: RankReport, t: dict[str, float]) -> bool:
+    """The rank no longer runs: it said goodbye, or has not pushed for the vanished
+    threshold. Its last window is history, so nothing about its steps is judged."""
+    return r.finished or _v(r.seconds_since_push, ">", t["vanished_seconds"])
 
 
 def _v(x: float | None, op: str, threshold: float) -> bool:
@@ -260,8 +271,11 @@ class CollectorFailing(Heuristic):
     advice = ("See the exporter's log; for gpu fix the driver or the container's GPU access "
               "(NVIDIA_VISIBLE_DEVICES=all).")
     fires_when = "a collector failing for {for}"
-    why = ("A collector has failed for {for}; its metrics are missing. For `gpu`, usually no "
-           "driver or no access to `/dev/nvidia*` (see the exporter's log line).")
+    why = ("A collector has failed for {for}; its metrics are missing. For `gpu`, usually a "
+           "driver that fails or went away, or no access to `/dev/nvidia*` (see the "
+           "exporter's log line). A node with no NVIDIA driver at all is no failure: it serves "
+           "host metrics by design, says so once in its log and on its status page, and its "
+           "gpu collector reports nothing.")
     confirm = ("gputrain_collector_success",)
     panel = ('GpuTrain / Node: the failing collector\'s panels are empty; '
              '`gputrain_collector_success` in Prometheus says which.')
@@ -278,6 +292,69 @@ class CollectorFailing(Heuristic):
         if failing:
             return f"the {', '.join(failing)} collectors fail: their readings are missing"
         return None
+
+
+class RunVanished(Heuristic):
+    alert, verdict, kind, scope, level = ("GpuTrainRunVanished", "vanished", "state", "run",
+                                          "global")
+    severity, for_ = "warning", "0m"
+    summary = "A training run stopped without finishing: its ranks went silent, no goodbye."
+    advice = ("The job was killed or crashed (OOM killer, preemption, a node failure, a "
+              "SIGKILL or SIGTERM without close()): check the scheduler and the job's log, and "
+              "resume from its last checkpoint.")
+    fires_when = ("every rank of a run silent for {vanished_seconds} without a goodbye, and its "
+                  "GPUs busy < {vanished_gpu_idle} over {recent_window}")
+    why = ("Every rank of the run stopped pushing at least {vanished_seconds} ago without the "
+           "goodbye a clean close() sends, and none of its GPUs was busy {vanished_gpu_idle} or "
+           "more of the last {recent_window}: the processes are gone, not hung (a hung rank "
+           "still pushes, and is stalled). A run that closes cleanly is finished, never "
+           "vanished. The alert holds while the exporter still remembers the ranks "
+           "(--ingest.ttl, 10 m by default); the status page shows the run as stopped "
+           "without finishing, and judges nothing else of it.")
+    confirm = ("run_rank:gputrain_training_last_push_timestamp_seconds:max",
+               "run_rank:gputrain_training_finished:max",
+               "run_rank:gputrain_gpu_busy_ratio:max_rate2m")
+    panel = 'GpuTrain / Run, "Samples per second" falls to zero and "GPU busy" with it.'
+    profile, stepping = False, False
+    thresholds = {
+        "vanished_seconds": Threshold(
+            120, "seconds", "24 missed pushes at the client's 5 s interval (a goodbye "
+                            "rank's totals stay 60 s)"),
+        "vanished_gpu_idle": Threshold(0.05, "ratio", "an idle GPU: no process of the run "
+                                                      "left on it")}
+
+    def rules(self, q: Q) -> list[dict]:
+        t, run, rank = q.t, q.run, q.rank
+        silent = "time() - run_rank:gputrain_training_last_push_timestamp_seconds:max"
+        return [self.rule(q, "warning", f"""max by ({run}) (
+              {silent} > {t['vanished_seconds']}
+              unless on ({rank}) (run_rank:gputrain_training_finished:max > 0))
+            unless on ({run}) (min by ({run}) ({silent}) <= {t['vanished_seconds']})
+            unless on ({run}) (max by ({run}) (run_rank:gputrain_gpu_busy_ratio:max_rate2m)
+              >= {t['vanished_gpu_idle']})""",
+            """Every rank of run {{ $labels.run }} stopped pushing without a goodbye
+            {{ $value | humanizeDuration }} ago, and its GPUs are idle.""")]
+
+    def holds_run(self, ranks: list[RankReport], t: dict[str, float]) -> dict[int, str]:
+        limit = t["vanished_seconds"]
+        if not ranks or any(r.seconds_since_push is None or r.seconds_since_push <= limit
+                            for r in ranks):
+            return {}
+        busy = [r.recent_busy for r in ranks if r.recent_busy is not None]
+        if busy and max(busy) >= t["vanished_gpu_idle"]:
+            return {}
+        return {id(r): f"stopped without finishing {_ago(r.seconds_since_push)} ago: no "
+                       "push and no goodbye since, its GPUs idle"
+                for r in ranks if not r.finished}
+
+
+def _ago(seconds: float) -> str:
+    """A duration for people: ``45 s``, ``3 min``, ``2.5 h``."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 # --- the pipeline, from its input to its output: the first that holds is the verdict -------
@@ -931,6 +1008,9 @@ class StragglerRank(Heuristic):
             median, or they wait for it in the gradient all-reduce, or it computes more than
             {cf}x their median).""")]
 
+    def holds_run(self, ranks: list[RankReport], t: dict[str, float]) -> dict[int, str]:
+        return self.laggards(ranks, t)
+
     def laggards(self, ranks: list[RankReport], t: dict[str, float]) -> dict[int, str]:
         """The ranks of one run that lag the others (by ``id``), with the reason. A rank
         that waits for the others (data or communication) is never one of them."""
@@ -974,14 +1054,18 @@ class HostMemoryLeak(Heuristic):
     summary = "A training process's memory keeps growing."
     advice = ("Look for tensors kept across steps (losses appended without .item()) and growing "
               "caches.")
-    fires_when = ("process RSS growing (over {leak_window} and {leak_recent_window}) fast enough "
-                  "to use up the node's available memory within {leak_horizon_seconds}")
+    fires_when = ("process RSS growing (over {leak_window}, the last {leak_recent_window} and the "
+                  "{leak_recent_window} before) fast enough to use up the node's available "
+                  "memory within {leak_horizon_seconds}")
     why = ("The training process tree's RSS grows, over the last {leak_window} and still over "
-           "the last {leak_recent_window}, fast enough to use up the memory the node still has "
-           "available within {leak_horizon_seconds} (a TensorFlow performance study: rising "
-           "memory may mean a leak). A high but flat RSS, one that grew during warm-up and "
-           "then levelled off, or a process restarted within the {leak_window} (its memory is "
-           "a new process's) does not fire.")
+           "the last {leak_recent_window} and the {leak_recent_window} before them, fast "
+           "enough to use up the memory the node still has available within "
+           "{leak_horizon_seconds} (a TensorFlow performance study: rising memory may mean a "
+           "leak). A slope must be sustained: a step up (a profile, a cache filled once) lies "
+           "in one of the two {leak_recent_window} windows only, and a run too young for both "
+           "is not judged. A high but flat RSS, one that grew during warm-up and then "
+           "levelled off, or a process restarted within the {leak_window} (its memory is a "
+           "new process's) does not fire.")
     confirm = ("gputrain_training_process_resident_memory_bytes",
                "gputrain_host_memory_available_bytes")
     panel = 'GpuTrain / Run, "Training process memory" rising steadily.'
@@ -996,9 +1080,12 @@ class HostMemoryLeak(Heuristic):
         steps = q.metric("gputrain_training_steps_total")
         # one process's memory: a restart in the window (its steps counter reset) is a new
         # process, whose warm-up is no leak
+        recent = WINDOWS["leak_recent"]
         return [self.rule(q, "warning", f"""(deriv({rss}[{WINDOWS['leak']}]) * {horizon}
               > {q.on_node} {available}
-            and deriv({rss}[{WINDOWS['leak_recent']}]) * {horizon}
+            and deriv({rss}[{recent}]) * {horizon}
+              > {q.on_node} {available}
+            and deriv({rss}[{recent}] offset {recent}) * {horizon}
               > {q.on_node} {available})
             unless on ({q.rank}) (resets({steps}[{WINDOWS['leak']}]) > 0)""",
             f"""{q.who}: its resident memory grows fast enough to use up the node's available
@@ -1006,9 +1093,8 @@ class HostMemoryLeak(Heuristic):
 
     def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
         available, horizon = r.host.get("memory_available"), t["leak_horizon_seconds"]
-        if available is not None and r.rss_growth_1h is not None \
-                and r.rss_growth_15m is not None \
-                and min(r.rss_growth_1h, r.rss_growth_15m) * horizon > available:
+        slopes = (r.rss_growth_1h, r.rss_growth_15m, r.rss_growth_15m_before)
+        if available is not None and None not in slopes and min(slopes) * horizon > available:
             return (f"resident memory grows {r.rss_growth_15m * 60 / 2**20:.0f} MiB/min: the "
                     f"node's {available / 2**30:.1f} GiB available last about "
                     f"{available / r.rss_growth_15m / 3600:.1f} h")
@@ -1141,7 +1227,7 @@ class ExporterDown(Heuristic):
 # holds.
 CATALOGUE: tuple[Heuristic, ...] = (
     GPULost(), XidErrors(), GPUMemoryFault(), CollectorFailing(), ExporterDown(),
-    Stalled(), GPUShared(),
+    RunVanished(), Stalled(), GPUShared(),
     CPUPreprocessingBound(), DiskIOBound(), NetworkInputBound(), InputBound(),
     DataLoaderRestarts(), CommunicationBound(),
     HostToDeviceBound(), HostOverheadBound(), LaunchBound(), TensorCoresIdle(), LowMFU(),
@@ -1165,7 +1251,7 @@ THRESHOLDS: dict[str, Threshold] = _collect_thresholds(CATALOGUE)
 BY_ALERT: dict[str, Heuristic] = {e.alert: e for e in CATALOGUE}
 BY_VERDICT: dict[str, Heuristic] = {e.verdict: e for e in CATALOGUE}
 LEVELS = ("node", "global")
-KINDS = ("fault", "bottleneck", "health", "symptom")
+KINDS = ("fault", "state", "bottleneck", "health", "symptom")
 # the alerts whose firing for a rank asks for a profile of it (Alertmanager's webhook)
 PROFILED_ALERTS: frozenset[str] = frozenset(e.alert for e in CATALOGUE if e.profiled)
 # the alerts whose firing for a rank asks for py-spy stacks of it, and which capture

@@ -107,12 +107,15 @@ def queries(selector: str, window: str, ids: Identity | None = None) -> dict[str
     # every rank that exports anything (a rank that never stepped too)
     q["ranks"] = f'group by ({r}) ({{__name__=~"gputrain_training_.+", {s}}})'
     q["seconds_since_step"] = f"time() - {q['seconds_since_step']}"
+    q["seconds_since_push"] = f"time() - {q['seconds_since_push']}"
     rss = f"gputrain_training_process_resident_memory_bytes{{{s}}}"
     # one process's memory, as the leak alert reads it: none across a restart in the window
     restarted = (f"unless on ({r}) (resets(gputrain_training_steps_total{{{s}}}"
                  f"[{WINDOWS['leak']}]) > 0)")
     q["rss_growth_1h"] = f"sum by ({r}) (deriv({rss}[{WINDOWS['leak']}])) {restarted}"
     q["rss_growth_15m"] = f"sum by ({r}) (deriv({rss}[{WINDOWS['leak_recent']}])) {restarted}"
+    q["rss_growth_15m_before"] = (f"sum by ({r}) (deriv({rss}[{WINDOWS['leak_recent']}] offset "
+                                  f"{WINDOWS['leak_recent']})) {restarted}")
     return q
 
 
@@ -162,8 +165,12 @@ RECORDED = {
     "step_p50_seconds": "run_rank:gputrain_training_step_seconds:p50_30m",
     "step_p99_seconds": "run_rank:gputrain_training_step_seconds:p99_30m",
     "seconds_since_step": "run_rank:gputrain_training_last_step_timestamp_seconds:max",
+    "seconds_since_push": "run_rank:gputrain_training_last_push_timestamp_seconds:max",
+    "finished": "run_rank:gputrain_training_finished:max",
+    "recent_busy": "run_rank:gputrain_gpu_busy_ratio:max_rate2m",
     "rss_growth_1h": "run_rank:gputrain_training_process_resident_memory_bytes:sum",
     "rss_growth_15m": "run_rank:gputrain_training_process_resident_memory_bytes:sum",
+    "rss_growth_15m_before": "run_rank:gputrain_training_process_resident_memory_bytes:sum",
     "mfu": "run_rank:gputrain_training_mfu:ratio_rate5m",
     "goodput": "run_rank:gputrain_training_goodput:ratio_rate5m",
     "badput": "run_rank_cause:gputrain_training_badput:ratio_rate5m",
@@ -180,8 +187,10 @@ def recorded_queries(selector: str) -> dict[str, str]:
     """The same readings from the recorded series alone (their 5m windows), by name."""
     q = {name: f"{record}{{{selector}}}" for name, record in RECORDED.items()}
     q["seconds_since_step"] = f"time() - {q['seconds_since_step']}"
+    q["seconds_since_push"] = f"time() - {q['seconds_since_push']}"
     q["rss_growth_1h"] = f"deriv({q['rss_growth_1h']}[1h])"
     q["rss_growth_15m"] = f"deriv({q['rss_growth_15m']}[15m])"
+    q["rss_growth_15m_before"] = f"deriv({q['rss_growth_15m_before']}[15m] offset 15m)"
     return q
 
 
@@ -228,11 +237,13 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
     for name in ("steps", "samples_per_second", "step_seconds", "data_wait_ratio",
                  "comm_ratio", "comm_exposed_ratio", "step_p50_seconds", "step_p99_seconds",
                  "seconds_since_step",
-                 "rss_growth_1h", "rss_growth_15m", "mfu", "goodput"):
+                 "rss_growth_1h", "rss_growth_15m", "rss_growth_15m_before", "mfu", "goodput",
+                 "seconds_since_push", "finished", "recent_busy"):
         results, recorded = _read(prom, q[name], qr[name], rank_key)
         for labels, value in results:
             rep = reports.get(rank_key(labels))
             if rep:
+                value = value > 0 if name == "finished" else value
                 setattr(rep, "steps_per_second" if name == "steps" else name, value)
                 if name == "steps" and rank_key(labels) in recorded:
                     rep.source = "recorded"
@@ -471,9 +482,10 @@ def diagnose(url: str, run: str | None = None, window: str = "5m",
 
 
 def exit_status(reports: list[RankReport], nodes: list[NodeReport] = ()) -> int:
-    """1 when any rank or node has something to act on, else 3 when a rank's GPUs are
-    unknown, else 0."""
-    if any(r.bottleneck for r in reports) or any(n.findings for n in nodes):
+    """1 when any rank or node has something to act on (a run that stopped without
+    finishing too: its job died), else 3 when a rank's GPUs are unknown, else 0."""
+    if any(r.bottleneck or r.status == "stopped" for r in reports) or \
+            any(n.findings for n in nodes):
         return EXIT_ACT
     if any(r.status == "no-gpu-data" for r in reports):
         return EXIT_NO_GPU_DATA

@@ -109,6 +109,7 @@ def recording(s: str, ids: Identity, r: str = WINDOWS["rate"]) -> list[dict]:
     """Recording rules: level:metric:operation. Ratios divide separately-summed counters over
     ``r``; the step-time percentiles take the quantile window."""
     rank, gpu, node, q = ids.rank, ids.gpu, ids.node, WINDOWS["quantile"]
+    recent = WINDOWS["recent"]
 
     return [
         # per (run, rank): the training client's signals
@@ -169,6 +170,18 @@ def recording(s: str, ids: Identity, r: str = WINDOWS["rate"]) -> list[dict]:
             max by ({rank}) (gputrain_training_last_step_timestamp_seconds{{{s}}})"""),
         _rec("run_rank:gputrain_training_process_resident_memory_bytes:sum", f"""
             sum by ({rank}) (gputrain_training_process_resident_memory_bytes{{{s}}})"""),
+        # whether a rank still runs: when it last pushed, whether it said goodbye, and its
+        # busiest GPU over the recent window (a vanished run's GPUs go idle)
+        _rec("run_rank:gputrain_training_last_push_timestamp_seconds:max", f"""
+            max by ({rank}) (gputrain_training_last_push_timestamp_seconds{{{s}}})"""),
+        _rec("run_rank:gputrain_training_finished:max", f"""
+            max by ({rank}) (gputrain_training_finished{{{s}}})"""),
+        _rec("run_rank:gputrain_gpu_busy_ratio:max_rate2m", f"""
+            max by ({rank}) (
+              max by ({rank}, gpu, uuid) (gputrain_training_gpu_info{{{s}}})
+              * on ({gpu}) group_left ()
+              (sum by ({gpu}) (rate(gputrain_gpu_busy_seconds_total{{{s}}}[{recent}]))
+               / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{recent}]))))"""),
         *_utilisation(s, ids, r),
         # per GPU
         # GPU ratios divide by the seconds the sampler watched: exact from the first scrapes
@@ -344,9 +357,13 @@ class Q:
         self.fault = WINDOWS["fault"]
 
     def stepping(self, expr: str) -> str:
-        """``expr`` (of a rank, or of a rank's GPUs) only while the rank steps: a run whose
-        steps stopped while its GPUs spin is stalled, and nothing else holds for it."""
-        return f"({expr}) and on ({self.rank}) ({self.steps} > 0)"
+        """``expr`` (of a rank, or of a rank's GPUs) only while the rank steps and still runs:
+        a run whose steps stopped while its GPUs spin is stalled, and nothing else holds for
+        it; a rank that said goodbye, or went silent, left only history behind."""
+        return (f"({expr}) and on ({self.rank}) ({self.steps} > 0) unless on ({self.rank}) "
+                f"(run_rank:gputrain_training_finished:max > 0 or time() - "
+                f"run_rank:gputrain_training_last_push_timestamp_seconds:max > "
+                f"{self.t['vanished_seconds']})")
 
     def outside_steps(self) -> str:
         """Of each rank, the seconds a second in phases outside steps (an evaluation, a

@@ -20,6 +20,7 @@ WINDOWS = {
     "leak": "1h",  # the leak rule's long range ...
     "leak_recent": "15m",  # ... and its recent one
     "fault": "10m",  # new Xid and uncorrectable ECC errors, a fresh exporter's finds
+    "recent": "2m",  # a vanished run's GPUs: idle since its ranks went silent
 }
 
 
@@ -91,12 +92,16 @@ class RankReport:
     step_p50_seconds: float | None = None
     step_p99_seconds: float | None = None
     seconds_since_step: float | None = None
+    seconds_since_push: float | None = None  # since the exporter last heard from the rank
+    finished: bool = False  # it said goodbye (a clean close()): finished, never vanished
+    recent_busy: float | None = None  # its busiest GPU over the recent window (0-1)
     rss_growth_1h: float | None = None  # bytes per second, over the last hour
     rss_growth_15m: float | None = None  # ... and over the last 15 minutes
+    rss_growth_15m_before: float | None = None  # ... and over the 15 minutes before those
     mfu: float | None = None  # model FLOPs utilisation, where the client reports FLOPs
     goodput: float | None = None  # productive share of the rank's wall time
     badput: dict[str, float] = field(default_factory=dict)  # the rest, by cause
-    status: str = ""  # ok, fault, bottleneck, underutilized or no-gpu-data
+    status: str = ""  # ok, fault, bottleneck, underutilized, no-gpu-data, stopped, finished
     verdict: str = ""
     reason: str = ""
     advice: str = ""
@@ -117,7 +122,7 @@ class RankReport:
 
     def findings(self) -> list[str]:
         """The verdict and every finding beside it: the catalogue alerts that fire for it."""
-        first = [self.verdict] if self.status in ("fault", "bottleneck") else []
+        first = [self.verdict] if self.status in ("fault", "bottleneck", "stopped") else []
         return first + [f.name for f in self.also]
 
 

@@ -11,7 +11,13 @@ page, ``/api/v1/status``, ``top``): both are judged by this code.
 
 from __future__ import annotations
 
-from exporter.heuristics.catalogue import BY_VERDICT, CATALOGUE, GPUMemoryFault, GPUUnderutilized
+from exporter.heuristics.catalogue import (
+    BY_VERDICT,
+    CATALOGUE,
+    GPUMemoryFault,
+    GPUUnderutilized,
+    gone,
+)
 from exporter.heuristics.readings import (  # noqa: F401 - the readings, with the verdicts
     Finding,
     GpuReading,
@@ -25,7 +31,8 @@ from exporter.heuristics.readings import (  # noqa: F401 - the readings, with th
 )
 
 UNDERUTILIZED = GPUUnderutilized.verdict  # busy under the target, no stage to blame
-# Verdicts that are no alert of the catalogue: the good case, a pause, a start and the blind one.
+# Verdicts that are no alert of the catalogue: the good case, a pause, a start, the blind one
+# and a clean end.
 STATUS_ADVICE = {
     "gpu-bound": "The GPU is the bottleneck, as it should be. To make each GPU-second count, "
                  "profile the heaviest kernels.",
@@ -37,18 +44,22 @@ STATUS_ADVICE = {
                   "intervals.",
     "no-gpu-data": "No GPU of this rank is known to the exporter: check that the client reports "
                    "its GPU (CUDA_VISIBLE_DEVICES or torch.cuda) and that the exporter sees it.",
+    "finished": "Nothing to change: the rank closed cleanly (its client said goodbye).",
 }
 STATUS_SUMMARY = {
     "gpu-bound": "The GPUs are busy: the model's own work sets the pace.",
     "paused": "The rank made no step in the window.",
     "warming-up": "The window holds too few samples for a rate yet.",
     "no-gpu-data": "The exporter knows no GPU of this rank.",
+    "finished": "The rank finished: it closed cleanly.",
 }
 # Every verdict a rank can get, in the order a page lists them: what to act on first
 ORDER: tuple[str, ...] = (*(e.verdict for e in CATALOGUE if e.kind != "symptom"),
-                          UNDERUTILIZED, "paused", "warming-up", "no-gpu-data", "gpu-bound")
-# A rank's status by the kind of its verdict
-_STATUS = {"fault": "fault", "bottleneck": "bottleneck", "health": "bottleneck"}
+                          UNDERUTILIZED, "paused", "warming-up", "no-gpu-data", "gpu-bound",
+                          "finished")
+# A rank's status by the kind of its verdict: a run that is gone is stopped, not a bottleneck
+STATUS = {"fault": "fault", "state": "stopped", "bottleneck": "bottleneck",
+          "health": "bottleneck"}
 
 
 def summary(verdict: str) -> str:
@@ -78,23 +89,25 @@ def rank_findings(rep: RankReport, t: dict[str, float], run_steps: bool = True) 
     return out
 
 
-def stragglers(reports: list[RankReport], t: dict[str, float]) -> dict[int, str]:
-    """The ranks that lag their run's others (by ``id``), with the reason: the straggler
-    alert's condition across each run (``run`` and the run labels beyond it, never ``job``)."""
+def run_findings(reports: list[RankReport], t: dict[str, float]) -> dict[int, dict[str, str]]:
+    """The findings that compare or cover the ranks of a run (a straggler, a vanished run),
+    by the rank's ``id``, each with its reason: the run alerts' conditions across each run
+    (``run`` and the run labels beyond it, never ``job``)."""
     runs: dict[tuple, list[RankReport]] = {}
     for rep in reports:
         runs.setdefault(run_key(rep), []).append(rep)
-    out: dict[int, str] = {}
+    out: dict[int, dict[str, str]] = {}
     for entry in (e for e in CATALOGUE if e.scope == "run"):
         for ranks in runs.values():
-            out.update(entry.laggards(ranks, t))
+            for who, why in entry.holds_run(ranks, t).items():
+                out.setdefault(who, {})[entry.verdict] = why
     return out
 
 
 def judge(reports: list[RankReport], t: dict[str, float]) -> list[RankReport]:
     """Set every rank's status, verdict and findings in the catalogue's decision order; the
     findings are exactly the catalogue alerts that fire for it."""
-    lagging = stragglers(reports, t)
+    per_run = run_findings(reports, t)
     stepping = {run_key(r) for r in reports if r.stepping}
     least: dict[tuple, float] = {}
     for r in reports:
@@ -105,13 +118,20 @@ def judge(reports: list[RankReport], t: dict[str, float]) -> list[RankReport]:
         r.run_comm_exposed_min = least.get(run_key(r))
     for rep in reports:
         found = rank_findings(rep, t, run_key(rep) in stepping)
-        if id(rep) in lagging and "stalled" not in found:
-            found["straggler"] = lagging[id(rep)]
+        for name, why in per_run.get(id(rep), {}).items():
+            if name == "vanished" or "stalled" not in found:
+                found[name] = why
         ordered = [v for v in ORDER if v in found]
         busy = mean([x.busy for x in rep.gpus])
-        if ordered:
+        if rep.finished and not any(BY_VERDICT[v].kind == "fault" for v in ordered):
+            # a clean close(): finished, whatever its last window held
+            rep.status = rep.verdict = "finished"
+            ago = rep.seconds_since_push
+            rep.reason = "closed cleanly" + (f" {ago:.0f} s ago" if ago is not None else "")
+            rep.also = [Finding(n, found[n], advice(n)) for n in ordered]
+        elif ordered:
             rep.verdict = ordered[0]
-            rep.status = _STATUS[BY_VERDICT[rep.verdict].kind]
+            rep.status = STATUS[BY_VERDICT[rep.verdict].kind]
             rep.reason = found[ordered[0]]
             rep.also = [Finding(n, found[n], advice(n)) for n in ordered[1:]]
         elif busy is None and rep.gpus and rep.steps_per_second is None:
@@ -123,6 +143,10 @@ def judge(reports: list[RankReport], t: dict[str, float]) -> list[RankReport]:
             rep.status = rep.verdict = "no-gpu-data"
             rep.reason = ("the exporter reports no busy time for this rank's GPUs" if rep.gpus
                           else "the exporter reports no GPU for this rank")
+        elif gone(rep, t):  # silent while its run's other ranks push: nothing to judge
+            rep.status, rep.verdict = "ok", "paused"
+            rep.reason = (f"no push for {rep.seconds_since_push:.0f} s while its run's other "
+                          "ranks push: nothing is judged of its steps")
         elif not rep.stepping:
             rep.status, rep.verdict = "ok", "paused"
             phase = outside_steps(rep)

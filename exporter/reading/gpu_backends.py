@@ -95,7 +95,12 @@ _MIG_PROFILE = re.compile(r"\bMIG (\d+g\.\d+gb(?:\+\w+)*)", re.IGNORECASE)
 
 
 class BackendUnavailable(RuntimeError):
-    """The backend cannot read any GPU on this machine; the reason is the message."""
+    """The backend cannot read any GPU on this machine; the reason is the message.
+    ``no_driver``: the machine has no NVIDIA driver at all, which is no fault."""
+
+    def __init__(self, reason: str, no_driver: bool = False) -> None:
+        super().__init__(reason)
+        self.no_driver = no_driver
 
 
 @dataclass(frozen=True)
@@ -259,7 +264,7 @@ class NvmlBackend:
         try:
             self.nvml.init()
         except NvmlUnavailable as exc:
-            raise BackendUnavailable(str(exc)) from exc
+            raise BackendUnavailable(str(exc), exc.no_driver) from exc
         nv = self.nvml
         v2 = getattr(nv.lib, "nvmlMemory_v2", None)  # absent from old nvidia-ml-py
         self._memory_variants = ((("nvmlDeviceGetMemoryInfo", {"version": v2}),) if v2 else ()) \

@@ -134,7 +134,13 @@ class FieldValue(NamedTuple):
 
 
 class NvmlUnavailable(RuntimeError):
-    """NVML cannot be used on this machine (no driver, no library, no permission)."""
+    """NVML cannot be used on this machine (no driver, no library, no permission).
+    ``no_driver``: there is no NVIDIA driver at all (a CPU node, by design), rather than one
+    that fails."""
+
+    def __init__(self, reason: str, no_driver: bool = False) -> None:
+        super().__init__(reason)
+        self.no_driver = no_driver
 
 
 class GpuLostError(RuntimeError):
@@ -222,7 +228,8 @@ class Nvml:
         except Exception as exc:
             code = error_code(exc)
             reason = _NO_DRIVER.get(code) if code is not None else None
-            raise NvmlUnavailable(reason or f"nvmlInit failed: {exc}") from exc
+            raise NvmlUnavailable(reason or f"nvmlInit failed: {exc}", no_driver=code in (
+                NVML_ERROR_LIBRARY_NOT_FOUND, NVML_ERROR_DRIVER_NOT_LOADED)) from exc
         self._lib = lib
         self._closing = False
         self.initialized = True

@@ -167,6 +167,7 @@ class Sampler:
         self._slots: list[_GpuSlot] = []
         self._backend_ready = False
         self._backend_error: str | None = None
+        self._no_driver = False  # no NVIDIA driver at all (a CPU node): no collector fails
         self._backend_next_try = 0.0
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
@@ -251,6 +252,10 @@ class Sampler:
         gpus: tuple[GpuState, ...] = ()
         if self._wants_gpu():
             gpus = self._timed("gpu", self._sample_gpus)
+            if self._no_driver and not self._backend_ready:
+                # a node without an NVIDIA driver serves host metrics by design (the log and
+                # the page say so once): no collector fails; a driver that goes away does
+                self._status.pop("gpu", None)
         readings = {}
         for collector in self.host:
             reading = self._timed(collector.name, collector.read)
@@ -305,6 +310,7 @@ class Sampler:
                             "retrying every %.0fs (--gpu.backend=demo simulates GPUs)", exc,
                             BACKEND_RETRY_SECONDS)
             self._backend_error = str(exc)
+            self._no_driver = exc.no_driver
             return False
         self._backend_error = None
         self._backend_ready = True

@@ -35,6 +35,7 @@ SLOW_POINT_SECONDS = 60.0  # a rank's memory and a GPU's error counts: a point a
 RSS_SECONDS = window_seconds("leak")  # the leak rule's longer range
 LEAK_MIN_SECONDS = window_seconds("leak_recent")  # its shorter: judged once this much is seen
 FAULT_SECONDS = window_seconds("fault")  # new Xid and ECC errors count this long
+RECENT_SECONDS = window_seconds("recent")  # a vanished run's GPUs: idle this long
 
 
 class _GpuPoint(NamedTuple):
@@ -407,6 +408,7 @@ class History:
         if snap is None:
             return []
         index = GpuIndex(snap)
+        recent = self.gpu_readings(snap.timestamp - RECENT_SECONDS)
         younger: dict[float, tuple[dict, dict[str, float]]] = {}  # by a rank's first point
         out = []
         for tr in ranks:
@@ -428,15 +430,25 @@ class History:
                 _rank_window(rep, old, now, st.bucket_bounds)
             if st.last_step_timestamp is not None:
                 rep.seconds_since_step = max(0.0, snap.timestamp - st.last_step_timestamp)
+            rep.seconds_since_push = max(0.0, snap.timestamp - st.received_unix)
+            rep.finished = st.finished
             current_rss = st.process.get("resident_memory_bytes")
             if current_rss is not None and rss:
                 rss.append((snap.timestamp, current_rss))
+                # as deriv() over the ranges, and the recent one offset by itself: a slope is
+                # sustained where both halves rise (a step up lies in one of them only)
                 if snap.timestamp - rss[0][0] >= LEAK_MIN_SECONDS:
                     rep.rss_growth_1h = _deriv(rss, snap.timestamp - RSS_SECONDS)
                     rep.rss_growth_15m = _deriv(rss, snap.timestamp - LEAK_MIN_SECONDS)
+                    rep.rss_growth_15m_before = _deriv(
+                        rss, snap.timestamp - 2 * LEAK_MIN_SECONDS,
+                        snap.timestamp - LEAK_MIN_SECONDS)
             peak = 0.0
             for index_, uuid in resolve_gpus(st, index,
                                              self.shares.listed.get((st.run, st.rank), ())):
+                if (last := recent.get(uuid or index_)) is not None and \
+                        last[1].busy is not None:
+                    rep.recent_busy = max(rep.recent_busy or 0.0, last[1].busy)
                 entry = rank_gpus.get(uuid or index_)
                 if entry is None:
                     continue
@@ -557,9 +569,11 @@ def histogram_quantile(q: float, bounds: tuple[float, ...], counts: tuple[float,
     return bounds[-1] if bounds else None
 
 
-def _deriv(points: list[tuple[float, float]], since: float) -> float | None:
-    """Prometheus' deriv(): the least-squares slope of the points at or after ``since``."""
-    xs = [(t, v) for t, v in points if t >= since]
+def _deriv(points: list[tuple[float, float]], since: float,
+           until: float = math.inf) -> float | None:
+    """Prometheus' deriv(): the least-squares slope of the points from ``since`` to
+    ``until``."""
+    xs = [(t, v) for t, v in points if since <= t <= until]
     if len(xs) < 2:
         return None
     n = len(xs)

@@ -91,6 +91,7 @@ class RankState:
     capabilities: tuple[str, ...] = ()  # what the client understands in a push answer
     profile_report: dict[str, Any] | None = None  # the client's state of a profile, this push
     stacks_report: dict[str, Any] | None = None  # and of a py-spy capture
+    finished: bool = False  # it said goodbye (a clean close()): finished, not vanished
 
     @property
     def cumulative_counts(self) -> tuple[int, ...]:
@@ -430,6 +431,7 @@ class IngestStore:
             if old is None and len(self._states) >= self.max_series:
                 raise Refused(429, f"{len(self._states)} (run, rank) pairs are live, the "
                                    f"limit (--ingest.max-series) is {self.max_series}")
+            new.finished = goodbye
             if goodbye:
                 # Keep the final totals a little, so the last increments reach Prometheus.
                 new.expires_at = new.received_at + min(self.ttl, GOODBYE_GRACE_SECONDS)

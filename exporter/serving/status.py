@@ -329,7 +329,9 @@ def _rank(rep: RankReport, st: Any, now: float) -> dict[str, Any]:
         "step_p99_seconds": rep.step_p99_seconds,
         "seconds_since_step": rep.seconds_since_step,
         "seconds_since_push": since_push,
-        "pushing": since_push is not None and since_push <= STALE_PUSH_SECONDS,
+        "pushing": since_push is not None and since_push <= STALE_PUSH_SECONDS
+        and rep.verdict != "vanished",
+        "finished": rep.finished,
         "status": rep.status,
         "verdict": rep.verdict,
         "summary": summary(rep.verdict),

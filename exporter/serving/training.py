@@ -328,6 +328,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("gputrain_training_clock_skew_seconds", "gauge",
            "The rank's clock minus the daemon's, as its step timestamps show it (0 within 2 s): "
            "taken off its last step's timestamp, which is never after the push."),
+    Family("gputrain_training_finished", "gauge",
+           "1 once the rank said goodbye (a clean close()), else 0: a rank that stops pushing "
+           "without it has vanished."),
     Family("gputrain_training_process_cpu_seconds_total", "counter",
            "CPU seconds of the training process and its children (DataLoader workers)."),
     Family("gputrain_training_process_resident_memory_bytes", "gauge",
@@ -549,6 +552,7 @@ def _rank_lines(st: RankState) -> tuple[tuple[int, str], ...]:
         "gputrain_training_last_push_timestamp_seconds": st.received_unix,
         "gputrain_training_clock_skew_seconds":
             st.clock_skew if st.last_step_timestamp is not None else None,
+        "gputrain_training_finished": 1.0 if st.finished else 0.0,
         "gputrain_training_process_cpu_seconds_total": proc.get("cpu_seconds"),
         "gputrain_training_process_resident_memory_bytes": proc.get("resident_memory_bytes"),
         "gputrain_training_process_read_bytes_total": proc.get("read_bytes"),

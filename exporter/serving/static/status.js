@@ -72,7 +72,7 @@ function gpuRow(g) {
   const name = (g.name || "").replace(/^NVIDIA /, "");
   const parts = users(g);
   const who = el("td", { class: "who" }, ...(parts.length ? parts.map((p, i) =>
-    (i ? ", " : "") + p) : [el("span", { class: "muted" }, "idle")]));
+    (i ? ", " : "") + p) : [el("span", { class: "muted" }, "no run pushes here")]));
   if (!g.up) {
     return el("tr", { class: "lost", "data-gpu": g.gpu },
       el("td", {}, el("b", {}, g.gpu), " ", name),
@@ -101,6 +101,14 @@ function gpuNames(gpus, byUuid) {
     .replace(/^NVIDIA /, "")).filter(Boolean))];
   return (gpus.length === 1 ? "GPU " : "GPUs ") + gpus.map((g) => g.gpu).join(", ")
     + (models.length ? " (" + models.join(", ") + ")" : "");
+}
+
+// When a rank last pushed: a finished rank said goodbye (never red), a silent one did not
+function lastPush(r) {
+  const when = ago(r.seconds_since_push) + " ago";
+  if (r.finished) return el("td", { class: "muted" }, "finished " + when);
+  if (r.pushing) return el("td", {}, when);
+  return el("td", { class: "stale" }, "stopped pushing " + when);
 }
 
 function runCard(run, byUuid) {
@@ -134,9 +142,7 @@ function runCard(run, byUuid) {
     el("td", {}, pct(r.mfu)),
     el("td", {}, gpuNames(r.gpus, byUuid)),
     el("td", {}, r.verdict),
-    el("td", r.pushing ? {} : { class: "stale" },
-       r.pushing ? ago(r.seconds_since_push) + " ago" :
-       "stopped pushing " + ago(r.seconds_since_push) + " ago")));
+    lastPush(r)));
   card.append(el("table", {}, el("thead", {}, el("tr", {},
     ...["rank", "samples/s", "step", "data wait", "comm wait", "phases", "MFU", "GPUs",
         "verdict", "last push"].map((h) => el("th", {}, h)))), el("tbody", {}, ...rows)));
@@ -189,7 +195,7 @@ function profileRow(p, now) {
       " of " + num(m.seconds * 1000, 1) + " ms"
       + (m.gpu_busy !== undefined ? " · GPU busy " + pct(m.gpu_busy / m.seconds) : "")),
     el("td", {}, op ? op.name : "—"),
-    el("td", {}, el("code", {}, p.trace), " (" + bytes(p.trace_bytes) + ")"));
+    el("td", { class: "trace" }, el("code", {}, p.trace), " (" + bytes(p.trace_bytes) + ")"));
   return el("tr", { "data-profile": p.id }, ...cells);
 }
 
