@@ -31,14 +31,14 @@ MAX_EXACT_FLOAT = 2**53
 MAX_NAME_LENGTH = 128  # run and rank
 MAX_PHASE_NAME_LENGTH = 64
 # Per rank, so that the page stays bounded at --ingest.max-series ranks: at most
-# MAX_SERIES_PER_RANK lines each (steps, data wait, samples, FLOPs, elapsed, the histogram's
-# buckets + Inf + count + sum, phases, two timestamps, three process figures, four per GPU:
-# its info, the memory the rank's processes hold on it and the seconds they kept its SMs and
-# its memory busy), and its last profile.
+# MAX_SERIES_PER_RANK lines each (steps, data wait, samples, FLOPs, elapsed, slow steps, the
+# histogram's buckets + Inf + count + sum, phases, two timestamps, five process figures, four
+# per GPU: its info, the memory the rank's processes hold on it and the seconds they kept its
+# SMs and its memory busy), and its last profile.
 MAX_PHASES = 16
 MAX_BUCKETS = 32
 MAX_GPUS = 16
-MAX_SERIES_PER_RANK = 5 + MAX_BUCKETS + 3 + MAX_PHASES + 2 + 3 + 4 * MAX_GPUS + 1
+MAX_SERIES_PER_RANK = 6 + MAX_BUCKETS + 3 + MAX_PHASES + 2 + 5 + 4 * MAX_GPUS + 1
 # the arithmetic a rank states it trains in: its GPUs' peak FLOP/s at this precision is the
 # denominator of its model FLOPs utilisation
 PRECISIONS = ("fp8", "bf16", "fp16", "tf32", "fp32")

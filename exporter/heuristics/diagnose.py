@@ -30,7 +30,15 @@ import requests
 import yaml
 
 from exporter.config import parse_duration
-from exporter.heuristics.promql import Identity, identity, inline, new_errors, recording_rules
+from exporter.heuristics.promql import (
+    Identity,
+    collector_age,
+    identity,
+    inline,
+    new_errors,
+    recording_rules,
+    restarts,
+)
 from exporter.heuristics.readings import WINDOWS
 from exporter.heuristics.rules import load_overrides, settings
 from exporter.heuristics.verdict import (
@@ -113,6 +121,9 @@ def queries(selector: str, window: str, ids: Identity | None = None) -> dict[str
                  f"[{WINDOWS['leak']}]) > 0)")
     q["rss_growth_1h"] = f"sum by ({r}) (deriv({rss}[{WINDOWS['leak']}])) {restarted}"
     q["rss_growth_15m"] = f"sum by ({r}) (deriv({rss}[{WINDOWS['leak_recent']}])) {restarted}"
+    # its process replaced: over the crash-loop rule's hour, and inside the rate window
+    q["restarts"] = restarts(s, ids, WINDOWS["restart"])
+    q["restarts_recent"] = restarts(s, ids, window)
     return q
 
 
@@ -127,6 +138,7 @@ def fault_queries(selector: str, ids: Identity, window: str) -> dict[str, str]:
     return {
         "exporter_up": f"max by ({node}) (up{{{s}}})",
         "collectors": f"max by ({node}, collector) (gputrain_collector_success{{{s}}})",
+        "collector_ages": collector_age(s, ids),
         "up": f"max by ({gpu}) (gputrain_gpu_up{{{s}}})",  # every GPU the node has
         "xid_errors": f"sum by ({gpu}) ({new_errors(xid, fault)})",
         "ecc_uncorrected": f"sum by ({gpu}) ({new_errors(ecc, fault)})",
@@ -159,6 +171,9 @@ RECORDED = {
     "foreign": "run_gpu:gputrain_gpu_foreign_busy:ratio_rate5m",
     "step_p50_seconds": "run_rank:gputrain_training_step_seconds:p50_30m",
     "step_p99_seconds": "run_rank:gputrain_training_step_seconds:p99_30m",
+    "stall_share": "run_rank:gputrain_training_slow_step:ratio_rate30m",
+    "cpu_allowance_used": "run_rank:gputrain_training_cpu_allowance_used:ratio_rate5m",
+    "cpu_throttled": "run_rank:gputrain_training_cpu_throttled:ratio_rate5m",
     "seconds_since_step": "run_rank:gputrain_training_last_step_timestamp_seconds:max",
     "rss_growth_1h": "run_rank:gputrain_training_process_resident_memory_bytes:sum",
     "rss_growth_15m": "run_rank:gputrain_training_process_resident_memory_bytes:sum",
@@ -222,7 +237,8 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
                 labels.get("job", ""), labels.get("instance", ""), labels.get("run", ""),
                 labels.get("rank", ""), labels={k: labels.get(k, "") for k in ids.extra})
     for name in ("steps", "samples_per_second", "step_seconds", "data_wait_ratio",
-                 "step_p50_seconds", "step_p99_seconds", "seconds_since_step",
+                 "step_p50_seconds", "step_p99_seconds", "stall_share", "cpu_allowance_used",
+                 "cpu_throttled", "seconds_since_step",
                  "rss_growth_1h", "rss_growth_15m", "mfu", "goodput"):
         results, recorded = _read(prom, q[name], qr[name], rank_key)
         for labels, value in results:
@@ -231,6 +247,11 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
                 setattr(rep, "steps_per_second" if name == "steps" else name, value)
                 if name == "steps" and rank_key(labels) in recorded:
                     rep.source = "recorded"
+    for name in ("restarts", "restarts_recent"):  # from the raw counters only
+        for labels, value in prom.query(q[name]):
+            rep = reports.get(rank_key(labels))
+            if rep:
+                setattr(rep, name, value)
     for labels, value in _read(prom, q["phases"], qr["phases"],
                                lambda x: (*rank_key(x), x.get("phase", "")))[0]:
         rep = reports.get(rank_key(labels))
@@ -287,6 +308,7 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
         gpus = {(g.gpu, g.uuid): g for g in node.gpus}
         for rep in by_node.get(key, []):
             rep.collectors_failing = list(node.collectors_failing)
+            rep.collector_ages = dict(node.collector_ages)
             for x in rep.gpus:
                 if (g := gpus.get((x.gpu, x.uuid))) is not None:
                     x.up, x.xid_errors, x.ecc_uncorrected = g.up, g.xid_errors, g.ecc_uncorrected
@@ -317,6 +339,8 @@ def _nodes(prom: Prometheus, selector: str, ids: Identity, window: str,
     for labels, value in prom.query(q["collectors"]):
         if value == 0:
             node(labels).collectors_failing.append(labels.get("collector", ""))
+    for labels, value in prom.query(q["collector_ages"]):
+        node(labels).collector_ages[labels.get("collector", "")] = value
     gpus: dict[tuple, GpuReading] = {}
     for labels, value in prom.query(q["up"]):
         g = GpuReading(labels.get("gpu", ""), labels.get("uuid", ""), up=value == 1)

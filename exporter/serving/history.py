@@ -27,6 +27,7 @@ from exporter.protocol import OUTSIDE_STEP_PHASES
 from exporter.reading.peak_flops import PeakTable
 from exporter.reading.sampler import GpuState, Snapshot
 from exporter.serving.ingest import RankState
+from exporter.serving.stalls import histogram_quantile
 from exporter.serving.training import GpuIndex, GpuShares, resolve_gpus
 
 WINDOW_SECONDS = window_seconds("rate")  # the recording rules' ratios
@@ -35,6 +36,8 @@ SLOW_POINT_SECONDS = 60.0  # a rank's memory and a GPU's error counts: a point a
 RSS_SECONDS = window_seconds("leak")  # the leak rule's longer range
 LEAK_MIN_SECONDS = window_seconds("leak_recent")  # its shorter: judged once this much is seen
 FAULT_SECONDS = window_seconds("fault")  # new Xid and ECC errors count this long
+RESTART_SECONDS = window_seconds("restart")  # a rank's restarts count this long
+MAX_RESTARTS_KEPT = 64  # a crash loop's restarts in the hour, at most, that are counted
 
 
 class _GpuPoint(NamedTuple):
@@ -76,6 +79,9 @@ class _RankPoint(NamedTuple):
     phases: dict[str, float]
     buckets: tuple[int, ...]
     epoch: int  # buckets of points of one epoch share their bounds
+    slow: float  # seconds in steps far above the median (exporter.serving.stalls)
+    cpu: float | None  # the process tree's CPU seconds, and its cgroup's throttled seconds
+    throttled: float | None
 
 
 @dataclass
@@ -100,9 +106,12 @@ class _RankTrack:
     epoch: int = 0
     points: deque = field(default_factory=deque)
     rss: deque = field(default_factory=deque)  # (t, bytes), a point a minute
+    # when its process was replaced (a new run_id under the same run and rank)
+    restarts: deque = field(default_factory=lambda: deque(maxlen=MAX_RESTARTS_KEPT))
 
 
-_COUNTERS = ("steps", "step_seconds", "data_wait_seconds", "samples", "flops")
+_COUNTERS = ("steps", "step_seconds", "data_wait_seconds", "samples", "flops",
+             "slow_step_seconds")
 
 
 class History:
@@ -110,8 +119,9 @@ class History:
 
     def __init__(self, window: float = WINDOW_SECONDS, point_seconds: float = POINT_SECONDS,
                  peaks: PeakTable | None = None, instance: str = "",
-                 shares: GpuShares | None = None) -> None:
+                 shares: GpuShares | None = None, interval: float = 1.0) -> None:
         self.window = window
+        self.interval = interval  # the sampler's, in seconds: what a collector's age counts in
         self.shares = shares or GpuShares()  # the page's, where the daemon shares one
         self.point_seconds = point_seconds
         self.peaks = peaks or PeakTable()
@@ -163,7 +173,7 @@ class History:
                                        rss=deque(maxlen=int(RSS_SECONDS / SLOW_POINT_SECONDS) + 1))
                     track.points.append(self._rank_point(track, t))
                 elif st is not track.state:
-                    self._note_push(track, st)
+                    self._note_push(track, st, t)
                 # a rank that stopped pushing keeps its points coming, its rates falling to
                 # 0, as a scraped counter that stopped growing does
                 if t - track.points[-1].t >= self.point_seconds:
@@ -210,9 +220,10 @@ class History:
         if not self._host or t - self._host[-1].t >= self.point_seconds:
             self._host.append(point)
 
-    def _note_push(self, track: _RankTrack, st: RankState) -> None:
+    def _note_push(self, track: _RankTrack, st: RankState, t: float) -> None:
         old = track.state
         if st.run_id != old.run_id:  # a restarted process counts from 0: carry the old totals
+            track.restarts.append(t)
             track.rss.clear()  # and its memory is a new process's: no leak across a restart
             for key in _COUNTERS:
                 track.offsets[key] = track.offsets.get(key, 0.0) + (getattr(old, key) or 0.0)
@@ -242,7 +253,9 @@ class History:
                           st.step_seconds + off.get("step_seconds", 0.0),
                           st.data_wait_seconds + off.get("data_wait_seconds", 0.0),
                           st.samples + off.get("samples", 0.0), flops, st.wall_seconds, phases,
-                          buckets, track.epoch)
+                          buckets, track.epoch,
+                          st.slow_step_seconds + off.get("slow_step_seconds", 0.0),
+                          st.process.get("cpu_seconds"), st.process.get("cpu_throttled_seconds"))
 
     # -- reading (a request's thread) -------------------------------------------------------
 
@@ -261,6 +274,17 @@ class History:
         """The latest pushed state of every live (run, rank)."""
         with self._lock:
             return {key: tr.state for key, tr in self._ranks.items()}
+
+    def collector_ages(self, now: float | None = None) -> dict[str, float]:
+        """Each collector's last success, how long before ``now`` (unix seconds; default the
+        last snapshot's time) in sampler intervals: a sampler stuck in a hung call publishes
+        no snapshot, so only the wall clock shows it."""
+        snap = self._snapshot
+        if snap is None:
+            return {}
+        now = snap.timestamp if now is None else now
+        return {name: max(0.0, now - c.last_success_timestamp) / self.interval
+                for name, c in snap.collectors.items() if c.last_success_timestamp is not None}
 
     def collectors_failing(self) -> list[str]:
         """The collectors whose last cycle failed, by name."""
@@ -380,14 +404,15 @@ class History:
                                 if k in old_) / dt
         return out
 
-    def reports(self, gpus: dict | None = None,
-                host: dict[str, float] | None = None) -> list[RankReport]:
+    def reports(self, gpus: dict | None = None, host: dict[str, float] | None = None,
+                now: float | None = None) -> list[RankReport]:
         """One report per live (run, rank), its readings over the window, or from its first
         push where that is later (its GPUs' and node's too: a run is not judged on what its
         GPUs did before it came); no verdict yet. ``gpus`` and ``host`` are
         :meth:`gpu_readings` and :meth:`host_readings` over the whole window where the caller
-        has them already."""
+        has them already; ``now`` (unix seconds) is when the collectors' ages are taken."""
         gpus = self.gpu_readings() if gpus is None else gpus
+        ages = self.collector_ages(now)
         host = self.host_readings() if host is None else host
         with self._lock:
             snap = self._snapshot
@@ -403,6 +428,7 @@ class History:
                 now = self._rank_point(tr, snap.timestamp)
                 old = self._since(tr.points, now.t)
                 rss = list(tr.rss)
+                replaced = list(tr.restarts)
                 full = (old is not None and old is not tr.points[0]) or \
                     len(tr.points) == tr.points.maxlen
             rank_gpus, rank_host = gpus, host
@@ -411,9 +437,15 @@ class History:
                     younger[old.t] = (self.gpu_readings(old.t), self.host_readings(start=old.t))
                 rank_gpus, rank_host = younger[old.t]
             rep = RankReport("", self.instance, st.run, st.rank, host=dict(rank_host),
-                             collectors_failing=self.collectors_failing())
+                             collectors_failing=self.collectors_failing(),
+                             collector_ages=dict(ages))
+            # as resets() over the restart window and over the rate window
+            rep.restarts = float(sum(snap.timestamp - x <= RESTART_SECONDS for x in replaced))
+            rep.restarts_recent = float(sum(snap.timestamp - x <= self.window
+                                            for x in replaced))
             if old is not None:
                 _rank_window(rep, old, now, st.bucket_bounds)
+                _cpu_window(rep, old, now, st.process.get("cpu_allowance_cores"))
             if st.last_step_timestamp is not None:
                 rep.seconds_since_step = max(0.0, snap.timestamp - st.last_step_timestamp)
             current_rss = st.process.get("resident_memory_bytes")
@@ -497,7 +529,21 @@ def _rank_window(rep: RankReport, old: _RankPoint, now: _RankPoint,
     if wall > 0:
         if now.flops is not None and old.flops is not None:
             rep.mfu = (now.flops - old.flops) / wall  # FLOP/s; divided by the peak later
+        rep.stall_share = (now.slow - old.slow) / wall
         rep.goodput, rep.badput = wall_shares(wall, step_s, wait, phases)
+
+
+def _cpu_window(rep: RankReport, old: _RankPoint, now: _RankPoint,
+                allowance: float | None) -> None:
+    """The process tree's CPU over its cgroup's allowance, and the share of the window it
+    was throttled, as the rules record them (none across a restart: its counters reset)."""
+    dt = now.t - old.t
+    if dt <= 0:
+        return
+    if now.cpu is not None and old.cpu is not None and now.cpu >= old.cpu and allowance:
+        rep.cpu_allowance_used = (now.cpu - old.cpu) / dt / allowance
+    if now.throttled is not None and old.throttled is not None and now.throttled >= old.throttled:
+        rep.cpu_throttled = (now.throttled - old.throttled) / dt
 
 
 def wall_shares(wall: float, step_s: float, wait: float, phases: dict[str, float]) -> \
@@ -517,27 +563,6 @@ def wall_shares(wall: float, step_s: float, wait: float, phases: dict[str, float
     if total <= 0:
         return 0.0, {k: 0.0 for k in parts}
     return productive / total, {k: v / total for k, v in parts.items()}
-
-
-def histogram_quantile(q: float, bounds: tuple[float, ...], counts: tuple[float, ...]) -> \
-        float | None:
-    """Prometheus' histogram_quantile on cumulative ``counts`` (the last one +Inf's) over
-    finite upper ``bounds``: linear within the bucket, the highest finite bound past it."""
-    total = counts[-1] if counts else 0
-    if total <= 0:
-        return None
-    rank = q * total
-    for i, c in enumerate(counts):
-        if c >= rank:
-            if i == len(bounds):
-                return bounds[-1] if bounds else None
-            lower = bounds[i - 1] if i > 0 else 0.0
-            below = counts[i - 1] if i > 0 else 0
-            inside = c - below
-            if inside <= 0:
-                return bounds[i]
-            return lower + (bounds[i] - lower) * (rank - below) / inside
-    return bounds[-1] if bounds else None
 
 
 def _deriv(points: list[tuple[float, float]], since: float) -> float | None:
