@@ -333,6 +333,23 @@ def alert_cases() -> list[Case]:
                   flat(32e9)},
              [Fire("GpuTrainHostToDeviceBound", rank_gpu("r", "0", "0", "GPU-a"), "62.5%"),
               Fire("GpuTrainGPUUnderutilized", rank_gpu("r", "0", "0", "GPU-a"), "60%", "info")]),
+        Case("GpuTrainPCIeLinkDegraded: GPU 0, 60% busy, runs its Gen5 x16 link (63 GB/s) at "
+             "Gen3 x16 (15.75 GB/s) and receives 10 GB/s: a degraded link, and host-to-device "
+             "bound against the link as it runs (63.49%, not 15.87% of its maximum); GPU 1 "
+             "busy at full speed, and GPU 2 10% busy and trained down (idle), stay silent",
+             {**gpu_of("r", "0", "0", "GPU-a"),
+              **{sel(m, gpu=g, uuid=u): v
+                 for g, u, busy, now in (("0", "GPU-a", 36, 15.75e9), ("1", "GPU-b", 57, 63e9),
+                                         ("2", "GPU-c", 6, 4e9))
+                 for m, v in (("gputrain_gpu_busy_seconds_total", ramp(busy)),
+                              ("gputrain_gpu_pcie_link_max_bytes_per_second", flat(63e9)),
+                              ("gputrain_gpu_pcie_link_current_bytes_per_second", flat(now)))},
+              sel("gputrain_gpu_pcie_received_bytes_total", gpu="0", uuid="GPU-a"):
+                  ramp(10e9 * 60)},
+             [Fire("GpuTrainPCIeLinkDegraded", gpu("0", "GPU-a"), "15.75G"),
+              Fire("GpuTrainHostToDeviceBound", rank_gpu("r", "0", "0", "GPU-a"), "63.49%"),
+              Fire("GpuTrainGPUUnderutilized", rank_gpu("r", "0", "0", "GPU-a"), "60%", "info")],
+             fire_at="20m", quiet_at="8m"),
         Case("GpuTrainGPUMemoryUnderused: 3.2 of 80 GB for 30m; 60 of 80 GB stays silent",
              {**gpu_of("r", "0", "0", "GPU-a"), **gpu_of("r", "1", "1", "GPU-b"),
               sel("gputrain_gpu_memory_used_bytes", gpu="0", uuid="GPU-a"): flat(3.2e9),

@@ -453,6 +453,48 @@ class GPUShared(Heuristic):
         return None
 
 
+class PCIeLinkDegraded(Heuristic):
+    alert, verdict, kind, scope = ("GpuTrainPCIeLinkDegraded", "pcie-link-degraded", "health",
+                                   "gpu")
+    severity, for_ = "warning", "10m"
+    summary = "A busy GPU's PCIe link runs below its generation or width: trained down."
+    advice = ("Reseat or replace the GPU's riser or cable, check the slot's BIOS PCIe settings "
+              "(generation, bifurcation), or move the GPU to another slot; meanwhile its "
+              "host-to-device copies run at the link's reduced speed.")
+    fires_when = ("a GPU busy >= {pcie_degraded_busy_above} whose link never reached its "
+                  "maximum generation x width over {rate_window}, for {for}")
+    why = ("A GPU's PCIe link trains down when idle to save power (normal) and back up at "
+           "the first transfer; one that stays below its maximum generation or width over "
+           "{rate_window} while the GPU is at least {pcie_degraded_busy_above} busy is a "
+           "hardware finding (a riser, a cable, a slot, BIOS settings): it halves or worse "
+           "the host-to-device bandwidth. Host-to-device traffic is judged against the link "
+           "as it runs, so a trained-down link shows as a copy bottleneck at its own speed.")
+    confirm = ("gputrain_gpu_pcie_link_current_bytes_per_second",
+               "gputrain_gpu_pcie_link_max_bytes_per_second")
+    panel = ('GpuTrain / Node: `gputrain_gpu_pcie_link_current_bytes_per_second` against '
+             '`..._max_...` while "GPU busy" is high; `nvidia-smi -q -d PCIE`.')
+    profile = False
+    thresholds = {"pcie_degraded_busy_above": Threshold(
+        0.5, "ratio", "NVML's current link generation and width: a link trains down only "
+                      "while idle, so a busy GPU's link below its maximum is a fault")}
+
+    def rules(self, q: Q) -> list[dict]:
+        return [self.rule(q, "warning", f"""gpu:gputrain_gpu_pcie_link_current:max5m
+            < on ({q.ids.gpu}) gpu:gputrain_gpu_pcie_link_max:max
+            and on ({q.ids.gpu}) gpu:gputrain_gpu_busy_ratio:rate5m
+              >= {q.t['pcie_degraded_busy_above']}""",
+            f"""{q.node_gpu} is busy, but its PCIe link ran at most at
+            {{{{ $value | humanize }}}}B/s, below its maximum.""")]
+
+    def holds_gpu(self, g: GpuReading, t: dict[str, float]) -> str | None:
+        now, best = g.pcie_link_now, g.pcie_link_max
+        if now is not None and best and now < best and \
+                _v(g.busy, ">=", t["pcie_degraded_busy_above"]):
+            return (f"busy {percent(g.busy)}, its PCIe link at {now / 1e9:.1f} GB/s of its "
+                    f"{best / 1e9:.1f} GB/s")
+        return None
+
+
 class CPUQuotaBound(Heuristic):
     alert, verdict = "GpuTrainCPUQuotaBound", "cpu-quota-bound"
     severity, for_ = "warning", "10m"
@@ -680,8 +722,11 @@ class HostToDeviceBound(Heuristic):
     summary = "Host-to-device copies saturate the PCIe link and the GPU waits."
     advice = ("Send uint8 and normalise on the GPU (4x less data), use pin_memory with "
               "non_blocking copies, defer one_hot and casts to the GPU.")
-    fires_when = "PCIe RX >= {pcie_rx_high} of the link and GPU busy < {h2d_gpu_busy_below}"
-    why = ("The GPU receives at least {pcie_rx_high} of its PCIe link's capacity while busy "
+    fires_when = ("PCIe RX >= {pcie_rx_high} of the link as it runs and GPU busy < "
+                  "{h2d_gpu_busy_below}")
+    why = ("The GPU receives at least {pcie_rx_high} of its PCIe link's capacity as the link "
+           "runs (its best speed in the window, not its maximum: a link trained down is a "
+           "bottleneck at its own speed) while busy "
            "less than {h2d_gpu_busy_below} (a TensorFlow performance study's host-to-device "
            "case; sending uint8 is a PyTorch tuning walk-through's 4th step).")
     confirm = ("run_rank_gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m",)
@@ -1188,7 +1233,7 @@ class ExporterDown(Heuristic):
 CATALOGUE: tuple[Heuristic, ...] = (
     GPULost(), XidErrors(), GPUMemoryFault(), CollectorFailing(), ExporterDown(),
     CollectorStale(), RunRestarting(),
-    Stalled(), GPUShared(),
+    Stalled(), GPUShared(), PCIeLinkDegraded(),
     CPUQuotaBound(), CPUPreprocessingBound(), DiskIOBound(), NetworkInputBound(), InputBound(),
     DataLoaderRestarts(),
     HostToDeviceBound(), HostOverheadBound(), LaunchBound(), TensorCoresIdle(), LowMFU(),

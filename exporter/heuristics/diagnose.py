@@ -147,6 +147,9 @@ def fault_queries(selector: str, ids: Identity, window: str) -> dict[str, str]:
                          f"or gputrain_gpu_retired_pages_pending{{{s}}})",
         "memory_used": inline("gpu:gputrain_gpu_memory_used:ratio", records),
         "throttled": inline("gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m", records),
+        "busy": inline("gpu:gputrain_gpu_busy_ratio:rate5m", records),
+        "pcie_link_now": inline("gpu:gputrain_gpu_pcie_link_current:max5m", records),
+        "pcie_link_max": inline("gpu:gputrain_gpu_pcie_link_max:max", records),
         # a rank's GPUs, whether or not their other readings exist (a lost one has none)
         "rank_gpus": f"max by ({ids.rank}, gpu, uuid) (gputrain_training_gpu_info{{{s}}})",
     }
@@ -167,6 +170,8 @@ RECORDED = {
     "memory_used": "run_rank_gpu:gputrain_gpu_memory_used:ratio",
     "power_used": "run_rank_gpu:gputrain_gpu_power_limit_used:ratio_avg5m",
     "pcie_rx_used": "run_rank_gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m",
+    "pcie_link_now": "run_rank_gpu:gputrain_gpu_pcie_link_current:max5m",
+    "pcie_link_max": "run_rank_gpu:gputrain_gpu_pcie_link_max:max",
     "throttled": "run_rank_gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m",
     "foreign": "run_gpu:gputrain_gpu_foreign_busy:ratio_rate5m",
     "step_p50_seconds": "run_rank:gputrain_training_step_seconds:p50_30m",
@@ -198,7 +203,7 @@ def recorded_queries(selector: str) -> dict[str, str]:
 
 
 GPU_READINGS = ("busy", "sm_active", "tensor_active", "memory_used", "power_used",
-                "pcie_rx_used", "throttled")
+                "pcie_rx_used", "pcie_link_now", "pcie_link_max", "throttled")
 HOST_READINGS = ("cpu_busy", "iowait", "disk_busy", "network_rx_used", "memory_available")
 
 
@@ -349,7 +354,8 @@ def _nodes(prom: Prometheus, selector: str, ids: Identity, window: str,
     for name, convert in (("xid_errors", float),
                           ("ecc_uncorrected", float), ("remap_failed", lambda v: v > 0),
                           ("remap_pending", lambda v: v > 0), ("memory_used", float),
-                          ("throttled", float)):
+                          ("throttled", float), ("busy", float), ("pcie_link_now", float),
+                          ("pcie_link_max", float)):
         for labels, value in prom.query(q[name]):
             g = gpus.get((*node_key(labels), labels.get("gpu", ""), labels.get("uuid", "")))
             if g is not None:

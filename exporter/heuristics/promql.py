@@ -199,10 +199,17 @@ def recording(s: str, ids: Identity, r: str = WINDOWS["rate"]) -> list[dict]:
         _rec("gpu:gputrain_gpu_power_limit_used:ratio_avg5m", f"""
             sum by ({gpu}) (avg_over_time(gputrain_gpu_power_watts{{{s}}}[{r}]))
             / sum by ({gpu}) (gputrain_gpu_power_limit_watts{{{s}}})"""),
+        # the link as it ran in the window (its best: an idle link trains down between
+        # bursts) and at its best; host-to-device traffic is judged against the first
+        _rec("gpu:gputrain_gpu_pcie_link_current:max5m", f"""
+            max by ({gpu}) (max_over_time(
+              gputrain_gpu_pcie_link_current_bytes_per_second{{{s}}}[{r}]))"""),
+        _rec("gpu:gputrain_gpu_pcie_link_max:max",
+            f"max by ({gpu}) (gputrain_gpu_pcie_link_max_bytes_per_second{{{s}}})"),
         _rec("gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m", f"""
             sum by ({gpu}) (rate(gputrain_gpu_pcie_received_bytes_total{{{s}}}[{r}]))
             / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{r}]))
-            / sum by ({gpu}) (gputrain_gpu_pcie_link_max_bytes_per_second{{{s}}})"""),
+            / (gpu:gputrain_gpu_pcie_link_current:max5m or gpu:gputrain_gpu_pcie_link_max:max)"""),
         _rec("gpu:gputrain_gpu_sm_active_ratio:avg5m",
             f"avg by ({gpu}) (avg_over_time(gputrain_gpu_sm_active_ratio{{{s}}}[{r}]))"),
         _rec("gpu:gputrain_gpu_tensor_active_ratio:avg5m",
@@ -222,6 +229,8 @@ def recording(s: str, ids: Identity, r: str = WINDOWS["rate"]) -> list[dict]:
                        "gpu:gputrain_gpu_memory_used:ratio",
                        "gpu:gputrain_gpu_power_limit_used:ratio_avg5m",
                        "gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m",
+                       "gpu:gputrain_gpu_pcie_link_current:max5m",
+                       "gpu:gputrain_gpu_pcie_link_max:max",
                        "gpu:gputrain_gpu_sm_active_ratio:avg5m",
                        "gpu:gputrain_gpu_tensor_active_ratio:avg5m",
                        "gpu:gputrain_gpu_power_watts:rate5m",

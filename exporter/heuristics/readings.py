@@ -42,6 +42,8 @@ class GpuReading:
     memory_used: float | None = None
     power_used: float | None = None
     pcie_rx_used: float | None = None
+    pcie_link_now: float | None = None  # bytes/s: the link at its best in the window ...
+    pcie_link_max: float | None = None  # ... and at its best at all (GPU and slot)
     throttled: float | None = None
     up: bool | None = None  # False: NVML says the GPU is lost
     xid_errors: float | None = None  # Xid errors in the fault window

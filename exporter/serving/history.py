@@ -57,6 +57,7 @@ class _GpuPoint(NamedTuple):
     # driver gives no per-process samples)
     ranks_busy: dict[tuple[str, str], float]
     unattributed: float | None
+    link: float | None  # bytes/s of the PCIe link as trained at this cycle
 
 
 class _HostPoint(NamedTuple):
@@ -200,8 +201,9 @@ class History:
         if not track.errors or t - track.errors[-1][0] >= SLOW_POINT_SECONDS:
             track.errors.append((t, *_error_counts(st)))
         throttle = sum(st.clock_event_seconds.get(r, 0.0) for r in THROTTLE_REASONS)
+        link = s.pcie_link_current_bytes_per_second if s is not None and st.up else None
         point = _GpuPoint(t, st.sampled_seconds, st.busy_seconds, st.pcie_rx_bytes,
-                          st.pcie_tx_bytes, throttle, *sums, ranks_busy, unattributed)
+                          st.pcie_tx_bytes, throttle, *sums, ranks_busy, unattributed, link)
         track.previous, track.current = track.current, point
         if not track.points or t - track.points[-1].t >= self.point_seconds:
             track.points.append(point)
@@ -325,9 +327,15 @@ class History:
                 reading = GpuReading(st.identity.index, st.identity.uuid, up=st.up)
                 self._faults(reading, tr)
                 s = st.sample if st.up else None  # a lost GPU's last reading is no reading
+                if s is not None:
+                    reading.pcie_link_max = s.pcie_link_max_bytes_per_second
                 if s is not None and s.memory_total_bytes and s.memory_used_bytes is not None:
                     reading.memory_used = s.memory_used_bytes / s.memory_total_bytes
                 if old is not None and now is not None:
+                    # the link at its best in the window, as max_over_time reads it
+                    links = [p.link for p in (*tr.points, now)
+                             if p.t >= old.t and p.link is not None]
+                    reading.pcie_link_now = max(links) if links else None
                     _gpu_window(reading, old, now, s)
                 rates: dict[str, float | None] = {"rx": None, "tx": None}
                 prev = tr.previous
@@ -494,7 +502,7 @@ def _gpu_window(reading: GpuReading, old: _GpuPoint, now: _GpuPoint, sample) -> 
             reading.unattributed = max(0.0, now.unattributed - (old.unattributed or 0.0)) / sampled
         if now.busy is not None:
             reading.busy = (now.busy - (old.busy or 0.0)) / sampled
-        link = sample.pcie_link_max_bytes_per_second if sample is not None else None
+        link = reading.pcie_link_now or reading.pcie_link_max  # as it runs, else at best
         if now.rx is not None and link:
             reading.pcie_rx_used = (now.rx - (old.rx or 0.0)) / sampled / link
         reading.throttled = (now.throttle - old.throttle) / sampled
