@@ -146,7 +146,8 @@ class Heuristic:
         """An alerting rule of this entry; ``situation`` starts its description, the advice
         ends it."""
         expr = q.stepping(expr) if self.guarded else expr
-        expr = expr if self.kind == "fault" else q.fresh(expr)
+        # a global rule reads only recorded series, across nodes: staleness is the nodes'
+        expr = expr if self.kind == "fault" or self.level == "global" else q.fresh(expr)
         return {
             "alert": self.alert,
             "expr": " ".join(expr.split()),
