@@ -19,6 +19,7 @@ import requests
 
 from exporter.heuristics.catalogue import (
     CPUPreprocessingBound,
+    CPUQuotaBound,
     DiskIOBound,
     InputBound,
     NetworkInputBound,
@@ -54,7 +55,7 @@ def clock() -> FakeClock:
 # readings make a refinement of it true (saturated CPUs, a busy disk or NIC: a loaded CI
 # machine), that refinement, with input-bound beside it.
 DATA_WAIT_VERDICTS = tuple(e.verdict for e in (InputBound, CPUPreprocessingBound, DiskIOBound,
-                                                NetworkInputBound))
+                                                NetworkInputBound, CPUQuotaBound))
 
 
 def names_the_data_wait(verdict: str | None, also: list[str]) -> bool:

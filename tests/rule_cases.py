@@ -319,6 +319,22 @@ def alert_cases() -> list[Case]:
              {**run_steps("aug", 47 / 60), **run_steps("ok", 1 / 60), **host_cpu(115 / 120)},
              [Fire("GpuTrainInputBound", rank("aug"), "78.33%", "warning"),
               Fire("GpuTrainCPUPreprocessingBound", rank("aug"), "78.33%")]),
+        Case("GpuTrainCPUQuotaBound: a rank 50% input-bound whose process tree uses 3.9 of "
+             "the 4 cores its cgroup allows, and one throttled 30% of the time, on a node 20% "
+             "busy; one at 2 of 4 cores and never throttled stays input-bound only",
+             {**run_steps("limited", 0.5), **run_steps("throttled", 0.5),
+              **run_steps("room", 0.5), **host_cpu(0.2),
+              **{sel(m, run=r, rank="0"): v
+                 for r, cores, throttled in (("limited", 3.9, 0), ("throttled", 3, 18),
+                                             ("room", 2, 0))
+                 for m, v in (("gputrain_training_process_cpu_seconds_total",
+                               ramp(cores * 60)),
+                              ("gputrain_training_process_cpu_allowance_cores", flat(4)),
+                              ("gputrain_training_process_cpu_throttled_seconds_total",
+                               ramp(throttled)))}},
+             [Fire("GpuTrainCPUQuotaBound", rank(r), "50%") for r in ("limited", "throttled")]
+             + [Fire("GpuTrainInputBound", rank(r), "50%", "warning")
+                for r in ("limited", "throttled", "room")]),
         Case("GpuTrainDiskIOBound: input-bound with 25% iowait and a disk 95% busy",
              {**run_steps("disk", 0.5), **run_steps("ok", 1 / 60),
               **host_cpu(busy=40 / 120, iowait=30 / 120),
@@ -390,6 +406,23 @@ def alert_cases() -> list[Case]:
                   flat(32e9)},
              [Fire("GpuTrainHostToDeviceBound", rank_gpu("r", "0", "0", "GPU-a"), "62.5%"),
               Fire("GpuTrainGPUUnderutilized", rank_gpu("r", "0", "0", "GPU-a"), "60%", "info")]),
+        Case("GpuTrainPCIeLinkDegraded: GPU 0, 60% busy, runs its Gen5 x16 link (63 GB/s) at "
+             "Gen3 x16 (15.75 GB/s) and receives 10 GB/s: a degraded link, and host-to-device "
+             "bound against the link as it runs (63.49%, not 15.87% of its maximum); GPU 1 "
+             "busy at full speed, and GPU 2 10% busy and trained down (idle), stay silent",
+             {**gpu_of("r", "0", "0", "GPU-a"),
+              **{sel(m, gpu=g, uuid=u): v
+                 for g, u, busy, now in (("0", "GPU-a", 36, 15.75e9), ("1", "GPU-b", 57, 63e9),
+                                         ("2", "GPU-c", 6, 4e9))
+                 for m, v in (("gputrain_gpu_busy_seconds_total", ramp(busy)),
+                              ("gputrain_gpu_pcie_link_max_bytes_per_second", flat(63e9)),
+                              ("gputrain_gpu_pcie_link_current_bytes_per_second", flat(now)))},
+              sel("gputrain_gpu_pcie_received_bytes_total", gpu="0", uuid="GPU-a"):
+                  ramp(10e9 * 60)},
+             [Fire("GpuTrainPCIeLinkDegraded", gpu("0", "GPU-a"), "15.75G"),
+              Fire("GpuTrainHostToDeviceBound", rank_gpu("r", "0", "0", "GPU-a"), "63.49%"),
+              Fire("GpuTrainGPUUnderutilized", rank_gpu("r", "0", "0", "GPU-a"), "60%", "info")],
+             fire_at="20m", quiet_at="8m"),
         Case("GpuTrainGPUMemoryUnderused: 3.2 of 80 GB for 30m; 60 of 80 GB stays silent",
              {**gpu_of("r", "0", "0", "GPU-a"), **gpu_of("r", "1", "1", "GPU-b"),
               sel("gputrain_gpu_memory_used_bytes", gpu="0", uuid="GPU-a"): flat(3.2e9),
@@ -506,6 +539,25 @@ def alert_cases() -> list[Case]:
              [Fire("GpuTrainStepTimeStalls", rank("ckpt"), "17.8"),
               Fire("GpuTrainStepTimeStalls", rank("saves"), "0.2")],
              fire_at="30m", quiet_at="10m"),
+        Case("GpuTrainStepTimeStalls: a 60 s stall every 5 minutes among 1 s steps (0.4% of "
+             "the steps: p99 stays at 1 s) costs 20% of the wall time; one of 15 s (5%) does "
+             "not",
+             {**{sel("gputrain_training_step_duration_seconds_bucket", run=r, rank="0",
+                     le=le): ramp(n)
+                 # the stall's bucket: (30, 60] for 60 s, (10, 30] for 15 s
+                 for r, long_ in (("epoch-restart", 0.0), ("cheap-stall", 0.2))
+                 for le, n in (("0.5", 0), ("1.0", 48), ("2.5", 48), ("5.0", 48),
+                               ("10.0", 48), ("30.0", 48 + long_), ("60.0", 48.2),
+                               ("+Inf", 48.2))},
+              **{sel(m, run=r, rank="0"): ramp(v)
+                 for r, slow in (("epoch-restart", 12), ("cheap-stall", 3))
+                 for m, v in (("gputrain_training_elapsed_seconds_total", 60),
+                              ("gputrain_training_step_duration_seconds_sum", 60),
+                              ("gputrain_training_step_duration_seconds_count", 48.2),
+                              ("gputrain_training_slow_step_seconds_total", slow))}},
+             # p99: rank 0.99 * 48.2 = 47.7 of 48.2, in the (0.5, 1] bucket
+             [Fire("GpuTrainStepTimeStalls", rank("epoch-restart"), "0.2")],
+             fire_at="40m", quiet_at="10m"),
         Case("GpuTrainStragglerRank: rank 3 waits 30% for data against a median of 2.5%; an "
              "unsynchronised rank computes 1.5 s against a median of 1 s",
              {**run_steps("ddp", 0.02, "0"), **run_steps("ddp", 0.02, "1"),
@@ -675,6 +727,57 @@ def alert_cases() -> list[Case]:
               sel("gputrain_collector_success", collector="cpu"): flat(1, 20)},
              [Fire("GpuTrainCollectorFailing", {**NODE, "collector": "gpu"})],
              fire_at="12m", quiet_at="8m"),
+        Case("GpuTrainRunRestarting: a rank whose process is replaced every 10 minutes (4 "
+             "restarts by 45m) is a crash loop, and so is one whose processes die before "
+             "their first step (only their CPU seconds reset); one restarted once, and the "
+             "loop at 25m (2 restarts), are not",
+             # the wall time goes on (the daemon carries it across processes); the steps and
+             # the process tree's CPU seconds start again with each process
+             {**{sel("gputrain_training_elapsed_seconds_total", run=r, rank="0"): ramp(60)
+                 for r in ("loop", "no-step-loop", "once")},
+              **{sel(m, run="loop", rank="0"): " ".join(["0+60x9"] * 6)
+                 for m in ("gputrain_training_process_cpu_seconds_total",
+                           "gputrain_training_steps_total")},
+              sel("gputrain_training_steps_total", run="no-step-loop", rank="0"): flat(0),
+              sel("gputrain_training_process_cpu_seconds_total", run="no-step-loop",
+                  rank="0"): " ".join(["0+6x9"] * 6),
+              **{sel(m, run="once", rank="0"): "0+60x9 0+60x49"
+                 for m in ("gputrain_training_process_cpu_seconds_total",
+                           "gputrain_training_steps_total")}},
+             [Fire("GpuTrainRunRestarting", rank("loop"), "4"),
+              Fire("GpuTrainRunRestarting", rank("no-step-loop"), "4")],
+             fire_at="45m", quiet_at="25m"),
+        Case("A rank 50% input-bound whose process was replaced at 18m: the window straddling "
+             "the restart gives no advice at 20m (a rank that did not restart keeps its "
+             "InputBound)",
+             {sel("gputrain_training_elapsed_seconds_total", run="replaced", rank="0"):
+                  ramp(60, 30),
+              **{sel(m, run="replaced", rank="0"): f"0+{v}x17 0+{v}x12"
+                 for m, v in (("gputrain_training_steps_total", 60),
+                              ("gputrain_training_step_duration_seconds_sum", 60),
+                              ("gputrain_training_step_duration_seconds_count", 60),
+                              ("gputrain_training_data_wait_seconds_total", 30))},
+              **run_steps("steady", 0.5)},
+             [Fire("GpuTrainInputBound", rank("steady"), "50%", "warning")],
+             fire_at="20m", quiet_at=None, quiet_alerts=[]),
+        Case("GpuTrainCollectorStale: n1's gpu collector stops at 5m while its success still "
+             "reads 1: stale, and n1's 50% input-bound rank is not judged; n2's collectors, a "
+             "minute behind at a 30 s interval (2 intervals), are fresh and its rank is "
+             "input-bound",
+             {sel("gputrain_collector_last_success_timestamp_seconds", collector="gpu"):
+                  "0+60x5 300x15",
+              sel("gputrain_collector_last_success_timestamp_seconds", collector="cpu"):
+                  ramp(60, 20),
+              sel("gputrain_collector_success", collector="gpu"): flat(1, 20),
+              sel("gputrain_sampler_interval_seconds"): flat(1, 20),
+              sel("gputrain_collector_last_success_timestamp_seconds", instance="n2:19400",
+                  collector="gpu"): "-60+60x20",
+              sel("gputrain_sampler_interval_seconds", instance="n2:19400"): flat(30, 20),
+              **run_steps("frozen", 0.5), **run_steps("moving", 0.5, instance="n2:19400")},
+             [Fire("GpuTrainCollectorStale", {**NODE, "collector": "gpu"}, "600"),
+              Fire("GpuTrainInputBound", {**rank("moving"), "instance": "n2:19400"}, "50%",
+                   "warning")],
+             fire_at="15m", quiet_at="5m", quiet_alerts=["GpuTrainCollectorStale"]),
         Case("GpuTrainExporterDown: n2 unscrapeable for 5m; n1 up",
              {'up{job="gputrain",instance="n2:19400"}': flat(0, 10),
               'up{job="gputrain",instance="n1:19400"}': flat(1, 10)},

@@ -14,6 +14,7 @@ import socket
 import ssl
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -230,11 +231,12 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     shares = GpuShares(Owners(read=backend.host_process)) if isinstance(backend, DemoBackend) \
         else GpuShares()
     history = History(settings["status.window"], peaks=peaks, instance=socket.gethostname(),
-                      shares=shares)
+                      shares=shares, interval=settings["sampler.interval"])
     status = StatusView(history, thresholds, lambda: sampler.gpu_error, backend.name,
                         lambda: sampler.snapshot.driver_version,
                         store.profiles if store is not None else None,
-                        guarded=store is not None and token is not None)
+                        guarded=store is not None and token is not None,
+                        wall_clock=time.time)
     if store is not None:  # a profile asked for or finished: a viewer sees it at once
         store.profiles.listeners.append(status.changed)
     sampler.listeners.append(lambda: _observe(history, sampler, store, status))

@@ -346,22 +346,35 @@ class TrainingMonitor:
     def wrap(self, iterable: Iterable[T], batch_size: int | None = None) -> Iterator[T]:
         """Iterate ``iterable``: time blocked in ``next()`` is data wait (the last ``next()``,
         which ends the epoch, too); a step ends when the loop body asks for the next batch.
-        ``iter(iterable)`` (DataLoader worker start-up) is the phase ``dataloader_start``.
-        Samples are ``batch_size`` or ``batch_len(batch)``. :meth:`new_epoch` applies inside."""
-        with self.phase("dataloader_start"):
+        ``iter(iterable)`` and the first ``next()`` after it (DataLoader workers starting and
+        warming up: without ``persistent_workers=True`` each epoch pays it again) are the
+        phase ``dataloader_start``, outside any step. Samples are ``batch_size`` or
+        ``batch_len(batch)``. :meth:`new_epoch` applies inside."""
+        start = self.phase("dataloader_start")
+        with start:
             it = iter(iterable)
         self._detect_gpus()
         clock = _now
         done = self._step_done
+        first = True
         while True:
             t0 = clock()
             try:
-                batch = next(it)
+                if first:
+                    with start:
+                        batch = next(it)
+                else:
+                    batch = next(it)
             except StopIteration:
                 batch = _END
-            self._pending_wait += clock() - t0
-            if self._boundary is None:
-                self._boundary = t0
+            if first:  # the workers' start-up: no step's data wait, and no step's time
+                first = False
+                if self._boundary is None:
+                    self._boundary = clock()
+            else:
+                self._pending_wait += clock() - t0
+                if self._boundary is None:
+                    self._boundary = t0
             if batch is _END:  # the fetch that ends the epoch: no step will claim it
                 self._flush_wait()
                 return

@@ -16,6 +16,7 @@ from typing import Any
 
 import requests
 
+from exporter.client.cgroup import CgroupCpu
 from exporter.client.process_tree import ProcessTree
 from exporter.client.profiling import RankProfiler
 from exporter.client.stacks import StackSampler
@@ -69,6 +70,7 @@ class Pusher:
         self._failing = False
         self._warned_codes: set[int] = set()
         self._tree: ProcessTree | None = None
+        self._cgroup: CgroupCpu | None = None
         self._disabled = False
         self._lock = threading.Lock()  # one push at a time (the thread, or close())
 
@@ -113,7 +115,8 @@ class Pusher:
         try:
             if self._tree is None:
                 self._tree = ProcessTree(os.getpid())
-            body["process"] = self._tree.read()
+                self._cgroup = CgroupCpu(os.getpid())
+            body["process"] = {**self._tree.read(), **self._cgroup.read()}
         except Exception as exc:  # psutil missing or the process table unreadable
             log.debug("gputrain: process stats unavailable: %s", exc)
         if goodbye:

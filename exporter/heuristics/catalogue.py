@@ -23,7 +23,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
-from exporter.heuristics.promql import THROTTLE_REASONS, Q, new_errors
+from exporter.heuristics.promql import (
+    THROTTLE_REASONS,
+    Q,
+    collector_age,
+    new_errors,
+    restarts,
+)
 from exporter.heuristics.readings import (
     WINDOWS,
     GpuReading,
@@ -32,15 +38,17 @@ from exporter.heuristics.readings import (
     mean,
     outside_steps,
     percent,
+    stale_collectors,
 )
 from exporter.protocol import DEFAULT_METRICS_PORT, OUTSIDE_STEP_PHASES
 from exporter.reading.sampler import LOST_GPU_RETRY_SECONDS
+from exporter.serving.stalls import SLOW_STEP_FACTOR
 
 
 @dataclass(frozen=True)
 class Threshold:
     default: float
-    unit: str  # "ratio" (shown as a percentage), "factor" (2x) or "seconds"
+    unit: str  # "ratio" (shown as a percentage), "factor" (2x), "count" (3) or "seconds"
     source: str
 
 
@@ -118,10 +126,18 @@ class Heuristic:
         """Holds only while its rank steps (its rules say ``Q.stepping``)."""
         return self.stepping and self.scope in ("rank", "rank_gpu")
 
+    def judged(self, r: RankReport | NodeReport, t: dict[str, float]) -> bool:
+        """Whether its readings may be judged at all: a fault always; anything else only
+        where no collector of the node is stale (frozen readings repeat their last value)."""
+        return self.kind == "fault" or not stale_collectors(r.collector_ages,
+                                                            t["stale_intervals"])
+
     def finding(self, r: RankReport, t: dict[str, float]) -> str | None:
         """Why it holds for a rank, whatever its scope, or None. As its rules, an entry
-        ``guarded`` holds only for a rank that steps and still runs."""
-        if self.guarded and (not r.stepping or gone(r, t)):
+        ``guarded`` holds only for a rank that steps with one process over the window and
+        still runs, and one not a fault only on fresh readings."""
+        if not self.judged(r, t) or (self.guarded and (not r.stepping or gone(r, t)
+                                                       or r.restarts_recent)):
             return None
         if self.scope in ("gpu", "rank_gpu"):
             for g in r.gpus:
@@ -140,6 +156,8 @@ class Heuristic:
         """An alerting rule of this entry; ``situation`` starts its description, the advice
         ends it; ``labels`` beside the severity tell apart rules of one severity."""
         expr = q.stepping(expr) if self.guarded else expr
+        # a global rule reads only recorded series, across nodes: staleness is the nodes'
+        expr = expr if self.kind == "fault" or self.level == "global" else q.fresh(expr)
         return {
             "alert": self.alert,
             "expr": " ".join(expr.split()),
@@ -294,6 +312,85 @@ class CollectorFailing(Heuristic):
         return None
 
 
+class CollectorStale(Heuristic):
+    alert, verdict, kind, scope = ("GpuTrainCollectorStale", "stale", "fault", "node")
+    severity, for_ = "warning", "1m"
+    summary = "A gputrain-exporter collector stopped updating: its readings are frozen."
+    advice = ("A hung NVML call or a blocked disk or /proc read holds the sampler: see the "
+              "exporter's log and `dmesg` (Xid, hung task), then restart the exporter. Nothing "
+              "else is judged on the node until its readings move again.")
+    fires_when = ("a collector's last success more than {stale_intervals} the sampler "
+                  "interval old at a scrape, for {for}, whatever `gputrain_collector_success` "
+                  "says")
+    why = ("The exporter still answers `/metrics`, but a collector has not completed a cycle "
+           "for more than {stale_intervals} the sampler interval: its readings repeat their last "
+           "value, and rates over them read zero. Its success gauge still shows the last "
+           "cycle that ended, so `GpuTrainCollectorFailing` stays silent (node_exporter's "
+           "hung-collector reports: a scrape answers while a collector is stuck). The age is "
+           "the scrape's time less the last success's, so Prometheus' clock does not enter "
+           "it. No bottleneck is stated on the node's frozen readings.")
+    confirm = ("gputrain_collector_last_success_timestamp_seconds",
+               "gputrain_sampler_interval_seconds")
+    panel = ('GpuTrain / Node: the panels flat-line; '
+             '`time() - gputrain_collector_last_success_timestamp_seconds` in Prometheus says '
+             'which collector.')
+    stepping = False
+    thresholds = {"stale_intervals": Threshold(
+        5.0, "factor", "node_exporter hung-collector reports: a few cycles missed is a hang, "
+                       "one late cycle is not")}
+
+    def rules(self, q: Q) -> list[dict]:
+        return [self.rule(q, "warning", f"""{collector_age(q.s, q.ids)}
+                          > {q.t['stale_intervals']}""",
+                          f"""The {{{{ $labels.collector }}}} collector on {q.where} last
+                          succeeded {{{{ $value | printf "%.0f" }}}} sampler intervals before
+                          the scrape: its readings are frozen.""")]
+
+    def holds_node(self, n: RankReport | NodeReport, t: dict[str, float]) -> str | None:
+        stale = stale_collectors(n.collector_ages, t["stale_intervals"])
+        if not stale:
+            return None
+        ages = ", ".join(f"{name} {n.collector_ages[name]:.0f}" for name in stale)
+        return (f"the exporter's readings are stale: the {', '.join(stale)} collector(s) last "
+                f"succeeded {ages} sampler intervals ago; nothing is judged on them")
+
+
+class RunRestarting(Heuristic):
+    alert, verdict, kind = "GpuTrainRunRestarting", "restarting", "health"
+    severity, for_ = "warning", "0m"
+    summary = "A rank's process keeps being replaced: a crash loop makes no progress."
+    advice = ("Read the first failure of the loop (the job's log, `kubectl logs --previous`, "
+              "`dmesg` for the OOM killer; an NCCL timeout or a CUDA error) and fix it before "
+              "restarting again; checkpoint often enough that a restart loses little.")
+    fires_when = ("a rank's process replaced >= {restarts_per_hour} times in {restart_window} "
+                  "while the rank still reports")
+    why = ("The rank's counters reset {restarts_per_hour} or more times in {restart_window} "
+           "(each reset is a new process under the same run and rank: torchrun's "
+           "`--max-restarts`, a Kubernetes restart policy) while the run goes on. A crash "
+           "loop makes no progress however fast each attempt steps, and rates across a "
+           "restart are no bottleneck: no other advice is given for a window that straddles "
+           "a restart.")
+    confirm = ("gputrain_training_steps_total", "gputrain_training_process_cpu_seconds_total")
+    panel = ('GpuTrain / Run, "Samples per second": the series drops to zero and starts '
+             'again, time after time.')
+    profile, stepping = False, False
+    thresholds = {"restarts_per_hour": Threshold(
+        3.0, "count", "torchrun's default --max-restarts loops reported in the Kubeflow and "
+                       "torchelastic trackers: 3 restarts in an hour is a loop, one is not")}
+
+    def rules(self, q: Q) -> list[dict]:
+        live = f"max by ({q.rank}) ({q.metric('gputrain_training_steps_total')})"  # reporting
+        return [self.rule(q, "warning", f"""{restarts(q.s, q.ids, WINDOWS['restart'])}
+                          >= {q.t['restarts_per_hour']} and on ({q.rank}) {live}""",
+                          f"""{q.who}: its process was replaced {{{{ $value | printf "%.0f" }}}}
+                          times in {WINDOWS['restart']}.""")]
+
+    def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
+        if _v(r.restarts, ">=", t["restarts_per_hour"]):
+            return f"its process was replaced {r.restarts:.0f} times in {WINDOWS['restart']}"
+        return None
+
+
 class RunVanished(Heuristic):
     alert, verdict, kind, scope, level = ("GpuTrainRunVanished", "vanished", "state", "run",
                                           "global")
@@ -437,6 +534,98 @@ class GPUShared(Heuristic):
     def holds_gpu(self, g: GpuReading, t: dict[str, float]) -> str | None:
         if _v(g.foreign, ">=", t["gpu_foreign_busy"]):
             return f"busy {percent(g.foreign)} of the time with processes not this run's"
+        return None
+
+
+class PCIeLinkDegraded(Heuristic):
+    alert, verdict, kind, scope = ("GpuTrainPCIeLinkDegraded", "pcie-link-degraded", "health",
+                                   "gpu")
+    severity, for_ = "warning", "10m"
+    summary = "A busy GPU's PCIe link runs below its generation or width: trained down."
+    advice = ("Reseat or replace the GPU's riser or cable, check the slot's BIOS PCIe settings "
+              "(generation, bifurcation), or move the GPU to another slot; meanwhile its "
+              "host-to-device copies run at the link's reduced speed.")
+    fires_when = ("a GPU busy >= {pcie_degraded_busy_above} whose link never reached its "
+                  "maximum generation x width over {rate_window}, for {for}")
+    why = ("A GPU's PCIe link trains down when idle to save power (normal) and back up at "
+           "the first transfer; one that stays below its maximum generation or width over "
+           "{rate_window} while the GPU is at least {pcie_degraded_busy_above} busy is a "
+           "hardware finding (a riser, a cable, a slot, BIOS settings): it halves or worse "
+           "the host-to-device bandwidth. Host-to-device traffic is judged against the link "
+           "as it runs, so a trained-down link shows as a copy bottleneck at its own speed.")
+    confirm = ("gputrain_gpu_pcie_link_current_bytes_per_second",
+               "gputrain_gpu_pcie_link_max_bytes_per_second")
+    panel = ('GpuTrain / Node: `gputrain_gpu_pcie_link_current_bytes_per_second` against '
+             '`..._max_...` while "GPU busy" is high; `nvidia-smi -q -d PCIE`.')
+    profile = False
+    thresholds = {"pcie_degraded_busy_above": Threshold(
+        0.5, "ratio", "NVML's current link generation and width: a link trains down only "
+                      "while idle, so a busy GPU's link below its maximum is a fault")}
+
+    def rules(self, q: Q) -> list[dict]:
+        return [self.rule(q, "warning", f"""gpu:gputrain_gpu_pcie_link_current:max5m
+            < on ({q.ids.gpu}) gpu:gputrain_gpu_pcie_link_max:max
+            and on ({q.ids.gpu}) gpu:gputrain_gpu_busy_ratio:rate5m
+              >= {q.t['pcie_degraded_busy_above']}""",
+            f"""{q.node_gpu} is busy, but its PCIe link ran at most at
+            {{{{ $value | humanize }}}}B/s, below its maximum.""")]
+
+    def holds_gpu(self, g: GpuReading, t: dict[str, float]) -> str | None:
+        now, best = g.pcie_link_now, g.pcie_link_max
+        if now is not None and best and now < best and \
+                _v(g.busy, ">=", t["pcie_degraded_busy_above"]):
+            return (f"busy {percent(g.busy)}, its PCIe link at {now / 1e9:.1f} GB/s of its "
+                    f"{best / 1e9:.1f} GB/s")
+        return None
+
+
+class CPUQuotaBound(Heuristic):
+    alert, verdict = "GpuTrainCPUQuotaBound", "cpu-quota-bound"
+    severity, for_ = "warning", "10m"
+    summary = "A training run is input-bound at its cgroup's CPU limit, on a node with CPUs idle."
+    advice = ("Raise the pod's (or job's) CPU limit, or remove it; until then use fewer but "
+              "busier DataLoader workers, and move augmentation to the GPU (DALI, GPU "
+              "transforms).")
+    fires_when = ("input-bound, the process tree at >= {cpu_quota_used} of its cgroup's CPU "
+                  "allowance or throttled >= {cpu_throttled_high} of the time, node CPUs under "
+                  "{cpu_saturated}")
+    why = ("Input-bound while the rank's process tree (its DataLoader workers) uses "
+           "{cpu_quota_used} or more of the CPUs its cgroup allows (cgroup v2 `cpu.max`, "
+           "cpuset), or the kernel throttles it {cpu_throttled_high} or more of the time "
+           "(`cpu.stat`), and the node's CPUs are not saturated: a run has the CPUs its cgroup "
+           "gives it, not the node's, and a pod limited to a few cores starves its loaders on "
+           "an idle node. More workers only share the same quota.")
+    confirm = ("run_rank:gputrain_training_cpu_allowance_used:ratio_rate5m",
+               "run_rank:gputrain_training_cpu_throttled:ratio_rate5m")
+    panel = ('GpuTrain / Run, "Data wait" and "Training processes" (the cores the DataLoader '
+             'workers use) against `gputrain_training_process_cpu_allowance_cores`.')
+    thresholds = {
+        "cpu_quota_used": Threshold(0.9, "ratio", "as a saturated node: a TensorFlow performance "
+                                                  "study, preprocessing case, of the allowance"),
+        "cpu_throttled_high": Threshold(
+            0.1, "ratio", "CFS throttling of DataLoader workers in CPU-limited pods "
+                          "(Kubernetes CPU limits: cpu.stat throttled time)")}
+
+    def rules(self, q: Q) -> list[dict]:
+        t = q.t
+        return [self.rule(q, "warning", f"""({q.wait} >= {t['input_bound']})
+            and on ({q.rank}) (run_rank:gputrain_training_cpu_allowance_used:ratio_rate5m
+                 >= {t['cpu_quota_used']}
+               or run_rank:gputrain_training_cpu_throttled:ratio_rate5m
+                 >= {t['cpu_throttled_high']})
+            and on ({q.node}) (instance:gputrain_host_cpu_busy:ratio_rate5m < {t['cpu_saturated']})""",
+            f"""{q.who} waits {{{{ $value | humanizePercentage }}}} of each step for data while
+            its process tree is at its cgroup's CPU limit (or throttled) and the node's CPUs are
+            not saturated.""")]
+
+    def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
+        used, throttled, cpu = r.cpu_allowance_used, r.cpu_throttled, r.host.get("cpu_busy")
+        if _v(r.data_wait_ratio, ">=", t["input_bound"]) and _v(cpu, "<", t["cpu_saturated"]) \
+                and (_v(used, ">=", t["cpu_quota_used"])
+                     or _v(throttled, ">=", t["cpu_throttled_high"])):
+            return (f"data wait {percent(r.data_wait_ratio)} of each step, its processes at "
+                    f"{percent(used)} of their CPU allowance, throttled {percent(throttled)} of "
+                    f"the time, the node's CPUs {percent(cpu)} busy")
         return None
 
 
@@ -690,8 +879,11 @@ class HostToDeviceBound(Heuristic):
     summary = "Host-to-device copies saturate the PCIe link and the GPU waits."
     advice = ("Send uint8 and normalise on the GPU (4x less data), use pin_memory with "
               "non_blocking copies, defer one_hot and casts to the GPU.")
-    fires_when = "PCIe RX >= {pcie_rx_high} of the link and GPU busy < {h2d_gpu_busy_below}"
-    why = ("The GPU receives at least {pcie_rx_high} of its PCIe link's capacity while busy "
+    fires_when = ("PCIe RX >= {pcie_rx_high} of the link as it runs and GPU busy < "
+                  "{h2d_gpu_busy_below}")
+    why = ("The GPU receives at least {pcie_rx_high} of its PCIe link's capacity as the link "
+           "runs (its best speed in the window, not its maximum: a link trained down is a "
+           "bottleneck at its own speed) while busy "
            "less than {h2d_gpu_busy_below} (a TensorFlow performance study's host-to-device "
            "case; sending uint8 is a PyTorch tuning walk-through's 4th step).")
     confirm = ("run_rank_gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m",)
@@ -919,35 +1111,59 @@ class StepTimeStalls(Heuristic):
     alert, verdict = "GpuTrainStepTimeStalls", "step-time-stalls"
     severity, for_ = "info", "15m"
     summary = "A training run stalls periodically."
-    advice = "Checkpoint asynchronously or less often, write to local disk and upload later."
-    fires_when = ("p99 step time > {stall_p99_over_p50} the median over {quantile_window}, or "
-                  "checkpoint saves > {checkpoint_share} of the step time")
-    why = ("The p99 step time is more than {stall_p99_over_p50} the median over "
-           "{quantile_window}, or checkpoint saves (the phase `checkpoint`, which the client "
-           "keeps out of step time) take more than {checkpoint_share} of the step time: "
-           "periodic stalls, usually checkpoints (a TensorFlow performance study: even "
-           "periodic bottlenecks hurt the average).")
-    confirm = ("run_rank:gputrain_training_step_seconds:p99_30m",
+    advice = ("Checkpoint asynchronously or less often, write to local disk and upload later. "
+              "If the stalls come at each epoch's start, keep the DataLoader's workers across "
+              "epochs: DataLoader(..., persistent_workers=True).")
+    fires_when = ("steps over {slow_step_factor} the median take > {stall_time_share} of the "
+                  "wall time over {quantile_window}, p99 step time > {stall_p99_over_p50} the "
+                  "median, or checkpoint saves > {checkpoint_share} of the step time")
+    why = ("Rare long stalls are judged by the time they cost: steps more than "
+           "{slow_step_factor} the rank's median took more than {stall_time_share} of its wall "
+           "time over {quantile_window} (counted by the daemon from the pushed step histogram, "
+           "a lower bound). A stall in under 1 % of the steps (a DataLoader re-created each "
+           "epoch, a checkpoint every few hundred steps) can cost a fifth of the wall time "
+           "while the p99 never moves. It also fires where the p99 step time is more than "
+           "{stall_p99_over_p50} the median, or checkpoint saves (the phase `checkpoint`, "
+           "which the client keeps out of step time) take more than {checkpoint_share} of the "
+           "step time (a TensorFlow performance study: even periodic bottlenecks hurt the "
+           "average).")
+    confirm = ("run_rank:gputrain_training_slow_step:ratio_rate30m",
+               "run_rank:gputrain_training_step_seconds:p99_30m",
                "run_rank:gputrain_training_checkpoint_ratio:rate5m")
     panel = ('GpuTrain / Run, "Step time": the max far above p50, in periodic spikes; "Phases" '
              'shows `checkpoint` if the client marks it.')
     thresholds = {
         "stall_p99_over_p50": Threshold(5.0, "factor", "a TensorFlow performance study: "
                                                        "periodic stalls hurt the average"),
+        "stall_time_share": Threshold(
+            0.1, "ratio", "our choice: a tenth of the wall time is worth a fix; a DataLoader "
+                          "re-created each epoch or a checkpoint every few hundred steps costs "
+                          "up to a fifth while the p99 does not move"),
         "checkpoint_share": Threshold(0.1, "ratio", "checkpoint saves, a phase outside the "
                                                     "steps")}
 
+    def derived(self, t: dict[str, float]) -> dict[str, float]:
+        # what "far above the typical step" is: a definition of the daemon's slow-step count
+        return {"slow_step_factor": SLOW_STEP_FACTOR}
+
     def rules(self, q: Q) -> list[dict]:
         t = q.t
-        return [self.rule(q, "info", f"""run_rank:gputrain_training_step_seconds:p99_30m
-            > {t['stall_p99_over_p50']} * run_rank:gputrain_training_step_seconds:p50_30m
+        return [self.rule(q, "info", f"""run_rank:gputrain_training_slow_step:ratio_rate30m
+            > {t['stall_time_share']}
+            or on ({q.rank}) (run_rank:gputrain_training_step_seconds:p99_30m
+              > {t['stall_p99_over_p50']} * run_rank:gputrain_training_step_seconds:p50_30m)
             or on ({q.rank}) (run_rank:gputrain_training_checkpoint_ratio:rate5m
               > {t['checkpoint_share']})""",
-            f"""{q.who}: the p99 step time is more than {t['stall_p99_over_p50']}x the median
-            over {WINDOWS['quantile']}, or checkpoint saves take more than
-            {t['checkpoint_share']} of the step time ({{{{ $value | printf "%.3g" }}}}).""")]
+            f"""{q.who}: steps over {SLOW_STEP_FACTOR:g}x the median take more than
+            {t['stall_time_share']} of the wall time, the p99 step time is more than
+            {t['stall_p99_over_p50']}x the median over {WINDOWS['quantile']}, or checkpoint
+            saves take more than {t['checkpoint_share']} of the step time
+            ({{{{ $value | printf "%.3g" }}}}).""")]
 
     def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
+        if _v(r.stall_share, ">", t["stall_time_share"]):
+            return (f"steps over {SLOW_STEP_FACTOR:g}x the median take {percent(r.stall_share)} "
+                    "of the wall time")
         p50, p99 = r.step_p50_seconds, r.step_p99_seconds
         if p50 and p99 and p99 > t["stall_p99_over_p50"] * p50:
             return (f"p99 step time {p99:.3g} s is over {t['stall_p99_over_p50']:g}x the median "
@@ -1227,8 +1443,9 @@ class ExporterDown(Heuristic):
 # holds.
 CATALOGUE: tuple[Heuristic, ...] = (
     GPULost(), XidErrors(), GPUMemoryFault(), CollectorFailing(), ExporterDown(),
-    RunVanished(), Stalled(), GPUShared(),
-    CPUPreprocessingBound(), DiskIOBound(), NetworkInputBound(), InputBound(),
+    CollectorStale(), RunVanished(), RunRestarting(),
+    Stalled(), GPUShared(), PCIeLinkDegraded(),
+    CPUQuotaBound(), CPUPreprocessingBound(), DiskIOBound(), NetworkInputBound(), InputBound(),
     DataLoaderRestarts(), CommunicationBound(),
     HostToDeviceBound(), HostOverheadBound(), LaunchBound(), TensorCoresIdle(), LowMFU(),
     GPUMemoryUnderused(), StepTimeStalls(), StragglerRank(), HostMemoryLeak(),
@@ -1274,13 +1491,16 @@ def derived(thresholds: dict[str, float]) -> dict[str, float]:
 
 def show(name: str, value: float) -> str:
     """A threshold as people read it: ``5 %``, ``2x``, ``10 m``, ``4 h``. Derived values are
-    shown as ratios, but the GPU retry interval, in seconds."""
+    shown as ratios, but the GPU retry interval, in seconds, and a ``_factor``, as one."""
     unit = THRESHOLDS[name].unit if name in THRESHOLDS else \
-        ("seconds" if name.endswith("_retry") else "ratio")
+        ("seconds" if name.endswith("_retry") else
+         "factor" if name.endswith("_factor") else "ratio")
     if unit == "ratio":
         return f"{value * 100:g} %"
     if unit == "factor":
         return f"{value:g}x"
+    if unit == "count":
+        return f"{value:g}"
     seconds = int(value)
     if seconds % 3600 == 0:
         return f"{seconds // 3600} h"

@@ -30,7 +30,15 @@ import requests
 import yaml
 
 from exporter.config import parse_duration
-from exporter.heuristics.promql import Identity, identity, inline, new_errors, recording_rules
+from exporter.heuristics.promql import (
+    Identity,
+    collector_age,
+    identity,
+    inline,
+    new_errors,
+    recording_rules,
+    restarts,
+)
 from exporter.heuristics.readings import WINDOWS
 from exporter.heuristics.rules import load_overrides, settings
 from exporter.heuristics.verdict import (
@@ -116,6 +124,9 @@ def queries(selector: str, window: str, ids: Identity | None = None) -> dict[str
     q["rss_growth_15m"] = f"sum by ({r}) (deriv({rss}[{WINDOWS['leak_recent']}])) {restarted}"
     q["rss_growth_15m_before"] = (f"sum by ({r}) (deriv({rss}[{WINDOWS['leak_recent']}] offset "
                                   f"{WINDOWS['leak_recent']})) {restarted}")
+    # its process replaced: over the crash-loop rule's hour, and inside the rate window
+    q["restarts"] = restarts(s, ids, WINDOWS["restart"])
+    q["restarts_recent"] = restarts(s, ids, window)
     return q
 
 
@@ -130,6 +141,7 @@ def fault_queries(selector: str, ids: Identity, window: str) -> dict[str, str]:
     return {
         "exporter_up": f"max by ({node}) (up{{{s}}})",
         "collectors": f"max by ({node}, collector) (gputrain_collector_success{{{s}}})",
+        "collector_ages": collector_age(s, ids),
         "up": f"max by ({gpu}) (gputrain_gpu_up{{{s}}})",  # every GPU the node has
         "xid_errors": f"sum by ({gpu}) ({new_errors(xid, fault)})",
         "ecc_uncorrected": f"sum by ({gpu}) ({new_errors(ecc, fault)})",
@@ -138,6 +150,9 @@ def fault_queries(selector: str, ids: Identity, window: str) -> dict[str, str]:
                          f"or gputrain_gpu_retired_pages_pending{{{s}}})",
         "memory_used": inline("gpu:gputrain_gpu_memory_used:ratio", records),
         "throttled": inline("gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m", records),
+        "busy": inline("gpu:gputrain_gpu_busy_ratio:rate5m", records),
+        "pcie_link_now": inline("gpu:gputrain_gpu_pcie_link_current:max5m", records),
+        "pcie_link_max": inline("gpu:gputrain_gpu_pcie_link_max:max", records),
         # a rank's GPUs, whether or not their other readings exist (a lost one has none)
         "rank_gpus": f"max by ({ids.rank}, gpu, uuid) (gputrain_training_gpu_info{{{s}}})",
     }
@@ -160,10 +175,15 @@ RECORDED = {
     "memory_used": "run_rank_gpu:gputrain_gpu_memory_used:ratio",
     "power_used": "run_rank_gpu:gputrain_gpu_power_limit_used:ratio_avg5m",
     "pcie_rx_used": "run_rank_gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m",
+    "pcie_link_now": "run_rank_gpu:gputrain_gpu_pcie_link_current:max5m",
+    "pcie_link_max": "run_rank_gpu:gputrain_gpu_pcie_link_max:max",
     "throttled": "run_rank_gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m",
     "foreign": "run_gpu:gputrain_gpu_foreign_busy:ratio_rate5m",
     "step_p50_seconds": "run_rank:gputrain_training_step_seconds:p50_30m",
     "step_p99_seconds": "run_rank:gputrain_training_step_seconds:p99_30m",
+    "stall_share": "run_rank:gputrain_training_slow_step:ratio_rate30m",
+    "cpu_allowance_used": "run_rank:gputrain_training_cpu_allowance_used:ratio_rate5m",
+    "cpu_throttled": "run_rank:gputrain_training_cpu_throttled:ratio_rate5m",
     "seconds_since_step": "run_rank:gputrain_training_last_step_timestamp_seconds:max",
     "seconds_since_push": "run_rank:gputrain_training_last_push_timestamp_seconds:max",
     "finished": "run_rank:gputrain_training_finished:max",
@@ -195,7 +215,7 @@ def recorded_queries(selector: str) -> dict[str, str]:
 
 
 GPU_READINGS = ("busy", "sm_active", "tensor_active", "memory_used", "power_used",
-                "pcie_rx_used", "throttled")
+                "pcie_rx_used", "pcie_link_now", "pcie_link_max", "throttled")
 HOST_READINGS = ("cpu_busy", "iowait", "disk_busy", "network_rx_used", "network_duplex_used",
                  "memory_available")
 
@@ -236,7 +256,7 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
                 labels.get("rank", ""), labels={k: labels.get(k, "") for k in ids.extra})
     for name in ("steps", "samples_per_second", "step_seconds", "data_wait_ratio",
                  "comm_ratio", "comm_exposed_ratio", "step_p50_seconds", "step_p99_seconds",
-                 "seconds_since_step",
+                 "stall_share", "cpu_allowance_used", "cpu_throttled", "seconds_since_step",
                  "rss_growth_1h", "rss_growth_15m", "rss_growth_15m_before", "mfu", "goodput",
                  "seconds_since_push", "finished", "recent_busy"):
         results, recorded = _read(prom, q[name], qr[name], rank_key)
@@ -247,6 +267,11 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
                 setattr(rep, "steps_per_second" if name == "steps" else name, value)
                 if name == "steps" and rank_key(labels) in recorded:
                     rep.source = "recorded"
+    for name in ("restarts", "restarts_recent"):  # from the raw counters only
+        for labels, value in prom.query(q[name]):
+            rep = reports.get(rank_key(labels))
+            if rep:
+                setattr(rep, name, value)
     for labels, value in _read(prom, q["phases"], qr["phases"],
                                lambda x: (*rank_key(x), x.get("phase", "")))[0]:
         rep = reports.get(rank_key(labels))
@@ -303,6 +328,7 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
         gpus = {(g.gpu, g.uuid): g for g in node.gpus}
         for rep in by_node.get(key, []):
             rep.collectors_failing = list(node.collectors_failing)
+            rep.collector_ages = dict(node.collector_ages)
             for x in rep.gpus:
                 if (g := gpus.get((x.gpu, x.uuid))) is not None:
                     x.up, x.xid_errors, x.ecc_uncorrected = g.up, g.xid_errors, g.ecc_uncorrected
@@ -333,6 +359,8 @@ def _nodes(prom: Prometheus, selector: str, ids: Identity, window: str,
     for labels, value in prom.query(q["collectors"]):
         if value == 0:
             node(labels).collectors_failing.append(labels.get("collector", ""))
+    for labels, value in prom.query(q["collector_ages"]):
+        node(labels).collector_ages[labels.get("collector", "")] = value
     gpus: dict[tuple, GpuReading] = {}
     for labels, value in prom.query(q["up"]):
         g = GpuReading(labels.get("gpu", ""), labels.get("uuid", ""), up=value == 1)
@@ -341,7 +369,8 @@ def _nodes(prom: Prometheus, selector: str, ids: Identity, window: str,
     for name, convert in (("xid_errors", float),
                           ("ecc_uncorrected", float), ("remap_failed", lambda v: v > 0),
                           ("remap_pending", lambda v: v > 0), ("memory_used", float),
-                          ("throttled", float)):
+                          ("throttled", float), ("busy", float), ("pcie_link_now", float),
+                          ("pcie_link_max", float)):
         for labels, value in prom.query(q[name]):
             g = gpus.get((*node_key(labels), labels.get("gpu", ""), labels.get("uuid", "")))
             if g is not None:

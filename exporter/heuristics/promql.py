@@ -75,6 +75,26 @@ def new_errors(counter: str, window: str) -> str:
             f"or ({counter} > 0 unless {counter} offset {window})")
 
 
+def restarts(selector: str, ids: Identity, window: str) -> str:
+    """Of each rank, how often its process was replaced in ``window``: the resets of the
+    counters each new process starts again from 0, its steps and its process tree's CPU
+    seconds (the most either saw: a process that dies before its first step resets only the
+    CPU). Its wall time does not reset: the daemon carries it across processes."""
+    parts = [f'label_replace(resets({name}{{{selector}}}[{window}]), "counter", "{short}", "", "")'
+             for name, short in (("gputrain_training_steps_total", "steps"),
+                                 ("gputrain_training_process_cpu_seconds_total", "cpu"))]
+    return f"max by ({ids.rank}) ({' or '.join(parts)})"
+
+
+def collector_age(selector: str, ids: Identity) -> str:
+    """Of each collector, how old its last success was when Prometheus last scraped it, in
+    the exporter's sampler intervals (scrape time less the success time: no clock but the
+    exporter's own matters, and a frozen page ages at every scrape)."""
+    last = f"gputrain_collector_last_success_timestamp_seconds{{{selector}}}"
+    return (f"(timestamp({last}) - {last}) / on ({ids.node}) group_left "
+            f"max by ({ids.node}) (gputrain_sampler_interval_seconds{{{selector}}})")
+
+
 def rank_gpu_join(selector: str, per_gpu: str, ids: Identity) -> str:
     """``per_gpu`` (a recording rule name) for the GPUs each rank uses, joined through
     ``gputrain_training_gpu_info``: a rank's labels and gpu, uuid."""
@@ -148,6 +168,11 @@ def recording(s: str, ids: Identity, r: str = WINDOWS["rate"]) -> list[dict]:
         _rec("run_rank:gputrain_training_step_seconds:p99_30m", f"""
             histogram_quantile(0.99, sum by ({rank}, le)
               (rate(gputrain_training_step_duration_seconds_bucket{{{s}}}[{q}])))"""),
+        # of the wall time, the share in steps far above the rank's median (rare long stalls:
+        # a DataLoader re-created each epoch, a checkpoint every few hundred steps)
+        _rec("run_rank:gputrain_training_slow_step:ratio_rate30m", f"""
+            sum by ({rank}) (rate(gputrain_training_slow_step_seconds_total{{{s}}}[{q}]))
+            / sum by ({rank}) (rate(gputrain_training_elapsed_seconds_total{{{s}}}[{q}]))"""),
         _rec("run_rank_phase:gputrain_training_phase_ratio:rate5m", f"""
             sum by ({rank}, phase) (rate(gputrain_training_phase_seconds_total{{{s}}}[{r}]))
             / on ({rank}) group_left
@@ -162,6 +187,12 @@ def recording(s: str, ids: Identity, r: str = WINDOWS["rate"]) -> list[dict]:
             / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{r}]))"""),
         _rec("run_rank:gputrain_training_process_cpu_cores:rate5m", f"""
             sum by ({rank}) (rate(gputrain_training_process_cpu_seconds_total{{{s}}}[{r}]))"""),
+        # the process tree's CPU against what its cgroup allows, and the time it was throttled
+        _rec("run_rank:gputrain_training_cpu_allowance_used:ratio_rate5m", f"""
+            sum by ({rank}) (rate(gputrain_training_process_cpu_seconds_total{{{s}}}[{r}]))
+            / sum by ({rank}) (gputrain_training_process_cpu_allowance_cores{{{s}}})"""),
+        _rec("run_rank:gputrain_training_cpu_throttled:ratio_rate5m", f"""
+            sum by ({rank}) (rate(gputrain_training_process_cpu_throttled_seconds_total{{{s}}}[{r}]))"""),
         # what diagnose reads where only the recorded series arrive (a global layer fed with
         # the recording rules' results): steps, the last step, the process tree's memory
         _rec("run_rank:gputrain_training_steps:rate5m", f"""
@@ -195,10 +226,17 @@ def recording(s: str, ids: Identity, r: str = WINDOWS["rate"]) -> list[dict]:
         _rec("gpu:gputrain_gpu_power_limit_used:ratio_avg5m", f"""
             sum by ({gpu}) (avg_over_time(gputrain_gpu_power_watts{{{s}}}[{r}]))
             / sum by ({gpu}) (gputrain_gpu_power_limit_watts{{{s}}})"""),
+        # the link as it ran in the window (its best: an idle link trains down between
+        # bursts) and at its best; host-to-device traffic is judged against the first
+        _rec("gpu:gputrain_gpu_pcie_link_current:max5m", f"""
+            max by ({gpu}) (max_over_time(
+              gputrain_gpu_pcie_link_current_bytes_per_second{{{s}}}[{r}]))"""),
+        _rec("gpu:gputrain_gpu_pcie_link_max:max",
+            f"max by ({gpu}) (gputrain_gpu_pcie_link_max_bytes_per_second{{{s}}})"),
         _rec("gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m", f"""
             sum by ({gpu}) (rate(gputrain_gpu_pcie_received_bytes_total{{{s}}}[{r}]))
             / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{r}]))
-            / sum by ({gpu}) (gputrain_gpu_pcie_link_max_bytes_per_second{{{s}}})"""),
+            / (gpu:gputrain_gpu_pcie_link_current:max5m or gpu:gputrain_gpu_pcie_link_max:max)"""),
         _rec("gpu:gputrain_gpu_sm_active_ratio:avg5m",
             f"avg by ({gpu}) (avg_over_time(gputrain_gpu_sm_active_ratio{{{s}}}[{r}]))"),
         _rec("gpu:gputrain_gpu_tensor_active_ratio:avg5m",
@@ -218,6 +256,8 @@ def recording(s: str, ids: Identity, r: str = WINDOWS["rate"]) -> list[dict]:
                        "gpu:gputrain_gpu_memory_used:ratio",
                        "gpu:gputrain_gpu_power_limit_used:ratio_avg5m",
                        "gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m",
+                       "gpu:gputrain_gpu_pcie_link_current:max5m",
+                       "gpu:gputrain_gpu_pcie_link_max:max",
                        "gpu:gputrain_gpu_sm_active_ratio:avg5m",
                        "gpu:gputrain_gpu_tensor_active_ratio:avg5m",
                        "gpu:gputrain_gpu_power_watts:rate5m",
@@ -357,13 +397,21 @@ class Q:
         self.fault = WINDOWS["fault"]
 
     def stepping(self, expr: str) -> str:
-        """``expr`` (of a rank, or of a rank's GPUs) only while the rank steps and still runs:
-        a run whose steps stopped while its GPUs spin is stalled, and nothing else holds for
-        it; a rank that said goodbye, or went silent, left only history behind."""
+        """``expr`` (of a rank, or of a rank's GPUs) only while the rank steps, with one
+        process over the rate window, and still runs: a run whose steps stopped while its GPUs
+        spin is stalled, and nothing else holds for it; rates across a restart are no
+        bottleneck; a rank that said goodbye, or went silent, left only history behind."""
         return (f"({expr}) and on ({self.rank}) ({self.steps} > 0) unless on ({self.rank}) "
                 f"(run_rank:gputrain_training_finished:max > 0 or time() - "
                 f"run_rank:gputrain_training_last_push_timestamp_seconds:max > "
-                f"{self.t['vanished_seconds']})")
+                f"{self.t['vanished_seconds']} or "
+                f"({restarts(self.s, self.ids, WINDOWS['rate'])} > 0))")
+
+    def fresh(self, expr: str) -> str:
+        """``expr`` only where no collector of its node is stale: nothing but a fault is
+        judged on frozen readings."""
+        return (f"({expr}) unless on ({self.node}) (max by ({self.node}) "
+                f"({collector_age(self.s, self.ids)}) > {self.t['stale_intervals']})")
 
     def outside_steps(self) -> str:
         """Of each rank, the seconds a second in phases outside steps (an evaluation, a

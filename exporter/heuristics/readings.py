@@ -21,6 +21,7 @@ WINDOWS = {
     "leak_recent": "15m",  # ... and its recent one
     "fault": "10m",  # new Xid and uncorrectable ECC errors, a fresh exporter's finds
     "recent": "2m",  # a vanished run's GPUs: idle since its ranks went silent
+    "restart": "1h",  # a rank's process restarts counted for the crash-loop rule
 }
 
 
@@ -42,6 +43,8 @@ class GpuReading:
     memory_used: float | None = None
     power_used: float | None = None
     pcie_rx_used: float | None = None
+    pcie_link_now: float | None = None  # bytes/s: the link at its best in the window ...
+    pcie_link_max: float | None = None  # ... and at its best at all (GPU and slot)
     throttled: float | None = None
     up: bool | None = None  # False: NVML says the GPU is lost
     xid_errors: float | None = None  # Xid errors in the fault window
@@ -89,8 +92,18 @@ class RankReport:
     gpus: list[GpuReading] = field(default_factory=list)
     host: dict[str, float] = field(default_factory=dict)
     collectors_failing: list[str] = field(default_factory=list)  # on the rank's node
+    # each collector of the rank's node: how long ago its last success was, in sampler
+    # intervals, as the exporter's last page showed it
+    collector_ages: dict[str, float] = field(default_factory=dict)
+    restarts: float | None = None  # its process replaced this often in the restart window
+    restarts_recent: float = 0.0  # ... and inside the rate window: its rates straddle one
     step_p50_seconds: float | None = None
     step_p99_seconds: float | None = None
+    # the process tree's CPU over its cgroup's allowance, and the share of time throttled
+    cpu_allowance_used: float | None = None
+    cpu_throttled: float | None = None
+    # of the wall time, the share spent in steps far above the median (rare long stalls)
+    stall_share: float | None = None
     seconds_since_step: float | None = None
     seconds_since_push: float | None = None  # since the exporter last heard from the rank
     finished: bool = False  # it said goodbye (a clean close()): finished, never vanished
@@ -137,6 +150,7 @@ class NodeReport:
     gpus: list[GpuReading] = field(default_factory=list)
     host: dict[str, float] = field(default_factory=dict)
     collectors_failing: list[str] = field(default_factory=list)
+    collector_ages: dict[str, float] = field(default_factory=dict)  # in sampler intervals
     findings: list[tuple[str, str, Finding]] = field(default_factory=list)  # (gpu, severity, f)
 
 
@@ -145,6 +159,11 @@ def outside_steps(r: RankReport) -> tuple[str, float] | None:
     window's wall time, and that share; None where none took any."""
     share, phase = max((r.badput.get(p, 0.0), p) for p in sorted(OUTSIDE_STEP_PHASES))
     return (phase, share) if share > 0 else None
+
+
+def stale_collectors(ages: dict[str, float], limit: float) -> list[str]:
+    """The collectors whose last success is more than ``limit`` sampler intervals old."""
+    return sorted(name for name, age in ages.items() if age > limit)
 
 
 def percent(x: float | None) -> str:

@@ -36,6 +36,10 @@ UNDERUTILIZED = GPUUnderutilized.verdict  # busy under the target, no stage to b
 STATUS_ADVICE = {
     "gpu-bound": "The GPU is the bottleneck, as it should be. To make each GPU-second count, "
                  "profile the heaviest kernels.",
+    "restarted": "Nothing to judge yet: the rank's process was replaced inside the window, and "
+                 "rates across a restart say nothing about a bottleneck. It is judged again "
+                 "once the window holds one process; if it keeps restarting, read the first "
+                 "failure.",
     "paused": "Nothing to change yet: the rank made no step in the window (start-up, an "
               "evaluation, a checkpoint). It is judged again once it steps, and called stalled "
               "after 10 minutes without a step.",
@@ -48,6 +52,7 @@ STATUS_ADVICE = {
 }
 STATUS_SUMMARY = {
     "gpu-bound": "The GPUs are busy: the model's own work sets the pace.",
+    "restarted": "The rank's process was replaced inside the window.",
     "paused": "The rank made no step in the window.",
     "warming-up": "The window holds too few samples for a rate yet.",
     "no-gpu-data": "The exporter knows no GPU of this rank.",
@@ -55,8 +60,8 @@ STATUS_SUMMARY = {
 }
 # Every verdict a rank can get, in the order a page lists them: what to act on first
 ORDER: tuple[str, ...] = (*(e.verdict for e in CATALOGUE if e.kind != "symptom"),
-                          UNDERUTILIZED, "paused", "warming-up", "no-gpu-data", "gpu-bound",
-                          "finished")
+                          UNDERUTILIZED, "restarted", "paused", "warming-up", "no-gpu-data",
+                          "gpu-bound", "finished")
 # A rank's status by the kind of its verdict: a run that is gone is stopped, not a bottleneck
 STATUS = {"fault": "fault", "state": "stopped", "bottleneck": "bottleneck",
           "health": "bottleneck"}
@@ -134,6 +139,10 @@ def judge(reports: list[RankReport], t: dict[str, float]) -> list[RankReport]:
             rep.status = STATUS[BY_VERDICT[rep.verdict].kind]
             rep.reason = found[ordered[0]]
             rep.also = [Finding(n, found[n], advice(n)) for n in ordered[1:]]
+        elif rep.restarts_recent:
+            rep.status, rep.verdict = "ok", "restarted"
+            rep.reason = (f"its process was replaced {rep.restarts_recent:.0f} time(s) in the "
+                          "window: its rates straddle a restart")
         elif busy is None and rep.gpus and rep.steps_per_second is None:
             # the GPU is known, but neither its busy time nor the steps have two samples yet
             rep.status, rep.verdict = "ok", "warming-up"
@@ -176,7 +185,7 @@ def node_findings(node: NodeReport, t: dict[str, float]) -> NodeReport:
     for e in CATALOGUE:
         if e.scope == "node" and (why := e.holds_node(node, t)):
             node.findings.append(("", e.severity, Finding(e.verdict, why, e.advice)))
-        elif e.scope == "gpu":
+        elif e.scope == "gpu" and e.judged(node, t):
             for g in node.gpus:
                 if why := e.holds_gpu(g, t):
                     severity = GPUMemoryFault.severity_of(g) if isinstance(

@@ -108,7 +108,7 @@ class Exposition:
         self.store = store
         snap = lambda: sampler.snapshot  # noqa: E731 - read the latest at every build
         self.collectors: list = [  # the node's, in page order; training comes last
-            SelfCollector(snap, self._training_status),
+            SelfCollector(snap, self._training_status, interval=sampler.interval),
             ProcessCollector(namespace="gputrain_exporter", registry=None)]
         if "gpu" in sampler.collectors:
             self.collectors.append(GpuCollector(snap, peaks))

@@ -27,6 +27,7 @@ from exporter.protocol import OUTSIDE_STEP_PHASES
 from exporter.reading.peak_flops import PeakTable
 from exporter.reading.sampler import GpuState, Snapshot
 from exporter.serving.ingest import RankState
+from exporter.serving.stalls import histogram_quantile
 from exporter.serving.training import GpuIndex, GpuShares, resolve_gpus
 
 WINDOW_SECONDS = window_seconds("rate")  # the recording rules' ratios
@@ -36,6 +37,8 @@ RSS_SECONDS = window_seconds("leak")  # the leak rule's longer range
 LEAK_MIN_SECONDS = window_seconds("leak_recent")  # its shorter: judged once this much is seen
 FAULT_SECONDS = window_seconds("fault")  # new Xid and ECC errors count this long
 RECENT_SECONDS = window_seconds("recent")  # a vanished run's GPUs: idle this long
+RESTART_SECONDS = window_seconds("restart")  # a rank's restarts count this long
+MAX_RESTARTS_KEPT = 64  # a crash loop's restarts in the hour, at most, that are counted
 
 
 class _GpuPoint(NamedTuple):
@@ -55,6 +58,7 @@ class _GpuPoint(NamedTuple):
     # driver gives no per-process samples)
     ranks_busy: dict[tuple[str, str], float]
     unattributed: float | None
+    link: float | None  # bytes/s of the PCIe link as trained at this cycle
 
 
 class _HostPoint(NamedTuple):
@@ -79,6 +83,9 @@ class _RankPoint(NamedTuple):
     phases: dict[str, float]
     buckets: tuple[int, ...]
     epoch: int  # buckets of points of one epoch share their bounds
+    slow: float  # seconds in steps far above the median (exporter.serving.stalls)
+    cpu: float | None  # the process tree's CPU seconds, and its cgroup's throttled seconds
+    throttled: float | None
 
 
 @dataclass
@@ -103,10 +110,12 @@ class _RankTrack:
     epoch: int = 0
     points: deque = field(default_factory=deque)
     rss: deque = field(default_factory=deque)  # (t, bytes), a point a minute
+    # when its process was replaced (a new run_id under the same run and rank)
+    restarts: deque = field(default_factory=lambda: deque(maxlen=MAX_RESTARTS_KEPT))
 
 
 _COUNTERS = ("steps", "step_seconds", "data_wait_seconds", "samples", "flops", "comm_seconds",
-             "comm_exposed_seconds")
+             "comm_exposed_seconds", "slow_step_seconds")
 
 
 class History:
@@ -114,8 +123,9 @@ class History:
 
     def __init__(self, window: float = WINDOW_SECONDS, point_seconds: float = POINT_SECONDS,
                  peaks: PeakTable | None = None, instance: str = "",
-                 shares: GpuShares | None = None) -> None:
+                 shares: GpuShares | None = None, interval: float = 1.0) -> None:
         self.window = window
+        self.interval = interval  # the sampler's, in seconds: what a collector's age counts in
         self.shares = shares or GpuShares()  # the page's, where the daemon shares one
         self.point_seconds = point_seconds
         self.peaks = peaks or PeakTable()
@@ -167,7 +177,7 @@ class History:
                                        rss=deque(maxlen=int(RSS_SECONDS / SLOW_POINT_SECONDS) + 1))
                     track.points.append(self._rank_point(track, t))
                 elif st is not track.state:
-                    self._note_push(track, st)
+                    self._note_push(track, st, t)
                 # a rank that stopped pushing keeps its points coming, its rates falling to
                 # 0, as a scraped counter that stopped growing does
                 if t - track.points[-1].t >= self.point_seconds:
@@ -194,8 +204,9 @@ class History:
         if not track.errors or t - track.errors[-1][0] >= SLOW_POINT_SECONDS:
             track.errors.append((t, *_error_counts(st)))
         throttle = sum(st.clock_event_seconds.get(r, 0.0) for r in THROTTLE_REASONS)
+        link = s.pcie_link_current_bytes_per_second if s is not None and st.up else None
         point = _GpuPoint(t, st.sampled_seconds, st.busy_seconds, st.pcie_rx_bytes,
-                          st.pcie_tx_bytes, throttle, *sums, ranks_busy, unattributed)
+                          st.pcie_tx_bytes, throttle, *sums, ranks_busy, unattributed, link)
         track.previous, track.current = track.current, point
         if not track.points or t - track.points[-1].t >= self.point_seconds:
             track.points.append(point)
@@ -214,9 +225,10 @@ class History:
         if not self._host or t - self._host[-1].t >= self.point_seconds:
             self._host.append(point)
 
-    def _note_push(self, track: _RankTrack, st: RankState) -> None:
+    def _note_push(self, track: _RankTrack, st: RankState, t: float) -> None:
         old = track.state
         if st.run_id != old.run_id:  # a restarted process counts from 0: carry the old totals
+            track.restarts.append(t)
             track.rss.clear()  # and its memory is a new process's: no leak across a restart
             for key in _COUNTERS:
                 track.offsets[key] = track.offsets.get(key, 0.0) + (getattr(old, key) or 0.0)
@@ -249,8 +261,9 @@ class History:
                           st.step_seconds + off.get("step_seconds", 0.0),
                           st.data_wait_seconds + off.get("data_wait_seconds", 0.0),
                           st.samples + off.get("samples", 0.0), flops, comm, exposed,
-                          st.wall_seconds, phases,
-                          buckets, track.epoch)
+                          st.wall_seconds, phases, buckets, track.epoch,
+                          st.slow_step_seconds + off.get("slow_step_seconds", 0.0),
+                          st.process.get("cpu_seconds"), st.process.get("cpu_throttled_seconds"))
 
     # -- reading (a request's thread) -------------------------------------------------------
 
@@ -269,6 +282,17 @@ class History:
         """The latest pushed state of every live (run, rank)."""
         with self._lock:
             return {key: tr.state for key, tr in self._ranks.items()}
+
+    def collector_ages(self, now: float | None = None) -> dict[str, float]:
+        """Each collector's last success, how long before ``now`` (unix seconds; default the
+        last snapshot's time) in sampler intervals: a sampler stuck in a hung call publishes
+        no snapshot, so only the wall clock shows it."""
+        snap = self._snapshot
+        if snap is None:
+            return {}
+        now = snap.timestamp if now is None else now
+        return {name: max(0.0, now - c.last_success_timestamp) / self.interval
+                for name, c in snap.collectors.items() if c.last_success_timestamp is not None}
 
     def collectors_failing(self) -> list[str]:
         """The collectors whose last cycle failed, by name."""
@@ -309,9 +333,15 @@ class History:
                 reading = GpuReading(st.identity.index, st.identity.uuid, up=st.up)
                 self._faults(reading, tr)
                 s = st.sample if st.up else None  # a lost GPU's last reading is no reading
+                if s is not None:
+                    reading.pcie_link_max = s.pcie_link_max_bytes_per_second
                 if s is not None and s.memory_total_bytes and s.memory_used_bytes is not None:
                     reading.memory_used = s.memory_used_bytes / s.memory_total_bytes
                 if old is not None and now is not None:
+                    # the link at its best in the window, as max_over_time reads it
+                    links = [p.link for p in (*tr.points, now)
+                             if p.t >= old.t and p.link is not None]
+                    reading.pcie_link_now = max(links) if links else None
                     _gpu_window(reading, old, now, s)
                 rates: dict[str, float | None] = {"rx": None, "tx": None}
                 prev = tr.previous
@@ -393,14 +423,15 @@ class History:
                                 if k in old_) / dt
         return out
 
-    def reports(self, gpus: dict | None = None,
-                host: dict[str, float] | None = None) -> list[RankReport]:
+    def reports(self, gpus: dict | None = None, host: dict[str, float] | None = None,
+                now: float | None = None) -> list[RankReport]:
         """One report per live (run, rank), its readings over the window, or from its first
         push where that is later (its GPUs' and node's too: a run is not judged on what its
         GPUs did before it came); no verdict yet. ``gpus`` and ``host`` are
         :meth:`gpu_readings` and :meth:`host_readings` over the whole window where the caller
-        has them already."""
+        has them already; ``now`` (unix seconds) is when the collectors' ages are taken."""
         gpus = self.gpu_readings() if gpus is None else gpus
+        ages = self.collector_ages(now)
         host = self.host_readings() if host is None else host
         with self._lock:
             snap = self._snapshot
@@ -417,6 +448,7 @@ class History:
                 now = self._rank_point(tr, snap.timestamp)
                 old = self._since(tr.points, now.t)
                 rss = list(tr.rss)
+                replaced = list(tr.restarts)
                 full = (old is not None and old is not tr.points[0]) or \
                     len(tr.points) == tr.points.maxlen
             rank_gpus, rank_host = gpus, host
@@ -425,9 +457,15 @@ class History:
                     younger[old.t] = (self.gpu_readings(old.t), self.host_readings(start=old.t))
                 rank_gpus, rank_host = younger[old.t]
             rep = RankReport("", self.instance, st.run, st.rank, host=dict(rank_host),
-                             collectors_failing=self.collectors_failing())
+                             collectors_failing=self.collectors_failing(),
+                             collector_ages=dict(ages))
+            # as resets() over the restart window and over the rate window
+            rep.restarts = float(sum(snap.timestamp - x <= RESTART_SECONDS for x in replaced))
+            rep.restarts_recent = float(sum(snap.timestamp - x <= self.window
+                                            for x in replaced))
             if old is not None:
                 _rank_window(rep, old, now, st.bucket_bounds)
+                _cpu_window(rep, old, now, st.process.get("cpu_allowance_cores"))
             if st.last_step_timestamp is not None:
                 rep.seconds_since_step = max(0.0, snap.timestamp - st.last_step_timestamp)
             rep.seconds_since_push = max(0.0, snap.timestamp - st.received_unix)
@@ -487,7 +525,7 @@ def _gpu_window(reading: GpuReading, old: _GpuPoint, now: _GpuPoint, sample) -> 
             reading.unattributed = max(0.0, now.unattributed - (old.unattributed or 0.0)) / sampled
         if now.busy is not None:
             reading.busy = (now.busy - (old.busy or 0.0)) / sampled
-        link = sample.pcie_link_max_bytes_per_second if sample is not None else None
+        link = reading.pcie_link_now or reading.pcie_link_max  # as it runs, else at best
         if now.rx is not None and link:
             reading.pcie_rx_used = (now.rx - (old.rx or 0.0)) / sampled / link
         reading.throttled = (now.throttle - old.throttle) / sampled
@@ -526,7 +564,21 @@ def _rank_window(rep: RankReport, old: _RankPoint, now: _RankPoint,
     if wall > 0:
         if now.flops is not None and old.flops is not None:
             rep.mfu = (now.flops - old.flops) / wall  # FLOP/s; divided by the peak later
+        rep.stall_share = (now.slow - old.slow) / wall
         rep.goodput, rep.badput = wall_shares(wall, step_s, wait, phases)
+
+
+def _cpu_window(rep: RankReport, old: _RankPoint, now: _RankPoint,
+                allowance: float | None) -> None:
+    """The process tree's CPU over its cgroup's allowance, and the share of the window it
+    was throttled, as the rules record them (none across a restart: its counters reset)."""
+    dt = now.t - old.t
+    if dt <= 0:
+        return
+    if now.cpu is not None and old.cpu is not None and now.cpu >= old.cpu and allowance:
+        rep.cpu_allowance_used = (now.cpu - old.cpu) / dt / allowance
+    if now.throttled is not None and old.throttled is not None and now.throttled >= old.throttled:
+        rep.cpu_throttled = (now.throttled - old.throttled) / dt
 
 
 def wall_shares(wall: float, step_s: float, wait: float, phases: dict[str, float]) -> \
@@ -546,27 +598,6 @@ def wall_shares(wall: float, step_s: float, wait: float, phases: dict[str, float
     if total <= 0:
         return 0.0, {k: 0.0 for k in parts}
     return productive / total, {k: v / total for k, v in parts.items()}
-
-
-def histogram_quantile(q: float, bounds: tuple[float, ...], counts: tuple[float, ...]) -> \
-        float | None:
-    """Prometheus' histogram_quantile on cumulative ``counts`` (the last one +Inf's) over
-    finite upper ``bounds``: linear within the bucket, the highest finite bound past it."""
-    total = counts[-1] if counts else 0
-    if total <= 0:
-        return None
-    rank = q * total
-    for i, c in enumerate(counts):
-        if c >= rank:
-            if i == len(bounds):
-                return bounds[-1] if bounds else None
-            lower = bounds[i - 1] if i > 0 else 0.0
-            below = counts[i - 1] if i > 0 else 0
-            inside = c - below
-            if inside <= 0:
-                return bounds[i]
-            return lower + (bounds[i] - lower) * (rank - below) / inside
-    return bounds[-1] if bounds else None
 
 
 def _deriv(points: list[tuple[float, float]], since: float,

@@ -40,6 +40,7 @@ from exporter.protocol import (
     json_kind,
 )
 from exporter.serving.profiles import ProfileBoard, parse_report, parse_stacks_report
+from exporter.serving.stalls import slow_step_seconds
 
 MAX_CAPABILITIES = 8
 GOODBYE_GRACE_SECONDS = 60.0  # a finished rank's final totals stay this long, for one more scrape
@@ -48,8 +49,8 @@ COUNTERS = ("steps", "step_seconds", "data_wait_seconds", "samples")
 # only where the client sends them (the communication fields where it measures a DDP model)
 OPTIONAL_COUNTERS = ("flops", "elapsed_seconds", "comm_seconds", "comm_exposed_seconds",
                      "comm_bytes")
-PROCESS_COUNTERS = ("cpu_seconds", "read_bytes")
-PROCESS_FIELDS = (*PROCESS_COUNTERS, "resident_memory_bytes")
+PROCESS_COUNTERS = ("cpu_seconds", "read_bytes", "cpu_throttled_seconds")
+PROCESS_FIELDS = (*PROCESS_COUNTERS, "resident_memory_bytes", "cpu_allowance_cores")
 
 
 @dataclass
@@ -80,6 +81,9 @@ class RankState:
     bucket_bounds: tuple[float, ...] = ()
     bucket_counts: tuple[int, ...] = ()
     phases: dict[str, float] = field(default_factory=dict)
+    # seconds of its process's steps over SLOW_STEP_FACTOR times its median (the daemon's
+    # count from the pushed buckets: see exporter.serving.stalls)
+    slow_step_seconds: float = 0.0
     last_step_timestamp: float | None = None  # on the daemon's clock (see _clock_skew)
     # the client's clock minus the daemon's, as its timestamps show it (0 within
     # CLOCK_TOLERANCE_SECONDS); its timestamps are moved by it
@@ -347,6 +351,20 @@ def _clock_skew(old: RankState | None, new: RankState) -> None:
     new.clock_skew = skew
 
 
+def _slow_step_seconds(old: RankState | None, new: RankState) -> float:
+    """The process's seconds in slow steps so far: its previous push's, and those of the
+    steps since (none counted across a change of bucket bounds)."""
+    if old is None or old.run_id != new.run_id:
+        counts = new.cumulative_counts
+        return slow_step_seconds(new.bucket_bounds, (0,) * len(counts), counts,
+                                 new.step_seconds)
+    if old.bucket_bounds != new.bucket_bounds:
+        return old.slow_step_seconds
+    return old.slow_step_seconds + slow_step_seconds(
+        new.bucket_bounds, old.cumulative_counts, new.cumulative_counts,
+        new.step_seconds - old.step_seconds)
+
+
 def _wall_seconds(old: RankState | None, new: RankState) -> float:
     """The rank's wall seconds at ``new``: its process's age on its first push; then the
     client's clock (the daemon's where the client sends none); and across a restart (a new
@@ -428,6 +446,7 @@ class IngestStore:
             new.wall_seconds = _wall_seconds(old, new)
             _check_flops(same, new)
             _clock_skew(same, new)
+            new.slow_step_seconds = _slow_step_seconds(old, new)
             if old is None and len(self._states) >= self.max_series:
                 raise Refused(429, f"{len(self._states)} (run, rank) pairs are live, the "
                                    f"limit (--ingest.max-series) is {self.max_series}")

@@ -15,10 +15,12 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
 from exporter import __version__
+from exporter.heuristics.readings import stale_collectors
 from exporter.heuristics.verdict import (
     ORDER,
     NodeReport,
@@ -61,8 +63,12 @@ class StatusView:
 
     def __init__(self, history: History, thresholds: dict[str, float],
                  gpu_error: Any = None, backend: str = "", driver: Any = None,
-                 profiles: Any = None, guarded: bool = False) -> None:
+                 profiles: Any = None, guarded: bool = False,
+                 wall_clock: Callable[[], float] | None = None) -> None:
         self.history = history
+        # unix seconds now, against which the collectors' last successes age (None: the last
+        # snapshot's time, which a stuck sampler never moves on)
+        self._wall = wall_clock
         self.profiles = profiles  # the ingest's ProfileBoard (recent(), version), if any
         self.guarded = guarded  # an ingest token guards the profiles' ids, traces, errors
         self.thresholds = thresholds
@@ -106,13 +112,17 @@ class StatusView:
         cached, version = self._cached, self._version()
         # a watched document may lag the history by a cycle, never a profile's change
         if cached is not None and (cached[0] == version or
-                                   (watched and cached[0][1] == version[1])):
+                                   (watched and cached[0][1:] == version[1:])):
             return cached[1]
         return self._build()
 
-    def _version(self) -> tuple[int, int]:
-        """What the document is built from: the history, and the profiles."""
-        return self.history.version, self.profiles.version if self.profiles else 0
+    def _version(self) -> tuple[int, int, tuple[str, ...]]:
+        """What the document is built from: the history, the profiles, and which collectors
+        are stale (a stuck sampler moves no history, only the clock)."""
+        stale = stale_collectors(self.history.collector_ages(self._now()),
+                                 self.thresholds["stale_intervals"])
+        return (self.history.version, self.profiles.version if self.profiles else 0,
+                tuple(stale))
 
     def _build(self) -> bytes:
         with self._lock:
@@ -122,6 +132,9 @@ class StatusView:
                 self._cached = (version, body)
                 self.builds += 1
             return self._cached[1]
+
+    def _now(self) -> float | None:
+        return self._wall() if self._wall is not None else None
 
     def changed(self) -> None:
         """The history moved on (a sampler cycle): rebuild soon if someone watches."""
@@ -157,8 +170,9 @@ class StatusView:
         h = self.history
         snap = h.snapshot
         now = snap.timestamp if snap is not None else time.time()
+        wall = self._now()  # a stuck sampler's last snapshot is old: its age is the point
         readings, host_window = h.gpu_readings(), h.host_readings()
-        reports = judge(visibility(h.reports(readings, host_window)), self.thresholds)
+        reports = judge(visibility(h.reports(readings, host_window, now=wall)), self.thresholds)
         states = h.rank_states()
         users: dict[str, list[dict[str, str]]] = {}
         for rep in reports:
@@ -201,7 +215,8 @@ class StatusView:
         for rep in reports:
             runs.setdefault(rep.run, []).append(rep)
         node = node_findings(NodeReport("", h.instance, gpus=[w for _, w, _ in readings.values()],
-                                        collectors_failing=h.collectors_failing()),
+                                        collectors_failing=h.collectors_failing(),
+                                        collector_ages=h.collector_ages(wall)),
                              self.thresholds)
         host_now = h.host_readings(recent=True)
         cpu = snap.host.get("cpu") if snap is not None else None

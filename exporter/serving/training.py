@@ -27,6 +27,7 @@ from prometheus_client.utils import floatToGoString
 from exporter.reading.host_processes import HostProcess, read_process
 from exporter.reading.sampler import CollectorStatus, Snapshot
 from exporter.serving.ingest import IngestStore, RankState
+from exporter.serving.stalls import SLOW_STEP_FACTOR
 
 log = logging.getLogger(__name__)
 
@@ -316,6 +317,10 @@ FAMILIES: tuple[Family, ...] = (
            "Wall seconds of the rank since its process started, restarts included (the gap "
            "between a process's last push and its successor's first counts): the denominator "
            "of goodput and MFU."),
+    Family("gputrain_training_slow_step_seconds_total", "counter",
+           f"Seconds of steps over {SLOW_STEP_FACTOR:g}x the rank's median step, counted by the "
+           "daemon from the "
+           "pushed step histogram (a lower bound): what rare long stalls cost."),
     Family("gputrain_training_step_duration_seconds", "histogram",
            "Wall time of one training step, data wait included, in seconds."),
     Family("gputrain_training_phase_seconds_total", "counter",
@@ -333,6 +338,12 @@ FAMILIES: tuple[Family, ...] = (
            "without it has vanished."),
     Family("gputrain_training_process_cpu_seconds_total", "counter",
            "CPU seconds of the training process and its children (DataLoader workers)."),
+    Family("gputrain_training_process_cpu_allowance_cores", "gauge",
+           "CPU cores the training process's cgroup allows it (cgroup v2 cpu.max quota over "
+           "period, cpuset.cpus.effective; the machine's CPUs where neither limits it)."),
+    Family("gputrain_training_process_cpu_throttled_seconds_total", "counter",
+           "Seconds the kernel throttled the training process's cgroup (cpu.stat "
+           "throttled_usec): time at its CPU quota."),
     Family("gputrain_training_process_resident_memory_bytes", "gauge",
            "Resident memory of the training process and its children, in bytes."),
     Family("gputrain_training_process_read_bytes_total", "counter",
@@ -548,6 +559,8 @@ def _rank_lines(st: RankState) -> tuple[tuple[int, str], ...]:
         "gputrain_training_comm_exposed_seconds_total": st.comm_exposed_seconds,
         "gputrain_training_comm_bytes_total": st.comm_bytes,
         "gputrain_training_elapsed_seconds_total": st.wall_seconds,
+        "gputrain_training_slow_step_seconds_total": st.slow_step_seconds if st.bucket_bounds
+        else None,
         "gputrain_training_last_step_timestamp_seconds": st.last_step_timestamp,
         "gputrain_training_last_push_timestamp_seconds": st.received_unix,
         "gputrain_training_clock_skew_seconds":
@@ -555,6 +568,9 @@ def _rank_lines(st: RankState) -> tuple[tuple[int, str], ...]:
         "gputrain_training_finished": 1.0 if st.finished else 0.0,
         "gputrain_training_process_cpu_seconds_total": proc.get("cpu_seconds"),
         "gputrain_training_process_resident_memory_bytes": proc.get("resident_memory_bytes"),
+        "gputrain_training_process_cpu_allowance_cores": proc.get("cpu_allowance_cores"),
+        "gputrain_training_process_cpu_throttled_seconds_total":
+            proc.get("cpu_throttled_seconds"),
         "gputrain_training_process_read_bytes_total": proc.get("read_bytes"),
     }
     out = [(INDEX[name], f"{name}{{{lbl}}} {fg(v)}\n") for name, v in values.items()

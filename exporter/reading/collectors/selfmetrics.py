@@ -15,9 +15,11 @@ class SelfCollector:
     """Renders gputrain_build_info and the gputrain_collector_* families."""
 
     def __init__(self, snapshot: Callable[[], Snapshot],
-                 extra_status: Callable[[], dict[str, CollectorStatus]] | None = None) -> None:
+                 extra_status: Callable[[], dict[str, CollectorStatus]] | None = None,
+                 interval: float | None = None) -> None:
         self._snapshot = snapshot
         self._extra_status = extra_status
+        self._interval = interval  # seconds between sampler cycles: what "stale" counts in
 
     def describe(self) -> list[Metric]:
         return list(self._families())
@@ -34,11 +36,14 @@ class SelfCollector:
                               labels=["collector"]),
             GaugeMetricFamily("gputrain_collector_last_success_timestamp_seconds",
                               "Unix time of the collector's last successful cycle.",
-                              labels=["collector"]))
+                              labels=["collector"]),
+            GaugeMetricFamily("gputrain_sampler_interval_seconds",
+                              "Seconds between the sampler's cycles (--sampler.interval): a "
+                              "collector's last success older than a few is stale."))
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
-        build, success, duration, fresh = self._families()
+        build, success, duration, fresh, interval = self._families()
         build.add_metric([__version__, platform.python_version(), snap.backend], 1)
         yield build
         statuses = dict(snap.collectors)
@@ -52,4 +57,7 @@ class SelfCollector:
         yield success
         yield duration
         yield fresh
+        if self._interval is not None:
+            interval.add_metric([], self._interval)
+            yield interval
 

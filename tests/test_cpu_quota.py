@@ -1,0 +1,95 @@
+"""A run has the CPUs its cgroup gives it, not the node's: the client's cgroup v2 reading, and
+the daemon's verdict on a rank at its quota on an idle node (the promtool case and diagnose
+through a real Prometheus are in rule_cases.py and test_agreement.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from exporter.client.cgroup import CgroupCpu, count_cpus
+from exporter.heuristics.rules import DEFAULTS
+from exporter.heuristics.verdict import judge
+from exporter.protocol import SCHEMA_VERSION
+from exporter.reading.collectors.cpu import CpuReading
+from exporter.reading.sampler import Snapshot
+from exporter.serving.history import History
+from exporter.serving.ingest import IngestStore
+
+T = DEFAULTS["thresholds"]
+
+
+def cgroup_tree(tmp_path: Path, pod_max: str, leaf_max: str = "max",
+                cpuset: str = "0-127", throttled_usec: int = 0) -> tuple[Path, Path]:
+    """A fake /proc/<pid>/cgroup and cgroup v2 tree: kubepods/pod/ctr, limits on the pod."""
+    root = tmp_path / "cgroup"
+    pod, leaf = root / "kubepods" / "pod1", root / "kubepods" / "pod1" / "ctr"
+    leaf.mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    (pod / "cpu.max").write_text(f"{pod_max}\n")
+    (leaf / "cpu.max").write_text(f"{leaf_max}\n")
+    (leaf / "cpuset.cpus.effective").write_text(f"{cpuset}\n")
+    (leaf / "cpu.stat").write_text(f"usage_usec 1000\nthrottled_usec {throttled_usec}\n")
+    proc = tmp_path / "proc"
+    (proc / "42").mkdir(parents=True)
+    (proc / "42" / "cgroup").write_text("0::/kubepods/pod1/ctr\n")
+    return proc, root
+
+
+def test_the_allowance_is_the_tightest_quota_or_cpuset_on_the_path(tmp_path):
+    proc, root = cgroup_tree(tmp_path, "400000 100000", throttled_usec=2_500_000)
+    got = CgroupCpu(42, str(proc), (str(root),)).read()
+    assert got == {"cpu_allowance_cores": min(4.0, os.cpu_count()),
+                   "cpu_throttled_seconds": 2.5}
+    proc, root = cgroup_tree(tmp_path / "b", "max", cpuset="0-1")
+    assert CgroupCpu(42, str(proc), (str(root),)).read()["cpu_allowance_cores"] == \
+        min(2.0, os.cpu_count())
+    assert count_cpus("0-3,8,10-11") == 7
+
+
+def test_without_cgroup_v2_nothing_is_claimed(tmp_path):
+    proc = tmp_path / "proc"
+    (proc / "42").mkdir(parents=True)
+    (proc / "42" / "cgroup").write_text("4:memory:/x\n1:cpu:/\n")  # cgroup v1 only
+    assert CgroupCpu(42, str(proc), (str(tmp_path),)).read() == {}
+
+
+def rank_on_idle_node(cores_used: float, allowance: float, throttled: float) -> list:
+    """Ten minutes of a rank 50 % input-bound whose process tree uses ``cores_used`` cores of
+    the ``allowance`` its cgroup gives it, throttled ``throttled`` of the time, pushed every
+    5 s, on a 128-core node 10 % busy; judged from the daemon's history."""
+    now = [1000.0]
+    store = IngestStore(clock=lambda: now[0], wall_clock=lambda: now[0])
+    history = History(window=300.0, point_seconds=5.0, instance="n1")
+    for k in range(121):
+        t = 5.0 * k
+        now[0] = 1000.0 + t
+        store.push(json.dumps({
+            "version": SCHEMA_VERSION, "run": "r", "rank": "0", "run_id": "a",
+            "steps": int(t * 10), "step_seconds": t, "data_wait_seconds": 0.5 * t,
+            "samples": 320 * t, "elapsed_seconds": t,
+            "process": {"cpu_seconds": cores_used * t, "resident_memory_bytes": 1e9,
+                        "cpu_allowance_cores": allowance,
+                        "cpu_throttled_seconds": throttled * t}}).encode())
+        host = {"cpu": CpuReading({"user": 128 * 0.1 * t, "idle": 128 * 0.9 * t,
+                                   "iowait": 0.0}, 128)}
+        history.observe(Snapshot(k, now[0], "test", "", (), host), store.states())
+    return judge(history.reports(), T)
+
+
+@pytest.mark.parametrize("cores_used, allowance, throttled, verdict", [
+    (3.9, 4.0, 0.0, "cpu-quota-bound"),  # at its quota, the node idle
+    (3.0, 4.0, 0.3, "cpu-quota-bound"),  # throttled 30 % of the time
+    (2.0, 4.0, 0.0, "input-bound"),  # half its allowance: more workers would help
+])
+def test_a_rank_at_its_quota_on_an_idle_node_is_cpu_bound(cores_used, allowance, throttled,
+                                                          verdict):
+    (rep,) = rank_on_idle_node(cores_used, allowance, throttled)
+    assert rep.verdict == verdict, rep.reason
+    assert rep.cpu_allowance_used == pytest.approx(cores_used / allowance)
+    if verdict == "cpu-quota-bound":
+        assert "Raise the pod's (or job's) CPU limit" in rep.advice
+        assert [f.name for f in rep.also] == ["input-bound"]
