@@ -180,11 +180,12 @@ def test_levels_split_the_rules_by_where_they_are_evaluated(fmt):
     global (rank comparisons, no records: vmalert refuses records without remote-write); the
     two together are exactly the single-Prometheus file."""
     node, glob, every = (_rules_of(level, fmt=fmt) for level in ("node", "global", "all"))
-    assert {r["alert"] for r in glob} == {"GpuTrainStragglerRank"}
+    # the alerts that compare the ranks of a run (a run spans nodes)
+    ranks_compared = {"GpuTrainStragglerRank", "GpuTrainCommunicationBound"}
+    assert {r["alert"] for r in glob} == ranks_compared
     assert not [r for r in glob if "record" in r]
-    assert "GpuTrainStragglerRank" not in {r.get("alert") for r in node}
-    assert {r.get("alert") for r in node if "alert" in r} == \
-        set(BY_ALERT) - {"GpuTrainStragglerRank"}
+    assert not ranks_compared & {r.get("alert") for r in node}
+    assert {r.get("alert") for r in node if "alert" in r} == set(BY_ALERT) - ranks_compared
     assert node + glob == every
     assert every == [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
 
