@@ -2,13 +2,15 @@
 DDP over a stack of Linear layers, each rank with its own TrainingMonitor watching the DDP
 model's gradient communication (``watch_communication``).
 
-``--rounds`` rounds of ``--steps`` steps with gradient sync, each followed (with
-``--reference``) by as many steps under ``no_sync()``: the step time with sync less the step
-time without it is the independent reference of the communication the step waits for, taken
-on the same machine under the same load. The monitor counts the synchronised steps only. Each
-rank writes ``{"sync": s, "nosync": s, "steps": n}`` (mean seconds a step) to
-``--out``/rank<N>.json. ``--slow-rank`` computes ``--slow-seconds`` longer each step (a sleep
-after its forward), or fetches that much longer with ``--slow-input``. With ``--until FILE``
+``--rounds`` rounds of ``--steps`` steps with gradient sync, then ``--reference-rounds`` rounds
+of as many steps with sync, each followed by as many under ``no_sync()``: the step time with
+sync less the step time without it is the independent reference of the communication the step
+waits for, taken on the same machine under the same load, with nothing else running beside.
+The monitor counts the synchronised steps only. Each rank writes ``{"sync": s, "nosync": s,
+"exposed": s, "exposed_total": s}`` (mean seconds a step over the reference rounds; the
+exposed total it pushed) to ``--out``/rank<N>.json. ``--slow-rank`` computes
+``--slow-seconds`` longer each step (a sleep after its forward), or fetches that much longer
+with ``--slow-input``. With ``--until FILE``
 the rounds go on (up to ``--rounds``) until FILE exists: a test judges the run while it
 trains, then lets it finish. ``--gpus`` lists demo GPU <rank> as each rank's GPU.
 
@@ -63,8 +65,7 @@ def worker(rank: int, a: argparse.Namespace) -> None:
         os.environ["GPUTRAIN_GPUS"] = str(rank)
     monitor = TrainingMonitor(run=a.run, rank=rank, endpoint=a.endpoint, push_interval=0.5)
     assert monitor.watch_communication(model), "DDP's communication cannot be measured"
-    sync, nosync, steps = 0.0, 0.0, 0
-    for done in range(a.rounds):
+    for done in range(a.rounds):  # training, judged live by a test
         stop = torch.tensor([int(bool(a.until) and done >= a.min_rounds
                                  and Path(a.until).exists())])
         dist.broadcast(stop, 0)  # every rank stops after the same round
@@ -72,6 +73,17 @@ def worker(rank: int, a: argparse.Namespace) -> None:
             break
         dist.barrier()
         monitor.new_epoch()  # the time since the last synchronised step is no step
+        for _ in range(a.steps):
+            with monitor.data_wait():
+                batch = fetch()
+            with monitor.step(samples=a.batch):
+                train_step(batch)
+    # the reference, once nothing else runs beside: rounds with and without gradient sync
+    sync, nosync, steps = 0.0, 0.0, 0
+    before = monitor.totals().get("comm_exposed_seconds", 0.0)
+    for _ in range(a.reference_rounds):
+        dist.barrier()
+        monitor.new_epoch()
         t0 = time.perf_counter()
         for _ in range(a.steps):
             with monitor.data_wait():
@@ -80,22 +92,25 @@ def worker(rank: int, a: argparse.Namespace) -> None:
                 train_step(batch)
         sync += time.perf_counter() - t0
         steps += a.steps
-        if a.reference:
-            dist.barrier()
-            t0 = time.perf_counter()
-            with model.no_sync():
-                for _ in range(a.steps):
-                    train_step(fetch())
-            nosync += time.perf_counter() - t0
+        dist.barrier()
+        t0 = time.perf_counter()
+        with model.no_sync():
+            for _ in range(a.steps):
+                train_step(fetch())
+        nosync += time.perf_counter() - t0
     dist.barrier()
     # DDP logs an iteration's times at the next synchronised forward: one more, outside steps
     monitor.new_epoch()
     model(x)
+    totals = monitor.totals()
     if not monitor.flush(timeout=10):
         raise SystemExit(f"rank {rank}: the daemon did not take the final push")
+    # the meter's counts since `before`: the last training step's and the reference steps'
+    counted = steps + 1
     Path(a.out, f"rank{rank}.json").write_text(json.dumps(
-        {"sync": sync / steps, "nosync": nosync / steps if a.reference else None,
-         "steps": steps}))
+        {"sync": sync / steps if steps else None, "nosync": nosync / steps if steps else None,
+         "exposed": (totals.get("comm_exposed_seconds", 0.0) - before) / counted,
+         "exposed_total": totals.get("comm_exposed_seconds")}))
     dist.barrier()
     monitor.close()
     dist.destroy_process_group()
@@ -115,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--min-rounds", type=int, default=0)
     p.add_argument("--until", default="", help="go on until this file exists")
     p.add_argument("--gpus", action="store_true")
-    p.add_argument("--reference", action="store_true")
+    p.add_argument("--reference-rounds", type=int, default=0,
+                   help="rounds with and without gradient sync at the end, for the reference")
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--slow-seconds", type=float, default=0.0)
     p.add_argument("--slow-input", action="store_true")

@@ -157,8 +157,8 @@ class _Allreduce:
 
 
 def _ddp_rank(endpoint: str, stop: threading.Event) -> None:
-    """Rank 2 of the run 'tour' (on demo GPU 2 % 2, rank 0's: GPU 1 stays unused), stepping
-    every 20 ms, with its gradient communication."""
+    """Rank 2 of the run 'tour' (on demo GPU 2 of 3: one rank a GPU, and GPU 1 stays
+    unused), stepping every 20 ms, with its gradient communication."""
     m = TrainingMonitor(run="tour", rank=2, endpoint=endpoint, push_interval=0.5)
     with m.step(samples=32):
         time.sleep(0.02)
@@ -175,7 +175,7 @@ def fed_prometheus(tmp_path_factory):
     # This machine's NIC reports no speed (as cloud NICs do): configure one, as users would.
     # a process no client reports shares GPU 0 with the run, as on a time-sliced GPU
     # NCCL Inspector's textfiles, as its README documents them, for the bus bandwidth panel
-    daemon = Daemon("--gpu.backend=demo", "--demo.gpus=2", "--demo.load=0.3",
+    daemon = Daemon("--gpu.backend=demo", "--demo.gpus=3", "--demo.load=0.3",
                     "--demo.foreign-load=0.1", "--host.netdev-speed=10Gbit",
                     "--collector.nccl",
                     f"--nccl.inspector-dir={ROOT / 'tests' / 'data' / 'nccl_inspector'}").start()

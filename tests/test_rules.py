@@ -180,7 +180,8 @@ def test_levels_split_the_rules_by_where_they_are_evaluated(fmt):
     global (rank comparisons, no records: vmalert refuses records without remote-write); the
     two together are exactly the single-Prometheus file."""
     node, glob, every = (_rules_of(level, fmt=fmt) for level in ("node", "global", "all"))
-    across = {"GpuTrainStragglerRank", "GpuTrainRunVanished"}  # they span a run's nodes
+    # the alerts that span a run's ranks, and so its nodes
+    across = {"GpuTrainStragglerRank", "GpuTrainRunVanished", "GpuTrainCommunicationBound"}
     assert {r["alert"] for r in glob} == across
     assert not [r for r in glob if "record" in r]
     assert not across & {r.get("alert") for r in node}
