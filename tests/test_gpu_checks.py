@@ -6,7 +6,8 @@ from gpu.checks import check
 
 
 def result(name: str, power=(300.0, 305.0), memory=(10000.0, 10050.0), util=(90.0, 92.0),
-           sm=0.7, tensor=0.0, rx=1e9, gpu_name="NVIDIA H100 80GB HBM3", mfu=0.1) -> dict:
+           sm=0.7, tensor=0.0, rx=1e9, gpu_name="NVIDIA H100 80GB HBM3", mfu=0.1,
+           rx_per_sample=150e3) -> dict:
     def cmp(pair):
         ours, theirs = pair
         return {"exporter": ours, "nvidia_smi": theirs, "samples": 30,
@@ -15,24 +16,26 @@ def result(name: str, power=(300.0, 305.0), memory=(10000.0, 10050.0), util=(90.
     return {"scenario": name, "returncode": 0, "trainer_errors": "", "gpu_name": gpu_name,
             "nvidia_smi": {"power": cmp(power), "memory": cmp(memory), "util": cmp(util)},
             "measured": {"sm_active": sm, "tensor_active": tensor,
-                         "pcie_rx_bytes_per_second": rx, "mfu": mfu}}
+                         "pcie_rx_bytes_per_second": rx, "mfu": mfu,
+                         "pcie_rx_bytes_per_sample": rx_per_sample}}
 
 
 def test_a_good_run_passes():
     assert check([result("s003-5-uint8"), result("s003-6-amp", tensor=0.3, mfu=0.15),
                   result("s003-7-compile", tensor=0.3, mfu=0.2),
-                  result("s002-h2d-copy", rx=9e9)]) == []
+                  result("s002-h2d-copy", rx=9e9, rx_per_sample=3e6)]) == []
 
 
 def test_each_failure_is_named():
     failures = check([result("s003-5-uint8", power=(250.0, 300.0)),
                       result("s003-6-amp", tensor=0.0, memory=(10000.0, 11000.0), mfu=0.15),
-                      result("s002-h2d-copy", rx=1.5e9, sm=None, util=(40.0, 90.0))])
+                      result("s002-h2d-copy", rx=1.5e9, sm=None, util=(40.0, 90.0),
+                             rx_per_sample=300e3)])
     text = "\n".join(failures)
     assert "s003-5-uint8: power" in text
     assert "s003-6-amp: memory" in text
     assert "tensor activity did not rise with AMP" in text
-    assert "PCIe received bytes did not rise" in text
+    assert "PCIe bytes per sample did not rise" in text
     assert "s002-h2d-copy: no GPM SM activity" in text
     assert "s002-h2d-copy: utilisation" in text
     assert len(failures) == 6

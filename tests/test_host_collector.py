@@ -139,7 +139,7 @@ def test_the_collector_table_gives_every_collector_a_flag_and_its_own_health_ser
     ns = parser.parse_args(["--no-collector.disk"])
     settings: Settings = resolve(ns)
     off_by_default = {name for name, entry in COLLECTORS.items() if not entry.default}
-    assert off_by_default == {"kubernetes", "slurm"}
+    assert off_by_default == {"kubernetes", "slurm", "nccl"}  # each needs its source
     assert settings.collectors == set(COLLECTORS) - {"disk"} - off_by_default
     collectors = host_collectors(settings.collectors, settings.values,
                                  psutil_module=FakePsutil())

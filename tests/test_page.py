@@ -77,17 +77,21 @@ class Reference:
         gpus = GpuIndex(snap)
         held, others = self._owners.attribute(snap, states)
         f = self._families()
-        (steps, wait, samples, flops, elapsed, hist, phases, last_step, last_push, skew,
-         finished, cpu, rss, read, gpu_info, gpu_memory, profile, unattributed, strangers,
-         requests, series, left_out) = (
+        (steps, wait, samples, flops, comm, exposed, comm_bytes, elapsed, slow, hist, phases,
+         last_step, last_push, skew, finished, cpu, allowance, throttled, rss, read, gpu_info,
+         gpu_memory, profile, unattributed, strangers, requests, series, left_out) = (
             f[f"gputrain_{n}"] for n in (
                 "training_steps_total", "training_data_wait_seconds_total",
-                "training_samples_total", "training_flops_total",
-                "training_elapsed_seconds_total", "training_step_duration_seconds",
+                "training_samples_total", "training_flops_total", "training_comm_seconds_total",
+                "training_comm_exposed_seconds_total", "training_comm_bytes_total",
+                "training_elapsed_seconds_total", "training_slow_step_seconds_total",
+                "training_step_duration_seconds",
                 "training_phase_seconds_total", "training_last_step_timestamp_seconds",
                 "training_last_push_timestamp_seconds", "training_clock_skew_seconds",
                 "training_finished",
                 "training_process_cpu_seconds_total",
+                "training_process_cpu_allowance_cores",
+                "training_process_cpu_throttled_seconds_total",
                 "training_process_resident_memory_bytes", "training_process_read_bytes_total",
                 "training_gpu_info", "training_gpu_memory_bytes", "training_profile_info",
                 "gpu_unattributed_memory_bytes", "gpu_unattributed_processes",
@@ -105,7 +109,13 @@ class Reference:
             samples.add_metric(lv, st.samples)
             if st.flops is not None:
                 flops.add_metric(lv, st.flops)
+            for family, value in ((comm, st.comm_seconds), (exposed, st.comm_exposed_seconds),
+                                  (comm_bytes, st.comm_bytes)):
+                if value is not None:
+                    family.add_metric(lv, value)
             elapsed.add_metric(lv, st.wall_seconds)
+            if st.bucket_bounds:
+                slow.add_metric(lv, st.slow_step_seconds)
             pairs = zip(st.bucket_bounds, st.bucket_counts, strict=True)
             buckets = [(floatToGoString(b), c) for b, c in pairs]
             buckets.append(("+Inf", st.steps))
@@ -120,6 +130,10 @@ class Reference:
             finished.add_metric(lv, 1.0 if st.finished else 0.0)
             if "cpu_seconds" in st.process:
                 cpu.add_metric(lv, st.process["cpu_seconds"])
+            if "cpu_allowance_cores" in st.process:
+                allowance.add_metric(lv, st.process["cpu_allowance_cores"])
+            if "cpu_throttled_seconds" in st.process:
+                throttled.add_metric(lv, st.process["cpu_throttled_seconds"])
             if "resident_memory_bytes" in st.process:
                 rss.add_metric(lv, st.process["resident_memory_bytes"])
             if "read_bytes" in st.process:
@@ -139,9 +153,10 @@ class Reference:
         for (index, uuid), (b, m) in sorted(unowned.items()):
             others_busy.add_metric([index, uuid], b)
             others_memory.add_metric([index, uuid], m)
-        for family in (steps, wait, samples, flops, elapsed, hist, phases, last_step,
-                       last_push, skew, finished, cpu, rss, read, gpu_info, gpu_memory, busy,
-                       memory_busy, profile, unattributed, strangers, others_busy, others_memory):
+        for family in (steps, wait, samples, flops, comm, exposed, comm_bytes, elapsed, slow,
+                       hist, phases, last_step, last_push, skew, finished, cpu, allowance,
+                       throttled, rss, read, gpu_info, gpu_memory, busy, memory_busy, profile,
+                       unattributed, strangers, others_busy, others_memory):
             if family.samples:
                 yield family
         for code, n in sorted(self._store.requests().items()):
@@ -170,7 +185,8 @@ def test_training_lines_are_what_prometheus_client_writes_in_both_formats():
     push(store, rank="1", step_buckets=[0.1, 1, 2.5], step_counts=[1, 5, 10],
          phases={"zeta": 1e-7, "checkpoint": 3}, last_step_timestamp=1.7e9,
          process={"cpu_seconds": 1, "pid": 4242, "resident_memory_bytes": 12345678901,
-                  "read_bytes": 0})  # its GPU found by pid
+                  "read_bytes": 0, "cpu_allowance_cores": 2.5, "cpu_throttled_seconds": 0.25},
+         comm_seconds=1.5, comm_exposed_seconds=0.5, comm_bytes=4e8)  # its GPU found by pid
     push(store, run="alpha", rank="3", steps=10**15, samples=1e22,
          gpus=["1", "GPU-00000000-aaaa-bbbb-cccc-000000000000", "7"],  # 7: not on this node
          capabilities=["profile"])
@@ -185,7 +201,8 @@ def test_training_lines_are_what_prometheus_client_writes_in_both_formats():
         assert collector.render(True) + b"# EOF\n" == generate_openmetrics(registry)
     push(store, rank="1", steps=11, step_seconds=2.6, samples=352, step_buckets=[0.1, 1, 2.5],
          step_counts=[1, 6, 11], phases={"zeta": 1e-7, "checkpoint": 3.5},
-         process={"cpu_seconds": 2, "pid": 4242})
+         process={"cpu_seconds": 2, "pid": 4242, "cpu_throttled_seconds": 0.5},
+         comm_seconds=1.6, comm_exposed_seconds=0.5, comm_bytes=4.4e8)
     assert collector.render(False) == generate_latest(registry)
     line = b'gputrain_training_gpu_info{gpu="0",precision="bf16",rank="1",run="resnet18"'
     assert line in collector.render()

@@ -1020,12 +1020,16 @@ def test_top_escapes_what_the_daemon_sends(daemon_factory):
     stand = ThreadingHTTPServer(("127.0.0.1", 0), Stand)
     threading.Thread(target=stand.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{stand.server_port}"
+    # wide enough for every column: the escaped names are long, and a narrower frame drops
+    # the GPU's name column first (top's layout has tests of its own)
+    wide = {**os.environ, "COLUMNS": "250"}
     try:
         top = subprocess.run([sys.executable, "-m", "exporter", "top", "--once", "--url", url],
-                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+                             cwd=ROOT, capture_output=True, text=True, timeout=60, env=wide)
         # into a pipe, frame after frame: the later ones are fetched again, escaped too
         live = subprocess.Popen([sys.executable, "-m", "exporter", "top", "--interval", "0.2",
-                                 "--url", url], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+                                 "--url", url], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                                env=wide)
         watchdog = threading.Timer(60, live.kill)
         watchdog.start()
         frames = []
