@@ -152,6 +152,9 @@ def recording(s: str, ids: Identity, r: str = WINDOWS["rate"]) -> list[dict]:
         _rec("run_rank:gputrain_training_comm_exposed_ratio:rate5m", f"""
             sum by ({rank}) (rate(gputrain_training_comm_exposed_seconds_total{{{s}}}[{r}]))
             / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{r}]))"""),
+        # how often each rank's process was replaced in the rate window: rates across a
+        # restart are no bottleneck (recorded, so that global rules may read it too)
+        _rec("run_rank:gputrain_training_restarts:resets5m", restarts(s, ids, r)),
         _rec("run_rank:gputrain_training_comm_bytes:rate5m", f"""
             sum by ({rank}) (rate(gputrain_training_comm_bytes_total{{{s}}}[{r}]))"""),
         # a step's compute: its time less the data wait and, where measured, the wait for
@@ -405,7 +408,7 @@ class Q:
                 f"(run_rank:gputrain_training_finished:max > 0 or time() - "
                 f"run_rank:gputrain_training_last_push_timestamp_seconds:max > "
                 f"{self.t['vanished_seconds']} or "
-                f"({restarts(self.s, self.ids, WINDOWS['rate'])} > 0))")
+                f"run_rank:gputrain_training_restarts:resets5m > 0)")
 
     def fresh(self, expr: str) -> str:
         """``expr`` only where no collector of its node is stale: nothing but a fault is
