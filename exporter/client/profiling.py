@@ -277,7 +277,31 @@ def top_operators(averages: Iterable[Any], n: int = MAX_PROFILE_TOP_OPS) -> list
 
 # -- the state machine, between the pusher thread and the training thread ---------------------
 
-class RankProfiler:
+class ReportSlot:
+    """The report a rank owes the daemon on what it was asked for (a profile, a capture):
+    sent with every push until the daemon has taken the final one, dropped when refused so
+    that the totals' pushes go on. Subclasses set ``_lock``, ``_report`` and ``what``."""
+
+    what = "profile"
+    _lock: threading.Lock
+    _report: dict[str, Any] | None
+
+    def report(self) -> dict[str, Any] | None:
+        """The state to send with the next push."""
+        return self._report
+
+    def reported(self, report: dict[str, Any], refused: str | None = None) -> None:
+        """The daemon took ``report`` (a final one is not sent again), or ``refused`` it."""
+        with self._lock:
+            if self._report is report and (refused is not None or
+                                           report["state"] in ("done", "failed")):
+                self._report = None
+        if refused is not None:
+            log.warning("gputrain: the daemon refused %s %s's report: %s", self.what,
+                        report.get("id"), refused)
+
+
+class RankProfiler(ReportSlot):
     """One profile at a time for one rank.
 
     ``offer`` (pusher thread) takes an instruction; ``at_boundary`` (training thread, only
@@ -345,21 +369,6 @@ class RankProfiler:
         log.info("gputrain: the daemon asks for a %d-step profile (%s); it starts at the next "
                  "step", steps, pid)
         self._attention()
-
-    def report(self) -> dict[str, Any] | None:
-        """The state to send with the next push."""
-        return self._report
-
-    def reported(self, report: dict[str, Any], refused: str | None = None) -> None:
-        """The daemon took ``report`` (a final one is not sent again), or ``refused`` it (it
-        is dropped, so that the totals' pushes go on)."""
-        with self._lock:
-            if self._report is report and (refused is not None or
-                                           report["state"] in ("done", "failed")):
-                self._report = None
-        if refused is not None:
-            log.warning("gputrain: the daemon refused profile %s's report: %s", report.get("id"),
-                        refused)
 
     def at_boundary(self, step_seconds: float, data_wait: float) -> None:
         """A step just ended (training thread). Never raises."""

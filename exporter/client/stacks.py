@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from exporter.client.profiling import prune_traces, trace_budget, trace_dir
+from exporter.client.profiling import ReportSlot, prune_traces, trace_budget, trace_dir
 from exporter.protocol import (
     MAX_DUMP_FRAMES,
     MAX_DUMP_FRAMES_TOTAL,
@@ -380,10 +380,12 @@ def parse_dump(dumps: dict[int, Any], main_pid: int) -> list[dict[str, Any]]:
 
 # -- the state machine, between the pusher thread and the capture's thread -------------------
 
-class StackSampler:
+class StackSampler(ReportSlot):
     """One capture at a time for one rank. ``offer`` (pusher thread) takes an instruction and
     starts the capture's thread; ``report`` / ``reported`` (pusher thread) carry its state
     to the daemon until it has taken the final one. ``wake`` asks the pusher to push now."""
+
+    what = "stacks"
 
     def __init__(self, run: str, rank: str, wake: Callable[[], None]) -> None:
         self.run = run
@@ -421,20 +423,6 @@ class StackSampler:
                                         name="gputrain-stacks", daemon=True)
         self._thread.start()
         self._wake()
-
-    def report(self) -> dict[str, Any] | None:
-        """The state to send with the next push."""
-        return self._report
-
-    def reported(self, report: dict[str, Any], refused: str | None = None) -> None:
-        """The daemon took ``report`` (a final one is not sent again), or ``refused`` it."""
-        with self._lock:
-            if self._report is report and (refused is not None or
-                                           report["state"] in ("done", "failed")):
-                self._report = None
-        if refused is not None:
-            log.warning("gputrain: the daemon refused stacks %s's report: %s", report.get("id"),
-                        refused)
 
     def in_child(self) -> None:
         """After a fork (a DataLoader worker): never capture here, and let the parent's
