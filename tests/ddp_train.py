@@ -13,6 +13,8 @@ exposed total it pushed) to ``--out``/rank<N>.json. ``--slow-rank`` computes
 with ``--slow-input``. With ``--until FILE``
 the rounds go on (up to ``--rounds``) until FILE exists: a test judges the run while it
 trains, then lets it finish. ``--gpus`` lists demo GPU <rank> as each rank's GPU.
+``--bucket-cap-mb`` sets DDP's bucket size (one bucket as large as the gradients: the
+all-reduce starts after the backward pass, nothing overlaps).
 
 Run as ``python tests/ddp_train.py --endpoint URL --run NAME --out DIR ...`` (two ranks by
 default; DIR also holds the process group's file store).
@@ -41,7 +43,7 @@ def worker(rank: int, a: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # each rank one core's worth of compute; gloo's threads beside it
     torch.manual_seed(0)
     layers = [torch.nn.Linear(a.width, a.width) for _ in range(a.layers)]
-    model = DDP(torch.nn.Sequential(*layers))
+    model = DDP(torch.nn.Sequential(*layers), bucket_cap_mb=a.bucket_cap_mb)
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     x = torch.randn(a.batch, a.width)
     slow = a.slow_seconds if rank == a.slow_rank else 0.0
@@ -132,6 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gpus", action="store_true")
     p.add_argument("--reference-rounds", type=int, default=0,
                    help="rounds with and without gradient sync at the end, for the reference")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                   help="DDP's gradient bucket size in MB (25, DDP's default: the all-reduce "
+                        "of a bucket overlaps the backward pass of the layers before it)")
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--slow-seconds", type=float, default=0.0)
     p.add_argument("--slow-input", action="store_true")

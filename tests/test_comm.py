@@ -119,7 +119,11 @@ def test_a_moved_private_api_is_said_once_and_measures_nothing(one_rank, caplog,
 
 # --- the runs: real DDP over gloo, two ranks, judged while they train ---------------------------
 
-HEAVY = ["--width", "2048", "--layers", "6", "--batch", "4"]  # 100 MB of gradients, little compute
+# 100 MB of gradients, little compute, in one bucket: the all-reduce runs after the backward pass,
+# where DDP's exposed figure is the whole wait (with DDP's 25 MB buckets it overlaps the backward
+# pass, and on two shared cores gloo's threads slow the compute they overlap, which the figure
+# leaves out: 0.36x-0.57x of the reference here, see docs/client.md)
+HEAVY = ["--width", "2048", "--layers", "6", "--batch", "4", "--bucket-cap-mb", "1000"]
 LIGHT = ["--width", "256", "--layers", "4", "--batch", "1024"]  # 1 MB of gradients, more compute
 
 
@@ -205,14 +209,48 @@ def _judge_live(stack, name: str, *args: str,
     finish it: what each surface said, the references and the daemon's totals (once per
     module: a later test reads the same run)."""
     if name in stack["results"]:
-        return stack["results"][name]
+        result = stack["results"][name]
+        if isinstance(result, Exception):  # a later test reading a run that failed
+            pytest.fail(f"run {name} failed in an earlier test: {result}")
+        return result
+    try:
+        result = _judge(stack, name, *args, settled=settled)
+    except Exception as exc:
+        stack["results"][name] = exc
+        raise
+    stack["results"][name] = result
+    return result
+
+
+def _settled_seen(read: Callable[[], dict[str, dict]],
+                  settled: Callable[[dict[str, dict]], bool], what: str,
+                  timeout: float, interval: float) -> dict[str, dict]:
+    """wait_until(read() settled), saying what was last read when it times out."""
+    seen: list[dict[str, dict]] = [{}]
+
+    def check() -> dict[str, dict] | None:
+        seen[0] = read()
+        return seen[0] if seen[0] and settled(seen[0]) else None
+
+    try:
+        return wait_until(check, timeout=timeout, interval=interval, what=what)
+    except AssertionError as exc:
+        last = {k: {f: r.get(f) for f in ("verdict", "comm_exposed_ratio", "comm_ratio",
+                                          "data_wait_ratio", "reason", "also")}
+                for k, r in seen[0].items()}
+        raise AssertionError(f"{exc}; last seen: {json.dumps(last, default=str)[:3000]}") \
+            from None
+
+
+def _judge(stack, name: str, *args: str,
+           settled: Callable[[dict[str, dict]], bool]) -> dict:
     daemon, prom = stack["daemon"], stack["prom"]
     run = Run(stack["tmp"], name, daemon.ingest_url, *args)
     try:
-        page = wait_until(lambda: (r := _status_ranks(daemon, name)) and settled(r) and r,
-                          timeout=300, interval=1, what=f"the page to judge run {name}")
-        diag = wait_until(lambda: (r := _diagnose(prom, name)) and settled(r) and r,
-                          timeout=300, interval=2, what=f"diagnose to judge run {name}")
+        page = _settled_seen(lambda: _status_ranks(daemon, name), settled,
+                             f"the page to judge run {name}", timeout=300, interval=1)
+        diag = _settled_seen(lambda: _diagnose(prom, name), settled,
+                             f"diagnose to judge run {name}", timeout=300, interval=2)
         # the rules have evaluated the run's exposed share (and their `for` has passed)
         wait_until(lambda: len(prom.query(
             f'run_rank:gputrain_training_comm_exposed_ratio:rate5m{{run="{name}"}}')) == 2,
@@ -234,9 +272,7 @@ def _judge_live(stack, name: str, *args: str,
     totals = [{k: sample_value(text, f"gputrain_training_{k}", x) for k in (
         "comm_exposed_seconds_total", "comm_seconds_total", "comm_bytes_total",
         "steps_total", "step_duration_seconds_sum")} for x in labels]
-    result = {"page": page, "diagnose": diag, "top": top_out, "refs": refs, "totals": totals}
-    stack["results"][name] = result
-    return result
+    return {"page": page, "diagnose": diag, "top": top_out, "refs": refs, "totals": totals}
 
 
 def _heavy(stack) -> dict:
@@ -245,8 +281,8 @@ def _heavy(stack) -> dict:
 
 
 def test_a_communication_heavy_run_is_communication_bound_everywhere(stack):
-    """Six Linear(2048, 2048) at batch 4 over two gloo ranks: most of each step is the
-    gradients' all-reduce. The page, diagnose, top and the alert call the run
+    """Six Linear(2048, 2048) at batch 4 over two gloo ranks, one gradient bucket: most of
+    each step is the gradients' all-reduce. The page, diagnose, top and the alert call the run
     communication-bound (not gpu-bound, though its demo GPUs are 100 % busy): both ranks, as
     both wait for it (the least wait of the run's ranks reaches the threshold). The exported
     exposed wait lies within 0.5x-1.25x of the step time with sync less the step time under
@@ -268,10 +304,7 @@ def test_a_communication_heavy_run_is_communication_bound_everywhere(stack):
         reference, exposed = ref["sync"] - ref["nosync"], ref["exposed"]
         print(f"\naccuracy comm rank {rank}: exposed {exposed:.4f} s a step against "
               f"{reference:.4f} s ({exposed / reference:.2f}x)")
-        # the issue asks 0.5x-1.25x of the reference; CI's 2-core machine measured 0.49x on
-        # one rank once (gloo's threads compete with compute): what holds there is a wait that
-        # is there and never longer than the step with sync (issue 39 stays open for it)
-        assert 0 < exposed <= ref["sync"], (rank, exposed, reference)
+        assert 0.5 * reference <= exposed <= 1.25 * reference, (rank, exposed, reference)
         assert tot["comm_bytes_total"] == pytest.approx(
             tot["steps_total"] * 6 * (2048 * 2048 + 2048) * 4)
 
@@ -296,9 +329,7 @@ def test_a_compute_heavy_run_is_not_communication_bound(stack):
 
     light_share, heavy_share = least_share(res["totals"]), least_share(heavy["totals"])
     print(f"\nexposed share: heavy {heavy_share:.3f}, light {light_share:.3f}")
-    # the issue asks at least 2x; CI's machine measured 1.43x once (0.202 against 0.142):
-    # what holds there is the order (issue 39 stays open for the margin)
-    assert heavy_share > light_share, (heavy_share, light_share)
+    assert heavy_share >= 2 * light_share, (heavy_share, light_share)
 
 
 def test_the_rank_slowed_on_purpose_is_the_only_straggler(stack):
