@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import copy
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -340,7 +340,7 @@ def resolve(namespace: argparse.Namespace) -> Settings:
 
 
 def merge(base: dict, override: dict | None,
-          checks: dict[str, Callable[[Any], Any]] | None = None, path: str = "") -> dict:
+          checks: Mapping[str, Callable[[Any], Any]] | None = None, path: str = "") -> dict:
     """``base`` with ``override``'s keys replaced, key by key (nested mappings too); an
     unknown key, or a value of another type than the default's, is a ValueError naming the
     key. ``checks`` maps a key to the function that checks and converts its value."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -389,3 +390,49 @@ def pytest_addoption(parser) -> None:
 def update_golden(request) -> bool:
     """True when the golden files are to be rewritten (--update-golden or UPDATE_GOLDEN=1)."""
     return bool(request.config.getoption("--update-golden") or os.environ.get("UPDATE_GOLDEN"))
+
+
+# What a test (or a fixture or module helper it uses) does that makes it an integration test:
+# it starts a process, a server or a socket of its own.
+_STARTS = ("Daemon(", "Prometheus(", "Alertmanager(", "Webhook(", "subprocess.", "Popen(",
+           "sys.executable", "ENV_BIN", "synthetic_client(", "_factory(", "socket.socket(",
+           "mp.spawn(", "multiprocessing", "ThreadingHTTPServer(", "web.AppRunner(",
+           "TCPSite(", "start_server(", "unshare", "serve(")
+
+
+def _starts_something(func, module, depth: int = 3, seen: set | None = None) -> bool:
+    """Whether ``func``'s source, or a module-level function of ``module`` it names (to
+    ``depth`` calls), starts a process, server or socket."""
+    seen = set() if seen is None else seen
+    if func in seen or depth < 0:
+        return False
+    seen.add(func)
+    try:
+        source = inspect.getsource(func)
+    except (OSError, TypeError):
+        return False
+    if any(s in source for s in _STARTS):
+        return True
+    for name, obj in vars(module).items():
+        if (inspect.isfunction(obj) or inspect.isclass(obj)) and \
+                getattr(obj, "__module__", None) == module.__name__ and \
+                f"{name}(" in source and \
+                _starts_something(obj, module, depth - 1, seen):
+            return True
+    return False
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark every test that starts a process, server or socket (itself, through a fixture, or
+    through a helper of its module) ``integration``: ``pytest -m "not integration"`` is the
+    fast loop (CONTRIBUTING.md)."""
+    for item in items:
+        if item.get_closest_marker("integration") or not isinstance(item, pytest.Function):
+            continue
+        module = item.module
+        funcs = [item.function]
+        for name in item.fixturenames:
+            for fixturedef in item._fixtureinfo.name2fixturedefs.get(name, ()):
+                funcs.append(fixturedef.func)
+        if any(_starts_something(f, inspect.getmodule(f) or module) for f in funcs):
+            item.add_marker(pytest.mark.integration)

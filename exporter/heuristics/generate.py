@@ -16,6 +16,7 @@ import importlib.util
 import sys
 import textwrap
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from exporter.heuristics import dashboards
@@ -121,6 +122,8 @@ def _rule_cases(root: Path):
     if "rule_cases" in sys.modules:  # the test suite has it already
         return sys.modules["rule_cases"]
     spec = importlib.util.spec_from_file_location("rule_cases", root / "tests" / "rule_cases.py")
+    if spec is None or spec.loader is None:
+        raise FileNotFoundError(root / "tests" / "rule_cases.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["rule_cases"] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -159,9 +162,9 @@ def committed(root: Path) -> dict[Path, Callable[[], str]]:
                                             gpu_metrics.doc_table()),
     }
     for name, d in dashboards.dashboards().items():
-        files[root / "grafana" / "dashboards" / name] = lambda d=d: dashboards.render(d)
+        files[root / "grafana" / "dashboards" / name] = partial(dashboards.render, d)
     for path, text in _rule_cases(root).files().items():
-        files[path] = lambda text=text: text
+        files[path] = partial(str, text)
     return files
 
 

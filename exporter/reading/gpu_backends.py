@@ -80,15 +80,16 @@ RETIREMENT_CAUSES = {
     "double_bit_ecc": "NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR"}
 REMAP_STATES = ("correctable", "uncorrectable", "pending", "failed")
 # newest first (see Nvml.call_versioned); older drivers lack the later ones
-COMPUTE_PROCESS_VARIANTS = (("nvmlDeviceGetComputeRunningProcesses_v3", {}),
-                            ("nvmlDeviceGetComputeRunningProcesses_v2", {}),
-                            ("nvmlDeviceGetComputeRunningProcesses", {}))
+Variants = tuple[tuple[str, dict[str, Any]], ...]  # (NVML function, keyword arguments)
+COMPUTE_PROCESS_VARIANTS: Variants = (("nvmlDeviceGetComputeRunningProcesses_v3", {}),
+                                      ("nvmlDeviceGetComputeRunningProcesses_v2", {}),
+                                      ("nvmlDeviceGetComputeRunningProcesses", {}))
 # newest first: nvmlDeviceGetProcessesUtilizationInfo is in the 12.4 header (driver 550, go-nvml
 # f7ceebd) and nvidia-ml-py 12.550 on; both take the last seen timestamp (CPU microseconds)
-PROCESS_UTILIZATION_VARIANTS = (("nvmlDeviceGetProcessesUtilizationInfo", {}),
-                                ("nvmlDeviceGetProcessUtilization", {}))
+PROCESS_UTILIZATION_VARIANTS: Variants = (("nvmlDeviceGetProcessesUtilizationInfo", {}),
+                                          ("nvmlDeviceGetProcessUtilization", {}))
 # the GPU's own best generation (the 12.0 header, driver 525): a second opinion, not missed
-GPU_MAX_PCIE_GENERATION = (("nvmlDeviceGetGpuMaxPcieLinkGeneration", {}),)
+GPU_MAX_PCIE_GENERATION: Variants = (("nvmlDeviceGetGpuMaxPcieLinkGeneration", {}),)
 
 
 _MIG_PROFILE = re.compile(r"\bMIG (\d+g\.\d+gb(?:\+\w+)*)", re.IGNORECASE)
@@ -198,7 +199,12 @@ def _text(value: Any) -> str:
 
 
 def _ratio(percent: float | None) -> float | None:
-    return None if percent is None else max(0.0, min(1.0, float(percent) / 100.0))
+    return None if percent is None else _share(percent)
+
+
+def _share(percent: float) -> float:
+    """A percentage as a ratio, clamped to 0-1."""
+    return max(0.0, min(1.0, float(percent) / 100.0))
 
 
 class _NvmlDevice:
@@ -433,14 +439,15 @@ class NvmlBackend:
         answers."""
         nv, h, key = self.nvml, dev.handle, dev.identity.index
         for m in ONE_CALL:
-            read = m.nvml
+            read, attr = m.nvml, m.attr
+            assert read is not None and attr is not None  # ONE_CALL holds only these
             if len(read.functions) == 1:
                 got = nv.call(read.functions[0], h, *read.args, device=key)
             else:
                 got = nv.call_versioned([(f, {}) for f in read.functions], h, *read.args,
                                         device=key)
             if got is not None and got != read.unknown:
-                setattr(s, m.attr, float(got) / read.per)
+                setattr(s, attr, float(got) / read.per)
 
     def _utilization(self, dev: _NvmlDevice) -> float | None:
         """Mean of NVML's utilisation sample buffer since the last reading, as a ratio."""
@@ -473,7 +480,8 @@ class NvmlBackend:
                                        dev.process_seen_us, device=key)
         if got is None and self.nvml.none_answers(PROCESS_UTILIZATION_VARIANTS, device=key):
             return None, None
-        since, fresh = dev.process_seen_us, {}
+        since = dev.process_seen_us
+        fresh: dict[int, list[tuple[int, float, float]]] = {}
         for x in got or ():
             if x.timeStamp > since and x.pid and x.smUtil <= 100 and x.memUtil <= 100:
                 fresh.setdefault(int(x.pid), []).append((int(x.timeStamp), x.smUtil, x.memUtil))
@@ -492,12 +500,12 @@ class NvmlBackend:
         dev.process_read_at = now
         dev.process_last_us = {p: t for p, t in dev.process_last_us.items()
                                if p in fresh or t > dev.process_seen_us - 60_000_000}
-        seconds = {}
+        seconds: dict[int, tuple[float, float]] = {}
         for pid, v in fresh.items():
             weight = dev.process_period_us / 1e6 if dev.process_period_us else dt / len(v)
-            seconds[pid] = (sum(_ratio(sm) for _, sm, _ in v) * weight,
-                            sum(_ratio(mem) for _, _, mem in v) * weight)
-        means = {pid: (_ratio(sum(sm for _, sm, _ in v) / len(v)),
+            seconds[pid] = (sum(_share(sm) for _, sm, _ in v) * weight,
+                            sum(_share(mem) for _, _, mem in v) * weight)
+        means = {pid: (_share(sum(sm for _, sm, _ in v) / len(v)),
                        _ratio(sum(mem for _, _, mem in v) / len(v))) for pid, v in fresh.items()}
         return means, seconds
 
@@ -972,21 +980,22 @@ class DemoBackend:
         dt = now - self._last.get(gpu.index, now)
         self._last[gpu.index] = now
         s = GpuSample(timestamp=now, pids=tuple(shares))
-        for m in DEMO_GAUGES:
-            setattr(s, m.attr, m.demo_value(load))
+        g = {m.attr: m.demo_value(load) for m in DEMO_GAUGES if m.attr is not None}
+        for attr, value in g.items():
+            setattr(s, attr, value)
         # as NVML, only the processes busy in the window have a sample
-        s.process_utilization = {pid: (share * scale, s.dram_active * share * scale / load)
+        s.process_utilization = {pid: (share * scale, g["dram_active"] * share * scale / load)
                                  for pid, share in shares.items() if share * scale > 0}
-        self._energy[gpu.index] = self._energy.get(gpu.index, 0.0) + s.power_watts * dt
+        self._energy[gpu.index] = self._energy.get(gpu.index, 0.0) + g["power_watts"] * dt
         s.energy_counter_joules = self._energy[gpu.index]
-        link = s.pcie_link_max_bytes_per_second
+        link = g["pcie_link_max_bytes_per_second"]
         rx_rate, tx_rate = 0.08 * link * load, 0.01 * link * load
         pcie = self._pcie.setdefault(gpu.index, [0.0, 0.0])
         pcie[0] += rx_rate * dt
         pcie[1] += tx_rate * dt
         s.pcie_rx_counter_bytes, s.pcie_tx_counter_bytes = pcie
         # gradients all-reduced over NVLink while busy: a third of the links' bandwidth at full load
-        nvlink_rate = 0.33 * s.nvlink_links * s.nvlink_link_max_bytes_per_second * load
+        nvlink_rate = 0.33 * g["nvlink_links"] * g["nvlink_link_max_bytes_per_second"] * load
         nvlink = self._nvlink.setdefault(gpu.index, [0.0, 0.0])
         nvlink[0] += nvlink_rate * dt
         nvlink[1] += nvlink_rate * dt
@@ -1005,12 +1014,12 @@ class DemoBackend:
                           * load, "memory": self.MEMORY_CLOCK}
         s.clock_event_counter_seconds = {"sw_power_cap": 0.0, "hw_thermal_slowdown": 0.0}
         # the ranks on it hold what the simulated GPU uses, less a context's 512 MiB
-        s.process_memory = {pid: max(0.0, s.memory_used_bytes - 512 * MIB) / len(ranks)
+        s.process_memory = {pid: max(0.0, g["memory_used_bytes"] - 512 * MIB) / len(ranks)
                             for pid in ranks}
         if self.FOREIGN_PID in shares:
             s.process_memory[self.FOREIGN_PID] = float(self.FOREIGN_MEMORY)
-            s.memory_used_bytes = min(s.memory_total_bytes,
-                                      s.memory_used_bytes + self.FOREIGN_MEMORY)
+            s.memory_used_bytes = min(g["memory_total_bytes"],
+                                      g["memory_used_bytes"] + self.FOREIGN_MEMORY)
         return s
 
     def reopen(self, gpu: GpuIdentity) -> bool:

@@ -83,6 +83,8 @@ class GpuMetric:
 
     def demo_value(self, load: float) -> float:
         """The demo's value at busy ratio ``load`` (0-1)."""
+        if self.demo is None:
+            raise ValueError(f"{self.name} has no demo value")
         return float(self.demo(load) if callable(self.demo) else self.demo)
 
     def doc_row(self) -> str:

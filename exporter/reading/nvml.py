@@ -217,10 +217,11 @@ class Nvml:
         """Load pynvml and initialise NVML; raise :class:`NvmlUnavailable` with the reason."""
         if self.initialized:
             return
-        lib = self._module
+        lib: Any = self._module
         if lib is None:
             try:
-                import pynvml as lib  # nvidia-ml-py
+                import pynvml  # nvidia-ml-py
+                lib = pynvml
             except ImportError as exc:  # pragma: no cover - a dependency of the package
                 raise NvmlUnavailable(f"the nvidia-ml-py package is not installed: {exc}") from exc
         try:

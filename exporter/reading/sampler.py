@@ -295,6 +295,12 @@ class Sampler:
         self._status[name] = CollectorStatus(ok, duration, last_ok)
         return result
 
+    def _gpu_backend(self) -> GpuBackend:
+        """The GPU backend, on the paths that run only with one."""
+        if self.backend is None:
+            raise RuntimeError("no GPU backend configured")
+        return self.backend
+
     def _open_backend(self) -> bool:
         if self._backend_ready:
             return True
@@ -302,8 +308,9 @@ class Sampler:
         if now < self._backend_next_try:
             return False
         self._backend_next_try = now + BACKEND_RETRY_SECONDS
+        backend = self._gpu_backend()
         try:
-            identities = self.backend.start()
+            identities = backend.start()
         except BackendUnavailable as exc:
             if self._backend_error is None:
                 log.warning("No NVIDIA GPU can be read (%s): serving host metrics only, "
@@ -316,8 +323,8 @@ class Sampler:
         self._backend_ready = True
         self._slots = [_GpuSlot(i) for i in identities]
         self._size_pool()
-        log.info("%s backend: %d GPU(s), driver %s", self.backend.name, len(self._slots),
-                 self.backend.driver_version or "unknown")
+        log.info("%s backend: %d GPU(s), driver %s", backend.name, len(self._slots),
+                 backend.driver_version or "unknown")
         self._watch_xid()
         return True
 
@@ -343,7 +350,7 @@ class Sampler:
         if identities is None:
             return
         old = {slot.state.identity: slot for slot in self._slots}
-        self._slots = [old.pop(i, None) or _GpuSlot(i) for i in identities]
+        self._slots = [old.pop(i) if i in old else _GpuSlot(i) for i in identities]
         self._size_pool()
         log.info("GPUs now: %s", ", ".join(i.index for i in identities))
 
@@ -352,6 +359,8 @@ class Sampler:
             return None
         self._rescan()
         now = self._clock()
+        backend, pool = self._gpu_backend(), self._pool
+        assert pool is not None  # sized when the backend opened
         started: list[_GpuSlot] = []
         for slot in self._slots:
             if slot.pending is not None:
@@ -360,9 +369,9 @@ class Sampler:
                 if now < slot.next_retry:
                     continue
                 slot.next_retry = now + LOST_GPU_RETRY_SECONDS
-                slot.pending = self._pool.submit(self._reopen_and_sample, slot.state.identity)
+                slot.pending = pool.submit(self._reopen_and_sample, slot.state.identity)
             else:
-                slot.pending = self._pool.submit(self.backend.sample, slot.state.identity)
+                slot.pending = pool.submit(backend.sample, slot.state.identity)
             slot.pending_since = now
             started.append(slot)
         waiting = [s.pending for s in self._slots if s.pending is not None]
@@ -390,9 +399,10 @@ class Sampler:
                          for s in self._slots)
 
     def _reopen_and_sample(self, identity: GpuIdentity) -> GpuSample:
-        if not self.backend.reopen(identity):
+        backend = self._gpu_backend()
+        if not backend.reopen(identity):
             raise GpuLostError(f"GPU {identity.index} is still lost")
-        return self.backend.sample(identity)
+        return backend.sample(identity)
 
     def _absorb(self, slot: _GpuSlot, fut: Future) -> None:
         st = slot.state
@@ -453,7 +463,7 @@ class Sampler:
         while not self._stop.is_set():
             started = self._clock()
             try:
-                events = self.backend.wait_xid(1.0)
+                events = self._gpu_backend().wait_xid(1.0)
             except Exception as exc:
                 log.warning("Xid event watch failed: %s; retrying in 10s", exc)
                 self._stop.wait(10.0)

@@ -24,7 +24,8 @@ class HostCollector:
 
     def __init__(self, psutil_module: Any = None) -> None:
         if psutil_module is None:
-            import psutil as psutil_module
+            import psutil
+            psutil_module = psutil
         self.psutil = psutil_module
 
     def read(self) -> Any:

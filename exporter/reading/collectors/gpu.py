@@ -12,9 +12,10 @@ from exporter.reading.peak_flops import PeakTable
 from exporter.reading.sampler import Snapshot
 
 
-def _family(m: gm.GpuMetric) -> Metric:
-    kind = GaugeMetricFamily if m.type == "gauge" else CounterMetricFamily
-    return kind(m.name, m.help, labels=[*gm.LABELS, *m.labels])
+def _family(m: gm.GpuMetric) -> GaugeMetricFamily | CounterMetricFamily:
+    if m.type == "gauge":
+        return GaugeMetricFamily(m.name, m.help, labels=[*gm.LABELS, *m.labels])
+    return CounterMetricFamily(m.name, m.help, labels=[*gm.LABELS, *m.labels])
 
 
 class GpuCollector:
@@ -53,15 +54,15 @@ class GpuCollector:
             s = g.sample
             for source, plain in ((s, gauges), (g, counters)):
                 for attr, family in plain:
-                    value = getattr(source, attr)
+                    value: float | None = getattr(source, attr)
                     if value is not None:
                         family.add_metric(labels, value)
             for clock, hz in sorted(s.clocks_hertz.items()):
                 clocks.add_metric([*labels, clock], hz)
             for reason, seconds in sorted(g.clock_event_seconds.items()):
                 events.add_metric([*labels, reason], seconds)
-            for kind, count in sorted(g.ecc_errors.items()):
-                ecc.add_metric([*labels, kind], count)
+            for kind, errors in sorted(g.ecc_errors.items()):
+                ecc.add_metric([*labels, kind], errors)
             for state, rows in s.remapped_rows.items():
                 remapped.add_metric([*labels, state], rows)
             for cause, pages in sorted(s.retired_pages.items()):

@@ -60,7 +60,7 @@ class NetworkCollector(HostCollector):
             return True
         return os.path.isdir(os.path.join(self._virtual_net_dir, nic))
 
-    def families(self) -> tuple[Metric, ...]:
+    def families(self) -> tuple[CounterMetricFamily, CounterMetricFamily, GaugeMetricFamily]:
         return (CounterMetricFamily("gputrain_host_network_received_bytes_total",
                                     "Bytes received (psutil.net_io_counters).",
                                     labels=["interface"]),
