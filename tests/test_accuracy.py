@@ -424,12 +424,12 @@ def test_flush_waits_for_the_totals_it_was_called_with():
     page is built a moment later, off the request path)."""
     from exporter.reading.sampler import Sampler
     from exporter.serving.ingest import IngestStore
-    from exporter.serving.server import IngestHandler, make_server, serve_in_thread
+    from exporter.serving.server import IngestSite, make_server, serve_in_thread
 
     store = IngestStore()
-    server = make_server("127.0.0.1", 0, IngestHandler, store, Sampler(None).healthy)
+    server = make_server("127.0.0.1", 0, IngestSite, store, Sampler(None).healthy)
     serve_in_thread(server, "flush-test")
-    m = TrainingMonitor(run="flushy", endpoint=f"http://127.0.0.1:{server.server_address[1]}",
+    m = TrainingMonitor(run="flushy", endpoint=f"http://127.0.0.1:{server.address[1]}",
                         push_interval=0.001)
     try:
         done = 0

@@ -18,7 +18,7 @@ from exporter.reading.gpu_backends import DemoBackend
 from exporter.reading.gpu_metrics import H100_IDLE_WATTS
 from exporter.reading.sampler import Sampler
 from exporter.serving.exposition import Exposition
-from exporter.serving.server import MetricsHandler, make_server, serve_in_thread
+from exporter.serving.server import WebSite, make_server, serve_in_thread
 
 CONTRACT_GPU_METRICS = [
     "gputrain_gpu_info", "gputrain_gpu_up", "gputrain_gpu_utilization_ratio",
@@ -120,9 +120,9 @@ def test_ingest_on_a_public_address_needs_a_token(tmp_path):
 
 def _in_process_server(sampler: Sampler):
     app = Exposition(sampler)
-    server = make_server("127.0.0.1", 0, MetricsHandler, app)
+    server = make_server("127.0.0.1", 0, WebSite, app)
     serve_in_thread(server, "test-http")
-    return server, f"http://127.0.0.1:{server.server_address[1]}"
+    return server, f"http://127.0.0.1:{server.address[1]}"
 
 
 def test_healthz_turns_503_when_the_sampler_stalls(clock):
@@ -297,3 +297,33 @@ def test_every_startup_error_names_the_flag_and_the_value(tmp_path, part):
             for phrase in says:
                 assert phrase in out.stderr, (args, phrase, out.stderr)
             assert "Traceback" not in out.stderr
+
+
+def test_a_page_built_for_a_scrape_is_built_in_the_pool_never_on_the_event_loop(clock):
+    """The first scrape of a variant builds the page then: in the server's blocking pool, so
+    the loop that serves every other connection never renders; later scrapes take the page
+    the page thread keeps current, without building."""
+    sampler = Sampler(DemoBackend(2, 0.5, clock=clock), None, interval=1.0, clock=clock)
+    sampler.run_once()
+    app = Exposition(sampler)
+    built_on: list[str] = []
+    build = app._build
+
+    def recording_build(om: bool, gzip_ok: bool):
+        built_on.append(threading.current_thread().name)
+        return build(om, gzip_ok)
+
+    app._build = recording_build  # type: ignore[method-assign]
+    server = make_server("127.0.0.1", 0, WebSite, app)
+    serve_in_thread(server, "test-http")
+    try:
+        url = f"http://127.0.0.1:{server.address[1]}/metrics"
+        for _ in range(3):
+            r = requests.get(url, timeout=10)
+            assert r.status_code == 200 and "gputrain_gpu_up" in r.text
+        assert built_on, "the first scrape of a variant builds it"
+        assert len(built_on) == 1, built_on  # then the kept page, without building
+        assert built_on[0].startswith("gputrain-http-web-wait"), built_on
+    finally:
+        server.shutdown()
+        server.close_socket()

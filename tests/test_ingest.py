@@ -16,7 +16,7 @@ from exporter.reading.gpu_backends import DemoBackend
 from exporter.reading.sampler import Sampler
 from exporter.serving.exposition import Exposition
 from exporter.serving.ingest import IngestStore
-from exporter.serving.server import IngestHandler, make_server, serve_in_thread
+from exporter.serving.server import IngestSite, make_server, serve_in_thread
 from exporter.serving.training import TrainingCollector
 
 TOKEN = "s3cret-token-0123456789"
@@ -41,9 +41,9 @@ class Rig:
         self.sampler = Sampler(DemoBackend(2, 0.5, host="ingest-test"), None, collectors={"gpu"})
         self.sampler.run_once()
         self.app = Exposition(self.sampler, self.store)
-        self.server = make_server("127.0.0.1", 0, IngestHandler, self.store, self.sampler.healthy)
+        self.server = make_server("127.0.0.1", 0, IngestSite, self.store, self.sampler.healthy)
         serve_in_thread(self.server, "ingest-test")
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/api/v1/push"
+        self.url = f"http://127.0.0.1:{self.server.address[1]}/api/v1/push"
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(TrainingCollector(self.store, lambda: self.sampler.snapshot))
 

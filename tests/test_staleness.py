@@ -19,7 +19,7 @@ from exporter.reading.gpu_backends import DemoBackend
 from exporter.reading.sampler import Sampler
 from exporter.serving.exposition import Exposition
 from exporter.serving.ingest import IngestStore
-from exporter.serving.server import MetricsHandler, make_server, serve_in_thread
+from exporter.serving.server import WebSite, make_server, serve_in_thread
 
 TEXT = "text/plain; version=0.0.4; charset=utf-8"
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
@@ -214,9 +214,9 @@ def test_a_page_builder_that_raises_turns_healthz_red_and_the_page_shows_its_age
     app = Exposition(sampler, store)
     sampler.start()
     app.start()
-    server = make_server("127.0.0.1", 0, MetricsHandler, app)
+    server = make_server("127.0.0.1", 0, WebSite, app)
     serve_in_thread(server, "test-http")
-    url = f"http://127.0.0.1:{server.server_address[1]}"
+    url = f"http://127.0.0.1:{server.address[1]}"
     try:
         wait_until(lambda: requests.get(url + "/healthz", timeout=5).ok, what="a green start")
         first = requests.get(url + "/metrics", timeout=5).text
@@ -245,7 +245,7 @@ def test_a_page_builder_that_raises_turns_healthz_red_and_the_page_shows_its_age
         assert len(failures) == 1 and app.failures > 3, (len(failures), app.failures)
     finally:
         server.shutdown()
-        server.server_close()
+        server.close_socket()
         app.stop()
         sampler.stop()
 

@@ -28,7 +28,7 @@ SUBCOMMANDS = ("serve", "rules", "diagnose", "top", "profile", "generate", "dash
 
 def url_of(scheme: str, server: Any) -> str:
     """An address a person can open: the real port, localhost for every-address binds."""
-    host, port = server.server_address[:2]
+    host, port = server.address[:2]
     if host in ("", "0.0.0.0", "::"):
         host = "localhost"
     elif ":" in host:
@@ -177,8 +177,8 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     from exporter.serving.server import (
         GC_YOUNG_THRESHOLD,
         GIL_SWITCH_SECONDS,
-        IngestHandler,
-        MetricsHandler,
+        IngestSite,
+        WebSite,
         make_server,
         raise_descriptor_limit,
         serve_in_thread,
@@ -251,9 +251,9 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     # a full garbage collection holds the GIL for tens of ms at 1,024 ranks: a tenth as often
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     servers = []
-    listen = [("web", web_host, web_port, MetricsHandler, (app,), tls)]
+    listen = [("web", web_host, web_port, WebSite, (app,), tls)]
     if store is not None:
-        listen.append(("ingest", ingest_host, ingest_port, IngestHandler,
+        listen.append(("ingest", ingest_host, ingest_port, IngestSite,
                        (store, app.healthy), ingest_tls))
     for part, host_, port, handler, serves, tls_ in listen:
         flag = f"{part}.listen-address"
@@ -272,7 +272,7 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
         else:
             continue
         for srv in servers:
-            srv.server_close()
+            srv.close_socket()
         app.stop()
         status.stop()
         sampler.stop()
@@ -290,7 +290,7 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     log.info("shutting down")
     for srv in servers:
         srv.shutdown()
-        srv.server_close()
+        srv.close_socket()
     app.stop()
     status.stop()
     sampler.stop()

@@ -145,7 +145,8 @@ class Exposition:
         """The latest built page for this Accept header: (body, content type). ``fresh``
         waits (at most FRESH_TIMEOUT_SECONDS) for a page that holds every push answered
         before this call: for scripts and tests that push and then read, never needed by
-        Prometheus. It waits for the page thread; it never renders."""
+        Prometheus. The first request of a variant in a while builds it in the calling
+        thread (the server calls this in its pool; :meth:`cached_page` first, on its loop)."""
         om = wants_openmetrics(accept)
         now = self._clock()
         last = self._wanted.get((om, gzip_ok))
@@ -153,8 +154,7 @@ class Exposition:
         if fresh and self.store is not None:
             self._wait_for(om, gzip_ok, self.store.version)
         page = self._pages.get(om)
-        if page is None or (gzip_ok and page.gzipped is None) or last is None or \
-                now - last > UNUSED_SECONDS:
+        if page is None or not self._current(page, gzip_ok, last, now):
             # the first request of this variant in a while: build it here
             try:
                 page = self._build(om, gzip_ok)
@@ -164,6 +164,27 @@ class Exposition:
                 if page is None or (gzip_ok and page.gzipped is None):
                     raise
         return self._finish(page, om, gzip_ok, self._clock()), OPENMETRICS if om else TEXT
+
+    def cached_page(self, accept: str | None = None,
+                    gzip_ok: bool = False) -> tuple[bytes, str] | None:
+        """The page the page thread keeps current for this Accept header, as :meth:`page`
+        gives it, or None where it would have to be built now: never renders, so it may be
+        called on an event loop."""
+        om = wants_openmetrics(accept)
+        now = self._clock()
+        page = self._pages.get(om)
+        if page is None or not self._current(page, gzip_ok, self._wanted.get((om, gzip_ok)),
+                                             now):
+            return None
+        self._wanted[(om, gzip_ok)] = now
+        return self._finish(page, om, gzip_ok, now), OPENMETRICS if om else TEXT
+
+    @staticmethod
+    def _current(page: _Page, gzip_ok: bool, last: float | None, now: float) -> bool:
+        """Whether ``page`` serves a variant last asked for at ``last`` (the page thread
+        rebuilds only the variants asked for within UNUSED_SECONDS)."""
+        return not (gzip_ok and page.gzipped is None) and last is not None and \
+            now - last <= UNUSED_SECONDS
 
     def _finish(self, page: _Page, om: bool, gzip_ok: bool, now: float) -> bytes:
         """The page as sent: its body, then its age (and OpenMetrics' end), gzipped as a

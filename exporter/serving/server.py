@@ -110,12 +110,6 @@ def accepts_gzip(header: str | None) -> bool:
     return q.get("gzip", q.get("*", 0.0)) > 0
 
 
-LANDING_PAGE = b"""<html><head><title>gputrain-exporter</title></head><body>
-<h1>gputrain-exporter</h1><p><a href="/metrics">Metrics</a> &middot;
-<a href="/healthz">Health</a></p></body></html>
-"""  # where no status view is wired (tests that serve the metrics page alone)
-
-
 def raise_descriptor_limit() -> int:
     """Raise the soft limit on open descriptors to the hard one; returns the soft limit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -784,7 +778,7 @@ class _Site:
                 "has stopped being rebuilt (the web port's /healthz says which)")
 
 
-class MetricsHandler(_Site):
+class WebSite(_Site):
     """The web port: /metrics, /healthz, the status page and /api/v1/status, from the page
     builder."""
 
@@ -806,10 +800,10 @@ class MetricsHandler(_Site):
         if path == "/metrics":
             gzip_ok = accepts_gzip(request.headers.get("Accept-Encoding"))
             accept = request.headers.get("Accept")
-            if "fresh=1" in query.split("&"):
-                body, ctype = await self.blocking(app.page, accept, gzip_ok, True)
-            else:
-                body, ctype = app.page(accept, gzip_ok)
+            fresh = "fresh=1" in query.split("&")
+            got = None if fresh else app.cached_page(accept, gzip_ok)
+            # a page to wait for or to build now is made in the pool, never on the loop
+            body, ctype = got or await self.blocking(app.page, accept, gzip_ok, fresh)
             headers = {"Vary": "Accept-Encoding"}
             if gzip_ok:
                 headers["Content-Encoding"] = "gzip"
@@ -825,8 +819,6 @@ class MetricsHandler(_Site):
             resp = _response(200, asset[0], asset[1], {
                 "Content-Security-Policy": CONTENT_SECURITY_POLICY,
                 "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"})
-        elif path == "/":
-            resp = _response(200, LANDING_PAGE, "text/html; charset=utf-8")
         else:
             resp = _response(404, b"not found: try /metrics, or / for the status page\n")
         if close:
@@ -834,7 +826,7 @@ class MetricsHandler(_Site):
         return resp
 
 
-class IngestHandler(_Site):
+class IngestSite(_Site):
     """The ingest port: pushes, profile requests and Alertmanager's webhook, into the store."""
 
     name = "ingest"
@@ -1059,7 +1051,7 @@ class Server:
                  site: Callable[[_Port, concurrent.futures.Executor], _Site],
                  tls: ssl.SSLContext | None, name: str) -> None:
         self.socket = sock
-        self.server_address = sock.getsockname()
+        self.address = sock.getsockname()
         self._tls = tls
         self._site = site
         self.name = name
@@ -1071,7 +1063,7 @@ class Server:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             BLOCKING_THREADS, thread_name_prefix=f"gputrain-http-{name}-wait")
 
-    def serve_forever(self) -> None:
+    def run(self) -> None:
         """Serve until :meth:`shutdown` (in the calling thread)."""
         loop = self._loop = asyncio.new_event_loop()
         loop.set_exception_handler(self._loop_error)
@@ -1139,7 +1131,7 @@ class Server:
             self._thread.join(timeout=10)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def server_close(self) -> None:
+    def close_socket(self) -> None:
         with contextlib.suppress(OSError):
             self.socket.close()
 
@@ -1168,8 +1160,8 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def make_server(host: str, port: int, handler: type[_Site], *serves: Any,
                 tls: tuple[str, str] | None = None) -> Server:
-    """Bind an HTTP(S) server of ``handler(*serves)`` (MetricsHandler: the page builder;
-    IngestHandler: the store and the sampler's health check); an empty host listens on every
+    """Bind an HTTP(S) server of ``handler(*serves)`` (WebSite: the page builder;
+    IngestSite: the store and the sampler's health check); an empty host listens on every
     IPv4 and IPv6 address. Raises OSError (the port, the files) or ssl.SSLError (the
     certificate) at once."""
     context = None
@@ -1183,7 +1175,7 @@ def make_server(host: str, port: int, handler: type[_Site], *serves: Any,
 
 def serve_in_thread(server: Server, name: str) -> threading.Thread:
     """Serve ``server`` from a thread named ``name``; returns once it listens."""
-    t = threading.Thread(target=server.serve_forever, name=name, daemon=True)
+    t = threading.Thread(target=server.run, name=name, daemon=True)
     server._thread = t
     t.start()
     server._started.wait(10)
