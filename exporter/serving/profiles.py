@@ -492,19 +492,6 @@ class ProfileBoard:
             self._expire_locked()
             return self._profiles.get(pid)
 
-    def wait(self, pid: str, timeout: float) -> Profile | None:
-        """The profile once it is final, or as it is after ``timeout`` seconds."""
-        deadline = self._clock() + timeout
-        with self._cond:
-            while True:
-                self._expire_locked()
-                profile = self._profiles.get(pid)
-                left = deadline - self._clock()
-                if profile is None or profile.state in FINAL or left <= 0:
-                    return profile
-                # expiry is judged by the clock, not by a push: look again within a second
-                self._cond.wait(min(left, 1.0))
-
     def recent(self, n: int = 20) -> list[Profile]:
         """The last ``n`` profiles asked for, newest first."""
         with self._cond:
