@@ -224,7 +224,7 @@ def parse_collapsed(text: str, main_pid: int) -> list[dict[str, Any]]:
         if not stack or not n.isdigit():
             continue
         pid, tid, thread = main_pid, "", ""
-        frames = []
+        frames: list[dict[str, Any]] = []
         for part in stack.split(";"):
             if (m := _PROCESS.match(part)) is not None and not frames:
                 pid = int(m["pid"])
@@ -345,14 +345,14 @@ def parse_dump(dumps: dict[int, Any], main_pid: int) -> list[dict[str, Any]]:
     libs = _library_roots()
     order = sorted(dumps, key=lambda p: (p != main_pid, p))[:MAX_DUMP_PROCESSES]
     budget = MAX_DUMP_FRAMES_TOTAL
-    out = []
+    out: list[dict[str, Any]] = []
     for pid in order:
         raw = dumps[pid]
         if not isinstance(raw, list):
             out.append({"pid": pid, "role": "main" if pid == main_pid else "other",
                         "threads": [], "error": str(raw)[:MAX_FUNCTION_LENGTH]})
             continue
-        threads = []
+        threads: list[dict[str, Any]] = []
         for t in [t for t in raw if isinstance(t, dict) and not
                   str(t.get("thread_name") or "").startswith(OWN_THREADS)][:MAX_DUMP_THREADS]:
             raw_frames = [f for f in t.get("frames") or [] if isinstance(f, dict)]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -364,7 +365,8 @@ def _nodes(prom: Prometheus, selector: str, ids: Identity, window: str,
     gpus: dict[tuple, GpuReading] = {}
     for labels, value in prom.query(q["up"]):
         g = GpuReading(labels.get("gpu", ""), labels.get("uuid", ""), up=value == 1)
-        gpus[(*node_key(labels), g.gpu, g.uuid)] = g
+        key = (*node_key(labels), g.gpu, g.uuid)
+        gpus[key] = g
         node(labels).gpus.append(g)
     for name, convert in (("xid_errors", float),
                           ("ecc_uncorrected", float), ("remap_failed", lambda v: v > 0),
@@ -372,9 +374,9 @@ def _nodes(prom: Prometheus, selector: str, ids: Identity, window: str,
                           ("throttled", float), ("busy", float), ("pcie_link_now", float),
                           ("pcie_link_max", float)):
         for labels, value in prom.query(q[name]):
-            g = gpus.get((*node_key(labels), labels.get("gpu", ""), labels.get("uuid", "")))
-            if g is not None:
-                setattr(g, name, convert(value))
+            known = gpus.get((*node_key(labels), labels.get("gpu", ""), labels.get("uuid", "")))
+            if known is not None:
+                setattr(known, name, convert(value))
     for n in nodes.values():
         n.collectors_failing.sort()
         n.gpus.sort(key=lambda x: (len(x.gpu), x.gpu))
@@ -419,7 +421,7 @@ def daemon_stacks(url: str, timeout: float = 5.0) -> dict[tuple[str, str], dict[
 
 
 def text_report(reports: list[RankReport], window_seconds: float = 300.0,
-                nodes: list[NodeReport] = (),
+                nodes: Sequence[NodeReport] = (),
                 stacks: dict[tuple[str, str], dict[str, Any]] | None = None) -> str:
     """The human report; ``window_seconds`` turns idle GPU-seconds per second into hours;
     ``stacks``, a daemon's recent py-spy captures by (run, rank), are said under their rank."""
@@ -510,7 +512,7 @@ def diagnose(url: str, run: str | None = None, window: str = "5m",
     return judge(visibility(reports, shard), cfg["thresholds"]), nodes
 
 
-def exit_status(reports: list[RankReport], nodes: list[NodeReport] = ()) -> int:
+def exit_status(reports: list[RankReport], nodes: Sequence[NodeReport] = ()) -> int:
     """1 when any rank or node has something to act on (a run that stopped without
     finishing too: its job died), else 3 when a rank's GPUs are unknown, else 0."""
     if any(r.bottleneck or r.status == "stopped" for r in reports) or \
