@@ -46,10 +46,21 @@ class GpuTrainCallback(keras.callbacks.Callback):
         self._wrapped: list[tuple[Any, str]] = []  # (object, method name) to restore
         self._begin_step = 0
 
+    def _timer(self) -> HookTimer:
+        """The step timer: from the start of training on."""
+        if self._hooks is None:
+            raise RuntimeError("gputrain: a training hook ran before on_train_begin")
+        return self._hooks
+
+    def _monitor(self) -> TrainingMonitor:
+        if self.monitor is None:
+            raise RuntimeError("gputrain: a training hook ran before on_train_begin")
+        return self.monitor
+
     # -- fit's CallbackList, wrapped -----------------------------------------------------------
 
     def _wrap_callback_list(self, callbacks: Any) -> None:
-        hooks = self._hooks
+        hooks, monitor = self._timer(), self._monitor()
 
         def around(obj: Any, name: str, before: Any = None, after: Any = None) -> None:
             original = getattr(obj, name)
@@ -74,13 +85,13 @@ class GpuTrainCallback(keras.callbacks.Callback):
         def batch_end(batch: int, *_: Any) -> None:
             hooks.batch_end(self.batch_size * (batch - self._begin_step + 1))
 
-        evaluation = self.monitor.phase("evaluation")
+        evaluation = monitor.phase("evaluation")
         around(callbacks, "on_epoch_begin", after=lambda *_: hooks.epoch_start())
         around(callbacks, "on_train_batch_begin", before=batch_begin)
         around(callbacks, "on_train_batch_end", after=batch_end)
         around(callbacks, "on_test_begin", before=lambda *_: evaluation.__enter__())
         around(callbacks, "on_test_end", after=lambda *_: evaluation.__exit__(None, None, None))
-        checkpoint = self.monitor.phase("checkpoint")
+        checkpoint = monitor.phase("checkpoint")
         for cb in callbacks.callbacks:
             if isinstance(cb, keras.callbacks.ModelCheckpoint):
                 for name in _CHECKPOINT_HOOKS:
@@ -110,24 +121,24 @@ class GpuTrainCallback(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         if not self._wrapped:
-            self._hooks.epoch_start()
+            self._timer().epoch_start()
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
         if not self._wrapped:
-            self._hooks.batch_start()
+            self._timer().batch_start()
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         # defined in any case: a callback with this hook keeps Keras' batch hooks synchronous
         if not self._wrapped:
-            self._hooks.batch_end(self.batch_size)
+            self._timer().batch_end(self.batch_size)
 
     def on_test_begin(self, logs: Any = None) -> None:
         if self._training and not self._wrapped:
-            self.monitor.phase("evaluation").__enter__()
+            self._monitor().phase("evaluation").__enter__()
 
     def on_test_end(self, logs: Any = None) -> None:
         if self._training and not self._wrapped:
-            self.monitor.phase("evaluation").__exit__(None, None, None)
+            self._monitor().phase("evaluation").__exit__(None, None, None)
 
     def on_train_end(self, logs: Any = None) -> None:
         self._training = False

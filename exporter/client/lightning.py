@@ -8,7 +8,7 @@ from typing import Any
 try:
     from lightning.pytorch.callbacks import Callback
 except ImportError:  # the older package name
-    from pytorch_lightning.callbacks import Callback
+    from pytorch_lightning.callbacks import Callback  # type: ignore[assignment]
 
 from exporter.client.monitor import TrainingMonitor, batch_len
 
@@ -41,7 +41,7 @@ class _TimingProfiler:
             t0 = self._fetch_t0
             if t0 is not None:
                 now = _now()
-                self._monitor._fetched(now - t0, now)
+                self._monitor.fetched(now - t0, now)
                 self.__dict__["_fetch_t0"] = None
         elif action_name == CHECKPOINT_ACTION:
             self._checkpoint.__exit__(None, None, None)
@@ -96,6 +96,11 @@ class GpuTrainCallback(Callback):
         self._kwargs = monitor_kwargs
         self._profiler: _TimingProfiler | None = None
 
+    def _monitor(self) -> TrainingMonitor:
+        if self.monitor is None:
+            raise RuntimeError("gputrain: a training hook ran before setup")
+        return self.monitor
+
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if self.monitor is None:
             self._kwargs.setdefault("rank", trainer.global_rank)
@@ -105,24 +110,24 @@ class GpuTrainCallback(Callback):
             trainer.profiler = self._profiler
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self.monitor._detect_gpus()
+        self._monitor().detect_gpus()
         # the DDP strategy has wrapped the module by now: its gradient sync, from DDP's timers
-        self.monitor.watch_communication(getattr(trainer.strategy, "model", None))
+        self._monitor().watch_communication(getattr(trainer.strategy, "model", None))
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        self.monitor.new_epoch()
+        self._monitor().new_epoch()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self.monitor._step_done(self.batch_size or batch_len(batch), _now())
+        self._monitor().step_done(self.batch_size or batch_len(batch))
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.sanity_checking:
-            self.monitor.phase("evaluation").__enter__()
+            self._monitor().phase("evaluation").__enter__()
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.sanity_checking:
-            self.monitor.phase("evaluation").__exit__(None, None, None)
+            self._monitor().phase("evaluation").__exit__(None, None, None)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if self._profiler is not None and trainer.profiler is self._profiler:

@@ -159,7 +159,7 @@ class _Step:
         m = self._m
         now = _now()
         # TrainingMonitor._step_done, inlined: this runs once per step of a hand-written loop
-        step_s = now - m._boundary
+        step_s = now - m._boundary  # type: ignore[operator]  # set by __enter__
         m._step_seconds += step_s
         m._wait_seconds += m._pending_wait
         m._samples += self.samples
@@ -277,7 +277,7 @@ class TrainingMonitor:
         self.set_flops_per_sample(flops_per_sample, precision)
         self._last_step = 0.0  # perf_counter of the last step's end; 0 = none yet
         self._phases: dict[str, float] = {}
-        self._phase_timers: dict[str, _Phase] = {}
+        self._phase_timers: dict[tuple[str, bool | None], _Phase] = {}
         # The open step interval: where it began (None: no step open, e.g. after new_epoch();
         # moved later by the time of outside-step phases within it), and the fetch time in it.
         self._boundary: float | None = None
@@ -357,6 +357,7 @@ class TrainingMonitor:
         clock = _now
         done = self._step_done
         first = True
+        batch: Any
         while True:
             t0 = clock()
             try:
@@ -428,6 +429,23 @@ class TrainingMonitor:
         self._boundary = None
 
     # -- primitives for the framework integrations (training thread only) ------------------
+
+    # -- the seam for framework integrations (docs/client.md, "Writing an integration") -----
+
+    def fetched(self, seconds: float, at: float | None = None) -> None:
+        """A batch fetch took ``seconds`` and ended at ``at`` (``time.perf_counter()``
+        seconds; now by default): data wait of the step in progress. Training thread."""
+        self._fetched(seconds, _now() if at is None else at)
+
+    def step_done(self, samples: float, at: float | None = None) -> None:
+        """The step in progress ended at ``at`` (``time.perf_counter()`` seconds; now by
+        default), with ``samples`` samples. Training thread."""
+        self._step_done(samples, _now() if at is None else at)
+
+    def detect_gpus(self) -> None:
+        """Look up the GPUs this process uses: once training has started (the framework has
+        moved the model by then). Training thread."""
+        self._detect_gpus()
 
     def _fetched(self, seconds: float, now: float) -> None:
         """A fetch of ``seconds`` that ended at ``now`` belongs to the open step."""
@@ -618,6 +636,11 @@ class HookTimer:
         self._mark = _now()
         self._detected = False
 
+    @property
+    def last_mark(self) -> float:
+        """``time.perf_counter()`` seconds of the last mark."""
+        return self._mark
+
     def mark(self) -> float:
         """Whatever ran until now was not a fetch."""
         self._mark = now = _now()
@@ -633,12 +656,12 @@ class HookTimer:
         now = _now()
         if not self._detected:
             self._detected = True
-            self.monitor._detect_gpus()
-        self.monitor._fetched(now - self._mark, now)
+            self.monitor.detect_gpus()
+        self.monitor.fetched(now - self._mark, now)
 
     def batch_end(self, samples: float) -> None:
         """The step is done."""
-        self.monitor._step_done(samples, self.mark())
+        self.monitor.step_done(samples, self.mark())
 
     def phase_begun(self, name: str, since: float | None = None) -> None:
         """The phase ``name`` began at the last mark (or ``since``) and is running: pushes

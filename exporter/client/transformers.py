@@ -34,6 +34,12 @@ class GpuTrainCallback(TrainerCallback):
         self._samples = 0
         self._eval_since: float | None = None  # the mark before the evaluation now running
 
+    def _timer(self) -> HookTimer:
+        """The step timer: from the start of training on."""
+        if self._hooks is None:
+            raise RuntimeError("gputrain: a training hook ran before on_train_begin")
+        return self._hooks
+
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is None:
             self._kwargs.setdefault("rank", args.process_index)
@@ -44,16 +50,16 @@ class GpuTrainCallback(TrainerCallback):
         self.monitor.watch_communication(kwargs.get("model"))
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._hooks.epoch_start()
+        self._timer().epoch_start()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._hooks.batch_start()
+        self._timer().batch_start()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._hooks.batch_end(self._samples)
+        self._timer().batch_end(self._samples)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._hooks.mark()
+        self._timer().mark()
 
     def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._hooks is not None and self._eval_since is None:
@@ -61,7 +67,7 @@ class GpuTrainCallback(TrainerCallback):
 
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._hooks is not None and self._eval_since is None:
-            self._eval_since = self._hooks._mark  # the evaluation began after the last mark
+            self._eval_since = self._hooks.last_mark  # the evaluation began after the last mark
             self._hooks.phase_begun("evaluation", self._eval_since)
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -69,7 +75,8 @@ class GpuTrainCallback(TrainerCallback):
             self._hooks.phase_since_mark("evaluation", self._eval_since)
             self._eval_since = None
 
-    def on_predict(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_predict(self, args: Any, state: Any, control: Any,  # type: ignore[override]
+                   **kwargs: Any) -> None:
         # Trainer.predict() also calls on_prediction_step, and ends here, not in on_evaluate
         self.on_evaluate(args, state, control, **kwargs)
 
