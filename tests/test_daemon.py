@@ -6,7 +6,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import requests
@@ -185,7 +184,6 @@ def test_sigterm_stops_the_daemon_cleanly(daemon_factory):
     d.proc.terminate()
     assert d.proc.wait(timeout=10) == 0
     assert "shutting down" in d.log_text()
-    time.sleep(0.1)
 
 
 def test_demo_gpus_follow_the_ranks_that_push(clock):
