@@ -33,13 +33,13 @@ MAX_PHASE_NAME_LENGTH = 64
 # Per rank, so that the page stays bounded at --ingest.max-series ranks: at most
 # MAX_SERIES_PER_RANK lines each (steps, data wait, samples, FLOPs, elapsed, slow steps, three
 # of gradient communication (seconds, exposed seconds, bytes), the histogram's buckets + Inf +
-# count + sum, phases, two timestamps and the clock's skew, whether it finished, five process
+# count + sum, phases, two timestamps and the clock's skew, whether it finished, six process
 # figures, four per GPU: its info, the memory the rank's processes hold on it and the seconds
 # they kept its SMs and its memory busy), and its last profile.
 MAX_PHASES = 16
 MAX_BUCKETS = 32
 MAX_GPUS = 16
-MAX_SERIES_PER_RANK = 6 + 3 + MAX_BUCKETS + 3 + MAX_PHASES + 3 + 1 + 5 + 4 * MAX_GPUS + 1
+MAX_SERIES_PER_RANK = 6 + 3 + MAX_BUCKETS + 3 + MAX_PHASES + 3 + 1 + 6 + 4 * MAX_GPUS + 1
 # FLOP/s no GPU reaches: twice the fastest dense datasheet peak (B200, FP4: 9 PFLOP/s). A
 # rank's FLOPs may grow by at most this per GPU it lists (MAX_GPUS where it lists none) per
 # second of its wall time, plus FLOPS_SLACK_SECONDS of it.

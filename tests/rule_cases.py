@@ -181,6 +181,16 @@ def run_steps(run: str, wait: float, r: str = "0", step_sum: float = 60,
                 ramp(step_sum / step_s)}
 
 
+def tree_leak(who: dict[str, str]) -> dict[str, str]:
+    """The labels of a rank's GpuTrainHostMemoryLeak from its process tree's memory."""
+    return {**who, "evidence": "process"}
+
+
+def node_leak(who: dict[str, str]) -> dict[str, str]:
+    """... and from its node's memory falling beyond what the trees' memory explains."""
+    return {**who, "evidence": "node"}
+
+
 def measured(who: dict[str, str]) -> dict[str, str]:
     """The labels of a rank's measured GpuTrainCommunicationBound alert."""
     return {**who, "evidence": "measured"}
@@ -629,7 +639,44 @@ def alert_cases() -> list[Case]:
                   rank="0"): "10737418240x39 32212254720x40",
               sel("gputrain_host_memory_total_bytes"): flat(549755813888, 80),
               sel("gputrain_host_memory_available_bytes"): "42949672960-314572800x80"},
-             [Fire("GpuTrainHostMemoryLeak", rank("leak"))],
+             [Fire("GpuTrainHostMemoryLeak", tree_leak(rank("leak")))],
+             fire_at="50m", quiet_at="20m"),
+        # issue 37, principle 4: memory can leak outside the process. Each run on a node of
+        # its own (the node's available memory is the node's); 200 MiB/min is 209715200 B/min.
+        Case("GpuTrainHostMemoryLeak: DataLoader workers copy the dataset on access: node n1's "
+             "available memory falls 200 MiB/min from 40 GiB while its rank's RSS stays flat "
+             "(no PSS readable), out in about 2.6 h; a node that lost 30 GiB once at 10m and "
+             "stays flat, one falling 200 MiB/min from 60 GiB (4.3 h left at 50m: beyond the "
+             "4 h horizon), a rank whose PSS grows as the node's memory falls (the tree "
+             "explains the fall: its own alert, not the node's) and one whose RSS grows "
+             "300 MiB/min with a flat PSS (workers touching shared pages copy nothing) on a "
+             "flat node",
+             {sel("gputrain_training_process_resident_memory_bytes", run="cow", rank="0"):
+                  flat(32212254720, 80),
+              # at 50m: (40 GiB - 50 x 200 MiB) / 200 MiB per min = 154.8 min = 2h 34m 48s
+              sel("gputrain_host_memory_available_bytes"): "42949672960-209715200x80",
+              sel("gputrain_training_process_resident_memory_bytes", run="loaded", rank="0",
+                  instance="n2:19400"): flat(32212254720, 80),
+              sel("gputrain_host_memory_available_bytes", instance="n2:19400"):
+                  "64424509440x9 32212254720x70",
+              sel("gputrain_training_process_resident_memory_bytes", run="slow", rank="0",
+                  instance="n3:19400"): flat(32212254720, 80),
+              sel("gputrain_host_memory_available_bytes", instance="n3:19400"):
+                  "64424509440-209715200x80",
+              sel("gputrain_training_process_resident_memory_bytes", run="pss", rank="0",
+                  instance="n4:19400"): flat(32212254720, 80),
+              sel("gputrain_training_process_proportional_memory_bytes", run="pss", rank="0",
+                  instance="n4:19400"): "10737418240+209715200x80",
+              sel("gputrain_host_memory_available_bytes", instance="n4:19400"):
+                  "42949672960-209715200x80",
+              sel("gputrain_training_process_resident_memory_bytes", run="shared", rank="0",
+                  instance="n5:19400"): "10737418240+314572800x80",
+              sel("gputrain_training_process_proportional_memory_bytes", run="shared",
+                  rank="0", instance="n5:19400"): flat(10737418240, 80),
+              sel("gputrain_host_memory_available_bytes", instance="n5:19400"):
+                  flat(42949672960, 80)},
+             [Fire("GpuTrainHostMemoryLeak", node_leak(rank("cow")), "2h 34m 48s"),
+              Fire("GpuTrainHostMemoryLeak", tree_leak(rank("pss", instance="n4:19400")))],
              fire_at="50m", quiet_at="20m"),
         Case("GpuTrainGPUMemoryNearLimit: 78 of 80 GB; 40 of 80 GB stays silent",
              {sel("gputrain_gpu_memory_used_bytes", gpu="0", uuid="GPU-a"): flat(78e9, 15),

@@ -263,3 +263,24 @@ def test_the_daemon_judges_each_seed_scenario_as_diagnose_does(results, i, case)
 
 def test_every_seed_scenario_is_judged_locally():
     assert len(SEEDS) == len(rule_cases.seed_cases()) >= 13
+
+
+def test_diagnose_says_whether_the_tree_or_the_node_loses_the_memory(results):
+    """Issue 37, principle 4, through a real Prometheus: the rank whose RSS stays flat while
+    its node's available memory falls is told the memory goes outside its process tree; the
+    rank whose PSS grows is told its tree's PSS grows; the near misses say nothing of a leak."""
+    (i,) = [i for i, c in enumerate(CASES)
+            if c.name.startswith("GpuTrainHostMemoryLeak: DataLoader workers copy")]
+    reports = {r["run"]: r for r in results[f"{job_of(i)}@{CASES[i].fire_at}"][0]}
+
+    def leak(rep: dict) -> str | None:
+        found = [{"reason": rep["reason"]}] if rep["verdict"] == "memory-leak" else []
+        found += [a for a in rep["also"] if a["name"] == "memory-leak"]
+        return found[0]["reason"] if found else None
+
+    assert "beyond what the training processes' memory explains" in leak(reports["cow"])
+    assert "2.6 h" in leak(reports["cow"]), leak(reports["cow"])
+    assert reports["cow"]["memory_measure"] == "rss"
+    assert "proportional (PSS) memory grows 200 MiB/min" in leak(reports["pss"])
+    for run in ("loaded", "slow", "shared"):
+        assert leak(reports[run]) is None, (run, reports[run]["reason"])

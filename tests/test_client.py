@@ -42,6 +42,10 @@ def test_input_bound_loop_is_measured_exactly(daemon_factory):
     assert sample_value(text, "gputrain_training_step_duration_seconds_bucket",
                         {**labels, "le": "+Inf"}) == 100
     assert sample_value(text, "gputrain_training_process_cpu_seconds_total", labels) > 0
+    # the tree's PSS from the real smaps_rollup: shared pages count once, so at most its RSS
+    pss = sample_value(text, "gputrain_training_process_proportional_memory_bytes", labels)
+    rss = sample_value(text, "gputrain_training_process_resident_memory_bytes", labels)
+    assert 0 < pss <= rss
     m.close()
 
 

@@ -351,3 +351,16 @@ def test_parse_errors_are_push_rejected_not_crashes():
     store = IngestStore()
     with pytest.raises(Refused):
         store.push(b"[" * 100000)
+
+
+def test_the_trees_pss_is_exported_where_pushed_and_absent_not_zero_where_not(rig):
+    pss = {"cpu_seconds": 1.0, "resident_memory_bytes": 3e9, "proportional_memory_bytes": 2e9}
+    assert rig.push(body(process=pss)).status_code == 200
+    assert rig.v("gputrain_training_process_proportional_memory_bytes") == 2e9
+    assert rig.v("gputrain_training_process_resident_memory_bytes") == 3e9
+    rss_only = {"cpu_seconds": 2.0, "resident_memory_bytes": 3e9}
+    assert rig.push(body(rank="1", process=rss_only)).status_code == 200
+    assert rig.v("gputrain_training_process_proportional_memory_bytes", rank="1") is None
+    assert rig.v("gputrain_training_process_resident_memory_bytes", rank="1") == 3e9
+    bad = rig.push(body(process={"proportional_memory_bytes": -1.0}))
+    assert bad.status_code == 400 and "process.proportional_memory_bytes" in bad.text

@@ -78,8 +78,9 @@ class Reference:
         held, others = self._owners.attribute(snap, states)
         f = self._families()
         (steps, wait, samples, flops, comm, exposed, comm_bytes, elapsed, slow, hist, phases,
-         last_step, last_push, skew, finished, cpu, allowance, throttled, rss, read, gpu_info,
-         gpu_memory, profile, unattributed, strangers, requests, series, left_out) = (
+         last_step, last_push, skew, finished, cpu, allowance, throttled, rss, pss, read,
+         gpu_info, gpu_memory, profile, unattributed, strangers, requests, series,
+         left_out) = (
             f[f"gputrain_{n}"] for n in (
                 "training_steps_total", "training_data_wait_seconds_total",
                 "training_samples_total", "training_flops_total", "training_comm_seconds_total",
@@ -92,7 +93,8 @@ class Reference:
                 "training_process_cpu_seconds_total",
                 "training_process_cpu_allowance_cores",
                 "training_process_cpu_throttled_seconds_total",
-                "training_process_resident_memory_bytes", "training_process_read_bytes_total",
+                "training_process_resident_memory_bytes",
+                "training_process_proportional_memory_bytes", "training_process_read_bytes_total",
                 "training_gpu_info", "training_gpu_memory_bytes", "training_profile_info",
                 "gpu_unattributed_memory_bytes", "gpu_unattributed_processes",
                 "ingest_requests_total", "ingest_series", "ingest_ranks_left_out"))
@@ -136,6 +138,8 @@ class Reference:
                 throttled.add_metric(lv, st.process["cpu_throttled_seconds"])
             if "resident_memory_bytes" in st.process:
                 rss.add_metric(lv, st.process["resident_memory_bytes"])
+            if "proportional_memory_bytes" in st.process:
+                pss.add_metric(lv, st.process["proportional_memory_bytes"])
             if "read_bytes" in st.process:
                 read.add_metric(lv, st.process["read_bytes"])
             for index, uuid in resolve_gpus(st, gpus):
@@ -155,7 +159,7 @@ class Reference:
             others_memory.add_metric([index, uuid], m)
         for family in (steps, wait, samples, flops, comm, exposed, comm_bytes, elapsed, slow,
                        hist, phases, last_step, last_push, skew, finished, cpu, allowance,
-                       throttled, rss, read, gpu_info, gpu_memory, busy, memory_busy, profile,
+                       throttled, rss, pss, read, gpu_info, gpu_memory, busy, memory_busy, profile,
                        unattributed, strangers, others_busy, others_memory):
             if family.samples:
                 yield family
@@ -185,7 +189,8 @@ def test_training_lines_are_what_prometheus_client_writes_in_both_formats():
     push(store, rank="1", step_buckets=[0.1, 1, 2.5], step_counts=[1, 5, 10],
          phases={"zeta": 1e-7, "checkpoint": 3}, last_step_timestamp=1.7e9,
          process={"cpu_seconds": 1, "pid": 4242, "resident_memory_bytes": 12345678901,
-                  "read_bytes": 0, "cpu_allowance_cores": 2.5, "cpu_throttled_seconds": 0.25},
+                  "proportional_memory_bytes": 9876543210.5, "read_bytes": 0,
+                  "cpu_allowance_cores": 2.5, "cpu_throttled_seconds": 0.25},
          comm_seconds=1.5, comm_exposed_seconds=0.5, comm_bytes=4e8)  # its GPU found by pid
     push(store, run="alpha", rank="3", steps=10**15, samples=1e22,
          gpus=["1", "GPU-00000000-aaaa-bbbb-cccc-000000000000", "7"],  # 7: not on this node
@@ -293,7 +298,9 @@ def test_a_rank_is_bounded_to_max_series_per_rank_lines(clock):
             "step_counts": [10] * MAX_BUCKETS,
             "phases": {f"p{i}": 1.0 for i in range(MAX_PHASES)},
             "last_step_timestamp": 1.7e9,
-            "process": {"cpu_seconds": 1, "resident_memory_bytes": 1, "read_bytes": 1},
+            "process": {"cpu_seconds": 1, "resident_memory_bytes": 1, "read_bytes": 1,
+                        "proportional_memory_bytes": 1, "cpu_allowance_cores": 1,
+                        "cpu_throttled_seconds": 1},
             "gpus": [str(i % 2) if i < 2 else f"GPU-x{i}" for i in range(MAX_GPUS)]}
     push(store, **full, capabilities=["profile"])
     finish_a_profile(store, "resnet18", "0", "/traces/" + "x" * 400, **full)

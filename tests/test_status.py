@@ -297,6 +297,72 @@ def test_a_leak_is_one_processs_sustained_slope(pattern):
     assert ("memory-leak" in rep.findings()) is (pattern == "sustained"), rep.findings()
 
 
+MIB, GIB = 2**20, 2**30
+
+
+@pytest.mark.parametrize("pattern", ["outside", "explained", "dropped", "slow", "shared"])
+def test_memory_lost_outside_the_process_tree_is_judged_from_the_nodes_trend(pattern):
+    """Issue 37, principle 4, as the daemon lives it for 35 minutes (the page, the status API
+    and top read this verdict). A leak: the node's available memory falling 200 MiB a minute
+    from 40 GiB (out in under 3 h) while the rank's RSS stays flat and no PSS is pushed
+    (DataLoader workers copying on access); the rank's PSS growing as fast as the node falls
+    (its own tree explains it). Not: 30 GiB taken once (a dataset copied into /dev/shm) and
+    then flat; a fall of 200 MiB a minute from 200 GiB (over 16 h left, beyond the 4 h
+    horizon); RSS growing 480 MiB a minute while PSS stays flat (workers touching shared
+    pages copy nothing) on a node whose memory does not fall."""
+    from exporter.reading.collectors.memory import MemoryReading
+    from exporter.reading.gpu_backends import GpuIdentity, GpuSample
+    from exporter.reading.sampler import GpuState, Snapshot
+
+    def available(second: int) -> float:
+        if pattern == "dropped":
+            return 60 * GIB - (30 * GIB if second >= 600 else 0)
+        if pattern == "shared":
+            return 40 * GIB
+        start = 200 * GIB if pattern == "slow" else 40 * GIB
+        return start - 200 * MIB * second / 60
+
+    def process(second: int) -> dict:
+        if pattern == "explained":
+            return {"resident_memory_bytes": 30 * GIB,
+                    "proportional_memory_bytes": 10 * GIB + 200 * MIB * second / 60}
+        if pattern == "shared":
+            return {"resident_memory_bytes": 10 * GIB + 480 * MIB * second / 60,
+                    "proportional_memory_bytes": 10 * GIB}
+        return {"resident_memory_bytes": 30 * GIB}
+
+    now = [1_700_000_000.0]
+    store = IngestStore(clock=lambda: now[0], wall_clock=lambda: now[0])
+    history = History(window=60.0, point_seconds=5.0, instance="n1")
+    for k, second in enumerate(range(0, 2105, 5)):
+        now[0] = 1_700_000_000.0 + second
+        push(store, gpus=["0"], steps=second, step_seconds=float(second),
+             samples=32.0 * second, elapsed_seconds=float(second),
+             process={"pid": 4242, **process(second)})
+        sample = GpuSample(now[0], utilization=0.95, memory_used_bytes=50e9,
+                           memory_total_bytes=80e9)
+        gpu = GpuState(GpuIdentity("0", "GPU-a", H100), up=True, sample=sample,
+                       sampled_seconds=float(second), busy_seconds=0.95 * second)
+        history.observe(Snapshot(k, now[0], "nvml", "", (gpu,),
+                                 {"memory": MemoryReading(512 * GIB, available(second))}),
+                        store.states())
+    (rep,) = judge(history.reports(), T)
+    assert ("memory-leak" in rep.findings()) is (pattern in ("outside", "explained")), \
+        rep.findings()
+    reason = rep.reason if rep.verdict == "memory-leak" else \
+        next((f.reason for f in rep.also if f.name == "memory-leak"), "")
+    if pattern == "outside":
+        assert "the node's available memory falls 200 MiB/min beyond what the training " \
+               "processes' memory explains" in reason, reason
+    if pattern == "explained":
+        assert "proportional (PSS) memory grows 200 MiB/min" in reason, reason
+    (shown,) = StatusView(history, T, backend="nvml").document()["runs"][0]["ranks"]
+    measure = "pss" if pattern in ("explained", "shared") else "rss"
+    assert (shown["memory_measure"], shown["memory_bytes"]) == \
+        (measure, process(2100)["proportional_memory_bytes" if measure == "pss"
+                                else "resident_memory_bytes"])
+
+
 def test_histogram_quantile_matches_prometheus():
     # 100 steps: 20 under 0.1 s, 70 in (0.1, 0.2], 10 above 0.2 s
     counts = (20, 90, 100)

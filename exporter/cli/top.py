@@ -53,6 +53,14 @@ def fetch(url: str, session: requests.Session | None = None) -> dict[str, Any]:
     return printable_doc(doc)  # names and reasons come from the network
 
 
+def _memory(rank: dict[str, Any]) -> str:
+    """A rank's process-tree memory as the leak rule judges it: PSS, else RSS (said so)."""
+    if rank.get("memory_bytes") is None:
+        return "n/a"
+    measure = " PSS" if rank.get("memory_measure") == "pss" else " RSS (no PSS)"
+    return _bytes(rank["memory_bytes"]) + measure
+
+
 def _bytes(x: float | None) -> str:
     if x is None:
         return "n/a"
@@ -180,7 +188,7 @@ def frame(doc: dict[str, Any], error: str | None = None, width: int = 80) -> Any
             rank_rows.append([
                 r["rank"], _num(r["samples_per_second"]),
                 _num(r["step_seconds"], ".1f", 1000, " ms"), percent(r["data_wait_ratio"]),
-                percent(r.get("comm_exposed_ratio")), percent(r["mfu"]),
+                percent(r.get("comm_exposed_ratio")), percent(r["mfu"]), _memory(r),
                 gpu_names(r["gpus"], doc["gpus"]), r["verdict"], last])
         # inside the run's panel: its border and padding take four columns
         ranks = fitted(RANK_COLUMNS, rank_rows, width - 4)
@@ -201,7 +209,7 @@ def frame(doc: dict[str, Any], error: str | None = None, width: int = 80) -> Any
 GPU_COLUMNS = (("GPU", 0), ("Name", 4), ("Busy", 0), ("SM", 5), ("Tensor", 8), ("Memory", 3),
                ("Power", 7), ("PCIe RX/TX", 6), ("Temp", 2), ("Used by", 0))
 RANK_COLUMNS = (("rank", 0), ("samples/s", 0), ("step", 3), ("data wait", 0), ("comm wait", 5),
-                ("MFU", 4), ("GPUs", 2), ("verdict", 0), ("last push", 1))
+                ("MFU", 4), ("memory", 6), ("GPUs", 2), ("verdict", 0), ("last push", 1))
 GAP = 2  # columns between two cells of a table
 PIPE_COLUMNS = 160  # into a pipe without COLUMNS
 FOLDED = 16  # the last column folds its text: it needs this much

@@ -27,10 +27,13 @@ from exporter.heuristics.promql import (
     THROTTLE_REASONS,
     Q,
     collector_age,
+    memory_outside,
     new_errors,
     restarts,
+    tree_growth,
 )
 from exporter.heuristics.readings import (
+    LEAK_SPANS,
     WINDOWS,
     GpuReading,
     NodeReport,
@@ -1269,51 +1272,91 @@ class HostMemoryLeak(Heuristic):
     severity, for_ = "warning", "30m"
     summary = "A training process's memory keeps growing."
     advice = ("Look for tensors kept across steps (losses appended without .item()) and growing "
-              "caches.")
-    fires_when = ("process RSS growing (over {leak_window}, the last {leak_recent_window} and the "
-                  "{leak_recent_window} before) fast enough to use up the node's available "
+              "caches. Memory lost outside the process tree is most often DataLoader workers "
+              "copying the dataset on access (Python lists and dicts of objects: each access "
+              "writes a reference count): hold it in NumPy arrays or tensors, or read it from "
+              "disk in __getitem__; or shared memory (/dev/shm) that nothing frees.")
+    fires_when = ("the process tree's memory (PSS where readable, else RSS) growing, or the "
+                  "node's available memory falling beyond what the training processes' memory "
+                  "explains, over {leak_window}, the last {leak_recent_window} and the "
+                  "{leak_recent_window} before, fast enough to use up the node's available "
                   "memory within {leak_horizon_seconds}")
-    why = ("The training process tree's RSS grows, over the last {leak_window} and still over "
-           "the last {leak_recent_window} and the {leak_recent_window} before them, fast "
+    why = ("The training process tree's memory grows, over the last {leak_window} and still "
+           "over the last {leak_recent_window} and the {leak_recent_window} before them, fast "
            "enough to use up the memory the node still has available within "
            "{leak_horizon_seconds} (a TensorFlow performance study: rising memory may mean a "
-           "leak). A slope must be sustained: a step up (a profile, a cache filled once) lies "
-           "in one of the two {leak_recent_window} windows only, and a run too young for both "
-           "is not judged. A high but flat RSS, one that grew during warm-up and then "
-           "levelled off, or a process restarted within the {leak_window} (its memory is a "
+           "leak). The tree's memory is its proportional set size (PSS, from "
+           "`/proc/<pid>/smaps_rollup`: a page shared by n processes counts 1/n) where the "
+           "client can read it, else its resident memory (RSS). RSS misses the leak that "
+           "DataLoader workers make: each worker's pages of the dataset, shared with the "
+           "parent after fork, are copied as it touches them, so the node's memory falls "
+           "while each process's RSS stays flat. So the alert also judges the node: its "
+           "available memory falling, beyond what the training trees' own memory explains, "
+           "fast enough to run out within {leak_horizon_seconds} (its rule labelled "
+           "`evidence=\"node\"`; the tree's is `evidence=\"process\"`). A slope must be sustained: a step up or a one-off drop (a profile, a "
+           "dataset copied once into shared memory, a cache filled once) lies in one of the "
+           "two {leak_recent_window} windows only, and a run too young for both is not "
+           "judged. A high but flat memory, one that grew during warm-up and then levelled "
+           "off, a decline that would take longer than {leak_horizon_seconds} to use up what "
+           "is available, or a process restarted within the {leak_window} (its memory is a "
            "new process's) does not fire.")
-    confirm = ("gputrain_training_process_resident_memory_bytes",
+    confirm = ("gputrain_training_process_proportional_memory_bytes",
+               "gputrain_training_process_resident_memory_bytes",
                "gputrain_host_memory_available_bytes")
-    panel = 'GpuTrain / Run, "Training process memory" rising steadily.'
+    panel = ('GpuTrain / Run, "Training process memory" (RSS and PSS) rising steadily; or '
+             'GpuTrain / Node, "Memory" used rising while it stays flat.')
     profile = False
     thresholds = {"leak_horizon_seconds": Threshold(
-        14400, "seconds", "rising memory that exhausts the node within 4 h")}
+        14400, "seconds", "rising memory that exhausts the node within 4 h; node_exporter's "
+        "mixin gives NodeFilesystemSpaceFillingUp the same 4 h horizon (critical)")}
 
     def rules(self, q: Q) -> list[dict]:
+        horizon, leak = q.t["leak_horizon_seconds"], WINDOWS["leak"]
+        pss = q.metric("gputrain_training_process_proportional_memory_bytes")
         rss = q.metric("gputrain_training_process_resident_memory_bytes")
         available = q.metric("gputrain_host_memory_available_bytes")
-        horizon = q.t["leak_horizon_seconds"]
         steps = q.metric("gputrain_training_steps_total")
+        # a sustained slope: over each span (the long range, the recent one, the one before)
+        tree = " and ".join(f"{tree_growth(pss, rss, w, o)} * {horizon} > {q.on_node} {available}"
+                            for w, o in LEAK_SPANS.values())
+        # the node: how long its available memory lasts at the rate it falls outside the trees
+        # (the recent span's, the alert's value, first)
+        lasts = " and ".join(
+            f"(max by ({q.node}) ({available}) / "
+            f"{memory_outside(available, tree_growth(pss, rss, w, o), q.ids, w, o)} "
+            f"> 0 < {horizon})"
+            for w, o in (LEAK_SPANS[x] for x in ("15m", "15m_before", "1h")))
         # one process's memory: a restart in the window (its steps counter reset) is a new
         # process, whose warm-up is no leak
-        recent = WINDOWS["leak_recent"]
-        return [self.rule(q, "warning", f"""(deriv({rss}[{WINDOWS['leak']}]) * {horizon}
-              > {q.on_node} {available}
-            and deriv({rss}[{recent}]) * {horizon}
-              > {q.on_node} {available}
-            and deriv({rss}[{recent}] offset {recent}) * {horizon}
-              > {q.on_node} {available})
-            unless on ({q.rank}) (resets({steps}[{WINDOWS['leak']}]) > 0)""",
-            f"""{q.who}: its resident memory grows fast enough to use up the node's available
-            memory within {{{{ {horizon} | humanizeDuration }}}}.""")]
+        return [
+            self.rule(q, "warning", f"""({tree})
+                unless on ({q.rank}) (resets({steps}[{leak}]) > 0)""",
+                f"""{q.who}: its process tree's memory grows fast enough to use up the node's
+                available memory within {{{{ {horizon} | humanizeDuration }}}}.""",
+                labels={"evidence": "process"}),
+            self.rule(q, "warning", f"""max by ({q.rank}) ({q.steps}) * 0
+                + on ({q.node}) group_left () ({lasts})""",
+                f"""{q.who}: the node's available memory falls, beyond what the training
+                processes' own memory explains, fast enough to run out in about
+                {{{{ $value | humanizeDuration }}}}.""", labels={"evidence": "node"})]
 
     def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
         available, horizon = r.host.get("memory_available"), t["leak_horizon_seconds"]
+        if available is None:
+            return None
         slopes = (r.rss_growth_1h, r.rss_growth_15m, r.rss_growth_15m_before)
-        if available is not None and None not in slopes and min(slopes) * horizon > available:
-            return (f"resident memory grows {r.rss_growth_15m * 60 / 2**20:.0f} MiB/min: the "
-                    f"node's {available / 2**30:.1f} GiB available last about "
+        if None not in slopes and min(slopes) * horizon > available:
+            measure = "proportional (PSS)" if r.memory_measure == "pss" else "resident (RSS)"
+            return (f"its process tree's {measure} memory grows "
+                    f"{r.rss_growth_15m * 60 / 2**20:.0f} MiB/min: the node's "
+                    f"{available / 2**30:.1f} GiB available last about "
                     f"{available / r.rss_growth_15m / 3600:.1f} h")
+        outside = tuple(r.host.get(f"memory_outside_growth_{w}") for w in LEAK_SPANS)
+        if None not in outside and available > 0 and min(outside) * horizon > available:
+            rate = r.host["memory_outside_growth_15m"]
+            return (f"the node's available memory falls {rate * 60 / 2**20:.0f} MiB/min beyond "
+                    f"what the training processes' memory explains: its "
+                    f"{available / 2**30:.1f} GiB last about {available / rate / 3600:.1f} h")
         return None
 
 

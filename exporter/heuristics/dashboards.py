@@ -387,9 +387,15 @@ def run(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict:
             target(f"run_rank:gputrain_training_process_cpu_cores:rate5m{{{sel}}}",
                    "CPU cores rank {{rank}}", "A")], "none",
             "CPU cores the training process and its DataLoader workers use."), 6, 8),
-        lay.place(timeseries("Training process memory", [target(
-            f"gputrain_training_process_resident_memory_bytes{{{sel}}}", "RSS rank {{rank}}")],
-            "bytes", "Resident memory of the process tree; a steady rise is a leak."), 6, 8),
+        lay.place(timeseries("Training process memory", [
+            target(f"gputrain_training_process_resident_memory_bytes{{{sel}}}",
+                   "RSS rank {{rank}}", "A"),
+            target(f"gputrain_training_process_proportional_memory_bytes{{{sel}}}",
+                   "PSS rank {{rank}}", "B")], "bytes",
+            "Memory of the process tree: RSS, and PSS where the client reads it (pages its "
+            "DataLoader workers share count once, pages they copy on access count). A steady "
+            "rise is a leak; so is the node's available memory falling while these stay flat "
+            "(the node dashboard's memory panel)."), 6, 8),
         lay.row("GPUs of the run"),
         lay.place(timeseries("GPU busy", [target(
             f"run_rank_gpu:gputrain_gpu_busy_ratio:rate5m{{{sel}}}",

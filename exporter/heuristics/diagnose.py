@@ -36,11 +36,13 @@ from exporter.heuristics.promql import (
     collector_age,
     identity,
     inline,
+    memory_outside,
     new_errors,
     recording_rules,
     restarts,
+    tree_growth,
 )
-from exporter.heuristics.readings import WINDOWS
+from exporter.heuristics.readings import LEAK_SPANS, WINDOWS
 from exporter.heuristics.rules import load_overrides, settings
 from exporter.heuristics.verdict import (
     GpuReading,
@@ -117,14 +119,19 @@ def queries(selector: str, window: str, ids: Identity | None = None) -> dict[str
     q["ranks"] = f'group by ({r}) ({{__name__=~"gputrain_training_.+", {s}}})'
     q["seconds_since_step"] = f"time() - {q['seconds_since_step']}"
     q["seconds_since_push"] = f"time() - {q['seconds_since_push']}"
+    pss = f"gputrain_training_process_proportional_memory_bytes{{{s}}}"
     rss = f"gputrain_training_process_resident_memory_bytes{{{s}}}"
+    available = f"gputrain_host_memory_available_bytes{{{s}}}"
     # one process's memory, as the leak alert reads it: none across a restart in the window
     restarted = (f"unless on ({r}) (resets(gputrain_training_steps_total{{{s}}}"
                  f"[{WINDOWS['leak']}]) > 0)")
-    q["rss_growth_1h"] = f"sum by ({r}) (deriv({rss}[{WINDOWS['leak']}])) {restarted}"
-    q["rss_growth_15m"] = f"sum by ({r}) (deriv({rss}[{WINDOWS['leak_recent']}])) {restarted}"
-    q["rss_growth_15m_before"] = (f"sum by ({r}) (deriv({rss}[{WINDOWS['leak_recent']}] offset "
-                                  f"{WINDOWS['leak_recent']})) {restarted}")
+    for span, (w, o) in LEAK_SPANS.items():
+        growth = tree_growth(pss, rss, w, o)
+        q[f"rss_growth_{span}"] = f"sum by ({r}) ({growth}) {restarted}"
+        q[f"memory_outside_growth_{span}"] = memory_outside(available, growth, ids, w, o)
+    # which memory the tree's growth is of: PSS where pushed, else RSS
+    q["memory_measure"] = (f'label_replace(max by ({r}) ({pss}), "measure", "pss", "", "") or '
+                           f'label_replace(max by ({r}) ({rss}), "measure", "rss", "", "")')
     # its process replaced: over the crash-loop rule's hour, and inside the rate window
     q["restarts"] = restarts(s, ids, WINDOWS["restart"])
     q["restarts_recent"] = restarts(s, ids, window)
@@ -189,9 +196,9 @@ RECORDED = {
     "seconds_since_push": "run_rank:gputrain_training_last_push_timestamp_seconds:max",
     "finished": "run_rank:gputrain_training_finished:max",
     "recent_busy": "run_rank:gputrain_gpu_busy_ratio:max_rate2m",
-    "rss_growth_1h": "run_rank:gputrain_training_process_resident_memory_bytes:sum",
-    "rss_growth_15m": "run_rank:gputrain_training_process_resident_memory_bytes:sum",
-    "rss_growth_15m_before": "run_rank:gputrain_training_process_resident_memory_bytes:sum",
+    "rss_growth_1h": "run_rank:gputrain_training_process_memory_bytes:sum",
+    "rss_growth_15m": "run_rank:gputrain_training_process_memory_bytes:sum",
+    "rss_growth_15m_before": "run_rank:gputrain_training_process_memory_bytes:sum",
     "mfu": "run_rank:gputrain_training_mfu:ratio_rate5m",
     "goodput": "run_rank:gputrain_training_goodput:ratio_rate5m",
     "badput": "run_rank_cause:gputrain_training_badput:ratio_rate5m",
@@ -204,21 +211,25 @@ RECORDED = {
 }
 
 
-def recorded_queries(selector: str) -> dict[str, str]:
+def recorded_queries(selector: str, ids: Identity | None = None) -> dict[str, str]:
     """The same readings from the recorded series alone (their 5m windows), by name."""
+    ids = ids or Identity()
     q = {name: f"{record}{{{selector}}}" for name, record in RECORDED.items()}
     q["seconds_since_step"] = f"time() - {q['seconds_since_step']}"
     q["seconds_since_push"] = f"time() - {q['seconds_since_push']}"
-    q["rss_growth_1h"] = f"deriv({q['rss_growth_1h']}[1h])"
-    q["rss_growth_15m"] = f"deriv({q['rss_growth_15m']}[15m])"
-    q["rss_growth_15m_before"] = f"deriv({q['rss_growth_15m_before']}[15m] offset 15m)"
+    tree = f"run_rank:gputrain_training_process_memory_bytes:sum{{{selector}}}"
+    available = f"instance:gputrain_host_memory_available_bytes:sum{{{selector}}}"
+    for span, (w, o) in LEAK_SPANS.items():
+        growth = f"deriv({tree}[{w}]{' offset ' + o if o else ''})"
+        q[f"rss_growth_{span}"] = growth
+        q[f"memory_outside_growth_{span}"] = memory_outside(available, growth, ids, w, o)
     return q
 
 
 GPU_READINGS = ("busy", "sm_active", "tensor_active", "memory_used", "power_used",
                 "pcie_rx_used", "pcie_link_now", "pcie_link_max", "throttled")
 HOST_READINGS = ("cpu_busy", "iowait", "disk_busy", "network_rx_used", "network_duplex_used",
-                 "memory_available")
+                 "memory_available", *(f"memory_outside_growth_{s}" for s in LEAK_SPANS))
 
 
 def _read(prom: Prometheus, raw: str, recorded: str, key) -> tuple[list, set]:
@@ -241,7 +252,7 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
     """One report per (run, rank) active in the window, and one per node the selector
     scrapes, readings filled, no verdict yet."""
     ids = ids or Identity()
-    q, qr = queries(selector, window, ids), recorded_queries(selector)
+    q, qr = queries(selector, window, ids), recorded_queries(selector, ids)
 
     def rank_key(labels: dict[str, str]) -> tuple[str, ...]:
         return tuple(labels.get(k, "") for k in ids.rank_tuple)
@@ -273,6 +284,10 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
             rep = reports.get(rank_key(labels))
             if rep:
                 setattr(rep, name, value)
+    for labels, _ in prom.query(q["memory_measure"]):  # the raw series name it
+        rep = reports.get(rank_key(labels))
+        if rep:
+            rep.memory_measure = labels.get("measure")
     for labels, value in _read(prom, q["phases"], qr["phases"],
                                lambda x: (*rank_key(x), x.get("phase", "")))[0]:
         rep = reports.get(rank_key(labels))

@@ -86,6 +86,27 @@ def restarts(selector: str, ids: Identity, window: str) -> str:
     return f"max by ({ids.rank}) ({' or '.join(parts)})"
 
 
+def tree_growth(pss: str, rss: str, window: str, offset: str = "") -> str:
+    """Of each rank's series, how fast its process tree's memory grows over ``window`` (bytes
+    per second): its proportional set size where the client pushes it, else its resident
+    memory (which counts a page shared by its DataLoader workers once per worker, and misses
+    the copies they make of it)."""
+    off = f" offset {offset}" if offset else ""
+    return f"(deriv({pss}[{window}]{off}) or deriv({rss}[{window}]{off}))"
+
+
+def memory_outside(available: str, growth: str, ids: Identity, window: str,
+                   offset: str = "") -> str:
+    """Of each node, how fast its available memory falls (bytes per second) beyond what the
+    training process trees' own memory explains: ``growth`` (of each rank, as
+    :func:`tree_growth` writes it) summed over the node. A page a DataLoader worker copies on
+    access, shared memory, a process no client reports: the memory lost outside the trees."""
+    off = f" offset {offset}" if offset else ""
+    node = ids.node
+    return (f"-(max by ({node}) (deriv({available}[{window}]{off})) + (sum by ({node}) "
+            f"({growth}) or max by ({node}) ({available}) * 0))")
+
+
 def collector_age(selector: str, ids: Identity) -> str:
     """Of each collector, how old its last success was when Prometheus last scraped it, in
     the exporter's sampler intervals (scrape time less the success time: no clock but the
@@ -204,6 +225,10 @@ def recording(s: str, ids: Identity, r: str = WINDOWS["rate"]) -> list[dict]:
             max by ({rank}) (gputrain_training_last_step_timestamp_seconds{{{s}}})"""),
         _rec("run_rank:gputrain_training_process_resident_memory_bytes:sum", f"""
             sum by ({rank}) (gputrain_training_process_resident_memory_bytes{{{s}}})"""),
+        # the tree's memory as the leak rule reads it: PSS where the client pushes it, else RSS
+        _rec("run_rank:gputrain_training_process_memory_bytes:sum", f"""
+            sum by ({rank}) (gputrain_training_process_proportional_memory_bytes{{{s}}})
+            or sum by ({rank}) (gputrain_training_process_resident_memory_bytes{{{s}}})"""),
         # whether a rank still runs: when it last pushed, whether it said goodbye, and its
         # busiest GPU over the recent window (a vanished run's GPUs go idle)
         _rec("run_rank:gputrain_training_last_push_timestamp_seconds:max", f"""

@@ -25,10 +25,20 @@ WINDOWS = {
 }
 
 
+# the leak rule's three spans of a sustained slope, as (range, offset) by the suffix of the
+# readings taken over them: the long range, the recent one and the recent one before it
+LEAK_SPANS = {"1h": (WINDOWS["leak"], ""), "15m": (WINDOWS["leak_recent"], ""),
+              "15m_before": (WINDOWS["leak_recent"], WINDOWS["leak_recent"])}
+
+
 def window_seconds(name: str) -> float:
     """A window of :data:`WINDOWS` in seconds."""
-    text = WINDOWS[name]
-    return float(text[:-1]) * {"s": 1, "m": 60, "h": 3600}[text[-1]]
+    return duration_seconds(WINDOWS[name])
+
+
+def duration_seconds(text: str) -> float:
+    """A PromQL duration of one unit ('15m') in seconds; '' is 0."""
+    return float(text[:-1]) * {"s": 1, "m": 60, "h": 3600}[text[-1]] if text else 0.0
 
 
 @dataclass
@@ -108,9 +118,12 @@ class RankReport:
     seconds_since_push: float | None = None  # since the exporter last heard from the rank
     finished: bool = False  # it said goodbye (a clean close()): finished, never vanished
     recent_busy: float | None = None  # its busiest GPU over the recent window (0-1)
-    rss_growth_1h: float | None = None  # bytes per second, over the last hour
+    # its process tree's memory growth, bytes per second: PSS where the client reads
+    # /proc/<pid>/smaps_rollup, else RSS (``memory_measure`` says which)
+    rss_growth_1h: float | None = None  # over the last hour
     rss_growth_15m: float | None = None  # ... and over the last 15 minutes
     rss_growth_15m_before: float | None = None  # ... and over the 15 minutes before those
+    memory_measure: str | None = None  # "pss" or "rss" (PSS unreadable); None: neither pushed
     mfu: float | None = None  # model FLOPs utilisation, where the client reports FLOPs
     goodput: float | None = None  # productive share of the rank's wall time
     badput: dict[str, float] = field(default_factory=dict)  # the rest, by cause

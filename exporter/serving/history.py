@@ -2,9 +2,10 @@
 
 Every sampler cycle (in the sampler's thread, never on a request) the daemon notes what a window
 needs: each GPU's integrated counters and running sums of its gauges, the node's counters, each
-live rank's pushed totals. A point is kept every ``point_seconds`` for ``window`` seconds (and a
-rank's resident memory once a minute for an hour, for the leak rule), so memory is bounded by the
-GPUs and the ingest's live ranks (``--ingest.max-series``), however many ranks come and go.
+live rank's pushed totals. A point is kept every ``point_seconds`` for ``window`` seconds (and
+a rank's process-tree memory and the node's available memory once a minute for an hour, for
+the leak rule), so memory is bounded by the GPUs and the ingest's live ranks
+(``--ingest.max-series``), however many ranks come and go.
 
 :meth:`History.reports` turns the window into :class:`~exporter.heuristics.verdict.RankReport`
 readings by the recording rules' own definitions (the same ratios of counters, over this window
@@ -22,7 +23,14 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from exporter.heuristics.promql import THROTTLE_REASONS
-from exporter.heuristics.readings import GpuReading, RankReport, rank_order, window_seconds
+from exporter.heuristics.readings import (
+    LEAK_SPANS,
+    GpuReading,
+    RankReport,
+    duration_seconds,
+    rank_order,
+    window_seconds,
+)
 from exporter.protocol import OUTSIDE_STEP_PHASES
 from exporter.reading.peak_flops import PeakTable
 from exporter.reading.sampler import GpuState, Snapshot
@@ -110,6 +118,7 @@ class _RankTrack:
     epoch: int = 0
     points: deque = field(default_factory=deque)
     rss: deque = field(default_factory=deque)  # (t, bytes), a point a minute
+    measure: str | None = None  # what ``rss`` holds: "pss", or "rss" where PSS is unreadable
     # when its process was replaced (a new run_id under the same run and rank)
     restarts: deque = field(default_factory=lambda: deque(maxlen=MAX_RESTARTS_KEPT))
 
@@ -135,6 +144,7 @@ class History:
         self._host: deque = deque(maxlen=self._points)
         self._host_previous: _HostPoint | None = None
         self._host_current: _HostPoint | None = None
+        self._memory: deque = deque(maxlen=int(RSS_SECONDS / SLOW_POINT_SECONDS) + 1)  # (t, B)
         self._ranks: dict[tuple[str, str], _RankTrack] = {}
         self._snapshot: Snapshot | None = None
         self._lock = threading.Lock()
@@ -182,10 +192,13 @@ class History:
                 # 0, as a scraped counter that stopped growing does
                 if t - track.points[-1].t >= self.point_seconds:
                     track.points.append(self._rank_point(track, t))
-                rss = st.process.get("resident_memory_bytes")
-                if rss is not None and (not track.rss
-                                        or t - track.rss[-1][0] >= SLOW_POINT_SECONDS):
-                    track.rss.append((t, rss))
+                memory = tree_memory(st)
+                if memory is not None:
+                    if memory[1] != track.measure:  # another measure is another series
+                        track.rss.clear()
+                        track.measure = memory[1]
+                    if not track.rss or t - track.rss[-1][0] >= SLOW_POINT_SECONDS:
+                        track.rss.append((t, memory[0]))
                 live[key] = track
             self._ranks = live  # a rank the ingest forgot is forgotten here too
             self.version += 1
@@ -224,6 +237,9 @@ class History:
         self._host_previous, self._host_current = self._host_current, point
         if not self._host or t - self._host[-1].t >= self.point_seconds:
             self._host.append(point)
+        mem = snap.host.get("memory")
+        if mem is not None and (not self._memory or t - self._memory[-1][0] >= SLOW_POINT_SECONDS):
+            self._memory.append((t, mem.available_bytes))
 
     def _note_push(self, track: _RankTrack, st: RankState, t: float) -> None:
         old = track.state
@@ -276,7 +292,8 @@ class History:
         window (see the module docstring)."""
         with self._lock:
             return (sum(len(tr.points) for tr in self._gpus.values()) + len(self._host)
-                    + sum(len(tr.points) + len(tr.rss) for tr in self._ranks.values()))
+                    + sum(len(tr.points) + len(tr.rss) for tr in self._ranks.values())
+                    + len(self._memory))
 
     def rank_states(self) -> dict[tuple[str, str], RankState]:
         """The latest pushed state of every live (run, rank)."""
@@ -440,6 +457,10 @@ class History:
             return []
         index = GpuIndex(snap)
         recent = self.gpu_readings(snap.timestamp - RECENT_SECONDS)
+        with self._lock:
+            memories = [(tr.state, list(tr.rss)) for tr in ranks]
+            available = list(self._memory)
+        outside = _memory_outside(snap.timestamp, snap, available, memories)
         younger: dict[float, tuple[dict, dict[str, float]]] = {}  # by a rank's first point
         out = []
         for tr in ranks:
@@ -456,7 +477,7 @@ class History:
                 if old.t not in younger:
                     younger[old.t] = (self.gpu_readings(old.t), self.host_readings(start=old.t))
                 rank_gpus, rank_host = younger[old.t]
-            rep = RankReport("", self.instance, st.run, st.rank, host=dict(rank_host),
+            rep = RankReport("", self.instance, st.run, st.rank, host={**rank_host, **outside},
                              collectors_failing=self.collectors_failing(),
                              collector_ages=dict(ages))
             # as resets() over the restart window and over the rate window
@@ -470,17 +491,13 @@ class History:
                 rep.seconds_since_step = max(0.0, snap.timestamp - st.last_step_timestamp)
             rep.seconds_since_push = max(0.0, snap.timestamp - st.received_unix)
             rep.finished = st.finished
-            current_rss = st.process.get("resident_memory_bytes")
-            if current_rss is not None and rss:
-                rss.append((snap.timestamp, current_rss))
-                # as deriv() over the ranges, and the recent one offset by itself: a slope is
-                # sustained where both halves rise (a step up lies in one of them only)
-                if snap.timestamp - rss[0][0] >= LEAK_MIN_SECONDS:
-                    rep.rss_growth_1h = _deriv(rss, snap.timestamp - RSS_SECONDS)
-                    rep.rss_growth_15m = _deriv(rss, snap.timestamp - LEAK_MIN_SECONDS)
-                    rep.rss_growth_15m_before = _deriv(
-                        rss, snap.timestamp - 2 * LEAK_MIN_SECONDS,
-                        snap.timestamp - LEAK_MIN_SECONDS)
+            memory = tree_memory(st)
+            rep.memory_measure = None if memory is None else memory[1]
+            # as deriv() over the ranges, and the recent one offset by itself: a slope is
+            # sustained where both halves rise (a step up lies in one of them only)
+            if memory is not None and rss and snap.timestamp - rss[0][0] >= LEAK_MIN_SECONDS:
+                for span, growth in _growths(snap.timestamp, rss, memory[0]).items():
+                    setattr(rep, f"rss_growth_{span}", growth)
             peak = 0.0
             for index_, uuid in resolve_gpus(st, index,
                                              self.shares.listed.get((st.run, st.rank), ())):
@@ -598,6 +615,43 @@ def wall_shares(wall: float, step_s: float, wait: float, phases: dict[str, float
     if total <= 0:
         return 0.0, {k: 0.0 for k in parts}
     return productive / total, {k: v / total for k, v in parts.items()}
+
+
+def tree_memory(st: RankState) -> tuple[float, str] | None:
+    """A rank's process-tree memory in bytes and which it is: its proportional set size
+    ("pss") where its client reads ``smaps_rollup``, else its resident memory ("rss")."""
+    for key, measure in (("proportional_memory_bytes", "pss"), ("resident_memory_bytes", "rss")):
+        if (value := st.process.get(key)) is not None:
+            return value, measure
+    return None
+
+
+def _growths(now: float, points: list[tuple[float, float]],
+             current: float) -> dict[str, float | None]:
+    """As deriv() over each of the leak rule's spans (:data:`LEAK_SPANS`), by its suffix:
+    bytes per second, the value ``current`` at ``now`` included."""
+    points = [*points, (now, current)]
+    out = {}
+    for span, (w, o) in LEAK_SPANS.items():
+        until = now - duration_seconds(o)
+        out[span] = _deriv(points, until - duration_seconds(w), until)
+    return out
+
+
+def _memory_outside(now: float, snap: Snapshot, available: list[tuple[float, float]],
+                    ranks: list[tuple[RankState, list[tuple[float, float]]]]) -> dict[str, float]:
+    """The node's ``memory_outside_growth_<span>`` readings: how fast its available memory
+    falls beyond what its ranks' tree memory explains (bytes per second), as
+    :func:`exporter.heuristics.promql.memory_outside` writes it; none before the node's
+    memory is seen for the leak rule's recent span."""
+    mem = snap.host.get("memory")
+    if mem is None or not available or now - available[0][0] < LEAK_MIN_SECONDS:
+        return {}
+    node = _growths(now, available, mem.available_bytes)
+    trees = [_growths(now, points, memory[0]) for st, points in ranks
+             if points and (memory := tree_memory(st)) is not None]
+    return {f"memory_outside_growth_{span}": -(slope + sum(t[span] or 0.0 for t in trees))
+            for span, slope in node.items() if slope is not None}
 
 
 def _deriv(points: list[tuple[float, float]], since: float,

@@ -50,7 +50,8 @@ COUNTERS = ("steps", "step_seconds", "data_wait_seconds", "samples")
 OPTIONAL_COUNTERS = ("flops", "elapsed_seconds", "comm_seconds", "comm_exposed_seconds",
                      "comm_bytes")
 PROCESS_COUNTERS = ("cpu_seconds", "read_bytes", "cpu_throttled_seconds")
-PROCESS_FIELDS = (*PROCESS_COUNTERS, "resident_memory_bytes", "cpu_allowance_cores")
+PROCESS_FIELDS = (*PROCESS_COUNTERS, "resident_memory_bytes", "proportional_memory_bytes",
+                  "cpu_allowance_cores")
 
 
 @dataclass

@@ -32,7 +32,7 @@ from exporter.heuristics.verdict import (
     visibility,
     wasted_gpus,
 )
-from exporter.serving.history import History
+from exporter.serving.history import History, tree_memory
 from exporter.serving.stacks import GUARDED, recent_stacks, with_lines
 
 log = logging.getLogger(__name__)
@@ -326,6 +326,7 @@ def _sum(values: list[float | None]) -> float | None:
 
 def _rank(rep: RankReport, st: Any, now: float) -> dict[str, Any]:
     since_push = max(0.0, now - st.received_unix) if st is not None else None
+    memory = tree_memory(st) if st is not None else None
     return {
         "rank": rep.rank,
         "samples_per_second": rep.samples_per_second,
@@ -342,6 +343,10 @@ def _rank(rep: RankReport, st: Any, now: float) -> dict[str, Any]:
         "gpus": [{"gpu": g.gpu, "uuid": g.uuid} for g in rep.gpus],
         "step_p50_seconds": rep.step_p50_seconds,
         "step_p99_seconds": rep.step_p99_seconds,
+        # the process tree's memory as the leak rule judges it: "pss", or "rss" where the
+        # client cannot read smaps_rollup (its RSS counts shared pages once per process)
+        "memory_bytes": memory[0] if memory else None,
+        "memory_measure": memory[1] if memory else None,
         "seconds_since_step": rep.seconds_since_step,
         "seconds_since_push": since_push,
         "pushing": since_push is not None and since_push <= STALE_PUSH_SECONDS

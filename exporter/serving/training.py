@@ -346,6 +346,10 @@ FAMILIES: tuple[Family, ...] = (
            "throttled_usec): time at its CPU quota."),
     Family("gputrain_training_process_resident_memory_bytes", "gauge",
            "Resident memory of the training process and its children, in bytes."),
+    Family("gputrain_training_process_proportional_memory_bytes", "gauge",
+           "Proportional set size (PSS) of the training process and its children, in bytes: a "
+           "page shared by n processes counts 1/n (/proc/<pid>/smaps_rollup, read at most once "
+           "a minute); absent where the client cannot read it."),
     Family("gputrain_training_process_read_bytes_total", "counter",
            "Bytes the training process and its children read (storage and page cache)."),
     Family("gputrain_training_gpu_info", "gauge",
@@ -568,6 +572,8 @@ def _rank_lines(st: RankState) -> tuple[tuple[int, str], ...]:
         "gputrain_training_finished": 1.0 if st.finished else 0.0,
         "gputrain_training_process_cpu_seconds_total": proc.get("cpu_seconds"),
         "gputrain_training_process_resident_memory_bytes": proc.get("resident_memory_bytes"),
+        "gputrain_training_process_proportional_memory_bytes":
+            proc.get("proportional_memory_bytes"),
         "gputrain_training_process_cpu_allowance_cores": proc.get("cpu_allowance_cores"),
         "gputrain_training_process_cpu_throttled_seconds_total":
             proc.get("cpu_throttled_seconds"),

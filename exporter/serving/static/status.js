@@ -140,11 +140,12 @@ function runCard(run, byUuid) {
     el("td", {}, pct(r.comm_exposed_ratio)),
     el("td", {}, Object.entries(r.phases).map(([p, v]) => p + " " + pct(v)).join(", ") || "—"),
     el("td", {}, pct(r.mfu)),
+    el("td", {}, memory(r)),
     el("td", {}, gpuNames(r.gpus, byUuid)),
     el("td", {}, r.verdict),
     lastPush(r)));
   card.append(el("table", {}, el("thead", {}, el("tr", {},
-    ...["rank", "samples/s", "step", "data wait", "comm wait", "phases", "MFU", "GPUs",
+    ...["rank", "samples/s", "step", "data wait", "comm wait", "phases", "MFU", "memory", "GPUs",
         "verdict", "last push"].map((h) => el("th", {}, h)))), el("tbody", {}, ...rows)));
   // beside the verdict: what py-spy saw each rank's processes run lately
   for (const r of run.ranks.filter((x) => x.stacks)) {
@@ -155,6 +156,12 @@ function runCard(run, byUuid) {
       el("ul", {}, ...r.stacks.lines.map((line) => el("li", {}, el("code", {}, line))))));
   }
   return card;
+}
+
+// A rank's process-tree memory as the leak rule judges it: PSS, or RSS where PSS is unreadable.
+function memory(r) {
+  if (r.memory_bytes === null || r.memory_bytes === undefined) return "n/a";
+  return bytes(r.memory_bytes) + (r.memory_measure === "pss" ? " PSS" : " RSS (no PSS)");
 }
 
 const PARTS = ["data_loading", "forward", "backward", "optimizer", "other", "idle"];
