@@ -22,6 +22,7 @@ WINDOWS = {
     "fault": "10m",  # new Xid and uncorrectable ECC errors, a fresh exporter's finds
     "recent": "2m",  # a vanished run's GPUs: idle since its ranks went silent
     "restart": "1h",  # a rank's process restarts counted for the crash-loop rule
+    "regime": "1m",  # a rank whose run changed (exporter.heuristics.regime) is read over this
 }
 
 
@@ -108,6 +109,9 @@ class RankReport:
     seconds_since_push: float | None = None  # since the exporter last heard from the rank
     finished: bool = False  # it said goodbye (a clean close()): finished, never vanished
     recent_busy: float | None = None  # its busiest GPU over the recent window (0-1)
+    # seconds since its steps changed pace (exporter.heuristics.regime), while that is inside
+    # the rate window; None where they did not
+    regime_changed_seconds: float | None = None
     rss_growth_1h: float | None = None  # bytes per second, over the last hour
     rss_growth_15m: float | None = None  # ... and over the last 15 minutes
     rss_growth_15m_before: float | None = None  # ... and over the 15 minutes before those

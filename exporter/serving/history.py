@@ -14,6 +14,7 @@ instead of 5m), and :func:`exporter.heuristics.verdict.judge` gives the verdicts
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections import deque
@@ -23,6 +24,7 @@ from typing import NamedTuple
 
 from exporter.heuristics.promql import THROTTLE_REASONS
 from exporter.heuristics.readings import GpuReading, RankReport, rank_order, window_seconds
+from exporter.heuristics.regime import REGIME_SECONDS, Interval, change_point, short_window
 from exporter.protocol import OUTSIDE_STEP_PHASES
 from exporter.reading.peak_flops import PeakTable
 from exporter.reading.sampler import GpuState, Snapshot
@@ -112,6 +114,10 @@ class _RankTrack:
     rss: deque = field(default_factory=deque)  # (t, bytes), a point a minute
     # when its process was replaced (a new run_id under the same run and rank)
     restarts: deque = field(default_factory=lambda: deque(maxlen=MAX_RESTARTS_KEPT))
+    # unix seconds: where its current regime began (a change of pace found in its points),
+    # and from where its points are compared (its current process's first push)
+    regime_start: float | None = None
+    regime_floor: float = 0.0
 
 
 _COUNTERS = ("steps", "step_seconds", "data_wait_seconds", "samples", "flops", "comm_seconds",
@@ -182,6 +188,7 @@ class History:
                 # 0, as a scraped counter that stopped growing does
                 if t - track.points[-1].t >= self.point_seconds:
                     track.points.append(self._rank_point(track, t))
+                    self._detect(track, t)
                 rss = st.process.get("resident_memory_bytes")
                 if rss is not None and (not track.rss
                                         or t - track.rss[-1][0] >= SLOW_POINT_SECONDS):
@@ -229,6 +236,8 @@ class History:
         old = track.state
         if st.run_id != old.run_id:  # a restarted process counts from 0: carry the old totals
             track.restarts.append(t)
+            # a new process is judged as a restart, then as itself: no regime across it
+            track.regime_start, track.regime_floor = None, t
             track.rss.clear()  # and its memory is a new process's: no leak across a restart
             for key in _COUNTERS:
                 track.offsets[key] = track.offsets.get(key, 0.0) + (getattr(old, key) or 0.0)
@@ -244,6 +253,26 @@ class History:
         elif st.bucket_bounds != old.bucket_bounds:
             track.epoch += 1
         track.state = st
+
+    def _detect(self, track: _RankTrack, t: float) -> None:
+        """Look for a change of pace in the rank's current regime, in the points the window
+        keeps anyway (exporter.heuristics.regime)."""
+        since = max(track.regime_floor, track.regime_start or 0.0)
+        points = [p for p in track.points if p.t >= since]
+        intervals = [Interval(b.t, b.t - a.t, b.steps - a.steps, b.step_seconds - a.step_seconds,
+                              b.wait - a.wait, b.samples - a.samples)
+                     for a, b in itertools.pairwise(points) if b.epoch == a.epoch]
+        start = change_point(intervals, t)
+        if start is not None:
+            track.regime_start = start
+
+    def regime_starts(self) -> dict[tuple[str, str], float]:
+        """Where each live rank's current regime began (unix seconds), for the ranks whose
+        pace changed while the daemon watched (the page's
+        ``gputrain_training_regime_start_timestamp_seconds``)."""
+        with self._lock:
+            return {key: tr.regime_start for key, tr in self._ranks.items()
+                    if tr.regime_start is not None}
 
     def _rank_point(self, track: _RankTrack, t: float) -> _RankPoint:
         st, off = track.state, track.offsets
@@ -441,6 +470,7 @@ class History:
         index = GpuIndex(snap)
         recent = self.gpu_readings(snap.timestamp - RECENT_SECONDS)
         younger: dict[float, tuple[dict, dict[str, float]]] = {}  # by a rank's first point
+        shorter: dict[float, dict] = {}  # a young regime's GPU readings, by its first point
         out = []
         for tr in ranks:
             with self._lock:
@@ -451,6 +481,12 @@ class History:
                 replaced = list(tr.restarts)
                 full = (old is not None and old is not tr.points[0]) or \
                     len(tr.points) == tr.points.maxlen
+                # a young regime is read on its own, over the last REGIME, as the rules do
+                age = None if tr.regime_start is None else snap.timestamp - tr.regime_start
+                short = None
+                if short_window(age, self.window):
+                    short = self._since(tr.points, now.t,
+                                        max(now.t - REGIME_SECONDS, tr.regime_start))
             rank_gpus, rank_host = gpus, host
             if old is not None and not full:
                 if old.t not in younger:
@@ -463,6 +499,14 @@ class History:
             rep.restarts = float(sum(snap.timestamp - x <= RESTART_SECONDS for x in replaced))
             rep.restarts_recent = float(sum(snap.timestamp - x <= self.window
                                             for x in replaced))
+            if age is not None and age < self.window:
+                rep.regime_changed_seconds = age
+            short_busy: dict = {}
+            if short is not None and short.t < now.t:
+                old = short
+                if old.t not in shorter:
+                    shorter[old.t] = self.gpu_readings(old.t)
+                short_busy = shorter[old.t]
             if old is not None:
                 _rank_window(rep, old, now, st.bucket_bounds)
                 _cpu_window(rep, old, now, st.process.get("cpu_allowance_cores"))
@@ -491,6 +535,9 @@ class History:
                 if entry is None:
                     continue
                 state, reading, _ = entry
+                if (young := short_busy.get(uuid or index_)) is not None:
+                    # its GPUs' busy time over the same span as its steps (the rules' selection)
+                    reading = replace(reading, busy=young[1].busy)
                 if reading.unattributed is not None:  # the share no rank of this run owns
                     reading = replace(reading, foreign=reading.unattributed + sum(
                         v for (run, _), v in reading.shares.items() if run != st.run))
