@@ -9,9 +9,25 @@ steps to tell.
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
+import time
 
 import pytest
+import requests
+from conftest import (
+    DATA_WAIT_VERDICTS,
+    ROOT,
+    Daemon,
+    rules_file,
+    sample_value,
+    synthetic_client,
+    wait_until,
+)
+from conftest import Prometheus as PromServer
 
 from exporter.heuristics.regime import (
     CHANGE,
@@ -117,3 +133,109 @@ def test_a_young_regime_is_read_over_the_regime_window_only_while_it_fills_it():
     assert short_window(REGIME_SECONDS, 300)
     assert short_window(299, 300)
     assert not short_window(300, 300)  # the rate window holds the new regime alone
+
+
+# --- live: a run fixed mid-run, every surface sampled through the change ----------------------
+
+TARGET = 120.0  # seconds after the fix by which every surface names the new state
+
+
+class Surfaces:
+    """What each surface says of rank 0 of ``run``: the page's document, `top --once`,
+    `diagnose --json` and the alert, as a user reads them."""
+
+    def __init__(self, daemon: Daemon, prom: PromServer, run: str) -> None:
+        self.daemon, self.prom, self.run = daemon, prom, run
+
+    def page(self) -> dict:
+        doc = requests.get(self.daemon.url + "/api/v1/status", timeout=10).json()
+        ranks = [r for x in doc["runs"] if x["run"] == self.run for r in x["ranks"]]
+        return ranks[0] if ranks else {}
+
+    def top(self) -> str:
+        return subprocess.run([sys.executable, "-m", "exporter", "top", "--once", "--url",
+                               self.daemon.url], cwd=ROOT, capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "COLUMNS": "200"}).stdout
+
+    def diagnose(self) -> dict:
+        out = subprocess.run([sys.executable, "-m", "exporter", "diagnose", "--prometheus",
+                              self.prom.url, "--run", self.run, "--json"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        ranks = json.loads(out.stdout)["ranks"] if out.stdout else []
+        return ranks[0] if ranks else {}
+
+    def alerting(self) -> bool:
+        return bool(self.prom.query(f'ALERTS{{alertname="GpuTrainInputBound",'
+                                    f'alertstate="firing",run="{self.run}"}}'))
+
+    def regime_start(self) -> float | None:
+        return sample_value(self.daemon.metrics(),
+                            "gputrain_training_regime_start_timestamp_seconds",
+                            {"run": self.run})
+
+
+def test_every_surface_names_a_fixed_run_within_two_minutes(tmp_path, daemon_factory,
+                                                           prometheus_factory):
+    """A real client whose loader takes 40 ms a batch (20 ms steps: input-bound), fixed by a
+    control file: the page, `top`, `diagnose` and the alert all name the new state within
+    TARGET seconds, and say the run changed; before the fix the steady (jittery, sleep-based)
+    run never restarts its window. The 5m windows alone still read 30-40 % data wait then."""
+    run = "fixed-mid-run"
+    daemon = daemon_factory("--gpu.backend=demo", "--demo.gpus=1")
+    rules = rules_file(tmp_path, {"recording_interval": "1s", "for": {
+        "GpuTrainInputBound": "2s", "GpuTrainGPUUnderutilized": "2s"}})
+    prom = prometheus_factory([daemon.url.removeprefix("http://")], rule_files=[str(rules)])
+    fix = tmp_path / "loader-fixed"
+    client = synthetic_client(run, daemon.ingest_url, "--data-wait-ms", "40",
+                              "--compute-ms", "20", "--fixed-when", str(fix))
+    s = Surfaces(daemon, prom, run)
+    try:
+        started = time.monotonic()
+        wait_until(lambda: s.page().get("verdict") in DATA_WAIT_VERDICTS, timeout=180,
+                   interval=2, what="the page to find the slow loader")
+        wait_until(lambda: s.diagnose().get("verdict") in DATA_WAIT_VERDICTS, timeout=180,
+                   interval=3, what="diagnose to find the slow loader")
+        wait_until(s.alerting, timeout=180, interval=2, what="GpuTrainInputBound to fire")
+        # the detector compares a minute with the rest: the old regime lasts 2 minutes
+        while time.monotonic() - started < 120:
+            assert s.regime_start() is None, "a steady run restarted its window"
+            time.sleep(5)
+        assert s.top().count("changed pace") == 0
+        fix.touch()
+        fixed = time.time()
+        named: dict[str, float] = {}
+        seen: dict[str, object] = {}
+        while len(named) < 4 and time.time() - fixed < TARGET + 60:
+            page = s.page()
+            if page.get("verdict") not in (None, *DATA_WAIT_VERDICTS) and \
+                    page.get("regime_changed_seconds") is not None:
+                named.setdefault("page", time.time() - fixed)
+                seen["page"] = page
+            top = s.top()
+            if "changed pace" in top and not any(f" {v}" in top for v in DATA_WAIT_VERDICTS):
+                named.setdefault("top", time.time() - fixed)
+                seen["top"] = top
+            diag = s.diagnose()
+            if diag.get("verdict") not in (None, *DATA_WAIT_VERDICTS) and \
+                    diag.get("regime_changed_seconds") is not None:
+                named.setdefault("diagnose", time.time() - fixed)
+                seen["diagnose"] = diag
+            if not s.alerting():
+                named.setdefault("alert", time.time() - fixed)
+            time.sleep(1)
+        late = {k: v for k, v in named.items() if v > TARGET}
+        assert set(named) == {"page", "top", "diagnose", "alert"} and not late, \
+            f"seconds after the fix each surface named the new state: {named}"
+        # the change is placed at the fix, and the surfaces judge the same window alike
+        start = s.regime_start()
+        assert start is not None and abs(start - fixed) <= 20
+        assert seen["page"]["data_wait_ratio"] < 0.05
+        assert seen["diagnose"]["data_wait_ratio"] < 0.05
+        assert "changed pace" in seen["diagnose"]["reason"]
+        page, diag = s.page(), s.diagnose()
+        assert page["verdict"] == diag["verdict"], (page["reason"], diag["reason"])
+        recorded = prom.query(f'run_rank:gputrain_training_data_wait_ratio:rate5m{{run="{run}"}}')
+        assert float(recorded[0]["value"][1]) < 0.05
+    finally:
+        client.kill()
+        client.wait()
