@@ -108,7 +108,7 @@ def short_window(age: float | None, window: float) -> bool:
 def changed_text(age: float) -> str:
     """What a verdict's reason adds for a rank whose regime began ``age`` seconds ago (inside
     the rate window): when, and over what it is judged."""
-    since = f"its steps changed pace {age:.0f} s ago"
+    since = f"its pace changed {age:.0f} s ago"
     if age >= REGIME_SECONDS:
         return f"{since}: judged over the last {REGIME} alone"
     return f"{since}: judged over the whole window until the new pace fills {REGIME}"
