@@ -35,6 +35,7 @@ from exporter.heuristics.regime import (
     REGIME_SECONDS,
     Interval,
     change_point,
+    moved,
     short_window,
 )
 
@@ -121,6 +122,33 @@ def test_the_rest_of_the_regime_must_be_as_long_as_the_recent_part():
     # a run (or a regime) younger than twice the recent window: nothing to compare with
     iv = run([(0, 0.01, 0.04), (70, 0.01, 0.0)], 110)
     assert change_point(iv, iv[-1].end) is None
+
+
+def _sums(iv: list[Interval]) -> tuple[float, float, float, float]:
+    return (sum(x.steps for x in iv), sum(x.step_seconds for x in iv),
+            sum(x.wait for x in iv), sum(x.samples for x in iv))
+
+
+@pytest.mark.parametrize("paces", [
+    [(0, 0.010, 0.040), (200, 0.010, 0.002)],
+    [(0, 0.020, 0.002), (150, 0.040, 0.002)],
+    [(0, 0.035, 0.015), (150, 0.0395, 0.0021)],
+])
+def test_the_daemons_cheap_first_look_lets_every_change_through(paces):
+    # the daemon computes the medians only where the means moved (moved()): at every point
+    # where the detector finds a change, the means moved too
+    iv = run(paces, 300)
+    for k in range(1, len(iv) + 1):
+        now = iv[k - 1].end
+        if change_point(iv[:k], now) is not None:
+            old = [x for x in iv[:k] if x.end <= now - REGIME_SECONDS]
+            new = [x for x in iv[:k] if x.end > now - REGIME_SECONDS]
+            assert moved(_sums(old), _sums(new))
+
+
+def test_a_steady_run_costs_no_medians():
+    iv = run([(0, 0.02, 0.02)], 300, jitter=0.5)
+    assert not moved(_sums(iv[:24]), _sums(iv[24:]))
 
 
 def test_the_threshold_is_a_real_margin():

@@ -98,6 +98,20 @@ def change_point(intervals: Sequence[Interval], now: float,
     return start if start < now else None
 
 
+def moved(old: Sequence[float], new: Sequence[float]) -> bool:
+    """Whether two spans' mean paces differ by half a change or more (each span as what the
+    rank's counters grew by: steps, step seconds, data wait seconds, samples): a steady rank's
+    do not, so the daemon asks :func:`change_point` (medians, far dearer) only where they
+    do. A regime change moves the medians and the means alike (an outlier moves only the
+    mean: the medians then say no)."""
+    if min(old[0], old[1], new[0], new[1]) <= 0:
+        return False
+    step = _relative(old[1] / old[0], new[1] / new[0])
+    rate = _relative(old[3] / old[1], new[3] / new[1])
+    wait = new[2] / new[1] - old[2] / old[1]
+    return abs(step) >= CHANGE / 2 or abs(rate) >= CHANGE / 2 or abs(wait) >= WAIT_SHIFT / 2
+
+
 def short_window(age: float | None, window: float) -> bool:
     """Whether a rank whose regime began ``age`` seconds ago is read over the last
     :data:`REGIME` instead of the rate window ``window`` (seconds): the regime fills it, and

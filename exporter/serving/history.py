@@ -22,9 +22,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+from exporter.heuristics import regime
 from exporter.heuristics.promql import THROTTLE_REASONS
 from exporter.heuristics.readings import GpuReading, RankReport, rank_order, window_seconds
-from exporter.heuristics.regime import REGIME_SECONDS, Interval, change_point, short_window
+from exporter.heuristics.regime import (
+    MIN_INTERVALS,
+    REGIME_SECONDS,
+    Interval,
+    change_point,
+    moved,
+    short_window,
+)
 from exporter.protocol import OUTSIDE_STEP_PHASES
 from exporter.reading.peak_flops import PeakTable
 from exporter.reading.sampler import GpuState, Snapshot
@@ -259,6 +267,12 @@ class History:
         keeps anyway (exporter.heuristics.regime)."""
         since = max(track.regime_floor, track.regime_start or 0.0)
         points = [p for p in track.points if p.t >= since]
+        split = next((i for i, p in enumerate(points) if p.t > t - regime.RECENT_SECONDS), 0)
+        if split < 2 or len(points) - split < MIN_INTERVALS:
+            return
+        first, middle, last = points[0], points[split - 1], points[-1]
+        if not moved(_growth(first, middle), _growth(middle, last)):
+            return  # the means kept their pace: the medians would too
         intervals = [Interval(b.t, b.t - a.t, b.steps - a.steps, b.step_seconds - a.step_seconds,
                               b.wait - a.wait, b.samples - a.samples)
                      for a, b in itertools.pairwise(points) if b.epoch == a.epoch]
@@ -555,6 +569,13 @@ def _error_counts(st: GpuState) -> tuple[float, float]:
     """A GPU's Xid errors and uncorrectable ECC errors, both counted since the exporter
     started (the ECC count from the driver's at the first reading)."""
     return float(sum(st.xid_errors.values())), st.ecc_errors.get("uncorrected", 0.0)
+
+
+def _growth(a: _RankPoint, b: _RankPoint) -> tuple[float, float, float, float]:
+    """What a rank's steps, step seconds, data wait seconds and samples grew by from ``a`` to
+    ``b``."""
+    return (b.steps - a.steps, b.step_seconds - a.step_seconds, b.wait - a.wait,
+            b.samples - a.samples)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
