@@ -2,7 +2,7 @@
 history per sampler cycle and in memory, and whether a viewer slows the scrape, beside the
 anchors measured in the same run (a /metrics scrape and /healthz of the same daemon).
 
-    python bench/bench_status.py [--requests 40] [--ranks 0,64]
+    python bench/bench_status.py [--requests 40] [--ranks 0,64] [--in-process]
 
 Requests are spaced more than one sampler interval apart, as a page refreshing every 2 s and
 `top` every second are, so each one meets a newer history and the document is built anew (the
@@ -95,16 +95,27 @@ def in_process(ranks: int, cycles: int) -> dict[str, float]:
     before = tracemalloc.take_snapshot()
     history = History(300.0)
     view = StatusView(history, DEFAULTS["thresholds"], backend="demo")
-    observe = []
+    observe, detect = [], [0.0]
+    find = history._detect
+
+    def timed_detect(*args) -> None:  # the regime detector's share of observe()
+        t0 = time.perf_counter()
+        find(*args)
+        detect[0] += time.perf_counter() - t0
+
+    history._detect = timed_detect
+    detected = []
     for cycle in range(cycles):
         now[0] += 1.0
         for r in range(ranks):
             if (r + cycle) % 5 == 0:  # each rank pushes every 5 s
                 store.push(json.dumps(payload(r, 10 * (cycle + 1), 4)).encode())
         snap = replace(sampler.run_once(), timestamp=now[0])
+        detect[0] = 0.0
         t0 = time.perf_counter()
         history.observe(snap, store.states())
         observe.append(time.perf_counter() - t0)
+        detected.append(detect[0])
     after = tracemalloc.take_snapshot()
     tracemalloc.stop()
     memory = sum(s.size_diff for s in after.compare_to(before, "filename")
@@ -116,7 +127,11 @@ def in_process(ranks: int, cycles: int) -> dict[str, float]:
         view.json_bytes()
         builds.append(time.perf_counter() - t0)
     sampler.stop()
-    return {"observe_ms": pct(observe[-60:], 0.5) * 1e3, "build_ms": pct(builds, 0.5) * 1e3,
+    return {"observe_ms": pct(observe[-60:], 0.5) * 1e3,
+            "observe_mean_ms": sum(observe[-60:]) / 60 * 1e3,
+            "detect_mean_ms": sum(detected[-60:]) / 60 * 1e3,
+            "detect_max_ms": max(detected[-60:]) * 1e3,
+            "build_ms": pct(builds, 0.5) * 1e3,
             "bytes": len(view.json_bytes()), "memory_mb": memory / 1e6,
             "points": history.size()}
 
@@ -126,12 +141,14 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--ranks", default="0,64")
     ap.add_argument("--spacing", type=float, default=1.1)
+    ap.add_argument("--in-process", action="store_true",
+                    help="only the in-process table (the history's costs), no daemon")
     ns = ap.parse_args()
     levels = [int(x) for x in ns.ranks.split(",")]
     print(f"python {platform.python_version()}, {os.cpu_count()} CPUs, 8 demo GPUs, "
           f"{ns.requests} requests of each kind {ns.spacing} s apart")
     print(f"{'ranks':>5}  {'request':<32} {'median ms':>9} {'p99 ms':>8}  ratio to /metrics")
-    for ranks in levels:
+    for ranks in [] if ns.in_process else levels:
         got = over_http(ranks, ns.requests, ns.spacing)
         anchor = pct(got["metrics"], 0.5)
         for kind, label in (("metrics", "/metrics scrape (anchor)"),
@@ -145,10 +162,19 @@ def main() -> None:
     print()
     print(f"{'ranks':>5}  {'observe/cycle ms':>16} {'build ms':>9} {'JSON bytes':>10} "
           f"{'history MB':>10} {'points':>7}")
+    costs = {}
     for ranks in sorted({*levels, 1024}):
-        r = in_process(ranks, 330)
+        r = costs[ranks] = in_process(ranks, 330)
         print(f"{ranks:>5}  {r['observe_ms']:>16.3f} {r['build_ms']:>9.2f} {r['bytes']:>10} "
               f"{r['memory_mb']:>10.2f} {r['points']:>7}")
+    # the regime detector runs inside observe(), on a rank's points as one is added (every
+    # 10 s): its mean and worst cost per cycle beside observe()'s mean (the anchor)
+    print()
+    print(f"{'ranks':>5}  {'observe mean ms':>15} {'detector mean ms':>16} "
+          f"{'detector max ms':>15}")
+    for ranks, r in costs.items():
+        print(f"{ranks:>5}  {r['observe_mean_ms']:>15.3f} {r['detect_mean_ms']:>16.3f} "
+              f"{r['detect_max_ms']:>15.3f}")
 
 
 if __name__ == "__main__":

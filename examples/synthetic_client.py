@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import time
 from collections.abc import Iterator
 
 from exporter.client import TrainingMonitor
 
 
-def slow_loader(wait_s: float, batch_size: int) -> Iterator[list[int]]:
-    """Yields batches, each after ``wait_s`` seconds (a data loader that cannot keep up)."""
+def slow_loader(wait_s: float, batch_size: int, fixed_when: str | None = None,
+                fixed_wait_s: float = 0.0) -> Iterator[list[int]]:
+    """Yields batches, each after ``wait_s`` seconds (a data loader that cannot keep up), or
+    after ``fixed_wait_s`` once the file ``fixed_when`` exists (the loader fixed mid-run)."""
+    fixed = False
     for _ in itertools.count():
-        time.sleep(wait_s)
+        fixed = fixed or (fixed_when is not None and os.path.exists(fixed_when))
+        time.sleep(fixed_wait_s if fixed else wait_s)
         yield [0] * batch_size
 
 
@@ -30,6 +35,11 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--data-wait-ms", type=float, default=30.0, help="time to get a batch")
     p.add_argument("--compute-ms", type=float, default=10.0, help="time of the step itself")
+    p.add_argument("--fixed-when", metavar="FILE",
+                   help="once FILE exists, the loader waits --fixed-data-wait-ms instead (a fix "
+                        "made mid-run: touch FILE)")
+    p.add_argument("--fixed-data-wait-ms", type=float, default=0.0,
+                   help="time to get a batch once --fixed-when's file exists (default 0)")
     p.add_argument("--callback-ms", type=float, default=0.0, help="a per-step callback phase")
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="save a checkpoint (a phase outside the steps) every N steps")
@@ -42,7 +52,8 @@ def main() -> None:
 
     monitor = TrainingMonitor(run=args.run, push_interval=args.push_interval,
                               flops_per_sample=args.flops_per_sample)
-    batches = monitor.wrap(slow_loader(args.data_wait_ms / 1000, args.batch_size),
+    batches = monitor.wrap(slow_loader(args.data_wait_ms / 1000, args.batch_size,
+                                       args.fixed_when, args.fixed_data_wait_ms / 1000),
                            batch_size=args.batch_size)
     for step, _batch in enumerate(batches, 1):
         time.sleep(args.compute_ms / 1000)

@@ -231,6 +231,22 @@ def alert_cases() -> list[Case]:
              {**run_steps("slow", 0.5), **run_steps("mod", 0.1), **run_steps("healthy", 1 / 60)},
              [Fire("GpuTrainInputBound", rank("slow"), "50%", "warning"),
               Fire("GpuTrainInputBound", rank("mod"), "10%", "info")]),
+        # a run fixed at 20m (its data wait from 50% of each step to none): where the daemon
+        # found the change (its regime start at 20m), the rank is read over the last minute
+        # once the new regime fills it, so at 22m it is quiet; the same series without a
+        # regime start still average 3 old minutes into the 5m window (30% wait) and fire
+        Case("GpuTrainInputBound: a run fixed at 20m is quiet 2 minutes later where the daemon "
+             "found the change; without it the 5m window still holds the old regime",
+             {**run_steps("fixed", 0.5, step_s=0.1),
+              sel("gputrain_training_data_wait_seconds_total", run="fixed", rank="0"):
+                  segments([(30, 20), (0, 10)]),
+              sel("gputrain_training_regime_start_timestamp_seconds", run="fixed", rank="0"):
+                  "_x20 1200x10",
+              **run_steps("unfixed", 0.5, step_s=0.1),
+              sel("gputrain_training_data_wait_seconds_total", run="unfixed", rank="0"):
+                  segments([(30, 20), (0, 10)])},
+             [Fire("GpuTrainInputBound", rank("unfixed"), "30%", "warning")],
+             fire_at="22m", quiet_at=None, quiet_alerts=[]),
         # tiers of one signal nest: a ratio that hovers at the boundary between them keeps
         # the milder tier firing (the stronger one's timer restarts at every crossing)
         Case("GpuTrainGPUUnderutilized: a GPU whose busy ratio swings around 50% (40% and 60% "

@@ -242,7 +242,8 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     sampler.listeners.append(lambda: _observe(history, sampler, store, status))
     sampler.start()
     status.start()
-    app = Exposition(sampler, store, peaks=peaks, status=status, shares=shares)
+    app = Exposition(sampler, store, peaks=peaks, status=status, shares=shares,
+                     regimes=history.regime_starts)
     app.start()
     raise_descriptor_limit()  # the connection caps are sized from it
     # a scrape waits for the GIL behind the page and sampler threads at most this long

@@ -32,6 +32,7 @@ import yaml
 
 from exporter.config import parse_duration
 from exporter.heuristics.promql import (
+    REGIME_START,
     Identity,
     collector_age,
     identity,
@@ -120,6 +121,7 @@ def queries(selector: str, window: str, ids: Identity | None = None) -> dict[str
     q["seconds_since_step"] = f"time() - {q['seconds_since_step']}"
     q["seconds_since_push"] = f"time() - {q['seconds_since_push']}"
     pss = f"gputrain_training_process_proportional_memory_bytes{{{s}}}"
+    q["regime_changed_seconds"] = f"time() - {q['regime_changed_seconds']}"
     rss = f"gputrain_training_process_resident_memory_bytes{{{s}}}"
     available = f"gputrain_host_memory_available_bytes{{{s}}}"
     # one process's memory, as the leak alert reads it: none across a restart in the window
@@ -195,6 +197,7 @@ RECORDED = {
     "seconds_since_step": "run_rank:gputrain_training_last_step_timestamp_seconds:max",
     "seconds_since_push": "run_rank:gputrain_training_last_push_timestamp_seconds:max",
     "finished": "run_rank:gputrain_training_finished:max",
+    "regime_changed_seconds": REGIME_START,
     "recent_busy": "run_rank:gputrain_gpu_busy_ratio:max_rate2m",
     "rss_growth_1h": "run_rank:gputrain_training_process_memory_bytes:sum",
     "rss_growth_15m": "run_rank:gputrain_training_process_memory_bytes:sum",
@@ -217,6 +220,7 @@ def recorded_queries(selector: str, ids: Identity | None = None) -> dict[str, st
     q = {name: f"{record}{{{selector}}}" for name, record in RECORDED.items()}
     q["seconds_since_step"] = f"time() - {q['seconds_since_step']}"
     q["seconds_since_push"] = f"time() - {q['seconds_since_push']}"
+    q["regime_changed_seconds"] = f"time() - {q['regime_changed_seconds']}"
     tree = f"run_rank:gputrain_training_process_memory_bytes:sum{{{selector}}}"
     available = f"instance:gputrain_host_memory_available_bytes:sum{{{selector}}}"
     for span, (w, o) in LEAK_SPANS.items():
@@ -270,10 +274,12 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
                  "comm_ratio", "comm_exposed_ratio", "step_p50_seconds", "step_p99_seconds",
                  "stall_share", "cpu_allowance_used", "cpu_throttled", "seconds_since_step",
                  "rss_growth_1h", "rss_growth_15m", "rss_growth_15m_before", "mfu", "goodput",
-                 "seconds_since_push", "finished", "recent_busy"):
+                 "seconds_since_push", "finished", "recent_busy", "regime_changed_seconds"):
         results, recorded = _read(prom, q[name], qr[name], rank_key)
         for labels, value in results:
             rep = reports.get(rank_key(labels))
+            if name == "regime_changed_seconds" and value >= parse_duration(window):
+                continue  # an old change: the rate window holds the new regime alone
             if rep:
                 value = value > 0 if name == "finished" else value
                 setattr(rep, "steps_per_second" if name == "steps" else name, value)

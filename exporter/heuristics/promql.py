@@ -12,7 +12,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from exporter.heuristics.readings import WINDOWS
+from exporter.config import parse_duration
+from exporter.heuristics.readings import WINDOWS, window_seconds
 from exporter.protocol import OUTSIDE_STEP_PHASES
 
 # the phases that are part of a step (evaluation, checkpoint saves and start-up are not)
@@ -146,9 +147,57 @@ def inline(expr: str, records: dict[str, str]) -> str:
     raise ValueError(f"recording rules nested too deep in {expr!r}")
 
 
+# A rank's regime (exporter.heuristics.regime): where it began, and its age while the rank is
+# read over the regime window instead of the rate window (absent otherwise)
+REGIME_START = "run_rank:gputrain_training_regime_start_timestamp_seconds:max"
+REGIME_SHORT = "run_rank:gputrain_training_regime_age_seconds:short_window"
+GPU_BUSY, GPU_BUSY_REGIME = "gpu:gputrain_gpu_busy_ratio:rate5m", "gpu:gputrain_gpu_busy_ratio:rate1m"
+RANK_GPU_BUSY = "run_rank_gpu:gputrain_gpu_busy_ratio:rate5m"
+# over the rate window whatever the regime: whether the window straddles a restart
+_NOT_SELECTED = ("run_rank:gputrain_training_restarts:resets5m",)
+
+
+def regime_rules(s: str, ids: Identity, r: str = WINDOWS["rate"]) -> list[dict]:
+    """Where each rank's regime began, and the selector of the ranks read over the regime
+    window: those whose regime fills it and is younger than ``r``
+    (:func:`exporter.heuristics.regime.short_window` is the same condition)."""
+    young, window = window_seconds("regime"), parse_duration(r)
+    return [
+        _rec(REGIME_START, f"""
+            max by ({ids.rank}) (gputrain_training_regime_start_timestamp_seconds{{{s}}})"""),
+        _rec(REGIME_SHORT, f"(time() - {REGIME_START}) >= {young:g} < {window:g}"),
+    ]
+
+
+def regime_selected(short: str, long: str, ids: Identity) -> str:
+    """A rank's reading over the regime window (``short``) where its regime is young, over the
+    rate window (``long``) elsewhere."""
+    return (f"(({short}) and on ({ids.rank}) {REGIME_SHORT}) or "
+            f"(({long}) unless on ({ids.rank}) {REGIME_SHORT})")
+
+
 def recording(s: str, ids: Identity, r: str = WINDOWS["rate"]) -> list[dict]:
     """Recording rules: level:metric:operation. Ratios divide separately-summed counters over
-    ``r``; the step-time percentiles take the quantile window."""
+    ``r``, or over the regime window for a rank whose run changed pace less than ``r`` ago
+    (:mod:`exporter.heuristics.regime`); the step-time percentiles take the quantile window."""
+    rules = _windowed(s, ids, r)
+    short = {x["record"]: x["expr"] for x in _windowed(s, ids, WINDOWS["regime"])}
+    short[RANK_GPU_BUSY] = " ".join(rank_gpu_join(s, GPU_BUSY_REGIME, ids).split())
+    out = []
+    for rule in rules:
+        name, expr = rule["record"], rule["expr"]
+        if name == GPU_BUSY:
+            out.append(_rec(GPU_BUSY_REGIME, short[GPU_BUSY]))
+        if name.startswith("run_rank") and not any(x["record"] == REGIME_SHORT for x in out):
+            out.extend(regime_rules(s, ids, r))  # before the first rank rule reads them
+        if name.startswith("run_rank") and name not in _NOT_SELECTED and short[name] != expr:
+            rule = _rec(name, regime_selected(short[name], expr, ids))
+        out.append(rule)
+    return out
+
+
+def _windowed(s: str, ids: Identity, r: str) -> list[dict]:
+    """The recording rules with every ratio and mean over ``r``."""
     rank, gpu, node, q = ids.rank, ids.gpu, ids.node, WINDOWS["quantile"]
     recent = WINDOWS["recent"]
 

@@ -22,6 +22,7 @@ WINDOWS = {
     "fault": "10m",  # new Xid and uncorrectable ECC errors, a fresh exporter's finds
     "recent": "2m",  # a vanished run's GPUs: idle since its ranks went silent
     "restart": "1h",  # a rank's process restarts counted for the crash-loop rule
+    "regime": "1m",  # a rank whose run changed (exporter.heuristics.regime) is read over this
 }
 
 
@@ -118,6 +119,9 @@ class RankReport:
     seconds_since_push: float | None = None  # since the exporter last heard from the rank
     finished: bool = False  # it said goodbye (a clean close()): finished, never vanished
     recent_busy: float | None = None  # its busiest GPU over the recent window (0-1)
+    # seconds since its steps changed pace (exporter.heuristics.regime), while that is inside
+    # the rate window; None where they did not
+    regime_changed_seconds: float | None = None
     # its process tree's memory growth, bytes per second: PSS where the client reads
     # /proc/<pid>/smaps_rollup, else RSS (``memory_measure`` says which)
     rss_growth_1h: float | None = None  # over the last hour

@@ -29,6 +29,7 @@ from exporter.heuristics.readings import (  # noqa: F401 - the readings, with th
     rank_order,
     run_key,
 )
+from exporter.heuristics.regime import changed_text
 
 UNDERUTILIZED = GPUUnderutilized.verdict  # busy under the target, no stage to blame
 # Verdicts that are no alert of the catalogue: the good case, a pause, a start, the blind one
@@ -171,6 +172,8 @@ def judge(reports: list[RankReport], t: dict[str, float]) -> list[RankReport]:
             rep.status, rep.verdict = "ok", "gpu-bound"
             rep.reason = f"GPU busy {percent(busy)}"
         rep.advice = advice(rep.verdict)
+        if rep.regime_changed_seconds is not None:
+            rep.reason += f"; {changed_text(rep.regime_changed_seconds)}"
     return reports
 
 

@@ -101,7 +101,8 @@ class Exposition:
     def __init__(self, sampler: Sampler, store: IngestStore | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  peaks: PeakTable | None = None, status: StatusView | None = None,
-                 shares: GpuShares | None = None) -> None:
+                 shares: GpuShares | None = None,
+                 regimes: Callable[[], dict[tuple[str, str], float]] | None = None) -> None:
         self.sampler = sampler
         self.status = status  # the daemon's own view (/, /api/v1/status), served beside
         self._clock = clock
@@ -116,7 +117,7 @@ class Exposition:
         self.node = CollectorRegistry()
         for collector in self.collectors:
             self.node.register(collector)
-        self.training = TrainingCollector(store, snap, shares=shares) \
+        self.training = TrainingCollector(store, snap, shares=shares, regimes=regimes) \
             if store is not None else None
         # by format (OpenMetrics or not): at most two of each, whatever clients send
         self._node_cache: dict[bool, tuple[int, bytes]] = {}

@@ -15,6 +15,7 @@ instead of 5m), and :func:`exporter.heuristics.verdict.judge` gives the verdicts
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections import deque
@@ -22,6 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+from exporter.heuristics import regime
 from exporter.heuristics.promql import THROTTLE_REASONS
 from exporter.heuristics.readings import (
     LEAK_SPANS,
@@ -30,6 +32,14 @@ from exporter.heuristics.readings import (
     duration_seconds,
     rank_order,
     window_seconds,
+)
+from exporter.heuristics.regime import (
+    MIN_INTERVALS,
+    REGIME_SECONDS,
+    Interval,
+    change_point,
+    moved,
+    short_window,
 )
 from exporter.protocol import OUTSIDE_STEP_PHASES
 from exporter.reading.peak_flops import PeakTable
@@ -121,6 +131,10 @@ class _RankTrack:
     measure: str | None = None  # what ``rss`` holds: "pss", or "rss" where PSS is unreadable
     # when its process was replaced (a new run_id under the same run and rank)
     restarts: deque = field(default_factory=lambda: deque(maxlen=MAX_RESTARTS_KEPT))
+    # unix seconds: where its current regime began (a change of pace found in its points),
+    # and from where its points are compared (its current process's first push)
+    regime_start: float | None = None
+    regime_floor: float = 0.0
 
 
 _COUNTERS = ("steps", "step_seconds", "data_wait_seconds", "samples", "flops", "comm_seconds",
@@ -192,6 +206,7 @@ class History:
                 # 0, as a scraped counter that stopped growing does
                 if t - track.points[-1].t >= self.point_seconds:
                     track.points.append(self._rank_point(track, t))
+                    self._detect(track, t)
                 memory = tree_memory(st)
                 if memory is not None:
                     if memory[1] != track.measure:  # another measure is another series
@@ -245,6 +260,8 @@ class History:
         old = track.state
         if st.run_id != old.run_id:  # a restarted process counts from 0: carry the old totals
             track.restarts.append(t)
+            # a new process is judged as a restart, then as itself: no regime across it
+            track.regime_start, track.regime_floor = None, t
             track.rss.clear()  # and its memory is a new process's: no leak across a restart
             for key in _COUNTERS:
                 track.offsets[key] = track.offsets.get(key, 0.0) + (getattr(old, key) or 0.0)
@@ -260,6 +277,32 @@ class History:
         elif st.bucket_bounds != old.bucket_bounds:
             track.epoch += 1
         track.state = st
+
+    def _detect(self, track: _RankTrack, t: float) -> None:
+        """Look for a change of pace in the rank's current regime, in the points the window
+        keeps anyway (exporter.heuristics.regime)."""
+        since = max(track.regime_floor, track.regime_start or 0.0)
+        points = [p for p in track.points if p.t >= since]
+        split = next((i for i, p in enumerate(points) if p.t > t - regime.RECENT_SECONDS), 0)
+        if split < 2 or len(points) - split < MIN_INTERVALS:
+            return
+        first, middle, last = points[0], points[split - 1], points[-1]
+        if not moved(_growth(first, middle), _growth(middle, last)):
+            return  # the means kept their pace: the medians would too
+        intervals = [Interval(b.t, b.t - a.t, b.steps - a.steps, b.step_seconds - a.step_seconds,
+                              b.wait - a.wait, b.samples - a.samples)
+                     for a, b in itertools.pairwise(points) if b.epoch == a.epoch]
+        start = change_point(intervals, t)
+        if start is not None:
+            track.regime_start = start
+
+    def regime_starts(self) -> dict[tuple[str, str], float]:
+        """Where each live rank's current regime began (unix seconds), for the ranks whose
+        pace changed while the daemon watched (the page's
+        ``gputrain_training_regime_start_timestamp_seconds``)."""
+        with self._lock:
+            return {key: tr.regime_start for key, tr in self._ranks.items()
+                    if tr.regime_start is not None}
 
     def _rank_point(self, track: _RankTrack, t: float) -> _RankPoint:
         st, off = track.state, track.offsets
@@ -462,6 +505,7 @@ class History:
             available = list(self._memory)
         outside = _memory_outside(snap.timestamp, snap, available, memories)
         younger: dict[float, tuple[dict, dict[str, float]]] = {}  # by a rank's first point
+        shorter: dict[float, dict] = {}  # a young regime's GPU readings, by its first point
         out = []
         for tr in ranks:
             with self._lock:
@@ -472,6 +516,12 @@ class History:
                 replaced = list(tr.restarts)
                 full = (old is not None and old is not tr.points[0]) or \
                     len(tr.points) == tr.points.maxlen
+                # a young regime is read on its own, over the last REGIME, as the rules do
+                age = None if tr.regime_start is None else snap.timestamp - tr.regime_start
+                short = None
+                if short_window(age, self.window):
+                    short = self._since(tr.points, now.t,
+                                        max(now.t - REGIME_SECONDS, tr.regime_start))
             rank_gpus, rank_host = gpus, host
             if old is not None and not full:
                 if old.t not in younger:
@@ -484,6 +534,14 @@ class History:
             rep.restarts = float(sum(snap.timestamp - x <= RESTART_SECONDS for x in replaced))
             rep.restarts_recent = float(sum(snap.timestamp - x <= self.window
                                             for x in replaced))
+            if age is not None and age < self.window:
+                rep.regime_changed_seconds = age
+            short_busy: dict = {}
+            if short is not None and short.t < now.t:
+                old = short
+                if old.t not in shorter:
+                    shorter[old.t] = self.gpu_readings(old.t)
+                short_busy = shorter[old.t]
             if old is not None:
                 _rank_window(rep, old, now, st.bucket_bounds)
                 _cpu_window(rep, old, now, st.process.get("cpu_allowance_cores"))
@@ -508,6 +566,9 @@ class History:
                 if entry is None:
                     continue
                 state, reading, _ = entry
+                if (young := short_busy.get(uuid or index_)) is not None:
+                    # its GPUs' busy time over the same span as its steps (the rules' selection)
+                    reading = replace(reading, busy=young[1].busy)
                 if reading.unattributed is not None:  # the share no rank of this run owns
                     reading = replace(reading, foreign=reading.unattributed + sum(
                         v for (run, _), v in reading.shares.items() if run != st.run))
@@ -525,6 +586,13 @@ def _error_counts(st: GpuState) -> tuple[float, float]:
     """A GPU's Xid errors and uncorrectable ECC errors, both counted since the exporter
     started (the ECC count from the driver's at the first reading)."""
     return float(sum(st.xid_errors.values())), st.ecc_errors.get("uncorrected", 0.0)
+
+
+def _growth(a: _RankPoint, b: _RankPoint) -> tuple[float, float, float, float]:
+    """What a rank's steps, step seconds, data wait seconds and samples grew by from ``a`` to
+    ``b``."""
+    return (b.steps - a.steps, b.step_seconds - a.step_seconds, b.wait - a.wait,
+            b.samples - a.samples)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -352,6 +352,8 @@ def _rank(rep: RankReport, st: Any, now: float) -> dict[str, Any]:
         "pushing": since_push is not None and since_push <= STALE_PUSH_SECONDS
         and rep.verdict != "vanished",
         "finished": rep.finished,
+        # seconds since its steps changed pace, inside the window (None: they did not)
+        "regime_changed_seconds": rep.regime_changed_seconds,
         "status": rep.status,
         "verdict": rep.verdict,
         "summary": summary(rep.verdict),

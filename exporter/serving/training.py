@@ -330,6 +330,11 @@ FAMILIES: tuple[Family, ...] = (
            "Unix time the last step ended."),
     Family("gputrain_training_last_push_timestamp_seconds", "gauge",
            "Unix time the daemon last heard from the rank."),
+    Family("gputrain_training_regime_start_timestamp_seconds", "gauge",
+           "Unix time the rank's current regime began: where the daemon found its step time, "
+           "throughput and data wait change together (a fix, a slowdown); absent until it "
+           "finds one. While that is younger than the rate window, the rules read the rank "
+           "over the last minute."),
     Family("gputrain_training_clock_skew_seconds", "gauge",
            "The rank's clock minus the daemon's, as its step timestamps show it (0 within 2 s): "
            "taken off its last step's timestamp, which is never after the push."),
@@ -398,8 +403,10 @@ class TrainingCollector:
     """Renders every live (run, rank) the ingest holds, plus the ingest's own counters."""
 
     def __init__(self, store: IngestStore, snapshot: Callable[[], Snapshot],
-                 owners: Owners | None = None, shares: GpuShares | None = None) -> None:
+                 owners: Owners | None = None, shares: GpuShares | None = None,
+                 regimes: Callable[[], dict[tuple[str, str], float]] | None = None) -> None:
         self._store = store
+        self._regimes = regimes or dict  # each rank's regime start, from the history
         self._snapshot = snapshot
         self.shares = shares or GpuShares(owners)
         self._owners = self.shares.owners
@@ -432,6 +439,7 @@ class TrainingCollector:
         self.shares.observe(snap, states)
         busy, unowned = self.shares.totals(snap.cycle)
         profiles = self._store.profiles.latest_done()
+        regimes = self._regimes()
         chunks: list[list[str]] = [[] for _ in FAMILIES]
         cache: dict[tuple[str, str], tuple[RankState, tuple[tuple[int, str], ...]]] = {}
         left_out = 0
@@ -439,6 +447,10 @@ class TrainingCollector:
             key = (st.run, st.rank)
             try:
                 lines = self._rank_parts(st, gpus, held, busy, profiles, cache)
+                if (start := regimes.get(key)) is not None:
+                    lines.append((INDEX["gputrain_training_regime_start_timestamp_seconds"],
+                                  f"gputrain_training_regime_start_timestamp_seconds"
+                                  f"{{{_labels(st)}}} {floatToGoString(start)}\n"))
             except Exception as exc:  # one rank's bad state must never stop the page
                 left_out += 1
                 if key not in self._left_out:

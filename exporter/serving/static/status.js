@@ -142,7 +142,9 @@ function runCard(run, byUuid) {
     el("td", {}, pct(r.mfu)),
     el("td", {}, memory(r)),
     el("td", {}, gpuNames(r.gpus, byUuid)),
-    el("td", {}, r.verdict),
+    el("td", {}, r.verdict, ...(r.regime_changed_seconds === null
+      || r.regime_changed_seconds === undefined ? [] : [el("span", { class: "muted",
+        "data-regime": r.rank }, " · pace changed " + ago(r.regime_changed_seconds) + " ago")])),
     lastPush(r)));
   card.append(el("table", {}, el("thead", {}, el("tr", {},
     ...["rank", "samples/s", "step", "data wait", "comm wait", "phases", "MFU", "memory", "GPUs",
