@@ -1344,20 +1344,30 @@ class HostMemoryLeak(Heuristic):
         available, horizon = r.host.get("memory_available"), t["leak_horizon_seconds"]
         if available is None:
             return None
-        slopes = (r.rss_growth_1h, r.rss_growth_15m, r.rss_growth_15m_before)
-        if None not in slopes and min(slopes) * horizon > available:
+        rate = _sustained((r.rss_growth_1h, r.rss_growth_15m, r.rss_growth_15m_before),
+                          available, horizon)
+        if rate is not None:
             measure = "proportional (PSS)" if r.memory_measure == "pss" else "resident (RSS)"
-            return (f"its process tree's {measure} memory grows "
-                    f"{r.rss_growth_15m * 60 / 2**20:.0f} MiB/min: the node's "
-                    f"{available / 2**30:.1f} GiB available last about "
-                    f"{available / r.rss_growth_15m / 3600:.1f} h")
-        outside = tuple(r.host.get(f"memory_outside_growth_{w}") for w in LEAK_SPANS)
-        if None not in outside and available > 0 and min(outside) * horizon > available:
-            rate = r.host["memory_outside_growth_15m"]
+            return (f"its process tree's {measure} memory grows {rate * 60 / 2**20:.0f} "
+                    f"MiB/min: the node's {available / 2**30:.1f} GiB available last about "
+                    f"{available / rate / 3600:.1f} h")
+        rate = _sustained(tuple(r.host.get(f"memory_outside_growth_{w}") for w in LEAK_SPANS),
+                          available, horizon)
+        if rate is not None and available > 0:
             return (f"the node's available memory falls {rate * 60 / 2**20:.0f} MiB/min beyond "
                     f"what the training processes' memory explains: its "
                     f"{available / 2**30:.1f} GiB last about {available / rate / 3600:.1f} h")
         return None
+
+
+def _sustained(slopes: tuple[float | None, ...], available: float,
+               horizon: float) -> float | None:
+    """The recent slope (bytes per second; the second of the leak rule's spans) where every
+    span's would use up ``available`` bytes within ``horizon`` seconds, else None."""
+    known = [x for x in slopes if x is not None]
+    if len(known) < len(slopes) or min(known) * horizon <= available:
+        return None
+    return known[1]
 
 
 class GPUMemoryNearLimit(Heuristic):

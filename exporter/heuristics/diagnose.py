@@ -133,7 +133,8 @@ def queries(selector: str, window: str, ids: Identity | None = None) -> dict[str
         q[f"memory_outside_growth_{span}"] = memory_outside(available, growth, ids, w, o)
     # which memory the tree's growth is of: PSS where pushed, else RSS
     q["memory_measure"] = (f'label_replace(max by ({r}) ({pss}), "measure", "pss", "", "") or '
-                           f'label_replace(max by ({r}) ({rss}), "measure", "rss", "", "")')
+                           f'label_replace(max by ({r}) ({rss}) unless on ({r}) {pss}, '
+                           f'"measure", "rss", "", "")')
     # its process replaced: over the crash-loop rule's hour, and inside the rate window
     q["restarts"] = restarts(s, ids, WINDOWS["restart"])
     q["restarts_recent"] = restarts(s, ids, window)
