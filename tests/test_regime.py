@@ -28,6 +28,7 @@ from conftest import (
     wait_until,
 )
 from conftest import Prometheus as PromServer
+from test_status import T, push
 
 from exporter.heuristics.regime import (
     CHANGE,
@@ -38,6 +39,7 @@ from exporter.heuristics.regime import (
     moved,
     short_window,
 )
+from exporter.heuristics.verdict import judge
 
 POINT = 10.0  # seconds between the history's points
 
@@ -268,3 +270,64 @@ def test_every_surface_names_a_fixed_run_within_two_minutes(tmp_path, daemon_fac
     finally:
         client.kill()
         client.wait()
+
+
+# --- the daemon's history: the change found in the points it keeps, the regime read alone ------
+
+def _train(node, seconds: int, steps_per_s: float, wait_share: float, rnd: random.Random,
+           state: dict, stall_at: int | None = None) -> None:
+    """``seconds`` of a loop stepping ``steps_per_s`` (jittering +-30 %), ``wait_share`` of
+    each step waiting for data, pushing each second; ``stall_at``: one step of 5 s then."""
+    for second in range(seconds):
+        n = round(steps_per_s * (1 + rnd.uniform(-0.3, 0.3)))
+        step_s = 1.0 + (5.0 if second == stall_at else 0.0)
+        state["steps"] += n + (1 if second == stall_at else 0)
+        state["step_seconds"] += step_s
+        state["data_wait_seconds"] += wait_share
+        state["samples"] += 32 * n
+        state["elapsed_seconds"] += step_s
+        push(node.store, gpus=["0"], **state)
+        node.cycle(step_s)
+
+
+def test_the_daemon_reads_a_fixed_run_over_its_new_regime_alone(clock):
+    from fake_nvml import FakeGpu
+    from test_status import Node
+
+    gpu = FakeGpu("GPU-a", name="NVIDIA H100 80GB HBM3", util_rate=20)
+    node = Node(clock, [gpu], window=300.0)
+    rnd, state = random.Random(3), {"steps": 0, "step_seconds": 0.0,
+                                    "data_wait_seconds": 0.0, "samples": 0.0,
+                                    "elapsed_seconds": 0.0}
+    _train(node, 150, 20, 0.8, rnd, state)  # 50 ms steps, 40 ms of each waiting
+    assert node.history.regime_starts() == {}
+    fixed = clock()
+    gpu.util_rate = 95
+    _train(node, 90, 90, 0.05, rnd, state)  # the loader fixed: 11 ms steps
+    start = node.history.regime_starts()[("r", "0")]
+    assert start == pytest.approx(fixed, abs=10)
+    (rep,) = node.history.reports()
+    # the last minute alone, its GPU's too: the 5 minutes would read ~0.6 and ~0.45
+    assert rep.data_wait_ratio == pytest.approx(0.05, abs=0.01)
+    assert rep.gpus[0].busy == pytest.approx(0.95, abs=0.03)
+    assert rep.regime_changed_seconds == pytest.approx(clock() - start, abs=2)
+    (judged,) = judge([rep], T)
+    assert judged.verdict not in DATA_WAIT_VERDICTS
+    assert "pace changed" in judged.reason
+
+
+def test_the_daemon_keeps_the_window_of_a_steady_run_with_a_stall(clock):
+    from fake_nvml import FakeGpu
+    from test_status import Node
+
+    node = Node(clock, [FakeGpu("GPU-a", name="NVIDIA H100 80GB HBM3", util_rate=20)],
+                window=300.0)
+    rnd, state = random.Random(4), {"steps": 0, "step_seconds": 0.0,
+                                    "data_wait_seconds": 0.0, "samples": 0.0,
+                                    "elapsed_seconds": 0.0}
+    _train(node, 240, 20, 0.8, rnd, state, stall_at=200)
+    assert node.history.regime_starts() == {}
+    (rep,) = node.history.reports()
+    assert rep.regime_changed_seconds is None
+    (judged,) = judge([rep], T)
+    assert judged.verdict in DATA_WAIT_VERDICTS and "pace changed" not in judged.reason

@@ -537,7 +537,10 @@ class History:
             if age is not None and age < self.window:
                 rep.regime_changed_seconds = age
             short_busy: dict = {}
-            if short is not None and short.t < now.t:
+            whole = None  # the window's, where the rates are the young regime's alone
+            if short is not None and short.t < now.t and old is not None:
+                whole = RankReport("", "", st.run, st.rank)
+                _rank_window(whole, old, now, st.bucket_bounds)
                 old = short
                 if old.t not in shorter:
                     shorter[old.t] = self.gpu_readings(old.t)
@@ -545,6 +548,12 @@ class History:
             if old is not None:
                 _rank_window(rep, old, now, st.bucket_bounds)
                 _cpu_window(rep, old, now, st.process.get("cpu_allowance_cores"))
+            if whole is not None:
+                # the step-time percentiles and the stall share stay over the window, as the
+                # rules keep theirs over 30m whatever the regime
+                rep.step_p50_seconds, rep.step_p99_seconds = \
+                    whole.step_p50_seconds, whole.step_p99_seconds
+                rep.stall_share = whole.stall_share
             if st.last_step_timestamp is not None:
                 rep.seconds_since_step = max(0.0, snap.timestamp - st.last_step_timestamp)
             rep.seconds_since_push = max(0.0, snap.timestamp - st.received_unix)
