@@ -113,7 +113,7 @@ class Pusher:
     def payload(self, goodbye: bool = False) -> dict[str, Any]:
         body: dict[str, Any] = {**self._identity, **self._totals()}
         try:
-            if self._tree is None:
+            if self._tree is None or self._cgroup is None:
                 self._tree = ProcessTree(os.getpid())
                 self._cgroup = CgroupCpu(os.getpid())
             body["process"] = {**self._tree.read(), **self._cgroup.read()}

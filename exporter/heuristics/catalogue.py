@@ -448,8 +448,10 @@ class RunVanished(Heuristic):
                 for r in ranks if not r.finished}
 
 
-def _ago(seconds: float) -> str:
-    """A duration for people: ``45 s``, ``3 min``, ``2.5 h``."""
+def _ago(seconds: float | None) -> str:
+    """A duration for people: ``45 s``, ``3 min``, ``2.5 h`` (``?`` where unknown)."""
+    if seconds is None:
+        return "?"
     if seconds < 120:
         return f"{seconds:.0f} s"
     if seconds < 7200:
