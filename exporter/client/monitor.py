@@ -353,9 +353,7 @@ class TrainingMonitor:
         phase ``dataloader_start``, outside any step. A DataLoader's ``num_workers`` is pushed
         (its batches come in groups of that many). Samples are ``batch_size`` or
         ``batch_len(batch)``. :meth:`new_epoch` applies inside."""
-        workers = getattr(iterable, "num_workers", None)  # a torch DataLoader's
-        if isinstance(workers, int) and not isinstance(workers, bool) and workers >= 0:
-            self._loader_workers = workers
+        self._note_loader(iterable)
         start = self.phase("dataloader_start")
         with start:
             it = iter(iterable)
@@ -397,6 +395,15 @@ class TrainingMonitor:
             if self._wrap_samples is not None:  # else new_epoch() in the body ended it
                 self._wrap_samples = None
                 done(n, now)
+
+    def _note_loader(self, loader: object) -> None:
+        """Keep a torch DataLoader's ``num_workers`` to push (a framework's combined loader:
+        its first DataLoader's); anything else is left unstated."""
+        for candidate in (loader, *(getattr(loader, "flattened", None) or ())):
+            workers = getattr(candidate, "num_workers", None)
+            if isinstance(workers, int) and not isinstance(workers, bool) and workers >= 0:
+                self._loader_workers = workers
+                return
 
     def data_wait(self) -> _DataWait:
         """``with monitor.data_wait(): batch = next(it)`` for hand-written loops. A fetch that
