@@ -163,8 +163,8 @@ class Reference:
             others_memory.add_metric([index, uuid], m)
         for family in (steps, wait, samples, flops, comm, exposed, comm_bytes, elapsed, slow,
                        slow_n, workers, hist, phases, last_step, last_push, skew, finished, cpu,
-                       allowance, throttled, rss, read, gpu_info, gpu_memory, busy, memory_busy, profile,
-                       unattributed, strangers, others_busy, others_memory):
+                       allowance, throttled, rss, read, gpu_info, gpu_memory, busy, memory_busy,
+                       profile, unattributed, strangers, others_busy, others_memory):
             if family.samples:
                 yield family
         for code, n in sorted(self._store.requests().items()):
