@@ -39,7 +39,9 @@ MAX_PHASE_NAME_LENGTH = 64
 MAX_PHASES = 16
 MAX_BUCKETS = 32
 MAX_GPUS = 16
-MAX_SERIES_PER_RANK = 6 + 3 + MAX_BUCKETS + 3 + MAX_PHASES + 3 + 1 + 6 + 4 * MAX_GPUS + 1
+MAX_SERIES_PER_RANK = 6 + 3 + MAX_BUCKETS + 3 + MAX_PHASES + 3 + 1 + 6 + 4 * MAX_GPUS + 1 + 2
+# the DataLoader workers a rank may state (its slow steps and the loader's count: two lines)
+MAX_LOADER_WORKERS = 4096
 # FLOP/s no GPU reaches: twice the fastest dense datasheet peak (B200, FP4: 9 PFLOP/s). A
 # rank's FLOPs may grow by at most this per GPU it lists (MAX_GPUS where it lists none) per
 # second of its wall time, plus FLOPS_SLACK_SECONDS of it.

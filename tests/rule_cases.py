@@ -214,6 +214,37 @@ def host_cpu(busy: float, iowait: float = 0.0, cores: int = 8) -> dict[str, str]
             sel("gputrain_host_cpu_seconds_total", mode="iowait"): ramp(per_min * iowait)}
 
 
+def host_cpu_by_minute(busy: list[float], cores: int = 8) -> dict[str, str]:
+    """The node's CPUs busy ``busy[m]`` of minute m (no iowait)."""
+    per_min = cores * 60
+    return {sel("gputrain_host_cpu_seconds_total", mode="user"):
+                segments([(per_min * b, 1) for b in busy]),
+            sel("gputrain_host_cpu_seconds_total", mode="idle"):
+                segments([(per_min * (1 - b), 1) for b in busy])}
+
+
+def loader_steps(run: str, *, workers: int, fast: float, slow: float, wait: float,
+                 slow_s: float, slow_le: str = "2.5", fast_s: float = 0.1) -> dict[str, str]:
+    """A minute of a rank: ``fast`` steps of ``fast_s`` and ``slow`` slow ones taking ``slow_s``
+    seconds in all (in the bucket up to ``slow_le``), ``wait`` seconds of data wait, the
+    daemon's slow-step count and seconds, and its loader's ``workers``."""
+    steps = fast + slow
+    les = ("0.1", "0.25", "0.5", "1.0", "2.5", "60.0", "+Inf")
+    buckets = {le: 0 if float(le) < fast_s else fast if float(le) < float(slow_le) else steps
+               for le in les}
+    return {**{sel("gputrain_training_step_duration_seconds_bucket", run=run, rank="0", le=le):
+               ramp(n) for le, n in buckets.items()},
+            **{sel(m, run=run, rank="0"): ramp(v)
+               for m, v in (("gputrain_training_elapsed_seconds_total", 60),
+                            ("gputrain_training_step_duration_seconds_sum",
+                             fast * fast_s + slow_s),
+                            ("gputrain_training_step_duration_seconds_count", steps),
+                            ("gputrain_training_data_wait_seconds_total", wait),
+                            ("gputrain_training_slow_step_seconds_total", slow_s),
+                            ("gputrain_training_slow_steps_total", slow))},
+            sel("gputrain_training_loader_workers", run=run, rank="0"): flat(workers)}
+
+
 # --- a case per alert --------------------------------------------------------------------------
 
 def alert_cases() -> list[Case]:
@@ -317,8 +348,10 @@ def alert_cases() -> list[Case]:
                                     ("solo", "1", "GPU-b", 50))},
               sel("gputrain_gpu_unattributed_busy_seconds_total", gpu="0", uuid="GPU-a"):
                   ramp(6),
+              sel("gputrain_gpu_unattributed_processes", gpu="0", uuid="GPU-a"): flat(1),
               sel("gputrain_gpu_unattributed_busy_seconds_total", gpu="1", uuid="GPU-b"):
-                  ramp(0)},
+                  ramp(0),
+              sel("gputrain_gpu_unattributed_processes", gpu="1", uuid="GPU-b"): flat(0)},
              [Fire("GpuTrainGPUShared", {**NODE, "run": "a", "gpu": "0", "uuid": "GPU-a"},
                    "30%"),
               Fire("GpuTrainGPUShared", {**NODE, "run": "b", "gpu": "0", "uuid": "GPU-a"},
@@ -330,10 +363,48 @@ def alert_cases() -> list[Case]:
               **{sel("gputrain_training_gpu_busy_seconds_total", run=r, rank="0", gpu="2",
                      uuid="GPU-c"): ramp(27) for r in ("c", "d")},
               sel("gputrain_gpu_unattributed_busy_seconds_total", gpu="2", uuid="GPU-c"):
-                  ramp(0)},
+                  ramp(0),
+              sel("gputrain_gpu_unattributed_processes", gpu="2", uuid="GPU-c"): flat(0)},
              [Fire("GpuTrainGPUShared", {**NODE, "run": r, "gpu": "2", "uuid": "GPU-c"}, "45%")
               for r in ("c", "d")],
              fire_at="20m", quiet_at="8m"),
+        # a share leaves with its process: the exporter drops a rank's busy counter of a GPU
+        # once none of its processes is on it, and the unattributed share counts while a
+        # process no rank owns is there
+        Case("GpuTrainGPUShared: run keep (40% of GPU 5) shares it with run killed (30%) and a "
+             "stranger (10%) until both are killed at 15m (killed's rank still reported, its "
+             "process gone): at 17m keep's foreign share is 0, not five minutes of the dead "
+             "ones' (killed, whose steps are still in its window, sees keep's 40%)",
+             {**gpu_of("keep", "0", "5", "GPU-k"), **gpu_of("killed", "0", "5", "GPU-k"),
+              sel("gputrain_training_step_duration_seconds_count", run="killed", rank="0"):
+                  f"{ramp(60, 15)} stale",
+              sel("gputrain_training_gpu_busy_seconds_total", run="keep", rank="0", gpu="5",
+                  uuid="GPU-k"): ramp(24),
+              sel("gputrain_training_gpu_busy_seconds_total", run="killed", rank="0", gpu="5",
+                  uuid="GPU-k"): f"{ramp(18, 15)} stale",
+              sel("gputrain_gpu_unattributed_busy_seconds_total", gpu="5", uuid="GPU-k"):
+                  f"{ramp(6, 15)} {num(6 * 15)}x45",
+              sel("gputrain_gpu_unattributed_processes", gpu="5", uuid="GPU-k"):
+                  "1x15 0x45"},
+             [Fire("GpuTrainGPUShared", {**NODE, "run": "killed", "gpu": "5", "uuid": "GPU-k"},
+                   "40%")],
+             fire_at="17m", quiet_at="8m"),
+        Case("GpuTrainGPUShared (near miss of the one above): the other run's process stays on "
+             "GPU 6 but goes idle at 15m: its busy time of the window still counts at 17m",
+             {**gpu_of("keep2", "0", "6", "GPU-m"), **gpu_of("idle", "0", "6", "GPU-m"),
+              sel("gputrain_training_gpu_busy_seconds_total", run="keep2", rank="0", gpu="6",
+                  uuid="GPU-m"): ramp(24),
+              sel("gputrain_training_gpu_busy_seconds_total", run="idle", rank="0", gpu="6",
+                  uuid="GPU-m"): f"{ramp(18, 15)} {num(18 * 15)}x45",
+              sel("gputrain_gpu_unattributed_busy_seconds_total", gpu="6", uuid="GPU-m"):
+                  ramp(0),
+              sel("gputrain_gpu_unattributed_processes", gpu="6", uuid="GPU-m"): flat(0)},
+             # over 12m-17m: 3 busy minutes of 30% in 5
+             [Fire("GpuTrainGPUShared", {**NODE, "run": "keep2", "gpu": "6", "uuid": "GPU-m"},
+                   "18%"),
+              Fire("GpuTrainGPUShared", {**NODE, "run": "idle", "gpu": "6", "uuid": "GPU-m"},
+                   "40%")],
+             fire_at="17m", quiet_at="8m"),
         Case("A rank that stopped stepping 7 minutes ago (a long evaluation) while its GPU stays "
              "95% busy at 20% of its power: not yet stalled, and nothing about its steps holds",
              {**spinning_gpu("paused", "0+60x20 1200x10"),
@@ -345,6 +416,19 @@ def alert_cases() -> list[Case]:
              {**run_steps("aug", 47 / 60), **run_steps("ok", 1 / 60), **host_cpu(115 / 120)},
              [Fire("GpuTrainInputBound", rank("aug"), "78.33%", "warning"),
               Fire("GpuTrainCPUPreprocessingBound", rank("aug"), "78.33%")]),
+        # refinements have hysteresis: entered at the line, left below it less the margin
+        Case("GpuTrainCPUPreprocessingBound with hysteresis: 95% busy for 6m, then a CPU whose "
+             "5-minute mean swings between 87.6% and 91.4% every minute or two keeps firing",
+             {**run_steps("hover", 0.5),
+              **host_cpu_by_minute([0.95] * 6 + [0.99, 0.99, 0.80, 0.80] * 14 + [0.95] * 2)},
+             [Fire("GpuTrainInputBound", rank("hover"), "50%", "warning"),
+              Fire("GpuTrainCPUPreprocessingBound", rank("hover"), "50%")],
+             fire_at="22m"),
+        Case("GpuTrainCPUPreprocessingBound, near miss of the one above: 95% busy for 12m, "
+             "then 50%: resolved at 16m (input-bound only)",
+             {**run_steps("drop", 0.5), **host_cpu_by_minute([0.95] * 12 + [0.5] * 50)},
+             [Fire("GpuTrainInputBound", rank("drop"), "50%", "warning")],
+             fire_at="16m", quiet_at="8m"),
         Case("GpuTrainCPUQuotaBound: a rank 50% input-bound whose process tree uses 3.9 of "
              "the 4 cores its cgroup allows, and one throttled 30% of the time, on a node 20% "
              "busy; one at 2 of 4 cores and never throttled stays input-bound only",
@@ -583,6 +667,20 @@ def alert_cases() -> list[Case]:
                               ("gputrain_training_slow_step_seconds_total", slow))}},
              # p99: rank 0.99 * 48.2 = 47.7 of 48.2, in the (0.5, 1] bucket
              [Fire("GpuTrainStepTimeStalls", rank("epoch-restart"), "0.2")],
+             fire_at="40m", quiet_at="10m"),
+        Case("GpuTrainStepTimeStalls is not the loader's period: 4 workers deliver in groups "
+             "(a minute: 75 steps of 0.1 s, then every fourth 2.1 s, 2 s of it data wait) is "
+             "input-bound only; the same slow steps without data wait (a sync every 4 steps), "
+             "and a rare 60 s data stall (0.4% of the steps) with 4 workers, are stalls",
+             {**loader_steps("loader4", workers=4, fast=75, slow=25, wait=50, slow_s=52.5),
+              **loader_steps("sync4", workers=4, fast=75, slow=25, wait=1, slow_s=52.5),
+              **loader_steps("rare4", workers=4, fast=48, slow=0.2, wait=11, slow_s=12,
+                             slow_le="60.0", fast_s=1.0)},
+             # loader4: data wait 50 of 60 s; rare4: 11 of 60 s, its stall 12 s of the minute
+             [Fire("GpuTrainInputBound", rank("loader4"), "83.33%", "warning"),
+              Fire("GpuTrainStepTimeStalls", rank("sync4"), "0.875"),
+              Fire("GpuTrainInputBound", rank("rare4"), "18.33%", "info"),
+              Fire("GpuTrainStepTimeStalls", rank("rare4"), "0.2")],
              fire_at="40m", quiet_at="10m"),
         Case("GpuTrainStragglerRank: rank 3 waits 30% for data against a median of 2.5%; an "
              "unsynchronised rank computes 1.5 s against a median of 1 s",

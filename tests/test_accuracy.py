@@ -274,6 +274,8 @@ def test_lightning_matches_simple_profiler(daemon_factory, tmp_path, delay):
            got.phases["checkpoint"], sum(durations["save_checkpoint"]))
     assert got.steps == 40 and got.samples == 320
     assert sample_value(d.metrics(), "gputrain_training_flops_total", {"run": run}) == 320e6
+    # the loader's workers (none here) are pushed, as wrap() pushes a DataLoader's
+    assert sample_value(d.metrics(), "gputrain_training_loader_workers", {"run": run}) == 0
     # ours encloses Lightning's own timing of each fetch: never less, and more only by its
     # start()/stop() calls, which a loaded scheduler may preempt (up to 0.1 ms a fetch seen
     # under two CPU burners), so the bound is 2 % or 0.25 ms a fetch

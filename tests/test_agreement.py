@@ -47,6 +47,9 @@ def expand(values: str) -> list[float | None]:
     missing sample, '_xn' n of them)."""
     out: list[float | None] = []
     for token in values.split():
+        if token == "stale":  # the backfill writes no staleness marker: a missing sample
+            out.append(None)
+            continue
         if token == "_" or token.startswith("_x"):
             out.extend([None] * (int(token[2:]) if token != "_" else 1))
             continue

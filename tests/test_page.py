@@ -102,7 +102,10 @@ class Reference:
                              f["gputrain_training_gpu_memory_busy_seconds_total"])
         others_busy, others_memory = (f["gputrain_gpu_unattributed_busy_seconds_total"],
                                       f["gputrain_gpu_unattributed_memory_busy_seconds_total"])
+        slow_n, workers = (f["gputrain_training_slow_steps_total"],
+                           f["gputrain_training_loader_workers"])
         ranks_busy, unowned = self._shares.totals()
+        here = self._shares.here()[0]  # a rank's share is exported while it is on the GPU
         profiles = self._store.profiles.latest_done()
         for st in states:
             lv = [st.run, st.rank]
@@ -118,6 +121,9 @@ class Reference:
             elapsed.add_metric(lv, st.wall_seconds)
             if st.bucket_bounds:
                 slow.add_metric(lv, st.slow_step_seconds)
+                slow_n.add_metric(lv, st.slow_steps)
+            if st.loader_workers is not None:
+                workers.add_metric(lv, st.loader_workers)
             pairs = zip(st.bucket_bounds, st.bucket_counts, strict=True)
             buckets = [(floatToGoString(b), c) for b, c in pairs]
             buckets.append(("+Inf", st.steps))
@@ -147,6 +153,8 @@ class Reference:
             for (index, uuid), used in sorted(held.get((st.run, st.rank), {}).items()):
                 gpu_memory.add_metric([*lv, index, uuid], used)
             for (index, uuid), (b, m) in sorted(ranks_busy.get((st.run, st.rank), {}).items()):
+                if (index, uuid) not in here.get((st.run, st.rank), ()):
+                    continue
                 busy.add_metric([*lv, index, uuid], b)
                 memory_busy.add_metric([*lv, index, uuid], m)
             if (done := profiles.get((st.run, st.rank))) is not None:
@@ -158,9 +166,9 @@ class Reference:
             others_busy.add_metric([index, uuid], b)
             others_memory.add_metric([index, uuid], m)
         for family in (steps, wait, samples, flops, comm, exposed, comm_bytes, elapsed, slow,
-                       hist, phases, last_step, last_push, skew, finished, cpu, allowance,
-                       throttled, rss, pss, read, gpu_info, gpu_memory, busy, memory_busy, profile,
-                       unattributed, strangers, others_busy, others_memory):
+                       slow_n, workers, hist, phases, last_step, last_push, skew, finished, cpu,
+                       allowance, throttled, rss, pss, read, gpu_info, gpu_memory, busy,
+                       memory_busy, profile, unattributed, strangers, others_busy, others_memory):
             if family.samples:
                 yield family
         for code, n in sorted(self._store.requests().items()):
@@ -191,7 +199,8 @@ def test_training_lines_are_what_prometheus_client_writes_in_both_formats():
          process={"cpu_seconds": 1, "pid": 4242, "resident_memory_bytes": 12345678901,
                   "proportional_memory_bytes": 9876543210.5, "read_bytes": 0,
                   "cpu_allowance_cores": 2.5, "cpu_throttled_seconds": 0.25},
-         comm_seconds=1.5, comm_exposed_seconds=0.5, comm_bytes=4e8)  # its GPU found by pid
+         comm_seconds=1.5, comm_exposed_seconds=0.5, comm_bytes=4e8,  # its GPU found by pid
+         loader_workers=4)
     push(store, run="alpha", rank="3", steps=10**15, samples=1e22,
          gpus=["1", "GPU-00000000-aaaa-bbbb-cccc-000000000000", "7"],  # 7: not on this node
          capabilities=["profile"])

@@ -170,3 +170,78 @@ def test_two_ranks_and_a_foreign_process_share_one_gpu_end_to_end(daemon_factory
         for c in clients:
             c.kill()
             c.wait()
+
+
+def _shared_then(leaver: int) -> tuple[dict, dict]:
+    """Run a (pid 100) shares GPU 0 for 40 s with run b (pid 200) and a stranger (pid 300);
+    then ``leaver``'s process exits (run b's rank still pushes: a killed trainer's rank lives
+    until its pushes expire). Run a's findings just before the exit and one cycle after."""
+    now = [BASE]
+    store = IngestStore(clock=lambda: now[0], wall_clock=lambda: now[0])
+    shares = GpuShares(Owners(parent_of=PARENTS.get))
+    history = History(window=300.0, point_seconds=5.0, instance="n1", shares=shares)
+    view = StatusView(history, T, backend="nvml")
+    busy = {100: 0.5, 200: 0.2, 300: 0.25}
+    seconds = {pid: 0.0 for pid in busy}
+    found = []
+    for k in range(42):
+        now[0] = BASE + k
+        if k == 41:
+            busy = {p: v for p, v in busy.items() if p != leaver}
+        for pid, share in busy.items():
+            seconds[pid] += share
+        push(store, "a", "0", 100, k, now[0])
+        push(store, "b", "0", 200, k, now[0])
+        st = gpu_state(float(k), busy)
+        st = GpuState(st.identity, up=True, sample=st.sample, sampled_seconds=float(k),
+                      busy_seconds=st.busy_seconds,
+                      process_busy_seconds={p: seconds[p] for p in busy},
+                      process_memory_busy_seconds={p: seconds[p] / 2 for p in busy})
+        history.observe(Snapshot(k, now[0], "nvml", "", (st,)), store.states())
+        if k in (40, 41):
+            doc = view.document()
+            (rank,) = {r["run"]: r for r in doc["runs"]}["a"]["ranks"]
+            found.append({rank["verdict"]: rank["reason"],
+                          **{a["verdict"]: a["reason"] for a in rank["also"]}})
+    return found[0], found[1]
+
+
+@pytest.mark.parametrize("leaver, before, after", [
+    (200, "45.0%", "25.0%"),  # run b killed: its share leaves; the stranger's stays
+    (300, "45.0%", "20.0%"),  # the stranger exits: run b's share stays
+])
+def test_a_share_leaves_the_window_with_its_process(leaver, before, after):
+    """A process that exits takes its share of the GPU out of the window at once (not five
+    minutes later): run a's foreign share falls to what the processes still on the GPU had;
+    those that stay keep counting their past busy time (the near miss)."""
+    was, now = _shared_then(leaver)
+    assert was["gpu-shared"] == f"GPU 0: busy {before} of the time with processes not this run's"
+    assert now["gpu-shared"] == f"GPU 0: busy {after} of the time with processes not this run's"
+
+
+def test_a_run_alone_once_the_others_exit_is_not_shared():
+    """Both other processes gone: nothing of them is left in run a's window."""
+    now = [BASE]
+    store = IngestStore(clock=lambda: now[0], wall_clock=lambda: now[0])
+    shares = GpuShares(Owners(parent_of=PARENTS.get))
+    history = History(window=300.0, point_seconds=5.0, instance="n1", shares=shares)
+    view = StatusView(history, T, backend="nvml")
+    for k in range(45):
+        now[0] = BASE + k
+        push(store, "a", "0", 100, k, now[0])
+        push(store, "b", "0", 200, k, now[0])
+        busy = {100: 0.5, 200: 0.2, 300: 0.25} if k <= 40 else {100: 0.5}
+        st = gpu_state(float(k), busy)
+        if k > 40:  # the others' seconds stop at 40 s; pid 100's go on
+            st = GpuState(st.identity, up=True, sample=st.sample, sampled_seconds=float(k),
+                          busy_seconds=st.busy_seconds,
+                          process_busy_seconds={100: 0.5 * k},
+                          process_memory_busy_seconds={100: 0.25 * k})
+        history.observe(Snapshot(k, now[0], "nvml", "", (st,)), store.states())
+    doc = view.document()
+    (rank,) = {r["run"]: r for r in doc["runs"]}["a"]["ranks"]
+    found = {rank["verdict"], *(a["verdict"] for a in rank["also"])}
+    assert "gpu-shared" not in found, rank
+    (gpu,) = doc["gpus"]
+    assert {(s["run"], s["rank"]): s["busy"] for s in gpu["shares"]} == {
+        ("a", "0"): pytest.approx(0.5), (None, None): 0.0}

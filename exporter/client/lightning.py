@@ -116,6 +116,7 @@ class GpuTrainCallback(Callback):
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._monitor().new_epoch()
+        self._monitor()._note_loader(getattr(trainer, "train_dataloader", None))
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

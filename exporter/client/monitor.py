@@ -32,6 +32,7 @@ from exporter.protocol import (
     DEFAULT_PRECISION,
     DEFAULT_PUSH_INTERVAL_SECONDS,
     MAX_BUCKETS,
+    MAX_LOADER_WORKERS,
     MAX_PHASE_NAME_LENGTH,
     MAX_PHASES,
     OTHER_PHASE,
@@ -273,6 +274,7 @@ class TrainingMonitor:
         self._flops = 0.0
         self._flops_per_sample = 0.0
         self._flops_known = False
+        self._loader_workers: int | None = None  # of the DataLoader wrap() iterates
         self.precision = DEFAULT_PRECISION
         self.set_flops_per_sample(flops_per_sample, precision)
         self._last_step = 0.0  # perf_counter of the last step's end; 0 = none yet
@@ -348,8 +350,10 @@ class TrainingMonitor:
         which ends the epoch, too); a step ends when the loop body asks for the next batch.
         ``iter(iterable)`` and the first ``next()`` after it (DataLoader workers starting and
         warming up: without ``persistent_workers=True`` each epoch pays it again) are the
-        phase ``dataloader_start``, outside any step. Samples are ``batch_size`` or
+        phase ``dataloader_start``, outside any step. A DataLoader's ``num_workers`` is pushed
+        (its batches come in groups of that many). Samples are ``batch_size`` or
         ``batch_len(batch)``. :meth:`new_epoch` applies inside."""
+        self._note_loader(iterable)
         start = self.phase("dataloader_start")
         with start:
             it = iter(iterable)
@@ -392,6 +396,15 @@ class TrainingMonitor:
             if self._wrap_samples is not None:  # else new_epoch() in the body ended it
                 self._wrap_samples = None
                 done(n, now)
+
+    def _note_loader(self, loader: object) -> None:
+        """Keep a torch DataLoader's ``num_workers`` to push (a framework's combined loader:
+        its first DataLoader's); anything else is left unstated."""
+        for candidate in (loader, *(getattr(loader, "flattened", None) or ())):
+            workers = getattr(candidate, "num_workers", None)
+            if isinstance(workers, int) and not isinstance(workers, bool) and workers >= 0:
+                self._loader_workers = workers
+                return
 
     def data_wait(self) -> _DataWait:
         """``with monitor.data_wait(): batch = next(it)`` for hand-written loops. A fetch that
@@ -556,6 +569,8 @@ class TrainingMonitor:
             "precision": self.precision,
             "elapsed_seconds": max(0.0, _now() - self._started()),
             **({"flops": self._flops} if self._flops_known else {}),
+            **({"loader_workers": min(self._loader_workers, MAX_LOADER_WORKERS)}
+               if self._loader_workers is not None else {}),
             **self._comm_totals(),
         }
 

@@ -34,6 +34,7 @@ from exporter.heuristics.promql import (
 )
 from exporter.heuristics.readings import (
     LEAK_SPANS,
+    REFINED,
     WINDOWS,
     GpuReading,
     NodeReport,
@@ -101,6 +102,11 @@ class Heuristic:
     def derived(self, t: dict[str, float]) -> dict[str, float]:
         """Values computed from thresholds that its texts, rules and panels use."""
         return {}
+
+    def advice_for(self, r: RankReport) -> str:
+        """The advice that fits what was seen of this rank (the alert's description says it
+        conditionally, as it cannot read the rank's phases)."""
+        return self.advice
 
     # -- the condition, twice: as PromQL and over a window's readings -----------------------
 
@@ -178,6 +184,43 @@ def gone(r: RankReport, t: dict[str, float]) -> bool:
     """The rank no longer runs: it said goodbye, or has not pushed for the vanished
     threshold. Its last window is history, so nothing about its steps is judged."""
     return r.finished or _v(r.seconds_since_push, ">", t["vanished_seconds"])
+
+
+def refined(r: RankReport | NodeReport, name: str, threshold: str,
+            t: dict[str, float]) -> bool:
+    """A refinement's node reading ``name`` (one of REFINED) at ``threshold``, with
+    hysteresis: it reached the line within the hold range (its peak) and has not fallen below
+    the line less ``refinement_margin`` since, so a reading hovering at the line keeps the
+    verdict it entered, and a clear drop leaves it at once (as :meth:`Q.refined`)."""
+    value = r.host.get(name)
+    if value is None:
+        return False
+    peak = max(value, r.host.get(f"{name}_peak", value))
+    return value >= t[threshold] - t["refinement_margin"] and peak >= t[threshold]
+
+
+def unrefined(r: RankReport | NodeReport, name: str, threshold: str,
+              t: dict[str, float]) -> bool:
+    """The reading is known and the refinement does not hold."""
+    return r.host.get(name) is not None and not refined(r, name, threshold, t)
+
+
+def loader_period(r: RankReport, t: dict[str, float]) -> str | None:
+    """Why the rank's slow steps are its DataLoader's period, or None: a loader with N >= 2
+    workers delivers its batches in groups of N (each worker finishes one at about the same
+    time), so one step in N waits for data and the N - 1 after it find theirs ready. That is
+    slow steps about 1/N of the steps (within ``loader_period_tolerance``) whose time is mostly
+    data wait (``loader_wait_share`` of it): the loader, not a stall. Rare stalls (one in
+    hundreds) and slow steps that are no data wait (a checkpoint, a sync) are not it."""
+    n, share = r.loader_workers, r.slow_step_ratio
+    if n is None or n < 2 or not share or not _v(r.slow_step_wait, ">=",
+                                                   t["loader_wait_share"]):
+        return None
+    tolerance = t["loader_period_tolerance"]
+    if (1 - tolerance) / n <= share <= (1 + tolerance) / n:
+        return (f"one step in {1 / share:.1f} is slow, waiting for data: the loader's {n:g} "
+                "workers deliver their batches together")
+    return None
 
 
 def _v(x: float | None, op: str, threshold: float) -> bool:
@@ -618,14 +661,15 @@ class CPUQuotaBound(Heuristic):
                  >= {t['cpu_quota_used']}
                or run_rank:gputrain_training_cpu_throttled:ratio_rate5m
                  >= {t['cpu_throttled_high']})
-            and on ({q.node}) (instance:gputrain_host_cpu_busy:ratio_rate5m < {t['cpu_saturated']})""",
+            and on ({q.node}) {q.unrefined(REFINED['cpu_busy'], 'cpu_saturated')}""",
             f"""{q.who} waits {{{{ $value | humanizePercentage }}}} of each step for data while
             its process tree is at its cgroup's CPU limit (or throttled) and the node's CPUs are
             not saturated.""")]
 
     def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
         used, throttled, cpu = r.cpu_allowance_used, r.cpu_throttled, r.host.get("cpu_busy")
-        if _v(r.data_wait_ratio, ">=", t["input_bound"]) and _v(cpu, "<", t["cpu_saturated"]) \
+        if _v(r.data_wait_ratio, ">=", t["input_bound"]) and \
+                unrefined(r, "cpu_busy", "cpu_saturated", t) \
                 and (_v(used, ">=", t["cpu_quota_used"])
                      or _v(throttled, ">=", t["cpu_throttled_high"])):
             return (f"data wait {percent(r.data_wait_ratio)} of each step, its processes at "
@@ -641,7 +685,8 @@ class CPUPreprocessingBound(Heuristic):
     summary = "A training run is input-bound because the CPUs are saturated."
     advice = ("Move augmentation to the GPU (DALI, GPU transforms), pre-process offline, or get "
               "more cores.")
-    fires_when = "input-bound and host CPU busy >= {cpu_saturated}"
+    fires_when = ("input-bound and host CPU busy >= {cpu_saturated} (held until under "
+                  "{cpu_saturated} less {refinement_margin})")
     why = ("Input-bound while the node's CPUs are at least {cpu_saturated} busy: preprocessing "
            "cannot keep up (in a TensorFlow performance study's preprocessing case, CPU use "
            "rose from 66 % to 96 %, the GPU stayed under 36 % busy, 25 samples/s).")
@@ -653,14 +698,15 @@ class CPUPreprocessingBound(Heuristic):
 
     def rules(self, q: Q) -> list[dict]:
         return [self.rule(q, "warning", f"""({q.wait} >= {q.t['input_bound']}) and on ({q.node})
-                          (instance:gputrain_host_cpu_busy:ratio_rate5m >= {q.t['cpu_saturated']})""",
+                          {q.refined(REFINED['cpu_busy'], 'cpu_saturated')}""",
                           f"""{q.who} waits {{{{ $value | humanizePercentage }}}} of each step for
                           data while the node's CPUs are {q.t['cpu_saturated']} or more busy:
                           preprocessing is the bottleneck.""")]
 
     def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
         cpu = r.host.get("cpu_busy")
-        if _v(r.data_wait_ratio, ">=", t["input_bound"]) and _v(cpu, ">=", t["cpu_saturated"]):
+        if _v(r.data_wait_ratio, ">=", t["input_bound"]) and \
+                refined(r, "cpu_busy", "cpu_saturated", t):
             return f"data wait {percent(r.data_wait_ratio)} of each step, CPUs {percent(cpu)} busy"
         return None
 
@@ -689,17 +735,19 @@ class DiskIOBound(Heuristic):
     def rules(self, q: Q) -> list[dict]:
         t = q.t
         return [self.rule(q, "warning", f"""({q.wait} >= {t['input_bound']})
-            and on ({q.node}) (instance:gputrain_host_cpu_iowait:ratio_rate5m >= {t['iowait_high']}
-                 or instance:gputrain_host_disk_busy:max_rate5m >= {t['disk_busy_high']})
-            and on ({q.node}) (instance:gputrain_host_cpu_busy:ratio_rate5m < {t['cpu_saturated']})""",
+            and on ({q.node}) ({q.refined(REFINED['iowait'], 'iowait_high')}
+                 or {q.refined(REFINED['disk_busy'], 'disk_busy_high')})
+            and on ({q.node}) {q.unrefined(REFINED['cpu_busy'], 'cpu_saturated')}""",
             f"""{q.who} waits {{{{ $value | humanizePercentage }}}} of each step for data while
             the node waits on its disks (iowait >= {t['iowait_high']} or a disk busy >=
             {t['disk_busy_high']}) and the CPUs are not saturated.""")]
 
     def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
-        iowait, disk, cpu = (r.host.get(k) for k in ("iowait", "disk_busy", "cpu_busy"))
-        if _v(r.data_wait_ratio, ">=", t["input_bound"]) and _v(cpu, "<", t["cpu_saturated"]) \
-                and (_v(iowait, ">=", t["iowait_high"]) or _v(disk, ">=", t["disk_busy_high"])):
+        iowait, disk = (r.host.get(k) for k in ("iowait", "disk_busy"))
+        if _v(r.data_wait_ratio, ">=", t["input_bound"]) and \
+                unrefined(r, "cpu_busy", "cpu_saturated", t) and \
+                (refined(r, "iowait", "iowait_high", t) or
+                 refined(r, "disk_busy", "disk_busy_high", t)):
             return (f"data wait {percent(r.data_wait_ratio)} of each step, iowait "
                     f"{percent(iowait)}, busiest disk {percent(disk)}")
         return None
@@ -722,15 +770,14 @@ class NetworkInputBound(Heuristic):
 
     def rules(self, q: Q) -> list[dict]:
         return [self.rule(q, "warning", f"""({q.wait} >= {q.t['input_bound']}) and on ({q.node})
-            (instance:gputrain_host_network_receive_link_used:max_ratio_rate5m >=
-            {q.t['network_saturated']})""",
+            {q.refined(REFINED['network_rx_used'], 'network_saturated')}""",
             f"""{q.who} waits {{{{ $value | humanizePercentage }}}} of each step for data while a
             network interface receives at {q.t['network_saturated']} or more of its speed.""")]
 
     def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
         net = r.host.get("network_rx_used")
         if _v(r.data_wait_ratio, ">=", t["input_bound"]) and \
-                _v(net, ">=", t["network_saturated"]):
+                refined(r, "network_rx_used", "network_saturated", t):
             return (f"data wait {percent(r.data_wait_ratio)} of each step, network receive at "
                     f"{percent(net)} of the link")
         return None
@@ -741,21 +788,30 @@ class InputBound(Heuristic):
     severity, for_ = "info / warning", "10m"
     stacks = "record"  # which functions its main process and loader workers run
     summary = "A training run waits on its data loader."
-    advice = ("Use more DataLoader workers (num_workers), pin_memory=True and prefetching, or "
-              "cache or pre-process the data set offline (DALI).")
+    advice = ("Use more DataLoader workers (num_workers), a larger prefetch_factor, "
+              "persistent_workers=True and pin_memory=True, or cache or pre-process the data "
+              "set offline (DALI).")
     fires_when = "data-wait ratio >= {input_bound} / >= {input_bound_high} for {for}"
     why = ("The run spends {input_bound} (info) or {input_bound_high} (warning) of each step "
            "blocked fetching its next batch (the TensorFlow profiler's input-pipeline "
            "thresholds), with CPU, disk and network to spare. A PyTorch tuning walk-through "
            "went from 31.65 % to 97.51 % GPU use mostly through this. The info tier covers "
-           "the warning's range, so a ratio hovering at {input_bound_high} keeps alerting.")
+           "the warning's range, so a ratio hovering at {input_bound_high} keeps alerting. "
+           "The stages it is refined into (CPU preprocessing, disk, network, a CPU quota) have "
+           "hysteresis alike: a node reading that reached its line within {hold_window} holds "
+           "until it falls below the line less {refinement_margin}, so a CPU hovering at its "
+           "line keeps the verdict it entered, and a clear drop leaves it at once.")
     confirm = ("run_rank:gputrain_training_data_wait_ratio:rate5m",)
     panel = 'GpuTrain / Run, panel "Data wait" ({input_bound} and {input_bound_high} lines).'
     thresholds = {
         "input_bound": Threshold(0.05, "ratio", "TensorFlow Profiler's input-pipeline "
                                                 "analysis: moderately input-bound"),
         "input_bound_high": Threshold(0.20, "ratio", "TensorFlow Profiler's input-pipeline "
-                                                     "analysis: highly input-bound")}
+                                                     "analysis: highly input-bound"),
+        "refinement_margin": Threshold(
+            0.05, "ratio", "our choice: hysteresis for the stage input-bound is refined into "
+                           "(CPU, disk, network): entered at its line, left below the line less "
+                           "this, so a reading hovering at 90 % does not flip the verdict")}
 
     def rules(self, q: Q) -> list[dict]:
         t = q.t
@@ -771,7 +827,9 @@ class InputBound(Heuristic):
 
     def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
         if _v(r.data_wait_ratio, ">=", t["input_bound"]):
-            return f"data wait {percent(r.data_wait_ratio)} of each step"
+            periodic = loader_period(r, t)
+            return f"data wait {percent(r.data_wait_ratio)} of each step" + \
+                (f"; {periodic}" if periodic else "")
         return None
 
 
@@ -1116,12 +1174,24 @@ class StepTimeStalls(Heuristic):
     alert, verdict = "GpuTrainStepTimeStalls", "step-time-stalls"
     severity, for_ = "info", "15m"
     summary = "A training run stalls periodically."
-    advice = ("Checkpoint asynchronously or less often, write to local disk and upload later. "
-              "If the stalls come at each epoch's start, keep the DataLoader's workers across "
-              "epochs: DataLoader(..., persistent_workers=True).")
+    advice = ("If the run saves checkpoints (the phase `checkpoint`), checkpoint "
+              "asynchronously or less often, to local disk and upload later; if the stalls come "
+              "at each epoch's start, keep the DataLoader's workers across epochs "
+              "(persistent_workers=True); otherwise see what the slow steps do: "
+              "`gputrain-exporter profile --stacks` during one (garbage collection, a sync or "
+              "logging every N steps).")
+    CHECKPOINT_ADVICE = ("Checkpoint asynchronously or less often, write to local disk and "
+                         "upload later.")
+    LOADER_START_ADVICE = ("Keep the DataLoader's workers across epochs: "
+                           "DataLoader(..., persistent_workers=True).")
+    UNKNOWN_ADVICE = ("See what the slow steps do: `gputrain-exporter profile --stacks` during "
+                      "one (garbage collection: gc.freeze() after start-up; a synchronisation, "
+                      "an evaluation or logging every N steps).")
     fires_when = ("steps over {slow_step_factor} the median take > {stall_time_share} of the "
                   "wall time over {quantile_window}, p99 step time > {stall_p99_over_p50} the "
-                  "median, or checkpoint saves > {checkpoint_share} of the step time")
+                  "median, or checkpoint saves > {checkpoint_share} of the step time; not where "
+                  "the slow steps are the loader's period (one in its workers' count, within "
+                  "{loader_period_tolerance}, their time >= {loader_wait_share} data wait)")
     why = ("Rare long stalls are judged by the time they cost: steps more than "
            "{slow_step_factor} the rank's median took more than {stall_time_share} of its wall "
            "time over {quantile_window} (counted by the daemon from the pushed step histogram, "
@@ -1131,7 +1201,13 @@ class StepTimeStalls(Heuristic):
            "{stall_p99_over_p50} the median, or checkpoint saves (the phase `checkpoint`, "
            "which the client keeps out of step time) take more than {checkpoint_share} of the "
            "step time (a TensorFlow performance study: even periodic bottlenecks hurt the "
-           "average).")
+           "average). A DataLoader with N workers delivers its batches in groups of N: one "
+           "step in N waits for data and the rest find theirs ready, so the p99 is far above "
+           "the median with no stall at all. Where the client states the loader's workers and "
+           "the slow steps are one in N (within {loader_period_tolerance}) and mostly data wait "
+           "(at least {loader_wait_share} of their time), that is the loader: input-bound "
+           "says so, and this does not fire. Its advice fits what was seen: checkpoints where "
+           "the rank saves them, persistent workers where its loader restarts.")
     confirm = ("run_rank:gputrain_training_slow_step:ratio_rate30m",
                "run_rank:gputrain_training_step_seconds:p99_30m",
                "run_rank:gputrain_training_checkpoint_ratio:rate5m")
@@ -1145,7 +1221,13 @@ class StepTimeStalls(Heuristic):
                           "re-created each epoch or a checkpoint every few hundred steps costs "
                           "up to a fifth while the p99 does not move"),
         "checkpoint_share": Threshold(0.1, "ratio", "checkpoint saves, a phase outside the "
-                                                    "steps")}
+                                                    "steps"),
+        "loader_period_tolerance": Threshold(
+            0.5, "ratio", "our choice: slow steps within half of 1/N of the steps are a loader "
+                          "of N workers' period (rare stalls are one in hundreds)"),
+        "loader_wait_share": Threshold(
+            0.5, "ratio", "our choice: the loader's slow steps are mostly data wait (a "
+                          "checkpoint or a sync is none)")}
 
     def derived(self, t: dict[str, float]) -> dict[str, float]:
         # what "far above the typical step" is: a definition of the daemon's slow-step count
@@ -1153,10 +1235,19 @@ class StepTimeStalls(Heuristic):
 
     def rules(self, q: Q) -> list[dict]:
         t = q.t
-        return [self.rule(q, "info", f"""run_rank:gputrain_training_slow_step:ratio_rate30m
+        workers, share = ("run_rank:gputrain_training_loader_workers:max",
+                          "run_rank:gputrain_training_slow_steps:ratio_rate30m")
+        tolerance = t["loader_period_tolerance"]
+        loader = f"""({workers} >= 2
+            and on ({q.rank}) {share} >= on ({q.rank}) ({num(1 - tolerance)} / {workers})
+            and on ({q.rank}) {share} <= on ({q.rank}) ({num(1 + tolerance)} / {workers})
+            and on ({q.rank}) run_rank:gputrain_training_slow_step_data_wait:ratio_rate30m
+              >= {t['loader_wait_share']})"""
+        return [self.rule(q, "info", f"""((run_rank:gputrain_training_slow_step:ratio_rate30m
             > {t['stall_time_share']}
             or on ({q.rank}) (run_rank:gputrain_training_step_seconds:p99_30m
-              > {t['stall_p99_over_p50']} * run_rank:gputrain_training_step_seconds:p50_30m)
+              > {t['stall_p99_over_p50']} * run_rank:gputrain_training_step_seconds:p50_30m))
+            unless on ({q.rank}) {loader})
             or on ({q.rank}) (run_rank:gputrain_training_checkpoint_ratio:rate5m
               > {t['checkpoint_share']})""",
             f"""{q.who}: steps over {SLOW_STEP_FACTOR:g}x the median take more than
@@ -1165,12 +1256,20 @@ class StepTimeStalls(Heuristic):
             saves take more than {t['checkpoint_share']} of the step time
             ({{{{ $value | printf "%.3g" }}}}).""")]
 
+    def advice_for(self, r: RankReport) -> str:
+        if r.phases.get("checkpoint") or r.badput.get("checkpoint"):
+            return self.CHECKPOINT_ADVICE
+        if r.badput.get("dataloader_start") or r.phases.get("dataloader_start"):
+            return self.LOADER_START_ADVICE
+        return self.UNKNOWN_ADVICE
+
     def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
-        if _v(r.stall_share, ">", t["stall_time_share"]):
+        periodic = loader_period(r, t)
+        if not periodic and _v(r.stall_share, ">", t["stall_time_share"]):
             return (f"steps over {SLOW_STEP_FACTOR:g}x the median take {percent(r.stall_share)} "
                     "of the wall time")
         p50, p99 = r.step_p50_seconds, r.step_p99_seconds
-        if p50 and p99 and p99 > t["stall_p99_over_p50"] * p50:
+        if not periodic and p50 and p99 and p99 > t["stall_p99_over_p50"] * p50:
             return (f"p99 step time {p99:.3g} s is over {t['stall_p99_over_p50']:g}x the median "
                     f"{p50:.3g} s ({WINDOWS['quantile']})")
         checkpoint = r.phases.get("checkpoint")
@@ -1560,6 +1659,11 @@ def show(name: str, value: float) -> str:
     if seconds % 3600 == 0:
         return f"{seconds // 3600} h"
     return f"{seconds // 60} m" if seconds % 60 == 0 else f"{seconds} s"
+
+
+def num(x: float) -> str:
+    """A number as PromQL is written here: no trailing ``.0``."""
+    return f"{x:g}"
 
 
 def fill(text: str, thresholds: dict[str, float], for_: str = "") -> str:

@@ -43,7 +43,7 @@ from exporter.heuristics.promql import (
     restarts,
     tree_growth,
 )
-from exporter.heuristics.readings import LEAK_SPANS, WINDOWS
+from exporter.heuristics.readings import LEAK_SPANS, REFINED, WINDOWS
 from exporter.heuristics.rules import load_overrides, settings
 from exporter.heuristics.verdict import (
     GpuReading,
@@ -138,6 +138,9 @@ def queries(selector: str, window: str, ids: Identity | None = None) -> dict[str
     # its process replaced: over the crash-loop rule's hour, and inside the rate window
     q["restarts"] = restarts(s, ids, WINDOWS["restart"])
     q["restarts_recent"] = restarts(s, ids, window)
+    # a refinement's reading at its highest over the hold range: its hysteresis
+    for name, record in REFINED.items():
+        q[f"{name}_peak"] = inline(f"max_over_time({record}[{WINDOWS['hold']}])", records)
     return q
 
 
@@ -193,6 +196,9 @@ RECORDED = {
     "step_p50_seconds": "run_rank:gputrain_training_step_seconds:p50_30m",
     "step_p99_seconds": "run_rank:gputrain_training_step_seconds:p99_30m",
     "stall_share": "run_rank:gputrain_training_slow_step:ratio_rate30m",
+    "slow_step_ratio": "run_rank:gputrain_training_slow_steps:ratio_rate30m",
+    "slow_step_wait": "run_rank:gputrain_training_slow_step_data_wait:ratio_rate30m",
+    "loader_workers": "run_rank:gputrain_training_loader_workers:max",
     "cpu_allowance_used": "run_rank:gputrain_training_cpu_allowance_used:ratio_rate5m",
     "cpu_throttled": "run_rank:gputrain_training_cpu_throttled:ratio_rate5m",
     "seconds_since_step": "run_rank:gputrain_training_last_step_timestamp_seconds:max",
@@ -228,13 +234,16 @@ def recorded_queries(selector: str, ids: Identity | None = None) -> dict[str, st
         growth = f"deriv({tree}[{w}]{' offset ' + o if o else ''})"
         q[f"rss_growth_{span}"] = growth
         q[f"memory_outside_growth_{span}"] = memory_outside(available, growth, ids, w, o)
+    for name, record in REFINED.items():
+        q[f"{name}_peak"] = f"max_over_time({record}{{{selector}}}[{WINDOWS['hold']}])"
     return q
 
 
 GPU_READINGS = ("busy", "sm_active", "tensor_active", "memory_used", "power_used",
                 "pcie_rx_used", "pcie_link_now", "pcie_link_max", "throttled")
 HOST_READINGS = ("cpu_busy", "iowait", "disk_busy", "network_rx_used", "network_duplex_used",
-                 "memory_available", *(f"memory_outside_growth_{s}" for s in LEAK_SPANS))
+                 "memory_available", *(f"memory_outside_growth_{s}" for s in LEAK_SPANS),
+                 *(f"{name}_peak" for name in REFINED))
 
 
 def _read(prom: Prometheus, raw: str, recorded: str, key) -> tuple[list, set]:
@@ -273,7 +282,8 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
                 labels.get("rank", ""), labels={k: labels.get(k, "") for k in ids.extra})
     for name in ("steps", "samples_per_second", "step_seconds", "data_wait_ratio",
                  "comm_ratio", "comm_exposed_ratio", "step_p50_seconds", "step_p99_seconds",
-                 "stall_share", "cpu_allowance_used", "cpu_throttled", "seconds_since_step",
+                 "stall_share", "slow_step_ratio", "slow_step_wait", "loader_workers",
+                 "cpu_allowance_used", "cpu_throttled", "seconds_since_step",
                  "rss_growth_1h", "rss_growth_15m", "rss_growth_15m_before", "mfu", "goodput",
                  "seconds_since_push", "finished", "recent_busy", "regime_changed_seconds"):
         results, recorded = _read(prom, q[name], qr[name], rank_key)

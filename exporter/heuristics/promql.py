@@ -138,10 +138,16 @@ _BARE_GROUPING = re.compile(r"\b(group_left|group_right) (?=[a-z_]+:)")
 def inline(expr: str, records: dict[str, str]) -> str:
     """``expr`` with every recording rule it names replaced by the rule's expression, so it
     runs on a Prometheus that does not evaluate the rules (diagnose, a backfilled replay)."""
-    pattern = re.compile("(?<![\\w:])(" + "|".join(map(re.escape, records)) + ")(?![\\w:])")
+    pattern = re.compile("(?<![\\w:])(" + "|".join(map(re.escape, records))
+                         + ")(?![\\w:])(\\[\\w+\\])?")
+
+    def written(m: re.Match) -> str:
+        # a recorded series over a range becomes a subquery of its expression
+        return f"({records[m.group(1)]})" + (f"{m.group(2)[:-1]}:]" if m.group(2) else "")
+
     for _ in range(10):  # recording rules built on recording rules
         expr = _BARE_GROUPING.sub(r"\1 () ", expr)
-        expr, n = pattern.subn(lambda m: f"({records[m.group(1)]})", expr)
+        expr, n = pattern.subn(written, expr)
         if not n:
             return expr
     raise ValueError(f"recording rules nested too deep in {expr!r}")
@@ -246,6 +252,17 @@ def _windowed(s: str, ids: Identity, r: str) -> list[dict]:
         _rec("run_rank:gputrain_training_slow_step:ratio_rate30m", f"""
             sum by ({rank}) (rate(gputrain_training_slow_step_seconds_total{{{s}}}[{q}]))
             / sum by ({rank}) (rate(gputrain_training_elapsed_seconds_total{{{s}}}[{q}]))"""),
+        # of the steps, the share far above the median, and the data wait over those steps'
+        # seconds, with the loader's workers: a DataLoader's period (one slow step in N, the
+        # wait in it) tells its batches arriving in groups from a stall
+        _rec("run_rank:gputrain_training_slow_steps:ratio_rate30m", f"""
+            sum by ({rank}) (rate(gputrain_training_slow_steps_total{{{s}}}[{q}]))
+            / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[{q}]))"""),
+        _rec("run_rank:gputrain_training_slow_step_data_wait:ratio_rate30m", f"""
+            sum by ({rank}) (rate(gputrain_training_data_wait_seconds_total{{{s}}}[{q}]))
+            / sum by ({rank}) (rate(gputrain_training_slow_step_seconds_total{{{s}}}[{q}]))"""),
+        _rec("run_rank:gputrain_training_loader_workers:max", f"""
+            max by ({rank}) (gputrain_training_loader_workers{{{s}}})"""),
         _rec("run_rank_phase:gputrain_training_phase_ratio:rate5m", f"""
             sum by ({rank}, phase) (rate(gputrain_training_phase_seconds_total{{{s}}}[{r}]))
             / on ({rank}) group_left
@@ -354,14 +371,20 @@ def _windowed(s: str, ids: Identity, r: str) -> list[dict]:
             sum by ({ids.run}) (max by ({ids.node}, run, gpu, uuid)
               (1 - run_rank_gpu:gputrain_gpu_busy_ratio:rate5m))"""),
         # a GPU's shares: each run's (its ranks' processes) and no rank's, from the processes'
-        # busy seconds; a run that holds the GPU but had no busy sample counts 0
+        # busy seconds; a run that holds the GPU but had no busy sample counts 0. A share
+        # leaves with its processes: the exporter drops a rank's busy counter of a GPU once
+        # none of its processes is on it (stale at once, where a range would hold it for the
+        # window), and the unattributed share counts while a process no rank owns is there
         _rec("run_gpu:gputrain_training_gpu_busy:ratio_rate5m", f"""
-            (sum by ({ids.run_gpu}) (rate(gputrain_training_gpu_busy_seconds_total{{{s}}}[{r}]))
+            (sum by ({ids.run_gpu}) (rate(gputrain_training_gpu_busy_seconds_total{{{s}}}[{r}])
+                                    and gputrain_training_gpu_busy_seconds_total{{{s}}})
              or 0 * max by ({ids.run_gpu}) (gputrain_training_gpu_info{{{s}}}))
             / on ({gpu}) group_left
             sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{r}]))"""),
         _rec("gpu:gputrain_gpu_unattributed_busy:ratio_rate5m", f"""
-            sum by ({gpu}) (rate(gputrain_gpu_unattributed_busy_seconds_total{{{s}}}[{r}]))
+            (sum by ({gpu}) (rate(gputrain_gpu_unattributed_busy_seconds_total{{{s}}}[{r}]))
+               and on ({gpu}) (max by ({gpu}) (gputrain_gpu_unattributed_processes{{{s}}}) > 0)
+             or 0 * sum by ({gpu}) (rate(gputrain_gpu_unattributed_busy_seconds_total{{{s}}}[{r}])))
             / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{r}]))"""),
         # what of a GPU's time a run does not own: busy with other runs' processes or with
         # processes no client reports (only where the driver gives per-process samples)
@@ -483,6 +506,19 @@ class Q:
                 f"run_rank:gputrain_training_last_push_timestamp_seconds:max > "
                 f"{self.t['vanished_seconds']} or "
                 f"run_rank:gputrain_training_restarts:resets5m > 0)")
+
+    def refined(self, record: str, threshold: str) -> str:
+        """A refinement's reading (a recorded node series) at ``threshold``, with hysteresis:
+        at or over the line within the hold range, and not since below it less the margin
+        (as :func:`exporter.heuristics.catalogue.refined` judges a window's readings)."""
+        line = self.t[threshold]
+        low = round(line - self.t["refinement_margin"], 6)
+        return (f"({record} >= {low} and max_over_time({record}[{WINDOWS['hold']}]) "
+                f">= {line})")
+
+    def unrefined(self, record: str, threshold: str) -> str:
+        """The reading where it is known and the refinement does not hold."""
+        return f"({record} unless {self.refined(record, threshold)})"
 
     def fresh(self, expr: str) -> str:
         """``expr`` only where no collector of its node is stale: nothing but a fault is

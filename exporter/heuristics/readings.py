@@ -23,6 +23,18 @@ WINDOWS = {
     "recent": "2m",  # a vanished run's GPUs: idle since its ranks went silent
     "restart": "1h",  # a rank's process restarts counted for the crash-loop rule
     "regime": "1m",  # a rank whose run changed (exporter.heuristics.regime) is read over this
+    # a refinement entered (its reading at its line) holds while the reading stays within the
+    # margin below it and reached the line within this range: hysteresis, from the window
+    "hold": "5m",
+}
+# The node readings that refine input-bound into a stage (CPU preprocessing, disk, network),
+# by their recorded series: each is judged with hysteresis (see WINDOWS["hold"]), its peak
+# over the hold range read beside it as ``<name>_peak``
+REFINED = {
+    "cpu_busy": "instance:gputrain_host_cpu_busy:ratio_rate5m",
+    "iowait": "instance:gputrain_host_cpu_iowait:ratio_rate5m",
+    "disk_busy": "instance:gputrain_host_disk_busy:max_rate5m",
+    "network_rx_used": "instance:gputrain_host_network_receive_link_used:max_ratio_rate5m",
 }
 
 
@@ -115,6 +127,11 @@ class RankReport:
     cpu_throttled: float | None = None
     # of the wall time, the share spent in steps far above the median (rare long stalls)
     stall_share: float | None = None
+    # of the steps, the share far above the median, and the data wait over those steps'
+    # seconds (both over the quantile window): with the loader's workers, its period
+    slow_step_ratio: float | None = None
+    slow_step_wait: float | None = None
+    loader_workers: float | None = None  # the DataLoader's num_workers, where pushed
     seconds_since_step: float | None = None
     seconds_since_push: float | None = None  # since the exporter last heard from the rank
     finished: bool = False  # it said goodbye (a clean close()): finished, never vanished

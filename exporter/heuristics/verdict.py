@@ -78,6 +78,12 @@ def advice(verdict: str) -> str:
     return STATUS_ADVICE.get(verdict) or BY_VERDICT[verdict].advice
 
 
+def advice_for(verdict: str, rep: RankReport) -> str:
+    """What to change for a rank's verdict or finding: the advice that fits what was seen of
+    it (:meth:`~exporter.heuristics.catalogue.Heuristic.advice_for`)."""
+    return STATUS_ADVICE.get(verdict) or BY_VERDICT[verdict].advice_for(rep)
+
+
 def rank_findings(rep: RankReport, t: dict[str, float], run_steps: bool = True) -> \
         dict[str, str]:
     """Every finding of one rank that holds, with its reason, in the decision order: faults
@@ -134,12 +140,12 @@ def judge(reports: list[RankReport], t: dict[str, float]) -> list[RankReport]:
             rep.status = rep.verdict = "finished"
             ago = rep.seconds_since_push
             rep.reason = "closed cleanly" + (f" {ago:.0f} s ago" if ago is not None else "")
-            rep.also = [Finding(n, found[n], advice(n)) for n in ordered]
+            rep.also = [Finding(n, found[n], advice_for(n, rep)) for n in ordered]
         elif ordered:
             rep.verdict = ordered[0]
             rep.status = STATUS[BY_VERDICT[rep.verdict].kind]
             rep.reason = found[ordered[0]]
-            rep.also = [Finding(n, found[n], advice(n)) for n in ordered[1:]]
+            rep.also = [Finding(n, found[n], advice_for(n, rep)) for n in ordered[1:]]
         elif rep.restarts_recent:
             rep.status, rep.verdict = "ok", "restarted"
             rep.reason = (f"its process was replaced {rep.restarts_recent:.0f} time(s) in the "
@@ -171,7 +177,7 @@ def judge(reports: list[RankReport], t: dict[str, float]) -> list[RankReport]:
         else:
             rep.status, rep.verdict = "ok", "gpu-bound"
             rep.reason = f"GPU busy {percent(busy)}"
-        rep.advice = advice(rep.verdict)
+        rep.advice = advice_for(rep.verdict, rep)
         if rep.regime_changed_seconds is not None:
             rep.reason += f"; {changed_text(rep.regime_changed_seconds)}"
     return reports

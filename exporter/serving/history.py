@@ -27,6 +27,7 @@ from exporter.heuristics import regime
 from exporter.heuristics.promql import THROTTLE_REASONS
 from exporter.heuristics.readings import (
     LEAK_SPANS,
+    REFINED,
     GpuReading,
     RankReport,
     duration_seconds,
@@ -55,6 +56,7 @@ RSS_SECONDS = window_seconds("leak")  # the leak rule's longer range
 LEAK_MIN_SECONDS = window_seconds("leak_recent")  # its shorter: judged once this much is seen
 FAULT_SECONDS = window_seconds("fault")  # new Xid and ECC errors count this long
 RECENT_SECONDS = window_seconds("recent")  # a vanished run's GPUs: idle this long
+HOLD_SECONDS = window_seconds("hold")  # a refinement's hysteresis (see REFINED)
 RESTART_SECONDS = window_seconds("restart")  # a rank's restarts count this long
 MAX_RESTARTS_KEPT = 64  # a crash loop's restarts in the hour, at most, that are counted
 
@@ -77,6 +79,10 @@ class _GpuPoint(NamedTuple):
     ranks_busy: dict[tuple[str, str], float]
     unattributed: float | None
     link: float | None  # bytes/s of the PCIe link as trained at this cycle
+    # who is on it at this cycle: the ranks whose processes are, and whether a process no
+    # rank owns is (a share counts only while its processes are on the GPU)
+    here: frozenset = frozenset()
+    stranger_here: bool = False
 
 
 class _HostPoint(NamedTuple):
@@ -104,6 +110,7 @@ class _RankPoint(NamedTuple):
     slow: float  # seconds in steps far above the median (exporter.serving.stalls)
     cpu: float | None  # the process tree's CPU seconds, and its cgroup's throttled seconds
     throttled: float | None
+    slow_steps: float = 0.0  # how many steps were far above the median
 
 
 @dataclass
@@ -138,7 +145,7 @@ class _RankTrack:
 
 
 _COUNTERS = ("steps", "step_seconds", "data_wait_seconds", "samples", "flops", "comm_seconds",
-             "comm_exposed_seconds", "slow_step_seconds")
+             "comm_exposed_seconds", "slow_step_seconds", "slow_steps")
 
 
 class History:
@@ -159,6 +166,9 @@ class History:
         self._host_previous: _HostPoint | None = None
         self._host_current: _HostPoint | None = None
         self._memory: deque = deque(maxlen=int(RSS_SECONDS / SLOW_POINT_SECONDS) + 1)  # (t, B)
+        # (t, the refined readings over the window ending at t): their peaks over the hold
+        # range are the refinements' hysteresis
+        self._host_peaks: deque = deque()
         self._ranks: dict[tuple[str, str], _RankTrack] = {}
         self._snapshot: Snapshot | None = None
         self._lock = threading.Lock()
@@ -173,6 +183,7 @@ class History:
         states = list(states)
         self.shares.observe(snap, states)
         ranks_busy, unowned = self.shares.totals(snap.cycle)
+        ranks_here, strangers = self.shares.here(snap.cycle)
         with self._lock:
             if self.first_seen is None:
                 self.first_seen = t
@@ -188,7 +199,9 @@ class History:
                 self._note_gpu(track, st, t,
                                {rank: busy[gpu][0] for rank, busy in ranks_busy.items()
                                 if gpu in busy},
-                               unowned[gpu][0] if gpu in unowned else None)
+                               unowned[gpu][0] if gpu in unowned else None,
+                               (frozenset(k for k, on in ranks_here.items() if gpu in on),
+                                gpu in strangers))
             for key in [k for k in self._gpus if k not in seen]:
                 del self._gpus[key]
             self._note_host(snap, t)
@@ -219,7 +232,8 @@ class History:
             self.version += 1
 
     def _note_gpu(self, track: _GpuTrack, st: GpuState, t: float,
-                  ranks_busy: dict[tuple[str, str], float], unattributed: float | None) -> None:
+                  ranks_busy: dict[tuple[str, str], float], unattributed: float | None,
+                  here: tuple[frozenset, bool] = (frozenset(), False)) -> None:
         track.state = st
         s = st.sample
         sums = track.sums
@@ -234,7 +248,8 @@ class History:
         throttle = sum(st.clock_event_seconds.get(r, 0.0) for r in THROTTLE_REASONS)
         link = s.pcie_link_current_bytes_per_second if s is not None and st.up else None
         point = _GpuPoint(t, st.sampled_seconds, st.busy_seconds, st.pcie_rx_bytes,
-                          st.pcie_tx_bytes, throttle, *sums, ranks_busy, unattributed, link)
+                          st.pcie_tx_bytes, throttle, *sums, ranks_busy, unattributed, link,
+                          *here)
         track.previous, track.current = track.current, point
         if not track.points or t - track.points[-1].t >= self.point_seconds:
             track.points.append(point)
@@ -255,6 +270,10 @@ class History:
         mem = snap.host.get("memory")
         if mem is not None and (not self._memory or t - self._memory[-1][0] >= SLOW_POINT_SECONDS):
             self._memory.append((t, mem.available_bytes))
+        ratios = _host_ratios(self._since(self._host, t), point, snap, False)
+        self._host_peaks.append((t, {k: ratios[k] for k in REFINED if k in ratios}))
+        while t - self._host_peaks[0][0] > HOLD_SECONDS:
+            self._host_peaks.popleft()
 
     def _note_push(self, track: _RankTrack, st: RankState, t: float) -> None:
         old = track.state
@@ -322,7 +341,8 @@ class History:
                           st.samples + off.get("samples", 0.0), flops, comm, exposed,
                           st.wall_seconds, phases, buckets, track.epoch,
                           st.slow_step_seconds + off.get("slow_step_seconds", 0.0),
-                          st.process.get("cpu_seconds"), st.process.get("cpu_throttled_seconds"))
+                          st.process.get("cpu_seconds"), st.process.get("cpu_throttled_seconds"),
+                          st.slow_steps + off.get("slow_steps", 0.0))
 
     # -- reading (a request's thread) -------------------------------------------------------
 
@@ -446,41 +466,14 @@ class History:
             if start is not None and (old is None or old.t >= now.t):
                 old = self._host_previous
             snap = self._snapshot
-        out: dict[str, float] = {}
-        mem = snap.host.get("memory") if snap is not None else None
-        if mem is not None:
-            out["memory_available"] = mem.available_bytes
-        if old is None or now.t <= old.t:
-            return out
-        dt = now.t - old.t
-        if now.cpu_total is not None and old.cpu_total is not None \
-                and now.cpu_total > old.cpu_total:
-            total = now.cpu_total - old.cpu_total
-            out["cpu_busy"] = 1 - (now.cpu_idle - old.cpu_idle) / total
-            out["iowait"] = (now.cpu_iowait - old.cpu_iowait) / total
-        busy = [(n[2] - o[2]) / dt for d, n in now.disks.items()
-                if (o := old.disks.get(d)) is not None and None not in (n[2], o[2])]
-        if busy:
-            out["disk_busy"] = max(busy)
-        speeds = {n: r.speed_bytes_per_second
-                  for n, r in ((snap.host.get("network") or {}) if snap else {}).items()}
-        used = [(n[0] - o[0]) / dt / speeds[nic] for nic, n in now.nics.items()
-                if (o := old.nics.get(nic)) is not None and speeds.get(nic)]
-        if used:
-            out["network_rx_used"] = max(used)
-        duplex = [min(n[0] - o[0], n[1] - o[1]) / dt / speeds[nic]
-                  for nic, n in now.nics.items()
-                  if (o := old.nics.get(nic)) is not None and speeds.get(nic)]
-        if duplex:
-            out["network_duplex_used"] = max(duplex)
-        if recent:
-            for name, i, parts in (("disk_read_bytes_per_second", 0, "disks"),
-                                   ("disk_written_bytes_per_second", 1, "disks"),
-                                   ("network_received_bytes_per_second", 0, "nics"),
-                                   ("network_transmitted_bytes_per_second", 1, "nics")):
-                new_, old_ = getattr(now, parts), getattr(old, parts)
-                out[name] = sum(max(0.0, v[i] - old_[k][i]) for k, v in new_.items()
-                                if k in old_) / dt
+        out = _host_ratios(old, now, snap, recent)
+        if not recent:
+            with self._lock:
+                peaks = list(self._host_peaks)
+            for name in REFINED:
+                seen = [p[name] for t, p in peaks if name in p and now.t - t <= HOLD_SECONDS]
+                if seen:
+                    out[f"{name}_peak"] = max(seen)
         return out
 
     def reports(self, gpus: dict | None = None, host: dict[str, float] | None = None,
@@ -547,6 +540,7 @@ class History:
                 short_busy = shorter[old.t]
             if old is not None:
                 _rank_window(rep, old, now, st.bucket_bounds)
+                rep.loader_workers = st.loader_workers
                 _cpu_window(rep, old, now, st.process.get("cpu_allowance_cores"))
             if whole is not None:
                 # the step-time percentiles and the stall share stay over the window, as the
@@ -591,6 +585,48 @@ class History:
         return sorted(out, key=lambda r: (r.run, rank_order(r.rank)))
 
 
+def _host_ratios(old: _HostPoint | None, now: _HostPoint, snap: Snapshot | None,
+                 recent: bool) -> dict[str, float]:
+    """The node's ratios from ``old`` to ``now`` (the rules' ``instance:`` series), with byte
+    rates added where ``recent``."""
+    out: dict[str, float] = {}
+    mem = snap.host.get("memory") if snap is not None else None
+    if mem is not None:
+        out["memory_available"] = mem.available_bytes
+    if old is None or now.t <= old.t:
+        return out
+    dt = now.t - old.t
+    if now.cpu_total is not None and old.cpu_total is not None \
+            and now.cpu_total > old.cpu_total:
+        total = now.cpu_total - old.cpu_total
+        out["cpu_busy"] = 1 - (now.cpu_idle - old.cpu_idle) / total
+        out["iowait"] = (now.cpu_iowait - old.cpu_iowait) / total
+    busy = [(n[2] - o[2]) / dt for d, n in now.disks.items()
+            if (o := old.disks.get(d)) is not None and None not in (n[2], o[2])]
+    if busy:
+        out["disk_busy"] = max(busy)
+    speeds = {n: r.speed_bytes_per_second
+              for n, r in ((snap.host.get("network") or {}) if snap else {}).items()}
+    used = [(n[0] - o[0]) / dt / speeds[nic] for nic, n in now.nics.items()
+            if (o := old.nics.get(nic)) is not None and speeds.get(nic)]
+    if used:
+        out["network_rx_used"] = max(used)
+    duplex = [min(n[0] - o[0], n[1] - o[1]) / dt / speeds[nic]
+              for nic, n in now.nics.items()
+              if (o := old.nics.get(nic)) is not None and speeds.get(nic)]
+    if duplex:
+        out["network_duplex_used"] = max(duplex)
+    if recent:
+        for name, i, parts in (("disk_read_bytes_per_second", 0, "disks"),
+                               ("disk_written_bytes_per_second", 1, "disks"),
+                               ("network_received_bytes_per_second", 0, "nics"),
+                               ("network_transmitted_bytes_per_second", 1, "nics")):
+            new_, old_ = getattr(now, parts), getattr(old, parts)
+            out[name] = sum(max(0.0, v[i] - old_[k][i]) for k, v in new_.items()
+                            if k in old_) / dt
+    return out
+
+
 def _error_counts(st: GpuState) -> tuple[float, float]:
     """A GPU's Xid errors and uncorrectable ECC errors, both counted since the exporter
     started (the ECC count from the driver's at the first reading)."""
@@ -613,10 +649,12 @@ def _gpu_window(reading: GpuReading, old: _GpuPoint, now: _GpuPoint, sample) -> 
     the GPU's time each rank's processes, and no rank's, kept it busy."""
     sampled = now.sampled - old.sampled
     if sampled > 0:
+        # a share leaves the window with its processes (as the rules' instant join does)
         reading.shares = {rank: max(0.0, busy - old.ranks_busy.get(rank, 0.0)) / sampled
-                          for rank, busy in now.ranks_busy.items()}
+                          for rank, busy in now.ranks_busy.items() if rank in now.here}
         if now.unattributed is not None:
-            reading.unattributed = max(0.0, now.unattributed - (old.unattributed or 0.0)) / sampled
+            reading.unattributed = max(0.0, now.unattributed - (old.unattributed or 0.0)) / \
+                sampled if now.stranger_here else 0.0
         if now.busy is not None:
             reading.busy = (now.busy - (old.busy or 0.0)) / sampled
         link = reading.pcie_link_now or reading.pcie_link_max  # as it runs, else at best
@@ -655,6 +693,10 @@ def _rank_window(rep: RankReport, old: _RankPoint, now: _RankPoint,
         counts = tuple(a - b for a, b in zip(now.buckets, old.buckets, strict=True))
         rep.step_p50_seconds = histogram_quantile(0.5, bounds, counts)
         rep.step_p99_seconds = histogram_quantile(0.99, bounds, counts)
+    if steps > 0 and bounds:
+        rep.slow_step_ratio = (now.slow_steps - old.slow_steps) / steps
+    if now.slow > old.slow:
+        rep.slow_step_wait = wait / (now.slow - old.slow)
     if wall > 0:
         if now.flops is not None and old.flops is not None:
             rep.mfu = (now.flops - old.flops) / wall  # FLOP/s; divided by the peak later

@@ -26,6 +26,7 @@ from exporter.protocol import (
     MAX_COUNT,
     MAX_GPU_FLOPS,
     MAX_GPUS,
+    MAX_LOADER_WORKERS,
     MAX_NAME_LENGTH,
     MAX_PHASE_NAME_LENGTH,
     MAX_PHASES,
@@ -40,7 +41,7 @@ from exporter.protocol import (
     json_kind,
 )
 from exporter.serving.profiles import ProfileBoard, parse_report, parse_stacks_report
-from exporter.serving.stalls import slow_step_seconds
+from exporter.serving.stalls import slow_step_count, slow_step_seconds
 
 MAX_CAPABILITIES = 8
 GOODBYE_GRACE_SECONDS = 60.0  # a finished rank's final totals stay this long, for one more scrape
@@ -85,6 +86,10 @@ class RankState:
     # seconds of its process's steps over SLOW_STEP_FACTOR times its median (the daemon's
     # count from the pushed buckets: see exporter.serving.stalls)
     slow_step_seconds: float = 0.0
+    slow_steps: float = 0.0  # ... and how many steps they were
+    # the DataLoader's worker processes, where the client wraps one (its batches come in
+    # groups of this many: one slow step, then the rest fast)
+    loader_workers: int | None = None
     last_step_timestamp: float | None = None  # on the daemon's clock (see _clock_skew)
     # the client's clock minus the daemon's, as its timestamps show it (0 within
     # CLOCK_TOLERANCE_SECONDS); its timestamps are moved by it
@@ -180,6 +185,11 @@ def parse_push(raw: bytes, now: float, now_unix: float) -> tuple[RankState, bool
     st.last_step_timestamp = _number(body, "last_step_timestamp", required=False)
     st.flops = _number(body, "flops", required=False)
     st.elapsed_seconds = _number(body, "elapsed_seconds", required=False)
+    workers = _number(body, "loader_workers", integer=True, required=False)
+    if workers is not None and workers > MAX_LOADER_WORKERS:
+        raise Refused(400, f"field 'loader_workers' must be at most {MAX_LOADER_WORKERS}, got "
+                           f"{workers}")
+    st.loader_workers = workers
     _parse_comm(body, st)
     precision = body.get("precision", DEFAULT_PRECISION)
     if precision not in PRECISIONS:
@@ -352,6 +362,18 @@ def _clock_skew(old: RankState | None, new: RankState) -> None:
     new.clock_skew = skew
 
 
+def _slow_steps(old: RankState | None, new: RankState) -> float:
+    """The process's slow steps so far, counted as :func:`_slow_step_seconds` counts their
+    seconds."""
+    if old is None or old.run_id != new.run_id:
+        counts = new.cumulative_counts
+        return slow_step_count(new.bucket_bounds, (0,) * len(counts), counts)
+    if old.bucket_bounds != new.bucket_bounds:
+        return old.slow_steps
+    return old.slow_steps + slow_step_count(new.bucket_bounds, old.cumulative_counts,
+                                            new.cumulative_counts)
+
+
 def _slow_step_seconds(old: RankState | None, new: RankState) -> float:
     """The process's seconds in slow steps so far: its previous push's, and those of the
     steps since (none counted across a change of bucket bounds)."""
@@ -448,6 +470,7 @@ class IngestStore:
             _check_flops(same, new)
             _clock_skew(same, new)
             new.slow_step_seconds = _slow_step_seconds(old, new)
+            new.slow_steps = _slow_steps(old, new)
             if old is None and len(self._states) >= self.max_series:
                 raise Refused(429, f"{len(self._states)} (run, rank) pairs are live, the "
                                    f"limit (--ingest.max-series) is {self.max_series}")

@@ -37,6 +37,16 @@ def histogram_quantile(q: float, bounds: tuple[float, ...], counts: tuple[float,
     return bounds[-1] if bounds else None
 
 
+def _slow_line(bounds: tuple[float, ...], before: tuple[float, ...],
+               after: tuple[float, ...], factor: float) -> float | None:
+    """The step time over which a step is slow: ``factor`` times the median of ``after``
+    (None where the histograms do not fit their bounds or hold no step)."""
+    if not bounds or len(after) != len(bounds) + 1 or len(before) != len(after):
+        return None
+    median = histogram_quantile(0.5, bounds, after)
+    return factor * median if median else None
+
+
 def slow_step_seconds(bounds: tuple[float, ...], before: tuple[float, ...],
                       after: tuple[float, ...], seconds: float,
                       factor: float = SLOW_STEP_FACTOR) -> float:
@@ -46,12 +56,9 @@ def slow_step_seconds(bounds: tuple[float, ...], before: tuple[float, ...],
     steps at its middle (linear within the bucket, as histogram_quantile reads it), the
     +Inf bucket at its lower bound; where the step time less every other step at its
     bucket's top proves more (a stall past the last bucket), that counts."""
-    if not bounds or len(after) != len(bounds) + 1 or len(before) != len(after):
+    limit = _slow_line(bounds, before, after, factor)
+    if limit is None:
         return 0.0
-    median = histogram_quantile(0.5, bounds, after)
-    if not median:
-        return 0.0
-    limit = factor * median
     slow, others_at_top = 0.0, 0.0
     below = 0.0
     for i, (a, b) in enumerate(zip(after, before, strict=True)):
@@ -64,3 +71,20 @@ def slow_step_seconds(bounds: tuple[float, ...], before: tuple[float, ...],
         else:
             others_at_top += n * (bounds[i] if i < len(bounds) else math.inf)
     return max(slow, seconds - others_at_top, 0.0)
+
+
+def slow_step_count(bounds: tuple[float, ...], before: tuple[float, ...],
+                    after: tuple[float, ...], factor: float = SLOW_STEP_FACTOR) -> float:
+    """How many of the steps between two cumulative histograms (as :func:`slow_step_seconds`)
+    fell in buckets wholly above ``factor`` times the median of ``after``: with the steps'
+    count, the share of steps that are slow, which tells a loader's period (one slow step in
+    its N workers) from rare stalls (one in hundreds)."""
+    limit = _slow_line(bounds, before, after, factor)
+    if limit is None:
+        return 0.0
+    slow, below = 0.0, 0.0
+    for i, (a, b) in enumerate(zip(after, before, strict=True)):
+        n, below = (a - b) - below, a - b
+        if n > 0 and (bounds[i - 1] if i > 0 else 0.0) >= limit:
+            slow += n
+    return slow

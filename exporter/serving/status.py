@@ -240,7 +240,7 @@ class StatusView:
                     "disk_read_bytes_per_second", "disk_written_bytes_per_second",
                     "network_rx_used", "network_received_bytes_per_second",
                     "network_transmitted_bytes_per_second")},
-                "window": host_window,
+                "window": {k: v for k, v in host_window.items() if not k.endswith("_peak")},
             },
             # the colour bands of a busy ratio: under low is bad, from target on good
             "bands": {"busy": {"low": self.thresholds["gpu_busy_low"],

@@ -188,6 +188,9 @@ class Owners:
 
 Totals = tuple[dict[tuple[str, str], dict[GpuKey, tuple[float, float]]],
                dict[GpuKey, tuple[float, float]]]
+# who is on each GPU now: the GPUs each rank's processes are on, and the GPUs a process no
+# rank owns is on
+Here = tuple[dict[RankKey, set[GpuKey]], set[GpuKey]]
 
 
 class GpuShares:
@@ -210,7 +213,8 @@ class GpuShares:
         self._last: dict[tuple[GpuKey, int], tuple[float, float]] = {}  # (gpu, pid) -> totals
         self._ranks: dict[tuple[str, str], dict[GpuKey, tuple[float, float]]] = {}
         self._others: dict[GpuKey, tuple[float, float]] = {}
-        self._by_cycle: dict[int, Totals] = {}
+        self._by_cycle: dict[int, tuple[Totals, Here]] = {}
+        self._here: Here = ({}, set())
         self.unresolved: dict[GpuKey, int] = {}  # per GPU, its processes none can read
         self.listed: dict[RankKey, set[GpuKey]] = {}  # the GPUs NVML lists a rank's processes on
         self._warned = False
@@ -228,6 +232,7 @@ class GpuShares:
             last: dict[tuple[GpuKey, int], tuple[float, float]] = {}
             unresolved: dict[GpuKey, int] = {}
             listed: dict[RankKey, set[GpuKey]] = {}
+            strangers: set[GpuKey] = set()
             for g in snap.gpus:
                 key = (g.identity.index, g.identity.uuid)
                 pids = g.sample.pids if g.sample is not None else ()
@@ -236,6 +241,8 @@ class GpuShares:
                 for o in owner_of.values():
                     if o is not None and o is not UNRESOLVED:
                         listed.setdefault(o, set()).add(key)
+                if any(o is None for o in owner_of.values()):
+                    strangers.add(key)
                 if unknown := sum(o is UNRESOLVED for o in owner_of.values()):
                     unresolved[key] = unknown
                 if g.sample is not None and g.sample.process_utilization is not None:
@@ -262,7 +269,8 @@ class GpuShares:
                             "unknown. Run the daemon in the host's PID namespace (Kubernetes "
                             "hostPID: true, docker --pid=host, compose pid: host).",
                             sum(unresolved.values()))
-            self._by_cycle[snap.cycle] = (ranks, others)
+            self._here = (listed, strangers)
+            self._by_cycle[snap.cycle] = ((ranks, others), self._here)
             for old in sorted(self._by_cycle)[:-self.KEEP]:
                 del self._by_cycle[old]
 
@@ -270,7 +278,16 @@ class GpuShares:
         """(run, rank) -> GPU -> (busy, memory busy) seconds, and GPU -> the same no rank
         owns, as of snapshot ``cycle`` where it is still kept, else the latest observed."""
         with self._lock:
-            return self._by_cycle.get(cycle, (self._ranks, self._others))
+            hit = self._by_cycle.get(cycle)
+            return hit[0] if hit is not None else (self._ranks, self._others)
+
+    def here(self, cycle: int | None = None) -> Here:
+        """Who is on each GPU as of snapshot ``cycle`` (else the latest observed): a share
+        counts only while its processes are on the GPU, so one that exited leaves the
+        window with them."""
+        with self._lock:
+            hit = self._by_cycle.get(cycle)
+            return hit[1] if hit is not None else self._here
 
 
 def _escape(value: str) -> str:
@@ -321,6 +338,13 @@ FAMILIES: tuple[Family, ...] = (
            f"Seconds of steps over {SLOW_STEP_FACTOR:g}x the rank's median step, counted by the "
            "daemon from the "
            "pushed step histogram (a lower bound): what rare long stalls cost."),
+    Family("gputrain_training_slow_steps_total", "counter",
+           f"Steps over {SLOW_STEP_FACTOR:g}x the rank's median step, counted by the daemon from "
+           "the pushed step histogram: their share of the steps tells a DataLoader's period (one "
+           "slow step in its workers' count) from rare stalls."),
+    Family("gputrain_training_loader_workers", "gauge",
+           "Worker processes of the DataLoader the rank's client wraps (num_workers): its "
+           "batches arrive in groups of this many."),
     Family("gputrain_training_step_duration_seconds", "histogram",
            "Wall time of one training step, data wait included, in seconds."),
     Family("gputrain_training_phase_seconds_total", "counter",
@@ -438,6 +462,9 @@ class TrainingCollector:
         held, others = self._owners.attribute(snap, states)
         self.shares.observe(snap, states)
         busy, unowned = self.shares.totals(snap.cycle)
+        here = self.shares.here(snap.cycle)[0]
+        busy = {k: {g: v for g, v in gpus_.items() if g in here.get(k, ())}
+                for k, gpus_ in busy.items()}
         profiles = self._store.profiles.latest_done()
         regimes = self._regimes()
         chunks: list[list[str]] = [[] for _ in FAMILIES]
@@ -577,6 +604,8 @@ def _rank_lines(st: RankState) -> tuple[tuple[int, str], ...]:
         "gputrain_training_elapsed_seconds_total": st.wall_seconds,
         "gputrain_training_slow_step_seconds_total": st.slow_step_seconds if st.bucket_bounds
         else None,
+        "gputrain_training_slow_steps_total": st.slow_steps if st.bucket_bounds else None,
+        "gputrain_training_loader_workers": st.loader_workers,
         "gputrain_training_last_step_timestamp_seconds": st.last_step_timestamp,
         "gputrain_training_last_push_timestamp_seconds": st.received_unix,
         "gputrain_training_clock_skew_seconds":
