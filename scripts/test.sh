@@ -36,6 +36,9 @@ echo "installing the test frameworks into .venv: $(grep -v '^#' tests/frameworks
 $py -m pip install -q --disable-pip-version-check -r tests/frameworks.txt
 
 $py -m ruff check .
+# the type check of the packages pyproject's [tool.mypy] lists (reading, heuristics, protocol,
+# client): CI fails on a type error as on a failing test
+$py -m mypy
 
 set +e
 $py -m pytest "$@"

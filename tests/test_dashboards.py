@@ -41,7 +41,7 @@ def test_committed_json_is_the_generator_output():
     assert set(generated) == {p.name for p in DASHBOARDS.glob("*.json")}
     for name, d in generated.items():
         assert (DASHBOARDS / name).read_text() == generate.render(d), (
-            f"grafana/dashboards/{name} is stale: .venv/bin/gputrain-exporter generate")
+            f"grafana/dashboards/{name} is stale: .venv/bin/python scripts/generate.py")
 
 
 def test_uids_datasource_variable_units_and_links():

@@ -109,7 +109,7 @@ def test_the_dashboards_configmap_is_for_the_grafana_sidecar_and_current(manifes
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert set(cm["data"]) == {p.name for p in (ROOT / "grafana" / "dashboards").glob("*.json")}
     assert (DEPLOY / "kubernetes" / "dashboards-configmap.yaml").read_text() == \
-        generate.configmap(), "stale: .venv/bin/gputrain-exporter generate"
+        generate.configmap(), "stale: .venv/bin/python scripts/generate.py"
 
 
 def test_the_example_training_pod_gets_the_node_address_the_token_and_tls():

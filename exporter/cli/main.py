@@ -1,5 +1,5 @@
 """The `gputrain-exporter` command: serve (the default), rules, diagnose, top, profile,
-dashboards, generate."""
+dashboards. (The repository's generated files: scripts/generate.py.)"""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from exporter.config import ConfigError, Settings, add_flags, parse_listen_addre
 
 log = logging.getLogger("exporter")
 
-SUBCOMMANDS = ("serve", "rules", "diagnose", "top", "profile", "generate", "dashboards")
+SUBCOMMANDS = ("serve", "rules", "diagnose", "top", "profile", "dashboards")
 
 
 def url_of(scheme: str, server: Any) -> str:

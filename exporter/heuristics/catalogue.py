@@ -11,7 +11,7 @@ first (a run with a lost GPU is not "gpu-bound"), then the pipeline from its inp
 output, the first finding that holds being the verdict.
 
 The rule files, the runbook, the alert table, the dashboards' threshold lines and the texts of
-every surface are generated from here (``gputrain-exporter generate``); a test fails when a
+every surface are generated from here (``scripts/generate.py``); a test fails when a
 committed copy is stale. Texts may name thresholds as ``{name}`` (shown in the threshold's
 unit: ``5 %``, ``2x``, ``10 m``), a derived value likewise, and the alert's ``for`` as
 ``{for}``.

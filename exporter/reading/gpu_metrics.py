@@ -9,14 +9,14 @@ one call, that call (:class:`NvmlRead`); and the demo backend's value. From this
 - the GPU collector's families, in this order on /metrics (``collectors/gpu.py``);
 - the NVML backend's one-call readings (``NvmlBackend._one_call_readings``);
 - the demo backend's gauges (``DemoBackend.sample``);
-- the GPU table of docs/metrics.md (``gputrain-exporter generate``).
+- the GPU table of docs/metrics.md (``scripts/generate.py``).
 
 A reading that is not one call (GPM, field values, NVML's sample buffer, a link computed from
 two calls, a counter the sampler integrates, a labelled family) has its source in words here
 and its code in ``gpu_backends.py`` or ``sampler.py``.
 
 A new gauge read by one NVML call: its descriptor here (with ``nvml`` and ``demo``), its
-GpuSample field in ``gpu_backends.py``, ``gputrain-exporter generate``, and a test over the
+GpuSample field in ``gpu_backends.py``, ``scripts/generate.py``, and a test over the
 fake driver (``tests/fake_nvml.py``).
 """
 
