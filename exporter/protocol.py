@@ -30,16 +30,11 @@ MAX_COUNT = 2**63 - 1
 MAX_EXACT_FLOAT = 2**53
 MAX_NAME_LENGTH = 128  # run and rank
 MAX_PHASE_NAME_LENGTH = 64
-# Per rank, so that the page stays bounded at --ingest.max-series ranks: at most
-# MAX_SERIES_PER_RANK lines each (steps, data wait, samples, FLOPs, elapsed, slow steps, three
-# of gradient communication (seconds, exposed seconds, bytes), the histogram's buckets + Inf +
-# count + sum, phases, two timestamps and the clock's skew, whether it finished, six process
-# figures, four per GPU: its info, the memory the rank's processes hold on it and the seconds
-# they kept its SMs and its memory busy), and its last profile.
+# What one rank may push, so that the page stays bounded at --ingest.max-series ranks (the
+# lines a rank adds: exporter.serving.training.MAX_SERIES_PER_RANK, from its families)
 MAX_PHASES = 16
 MAX_BUCKETS = 32
 MAX_GPUS = 16
-MAX_SERIES_PER_RANK = 6 + 3 + MAX_BUCKETS + 3 + MAX_PHASES + 3 + 1 + 6 + 4 * MAX_GPUS + 1 + 2
 # the DataLoader workers a rank may state (its slow steps and the loader's count: two lines)
 MAX_LOADER_WORKERS = 4096
 # FLOP/s no GPU reaches: twice the fastest dense datasheet peak (B200, FP4: 9 PFLOP/s). A

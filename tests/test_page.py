@@ -16,7 +16,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.utils import floatToGoString
 
-from exporter.protocol import MAX_BUCKETS, MAX_GPUS, MAX_PHASES, MAX_SERIES_PER_RANK, Refused
+from exporter.protocol import MAX_BUCKETS, MAX_GPUS, MAX_PHASES, Refused
 from exporter.reading.gpu_backends import DemoBackend, NvmlBackend
 from exporter.reading.nvml import Nvml
 from exporter.reading.sampler import Sampler
@@ -24,6 +24,7 @@ from exporter.serving.exposition import Exposition
 from exporter.serving.ingest import IngestStore
 from exporter.serving.training import (
     FAMILIES,
+    MAX_SERIES_PER_RANK,
     GpuIndex,
     GpuShares,
     Owners,
@@ -349,3 +350,26 @@ def test_a_rank_whose_lines_cannot_be_written_is_left_out_counted_and_logged_onc
     push(store, rank="1", steps=11, capabilities=["profile"])
     text = app.render()[0].decode()
     assert "gputrain_ingest_ranks_left_out 0.0" in text and 'trace="/tmp/traçes"' in text
+
+
+def test_the_bound_per_rank_counts_every_family_a_rank_writes(clock):
+    """MAX_SERIES_PER_RANK is the sum of the families' per-rank maxima: every family a pushed
+    rank writes declares how many lines it may add, and the node's and the ingest's own
+    families none (a family added without its bound fails here)."""
+    _, store, app = _rig(clock)
+    push(store, last_step_timestamp=1.7e9, flops=1e12, elapsed_seconds=10.0,
+         comm_seconds=1.0, comm_exposed_seconds=0.5, comm_bytes=1e6, loader_workers=2,
+         step_buckets=[0.01, 0.1], step_counts=[1, 10], phases={"checkpoint": 1.0},
+         process={"cpu_seconds": 1, "resident_memory_bytes": 1, "read_bytes": 1,
+                  "proportional_memory_bytes": 1, "cpu_allowance_cores": 1,
+                  "cpu_throttled_seconds": 1}, gpus=["0"])
+    text = app.render()[0].decode()
+    written = {f.name for f in FAMILIES
+               if any(ln.startswith(f.name) and 'run="resnet18"' in ln
+                      for ln in text.splitlines())}
+    assert written, text[:2000]
+    for f in FAMILIES:
+        if f.name in written:
+            assert f.per_rank >= 1, f"{f.name} is a rank's family: give it per_rank"
+        elif "rank" not in f.labels:
+            assert f.per_rank == 0, f"{f.name} is no rank's: per_rank=0"

@@ -175,11 +175,12 @@ def flat(text: str) -> str:
 def test_the_push_limits_on_the_page_are_the_protocols():
     """The limits a client must respect, as exporter/protocol.py sets them."""
     from exporter import protocol
+    from exporter.serving import training
 
     text = flat(page("push-protocol.md"))
     for phrase in (f"at most {protocol.MAX_BUCKETS} histogram buckets",
                    f"{protocol.MAX_PHASES} phases and {protocol.MAX_GPUS} GPUs",
-                   f"at most {protocol.MAX_SERIES_PER_RANK} lines on the page",
+                   f"at most {training.MAX_SERIES_PER_RANK} lines on the page",
                    f"at most {protocol.MAX_PHASES} names",
                    f"at most {protocol.MAX_GPUS} UUIDs",
                    f"phase names past the {protocol.MAX_PHASES - 1}th",

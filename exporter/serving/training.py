@@ -24,6 +24,7 @@ from prometheus_client.core import (
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
+from exporter.protocol import MAX_BUCKETS, MAX_GPUS, MAX_PHASES
 from exporter.reading.host_processes import HostProcess, read_process
 from exporter.reading.sampler import CollectorStatus, Snapshot
 from exporter.serving.ingest import IngestStore, RankState
@@ -302,6 +303,9 @@ class Family(NamedTuple):
     kind: str  # "counter", "gauge" or "histogram"
     help: str
     labels: tuple[str, ...] = ("run", "rank")
+    # the most lines one rank can have in it (0: not a rank's family); their sum is
+    # MAX_SERIES_PER_RANK, the page's bound per rank
+    per_rank: int = 1
 
     def empty(self) -> Metric:
         """The family as prometheus_client builds it, with no samples (for describe())."""
@@ -346,10 +350,11 @@ FAMILIES: tuple[Family, ...] = (
            "Worker processes of the DataLoader the rank's client wraps (num_workers): its "
            "batches arrive in groups of this many."),
     Family("gputrain_training_step_duration_seconds", "histogram",
-           "Wall time of one training step, data wait included, in seconds."),
+           "Wall time of one training step, data wait included, in seconds.",
+           per_rank=MAX_BUCKETS + 3),
     Family("gputrain_training_phase_seconds_total", "counter",
            "Seconds spent in each named phase (callbacks, checkpoint, evaluation, ...).",
-           ("run", "rank", "phase")),
+           ("run", "rank", "phase"), per_rank=MAX_PHASES),
     Family("gputrain_training_last_step_timestamp_seconds", "gauge",
            "Unix time the last step ended."),
     Family("gputrain_training_last_push_timestamp_seconds", "gauge",
@@ -383,44 +388,49 @@ FAMILIES: tuple[Family, ...] = (
            "Bytes the training process and its children read (storage and page cache)."),
     Family("gputrain_training_gpu_info", "gauge",
            "The GPUs a rank uses and the precision it trains in; always 1. Join on gpu/uuid.",
-           ("run", "rank", "gpu", "uuid", "precision")),
+           ("run", "rank", "gpu", "uuid", "precision"), per_rank=MAX_GPUS),
     Family("gputrain_training_gpu_memory_bytes", "gauge",
            "GPU memory the rank's processes hold on each GPU, in bytes (NVML's compute "
            "processes whose pid is the rank's pushed pid or a descendant of it).",
-           ("run", "rank", "gpu", "uuid")),
+           ("run", "rank", "gpu", "uuid"), per_rank=MAX_GPUS),
     Family("gputrain_training_gpu_busy_seconds_total", "counter",
            "Seconds the rank's processes kept each GPU's SMs busy: NVML's per-process "
            "utilisation samples of the rank's pushed pid and its descendants, integrated (the "
            "GPU's share that is this rank's; never a pid as a label).",
-           ("run", "rank", "gpu", "uuid")),
+           ("run", "rank", "gpu", "uuid"), per_rank=MAX_GPUS),
     Family("gputrain_training_gpu_memory_busy_seconds_total", "counter",
            "Seconds the rank's processes kept each GPU's memory busy (read or written: NVML's "
-           "per-process memory utilisation), integrated.", ("run", "rank", "gpu", "uuid")),
+           "per-process memory utilisation), integrated.", ("run", "rank", "gpu", "uuid"),
+           per_rank=MAX_GPUS),
     Family("gputrain_training_profile_info", "gauge",
            "The rank's last finished profile (`gputrain-exporter profile`, or an alert): the "
            "trace's path on the rank's machine; the value is the Unix time it finished.",
            ("run", "rank", "trace")),
     Family("gputrain_gpu_unattributed_memory_bytes", "gauge",
            "GPU memory held by processes that no pushing rank owns, in bytes: someone else on "
-           "the GPU (or a job without the client).", ("gpu", "uuid")),
+           "the GPU (or a job without the client).", ("gpu", "uuid"), per_rank=0),
     Family("gputrain_gpu_unattributed_processes", "gauge",
-           "Compute processes on the GPU that no pushing rank owns.", ("gpu", "uuid")),
+           "Compute processes on the GPU that no pushing rank owns.", ("gpu", "uuid"), per_rank=0),
     Family("gputrain_gpu_unattributed_busy_seconds_total", "counter",
            "Seconds the GPU's SMs were busy with processes that no pushing rank owns (NVML's "
            "per-process utilisation, integrated): someone else on the GPU, or a job without "
            "the client. Absent where the driver gives no per-process samples.",
-           ("gpu", "uuid")),
+           ("gpu", "uuid"), per_rank=0),
     Family("gputrain_gpu_unattributed_memory_busy_seconds_total", "counter",
            "Seconds the GPU's memory was busy for processes that no pushing rank owns.",
-           ("gpu", "uuid")),
+           ("gpu", "uuid"), per_rank=0),
     Family("gputrain_ingest_requests_total", "counter",
-           "Push requests received, by HTTP status code.", ("code",)),
-    Family("gputrain_ingest_series", "gauge", "Live (run, rank) pairs the daemon holds.", ()),
+           "Push requests received, by HTTP status code.", ("code",), per_rank=0),
+    Family("gputrain_ingest_series", "gauge", "Live (run, rank) pairs the daemon holds.", (),
+           per_rank=0),
     Family("gputrain_ingest_ranks_left_out", "gauge",
            "Live (run, rank) pairs left out of the page because their lines could not be "
-           "built (the daemon's log names each once); the other ranks are shown.", ()),
+           "built (the daemon's log names each once); the other ranks are shown.", (), per_rank=0),
 )
 INDEX = {f.name: i for i, f in enumerate(FAMILIES)}
+# The most lines one rank adds to the page (docs/push-protocol.md): the page stays bounded at
+# --ingest.max-series ranks
+MAX_SERIES_PER_RANK = sum(f.per_rank for f in FAMILIES)
 
 
 class TrainingCollector:
