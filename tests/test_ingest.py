@@ -364,3 +364,25 @@ def test_the_trees_pss_is_exported_where_pushed_and_absent_not_zero_where_not(ri
     assert rig.v("gputrain_training_process_resident_memory_bytes", rank="1") == 3e9
     bad = rig.push(body(process={"proportional_memory_bytes": -1.0}))
     assert bad.status_code == 400 and "process.proportional_memory_bytes" in bad.text
+
+
+def test_a_push_from_the_last_release_still_works(rig):
+    """A client of the previous release (tests/fixtures/push-03b9196.json: what its pusher
+    sent, without the fields added since, such as `loader_workers` and the tree's PSS) is
+    answered 200 and exported as it always was; what it does not send stays absent."""
+    from conftest import ROOT
+
+    old = json.loads((ROOT / "tests" / "fixtures" / "push-03b9196.json").read_text())
+    old["run"] = "resnet18"
+    r = rig.push(old)
+    assert r.status_code == 200, r.text
+    assert rig.v("gputrain_training_steps_total") == old["steps"]
+    assert rig.v("gputrain_training_samples_total") == old["samples"]
+    assert rig.v("gputrain_training_data_wait_seconds_total") == old["data_wait_seconds"]
+    assert rig.v("gputrain_training_flops_total") == old["flops"]
+    assert rig.v("gputrain_training_process_resident_memory_bytes") == \
+        old["process"]["resident_memory_bytes"]
+    assert rig.v("gputrain_training_phase_seconds_total", phase="checkpoint") == \
+        old["phases"]["checkpoint"]
+    assert rig.v("gputrain_training_process_proportional_memory_bytes") is None
+    assert rig.v("gputrain_training_loader_workers") is None
