@@ -1,13 +1,17 @@
 """The push protocol, shared by the training client and the daemon's ingest.
 
-Standard library only: the client imports it without any daemon code. docs/push-protocol.md
-documents the schema these constants bound.
+Standard library only: the client imports it without any daemon code. The push's schema is
+PUSH_FIELDS and PROCESS_FIELDS: the ingest reads their scalar fields through it, the client's
+keys are tested against it, and docs/push-protocol.md's field table is generated from it.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
+from dataclasses import dataclass
+from typing import Any
 
 # Where the daemon listens by default: metrics (and the status page) on every address, pushes
 # on the loopback (a token is required to listen elsewhere)
@@ -200,3 +204,161 @@ def check_unicode(doc: object, raw: bytes | None = None) -> None:
         raise Refused(400, f"field '{where}' is not valid Unicode text (a lone surrogate "
                            "escape such as \\ud800; send UTF-8 strings, e.g. paths decoded "
                            "with errors='replace')")
+
+
+def number(value: Any, field: str, integer: bool = False) -> float:
+    """A counter's value from JSON: :func:`count` where ``integer``, else :func:`amount`
+    (the ingest's, the profile's and the stacks report's one number check), the common
+    cases first: a push holds some 40 numbers."""
+    t = type(value)
+    if t is int and 0 <= value <= MAX_COUNT:
+        return value if integer else float(value)
+    if t is float and not integer and 0.0 <= value < math.inf:
+        return value
+    if integer and not isinstance(value, bool) and isinstance(value, (int, float)):
+        return count(value, field)
+    return amount(value, field)
+
+
+# -- the push's fields -----------------------------------------------------------------------
+
+# how a field's value is checked: a whole number (count), a finite number >= 0 (amount), a
+# Unix time in seconds (timestamp, an amount), one of the field's choices (enum), true or
+# false (bool); the other kinds hold structure that the ingest checks in code
+NUMBER_KINDS = frozenset({"count", "amount", "timestamp"})
+SCALAR_KINDS = NUMBER_KINDS | {"enum", "bool"}
+_ABSENT: Any = object()
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of a push: its ``name``, ``kind`` (see SCALAR_KINDS; ``const``, ``name``,
+    ``array``, ``object`` for those checked in code), whether a push must hold it, the largest value
+    taken (``bound``; None: the kind's own), whether it is a total that never goes down
+    within one run_id (``cumulative``), its ``choices`` and ``default`` where absent, and a
+    one-line ``doc`` with units."""
+
+    name: str
+    kind: str
+    doc: str
+    required: bool = False
+    bound: float | None = None
+    cumulative: bool = False
+    choices: tuple[str, ...] = ()
+    default: Any = None
+
+
+PUSH_FIELDS: tuple[Field, ...] = (
+    Field("version", "const", f"the schema's version: {SCHEMA_VERSION}", required=True),
+    Field("run", "name", "the run's name: 1-128 of [A-Za-z0-9_.:-]", required=True),
+    Field("rank", "name", "the rank: the run's rules (an integer is accepted)", required=True),
+    Field("run_id", "name", "random per process: 1-64 of [A-Za-z0-9_-]; a new one is a "
+                            "counter reset", required=True),
+    Field("steps", "count", "steps done", required=True, cumulative=True),
+    Field("step_seconds", "amount", "seconds in steps, data wait included", required=True,
+          cumulative=True),
+    Field("data_wait_seconds", "amount", "seconds the steps waited for their batch",
+          required=True, cumulative=True),
+    Field("samples", "amount", "samples trained on", required=True, cumulative=True),
+    Field("last_step_timestamp", "timestamp", "when the last step ended, Unix seconds by the "
+                                              "client's clock (null before the first)"),
+    Field("flops", "amount", "model FLOPs, where the client knows its FLOPs per sample",
+          cumulative=True),
+    Field("elapsed_seconds", "amount", "seconds since the process started, by the client's "
+                                       "clock (else the daemon's)", cumulative=True),
+    Field("comm_seconds", "amount", "seconds of gradient communication that ran (DDP)",
+          cumulative=True),
+    Field("comm_exposed_seconds", "amount", "the part of comm_seconds the steps waited for "
+                                            "(at most it and step_seconds)", cumulative=True),
+    Field("comm_bytes", "amount", "gradient bytes all-reduced", cumulative=True),
+    Field("loader_workers", "count", "the wrapped DataLoader's num_workers",
+          bound=MAX_LOADER_WORKERS),
+    Field("precision", "enum", "the arithmetic the rank trains in: its GPUs' peak FLOP/s at "
+                               "it is MFU's denominator", choices=PRECISIONS,
+          default=DEFAULT_PRECISION),
+    Field("step_buckets", "array", f"the step histogram's finite upper bounds, seconds, "
+                                   f"increasing (at most {MAX_BUCKETS})"),
+    Field("step_counts", "array", "the steps at or under each bound, cumulative"),
+    Field("phases", "object", f"seconds per named phase (at most {MAX_PHASES} names of 1-"
+                              f"{MAX_PHASE_NAME_LENGTH} characters)"),
+    Field("process", "object", "the rank's process tree: the process.* fields"),
+    Field("gpus", "array", f"the rank's GPUs: NVML indices or GPU-/MIG- UUIDs (at most "
+                           f"{MAX_GPUS})"),
+    Field("capabilities", "array", "what the client reads in a JSON answer: profile, stacks"),
+    Field("profile", "object", "the client's state of a profile (docs/profiles.md)"),
+    Field("stacks", "object", "the client's state of a py-spy capture"),
+    Field("goodbye", "bool", "true at a clean exit: the rank's series go a minute later",
+          default=False),
+)
+PROCESS_FIELDS: tuple[Field, ...] = (
+    Field("cpu_seconds", "amount", "CPU seconds of the process tree", cumulative=True),
+    Field("resident_memory_bytes", "amount", "the tree's resident memory (RSS), bytes"),
+    Field("proportional_memory_bytes", "amount", "the tree's proportional set size (PSS), "
+                                                 "bytes, where smaps_rollup is readable"),
+    Field("read_bytes", "amount", "bytes the tree read from storage", cumulative=True),
+    Field("cpu_allowance_cores", "amount", "the CPU cores its cgroup (v2) allows"),
+    Field("cpu_throttled_seconds", "amount", "seconds its cgroup (v2) was throttled",
+          cumulative=True),
+    Field("pid", "count", "the process's pid in its own PID namespace (never a label)"),
+    Field("start_time", "count", "the process's start, clock ticks after boot "
+                                 "(/proc/self/stat field 22)"),
+)
+
+
+def scalar(f: Field, value: object, where: str = "") -> Any:
+    """``value`` of the scalar field ``f`` (``where``: its path's prefix, such as
+    ``process.``) checked; Refused(400) saying what is wrong."""
+    name = where + f.name
+    if f.kind in NUMBER_KINDS:
+        v = number(value, name, f.kind == "count")
+        if f.bound is not None and v > f.bound:
+            raise Refused(400, f"field '{name}' must be at most {f.bound:g}, got {v:g}")
+        return v
+    if f.kind == "bool":
+        if not isinstance(value, bool):
+            raise Refused(400, f"field '{name}' must be true or false, got {json_kind(value)}")
+        return value
+    if f.kind == "enum" and value not in f.choices:
+        raise Refused(400, f"field '{name}' must be one of {', '.join(f.choices)}, got "
+                           f"{value!r}")
+    return value
+
+
+def read_scalars(body: dict, fields: tuple[Field, ...], where: str = "") -> dict[str, Any]:
+    """The scalar fields of ``body`` checked: a number's null is its absence; an absent
+    field is its default (None where it has none), Refused(400) where it is required."""
+    out: dict[str, Any] = {}
+    for f in fields:
+        if f.kind not in SCALAR_KINDS:
+            continue
+        value = body.get(f.name, _ABSENT)
+        if value is _ABSENT or (value is None and f.kind in NUMBER_KINDS):
+            if f.required:
+                raise Refused(400, f"missing field '{where}{f.name}'")
+            out[f.name] = f.default
+        else:
+            out[f.name] = scalar(f, value, where)
+    return out
+
+
+def cumulative(fields: tuple[Field, ...], required: bool) -> tuple[str, ...]:
+    """The names of the totals among ``fields`` that only grow within one run_id, required
+    or optional."""
+    return tuple(f.name for f in fields if f.cumulative and f.required == required)
+
+
+def field_table() -> str:
+    """docs/push-protocol.md's table of the push's fields."""
+    rows = ["| field | kind | required | bound | meaning |", "| --- | --- | --- | --- | --- |"]
+    for where, fields in (("", PUSH_FIELDS), ("process.", PROCESS_FIELDS)):
+        for f in fields:
+            kind = f.kind + (", cumulative" if f.cumulative else "")
+            if f.choices:
+                kind += ": " + ", ".join(f.choices)
+            bound = (f"<= {f.bound:g}" if f.bound is not None else
+                     "2^63-1 (a float: 2^53)" if f.kind == "count" else
+                     "finite" if f.kind in NUMBER_KINDS else "")
+            default = f" (default `{json.dumps(f.default)}`)" if f.default is not None else ""
+            rows.append(f"| `{where}{f.name}` | {kind} | {'yes' if f.required else 'no'} | "
+                        f"{bound} | {f.doc}{default} |")
+    return "\n".join(rows) + "\n"

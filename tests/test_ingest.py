@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
-from exporter.protocol import Refused
+from exporter.protocol import PROCESS_FIELDS, PUSH_FIELDS, SCALAR_KINDS, Refused
 from exporter.reading.gpu_backends import DemoBackend
 from exporter.reading.sampler import Sampler
 from exporter.serving.exposition import Exposition
@@ -386,3 +386,62 @@ def test_a_push_from_the_last_release_still_works(rig):
         old["phases"]["checkpoint"]
     assert rig.v("gputrain_training_process_proportional_memory_bytes") is None
     assert rig.v("gputrain_training_loader_workers") is None
+
+
+# every scalar field of the schema (exporter/protocol.py), with values it refuses and one it
+# takes (at its bound where it has one)
+SCALARS = [(where, f) for where, fields in (("", PUSH_FIELDS), ("process.", PROCESS_FIELDS))
+           for f in fields if f.kind in SCALAR_KINDS]
+REFUSED = {"count": [-1, 1.5, "1", True, 2**63, 1e300], "amount": [-1.0, "1", True, 2**63],
+           "timestamp": [-1.0, "now", [1]], "enum": ["fp64", 16, None], "bool": ["yes", 1, None]}
+TAKEN = {"count": 10, "amount": 1.0, "timestamp": 1.7e9, "enum": "fp8", "bool": True}
+NEEDS = {"comm_exposed_seconds": {"comm_seconds": 2.0}}  # what a field is checked against
+
+
+def _with(where: str, name: str, value=...) -> dict:
+    """body() with one field set (``...``: left out), inside ``process`` where it lives."""
+    if where:
+        proc = {**body()["process"], name: value}
+        return body(process={k: v for k, v in proc.items() if v is not ...})
+    return body(**NEEDS.get(name, {}), **{name: value})
+
+
+@pytest.mark.parametrize("where, f", SCALARS, ids=[w + f.name for w, f in SCALARS])
+def test_every_scalar_field_of_the_schema_is_checked_and_taken(rig, where, f):
+    """Each field the schema lists is read by the ingest: a value of the wrong kind (or past
+    its bound) is a 400 naming it and stores nothing; a good one (the bound itself) is taken;
+    a required field left out is a 400, an optional one is not."""
+    bad = REFUSED[f.kind] + ([f.bound + 1] if f.bound is not None else [])
+    for value in bad:
+        r = rig.push(_with(where, f.name, value))
+        assert r.status_code == 400 and f"'{where}{f.name}'" in r.text, (value, r.text)
+        assert rig.v("gputrain_training_steps_total") is None
+    r = rig.push(_with(where, f.name, ...))
+    if f.required:
+        assert r.status_code == 400 and f"missing field '{where}{f.name}'" in r.text, r.text
+    else:
+        assert r.status_code == 200, r.text
+    good = f.bound if f.bound is not None else TAKEN[f.kind]
+    r = rig.push(_with(where, f.name, good) | {"run_id": "taken"})
+    assert r.status_code == 200, r.text
+    assert rig.v("gputrain_training_steps_total") == 10
+
+
+CUMULATIVE = [(w, f) for w, f in SCALARS if f.kind in ("count", "amount")]
+
+
+@pytest.mark.parametrize("where, f", CUMULATIVE, ids=[w + f.name for w, f in CUMULATIVE])
+def test_a_cumulative_field_that_goes_down_is_a_409_and_a_gauge_may(rig, where, f):
+    """Within one run_id a total the schema marks cumulative never goes down (409 naming
+    it); a field it does not (memory, the CPU allowance, a pid) may."""
+    if f.name == "steps":
+        high, low = _with(where, f.name, 10), body(steps=9, step_counts=[2, 9, 9])
+    else:
+        high, low = _with(where, f.name, 2.0 if f.kind == "amount" else 2), \
+            _with(where, f.name, 1.0 if f.kind == "amount" else 1)
+    assert rig.push(high).status_code == 200
+    r = rig.push(low)
+    if f.cumulative:
+        assert r.status_code == 409 and f.name in r.text, r.text
+    else:
+        assert r.status_code == 200, r.text

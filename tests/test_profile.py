@@ -483,6 +483,8 @@ def test_a_long_profile_prints_its_slowest_steps():
     (b"{", 400, "must be JSON"),
     (b'{"rank": "0"}', 400, "field 'run'"),
     (b'{"run": "slow-input", "steps": "5"}', 400, "'steps' must be a whole number"),
+    (b'{"run": "slow-input", "steps": 2.5}', 400,
+     "'steps' must be a whole number (a float at most 2^53), got 2.5"),  # a push's check
     (b'{"run": "slow-input", "steps": 201}', 400, "steps must be 1-200"),
     (b'{"run": "nope"}', 404, "no rank of run 'nope' pushes to this daemon"),
     (b'{"run": "slow-input", "rank": "7"}', 404, "run 'slow-input' has no rank '7'"),

@@ -23,22 +23,23 @@ from exporter.protocol import (
     FLOPS_SLACK_SECONDS,
     GPU_REF_RE,
     MAX_BUCKETS,
-    MAX_COUNT,
     MAX_GPU_FLOPS,
     MAX_GPUS,
-    MAX_LOADER_WORKERS,
     MAX_NAME_LENGTH,
     MAX_PHASE_NAME_LENGTH,
     MAX_PHASES,
     NAME_RE,
-    PRECISIONS,
+    PROCESS_FIELDS,
+    PUSH_FIELDS,
     RUN_ID_RE,
+    SCALAR_KINDS,
     SCHEMA_VERSION,
     Refused,
-    amount,
     check_unicode,
-    count,
+    cumulative,
     json_kind,
+    number,
+    read_scalars,
 )
 from exporter.serving.profiles import ProfileBoard, parse_report, parse_stacks_report
 from exporter.serving.stalls import slow_step_count, slow_step_seconds
@@ -46,13 +47,15 @@ from exporter.serving.stalls import slow_step_count, slow_step_seconds
 MAX_CAPABILITIES = 8
 GOODBYE_GRACE_SECONDS = 60.0  # a finished rank's final totals stay this long, for one more scrape
 
-COUNTERS = ("steps", "step_seconds", "data_wait_seconds", "samples")
-# only where the client sends them (the communication fields where it measures a DDP model)
-OPTIONAL_COUNTERS = ("flops", "elapsed_seconds", "comm_seconds", "comm_exposed_seconds",
-                     "comm_bytes")
-PROCESS_COUNTERS = ("cpu_seconds", "read_bytes", "cpu_throttled_seconds")
-PROCESS_FIELDS = (*PROCESS_COUNTERS, "resident_memory_bytes", "proportional_memory_bytes",
-                  "cpu_allowance_cores")
+# the totals that only grow within one run_id: the required ones; those only where the
+# client sends them (the communication fields where it measures a DDP model); the process's
+COUNTERS = cumulative(PUSH_FIELDS, required=True)
+OPTIONAL_COUNTERS = cumulative(PUSH_FIELDS, required=False)
+PROCESS_COUNTERS = cumulative(PROCESS_FIELDS, required=False)
+# the scalar fields a RankState keeps under their own name (goodbye is returned beside it)
+_STATE_FIELDS = tuple(f.name for f in PUSH_FIELDS if f.kind in SCALAR_KINDS and
+                      f.name != "goodbye")
+_PROCESS_IDS = ("pid", "start_time")  # kept apart from the process's figures
 
 
 @dataclass
@@ -114,28 +117,6 @@ def _reject_constant(name: str) -> Any:
     raise Refused(400, f"invalid JSON: {name} is not a number JSON allows")
 
 
-def _number(body: dict, key: str, *, integer: bool = False, required: bool = True,
-            where: str = "") -> float | int | None:
-    v = body.get(key)
-    if v is None:
-        if required:
-            raise Refused(400, f"missing field '{where}{key}'")
-        return None
-    return _value(v, key, where, integer)
-
-
-def _value(v: Any, key: str, where: str = "", integer: bool = False) -> float | int:
-    """A counter's value (see protocol.MAX_COUNT); the field is ``where + key``."""
-    t = type(v)  # the common cases first: a push holds some 40 numbers
-    if t is int and 0 <= v <= MAX_COUNT:
-        return v if integer else float(v)
-    if t is float and not integer and 0.0 <= v < math.inf:
-        return v
-    if integer and not isinstance(v, bool) and isinstance(v, (int, float)):
-        return count(v, f"{where}{key}")
-    return amount(v, f"{where}{key}")
-
-
 def _name(body: dict, key: str, what: str) -> str:
     v = body.get(key)
     if isinstance(v, int) and not isinstance(v, bool) and key == "rank":
@@ -178,39 +159,21 @@ def parse_push(raw: bytes, now: float, now_unix: float) -> tuple[RankState, bool
     if not isinstance(run_id, str) or not RUN_ID_RE.fullmatch(run_id):
         raise Refused(400, "field 'run_id' must be 1-64 letters, digits, _ or -")
     st = RankState(run=run, rank=rank, run_id=run_id, received_at=now, received_unix=now_unix)
-    st.steps = _number(body, "steps", integer=True)
-    st.step_seconds = _number(body, "step_seconds")
-    st.data_wait_seconds = _number(body, "data_wait_seconds")
-    st.samples = _number(body, "samples")
-    st.last_step_timestamp = _number(body, "last_step_timestamp", required=False)
-    st.flops = _number(body, "flops", required=False)
-    st.elapsed_seconds = _number(body, "elapsed_seconds", required=False)
-    workers = _number(body, "loader_workers", integer=True, required=False)
-    if workers is not None and workers > MAX_LOADER_WORKERS:
-        raise Refused(400, f"field 'loader_workers' must be at most {MAX_LOADER_WORKERS}, got "
-                           f"{workers}")
-    st.loader_workers = workers
-    _parse_comm(body, st)
-    precision = body.get("precision", DEFAULT_PRECISION)
-    if precision not in PRECISIONS:
-        raise Refused(400, f"field 'precision' must be one of {', '.join(PRECISIONS)}, "
-                           f"got {precision!r}")
-    st.precision = precision
+    scalars = read_scalars(body, PUSH_FIELDS)
+    for key in _STATE_FIELDS:
+        setattr(st, key, scalars[key])
+    _check_comm(st)
     _parse_histogram(body, st)
     _parse_phases(body, st)
     _parse_process(body, st)
     _parse_gpus(body, st)
     _parse_profile(body, st)
-    goodbye = body.get("goodbye", False)
-    if not isinstance(goodbye, bool):
-        raise Refused(400, f"field 'goodbye' must be true or false, got {json_kind(goodbye)}")
+    goodbye = scalars["goodbye"]
     return st, goodbye
 
 
-def _parse_comm(body: dict, st: RankState) -> None:
-    st.comm_seconds = _number(body, "comm_seconds", required=False)
-    st.comm_exposed_seconds = _number(body, "comm_exposed_seconds", required=False)
-    st.comm_bytes = _number(body, "comm_bytes", required=False)
+def _check_comm(st: RankState) -> None:
+    """The exposed communication is part of the communication and of the steps."""
     if st.comm_exposed_seconds is not None:
         if st.comm_seconds is None:
             raise Refused(400, "field 'comm_exposed_seconds' needs 'comm_seconds' beside it")
@@ -235,8 +198,8 @@ def _parse_histogram(body: dict, st: RankState) -> None:
                            f"has {len(counts)} counts")
     if len(bounds) > MAX_BUCKETS:
         raise Refused(400, f"at most {MAX_BUCKETS} histogram buckets, got {len(bounds)}")
-    b = [_value(x, "step_buckets") for x in bounds]
-    c = [_value(x, "step_counts", integer=True) for x in counts]
+    b = [number(x, "step_buckets") for x in bounds]
+    c = [int(number(x, "step_counts", integer=True)) for x in counts]
     if any(x >= y for x, y in pairwise(b)) or (b and b[0] <= 0):
         raise Refused(400, "'step_buckets' must be positive and strictly increasing")
     if any(x > y for x, y in pairwise(c)):
@@ -256,7 +219,9 @@ def _parse_phases(body: dict, st: RankState) -> None:
     for name in phases:
         if not NAME_RE.fullmatch(name) or len(name) > MAX_PHASE_NAME_LENGTH:
             raise Refused(400, f"phase name {name!r} must be 1-64 letters, digits, _ . : -")
-        st.phases[name] = _number(phases, name, where="phases.")
+        if phases[name] is None:
+            raise Refused(400, f"missing field 'phases.{name}'")
+        st.phases[name] = number(phases[name], f"phases.{name}")
 
 
 def _parse_process(body: dict, st: RankState) -> None:
@@ -265,14 +230,9 @@ def _parse_process(body: dict, st: RankState) -> None:
         return
     if not isinstance(proc, dict):
         raise Refused(400, f"field 'process' must be an object, got {json_kind(proc)}")
-    for key in PROCESS_FIELDS:
-        v = _number(proc, key, required=False, where="process.")
-        if v is not None:
-            st.process[key] = v
-    pid = _number(proc, "pid", integer=True, required=False, where="process.")
-    st.pid = None if pid is None else int(pid)
-    start = _number(proc, "start_time", integer=True, required=False, where="process.")
-    st.start_time = None if start is None else int(start)
+    values = read_scalars(proc, PROCESS_FIELDS, "process.")
+    st.pid, st.start_time = (values.pop(key) for key in _PROCESS_IDS)
+    st.process = {key: v for key, v in values.items() if v is not None}
 
 
 def _parse_gpus(body: dict, st: RankState) -> None:

@@ -47,9 +47,8 @@ from exporter.protocol import (
     STACKS_VERSION,
     STEP_PARTS,
     Refused,
-    amount,
     check_unicode,
-    count,
+    number,
 )
 
 
@@ -136,12 +135,6 @@ def mean_parts(steps: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(s.get(k, 0.0) for s in steps) / len(steps) for k in keys}
 
 
-def _number(value: Any, where: str, integer: bool = False) -> float:
-    if integer and not isinstance(value, bool) and isinstance(value, (int, float)):
-        return count(value, where)
-    return amount(value, where)
-
-
 def parse_report(report: Any) -> dict[str, Any]:
     """Validate the ``profile`` field of a push (the client's state of one profile)."""
     if not isinstance(report, dict):
@@ -155,14 +148,14 @@ def parse_report(report: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"id": pid, "state": state}
     for key in ("started", "finished"):
         if report.get(key) is not None:
-            out[key] = _number(report[key], f"profile.{key}")
+            out[key] = number(report[key], f"profile.{key}")
     if state == "failed":
         out["error"] = _text(report.get("error", ""), "profile.error",
                              MAX_PROFILE_ERROR_LENGTH)
     if state != "done":
         return out
     out["trace"] = _path(report.get("trace"), "profile.trace")
-    out["trace_bytes"] = _number(report.get("trace_bytes"), "profile.trace_bytes", True)
+    out["trace_bytes"] = number(report.get("trace_bytes"), "profile.trace_bytes", True)
     device = report.get("device", "cpu")
     if device not in ("cpu", "cuda"):
         raise Refused(400, f"'profile.device' must be cpu or cuda, got {device!r}")
@@ -176,7 +169,7 @@ def parse_report(report: Any) -> dict[str, Any]:
         if not isinstance(step, dict):
             raise Refused(400, f"'profile.steps[{i}]' must be an object")
         keys = ("seconds", *STEP_PARTS) + (("gpu_busy",) if "gpu_busy" in step else ())
-        out["steps"].append({k: _number(step.get(k), f"profile.steps[{i}].{k}")
+        out["steps"].append({k: number(step.get(k), f"profile.steps[{i}].{k}")
                              for k in keys})
     ops = report.get("top_ops", [])
     if not isinstance(ops, list) or len(ops) > MAX_PROFILE_TOP_OPS:
@@ -188,10 +181,10 @@ def parse_report(report: Any) -> dict[str, Any]:
             raise Refused(400, f"'profile.top_ops[{i}]' must be an object with a name")
         out["top_ops"].append({
             "name": op["name"][:MAX_OP_NAME_LENGTH],
-            "calls": _number(op.get("calls"), f"profile.top_ops[{i}].calls", True),
-            "self_cpu_seconds": _number(op.get("self_cpu_seconds"),
+            "calls": number(op.get("calls"), f"profile.top_ops[{i}].calls", True),
+            "self_cpu_seconds": number(op.get("self_cpu_seconds"),
                                         f"profile.top_ops[{i}].self_cpu_seconds"),
-            "self_device_seconds": _number(op.get("self_device_seconds", 0.0),
+            "self_device_seconds": number(op.get("self_device_seconds", 0.0),
                                            f"profile.top_ops[{i}].self_device_seconds")})
     return out
 
@@ -220,7 +213,7 @@ def _frames(frames: Any, where: str) -> list[dict[str, Any]]:
             raise Refused(400, f"'{where}[{i}]' must be an object")
         out.append({"function": _text(f.get("function"), f"{where}[{i}].function"),
                     "file": _text(f.get("file", ""), f"{where}[{i}].file"),
-                    "line": _number(f.get("line", 0), f"{where}[{i}].line", True)})
+                    "line": number(f.get("line", 0), f"{where}[{i}].line", True)})
     return out
 
 
@@ -238,21 +231,21 @@ def parse_stacks_report(report: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"id": pid, "state": state}
     for key in ("started", "finished"):
         if report.get(key) is not None:
-            out[key] = _number(report[key], f"stacks.{key}")
+            out[key] = number(report[key], f"stacks.{key}")
     if state == "failed":
         out["error"] = _text(report.get("error", ""), "stacks.error", MAX_PROFILE_ERROR_LENGTH)
     if state != "done":
         return out
     result: dict[str, Any] = {"file": _path(report.get("file"), "stacks.file"),
-                              "file_bytes": _number(
+                              "file_bytes": number(
         report.get("file_bytes"), "stacks.file_bytes", True)}
     if report.get("warning") is not None:
         result["warning"] = _text(report["warning"], "stacks.warning",
                                   MAX_PROFILE_ERROR_LENGTH)
     if mode == "record":
-        result["seconds_sampled"] = _number(report.get("seconds"), "stacks.seconds")
-        result["rate"] = _number(report.get("rate"), "stacks.rate")
-        result["samples"] = _number(report.get("samples"), "stacks.samples", True)
+        result["seconds_sampled"] = number(report.get("seconds"), "stacks.seconds")
+        result["rate"] = number(report.get("rate"), "stacks.rate")
+        result["samples"] = number(report.get("samples"), "stacks.samples", True)
         roles = report.get("roles")
         if not isinstance(roles, list) or len(roles) > len(STACK_ROLES):
             raise Refused(400, "'stacks.roles' must be an array of at most "
@@ -268,12 +261,12 @@ def parse_stacks_report(report: Any) -> dict[str, Any]:
                 raise Refused(400, f"'{w}.top' must be an array of at most {MAX_STACK_TOP}")
             result["roles"].append({
                 "role": r["role"],
-                **{k: _number(r.get(k), f"{w}.{k}", True)
+                **{k: number(r.get(k), f"{w}.{k}", True)
                    for k in ("processes", "threads", "samples")},
                 "top": [{**_frames([{k: f.get(k) for k in ("function", "file", "line")}
                                     if isinstance(f, dict) else f], f"{w}.top[{j}]")[0],
-                         "samples": _number(f.get("samples"), f"{w}.top[{j}].samples", True),
-                         "share": min(1.0, _number(f.get("share"), f"{w}.top[{j}].share"))}
+                         "samples": number(f.get("samples"), f"{w}.top[{j}].samples", True),
+                         "share": min(1.0, number(f.get("share"), f"{w}.top[{j}].share"))}
                         for j, f in enumerate(top)]})
     else:
         processes = report.get("processes")
@@ -289,7 +282,7 @@ def parse_stacks_report(report: Any) -> dict[str, Any]:
                     p.get("role") not in STACK_ROLES:
                 raise Refused(400, f"'{w}' must be an object with a role and at most "
                                    f"{MAX_DUMP_THREADS} threads")
-            entry: dict[str, Any] = {"pid": _number(p.get("pid"), f"{w}.pid", True),
+            entry: dict[str, Any] = {"pid": number(p.get("pid"), f"{w}.pid", True),
                                      "role": p["role"], "threads": []}
             if p.get("error") is not None:
                 entry["error"] = _text(p["error"], f"{w}.error")
@@ -301,7 +294,7 @@ def parse_stacks_report(report: Any) -> dict[str, Any]:
                 own = t.get("where")
                 entry["threads"].append({
                     "name": _text(t.get("name", ""), f"{w}.threads[{j}].name"),
-                    "tid": _number(t.get("tid", 0), f"{w}.threads[{j}].tid", True),
+                    "tid": number(t.get("tid", 0), f"{w}.threads[{j}].tid", True),
                     "active": t.get("active") is True, "gil": t.get("gil") is True,
                     "role": t.get("role") if t.get("role") in STACK_ROLES else p["role"],
                     "frames": frames,

@@ -45,6 +45,7 @@ from exporter.protocol import (
     STACKS_MODES,
     Refused,
     check_unicode,
+    count,
 )
 from exporter.serving.profiles import FINAL, Profile
 from exporter.serving.status import ASSETS, CONTENT_SECURITY_POLICY, STATUS_PATH
@@ -1025,17 +1026,12 @@ def _ask_profile(board: Any, raw: bytes) -> dict[str, Any]:
         rank = str(rank)
     if rank is not None and not isinstance(rank, str):
         raise Refused(400, "field 'rank' must be a string or a whole number")
-    steps = ask.get("steps", DEFAULT_PROFILE_STEPS)
-    if isinstance(steps, bool) or not isinstance(steps, int):
-        raise Refused(400, f"field 'steps' must be a whole number, got {str(steps)[:40]!r}")
+    steps = count(ask.get("steps", DEFAULT_PROFILE_STEPS), "steps")
     mode = ask.get("stacks")
     if mode is not None and mode not in STACKS_MODES:
         raise Refused(400, "field 'stacks' must be \"record\" (py-spy samples the rank's "
                            "processes for 'seconds') or \"dump\" (every thread once)")
-    seconds = ask.get("seconds", DEFAULT_STACKS_SECONDS)
-    if isinstance(seconds, bool) or not isinstance(seconds, int):
-        raise Refused(400, f"field 'seconds' must be a whole number, got "
-                           f"{str(seconds)[:40]!r}")
+    seconds = count(ask.get("seconds", DEFAULT_STACKS_SECONDS), "seconds")
     return board.request(ask["run"], rank, steps, "cli", mode=mode,
                          seconds=seconds).document()
 
