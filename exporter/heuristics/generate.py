@@ -19,6 +19,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+from exporter import protocol
 from exporter.heuristics import dashboards
 from exporter.heuristics.catalogue import CATALOGUE, THRESHOLDS, fill, show
 from exporter.heuristics.rules import load_overrides, render, render_prometheusrule, settings
@@ -143,6 +144,7 @@ def committed(root: Path) -> dict[Path, Callable[[], str]]:
     alerts_page = root / "docs" / "alerts.md"
     diagnose_page = root / "docs" / "diagnose.md"
     metrics_page = root / "docs" / "metrics.md"
+    push_page = root / "docs" / "push-protocol.md"
 
     def alerts_page_text() -> str:
         text = replace_block(alerts_page.read_text(), "alert table", alert_table())
@@ -160,6 +162,8 @@ def committed(root: Path) -> dict[Path, Callable[[], str]]:
                                              decision_order()),
         metrics_page: lambda: replace_block(metrics_page.read_text(), "GPU metric table",
                                             gpu_metrics.doc_table()),
+        push_page: lambda: replace_block(push_page.read_text(), "push fields",
+                                         protocol.field_table()),
     }
     for name, d in dashboards.dashboards().items():
         files[root / "grafana" / "dashboards" / name] = partial(dashboards.render, d)
