@@ -370,6 +370,35 @@ def prometheus_factory(tmp_path) -> Iterator:
         p.stop()
 
 
+@pytest.fixture
+def one_rank(tmp_path) -> Iterator[None]:
+    """A gloo process group of one rank in this process (a file store: no port to race for)."""
+    dist = require_module("torch.distributed")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def cgroup_tree(tmp_path: Path, pod_max: str, leaf_max: str = "max",
+                cpuset: str = "0-127", throttled_usec: int = 0) -> tuple[Path, Path]:
+    """A fake /proc/<pid>/cgroup and cgroup v2 tree: kubepods/pod/ctr, limits on the pod."""
+    root = tmp_path / "cgroup"
+    pod, leaf = root / "kubepods" / "pod1", root / "kubepods" / "pod1" / "ctr"
+    leaf.mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    (pod / "cpu.max").write_text(f"{pod_max}\n")
+    (leaf / "cpu.max").write_text(f"{leaf_max}\n")
+    (leaf / "cpuset.cpus.effective").write_text(f"{cpuset}\n")
+    (leaf / "cpu.stat").write_text(f"usage_usec 1000\nthrottled_usec {throttled_usec}\n")
+    proc = tmp_path / "proc"
+    (proc / "42").mkdir(parents=True)
+    (proc / "42" / "cgroup").write_text("0::/kubepods/pod1/ctr\n")
+    return proc, root
+
+
 def require_module(name: str):
     """Import a module a test needs; its absence fails the test (never a skip)."""
     import importlib

@@ -8,7 +8,7 @@ import os
 import time
 
 import pytest
-from conftest import sample_value, wait_until
+from conftest import cgroup_tree, require_module, sample_value, wait_until
 
 from exporter.client import TrainingMonitor, batch_len
 from exporter.client.monitor import default_rank, default_run
@@ -397,3 +397,52 @@ def test_an_evaluation_in_progress_is_pushed_while_it_lasts(monkeypatch):
         now[0] += 5
         assert "callbacks" not in m.totals()["phases"]
     assert m.totals()["phases"]["callbacks"] == 5
+
+
+def _sent_keys(payload: dict) -> set[str]:
+    """The fields a push holds: its top-level keys and those of its ``process`` object."""
+    return set(payload) | {f"process.{k}" for k in payload.get("process", {})}
+
+
+def test_every_key_the_client_sends_is_in_the_push_schema_and_every_field_is_sent(
+        one_rank, tmp_path):
+    """The real client, every optional path on (a wrapped DataLoader, FLOPs, a DDP model, a
+    phase, a cgroup v2 quota, a profile and a py-spy dump asked for, goodbye): each key of
+    its push is a field of protocol.PUSH_FIELDS / PROCESS_FIELDS, each field of the schema is
+    sent, and the daemon takes the push."""
+    from exporter.client.cgroup import CgroupCpu
+    from exporter.protocol import PROCESS_FIELDS, PUSH_FIELDS
+    from exporter.serving.ingest import IngestStore
+
+    torch = require_module("torch")
+    ddp = require_module("torch.nn.parallel").DistributedDataParallel
+    model = ddp(torch.nn.Linear(8, 8))
+    loader = torch.utils.data.DataLoader(torch.randn(32, 8), batch_size=8, num_workers=0)
+    m = TrainingMonitor(run="schema", rank=0, start=False, flops_per_sample=1e3,
+                        precision="fp16")
+    try:
+        assert m.watch_communication(model)
+        for x in m.wrap(loader):
+            model(x).sum().backward()
+        with m.phase("checkpoint"):
+            pass
+        proc, root = cgroup_tree(tmp_path, "200000 100000", throttled_usec=1_000_000)
+        pusher = m._pusher
+        pusher.payload()  # makes its process-tree reader
+        pusher._cgroup = CgroupCpu(42, str(proc), (str(root),))
+        pusher._profiler.offer({"type": "profile", "version": 1, "id": "p-0123456789ab",
+                                "steps": 2})
+        pusher._stacks.offer({"type": "stacks", "version": 1, "id": "p-ba9876543210",
+                              "mode": "dump", "seconds": 1})
+        payload = pusher.payload(goodbye=True)
+    finally:
+        m.close()
+    schema = {f.name for f in PUSH_FIELDS} | {f"process.{f.name}" for f in PROCESS_FIELDS}
+    sent = _sent_keys(payload)
+    assert sent - schema == set(), "sent but not in exporter/protocol.py's schema"
+    assert schema - sent == set(), "in the schema but no client path sends it"
+    store = IngestStore()
+    assert store.push(json.dumps(payload).encode()) == "goodbye"
+    (state,) = store.states()
+    assert state.precision == "fp16" and state.loader_workers == 0 and state.finished
+    assert state.process["cpu_throttled_seconds"] == 1.0

@@ -12,7 +12,7 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -35,17 +35,6 @@ dist = pytest.importorskip("torch.distributed")
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 COMM_BOUND = "communication-bound"
-
-
-@pytest.fixture
-def one_rank(tmp_path) -> Iterator[None]:
-    """A gloo process group of one rank in this process (a file store: no port to race for)."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _train(model, steps: int, sync: bool = True) -> None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
+from conftest import cgroup_tree
 
 from exporter.client.cgroup import CgroupCpu, count_cpus
 from exporter.heuristics.rules import DEFAULTS
@@ -20,23 +20,6 @@ from exporter.serving.history import History
 from exporter.serving.ingest import IngestStore
 
 T = DEFAULTS["thresholds"]
-
-
-def cgroup_tree(tmp_path: Path, pod_max: str, leaf_max: str = "max",
-                cpuset: str = "0-127", throttled_usec: int = 0) -> tuple[Path, Path]:
-    """A fake /proc/<pid>/cgroup and cgroup v2 tree: kubepods/pod/ctr, limits on the pod."""
-    root = tmp_path / "cgroup"
-    pod, leaf = root / "kubepods" / "pod1", root / "kubepods" / "pod1" / "ctr"
-    leaf.mkdir(parents=True)
-    (root / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
-    (pod / "cpu.max").write_text(f"{pod_max}\n")
-    (leaf / "cpu.max").write_text(f"{leaf_max}\n")
-    (leaf / "cpuset.cpus.effective").write_text(f"{cpuset}\n")
-    (leaf / "cpu.stat").write_text(f"usage_usec 1000\nthrottled_usec {throttled_usec}\n")
-    proc = tmp_path / "proc"
-    (proc / "42").mkdir(parents=True)
-    (proc / "42" / "cgroup").write_text("0::/kubepods/pod1/ctr\n")
-    return proc, root
 
 
 def test_the_allowance_is_the_tightest_quota_or_cpuset_on_the_path(tmp_path):
