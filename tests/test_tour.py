@@ -139,8 +139,12 @@ class Terminal:
     def __init__(self, tour: Tour, args: list[str]) -> None:
         self.master, slave = pty.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 60, 200, 0, 0))
+        # as a shell starts it: Ctrl-C's default disposition, whatever an earlier test in
+        # this pytest process left (an ignored SIGINT is inherited across exec, and Python
+        # then raises no KeyboardInterrupt: both fresh-clone CI runs hung here, alone it passed)
         self.proc = tour.start("top", args, stdin=slave, stdout=slave, stderr=slave,
-                               start_new_session=True)
+                               start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         os.close(slave)
         self.raw = b""
 
