@@ -132,6 +132,13 @@ def tour(tmp_path) -> Iterator[Tour]:
     t.stop()
 
 
+def _default_sigint() -> None:
+    """Ctrl-C as a shell leaves it: the default disposition, not blocked (both are inherited
+    across exec)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 class Terminal:
     """A process on a pseudo-terminal of 200 x 60, as `top` runs in a terminal; ``text`` is
     what it drew, escape sequences left out."""
@@ -140,11 +147,12 @@ class Terminal:
         self.master, slave = pty.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 60, 200, 0, 0))
         # as a shell starts it: Ctrl-C's default disposition, whatever an earlier test in
-        # this pytest process left (an ignored SIGINT is inherited across exec, and Python
-        # then raises no KeyboardInterrupt: both fresh-clone CI runs hung here, alone it passed)
+        # this pytest process left (an ignored or blocked SIGINT is inherited across exec, and
+        # Python then raises no KeyboardInterrupt: both fresh-clone CI runs hung here, alone it
+        # passed)
         self.proc = tour.start("top", args, stdin=slave, stdout=slave, stderr=slave,
                                start_new_session=True,
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                               preexec_fn=_default_sigint)
         os.close(slave)
         self.raw = b""
 
