@@ -35,6 +35,7 @@ from exporter.heuristics.rules import DEFAULTS  # noqa: E402
 from exporter.reading.collectors import host_collectors  # noqa: E402
 from exporter.reading.gpu_backends import DemoBackend  # noqa: E402
 from exporter.reading.sampler import Sampler  # noqa: E402
+from exporter.serving.attribution import Attribution  # noqa: E402
 from exporter.serving.history import History  # noqa: E402
 from exporter.serving.ingest import IngestStore  # noqa: E402
 from exporter.serving.status import StatusView  # noqa: E402
@@ -94,6 +95,7 @@ def in_process(ranks: int, cycles: int) -> dict[str, float]:
     tracemalloc.start()
     before = tracemalloc.take_snapshot()
     history = History(300.0)
+    views = Attribution()
     view = StatusView(history, DEFAULTS["thresholds"], backend="demo")
     observe, detect = [], [0.0]
     find = history._detect
@@ -113,7 +115,7 @@ def in_process(ranks: int, cycles: int) -> dict[str, float]:
         snap = replace(sampler.run_once(), timestamp=now[0])
         detect[0] = 0.0
         t0 = time.perf_counter()
-        history.observe(snap, store.states())
+        history.observe(views.update(snap, store.states()))
         observe.append(time.perf_counter() - t0)
         detected.append(detect[0])
     after = tracemalloc.take_snapshot()

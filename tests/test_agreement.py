@@ -32,6 +32,7 @@ from exporter.reading.collectors.disk import DiskReading
 from exporter.reading.collectors.network import NetworkReading
 from exporter.reading.gpu_backends import GpuIdentity, GpuSample
 from exporter.reading.sampler import GpuState, Snapshot
+from exporter.serving.attribution import Attribution
 from exporter.serving.history import History
 from exporter.serving.ingest import IngestStore
 
@@ -219,6 +220,7 @@ def local_report(signals: dict) -> RankReport:
     now = [float(BASE)]
     store = IngestStore(clock=lambda: now[0], wall_clock=lambda: now[0])
     history = History(window=300.0, point_seconds=5.0, instance="n1:19400")
+    views = Attribution()
     idle = 1 - s["cpu_busy"]
     for k in range(73):
         t = 5.0 * k
@@ -242,7 +244,7 @@ def local_report(signals: dict) -> RankReport:
                                    "iowait": 0.0}, cores),
                 "disk": {"nvme0n1": DiskReading(0.0, 0.0, 3 / 60 * t)},
                 "network": {"eth0": NetworkReading(s["net_rx"] * speed * t, 0.0, speed)}}
-        history.observe(Snapshot(k, now[0], "test", "", (gpu,), host), store.states())
+        history.observe(views.update(Snapshot(k, now[0], "test", "", (gpu,), host), store.states()))
     (rep,) = judge(visibility(history.reports()), DEFAULTS["thresholds"])
     return rep
 

@@ -20,8 +20,8 @@ from conftest import ROOT, sample_value, wait_until
 from exporter.reading.gpu_backends import GpuIdentity, GpuSample
 from exporter.reading.host_processes import find_host_pid, read_process
 from exporter.reading.sampler import GpuState, Snapshot
+from exporter.serving.attribution import Owners
 from exporter.serving.ingest import IngestStore
-from exporter.serving.training import Owners
 
 GIB = 2**30
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]

@@ -16,6 +16,7 @@ from exporter.heuristics.verdict import judge
 from exporter.protocol import SCHEMA_VERSION
 from exporter.reading.collectors.cpu import CpuReading
 from exporter.reading.sampler import Snapshot
+from exporter.serving.attribution import Attribution
 from exporter.serving.history import History
 from exporter.serving.ingest import IngestStore
 
@@ -47,6 +48,7 @@ def rank_on_idle_node(cores_used: float, allowance: float, throttled: float) -> 
     now = [1000.0]
     store = IngestStore(clock=lambda: now[0], wall_clock=lambda: now[0])
     history = History(window=300.0, point_seconds=5.0, instance="n1")
+    views = Attribution()
     for k in range(121):
         t = 5.0 * k
         now[0] = 1000.0 + t
@@ -59,7 +61,7 @@ def rank_on_idle_node(cores_used: float, allowance: float, throttled: float) -> 
                         "cpu_throttled_seconds": throttled * t}}).encode())
         host = {"cpu": CpuReading({"user": 128 * 0.1 * t, "idle": 128 * 0.9 * t,
                                    "iowait": 0.0}, 128)}
-        history.observe(Snapshot(k, now[0], "test", "", (), host), store.states())
+        history.observe(views.update(Snapshot(k, now[0], "test", "", (), host), store.states()))
     return judge(history.reports(), T)
 
 

@@ -192,8 +192,8 @@ def test_demo_gpus_follow_the_ranks_that_push(clock):
     load follows the run: busy while it computes, idle once its pushes stop."""
     import json
 
+    from exporter.serving.attribution import resolve_gpus
     from exporter.serving.ingest import IngestStore
-    from exporter.serving.training import resolve_gpus
 
     store = IngestStore(clock=clock)
     backend = DemoBackend(4, clock=clock, host="follow-test")

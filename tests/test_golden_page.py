@@ -19,9 +19,9 @@ from exporter.reading.collectors import host_collectors
 from exporter.reading.gpu_backends import NvmlBackend
 from exporter.reading.nvml import Nvml
 from exporter.reading.sampler import Sampler
+from exporter.serving.attribution import Attribution, Owners
 from exporter.serving.exposition import Exposition
 from exporter.serving.ingest import IngestStore
-from exporter.serving.training import GpuShares, Owners
 
 pytestmark = pytest.mark.nvml
 GOLDEN = Path(__file__).parent / "golden" / "metrics_page.prom"
@@ -71,8 +71,9 @@ def page(tmp_path) -> str:
     # the fake driver's pids are no processes of this machine: a scripted process table
     # (each its own root) makes the stranger a stranger rather than a process the daemon
     # cannot read (whose share would be unknown)
-    shares = GpuShares(Owners(parent_of=lambda pid: None))
-    text = Exposition(sampler, store, shares=shares).render("text/plain")[0].decode()
+    views = Attribution(Owners(parent_of=lambda pid: None))
+    views.update(sampler.snapshot, store.states())  # the last cycle's join, with the push
+    text = Exposition(sampler, store, views=views).render("text/plain")[0].decode()
     for pattern, replacement in UNPINNED:
         text = pattern.sub(replacement, text)
     return text

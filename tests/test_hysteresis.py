@@ -15,6 +15,7 @@ from exporter.protocol import SCHEMA_VERSION
 from exporter.reading.collectors.cpu import CpuReading
 from exporter.reading.gpu_backends import GpuIdentity, GpuSample
 from exporter.reading.sampler import GpuState, Snapshot
+from exporter.serving.attribution import Attribution
 from exporter.serving.history import History
 from exporter.serving.ingest import IngestStore
 
@@ -30,6 +31,7 @@ def lived(cpu_by_minute: list[float]) -> list[tuple[float, str, float | None]]:
     now = [BASE]
     store = IngestStore(clock=lambda: now[0], wall_clock=lambda: now[0])
     history = History(window=300.0, point_seconds=5.0, instance="n1:19400")
+    views = Attribution()
     busy_cpu, out = 0.0, []
     for k in range(12 * len(cpu_by_minute)):
         t = 5.0 * k
@@ -46,7 +48,7 @@ def lived(cpu_by_minute: list[float]) -> list[tuple[float, str, float | None]]:
                        busy_seconds=0.4 * t)
         host = {"cpu": CpuReading({"user": busy_cpu, "idle": CORES * t - busy_cpu,
                                    "iowait": 0.0}, CORES)}
-        history.observe(Snapshot(k, now[0], "test", "", (gpu,), host), store.states())
+        history.observe(views.update(Snapshot(k, now[0], "test", "", (gpu,), host), store.states()))
         if k >= 72 and k % 6 == 0:
             (rep,) = judge(visibility(history.reports()), DEFAULTS["thresholds"])
             out.append((t / 60, rep.verdict, rep.host.get("cpu_busy")))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -45,7 +46,7 @@ class Rig:
         serve_in_thread(self.server, "ingest-test")
         self.url = f"http://127.0.0.1:{self.server.address[1]}/api/v1/push"
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(TrainingCollector(self.store, lambda: self.sampler.snapshot))
+        self.registry.register(TrainingCollector(self.store, lambda: self.app.views.latest))
 
     def push(self, payload, headers=None, raw: bytes | None = None):
         data = raw if raw is not None else json.dumps(payload).encode()
@@ -208,9 +209,13 @@ def test_gpus_resolve_from_uuids_and_from_the_nvml_process_list(rig):
     assert rig.v("gputrain_training_gpu_info", precision="bf16", gpu="1", uuid=uuid1) == 1
     assert rig.v("gputrain_training_gpu_info", precision="bf16", gpu="0",
                  uuid=rig.sampler.snapshot.gpus[0].identity.uuid) is None
-    # no GPUs pushed: the GPUs whose process list holds the pid
-    rig.sampler.snapshot.gpus[0].sample.pids = (4242,)
+    # no GPUs pushed: the GPUs whose process list holds the pid (as of the next cycle)
     rig.push(body(gpus=[], steps=11, step_counts=[2, 9, 11]))
+    snap = rig.sampler.snapshot
+    g0 = snap.gpus[0]
+    listed = dataclasses.replace(g0, sample=dataclasses.replace(g0.sample, pids=(4242,)))
+    rig.app.views.update(dataclasses.replace(snap, cycle=snap.cycle + 1,
+                                             gpus=(listed, *snap.gpus[1:])), rig.store.states())
     assert rig.v("gputrain_training_gpu_info", precision="bf16", gpu="0",
                  uuid=rig.sampler.snapshot.gpus[0].identity.uuid) == 1
 

@@ -14,6 +14,7 @@ from test_gpu_collector import GIB, Rig, gpu, h100_mig
 
 from exporter.reading.gpu_backends import NvmlBackend
 from exporter.reading.nvml import Nvml
+from exporter.serving.attribution import Attribution
 from exporter.serving.ingest import IngestStore
 from exporter.serving.training import TrainingCollector
 
@@ -175,7 +176,8 @@ def test_a_rank_pushing_a_mig_slices_uuid_as_gpu_uuid_is_on_that_slice(clock):
                                "steps": 1, "step_seconds": 1.0, "data_wait_seconds": 0.0,
                                "samples": 8, "gpus": [ref]}).encode())
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(TrainingCollector(store, lambda: rig.sampler.snapshot))
+    views = Attribution(snapshot=rig.sampler.snapshot)  # the GPUs, before any join
+    registry.register(TrainingCollector(store, lambda: views.latest))
     info = {(s.labels["rank"], s.labels["gpu"], s.labels["uuid"])
             for f in registry.collect() if f.name == "gputrain_training_gpu_info"
             for s in f.samples}

@@ -14,8 +14,9 @@ from prometheus_client import CollectorRegistry
 from exporter.reading.collectors.owners import KubernetesCollector, SlurmCollector
 from exporter.reading.gpu_backends import GpuIdentity, GpuSample
 from exporter.reading.sampler import GpuState, Snapshot
+from exporter.serving.attribution import Attribution, Owners
 from exporter.serving.ingest import IngestStore
-from exporter.serving.training import Owners, TrainingCollector
+from exporter.serving.training import TrainingCollector
 
 GIB = 2**30
 
@@ -48,7 +49,9 @@ def test_a_ranks_children_count_as_its_own_and_strangers_are_counted_per_gpu():
     snap = snapshot(("0", {100: 30 * GIB, 150: 2 * GIB, 900: 5 * GIB}),
                     ("1", {200: 40 * GIB, 300: GIB}))
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(TrainingCollector(store, lambda: snap, Owners(parent_of)))
+    views = Attribution(Owners(parent_of))
+    views.update(snap, store.states())  # the sampler's cycle: the join, once
+    registry.register(TrainingCollector(store, lambda: views.latest))
     v = registry.get_sample_value
     assert v("gputrain_training_gpu_memory_bytes",
              {"run": "llm", "rank": "0", "gpu": "0", "uuid": "GPU-0"}) == 32 * GIB
@@ -232,8 +235,9 @@ def test_a_process_driving_several_gpus_is_on_each_gpu_nvml_lists_it_on():
     snap = snapshot(("0", {100: 20 * GIB}), ("1", {100: 20 * GIB}), ("2", {150: 20 * GIB}),
                     ("3", {100: 20 * GIB}), ("4", {900: 5 * GIB}))
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(TrainingCollector(store, lambda: snap,
-                                        Owners({150: 100, 100: 1, 900: 1}.get)))
+    views = Attribution(Owners({150: 100, 100: 1, 900: 1}.get))
+    views.update(snap, store.states())
+    registry.register(TrainingCollector(store, lambda: views.latest))
     info = sorted(s.labels["gpu"] for f in registry.collect()
                   if f.name == "gputrain_training_gpu_info" for s in f.samples)
     assert info == ["0", "1", "2", "3"]

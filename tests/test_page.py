@@ -20,17 +20,10 @@ from exporter.protocol import MAX_BUCKETS, MAX_GPUS, MAX_PHASES, Refused
 from exporter.reading.gpu_backends import DemoBackend, NvmlBackend
 from exporter.reading.nvml import Nvml
 from exporter.reading.sampler import Sampler
+from exporter.serving.attribution import Attribution, GpuIndex, Owners, resolve_gpus
 from exporter.serving.exposition import Exposition
 from exporter.serving.ingest import IngestStore
-from exporter.serving.training import (
-    FAMILIES,
-    MAX_SERIES_PER_RANK,
-    GpuIndex,
-    GpuShares,
-    Owners,
-    TrainingCollector,
-    resolve_gpus,
-)
+from exporter.serving.training import FAMILIES, MAX_SERIES_PER_RANK, TrainingCollector
 
 OPENMETRICS = "application/openmetrics-text;version=1.0.0,text/plain;q=0.5"
 
@@ -65,18 +58,17 @@ class Reference:
     """The training families built through prometheus_client, family by family, from the
     same states: the referee the collector's own lines are held against."""
 
-    def __init__(self, store: IngestStore, snapshot, shares: GpuShares) -> None:
-        self._store, self._snapshot, self._owners = store, snapshot, Owners(scripted)
-        self._shares = shares  # the busy seconds accumulated: written here, not counted
+    def __init__(self, store: IngestStore, views: Attribution) -> None:
+        self._store, self._views, self._owners = store, views, Owners(scripted)
 
     def _families(self):
         return {f.name: f.empty() for f in FAMILIES}
 
     def collect(self) -> Iterator[Metric]:
         states = sorted(self._store.states(), key=lambda s: (s.run, s.rank))
-        snap = self._snapshot()
-        gpus = GpuIndex(snap)
-        held, others = self._owners.attribute(snap, states)
+        view = self._views.latest  # the busy seconds accumulated: read here, not counted
+        gpus = GpuIndex(view.snapshot)
+        held, others = self._owners.attribute(view.snapshot, list(view.states))
         f = self._families()
         (steps, wait, samples, flops, comm, exposed, comm_bytes, elapsed, slow, hist, phases,
          last_step, last_push, skew, finished, cpu, allowance, throttled, rss, pss, read,
@@ -105,8 +97,8 @@ class Reference:
                                       f["gputrain_gpu_unattributed_memory_busy_seconds_total"])
         slow_n, workers = (f["gputrain_training_slow_steps_total"],
                            f["gputrain_training_loader_workers"])
-        ranks_busy, unowned = self._shares.totals()
-        here = self._shares.here()[0]  # a rank's share is exported while it is on the GPU
+        ranks_busy, unowned = view.busy, view.unowned
+        here = view.listed  # a rank's share is exported while it is on the GPU
         profiles = self._store.profiles.latest_done()
         for st in states:
             lv = [st.run, st.rank]
@@ -208,9 +200,11 @@ def test_training_lines_are_what_prometheus_client_writes_in_both_formats():
     finish_a_profile(store, "alpha", "3", trace='/tmp/a "quoted" \\ path.pt.trace.json.gz')
     store.count(200)
     store.count(429)
-    collector = TrainingCollector(store, lambda: sampler.snapshot, Owners(scripted))
+    views = Attribution(Owners(scripted))
+    views.update(sampler.snapshot, store.states())  # the cycle's join, with the ranks pushed
+    collector = TrainingCollector(store, lambda: views.latest)
     registry = CollectorRegistry()
-    registry.register(Reference(store, lambda: sampler.snapshot, collector.shares))
+    registry.register(Reference(store, views))
     for _ in range(2):  # the second time from the per-rank cache
         assert collector.render(False) == generate_latest(registry)
         assert collector.render(True) + b"# EOF\n" == generate_openmetrics(registry)

@@ -15,6 +15,7 @@ from exporter.protocol import SCHEMA_VERSION
 from exporter.reading.gpu_backends import NvmlBackend
 from exporter.reading.nvml import Nvml
 from exporter.reading.sampler import Sampler
+from exporter.serving.attribution import Attribution
 from exporter.serving.history import History
 from exporter.serving.ingest import IngestStore
 from exporter.serving.status import StatusView
@@ -34,6 +35,7 @@ def test_a_busy_gpu_on_a_link_below_its_maximum_is_degraded(clock, util, gen, de
                       collectors={"gpu"}, clock=clock, wall_clock=clock)
     store = IngestStore(clock=clock, wall_clock=clock)
     history = History(window=60.0, point_seconds=5.0, instance="n1")
+    views = Attribution()
     view = StatusView(history, T, lambda: None, "nvml", wall_clock=clock)
     for k in range(1, 91):
         store.push(json.dumps({"version": SCHEMA_VERSION, "run": "r", "rank": "0",
@@ -41,7 +43,7 @@ def test_a_busy_gpu_on_a_link_below_its_maximum_is_degraded(clock, util, gen, de
                                "step_seconds": float(k), "data_wait_seconds": 0.0,
                                "samples": 320.0 * k, "elapsed_seconds": float(k)}).encode())
         sampler.run_once()
-        history.observe(sampler.snapshot, store.states())
+        history.observe(views.update(sampler.snapshot, store.states()))
         clock.advance(1.0)
     doc = view.document()
     (rank,) = doc["runs"][0]["ranks"]

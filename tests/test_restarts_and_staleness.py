@@ -16,6 +16,7 @@ from exporter.protocol import SCHEMA_VERSION
 from exporter.reading.gpu_backends import NvmlBackend
 from exporter.reading.nvml import Nvml
 from exporter.reading.sampler import Sampler
+from exporter.serving.attribution import Attribution
 from exporter.serving.history import History
 from exporter.serving.ingest import IngestStore
 from exporter.serving.status import StatusView
@@ -34,6 +35,7 @@ class Node:
                                interval=1.0, collectors={"gpu"}, clock=clock, wall_clock=clock)
         self.store = IngestStore(clock=clock, wall_clock=clock)
         self.history = History(window=60.0, point_seconds=5.0, instance="n1", interval=1.0)
+        self.views = Attribution()
         self.view = StatusView(self.history, T, lambda: None, "nvml", wall_clock=clock)
         self.totals = {"steps": 0, "step_seconds": 0.0, "data_wait_seconds": 0.0,
                        "samples": 0.0, "elapsed_seconds": 0.0}
@@ -51,7 +53,7 @@ class Node:
                                     "run_id": run_id, "gpus": ["0"], **t}).encode())
         if cycle:
             self.sampler.run_once()
-            self.history.observe(self.sampler.snapshot, self.store.states())
+            self.history.observe(self.views.update(self.sampler.snapshot, self.store.states()))
         self.clock.advance(1.0)
 
     def restart(self) -> None:

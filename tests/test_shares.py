@@ -1,8 +1,9 @@
 """Shared GPUs: each rank's share of its GPU, and the share no rank owns.
 
-The sampler integrates NVML's per-process utilisation into busy seconds per process; GpuShares
-sums them by owner (a rank's pushed pid or a descendant of it); the page exports them as
-counters, the history judges a run's foreign share, and GpuTrainGPUShared fires on it.
+The sampler integrates NVML's per-process utilisation into busy seconds per process; once per
+cycle the attribution sums them by owner (a rank's pushed pid or a descendant of it); the page
+exports them as counters, the history judges a run's foreign share, and GpuTrainGPUShared
+fires on it.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from exporter.heuristics.rules import DEFAULTS
 from exporter.protocol import SCHEMA_VERSION
 from exporter.reading.gpu_backends import GpuIdentity, GpuSample
 from exporter.reading.sampler import GpuState, Snapshot
+from exporter.serving.attribution import Attribution, Owners
 from exporter.serving.history import History
 from exporter.serving.ingest import IngestStore
 from exporter.serving.status import StatusView
-from exporter.serving.training import GpuShares, Owners
 
 T = DEFAULTS["thresholds"]
 BASE = 1_700_000_000.0
@@ -49,16 +50,16 @@ def gpu_state(t: float, busy: dict[int, float]) -> GpuState:
 def test_each_ranks_busy_seconds_and_the_unowned_are_summed_by_owner():
     """Rank 0's pid and its DataLoader worker count for rank 0; a process no rank pushed is
     unattributed; a snapshot seen twice counts once; a rank that is gone is forgotten."""
-    shares = GpuShares(Owners(parent_of=PARENTS.get))
+    views = Attribution(Owners(parent_of=PARENTS.get))
     store = IngestStore(clock=lambda: BASE, wall_clock=lambda: BASE)
     push(store, "a", "0", 100, 1, BASE)
     push(store, "b", "0", 200, 1, BASE)
     busy = {100: 0.3, 101: 0.1, 200: 0.2, 300: 0.25}
     for k in range(1, 11):
         snap = Snapshot(k, BASE + k, "nvml", "", (gpu_state(float(k), busy),))
-        shares.observe(snap, store.states())
-        shares.observe(snap, store.states())  # the page thread and the history both do
-    ranks, others = shares.totals()
+        views.update(snap, store.states())
+        views.update(snap, store.states())  # a cycle's join is made once
+    ranks, others = views.latest.busy, views.latest.unowned
     gpu = ("0", "GPU-0")
     assert ranks[("a", "0")][gpu] == pytest.approx((4.0, 2.0))  # 0.3 + 0.1, over 10 s
     assert ranks[("b", "0")][gpu] == pytest.approx((2.0, 1.0))
@@ -67,8 +68,8 @@ def test_each_ranks_busy_seconds_and_the_unowned_are_summed_by_owner():
     assert total == pytest.approx(0.85 * 10)  # the GPU's busy seconds
     gone = IngestStore(clock=lambda: BASE, wall_clock=lambda: BASE)
     push(gone, "a", "0", 100, 1, BASE)  # rank b stopped pushing
-    shares.observe(Snapshot(11, BASE + 11, "nvml", "", (gpu_state(11.0, busy),)), gone.states())
-    ranks, others = shares.totals()
+    views.update(Snapshot(11, BASE + 11, "nvml", "", (gpu_state(11.0, busy),)), gone.states())
+    ranks, others = views.latest.busy, views.latest.unowned
     assert set(ranks) == {("a", "0")}
     assert others[gpu] == pytest.approx((2.5 + 0.25 + 0.2, 1.25 + 0.125 + 0.1))  # b's is others'
 
@@ -80,16 +81,16 @@ def test_a_run_on_a_shared_gpu_is_named_with_its_share_and_the_others(stranger):
     Two runs alone on a GPU (no stranger) see each other: the unattributed share is 0."""
     now = [BASE]
     store = IngestStore(clock=lambda: now[0], wall_clock=lambda: now[0])
-    shares = GpuShares(Owners(parent_of=PARENTS.get))
-    history = History(window=60.0, point_seconds=5.0, instance="n1", shares=shares)
+    views = Attribution(Owners(parent_of=PARENTS.get))
+    history = History(window=60.0, point_seconds=5.0, instance="n1")
     view = StatusView(history, T, backend="nvml")
     busy = {100: 0.5, 200: 0.2, 300: 0.25} if stranger else {100: 0.5, 200: 0.2}
     for k in range(40):
         now[0] = BASE + k
         push(store, "a", "0", 100, k, now[0])
         push(store, "b", "0", 200, k, now[0])
-        history.observe(Snapshot(k, now[0], "nvml", "", (gpu_state(float(k), busy),)),
-                        store.states())
+        history.observe(views.update(
+            Snapshot(k, now[0], "nvml", "", (gpu_state(float(k), busy),)), store.states()))
     doc = view.document()
     (gpu,) = doc["gpus"]
     got = {(s["run"], s["rank"]): s["busy"] for s in gpu["shares"]}
@@ -178,8 +179,8 @@ def _shared_then(leaver: int) -> tuple[dict, dict]:
     until its pushes expire). Run a's findings just before the exit and one cycle after."""
     now = [BASE]
     store = IngestStore(clock=lambda: now[0], wall_clock=lambda: now[0])
-    shares = GpuShares(Owners(parent_of=PARENTS.get))
-    history = History(window=300.0, point_seconds=5.0, instance="n1", shares=shares)
+    views = Attribution(Owners(parent_of=PARENTS.get))
+    history = History(window=300.0, point_seconds=5.0, instance="n1")
     view = StatusView(history, T, backend="nvml")
     busy = {100: 0.5, 200: 0.2, 300: 0.25}
     seconds = {pid: 0.0 for pid in busy}
@@ -197,7 +198,7 @@ def _shared_then(leaver: int) -> tuple[dict, dict]:
                       busy_seconds=st.busy_seconds,
                       process_busy_seconds={p: seconds[p] for p in busy},
                       process_memory_busy_seconds={p: seconds[p] / 2 for p in busy})
-        history.observe(Snapshot(k, now[0], "nvml", "", (st,)), store.states())
+        history.observe(views.update(Snapshot(k, now[0], "nvml", "", (st,)), store.states()))
         if k in (40, 41):
             doc = view.document()
             (rank,) = {r["run"]: r for r in doc["runs"]}["a"]["ranks"]
@@ -223,8 +224,8 @@ def test_a_run_alone_once_the_others_exit_is_not_shared():
     """Both other processes gone: nothing of them is left in run a's window."""
     now = [BASE]
     store = IngestStore(clock=lambda: now[0], wall_clock=lambda: now[0])
-    shares = GpuShares(Owners(parent_of=PARENTS.get))
-    history = History(window=300.0, point_seconds=5.0, instance="n1", shares=shares)
+    views = Attribution(Owners(parent_of=PARENTS.get))
+    history = History(window=300.0, point_seconds=5.0, instance="n1")
     view = StatusView(history, T, backend="nvml")
     for k in range(45):
         now[0] = BASE + k
@@ -237,7 +238,7 @@ def test_a_run_alone_once_the_others_exit_is_not_shared():
                           busy_seconds=st.busy_seconds,
                           process_busy_seconds={100: 0.5 * k},
                           process_memory_busy_seconds={100: 0.25 * k})
-        history.observe(Snapshot(k, now[0], "nvml", "", (st,)), store.states())
+        history.observe(views.update(Snapshot(k, now[0], "nvml", "", (st,)), store.states()))
     doc = view.document()
     (rank,) = {r["run"]: r for r in doc["runs"]}["a"]["ranks"]
     found = {rank["verdict"], *(a["verdict"] for a in rank["also"])}

@@ -12,6 +12,7 @@ from exporter.heuristics.rules import DEFAULTS
 from exporter.heuristics.verdict import judge
 from exporter.protocol import SCHEMA_VERSION
 from exporter.reading.sampler import Snapshot
+from exporter.serving.attribution import Attribution
 from exporter.serving.history import History
 from exporter.serving.ingest import IngestStore
 from exporter.serving.stalls import slow_step_count, slow_step_seconds
@@ -60,6 +61,7 @@ def test_the_daemon_judges_stalls_by_the_wall_time_they_cost(stall, middle, verd
     now = [1000.0]
     store = IngestStore(clock=lambda: now[0], wall_clock=lambda: now[0])
     history = History(window=300.0, point_seconds=5.0, instance="n1")
+    views = Attribution()
     steps: list[float] = []
     for k in range(120):  # pushes every 5 s, 10 minutes
         t = 5.0 * (k + 1)
@@ -67,7 +69,7 @@ def test_the_daemon_judges_stalls_by_the_wall_time_they_cost(stall, middle, verd
             steps.append(stall if len(steps) % 1000 == 999 else 0.02)
         now[0] = 1000.0 + t
         push(store, steps, "r", sum(steps))
-        history.observe(Snapshot(k, now[0], "test", ""), store.states())
+        history.observe(views.update(Snapshot(k, now[0], "test", ""), store.states()))
     (rep,) = judge(history.reports(), T)
     assert rep.step_p99_seconds is not None and rep.step_p99_seconds < 0.03
     expected = middle / (stall + 999 * 0.02)
@@ -100,6 +102,7 @@ def periodic(every: int, workers: int | None, wait: bool, phases: dict | None = 
     now = [1000.0]
     store = IngestStore(clock=lambda: now[0], wall_clock=lambda: now[0])
     history = History(window=300.0, point_seconds=5.0, instance="n1")
+    views = Attribution()
     steps: list[float] = []
     waited = 0.0
     for k in range(120):
@@ -117,7 +120,7 @@ def periodic(every: int, workers: int | None, wait: bool, phases: dict | None = 
         if workers is not None:
             body["loader_workers"] = workers
         store.push(json.dumps(body).encode())
-        history.observe(Snapshot(k, now[0], "test", ""), store.states())
+        history.observe(views.update(Snapshot(k, now[0], "test", ""), store.states()))
     (rep,) = judge(history.reports(), T)
     return rep, [rep.verdict, *(f.name for f in rep.also)]
 

@@ -32,6 +32,7 @@ from exporter.protocol import SCHEMA_VERSION
 from exporter.reading.gpu_backends import NvmlBackend
 from exporter.reading.nvml import Nvml
 from exporter.reading.sampler import Sampler
+from exporter.serving.attribution import Attribution
 from exporter.serving.history import History, histogram_quantile
 from exporter.serving.ingest import IngestStore
 from exporter.serving.status import CONTENT_SECURITY_POLICY, StatusView
@@ -56,11 +57,12 @@ class Node:
                                interval=1.0, collectors={"gpu"}, clock=clock, wall_clock=clock)
         self.store = IngestStore(clock=clock, wall_clock=clock)
         self.history = History(window=window, point_seconds=5.0, instance="n1")
+        self.views = Attribution()
         self.view = StatusView(self.history, T, lambda: self.sampler.gpu_error, "nvml")
 
     def cycle(self, seconds: float = 1.0) -> None:
         self.sampler.run_once()
-        self.history.observe(self.sampler.snapshot, self.store.states())
+        self.history.observe(self.views.update(self.sampler.snapshot, self.store.states()))
         self.clock.advance(seconds)
 
     def document(self) -> dict:
@@ -199,6 +201,7 @@ def test_faults_outrank_every_verdict_and_are_named_whoever_uses_the_gpu():
     now = [1_700_000_000.0]
     store = IngestStore(clock=lambda: now[0], wall_clock=lambda: now[0])
     history = History(window=60.0, point_seconds=5.0, instance="n1")
+    views = Attribution()
     view = StatusView(history, T, backend="nvml")
     for k in range(30):
         t = float(k)
@@ -224,9 +227,9 @@ def test_faults_outrank_every_verdict_and_are_named_whoever_uses_the_gpu():
                 ecc_errors={"corrected": 0.0, "uncorrected": 1.0 if i == 1 else 0.0}))
         collectors = {"gpu": CollectorStatus(True, 0.01, now[0]),
                       "disk": CollectorStatus(False, 0.01, None)}
-        history.observe(Snapshot(k, now[0], "nvml", "570.86", tuple(gpus),
+        history.observe(views.update(Snapshot(k, now[0], "nvml", "570.86", tuple(gpus),
                                  {"cpu": CpuReading({"user": 2 * t, "idle": 6 * t}, 8)},
-                                 collectors), store.states())
+                                 collectors), store.states()))
     doc = view.document()
     faults = {(f["gpu"], f["verdict"]): f["severity"] for f in doc["faults"]}
     assert faults == {("0", "gpu-lost"): "critical", ("1", "xid-errors"): "critical",
@@ -280,6 +283,7 @@ def test_a_leak_is_one_processs_sustained_slope(pattern):
     now = [1_700_000_000.0]
     store = IngestStore(clock=lambda: now[0], wall_clock=lambda: now[0])
     history = History(window=60.0, point_seconds=5.0, instance="n1")
+    views = Attribution()
     for k, second in enumerate(range(0, end + 5, 5)):
         now[0] = 1_700_000_000.0 + second
         push(store, run_id="b" if pattern == "restart" and second >= end - 60 else "a",
@@ -290,9 +294,9 @@ def test_a_leak_is_one_processs_sustained_slope(pattern):
                            memory_total_bytes=80e9)
         gpu = GpuState(GpuIdentity("0", "GPU-a", H100), up=True, sample=sample,
                        sampled_seconds=float(second), busy_seconds=0.95 * second)
-        history.observe(Snapshot(k, now[0], "nvml", "", (gpu,),
+        history.observe(views.update(Snapshot(k, now[0], "nvml", "", (gpu,),
                                  {"memory": MemoryReading(512 * 2**30, 40 * 2**30)}),
-                        store.states())
+                        store.states()))
     (rep,) = judge(history.reports(), T)
     assert ("memory-leak" in rep.findings()) is (pattern == "sustained"), rep.findings()
 
@@ -334,6 +338,7 @@ def test_memory_lost_outside_the_process_tree_is_judged_from_the_nodes_trend(pat
     now = [1_700_000_000.0]
     store = IngestStore(clock=lambda: now[0], wall_clock=lambda: now[0])
     history = History(window=60.0, point_seconds=5.0, instance="n1")
+    views = Attribution()
     for k, second in enumerate(range(0, 2105, 5)):
         now[0] = 1_700_000_000.0 + second
         push(store, gpus=["0"], steps=second, step_seconds=float(second),
@@ -343,9 +348,9 @@ def test_memory_lost_outside_the_process_tree_is_judged_from_the_nodes_trend(pat
                            memory_total_bytes=80e9)
         gpu = GpuState(GpuIdentity("0", "GPU-a", H100), up=True, sample=sample,
                        sampled_seconds=float(second), busy_seconds=0.95 * second)
-        history.observe(Snapshot(k, now[0], "nvml", "", (gpu,),
+        history.observe(views.update(Snapshot(k, now[0], "nvml", "", (gpu,),
                                  {"memory": MemoryReading(512 * GIB, available(second))}),
-                        store.states())
+                        store.states()))
     (rep,) = judge(history.reports(), T)
     assert ("memory-leak" in rep.findings()) is (pattern in ("outside", "explained")), \
         rep.findings()

@@ -146,10 +146,11 @@ def _thresholds(path: str | None) -> dict[str, float]:
         raise ConfigError(f"--status.rules-config {exc}") from None
 
 
-def _observe(history: Any, sampler: Any, store: Any, status: Any) -> None:
-    """Note the sampler's new snapshot and the live ranks in the status history."""
+def _observe(history: Any, view: Any, status: Any) -> None:
+    """Note a cycle's view (its snapshot, the live ranks, who holds which GPU) in the status
+    history."""
     try:
-        history.observe(sampler.snapshot, store.states() if store is not None else ())
+        history.observe(view)
     except Exception:  # the sampler must outlive a bug here
         log.exception("recording the status history failed")
     status.changed()
@@ -171,6 +172,7 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     from exporter.reading.gpu_backends import DemoBackend, NvmlBackend
     from exporter.reading.peak_flops import PeakTable
     from exporter.reading.sampler import Sampler
+    from exporter.serving.attribution import Attribution, Owners
     from exporter.serving.exposition import Exposition
     from exporter.serving.history import History
     from exporter.serving.ingest import IngestStore
@@ -184,7 +186,6 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
         serve_in_thread,
     )
     from exporter.serving.status import StatusView
-    from exporter.serving.training import GpuShares, Owners
 
     setup_logging(settings["log.level"])
     try:
@@ -227,11 +228,12 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
         signal.signal(signal.SIGHUP, _hangup)
     sampler = Sampler(backend, host, settings["sampler.interval"], settings.collectors)
     peaks = PeakTable(settings["gpu.peak-flops"])
-    # each rank's busy seconds per GPU: for /metrics and the history
-    shares = GpuShares(Owners(read=backend.host_process)) if isinstance(backend, DemoBackend) \
-        else GpuShares()
+    # who holds which GPU, joined once per cycle: /metrics and the history read the same view
+    views = Attribution(Owners(read=backend.host_process) if isinstance(backend, DemoBackend)
+                        else None, snapshot=sampler.snapshot)
+    views.follow(sampler, store)
     history = History(settings["status.window"], peaks=peaks, instance=socket.gethostname(),
-                      shares=shares, interval=settings["sampler.interval"])
+                      interval=settings["sampler.interval"])
     status = StatusView(history, thresholds, lambda: sampler.gpu_error, backend.name,
                         lambda: sampler.snapshot.driver_version,
                         store.profiles if store is not None else None,
@@ -239,10 +241,10 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
                         wall_clock=time.time)
     if store is not None:  # a profile asked for or finished: a viewer sees it at once
         store.profiles.listeners.append(status.changed)
-    sampler.listeners.append(lambda: _observe(history, sampler, store, status))
+    views.listeners.append(lambda view: _observe(history, view, status))
     sampler.start()
     status.start()
-    app = Exposition(sampler, store, peaks=peaks, status=status, shares=shares,
+    app = Exposition(sampler, store, peaks=peaks, status=status, views=views,
                      regimes=history.regime_starts)
     app.start()
     raise_descriptor_limit()  # the connection caps are sized from it

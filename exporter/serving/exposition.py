@@ -29,9 +29,10 @@ from prometheus_client.utils import floatToGoString
 from exporter.reading.collectors import GpuCollector, Rendered, SelfCollector
 from exporter.reading.peak_flops import PeakTable
 from exporter.reading.sampler import CollectorStatus, Sampler
+from exporter.serving.attribution import Attribution
 from exporter.serving.ingest import IngestStore
 from exporter.serving.status import StatusView
-from exporter.serving.training import GpuShares, TrainingCollector
+from exporter.serving.training import TrainingCollector
 
 log = logging.getLogger(__name__)
 
@@ -101,13 +102,17 @@ class Exposition:
     def __init__(self, sampler: Sampler, store: IngestStore | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  peaks: PeakTable | None = None, status: StatusView | None = None,
-                 shares: GpuShares | None = None,
+                 views: Attribution | None = None,
                  regimes: Callable[[], dict[tuple[str, str], float]] | None = None) -> None:
         self.sampler = sampler
+        if views is None:  # a page alone (tests, tools): it follows the sampler itself
+            views = Attribution(snapshot=sampler.snapshot)
+            views.follow(sampler, store)
+        self.views = views  # one view per cycle: the page, the history and the status read it
         self.status = status  # the daemon's own view (/, /api/v1/status), served beside
         self._clock = clock
         self.store = store
-        snap = lambda: sampler.snapshot  # noqa: E731 - read the latest at every build
+        snap = lambda: self.views.latest.snapshot  # noqa: E731 - the latest at every build
         self.collectors: list = [  # the node's, in page order; training comes last
             SelfCollector(snap, self._training_status, interval=sampler.interval),
             ProcessCollector(namespace="gputrain_exporter", registry=None)]
@@ -117,7 +122,7 @@ class Exposition:
         self.node = CollectorRegistry()
         for collector in self.collectors:
             self.node.register(collector)
-        self.training = TrainingCollector(store, snap, shares=shares, regimes=regimes) \
+        self.training = TrainingCollector(store, lambda: self.views.latest, regimes=regimes) \
             if store is not None else None
         # by format (OpenMetrics or not): at most two of each, whatever clients send
         self._node_cache: dict[bool, tuple[int, bytes]] = {}
@@ -260,7 +265,7 @@ class Exposition:
     # -- building --------------------------------------------------------------------------
 
     def _key(self) -> tuple[int, int]:
-        return (self.sampler.snapshot.cycle,
+        return (self.views.latest.cycle,
                 self.store.states_version() if self.store is not None else 0)
 
     def _build(self, om: bool, gzip_ok: bool) -> _Page:
@@ -299,7 +304,7 @@ class Exposition:
 
     def start(self) -> None:
         """Keep the page ready in a background thread until :meth:`stop`."""
-        self.sampler.listeners.append(self.changed)
+        self.views.listeners.append(lambda _view: self.changed())
         if self.store is not None:
             self.store.listeners.append(self.changed)
         self._thread = threading.Thread(target=self._loop, name="gputrain-page", daemon=True)

@@ -19,7 +19,6 @@ import itertools
 import math
 import threading
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -45,9 +44,9 @@ from exporter.heuristics.regime import (
 from exporter.protocol import OUTSIDE_STEP_PHASES
 from exporter.reading.peak_flops import PeakTable
 from exporter.reading.sampler import GpuState, Snapshot
+from exporter.serving.attribution import NodeView, resolve_gpus
 from exporter.serving.ingest import RankState
 from exporter.serving.stalls import histogram_quantile
-from exporter.serving.training import GpuIndex, GpuShares, resolve_gpus
 
 WINDOW_SECONDS = window_seconds("rate")  # the recording rules' ratios
 POINT_SECONDS = 10.0  # a ratio over the window is exact to its end; its start may be this late
@@ -153,10 +152,10 @@ class History:
 
     def __init__(self, window: float = WINDOW_SECONDS, point_seconds: float = POINT_SECONDS,
                  peaks: PeakTable | None = None, instance: str = "",
-                 shares: GpuShares | None = None, interval: float = 1.0) -> None:
+                 interval: float = 1.0) -> None:
         self.window = window
         self.interval = interval  # the sampler's, in seconds: what a collector's age counts in
-        self.shares = shares or GpuShares()  # the page's, where the daemon shares one
+        self.view: NodeView | None = None  # the latest cycle's, as observed
         self.point_seconds = point_seconds
         self.peaks = peaks or PeakTable()
         self.instance = instance
@@ -177,14 +176,15 @@ class History:
 
     # -- recording (the sampler's thread) ---------------------------------------------------
 
-    def observe(self, snap: Snapshot, states: Iterable[RankState]) -> None:
-        """Note one sampler cycle and the ranks live at its end."""
+    def observe(self, view: NodeView) -> None:
+        """Note one sampler cycle's view: its snapshot, the ranks live at its end and who
+        holds which GPU (:mod:`exporter.serving.attribution`)."""
+        snap, states = view.snapshot, view.states
         t = snap.timestamp
-        states = list(states)
-        self.shares.observe(snap, states)
-        ranks_busy, unowned = self.shares.totals(snap.cycle)
-        ranks_here, strangers = self.shares.here(snap.cycle)
+        ranks_busy, unowned = view.busy, view.unowned
+        ranks_here, strangers = view.listed, view.strangers
         with self._lock:
+            self.view = view
             if self.first_seen is None:
                 self.first_seen = t
             self._snapshot = snap
@@ -487,11 +487,11 @@ class History:
         ages = self.collector_ages(now)
         host = self.host_readings() if host is None else host
         with self._lock:
-            snap = self._snapshot
+            snap, view = self._snapshot, self.view
             ranks = list(self._ranks.values())
-        if snap is None:
+        if snap is None or view is None:
             return []
-        index = GpuIndex(snap)
+        index = view.gpus
         recent = self.gpu_readings(snap.timestamp - RECENT_SECONDS)
         with self._lock:
             memories = [(tr.state, list(tr.rss)) for tr in ranks]
@@ -560,8 +560,7 @@ class History:
                 for span, growth in _growths(snap.timestamp, rss, memory[0]).items():
                     setattr(rep, f"rss_growth_{span}", growth)
             peak = 0.0
-            for index_, uuid in resolve_gpus(st, index,
-                                             self.shares.listed.get((st.run, st.rank), ())):
+            for index_, uuid in resolve_gpus(st, index, view.listed.get((st.run, st.rank), ())):
                 if (last := recent.get(uuid or index_)) is not None and \
                         last[1].busy is not None:
                     rep.recent_busy = max(rep.recent_busy or 0.0, last[1].busy)

@@ -229,7 +229,7 @@ class StatusView:
             "backend": self.backend,
             "driver_version": self._driver() or None,
             "gpu_error": self._gpu_error(),
-            "attribution": attribution_note(h.shares.unresolved),
+            "attribution": attribution_note(h.view.unresolved if h.view is not None else {}),
             "window_seconds": h.window,
             "seconds_seen": h.seconds_seen(),
             "host": {

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import NamedTuple
 
 from prometheus_client.core import (
@@ -25,270 +24,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
 from exporter.protocol import MAX_BUCKETS, MAX_GPUS, MAX_PHASES
-from exporter.reading.host_processes import HostProcess, read_process
-from exporter.reading.sampler import CollectorStatus, Snapshot
+from exporter.reading.sampler import CollectorStatus
+from exporter.serving.attribution import GpuIndex, NodeView, resolve_gpus
 from exporter.serving.ingest import IngestStore, RankState
 from exporter.serving.stalls import SLOW_STEP_FACTOR
 
 log = logging.getLogger(__name__)
 
 LABELS = ["run", "rank"]
-
-
-class GpuIndex:
-    """One snapshot's GPUs, indexed once per render: by UUID, by index and by NVML pid."""
-
-    def __init__(self, snap: Snapshot) -> None:
-        self.by_uuid = {g.identity.uuid: g.identity.index for g in snap.gpus if g.identity.uuid}
-        # a UUID without its "GPU-"/"MIG-" prefix: what identifies the device (a rank on a MIG
-        # slice may push the slice's UUID as "GPU-...", as torch names every device)
-        self.by_body = {uuid_body(u): (i, u) for u, i in self.by_uuid.items()}
-        self.by_index = {g.identity.index: g.identity.uuid for g in snap.gpus}
-        self.by_pid: dict[int, list[tuple[str, str]]] = {}
-        for g in snap.gpus:
-            for pid in g.sample.pids if g.sample is not None else ():
-                self.by_pid.setdefault(pid, []).append((g.identity.index, g.identity.uuid))
-
-
-def uuid_body(ref: str) -> str:
-    """A device UUID without its ``GPU-`` or ``MIG-`` prefix (an index stays as it is)."""
-    return ref[4:].lower() if ref[:4] in ("GPU-", "MIG-") else ref
-
-
-def resolve_gpus(st: RankState, gpus: Snapshot | GpuIndex,
-                 listed: Iterable[tuple[str, str]] = ()) -> list[tuple[str, str]]:
-    """(gpu index, uuid) pairs a rank uses: its pushed UUIDs or indices (torch's current
-    device), and every GPU whose NVML process list holds its process or a descendant
-    (``listed``, as :class:`Owners` joins them: one process may drive several GPUs, as
-    device_map="auto" or pipeline stages in one process do); else the GPUs that list its pid.
-    Only GPUs this node has are returned."""
-    idx = gpus if isinstance(gpus, GpuIndex) else GpuIndex(gpus)
-    out: list[tuple[str, str]] = []
-    for ref in st.gpus:
-        if ref in idx.by_uuid:
-            out.append((idx.by_uuid[ref], ref))
-        elif uuid_body(ref) in idx.by_body:
-            out.append(idx.by_body[uuid_body(ref)])
-        elif ref in idx.by_index:
-            out.append((ref, idx.by_index[ref]))
-    for key in sorted(listed, key=lambda k: (len(k[0]), k)):
-        if key not in out and idx.by_index.get(key[0]) == key[1]:
-            out.append(key)
-    if not out and st.pid is not None:
-        out = list(idx.by_pid.get(st.pid, ()))
-    return out
-
-
-GpuKey = tuple[str, str]  # (gpu index, uuid)
-RankKey = tuple[str, str]  # (run, rank)
-UNRESOLVED = ("", "")  # a process this daemon cannot read: whose it is, is unknown
-
-log = logging.getLogger(__name__)
-
-
-class RankProcesses:
-    """The pushed ranks by what names their process on the host: the pid the process sees
-    and its start time (both pushed), matched to a host process's ``NSpid`` and start time;
-    a rank whose client pushes no start time (before 0.9) by its pid taken as the host's."""
-
-    def __init__(self, states: list[RankState]) -> None:
-        self.by_start: dict[tuple[int, int], RankKey] = {}
-        self.by_pid: dict[int, RankKey] = {}
-        for st in states:
-            if st.pid is None:
-                continue
-            if st.start_time is None:
-                self.by_pid[st.pid] = (st.run, st.rank)
-            else:
-                self.by_start[(st.pid, st.start_time)] = (st.run, st.rank)
-
-    def match(self, p: HostProcess) -> RankKey | None:
-        """The rank whose process ``p`` is, if any."""
-        if p.start_ticks is not None:
-            hit = self.by_start.get((p.ns_pid, p.start_ticks))
-            if hit is not None:
-                return hit
-        return self.by_pid.get(p.pid)
-
-
-class Owners:
-    """Which rank holds each process on a GPU: the one whose process (see
-    :class:`RankProcesses`) is the process or an ancestor of it on the host (a launcher's
-    child, a compile or DataLoader worker that touched CUDA). A process is read once (its
-    ``/proc`` entry) and kept while it is on a GPU. A process this daemon cannot read (no
-    hostPID, a sandbox) is :data:`UNRESOLVED`: neither a rank's nor a stranger's. Pids are never
-    labels: they only join NVML's process list to the pushed ranks. One instance serves the
-    page thread and the sampler's (thread-safe)."""
-
-    MAX_DEPTH = 16
-
-    def __init__(self, parent_of: Callable[[int], int | None] | None = None,
-                 read: Callable[[int], HostProcess | None] = read_process) -> None:
-        if parent_of is not None:  # a scripted process tree without namespaces
-            def read(pid: int) -> HostProcess:
-                return HostProcess(pid, pid, parent_of(pid) or 0, None)
-        self._read = read
-        self._procs: dict[int, HostProcess | None] = {}
-        self._lock = threading.Lock()
-
-    def attribute(self, snap: Snapshot, states: list[RankState]) -> tuple[
-            dict[RankKey, dict[GpuKey, float]], dict[GpuKey, tuple[int, float]]]:
-        """Bytes each (run, rank) holds per GPU, and per GPU the count and bytes of the
-        processes no rank owns (those that cannot be read left out: unknown). The processes no
-        longer on any GPU are forgotten."""
-        keys = RankProcesses(states)
-        ranks: dict[RankKey, dict[GpuKey, float]] = {}
-        others: dict[GpuKey, tuple[int, float]] = {}
-        seen: set[int] = set()
-        with self._lock:
-            for g in snap.gpus:
-                if not g.up or g.sample is None:
-                    continue
-                key = (g.identity.index, g.identity.uuid)
-                count, held, unknown = 0, 0.0, 0
-                for pid in dict.fromkeys((*g.sample.pids, *g.sample.process_memory)):
-                    used = g.sample.process_memory.get(pid, 0.0)
-                    owner = self._owner(pid, keys, seen)
-                    if owner is UNRESOLVED:
-                        unknown += 1
-                    elif owner is None:
-                        count, held = count + 1, held + used
-                    else:
-                        mine = ranks.setdefault(owner, {})
-                        mine[key] = mine.get(key, 0.0) + used
-                if not unknown or count:
-                    others[key] = (count, held)
-            self._procs = {pid: p for pid, p in self._procs.items() if pid in seen}
-        return ranks, others
-
-    def owner(self, pid: int, keys: RankProcesses) -> RankKey | None:
-        """The (run, rank) whose process is ``pid`` or an ancestor of it; :data:`UNRESOLVED`
-        where ``pid`` cannot be read."""
-        with self._lock:
-            return self._owner(pid, keys, set())
-
-    def _owner(self, pid: int, keys: RankProcesses, seen: set[int]) -> RankKey | None:
-        if pid in keys.by_pid:  # needs no /proc: a client that pushes the host's pid
-            seen.add(pid)
-            return keys.by_pid[pid]
-        for depth in range(self.MAX_DEPTH):
-            seen.add(pid)
-            if pid not in self._procs:
-                self._procs[pid] = self._read(pid)
-            p = self._procs[pid]
-            if p is None:
-                return UNRESOLVED if depth == 0 else None
-            hit = keys.match(p)
-            if hit is not None:
-                return hit
-            if p.ppid <= 1:
-                return None
-            pid = p.ppid
-        return None
-
-
-Totals = tuple[dict[tuple[str, str], dict[GpuKey, tuple[float, float]]],
-               dict[GpuKey, tuple[float, float]]]
-# who is on each GPU now: the GPUs each rank's processes are on, and the GPUs a process no
-# rank owns is on
-Here = tuple[dict[RankKey, set[GpuKey]], set[GpuKey]]
-
-
-class GpuShares:
-    """Each rank's busy seconds on each GPU, and each GPU's busy seconds that no rank owns: the
-    sampler's per-process busy counters summed by their owner (a rank's pushed pid or a
-    descendant of it, as :class:`Owners` finds it), snapshot after snapshot. A rank's counter
-    grows while the rank is live (a restarted process of it goes on counting into it); a
-    snapshot observed twice counts once, so the page thread and the history may both call
-    :meth:`observe`, and :meth:`totals` answers as of a given snapshot. A GPU whose driver gives
-    per-process samples has an unattributed counter (0 where every process is a rank's); one
-    whose driver gives none has none: never a misleading zero. Seconds: SM busy and
-    memory-bandwidth busy."""
-
-    KEEP = 4  # the totals of this many snapshots: the page may be a cycle behind the history
-
-    def __init__(self, owners: Owners | None = None) -> None:
-        self.owners = owners or Owners()
-        self._lock = threading.Lock()
-        self._cycle = -1
-        self._last: dict[tuple[GpuKey, int], tuple[float, float]] = {}  # (gpu, pid) -> totals
-        self._ranks: dict[tuple[str, str], dict[GpuKey, tuple[float, float]]] = {}
-        self._others: dict[GpuKey, tuple[float, float]] = {}
-        self._by_cycle: dict[int, tuple[Totals, Here]] = {}
-        self._here: Here = ({}, set())
-        self.unresolved: dict[GpuKey, int] = {}  # per GPU, its processes none can read
-        self.listed: dict[RankKey, set[GpuKey]] = {}  # the GPUs NVML lists a rank's processes on
-        self._warned = False
-
-    def observe(self, snap: Snapshot, states: list[RankState]) -> None:
-        """Count the busy seconds the processes added since the last snapshot observed."""
-        with self._lock:
-            if snap.cycle <= self._cycle:
-                return
-            keys = RankProcesses(states)
-            live = {(st.run, st.rank) for st in states}
-            # built aside and taken at once: a failure half-way counts nothing twice
-            ranks = {k: dict(v) for k, v in self._ranks.items() if k in live}
-            others = dict(self._others)
-            last: dict[tuple[GpuKey, int], tuple[float, float]] = {}
-            unresolved: dict[GpuKey, int] = {}
-            listed: dict[RankKey, set[GpuKey]] = {}
-            strangers: set[GpuKey] = set()
-            for g in snap.gpus:
-                key = (g.identity.index, g.identity.uuid)
-                pids = g.sample.pids if g.sample is not None else ()
-                owner_of = {pid: self.owners.owner(pid, keys)
-                            for pid in dict.fromkeys((*pids, *g.process_busy_seconds))}
-                for o in owner_of.values():
-                    if o is not None and o is not UNRESOLVED:
-                        listed.setdefault(o, set()).add(key)
-                if any(o is None for o in owner_of.values()):
-                    strangers.add(key)
-                if unknown := sum(o is UNRESOLVED for o in owner_of.values()):
-                    unresolved[key] = unknown
-                if g.sample is not None and g.sample.process_utilization is not None:
-                    if owner_of and all(o is UNRESOLVED for o in owner_of.values()):
-                        others.pop(key, None)  # no process readable: unknown, not zero
-                    else:
-                        others.setdefault(key, (0.0, 0.0))
-                for pid, busy in g.process_busy_seconds.items():
-                    now = (busy, g.process_memory_busy_seconds.get(pid, 0.0))
-                    before = self._last.get((key, pid), (0.0, 0.0))
-                    last[(key, pid)] = now
-                    added = (max(0.0, now[0] - before[0]), max(0.0, now[1] - before[1]))
-                    owner = owner_of[pid]
-                    if owner is UNRESOLVED:
-                        continue  # whose it is is unknown: never counted as a stranger's
-                    held = others if owner is None else ranks.setdefault(owner, {})
-                    was = held.get(key, (0.0, 0.0))
-                    held[key] = (was[0] + added[0], was[1] + added[1])
-            self._cycle, self._last, self._ranks, self._others = snap.cycle, last, ranks, others
-            self.unresolved, self.listed = unresolved, listed
-            if unresolved and not self._warned:
-                self._warned = True
-                log.warning("%d GPU process(es) cannot be read in /proc: their GPU shares are "
-                            "unknown. Run the daemon in the host's PID namespace (Kubernetes "
-                            "hostPID: true, docker --pid=host, compose pid: host).",
-                            sum(unresolved.values()))
-            self._here = (listed, strangers)
-            self._by_cycle[snap.cycle] = ((ranks, others), self._here)
-            for old in sorted(self._by_cycle)[:-self.KEEP]:
-                del self._by_cycle[old]
-
-    def totals(self, cycle: int | None = None) -> Totals:
-        """(run, rank) -> GPU -> (busy, memory busy) seconds, and GPU -> the same no rank
-        owns, as of snapshot ``cycle`` where it is still kept, else the latest observed."""
-        with self._lock:
-            hit = self._by_cycle.get(cycle)
-            return hit[0] if hit is not None else (self._ranks, self._others)
-
-    def here(self, cycle: int | None = None) -> Here:
-        """Who is on each GPU as of snapshot ``cycle`` (else the latest observed): a share
-        counts only while its processes are on the GPU, so one that exited leaves the
-        window with them."""
-        with self._lock:
-            hit = self._by_cycle.get(cycle)
-            return hit[1] if hit is not None else self._here
 
 
 def _escape(value: str) -> str:
@@ -436,14 +179,11 @@ MAX_SERIES_PER_RANK = sum(f.per_rank for f in FAMILIES)
 class TrainingCollector:
     """Renders every live (run, rank) the ingest holds, plus the ingest's own counters."""
 
-    def __init__(self, store: IngestStore, snapshot: Callable[[], Snapshot],
-                 owners: Owners | None = None, shares: GpuShares | None = None,
+    def __init__(self, store: IngestStore, view: Callable[[], NodeView],
                  regimes: Callable[[], dict[tuple[str, str], float]] | None = None) -> None:
         self._store = store
         self._regimes = regimes or dict  # each rank's regime start, from the history
-        self._snapshot = snapshot
-        self.shares = shares or GpuShares(owners)
-        self._owners = self.shares.owners
+        self._view = view  # the latest cycle's attribution (exporter.serving.attribution)
         self._status = CollectorStatus(True, 0.0, time.time())
         # a rank's own lines by family index, until its next push
         self._lines: dict[tuple[str, str], tuple[RankState, tuple[tuple[int, str], ...]]] = {}
@@ -466,15 +206,12 @@ class TrainingCollector:
         """The training families' exposition (text format, or OpenMetrics without ``# EOF``),
         each rank's own lines reused until its next push."""
         started = time.perf_counter()
+        # the ranks as pushed now; who holds which GPU as of the latest cycle's view
         states = sorted(self._store.states(), key=lambda s: (s.run, s.rank))
-        snap = self._snapshot()
-        gpus = GpuIndex(snap)
-        held, others = self._owners.attribute(snap, states)
-        self.shares.observe(snap, states)
-        busy, unowned = self.shares.totals(snap.cycle)
-        here = self.shares.here(snap.cycle)[0]
-        busy = {k: {g: v for g, v in gpus_.items() if g in here.get(k, ())}
-                for k, gpus_ in busy.items()}
+        view = self._view()
+        gpus, held = view.gpus, view.held
+        busy = {k: {g: v for g, v in on.items() if g in view.listed.get(k, ())}
+                for k, on in view.busy.items()}  # exported while its processes are there
         profiles = self._store.profiles.latest_done()
         regimes = self._regimes()
         chunks: list[list[str]] = [[] for _ in FAMILIES]
@@ -504,8 +241,8 @@ class TrainingCollector:
                             ("gputrain_gpu_unattributed_processes", 0)):
             chunks[INDEX[name]].extend(
                 f'{name}{{gpu="{_escape(index)}",uuid="{_escape(uuid)}"}} '
-                f"{floatToGoString(v[field])}\n" for (index, uuid), v in others.items())
-        for (index, uuid), seconds in sorted(unowned.items()):
+                f"{floatToGoString(v[field])}\n" for (index, uuid), v in view.others.items())
+        for (index, uuid), seconds in sorted(view.unowned.items()):
             for name, v in zip(("gputrain_gpu_unattributed_busy_seconds_total",
                                 "gputrain_gpu_unattributed_memory_busy_seconds_total"), seconds,
                                strict=True):
@@ -529,7 +266,7 @@ class TrainingCollector:
         self._status = CollectorStatus(True, time.perf_counter() - started, time.time())
         return "".join(out).encode()
 
-    def _rank_parts(self, st: RankState, gpus: GpuIndex, held: dict, busy: dict,
+    def _rank_parts(self, st: RankState, gpus: GpuIndex, held: Mapping, busy: Mapping,
                     profiles: dict, cache: dict) -> list[tuple[int, str]]:
         """One rank's lines by family index; raises when they cannot be written (a string
         UTF-8 cannot encode)."""
