@@ -215,8 +215,6 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
         backend = DemoBackend(settings["demo.gpus"], settings["demo.load"],
                               memory_fault=settings["demo.memory-fault"],
                               foreign_load=settings["demo.foreign-load"])
-        if store is not None:
-            backend.follow(store.states)  # the laptop tour: training on the CPU uses a GPU
     else:
         backend = NvmlBackend()
     host = host_collectors(settings.collectors, settings.values)
@@ -232,6 +230,9 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     views = Attribution(Owners(read=backend.host_process) if isinstance(backend, DemoBackend)
                         else None, snapshot=sampler.snapshot)
     views.follow(sampler, store)
+    if isinstance(backend, DemoBackend) and store is not None:
+        # the laptop tour: training on the CPU uses a demo GPU, as the last cycle saw it
+        backend.follow(lambda: views.latest.states)
     history = History(settings["status.window"], peaks=peaks, instance=socket.gethostname(),
                       interval=settings["sampler.interval"])
     status = StatusView(history, thresholds, lambda: sampler.gpu_error, backend.name,

@@ -826,6 +826,21 @@ class NvmlBackend:
         self.nvml.shutdown()  # after the calls still in flight (the Xid wait, a slow GPU)
 
 
+class TrainingProcess(Protocol):
+    """What the demo GPUs read of a rank that pushes to the daemon (the ingest's rank state
+    has these): who it is, its process, the GPUs it names and its step counters."""
+
+    run: str
+    rank: str
+    run_id: str
+    pid: int | None
+    start_time: int | None
+    gpus: tuple[str, ...]
+    step_seconds: float
+    data_wait_seconds: float
+    received_at: float
+
+
 class DemoBackend:
     """Simulated H100 SXM GPUs whose load moves over time (or is pinned with ``load``).
 
@@ -862,22 +877,22 @@ class DemoBackend:
         self._nvlink: dict[str, list[float]] = {}
         self.memory_fault = memory_fault  # the last GPU: an uncorrectable error, a remap pending
         self._host = host or socket.gethostname()  # demo UUIDs differ between nodes
-        self._ranks: Callable[[], Iterable[Any]] | None = None
+        self._ranks: Callable[[], Iterable[TrainingProcess]] | None = None
         self._rates: dict[tuple, tuple[float, float, float]] = {}  # rank -> (at, compute, busy)
         self._work: tuple[float, dict[str, dict[int, float]]] = (-1.0, {})
         self._work_lock = threading.Lock()
         self._host_pids: dict[tuple[int, int], int] = {}  # (pushed pid, start) -> host pid
 
-    def follow(self, ranks: Callable[[], Iterable[Any]]) -> None:
+    def follow(self, ranks: Callable[[], Iterable[TrainingProcess]]) -> None:
         """Attach the training processes that push to this daemon to demo GPUs, as NVML
         lists a process on the GPU it uses, and let each such GPU's load follow its ranks.
 
-        ``ranks`` returns the ingest's live rank states. A rank that names demo GPUs (index
-        or UUID) uses those; any other rank with a pid uses GPU ``rank % gpus`` (rank 0 on
-        GPU 0). The load is the share of wall time the rank spent in steps but not waiting
-        for data, from its last two pushes; a rank that stopped pushing leaves its GPU idle
-        but held. A GPU's load is its processes' shares added up (at most 1); a pinned
-        ``load`` still wins, the shares then scaled to it."""
+        ``ranks`` returns the ranks as of the daemon's last cycle (its node view's). A rank
+        that names demo GPUs (index or UUID) uses those; any other rank with a pid uses GPU
+        ``rank % gpus`` (rank 0 on GPU 0). The load is the share of wall time the rank spent
+        in steps but not waiting for data, from its last two pushes; a rank that stopped
+        pushing leaves its GPU idle but held. A GPU's load is its processes' shares added up
+        (at most 1); a pinned ``load`` still wins, the shares then scaled to it."""
         self._ranks = ranks
         # what a rank may name a demo GPU by -> its index
         self._refs = {**{str(i): str(i) for i in range(self.gpus)},
@@ -918,7 +933,7 @@ class DemoBackend:
                     mine = [str(n % self.gpus)]
                 key = (st.run, st.rank, st.run_id)
                 rates[key] = share = self._busy_share(key, st, now)
-                pid = self._host_pid(st)
+                pid = self._host_pid(st.pid, st.start_time)
                 for index in mine:
                     on = work.setdefault(index, {})
                     on[pid] = on.get(pid, 0.0) + share[2] / len(mine)
@@ -928,13 +943,13 @@ class DemoBackend:
             self._work = (now, work)
             return work
 
-    def _host_pid(self, st: Any) -> int:
+    def _host_pid(self, pid: int, start_time: int | None) -> int:
         """The pid NVML would list for a rank: the host's, found from the pid the rank pushed
         (its own, inside its PID namespace) and its start time; the pushed pid where the
         host process cannot be found (no start time pushed, or not on this /proc)."""
-        if st.start_time is None:
-            return int(st.pid)
-        ref = (int(st.pid), int(st.start_time))
+        if start_time is None:
+            return int(pid)
+        ref = (int(pid), int(start_time))
         if ref not in self._host_pids:
             found = find_host_pid(*ref)
             if found is None:
@@ -949,7 +964,8 @@ class DemoBackend:
             return HostProcess(pid, pid, 0, None)
         return read_process(pid)
 
-    def _busy_share(self, key: tuple, st: Any, now: float) -> tuple[float, float, float]:
+    def _busy_share(self, key: tuple, st: TrainingProcess, now: float) -> \
+            tuple[float, float, float]:
         compute = max(0.0, st.step_seconds - st.data_wait_seconds)
         prev = self._rates.get(key)
         if now - st.received_at > 15.0:  # three push intervals of silence: stopped
