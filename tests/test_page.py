@@ -367,3 +367,50 @@ def test_the_bound_per_rank_counts_every_family_a_rank_writes(clock):
             assert f.per_rank >= 1, f"{f.name} is a rank's family: give it per_rank"
         elif "rank" not in f.labels:
             assert f.per_rank == 0, f"{f.name} is no rank's: per_rank=0"
+
+
+def test_the_page_and_the_status_history_read_one_join_per_cycle():
+    """Who holds which GPU is joined once per sampler cycle, and /metrics and the status
+    document show that one join: the page's and the document's GPUs of a rank are the same,
+    pushes between cycles included. The near miss: a process NVML lists only from the next
+    cycle on is on neither until that cycle."""
+    from exporter.heuristics.rules import DEFAULTS
+    from exporter.serving.history import History
+    from exporter.serving.status import StatusView
+
+    clock = FakeClock()
+    gpus = [FakeGpu(uuid="GPU-00000000-aaaa-bbbb-cccc-000000000000", processes=[(4242, 2**30)]),
+            FakeGpu(uuid="GPU-11111111-aaaa-bbbb-cccc-111111111111", bus_id="00000000:28:00.0")]
+    sampler = Sampler(NvmlBackend(Nvml(FakeDriver(gpus, clock=clock).binding), clock=clock),
+                      None, clock=clock)
+    store = IngestStore(clock=clock)
+    views = Attribution(Owners(scripted), snapshot=sampler.snapshot)
+    views.follow(sampler, store)
+    history = History(window=60.0, point_seconds=1.0, instance="n1")
+    views.listeners.append(history.observe)
+    app = Exposition(sampler, store, clock=clock, views=views)
+    status = StatusView(history, DEFAULTS["thresholds"], backend="nvml")
+
+    def page_gpus(rank: str) -> set[str]:
+        text = app.render()[0].decode()
+        return {line.split('gpu="')[1].split('"')[0] for line in text.splitlines()
+                if line.startswith("gputrain_training_gpu_info{") and f'rank="{rank}"' in line}
+
+    def doc_gpus(rank: str) -> set[str]:
+        return {g["gpu"] for run in status.document()["runs"] for r in run["ranks"]
+                if r["rank"] == rank for g in r["gpus"]}
+
+    for k in range(3):
+        push(store, rank="0", steps=10 + k, process={"pid": 4242})  # NVML lists it on GPU 0
+        push(store, rank="1", steps=10 + k, process={"pid": 777})  # on no GPU yet
+        sampler.run_once()
+        clock.advance(1.0)
+    for k in range(3):  # pushes between cycles: the page is rebuilt from the same join
+        push(store, rank="0", steps=20 + k, process={"pid": 4242})
+        assert page_gpus("0") == {"0"}
+    assert page_gpus("0") == doc_gpus("0") == {"0"}
+    assert page_gpus("1") == doc_gpus("1") == set()
+    gpus[1].processes = [(777, 2**29)]  # rank 1 starts on GPU 1: seen from the next cycle
+    assert page_gpus("1") == set()
+    sampler.run_once()
+    assert page_gpus("1") == doc_gpus("1") == {"1"}
