@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from exporter.client import DEFAULT_BUCKETS
 from exporter.client.cgroup import CgroupCpu
 from exporter.client.process_tree import ProcessTree
+from exporter.heuristics.stalls import slow_step_seconds
 from exporter.protocol import SCHEMA_VERSION
 from exporter.serving.ingest import parse_push
-from exporter.serving.stalls import slow_step_seconds
 
 
 def per_call(fn, n: int) -> float:

@@ -9,13 +9,13 @@ import json
 import pytest
 
 from exporter.heuristics.rules import DEFAULTS
+from exporter.heuristics.stalls import slow_step_count, slow_step_seconds
 from exporter.heuristics.verdict import judge
 from exporter.protocol import SCHEMA_VERSION
 from exporter.reading.sampler import Snapshot
 from exporter.serving.attribution import Attribution
 from exporter.serving.history import History
 from exporter.serving.ingest import IngestStore
-from exporter.serving.stalls import slow_step_count, slow_step_seconds
 from exporter.serving.training import _rank_lines
 
 T = DEFAULTS["thresholds"]

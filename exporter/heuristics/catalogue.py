@@ -44,9 +44,9 @@ from exporter.heuristics.readings import (
     percent,
     stale_collectors,
 )
+from exporter.heuristics.stalls import SLOW_STEP_FACTOR
 from exporter.protocol import DEFAULT_METRICS_PORT, OUTSIDE_STEP_PHASES
 from exporter.reading.sampler import LOST_GPU_RETRY_SECONDS
-from exporter.serving.stalls import SLOW_STEP_FACTOR
 
 
 @dataclass(frozen=True)

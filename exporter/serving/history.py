@@ -41,12 +41,12 @@ from exporter.heuristics.regime import (
     moved,
     short_window,
 )
+from exporter.heuristics.stalls import histogram_quantile
 from exporter.protocol import OUTSIDE_STEP_PHASES
 from exporter.reading.peak_flops import PeakTable
 from exporter.reading.sampler import GpuState, Snapshot
 from exporter.serving.attribution import NodeView, resolve_gpus
 from exporter.serving.ingest import RankState
-from exporter.serving.stalls import histogram_quantile
 
 WINDOW_SECONDS = window_seconds("rate")  # the recording rules' ratios
 POINT_SECONDS = 10.0  # a ratio over the window is exact to its end; its start may be this late
@@ -106,7 +106,7 @@ class _RankPoint(NamedTuple):
     phases: dict[str, float]
     buckets: tuple[int, ...]
     epoch: int  # buckets of points of one epoch share their bounds
-    slow: float  # seconds in steps far above the median (exporter.serving.stalls)
+    slow: float  # seconds in steps far above the median (exporter.heuristics.stalls)
     cpu: float | None  # the process tree's CPU seconds, and its cgroup's throttled seconds
     throttled: float | None
     slow_steps: float = 0.0  # how many steps were far above the median

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
+from exporter.heuristics.stalls import slow_step_count, slow_step_seconds
 from exporter.protocol import (
     CLOCK_TOLERANCE_SECONDS,
     DEFAULT_PRECISION,
@@ -42,7 +43,6 @@ from exporter.protocol import (
     read_scalars,
 )
 from exporter.serving.profiles import ProfileBoard, parse_report, parse_stacks_report
-from exporter.serving.stalls import slow_step_count, slow_step_seconds
 
 MAX_CAPABILITIES = 8
 GOODBYE_GRACE_SECONDS = 60.0  # a finished rank's final totals stay this long, for one more scrape
@@ -87,7 +87,7 @@ class RankState:
     bucket_counts: tuple[int, ...] = ()
     phases: dict[str, float] = field(default_factory=dict)
     # seconds of its process's steps over SLOW_STEP_FACTOR times its median (the daemon's
-    # count from the pushed buckets: see exporter.serving.stalls)
+    # count from the pushed buckets: see exporter.heuristics.stalls)
     slow_step_seconds: float = 0.0
     slow_steps: float = 0.0  # ... and how many steps they were
     # the DataLoader's worker processes, where the client wraps one (its batches come in

@@ -23,11 +23,11 @@ from prometheus_client.core import (
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
+from exporter.heuristics.stalls import SLOW_STEP_FACTOR
 from exporter.protocol import MAX_BUCKETS, MAX_GPUS, MAX_PHASES
 from exporter.reading.sampler import CollectorStatus
 from exporter.serving.attribution import GpuIndex, NodeView, resolve_gpus
 from exporter.serving.ingest import IngestStore, RankState
-from exporter.serving.stalls import SLOW_STEP_FACTOR
 
 log = logging.getLogger(__name__)
 
