@@ -411,7 +411,7 @@ def test_at_the_cap_the_address_holding_the_most_makes_room(limited_daemon):
     """Two addresses fill the web port's connections (256 with 1,024 descriptors) with
     unfinished headers; a scrape from a third is served: the heaviest address's oldest
     connection makes room."""
-    from exporter.serving.server import connection_caps
+    from exporter.serving.connections import connection_caps
 
     d = limited_daemon
     per_port, per_address = connection_caps(1024)

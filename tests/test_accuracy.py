@@ -426,7 +426,8 @@ def test_flush_waits_for_the_totals_it_was_called_with():
     page is built a moment later, off the request path)."""
     from exporter.reading.sampler import Sampler
     from exporter.serving.ingest import IngestStore
-    from exporter.serving.server import IngestSite, make_server, serve_in_thread
+    from exporter.serving.routes import IngestSite
+    from exporter.serving.server import make_server, serve_in_thread
 
     store = IngestStore()
     server = make_server("127.0.0.1", 0, IngestSite, store, Sampler(None).healthy)

@@ -17,7 +17,8 @@ from exporter.reading.gpu_backends import DemoBackend
 from exporter.reading.gpu_metrics import H100_IDLE_WATTS
 from exporter.reading.sampler import Sampler
 from exporter.serving.exposition import Exposition
-from exporter.serving.server import WebSite, make_server, serve_in_thread
+from exporter.serving.routes import WebSite
+from exporter.serving.server import make_server, serve_in_thread
 
 CONTRACT_GPU_METRICS = [
     "gputrain_gpu_info", "gputrain_gpu_up", "gputrain_gpu_utilization_ratio",

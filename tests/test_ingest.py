@@ -17,7 +17,8 @@ from exporter.reading.gpu_backends import DemoBackend
 from exporter.reading.sampler import Sampler
 from exporter.serving.exposition import Exposition
 from exporter.serving.ingest import IngestStore
-from exporter.serving.server import IngestSite, make_server, serve_in_thread
+from exporter.serving.routes import IngestSite
+from exporter.serving.server import make_server, serve_in_thread
 from exporter.serving.training import TrainingCollector
 
 TOKEN = "s3cret-token-0123456789"

@@ -107,10 +107,14 @@ def test_a_tree_with_a_process_whose_pss_cannot_be_read_pushes_rss_alone(tmp_pat
 
 def test_a_worker_that_exits_between_the_walk_and_its_rollup_is_no_gap(tmp_path):
     trainer_and_worker(tmp_path)
-    tree = ProcessTree(100, proc=str(tmp_path))
-    pids = tree._read_proc()
-    shutil.rmtree(tmp_path / "101")  # gone: its memory went with it
-    assert tree._read_pss(pids) == 2.25 * GIB
+
+    def clock() -> float:  # a read looks at its clock after the walk, before the rollups
+        shutil.rmtree(tmp_path / "101", ignore_errors=True)  # gone: its memory went with it
+        return 0.0
+
+    reading = ProcessTree(100, proc=str(tmp_path), clock=clock).read()
+    assert reading["proportional_memory_bytes"] == 2.25 * GIB
+    assert reading["resident_memory_bytes"] == (786432 + 327680) * PAGE_SIZE  # walked: both
 
 
 def test_pss_is_read_at_most_once_a_minute_and_pushed_between_reads(tmp_path):

@@ -19,7 +19,8 @@ from exporter.reading.gpu_backends import DemoBackend
 from exporter.reading.sampler import Sampler
 from exporter.serving.exposition import Exposition
 from exporter.serving.ingest import IngestStore
-from exporter.serving.server import WebSite, make_server, serve_in_thread
+from exporter.serving.routes import WebSite
+from exporter.serving.server import make_server, serve_in_thread
 
 TEXT = "text/plain; version=0.0.4; charset=utf-8"
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
@@ -449,7 +450,7 @@ def test_many_addresses_holding_one_slow_connection_each_cannot_blind_either_por
 
 
 def test_ipv6_addresses_of_one_64_count_as_one_client():
-    from exporter.serving.server import client_key
+    from exporter.serving.connections import client_key
 
     assert client_key("2001:db8:1:2::1") == client_key("2001:db8:1:2:ffff:ffff:ffff:fffe")
     assert client_key("2001:db8:1:2::1") != client_key("2001:db8:1:3::1")  # the near miss

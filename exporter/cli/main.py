@@ -173,16 +173,15 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     from exporter.reading.peak_flops import PeakTable
     from exporter.reading.sampler import Sampler
     from exporter.serving.attribution import Attribution, Owners
+    from exporter.serving.connections import raise_descriptor_limit
     from exporter.serving.exposition import Exposition
     from exporter.serving.history import History
     from exporter.serving.ingest import IngestStore
+    from exporter.serving.routes import IngestSite, WebSite
     from exporter.serving.server import (
         GC_YOUNG_THRESHOLD,
         GIL_SWITCH_SECONDS,
-        IngestSite,
-        WebSite,
         make_server,
-        raise_descriptor_limit,
         serve_in_thread,
     )
     from exporter.serving.status import StatusView

@@ -15,8 +15,10 @@ from exporter.client.monitor import (
     DEFAULT_BUCKETS,
     OUTSIDE_STEP_PHASES,
     HookTimer,
+    Integration,
     TrainingMonitor,
     batch_len,
 )
 
-__all__ = ["DEFAULT_BUCKETS", "OUTSIDE_STEP_PHASES", "HookTimer", "TrainingMonitor", "batch_len"]
+__all__ = ["DEFAULT_BUCKETS", "OUTSIDE_STEP_PHASES", "HookTimer", "Integration",
+           "TrainingMonitor", "batch_len"]

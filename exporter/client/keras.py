@@ -10,7 +10,7 @@ from typing import Any
 
 import keras
 
-from exporter.client.monitor import HookTimer, TrainingMonitor
+from exporter.client.monitor import Integration, TrainingMonitor
 
 log = logging.getLogger("exporter.client")
 
@@ -18,7 +18,7 @@ log = logging.getLogger("exporter.client")
 _CHECKPOINT_HOOKS = ("on_train_batch_end", "on_epoch_end")
 
 
-class GpuTrainCallback(keras.callbacks.Callback):
+class GpuTrainCallback(Integration, keras.callbacks.Callback):
     """Measures step time, data wait and samples of ``model.fit``.
 
     - Data wait is the fetch: the time from the end of one batch's callbacks (all of them) to
@@ -37,25 +37,11 @@ class GpuTrainCallback(keras.callbacks.Callback):
 
     def __init__(self, batch_size: int, monitor: TrainingMonitor | None = None,
                  **monitor_kwargs: Any) -> None:
-        super().__init__()
+        super().__init__(monitor, **monitor_kwargs)
         self.batch_size = batch_size
-        self.monitor = monitor
-        self._kwargs = monitor_kwargs
-        self._hooks: HookTimer | None = None
         self._training = False
         self._wrapped: list[tuple[Any, str]] = []  # (object, method name) to restore
         self._begin_step = 0
-
-    def _timer(self) -> HookTimer:
-        """The step timer: from the start of training on."""
-        if self._hooks is None:
-            raise RuntimeError("gputrain: a training hook ran before on_train_begin")
-        return self._hooks
-
-    def _monitor(self) -> TrainingMonitor:
-        if self.monitor is None:
-            raise RuntimeError("gputrain: a training hook ran before on_train_begin")
-        return self.monitor
 
     # -- fit's CallbackList, wrapped -----------------------------------------------------------
 
@@ -107,9 +93,8 @@ class GpuTrainCallback(keras.callbacks.Callback):
     # -- Keras hooks ---------------------------------------------------------------------------
 
     def on_train_begin(self, logs: Any = None) -> None:
-        if self.monitor is None:
-            self.monitor = TrainingMonitor(**self._kwargs)
-        self._hooks = HookTimer(self.monitor)
+        self._start_monitor()
+        self._start_timer()
         self._training = True
         # fit calls this from CallbackList.on_train_begin: that list is the one to time
         caller = sys._getframe(1).f_locals.get("self")
@@ -143,5 +128,4 @@ class GpuTrainCallback(keras.callbacks.Callback):
     def on_train_end(self, logs: Any = None) -> None:
         self._training = False
         self._unwrap()
-        if self.monitor is not None:
-            self.monitor.close()
+        self._close()

@@ -10,7 +10,7 @@ try:
 except ImportError:  # the older package name
     from pytorch_lightning.callbacks import Callback  # type: ignore[assignment]
 
-from exporter.client.monitor import TrainingMonitor, batch_len
+from exporter.client.monitor import Integration, TrainingMonitor, batch_len
 
 # The profiler actions Lightning itself wraps around the training fetch and a checkpoint save
 FETCH_ACTION = "[_TrainingEpochLoop].train_dataloader_next"
@@ -73,7 +73,7 @@ class _Action:
         self._profiler.stop(self._name)
 
 
-class GpuTrainCallback(Callback):
+class GpuTrainCallback(Integration, Callback):
     """Measures step time, data wait and samples of ``Trainer.fit``.
 
     - Data wait is the fetch itself: the action ``train_dataloader_next`` that Lightning wraps
@@ -88,25 +88,18 @@ class GpuTrainCallback(Callback):
     arguments go to :class:`TrainingMonitor` (the rank defaults to ``trainer.global_rank``).
     """
 
+    _begins = "setup"
+
     def __init__(self, batch_size: int | None = None, monitor: TrainingMonitor | None = None,
                  **monitor_kwargs: Any) -> None:
-        super().__init__()
+        super().__init__(monitor, **monitor_kwargs)
         self.batch_size = batch_size
-        self.monitor = monitor
-        self._kwargs = monitor_kwargs
         self._profiler: _TimingProfiler | None = None
 
-    def _monitor(self) -> TrainingMonitor:
-        if self.monitor is None:
-            raise RuntimeError("gputrain: a training hook ran before setup")
-        return self.monitor
-
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if self.monitor is None:
-            self._kwargs.setdefault("rank", trainer.global_rank)
-            self.monitor = TrainingMonitor(**self._kwargs)
+        monitor = self._start_monitor(rank=trainer.global_rank)
         if stage == "fit" and self._profiler is None:
-            self._profiler = _TimingProfiler(trainer.profiler, self.monitor)
+            self._profiler = _TimingProfiler(trainer.profiler, monitor)
             trainer.profiler = self._profiler
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -134,5 +127,5 @@ class GpuTrainCallback(Callback):
         if self._profiler is not None and trainer.profiler is self._profiler:
             trainer.profiler = self._profiler._inner  # the trainer's own, for its summary
         self._profiler = None
-        if self.monitor is not None and stage == "fit":
-            self.monitor.close()
+        if stage == "fit":
+            self._close()

@@ -694,3 +694,46 @@ class HookTimer:
         if m._outside_depth == 0:
             m._open_phase = None  # before the total grows: a push never counts it twice
         m._add_phase(name, now - start, m.phase(name)._outside)
+
+
+class Integration:
+    """What every framework callback holds, mixed in before the framework's own base class:
+    the monitor (given, or made from the callback's keyword arguments when training begins)
+    and, for a framework that announces batches through hooks, its :class:`HookTimer`."""
+
+    # the hook that makes the monitor, named in the error of a hook that runs before it
+    _begins = "on_train_begin"
+
+    def __init__(self, monitor: TrainingMonitor | None = None, **monitor_kwargs: Any) -> None:
+        super().__init__()
+        self.monitor = monitor
+        self._kwargs = monitor_kwargs
+        self._hooks: HookTimer | None = None
+
+    def _start_monitor(self, **defaults: Any) -> TrainingMonitor:
+        """The monitor, made now unless one was given; ``defaults`` fill in keyword arguments
+        the user left out (the framework's rank)."""
+        if self.monitor is None:
+            self.monitor = TrainingMonitor(**{**defaults, **self._kwargs})
+        return self.monitor
+
+    def _start_timer(self) -> HookTimer:
+        """A step timer from now on (training begins)."""
+        self._hooks = HookTimer(self._monitor())
+        return self._hooks
+
+    def _monitor(self) -> TrainingMonitor:
+        if self.monitor is None:
+            raise RuntimeError(f"gputrain: a training hook ran before {self._begins}")
+        return self.monitor
+
+    def _timer(self) -> HookTimer:
+        """The step timer: from the start of training on."""
+        if self._hooks is None:
+            raise RuntimeError(f"gputrain: a training hook ran before {self._begins}")
+        return self._hooks
+
+    def _close(self) -> None:
+        """Training has ended: the final push."""
+        if self.monitor is not None:
+            self.monitor.close()

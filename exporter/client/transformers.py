@@ -6,10 +6,10 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from exporter.client.monitor import HookTimer, TrainingMonitor
+from exporter.client.monitor import Integration, TrainingMonitor
 
 
-class GpuTrainCallback(TrainerCallback):
+class GpuTrainCallback(Integration, TrainerCallback):
     """Measures optimizer steps of ``Trainer.train``.
 
     - Data wait is the fetch: the Trainer takes all of a step's micro-batches from its
@@ -28,26 +28,16 @@ class GpuTrainCallback(TrainerCallback):
     """
 
     def __init__(self, monitor: TrainingMonitor | None = None, **monitor_kwargs: Any) -> None:
-        self.monitor = monitor
-        self._kwargs = monitor_kwargs
-        self._hooks: HookTimer | None = None
+        super().__init__(monitor, **monitor_kwargs)
         self._samples = 0
         self._eval_since: float | None = None  # the mark before the evaluation now running
 
-    def _timer(self) -> HookTimer:
-        """The step timer: from the start of training on."""
-        if self._hooks is None:
-            raise RuntimeError("gputrain: a training hook ran before on_train_begin")
-        return self._hooks
-
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.monitor is None:
-            self._kwargs.setdefault("rank", args.process_index)
-            self.monitor = TrainingMonitor(**self._kwargs)
-        self._hooks = HookTimer(self.monitor)
+        monitor = self._start_monitor(rank=args.process_index)
+        self._start_timer()
         self._samples = args.per_device_train_batch_size * args.gradient_accumulation_steps
         # accelerate has wrapped the model in DDP by now (in a process group): its gradient sync
-        self.monitor.watch_communication(kwargs.get("model"))
+        monitor.watch_communication(kwargs.get("model"))
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._timer().epoch_start()
@@ -85,5 +75,4 @@ class GpuTrainCallback(TrainerCallback):
             self._hooks.phase_since_mark("checkpoint")
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.monitor is not None:
-            self.monitor.close()
+        self._close()
