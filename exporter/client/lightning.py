@@ -109,7 +109,7 @@ class GpuTrainCallback(Integration, Callback):
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._monitor().new_epoch()
-        self._monitor()._note_loader(getattr(trainer, "train_dataloader", None))
+        self._monitor().note_loader(getattr(trainer, "train_dataloader", None))
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

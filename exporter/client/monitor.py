@@ -353,7 +353,7 @@ class TrainingMonitor:
         phase ``dataloader_start``, outside any step. A DataLoader's ``num_workers`` is pushed
         (its batches come in groups of that many). Samples are ``batch_size`` or
         ``batch_len(batch)``. :meth:`new_epoch` applies inside."""
-        self._note_loader(iterable)
+        self.note_loader(iterable)
         start = self.phase("dataloader_start")
         with start:
             it = iter(iterable)
@@ -397,9 +397,10 @@ class TrainingMonitor:
                 self._wrap_samples = None
                 done(n, now)
 
-    def _note_loader(self, loader: object) -> None:
-        """Keep a torch DataLoader's ``num_workers`` to push (a framework's combined loader:
-        its first DataLoader's); anything else is left unstated."""
+    def note_loader(self, loader: object) -> None:
+        """Push ``loader``'s ``num_workers`` (a torch DataLoader's; a framework's combined
+        loader: its first DataLoader's); anything else is left unstated. :meth:`wrap` does it
+        for the loader it wraps."""
         for candidate in (loader, *(getattr(loader, "flattened", None) or ())):
             workers = getattr(candidate, "num_workers", None)
             if isinstance(workers, int) and not isinstance(workers, bool) and workers >= 0:
