@@ -18,13 +18,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from exporter.heuristics.catalogue import (
-    CPUPreprocessingBound,
-    CPUQuotaBound,
-    DiskIOBound,
-    InputBound,
-    NetworkInputBound,
-)
+from exporter.reading.collectors import COLLECTORS
 
 ROOT = Path(__file__).resolve().parent.parent
 # The environment under test: its interpreter is sys.executable and its scripts sit beside it
@@ -52,17 +46,13 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
-# A run that waits on its data loader is judged input-bound, or, where the machine's host
-# readings make a refinement of it true (saturated CPUs, a busy disk or NIC: a loaded CI
-# machine), that refinement, with input-bound beside it.
-DATA_WAIT_VERDICTS = tuple(e.verdict for e in (InputBound, CPUPreprocessingBound, DiskIOBound,
-                                                NetworkInputBound, CPUQuotaBound))
-
-
-def names_the_data_wait(verdict: str | None, also: list[str]) -> bool:
-    """The verdict (and the findings beside it) say the run waits on its data."""
-    return verdict == InputBound.verdict or (verdict in DATA_WAIT_VERDICTS
-                                             and InputBound.verdict in also)
+# The daemon's flags that turn its host collectors off (cpu, memory, disk, network). A test that
+# asserts a run's verdict runs its daemon with them: the verdict is then the run's alone, never
+# refined by the load of the machine the test runs on (saturated CPUs or a busy disk on a loaded
+# CI machine rightly make input-bound "cpu-preprocessing" or "disk-io"). The refinements
+# themselves are judged on scripted host readings (test_agreement.py, rule_cases.py).
+NO_HOST = tuple(f"--no-collector.{name}" for name, entry in COLLECTORS.items()
+                if entry.host is not None and entry.default)
 
 
 _PORTS_GIVEN: set[int] = set()
@@ -125,9 +115,12 @@ def wait_until(predicate, timeout: float = 30.0, interval: float = 0.2, what: st
 class Daemon:
     """The exporter as a user runs it: `python -m exporter ...` in a subprocess."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None,
+                 ingest_port: int | None = None) -> None:
+        """``ingest_port``: take pushes where another daemon took them (one that was
+        killed), so its clients find this one; by default a free port."""
         self.port = free_port()
-        self.ingest_port = free_port()
+        self.ingest_port = ingest_port or free_port()
         self.args = [
             sys.executable, "-m", "exporter",
             f"--web.listen-address=127.0.0.1:{self.port}",
@@ -196,8 +189,9 @@ class Daemon:
 def daemon_factory() -> Iterator:
     started: list[Daemon] = []
 
-    def make(*args: str, env: dict[str, str] | None = None, start: bool = True) -> Daemon:
-        d = Daemon(*args, env=env)
+    def make(*args: str, env: dict[str, str] | None = None, start: bool = True,
+             ingest_port: int | None = None) -> Daemon:
+        d = Daemon(*args, env=env, ingest_port=ingest_port)
         started.append(d)
         return d.start() if start else d
 

@@ -11,13 +11,13 @@ import sys
 import pytest
 import yaml
 from conftest import (
+    NO_HOST,
     ROOT,
     Alertmanager,
     Daemon,
     Prometheus,
     Webhook,
     free_port,
-    names_the_data_wait,
     rules_file,
     stop_all,
     synthetic_client,
@@ -30,9 +30,10 @@ def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stack")
     started: list = []
     try:
-        idle = Daemon("--gpu.backend=demo", "--demo.gpus=2", "--demo.load=0").start()
+        # the host collectors off: the machine's own load cannot refine the verdicts
+        idle = Daemon("--gpu.backend=demo", "--demo.gpus=2", "--demo.load=0", *NO_HOST).start()
         started.append(idle)
-        busy = Daemon("--gpu.backend=demo", "--demo.gpus=2", "--demo.load=1").start()
+        busy = Daemon("--gpu.backend=demo", "--demo.gpus=2", "--demo.load=1", *NO_HOST).start()
         started.append(busy)
         started.append(synthetic_client("starved", idle.ingest_url, "--batch-size", "16",
                                         "--data-wait-ms", "30", "--compute-ms", "10"))
@@ -110,14 +111,13 @@ def test_diagnose_names_the_input_bound_run_and_exits_1(stack):
 
     reports = wait_until(settled, timeout=60, what="diagnose to judge both runs")
     starved, fed = reports["starved"], reports["fed"]
-    assert starved["bottleneck"] and names_the_data_wait(
-        starved["verdict"], [a["name"] for a in starved["also"]]), starved
+    assert starved["bottleneck"] and starved["verdict"] == "input-bound", starved
     assert 0.6 < starved["data_wait_ratio"] < 0.9  # 30 ms of each 40 ms step
     assert 150 < starved["samples_per_second"] < 420  # 16 samples per step of 40 ms or more
     assert [g["gpu"] for g in starved["gpus"]] == ["0"]
     assert starved["gpus"][0]["busy"] < 0.05
-    assert "num_workers" in starved["advice"] or "augmentation" in starved["advice"]
-    assert not fed["bottleneck"] and fed["verdict"] == "gpu-bound"
+    assert "num_workers" in starved["advice"]
+    assert not fed["bottleneck"] and fed["verdict"] == "gpu-bound", fed
     assert fed["gpus"][0]["busy"] > 0.95
 
 
