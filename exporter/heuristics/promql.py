@@ -1,6 +1,7 @@
 """The PromQL the heuristics are written in: the labels rules group and join by, the recording
-rules (each reading of :mod:`exporter.heuristics.readings` as a series), and the context an
-alert's condition is written with (:class:`Q`).
+rules (each reading of :data:`exporter.heuristics.readings.READINGS` as a series, from its
+row's template, and the series beside them that are no reading), and the context an alert's
+condition is written with (:class:`Q`).
 
 Every range comes from :data:`~exporter.heuristics.readings.WINDOWS`; ``diagnose`` asks for the
 same expressions over another rate window (``recording_rules(..., rate="15m")``) rather than
@@ -198,8 +199,9 @@ def recording(s: str, ids: Identity, r: str = WINDOWS["rate"]) -> list[dict]:
 
 
 def _in_order(rules: list[dict]) -> list[dict]:
-    """``rules`` in their order, each rule moved up behind the rules whose series it reads
-    (a group evaluates its rules in turn: one read before it is recorded is a cycle old)."""
+    """``rules`` in their order, but a rule that reads another's series moves that rule ahead
+    of itself (a group evaluates its rules in turn: one read before it is recorded is a cycle
+    old); ValueError on rules that read each other."""
     by_name = {rule["record"]: rule for rule in rules}
     named = re.compile("(?<![\\w:])(" + "|".join(map(re.escape, by_name)) + ")(?![\\w:])")
     out: dict[str, dict] = {}
@@ -237,10 +239,10 @@ def _fragments(s: str, ids: Identity, w: str) -> dict[str, str]:
     # would go negative count 0
     return {"s": s, "w": w, "rank": rank, "gpu": ids.gpu, "node": ids.node, "run": ids.run,
             "run_gpu": ids.run_gpu, "wall": wall, "steps": steps, "wait": wait,
-            "in_step_phases": phases(IN_STEP), "all_phases": phases("phase!=''"),
+            "all_phases": phases("phase!=''"),
             "productive": f"clamp_min({steps} - {wait} - {phases(IN_STEP)}, 0)",
             "outside_steps": f"clamp_min({wall} - {steps} - {phases(OUTSIDE_STEP)}, 0)",
-            "in_step": IN_STEP, "throttle_reasons": "|".join(THROTTLE_REASONS),
+            "throttle_reasons": "|".join(THROTTLE_REASONS),
             "data_wait_cause": DATA_WAIT_CAUSE, "outside_steps_cause": OUTSIDE_STEPS_CAUSE}
 
 
