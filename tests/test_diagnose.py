@@ -269,6 +269,37 @@ def test_every_recorded_series_diagnose_falls_back_to_is_a_shipped_recording_rul
     assert set(RECORDED.values()) <= set(recording_rules(DEFAULTS["selector"]))
 
 
+def test_each_reading_of_the_table_is_a_rule_a_field_and_a_query():
+    """Issue 36: a reading is one row of readings.READINGS; its recording rule, the report
+    field it fills and diagnose's raw and recorded queries of it all follow from that row."""
+    from dataclasses import fields
+
+    from exporter.heuristics.diagnose import HOST_READINGS, queries, recorded_queries
+    from exporter.heuristics.promql import inline, recording_rules
+    from exporter.heuristics.readings import READINGS, WINDOWS, GpuReading, RankReport
+
+    s = DEFAULTS["selector"]
+    rules, raw, recorded = recording_rules(s), queries(s, "5m"), recorded_queries(s)
+    slots = {"rank": {f.name for f in fields(RankReport)},
+             "rank_gpu": {f.name for f in fields(GpuReading)},
+             "run_gpu": {f.name for f in fields(GpuReading)}, "node": set(HOST_READINGS)}
+    assert len({x.field for x in READINGS}) == len({x.record for x in READINGS}) == len(READINGS)
+    for x in READINGS:
+        # its rule, with the table's template over the window the row names
+        record = x.gpu_record if x.scope == "rank_gpu" else x.record
+        assert record in rules and x.record in rules, x.field
+        # over the window it names: the rate window's follow diagnose --window, others not
+        assert x.window is None or x.window in WINDOWS, x.field
+        written = [inline(record, recording_rules(s, rate=w)) for w in ("5m", "15m")]
+        assert (written[0] != written[1]) == (x.window == "rate"), x.field
+        if x.window in ("quantile", "recent"):
+            assert f"[{WINDOWS[x.window]}]" in written[0], x.field
+        for name in x.names:
+            assert name in slots[x.scope], f"{name}: no {x.scope} reading of that name"
+            assert name in raw and name in recorded, name
+            assert x.record in recorded[name] or "deriv" in recorded[name], name
+
+
 def test_text_report_gives_each_runs_mfu_goodput_and_wasted_gpu_hours():
     reps = [report(0.75, 0.01, mfu=0.3) for _ in range(2)]
     reps[1].rank = "1"

@@ -137,6 +137,18 @@ def test_inlining_leaves_no_recording_rule_names():
         assert "group_left (sum" not in inlined  # would parse as a label list
 
 
+def test_every_recording_rule_reads_only_series_recorded_before_it():
+    """A group evaluates its rules in turn: a series read before its rule runs is a cycle old
+    (issue 36: the rules are made from the readings' table and ordered by what they read)."""
+    (group,) = [g for g in yaml.safe_load(render())["groups"] if g["name"] == "gputrain.recording"]
+    names = [r["record"] for r in group["rules"]]
+    assert len(set(names)) == len(names)
+    for i, rule in enumerate(group["rules"]):
+        later = [n for n in names[i:] if re.search(rf"(?<![\w:]){re.escape(n)}(?![\w:])",
+                                                   rule["expr"])]
+        assert later == [], f"{rule['record']} reads {later}, recorded after it"
+
+
 def test_every_generated_file_is_current():
     """`scripts/generate.py --check`: rules, PrometheusRule, promtool tests, dashboards,
     their ConfigMap, runbook and README tables all match the catalogue."""

@@ -32,7 +32,6 @@ import yaml
 
 from exporter.config import parse_duration
 from exporter.heuristics.promql import (
-    REGIME_START,
     Identity,
     collector_age,
     identity,
@@ -43,7 +42,7 @@ from exporter.heuristics.promql import (
     restarts,
     tree_growth,
 )
-from exporter.heuristics.readings import LEAK_SPANS, REFINED, WINDOWS
+from exporter.heuristics.readings import BY_FIELD, LEAK_SPANS, READINGS, REFINED, WINDOWS, of_scope
 from exporter.heuristics.rules import load_overrides, settings
 from exporter.heuristics.verdict import (
     GpuReading,
@@ -118,10 +117,10 @@ def queries(selector: str, window: str, ids: Identity | None = None) -> dict[str
     q = {name: inline(record, records) for name, record in RECORDED.items()}
     # every rank that exports anything (a rank that never stepped too)
     q["ranks"] = f'group by ({r}) ({{__name__=~"gputrain_training_.+", {s}}})'
-    q["seconds_since_step"] = f"time() - {q['seconds_since_step']}"
-    q["seconds_since_push"] = f"time() - {q['seconds_since_push']}"
+    for x in READINGS:
+        if x.since:
+            q[x.field] = f"time() - {q[x.field]}"
     pss = f"gputrain_training_process_proportional_memory_bytes{{{s}}}"
-    q["regime_changed_seconds"] = f"time() - {q['regime_changed_seconds']}"
     rss = f"gputrain_training_process_resident_memory_bytes{{{s}}}"
     available = f"gputrain_host_memory_available_bytes{{{s}}}"
     # one process's memory, as the leak alert reads it: none across a restart in the window
@@ -162,72 +161,27 @@ def fault_queries(selector: str, ids: Identity, window: str) -> dict[str, str]:
         "remap_failed": f'max by ({gpu}) (gputrain_gpu_remapped_rows{{{s},state="failed"}})',
         "remap_pending": f'max by ({gpu}) (gputrain_gpu_remapped_rows{{{s},state="pending"}} '
                          f"or gputrain_gpu_retired_pages_pending{{{s}}})",
-        "memory_used": inline("gpu:gputrain_gpu_memory_used:ratio", records),
-        "throttled": inline("gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m", records),
-        "busy": inline("gpu:gputrain_gpu_busy_ratio:rate5m", records),
-        "pcie_link_now": inline("gpu:gputrain_gpu_pcie_link_current:max5m", records),
-        "pcie_link_max": inline("gpu:gputrain_gpu_pcie_link_max:max", records),
+        **{name: inline(BY_FIELD[name].gpu_record, records) for name in NODE_GPU_READINGS},
         # a rank's GPUs, whether or not their other readings exist (a lost one has none)
         "rank_gpus": f"max by ({ids.rank}, gpu, uuid) (gputrain_training_gpu_info{{{s}}})",
     }
 
 
 # Every reading, as the recording rule that holds it (over 5m): what a layer fed only the
-# rules' results (results-only remote-write, federation of `:`-named series) can answer.
-RECORDED = {
-    "ranks": "run_rank:gputrain_training_steps:rate5m",
-    "steps": "run_rank:gputrain_training_steps:rate5m",
-    "samples_per_second": "run_rank:gputrain_training_samples_per_second:rate5m",
-    "step_seconds": "run_rank:gputrain_training_step_seconds:mean5m",
-    "data_wait_ratio": "run_rank:gputrain_training_data_wait_ratio:rate5m",
-    "comm_ratio": "run_rank:gputrain_training_comm_ratio:rate5m",
-    "comm_exposed_ratio": "run_rank:gputrain_training_comm_exposed_ratio:rate5m",
-    "phases": "run_rank_phase:gputrain_training_phase_ratio:rate5m",
-    "busy": "run_rank_gpu:gputrain_gpu_busy_ratio:rate5m",
-    "sm_active": "run_rank_gpu:gputrain_gpu_sm_active_ratio:avg5m",
-    "tensor_active": "run_rank_gpu:gputrain_gpu_tensor_active_ratio:avg5m",
-    "memory_used": "run_rank_gpu:gputrain_gpu_memory_used:ratio",
-    "power_used": "run_rank_gpu:gputrain_gpu_power_limit_used:ratio_avg5m",
-    "pcie_rx_used": "run_rank_gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m",
-    "pcie_link_now": "run_rank_gpu:gputrain_gpu_pcie_link_current:max5m",
-    "pcie_link_max": "run_rank_gpu:gputrain_gpu_pcie_link_max:max",
-    "throttled": "run_rank_gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m",
-    "foreign": "run_gpu:gputrain_gpu_foreign_busy:ratio_rate5m",
-    "step_p50_seconds": "run_rank:gputrain_training_step_seconds:p50_30m",
-    "step_p99_seconds": "run_rank:gputrain_training_step_seconds:p99_30m",
-    "stall_share": "run_rank:gputrain_training_slow_step:ratio_rate30m",
-    "slow_step_ratio": "run_rank:gputrain_training_slow_steps:ratio_rate30m",
-    "slow_step_wait": "run_rank:gputrain_training_slow_step_data_wait:ratio_rate30m",
-    "loader_workers": "run_rank:gputrain_training_loader_workers:max",
-    "cpu_allowance_used": "run_rank:gputrain_training_cpu_allowance_used:ratio_rate5m",
-    "cpu_throttled": "run_rank:gputrain_training_cpu_throttled:ratio_rate5m",
-    "seconds_since_step": "run_rank:gputrain_training_last_step_timestamp_seconds:max",
-    "seconds_since_push": "run_rank:gputrain_training_last_push_timestamp_seconds:max",
-    "finished": "run_rank:gputrain_training_finished:max",
-    "regime_changed_seconds": REGIME_START,
-    "recent_busy": "run_rank:gputrain_gpu_busy_ratio:max_rate2m",
-    "rss_growth_1h": "run_rank:gputrain_training_process_memory_bytes:sum",
-    "rss_growth_15m": "run_rank:gputrain_training_process_memory_bytes:sum",
-    "rss_growth_15m_before": "run_rank:gputrain_training_process_memory_bytes:sum",
-    "mfu": "run_rank:gputrain_training_mfu:ratio_rate5m",
-    "goodput": "run_rank:gputrain_training_goodput:ratio_rate5m",
-    "badput": "run_rank_cause:gputrain_training_badput:ratio_rate5m",
-    "memory_available": "instance:gputrain_host_memory_available_bytes:sum",
-    "cpu_busy": "instance:gputrain_host_cpu_busy:ratio_rate5m",
-    "iowait": "instance:gputrain_host_cpu_iowait:ratio_rate5m",
-    "disk_busy": "instance:gputrain_host_disk_busy:max_rate5m",
-    "network_rx_used": "instance:gputrain_host_network_receive_link_used:max_ratio_rate5m",
-    "network_duplex_used": "instance:gputrain_host_network_duplex_link_used:max_ratio_rate5m",
-}
+# rules' results (results-only remote-write, federation of `:`-named series) can answer
+RECORDED = {"ranks": BY_FIELD["steps_per_second"].record,
+            **{name: x.record for x in READINGS for name in x.names}}
+# the readings of a node's GPUs the fault and health findings read, whoever uses the GPU
+NODE_GPU_READINGS = ("memory_used", "throttled", "busy", "pcie_link_now", "pcie_link_max")
 
 
 def recorded_queries(selector: str, ids: Identity | None = None) -> dict[str, str]:
     """The same readings from the recorded series alone (their 5m windows), by name."""
     ids = ids or Identity()
     q = {name: f"{record}{{{selector}}}" for name, record in RECORDED.items()}
-    q["seconds_since_step"] = f"time() - {q['seconds_since_step']}"
-    q["seconds_since_push"] = f"time() - {q['seconds_since_push']}"
-    q["regime_changed_seconds"] = f"time() - {q['regime_changed_seconds']}"
+    for x in READINGS:
+        if x.since:
+            q[x.field] = f"time() - {q[x.field]}"
     tree = f"run_rank:gputrain_training_process_memory_bytes:sum{{{selector}}}"
     available = f"instance:gputrain_host_memory_available_bytes:sum{{{selector}}}"
     for span, (w, o) in LEAK_SPANS.items():
@@ -239,10 +193,9 @@ def recorded_queries(selector: str, ids: Identity | None = None) -> dict[str, st
     return q
 
 
-GPU_READINGS = ("busy", "sm_active", "tensor_active", "memory_used", "power_used",
-                "pcie_rx_used", "pcie_link_now", "pcie_link_max", "throttled")
-HOST_READINGS = ("cpu_busy", "iowait", "disk_busy", "network_rx_used", "network_duplex_used",
-                 "memory_available", *(f"memory_outside_growth_{s}" for s in LEAK_SPANS),
+GPU_READINGS = tuple(x.field for x in of_scope("rank_gpu"))
+HOST_READINGS = (*(x.field for x in of_scope("node")),
+                 *(f"memory_outside_growth_{s}" for s in LEAK_SPANS),
                  *(f"{name}_peak" for name in REFINED))
 
 
@@ -280,12 +233,7 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
             reports[rank_key(labels)] = RankReport(
                 labels.get("job", ""), labels.get("instance", ""), labels.get("run", ""),
                 labels.get("rank", ""), labels={k: labels.get(k, "") for k in ids.extra})
-    for name in ("steps", "samples_per_second", "step_seconds", "data_wait_ratio",
-                 "comm_ratio", "comm_exposed_ratio", "step_p50_seconds", "step_p99_seconds",
-                 "stall_share", "slow_step_ratio", "slow_step_wait", "loader_workers",
-                 "cpu_allowance_used", "cpu_throttled", "seconds_since_step",
-                 "rss_growth_1h", "rss_growth_15m", "rss_growth_15m_before", "mfu", "goodput",
-                 "seconds_since_push", "finished", "recent_busy", "regime_changed_seconds"):
+    for name in (name for x in of_scope("rank") if not x.by for name in x.names):
         results, recorded = _read(prom, q[name], qr[name], rank_key)
         for labels, value in results:
             rep = reports.get(rank_key(labels))
@@ -293,8 +241,8 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
                 continue  # an old change: the rate window holds the new regime alone
             if rep:
                 value = value > 0 if name == "finished" else value
-                setattr(rep, "steps_per_second" if name == "steps" else name, value)
-                if name == "steps" and rank_key(labels) in recorded:
+                setattr(rep, name, value)
+                if name == "steps_per_second" and rank_key(labels) in recorded:
                     rep.source = "recorded"
     for name in ("restarts", "restarts_recent"):  # from the raw counters only
         for labels, value in prom.query(q[name]):
@@ -305,16 +253,14 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
         rep = reports.get(rank_key(labels))
         if rep:
             rep.memory_measure = labels.get("measure")
-    for labels, value in _read(prom, q["phases"], qr["phases"],
-                               lambda x: (*rank_key(x), x.get("phase", "")))[0]:
-        rep = reports.get(rank_key(labels))
-        if rep:
-            rep.phases[labels.get("phase", "")] = value
-    for labels, value in _read(prom, q["badput"], qr["badput"],
-                               lambda x: (*rank_key(x), x.get("cause", "")))[0]:
-        rep = reports.get(rank_key(labels))
-        if rep:
-            rep.badput[labels.get("cause", "")] = value
+    for keyed in of_scope("rank"):  # a reading of several values, by a label (phase, cause)
+        if keyed.by:
+            by = keyed.by
+            for labels, value in _read(prom, q[keyed.field], qr[keyed.field],
+                                       lambda k, by=by: (*rank_key(k), k.get(by, "")))[0]:
+                rep = reports.get(rank_key(labels))
+                if rep:
+                    getattr(rep, keyed.field)[labels.get(by, "")] = value
     def gpu_key(labels: dict[str, str]) -> tuple[str, ...]:
         return (*rank_key(labels), labels.get("gpu", ""), labels.get("uuid", ""))
 
@@ -345,18 +291,19 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
         rep = reports.get(rank_key(labels))
         if rep:
             reading(rep, labels)
-    # a run's foreign share of a GPU is the same for each of its ranks on it
+    # a run's reading of a GPU (its foreign share) is the same for each of its ranks on it
     run_gpu = [*ids.run_labels, *ids.node_tuple, "gpu", "uuid"]
-    shared = {tuple(labels.get(k, "") for k in run_gpu): value for labels, value in
-              _read(prom, q["foreign"], qr["foreign"],
-                    lambda x: tuple(x.get(k, "") for k in run_gpu))[0]}
-    for rep in reports.values():
-        labels = {**rep.labels, "run": rep.run, "job": rep.job, "instance": rep.instance}
-        for x in rep.gpus:
-            found = shared.get(tuple({**labels, "gpu": x.gpu, "uuid": x.uuid}.get(k, "")
-                                     for k in run_gpu))
-            if found is not None:
-                x.foreign = found
+    for of_run in of_scope("run_gpu"):
+        shared = {tuple(labels.get(k, "") for k in run_gpu): value for labels, value in
+                  _read(prom, q[of_run.field], qr[of_run.field],
+                        lambda x: tuple(x.get(k, "") for k in run_gpu))[0]}
+        for rep in reports.values():
+            labels = {**rep.labels, "run": rep.run, "job": rep.job, "instance": rep.instance}
+            for x in rep.gpus:
+                found = shared.get(tuple({**labels, "gpu": x.gpu, "uuid": x.uuid}.get(k, "")
+                                         for k in run_gpu))
+                if found is not None:
+                    setattr(x, of_run.field, found)
     for key, node in nodes.items():  # a rank's GPUs and node carry their faults
         gpus = {(g.gpu, g.uuid): g for g in node.gpus}
         for rep in by_node.get(key, []):
@@ -402,9 +349,8 @@ def _nodes(prom: Prometheus, selector: str, ids: Identity, window: str,
         node(labels).gpus.append(g)
     for name, convert in (("xid_errors", float),
                           ("ecc_uncorrected", float), ("remap_failed", lambda v: v > 0),
-                          ("remap_pending", lambda v: v > 0), ("memory_used", float),
-                          ("throttled", float), ("busy", float), ("pcie_link_now", float),
-                          ("pcie_link_max", float)):
+                          ("remap_pending", lambda v: v > 0),
+                          *((name, float) for name in NODE_GPU_READINGS)):
         for labels, value in prom.query(q[name]):
             known = gpus.get((*node_key(labels), labels.get("gpu", ""), labels.get("uuid", "")))
             if known is not None:

@@ -1,6 +1,7 @@
 """The PromQL the heuristics are written in: the labels rules group and join by, the recording
-rules (each reading of :mod:`exporter.heuristics.readings` as a series), and the context an
-alert's condition is written with (:class:`Q`).
+rules (each reading of :data:`exporter.heuristics.readings.READINGS` as a series, from its
+row's template, and the series beside them that are no reading), and the context an alert's
+condition is written with (:class:`Q`).
 
 Every range comes from :data:`~exporter.heuristics.readings.WINDOWS`; ``diagnose`` asks for the
 same expressions over another rate window (``recording_rules(..., rate="15m")``) rather than
@@ -13,7 +14,7 @@ import re
 from typing import Any
 
 from exporter.config import parse_duration
-from exporter.heuristics.readings import WINDOWS, window_seconds
+from exporter.heuristics.readings import BY_FIELD, WINDOWS, Scope, of_scope, window_seconds
 from exporter.protocol import OUTSIDE_STEP_PHASES
 
 # the phases that are part of a step (evaluation, checkpoint saves and start-up are not)
@@ -153,9 +154,10 @@ def inline(expr: str, records: dict[str, str]) -> str:
     raise ValueError(f"recording rules nested too deep in {expr!r}")
 
 
-# A rank's regime (exporter.heuristics.regime): where it began, and its age while the rank is
-# read over the regime window instead of the rate window (absent otherwise)
-REGIME_START = "run_rank:gputrain_training_regime_start_timestamp_seconds:max"
+# A rank's regime (exporter.heuristics.regime): where it began (a reading: how long ago its
+# run changed pace), and its age while the rank is read over the regime window instead of the
+# rate window (absent otherwise)
+REGIME_START = BY_FIELD["regime_changed_seconds"].record
 REGIME_SHORT = "run_rank:gputrain_training_regime_age_seconds:short_window"
 GPU_BUSY, GPU_BUSY_REGIME = "gpu:gputrain_gpu_busy_ratio:rate5m", "gpu:gputrain_gpu_busy_ratio:rate1m"
 RANK_GPU_BUSY = "run_rank_gpu:gputrain_gpu_busy_ratio:rate5m"
@@ -164,15 +166,11 @@ _NOT_SELECTED = ("run_rank:gputrain_training_restarts:resets5m",)
 
 
 def regime_rules(s: str, ids: Identity, r: str = WINDOWS["rate"]) -> list[dict]:
-    """Where each rank's regime began, and the selector of the ranks read over the regime
-    window: those whose regime fills it and is younger than ``r``
+    """The selector of the ranks read over the regime window: those whose regime (from
+    :data:`REGIME_START`) fills it and is younger than ``r``
     (:func:`exporter.heuristics.regime.short_window` is the same condition)."""
     young, window = window_seconds("regime"), parse_duration(r)
-    return [
-        _rec(REGIME_START, f"""
-            max by ({ids.rank}) (gputrain_training_regime_start_timestamp_seconds{{{s}}})"""),
-        _rec(REGIME_SHORT, f"(time() - {REGIME_START}) >= {young:g} < {window:g}"),
-    ]
+    return [_rec(REGIME_SHORT, f"(time() - {REGIME_START}) >= {young:g} < {window:g}")]
 
 
 def regime_selected(short: str, long: str, ids: Identity) -> str:
@@ -185,49 +183,87 @@ def regime_selected(short: str, long: str, ids: Identity) -> str:
 def recording(s: str, ids: Identity, r: str = WINDOWS["rate"]) -> list[dict]:
     """Recording rules: level:metric:operation. Ratios divide separately-summed counters over
     ``r``, or over the regime window for a rank whose run changed pace less than ``r`` ago
-    (:mod:`exporter.heuristics.regime`); the step-time percentiles take the quantile window."""
-    rules = _windowed(s, ids, r)
+    (:mod:`exporter.heuristics.regime`); the step-time percentiles take the quantile window.
+    Each rule comes after the rules whose series it reads."""
     short = {x["record"]: x["expr"] for x in _windowed(s, ids, WINDOWS["regime"])}
     short[RANK_GPU_BUSY] = " ".join(rank_gpu_join(s, GPU_BUSY_REGIME, ids).split())
-    out = []
-    for rule in rules:
+    out = regime_rules(s, ids, r)
+    for rule in _windowed(s, ids, r):
         name, expr = rule["record"], rule["expr"]
         if name == GPU_BUSY:
             out.append(_rec(GPU_BUSY_REGIME, short[GPU_BUSY]))
-        if name.startswith("run_rank") and not any(x["record"] == REGIME_SHORT for x in out):
-            out.extend(regime_rules(s, ids, r))  # before the first rank rule reads them
         if name.startswith("run_rank") and name not in _NOT_SELECTED and short[name] != expr:
             rule = _rec(name, regime_selected(short[name], expr, ids))
         out.append(rule)
+    return _in_order(out)
+
+
+def _in_order(rules: list[dict]) -> list[dict]:
+    """``rules`` in their order, but a rule that reads another's series moves that rule ahead
+    of itself (a group evaluates its rules in turn: one read before it is recorded is a cycle
+    old); ValueError on rules that read each other."""
+    by_name = {rule["record"]: rule for rule in rules}
+    named = re.compile("(?<![\\w:])(" + "|".join(map(re.escape, by_name)) + ")(?![\\w:])")
+    out: dict[str, dict] = {}
+
+    def add(rule: dict, path: tuple[str, ...] = ()) -> None:
+        name = rule["record"]
+        if name in path:
+            raise ValueError(f"recording rules read each other: {' -> '.join((*path, name))}")
+        for read in named.findall(rule["expr"]):
+            if read != name and read not in out:
+                add(by_name[read], (*path, name))
+        out.setdefault(name, rule)
+
+    for rule in rules:
+        add(rule)
+    return list(out.values())
+
+
+def _fragments(s: str, ids: Identity, w: str) -> dict[str, str]:
+    """What a reading's template (:attr:`Reading.expr`) and the rules beside it are written
+    with: the selector, the label lists, the range ``w``, and the parts of a rank's wall time
+    over ``w`` (each divides by ``gputrain_training_elapsed_seconds_total``)."""
+    rank = ids.rank
+    wall = f"sum by ({rank}) (rate(gputrain_training_elapsed_seconds_total{{{s}}}[{w}]))"
+    steps = f"sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{w}]))"
+    wait = f"sum by ({rank}) (rate(gputrain_training_data_wait_seconds_total{{{s}}}[{w}]))"
+
+    def phases(selector: str) -> str:
+        # 0 where the rank has no such phase, rather than no result at all
+        return (f"(sum by ({rank}) (rate(gputrain_training_phase_seconds_total{{{s},{selector}}}"
+                f"[{w}])) or 0 * {wall})")
+
+    # A step straddling the window's start counts whole at its end, so at a run's first and
+    # last pushes a raw difference can go past the wall time by up to a step: the parts that
+    # would go negative count 0
+    return {"s": s, "w": w, "rank": rank, "gpu": ids.gpu, "node": ids.node, "run": ids.run,
+            "run_gpu": ids.run_gpu, "wall": wall, "steps": steps, "wait": wait,
+            "all_phases": phases("phase!=''"),
+            "productive": f"clamp_min({steps} - {wait} - {phases(IN_STEP)}, 0)",
+            "outside_steps": f"clamp_min({wall} - {steps} - {phases(OUTSIDE_STEP)}, 0)",
+            "throttle_reasons": "|".join(THROTTLE_REASONS),
+            "data_wait_cause": DATA_WAIT_CAUSE, "outside_steps_cause": OUTSIDE_STEPS_CAUSE}
+
+
+def _readings(scope: Scope, s: str, ids: Identity, r: str) -> list[dict]:
+    """The recording rule of each reading of ``scope`` (:data:`READINGS`), over its window
+    (``r`` for the rate window); a GPU reading's per-GPU series."""
+    out = []
+    for x in of_scope(scope):
+        w = r if x.window == "rate" else WINDOWS.get(x.window or "", "")
+        out.append(_rec(x.gpu_record if scope == "rank_gpu" else x.record,
+                        x.expr.format(**_fragments(s, ids, w))))
     return out
 
 
 def _windowed(s: str, ids: Identity, r: str) -> list[dict]:
-    """The recording rules with every ratio and mean over ``r``."""
-    rank, gpu, node, q = ids.rank, ids.gpu, ids.node, WINDOWS["quantile"]
-    recent = WINDOWS["recent"]
-
+    """The recording rules with every ratio and mean over ``r``: the readings', and those of
+    the series beside them that alerts, dashboards and readings read."""
+    rank, gpu, f = ids.rank, ids.gpu, _fragments(s, ids, r)
+    gpu_power = "gpu:gputrain_gpu_power_watts:rate5m"
     return [
-        # per (run, rank): the training client's signals
-        _rec("run_rank:gputrain_training_data_wait_ratio:rate5m", f"""
-            sum by ({rank}) (rate(gputrain_training_data_wait_seconds_total{{{s}}}[{r}]))
-            / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{r}]))"""),
-        # samples per second of step time: the training loop's throughput, exact from a run's
-        # first minute (a bare rate() over 5m reads low until the run is 5m old)
-        _rec("run_rank:gputrain_training_samples_per_second:rate5m", f"""
-            sum by ({rank}) (rate(gputrain_training_samples_total{{{s}}}[{r}]))
-            / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{r}]))"""),
-        _rec("run_rank:gputrain_training_step_seconds:mean5m", f"""
-            sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{r}]))
-            / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[{r}]))"""),
-        # gradient communication, where the client measures it: the share of the step time it
-        # ran, and the share the step waited for it (exposed)
-        _rec("run_rank:gputrain_training_comm_ratio:rate5m", f"""
-            sum by ({rank}) (rate(gputrain_training_comm_seconds_total{{{s}}}[{r}]))
-            / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{r}]))"""),
-        _rec("run_rank:gputrain_training_comm_exposed_ratio:rate5m", f"""
-            sum by ({rank}) (rate(gputrain_training_comm_exposed_seconds_total{{{s}}}[{r}]))
-            / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{r}]))"""),
+        *_readings("rank", s, ids, r),
         # how often each rank's process was replaced in the rate window: rates across a
         # restart are no bottleneck (recorded, so that global rules may read it too)
         _rec("run_rank:gputrain_training_restarts:resets5m", restarts(s, ids, r)),
@@ -241,32 +277,6 @@ def _windowed(s: str, ids: Identity, r: str) -> list[dict]:
              - (sum by ({rank}) (rate(gputrain_training_comm_exposed_seconds_total{{{s}}}[{r}]))
                 or 0 * sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{r}]))))
             / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[{r}]))"""),
-        _rec("run_rank:gputrain_training_step_seconds:p50_30m", f"""
-            histogram_quantile(0.5, sum by ({rank}, le)
-              (rate(gputrain_training_step_duration_seconds_bucket{{{s}}}[{q}])))"""),
-        _rec("run_rank:gputrain_training_step_seconds:p99_30m", f"""
-            histogram_quantile(0.99, sum by ({rank}, le)
-              (rate(gputrain_training_step_duration_seconds_bucket{{{s}}}[{q}])))"""),
-        # of the wall time, the share in steps far above the rank's median (rare long stalls:
-        # a DataLoader re-created each epoch, a checkpoint every few hundred steps)
-        _rec("run_rank:gputrain_training_slow_step:ratio_rate30m", f"""
-            sum by ({rank}) (rate(gputrain_training_slow_step_seconds_total{{{s}}}[{q}]))
-            / sum by ({rank}) (rate(gputrain_training_elapsed_seconds_total{{{s}}}[{q}]))"""),
-        # of the steps, the share far above the median, and the data wait over those steps'
-        # seconds, with the loader's workers: a DataLoader's period (one slow step in N, the
-        # wait in it) tells its batches arriving in groups from a stall
-        _rec("run_rank:gputrain_training_slow_steps:ratio_rate30m", f"""
-            sum by ({rank}) (rate(gputrain_training_slow_steps_total{{{s}}}[{q}]))
-            / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[{q}]))"""),
-        _rec("run_rank:gputrain_training_slow_step_data_wait:ratio_rate30m", f"""
-            sum by ({rank}) (rate(gputrain_training_data_wait_seconds_total{{{s}}}[{q}]))
-            / sum by ({rank}) (rate(gputrain_training_slow_step_seconds_total{{{s}}}[{q}]))"""),
-        _rec("run_rank:gputrain_training_loader_workers:max", f"""
-            max by ({rank}) (gputrain_training_loader_workers{{{s}}})"""),
-        _rec("run_rank_phase:gputrain_training_phase_ratio:rate5m", f"""
-            sum by ({rank}, phase) (rate(gputrain_training_phase_seconds_total{{{s}}}[{r}]))
-            / on ({rank}) group_left
-            sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{r}]))"""),
         _rec("run_rank:gputrain_training_step_phase_ratio:max_rate5m", f"""
             max by ({rank}) (
               sum by ({rank}, phase) (rate(gputrain_training_phase_seconds_total{{{s},{IN_STEP}}}[{r}]))
@@ -277,85 +287,27 @@ def _windowed(s: str, ids: Identity, r: str) -> list[dict]:
             / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{r}]))"""),
         _rec("run_rank:gputrain_training_process_cpu_cores:rate5m", f"""
             sum by ({rank}) (rate(gputrain_training_process_cpu_seconds_total{{{s}}}[{r}]))"""),
-        # the process tree's CPU against what its cgroup allows, and the time it was throttled
-        _rec("run_rank:gputrain_training_cpu_allowance_used:ratio_rate5m", f"""
-            sum by ({rank}) (rate(gputrain_training_process_cpu_seconds_total{{{s}}}[{r}]))
-            / sum by ({rank}) (gputrain_training_process_cpu_allowance_cores{{{s}}})"""),
-        _rec("run_rank:gputrain_training_cpu_throttled:ratio_rate5m", f"""
-            sum by ({rank}) (rate(gputrain_training_process_cpu_throttled_seconds_total{{{s}}}[{r}]))"""),
-        # what diagnose reads where only the recorded series arrive (a global layer fed with
-        # the recording rules' results): steps, the last step, the process tree's memory
-        _rec("run_rank:gputrain_training_steps:rate5m", f"""
-            sum by ({rank}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[{r}]))"""),
-        _rec("run_rank:gputrain_training_last_step_timestamp_seconds:max", f"""
-            max by ({rank}) (gputrain_training_last_step_timestamp_seconds{{{s}}})"""),
         _rec("run_rank:gputrain_training_process_resident_memory_bytes:sum", f"""
             sum by ({rank}) (gputrain_training_process_resident_memory_bytes{{{s}}})"""),
-        # the tree's memory as the leak rule reads it: PSS where the client pushes it, else RSS
-        _rec("run_rank:gputrain_training_process_memory_bytes:sum", f"""
-            sum by ({rank}) (gputrain_training_process_proportional_memory_bytes{{{s}}})
-            or sum by ({rank}) (gputrain_training_process_resident_memory_bytes{{{s}}})"""),
-        # whether a rank still runs: when it last pushed, whether it said goodbye, and its
-        # busiest GPU over the recent window (a vanished run's GPUs go idle)
-        _rec("run_rank:gputrain_training_last_push_timestamp_seconds:max", f"""
-            max by ({rank}) (gputrain_training_last_push_timestamp_seconds{{{s}}})"""),
-        _rec("run_rank:gputrain_training_finished:max", f"""
-            max by ({rank}) (gputrain_training_finished{{{s}}})"""),
-        _rec("run_rank:gputrain_gpu_busy_ratio:max_rate2m", f"""
-            max by ({rank}) (
-              max by ({rank}, gpu, uuid) (gputrain_training_gpu_info{{{s}}})
-              * on ({gpu}) group_left ()
-              (sum by ({gpu}) (rate(gputrain_gpu_busy_seconds_total{{{s}}}[{recent}]))
-               / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{recent}]))))"""),
-        *_utilisation(s, ids, r),
-        # per GPU
-        # GPU ratios divide by the seconds the sampler watched: exact from the first scrapes
-        # after an exporter (re)start, and blind time (a lost GPU) counts on neither side.
-        _rec("gpu:gputrain_gpu_busy_ratio:rate5m", f"""
-            sum by ({gpu}) (rate(gputrain_gpu_busy_seconds_total{{{s}}}[{r}]))
-            / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{r}]))"""),
-        _rec("gpu:gputrain_gpu_memory_used:ratio", f"""
-            sum by ({gpu}) (gputrain_gpu_memory_used_bytes{{{s}}})
-            / sum by ({gpu}) (gputrain_gpu_memory_total_bytes{{{s}}})"""),
-        _rec("gpu:gputrain_gpu_power_limit_used:ratio_avg5m", f"""
-            sum by ({gpu}) (avg_over_time(gputrain_gpu_power_watts{{{s}}}[{r}]))
-            / sum by ({gpu}) (gputrain_gpu_power_limit_watts{{{s}}})"""),
-        # the link as it ran in the window (its best: an idle link trains down between
-        # bursts) and at its best; host-to-device traffic is judged against the first
-        _rec("gpu:gputrain_gpu_pcie_link_current:max5m", f"""
-            max by ({gpu}) (max_over_time(
-              gputrain_gpu_pcie_link_current_bytes_per_second{{{s}}}[{r}]))"""),
-        _rec("gpu:gputrain_gpu_pcie_link_max:max",
-            f"max by ({gpu}) (gputrain_gpu_pcie_link_max_bytes_per_second{{{s}}})"),
-        _rec("gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m", f"""
-            sum by ({gpu}) (rate(gputrain_gpu_pcie_received_bytes_total{{{s}}}[{r}]))
-            / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{r}]))
-            / (gpu:gputrain_gpu_pcie_link_current:max5m or gpu:gputrain_gpu_pcie_link_max:max)"""),
-        _rec("gpu:gputrain_gpu_sm_active_ratio:avg5m",
-            f"avg by ({gpu}) (avg_over_time(gputrain_gpu_sm_active_ratio{{{s}}}[{r}]))"),
-        _rec("gpu:gputrain_gpu_tensor_active_ratio:avg5m",
-            f"avg by ({gpu}) (avg_over_time(gputrain_gpu_tensor_active_ratio{{{s}}}[{r}]))"),
+        # the summed peak of a rank's GPUs at the precision it trains in (MFU's denominator)
+        _rec("run_rank:gputrain_gpu_peak_flops:sum", f"""
+            sum by ({rank}) (
+              max by ({rank}, gpu, uuid, precision) (gputrain_training_gpu_info{{{s}}})
+              * on ({gpu}, precision) group_left
+              max by ({gpu}, precision) (gputrain_gpu_peak_flops{{{s}}}))"""),
+        # the wall time's parts: productive (step time less data wait and the phases inside
+        # steps), data wait, each phase, and outside steps (the rest); goodput and badput are
+        # shares of the parts' sum, each within [0, 1] and adding up to 1
+        _rec("run_rank:gputrain_training_accounted_seconds:rate5m", """
+            {productive} + {wait} + {all_phases} + {outside_steps}""".format(**f)),
+        # per GPU, and a rank's GPUs, joined through gputrain_training_gpu_info
+        *(gpu_rules := _readings("rank_gpu", s, ids, r)),
         # mean power from the energy counter: exact over the window, unlike sampled gauges
-        _rec("gpu:gputrain_gpu_power_watts:rate5m", f"""
+        _rec(gpu_power, f"""
             sum by ({gpu}) (rate(gputrain_gpu_energy_joules_total{{{s}}}[{r}]))
             / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{r}]))"""),
-        _rec("gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m", f"""
-            sum by ({gpu}) (rate(gputrain_gpu_clock_event_seconds_total{{{s},
-              reason=~"{'|'.join(THROTTLE_REASONS)}"}}[{r}]))
-            / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{r}]))"""),
-        # a rank's GPUs, joined through gputrain_training_gpu_info
-        *[_rec(f"run_rank_gpu:{name.split(':', 1)[1].rsplit(':', 1)[0]}:{name.rsplit(':', 1)[1]}",
-              rank_gpu_join(s, name, ids))
-          for name in ("gpu:gputrain_gpu_busy_ratio:rate5m",
-                       "gpu:gputrain_gpu_memory_used:ratio",
-                       "gpu:gputrain_gpu_power_limit_used:ratio_avg5m",
-                       "gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m",
-                       "gpu:gputrain_gpu_pcie_link_current:max5m",
-                       "gpu:gputrain_gpu_pcie_link_max:max",
-                       "gpu:gputrain_gpu_sm_active_ratio:avg5m",
-                       "gpu:gputrain_gpu_tensor_active_ratio:avg5m",
-                       "gpu:gputrain_gpu_power_watts:rate5m",
-                       "gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m")],
+        *[_rec(f"run_rank_gpu:{name.split(':', 1)[1]}", rank_gpu_join(s, name, ids))
+          for name in [x["record"] for x in gpu_rules] + [gpu_power]],
         _rec("run_rank:gputrain_gpu_busy_ratio:avg5m",
             f"avg by ({rank}) (run_rank_gpu:gputrain_gpu_busy_ratio:rate5m)"),
         # joules per sample: the rank's GPUs' mean power over its samples per wall second
@@ -386,90 +338,14 @@ def _windowed(s: str, ids: Identity, r: str) -> list[dict]:
                and on ({gpu}) (max by ({gpu}) (gputrain_gpu_unattributed_processes{{{s}}}) > 0)
              or 0 * sum by ({gpu}) (rate(gputrain_gpu_unattributed_busy_seconds_total{{{s}}}[{r}])))
             / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{r}]))"""),
-        # what of a GPU's time a run does not own: busy with other runs' processes or with
-        # processes no client reports (only where the driver gives per-process samples)
-        _rec("run_gpu:gputrain_gpu_foreign_busy:ratio_rate5m", f"""
-            (gpu:gputrain_gpu_unattributed_busy:ratio_rate5m
-             + on ({gpu}) sum by ({gpu}) (run_gpu:gputrain_training_gpu_busy:ratio_rate5m))
-            - on ({gpu}) group_right run_gpu:gputrain_training_gpu_busy:ratio_rate5m"""),
-        # per node
-        _rec("instance:gputrain_host_cpu_busy:ratio_rate5m", f"""
-            1 - sum by ({node}) (rate(gputrain_host_cpu_seconds_total{{{s},mode=~"idle|iowait"}}[{r}]))
-            / sum by ({node}) (rate(gputrain_host_cpu_seconds_total{{{s}}}[{r}]))"""),
-        _rec("instance:gputrain_host_memory_available_bytes:sum",
-            f"sum by ({node}) (gputrain_host_memory_available_bytes{{{s}}})"),
-        _rec("instance:gputrain_host_cpu_iowait:ratio_rate5m", f"""
-            sum by ({node}) (rate(gputrain_host_cpu_seconds_total{{{s},mode="iowait"}}[{r}]))
-            / sum by ({node}) (rate(gputrain_host_cpu_seconds_total{{{s}}}[{r}]))"""),
-        _rec("instance:gputrain_host_disk_busy:max_rate5m", f"""
-            max by ({node}) (rate(gputrain_host_disk_io_time_seconds_total{{{s}}}[{r}]))"""),
-        _rec("instance:gputrain_host_network_receive_link_used:max_ratio_rate5m", f"""
-            max by ({node}) (
-              rate(gputrain_host_network_received_bytes_total{{{s}}}[{r}])
-              / gputrain_host_network_speed_bytes_per_second{{{s}}})"""),
-        # of the busiest interface, the lesser of its two directions against its speed: a
-        # link saturated both ways (an all-reduce sends as much as it receives), not an input
-        _rec("instance:gputrain_host_network_duplex_link_used:max_ratio_rate5m", f"""
-            max by ({node}) (
-              (rate(gputrain_host_network_received_bytes_total{{{s}}}[{r}])
-               / gputrain_host_network_speed_bytes_per_second{{{s}}})
-              < (rate(gputrain_host_network_transmitted_bytes_total{{{s}}}[{r}])
-                 / gputrain_host_network_speed_bytes_per_second{{{s}}})
-              or (rate(gputrain_host_network_transmitted_bytes_total{{{s}}}[{r}])
-                  / gputrain_host_network_speed_bytes_per_second{{{s}}}))"""),
+        *_readings("run_gpu", s, ids, r),
+        *_readings("node", s, ids, r),
     ]
 
 
 def _rec(name: str, expr: str) -> dict:
     """A recording rule, its expression on one line."""
     return {"record": name, "expr": " ".join(expr.split())}
-
-
-def _utilisation(s: str, ids: Identity, r: str) -> list[dict]:
-    """MFU, goodput and badput by cause. Each divides by the rank's wall seconds
-    (``gputrain_training_elapsed_seconds_total``), so it is exact from a run's first minute
-    and a restart's gap counts as time outside steps."""
-    rank, gpu = ids.rank, ids.gpu
-    wall = f"sum by ({rank}) (rate(gputrain_training_elapsed_seconds_total{{{s}}}[{r}]))"
-    steps = f"sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{r}]))"
-    wait = f"sum by ({rank}) (rate(gputrain_training_data_wait_seconds_total{{{s}}}[{r}]))"
-
-    def phases(selector: str) -> str:
-        # 0 where the rank has no such phase, rather than no result at all
-        return (f"(sum by ({rank}) (rate(gputrain_training_phase_seconds_total{{{s},{selector}}}"
-                f"[{r}])) or 0 * {wall})")
-
-    return [
-        # the summed peak of a rank's GPUs at the precision it trains in
-        _rec("run_rank:gputrain_gpu_peak_flops:sum", f"""
-            sum by ({rank}) (
-              max by ({rank}, gpu, uuid, precision) (gputrain_training_gpu_info{{{s}}})
-              * on ({gpu}, precision) group_left
-              max by ({gpu}, precision) (gputrain_gpu_peak_flops{{{s}}}))"""),
-        _rec("run_rank:gputrain_training_mfu:ratio_rate5m", f"""
-            sum by ({rank}) (rate(gputrain_training_flops_total{{{s}}}[{r}])) / {wall}
-            / run_rank:gputrain_gpu_peak_flops:sum"""),
-        # the wall time's parts: productive (step time less data wait and the phases inside
-        # steps), data wait, each phase, and outside steps (the rest). A step straddling the
-        # window's start counts whole at its end, so at a run's first and last pushes a raw
-        # difference can go past the wall time by up to a step: the parts that would go
-        # negative count 0, and goodput and badput are shares of the parts' sum, each within
-        # [0, 1] and adding up to 1
-        _rec("run_rank:gputrain_training_accounted_seconds:rate5m", f"""
-            clamp_min({steps} - {wait} - {phases(IN_STEP)}, 0) + {wait} + {phases("phase!=''")}
-            + clamp_min({wall} - {steps} - {phases(OUTSIDE_STEP)}, 0)"""),
-        _rec("run_rank:gputrain_training_goodput:ratio_rate5m", f"""
-            clamp_min({steps} - {wait} - {phases(IN_STEP)}, 0)
-            / run_rank:gputrain_training_accounted_seconds:rate5m"""),
-        _rec("run_rank_cause:gputrain_training_badput:ratio_rate5m", f"""
-            (label_replace({wait}, "cause", "{DATA_WAIT_CAUSE}", "", "")
-             or sum by ({rank}, cause) (label_replace(
-                  rate(gputrain_training_phase_seconds_total{{{s}}}[{r}]),
-                  "cause", "$1", "phase", "(.+)"))
-             or label_replace(clamp_min({wall} - {steps} - {phases(OUTSIDE_STEP)}, 0),
-                  "cause", "{OUTSIDE_STEPS_CAUSE}", "", ""))
-            / on ({rank}) group_left run_rank:gputrain_training_accounted_seconds:rate5m"""),
-    ]
 
 
 class Q:

@@ -4,12 +4,16 @@ They come from Prometheus (``diagnose`` queries the recording rules' values) or 
 daemon's own history (:mod:`exporter.serving.history`, for ``/``, ``/api/v1/status`` and
 ``top``); :mod:`exporter.heuristics.verdict` judges either with the catalogue's conditions. The
 windows every reading is taken over are one table, :data:`WINDOWS`, that the rules, the
-history and ``diagnose`` read.
+history and ``diagnose`` read; the readings themselves are another, :data:`READINGS`: one
+:class:`Reading` a row, its name, scope, recorded series and the PromQL it is recorded from,
+from which the recording rules (:mod:`exporter.heuristics.promql`) and ``diagnose``'s queries
+follow.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from exporter.protocol import OUTSIDE_STEP_PHASES
 
@@ -27,15 +31,6 @@ WINDOWS = {
     # margin below it and reached the line within this range: hysteresis, from the window
     "hold": "5m",
 }
-# The node readings that refine input-bound into a stage (CPU preprocessing, disk, network),
-# by their recorded series: each is judged with hysteresis (see WINDOWS["hold"]), its peak
-# over the hold range read beside it as ``<name>_peak``
-REFINED = {
-    "cpu_busy": "instance:gputrain_host_cpu_busy:ratio_rate5m",
-    "iowait": "instance:gputrain_host_cpu_iowait:ratio_rate5m",
-    "disk_busy": "instance:gputrain_host_disk_busy:max_rate5m",
-    "network_rx_used": "instance:gputrain_host_network_receive_link_used:max_ratio_rate5m",
-}
 
 
 # the leak rule's three spans of a sustained slope, as (range, offset) by the suffix of the
@@ -52,6 +47,259 @@ def window_seconds(name: str) -> float:
 def duration_seconds(text: str) -> float:
     """A PromQL duration of one unit ('15m') in seconds; '' is 0."""
     return float(text[:-1]) * {"s": 1, "m": 60, "h": 3600}[text[-1]] if text else 0.0
+
+
+Scope = Literal["rank", "rank_gpu", "run_gpu", "node"]
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One reading the heuristics judge, as one row: what it is called, what it is of, the
+    recorded series that holds it and the PromQL that series is recorded from.
+
+    ``field``: the :class:`RankReport` field (scope ``rank``), :class:`GpuReading` field
+    (``rank_gpu``, ``run_gpu``) or key of a report's ``host`` (``node``) it fills.
+    ``scope``: what it is of: a rank; a GPU as a rank uses it (recorded per GPU as the ``gpu:``
+    series :attr:`gpu_record` names, and for each rank's GPUs as ``record``, joined through
+    ``gputrain_training_gpu_info``); a run's share of a GPU; a node.
+    ``record``: the recorded series diagnose reads where only the rules' results arrive.
+    ``window``: the :data:`WINDOWS` key it is taken over (``rate``: the rate window the rules
+    are made with, ``diagnose --window`` included); None for a gauge read as it is.
+    ``expr``: the recording rule's PromQL, a template :func:`exporter.heuristics.promql.recording`
+    formats with the selector ``s``, the label lists ``rank``, ``gpu``, ``node``, ``run``,
+    ``run_gpu``, the window's range ``w`` and the fragments its ``_fragments`` names.
+    ``by``: the label a reading of several values is keyed by (the field is a dict).
+    ``since``: the series is a unix time; the reading is the seconds since it.
+    ``refined``: a node reading that refines input-bound into a stage, judged with hysteresis
+    (:data:`REFINED`).
+
+    The daemon's history (:mod:`exporter.serving.history`) computes the same readings from its
+    own samples, in Python; tests/test_agreement.py holds it to this table.
+    """
+
+    field: str
+    scope: Scope
+    record: str
+    window: str | None
+    expr: str
+    by: str | None = None
+    since: bool = False
+    refined: bool = False
+
+    @property
+    def gpu_record(self) -> str:
+        """For scope ``rank_gpu``: the per-GPU series the rank's is joined from."""
+        return "gpu:" + self.record.split(":", 1)[1]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The readings it gives: its field, or for the leak window one per span of
+        :data:`LEAK_SPANS` (``rss_growth_1h``: the series' slope over that span)."""
+        if self.window == "leak":
+            return tuple(f"{self.field}_{span}" for span in LEAK_SPANS)
+        return (self.field,)
+
+
+# Every reading, by scope; within one, in the order the rules are written (a rule that reads
+# another's series comes after it anyway). Ratios of counters divide separately-summed rates
+READINGS = (
+    # per (run, rank): the training client's signals. Where its run changed pace less than a
+    # rate window ago, a rate-window reading is read over the regime window (promql.recording)
+    Reading("regime_changed_seconds", "rank",
+            "run_rank:gputrain_training_regime_start_timestamp_seconds:max", None,
+            "max by ({rank}) (gputrain_training_regime_start_timestamp_seconds{{{s}}})",
+            since=True),
+    Reading("data_wait_ratio", "rank", "run_rank:gputrain_training_data_wait_ratio:rate5m",
+            "rate", """
+            sum by ({rank}) (rate(gputrain_training_data_wait_seconds_total{{{s}}}[{w}]))
+            / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{w}]))"""),
+    # samples per second of step time: the training loop's throughput, exact from a run's
+    # first minute (a bare rate() over 5m reads low until the run is 5m old)
+    Reading("samples_per_second", "rank",
+            "run_rank:gputrain_training_samples_per_second:rate5m", "rate", """
+            sum by ({rank}) (rate(gputrain_training_samples_total{{{s}}}[{w}]))
+            / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{w}]))"""),
+    Reading("step_seconds", "rank", "run_rank:gputrain_training_step_seconds:mean5m", "rate", """
+            sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{w}]))
+            / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[{w}]))"""),
+    # gradient communication, where the client measures it: the share of the step time it
+    # ran, and the share the step waited for it (exposed)
+    Reading("comm_ratio", "rank", "run_rank:gputrain_training_comm_ratio:rate5m", "rate", """
+            sum by ({rank}) (rate(gputrain_training_comm_seconds_total{{{s}}}[{w}]))
+            / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{w}]))"""),
+    Reading("comm_exposed_ratio", "rank", "run_rank:gputrain_training_comm_exposed_ratio:rate5m",
+            "rate", """
+            sum by ({rank}) (rate(gputrain_training_comm_exposed_seconds_total{{{s}}}[{w}]))
+            / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{w}]))"""),
+    Reading("step_p50_seconds", "rank", "run_rank:gputrain_training_step_seconds:p50_30m",
+            "quantile", """
+            histogram_quantile(0.5, sum by ({rank}, le)
+              (rate(gputrain_training_step_duration_seconds_bucket{{{s}}}[{w}])))"""),
+    Reading("step_p99_seconds", "rank", "run_rank:gputrain_training_step_seconds:p99_30m",
+            "quantile", """
+            histogram_quantile(0.99, sum by ({rank}, le)
+              (rate(gputrain_training_step_duration_seconds_bucket{{{s}}}[{w}])))"""),
+    # of the wall time, the share in steps far above the rank's median (rare long stalls:
+    # a DataLoader re-created each epoch, a checkpoint every few hundred steps)
+    Reading("stall_share", "rank", "run_rank:gputrain_training_slow_step:ratio_rate30m",
+            "quantile", """
+            sum by ({rank}) (rate(gputrain_training_slow_step_seconds_total{{{s}}}[{w}]))
+            / sum by ({rank}) (rate(gputrain_training_elapsed_seconds_total{{{s}}}[{w}]))"""),
+    # of the steps, the share far above the median, and the data wait over those steps'
+    # seconds, with the loader's workers: a DataLoader's period (one slow step in N, the
+    # wait in it) tells its batches arriving in groups from a stall
+    Reading("slow_step_ratio", "rank", "run_rank:gputrain_training_slow_steps:ratio_rate30m",
+            "quantile", """
+            sum by ({rank}) (rate(gputrain_training_slow_steps_total{{{s}}}[{w}]))
+            / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[{w}]))"""),
+    Reading("slow_step_wait", "rank",
+            "run_rank:gputrain_training_slow_step_data_wait:ratio_rate30m", "quantile", """
+            sum by ({rank}) (rate(gputrain_training_data_wait_seconds_total{{{s}}}[{w}]))
+            / sum by ({rank}) (rate(gputrain_training_slow_step_seconds_total{{{s}}}[{w}]))"""),
+    Reading("loader_workers", "rank", "run_rank:gputrain_training_loader_workers:max", None,
+            "max by ({rank}) (gputrain_training_loader_workers{{{s}}})"),
+    Reading("phases", "rank", "run_rank_phase:gputrain_training_phase_ratio:rate5m", "rate", """
+            sum by ({rank}, phase) (rate(gputrain_training_phase_seconds_total{{{s}}}[{w}]))
+            / on ({rank}) group_left
+            sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{w}]))""",
+            by="phase"),
+    # the process tree's CPU against what its cgroup allows, and the time it was throttled
+    Reading("cpu_allowance_used", "rank",
+            "run_rank:gputrain_training_cpu_allowance_used:ratio_rate5m", "rate", """
+            sum by ({rank}) (rate(gputrain_training_process_cpu_seconds_total{{{s}}}[{w}]))
+            / sum by ({rank}) (gputrain_training_process_cpu_allowance_cores{{{s}}})"""),
+    Reading("cpu_throttled", "rank", "run_rank:gputrain_training_cpu_throttled:ratio_rate5m",
+            "rate", """
+            sum by ({rank}) (rate(gputrain_training_process_cpu_throttled_seconds_total{{{s}}}[{w}]))"""),
+    # what diagnose reads where only the recorded series arrive (a global layer fed with
+    # the recording rules' results): steps, the last step, the process tree's memory
+    Reading("steps_per_second", "rank", "run_rank:gputrain_training_steps:rate5m", "rate", """
+            sum by ({rank}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[{w}]))"""),
+    Reading("seconds_since_step", "rank",
+            "run_rank:gputrain_training_last_step_timestamp_seconds:max", None,
+            "max by ({rank}) (gputrain_training_last_step_timestamp_seconds{{{s}}})",
+            since=True),
+    # the tree's memory as the leak rule reads it: PSS where the client pushes it, else RSS
+    Reading("rss_growth", "rank", "run_rank:gputrain_training_process_memory_bytes:sum", "leak",
+            """
+            sum by ({rank}) (gputrain_training_process_proportional_memory_bytes{{{s}}})
+            or sum by ({rank}) (gputrain_training_process_resident_memory_bytes{{{s}}})"""),
+    # whether a rank still runs: when it last pushed, whether it said goodbye, and its
+    # busiest GPU over the recent window (a vanished run's GPUs go idle)
+    Reading("seconds_since_push", "rank",
+            "run_rank:gputrain_training_last_push_timestamp_seconds:max", None,
+            "max by ({rank}) (gputrain_training_last_push_timestamp_seconds{{{s}}})",
+            since=True),
+    Reading("finished", "rank", "run_rank:gputrain_training_finished:max", None,
+            "max by ({rank}) (gputrain_training_finished{{{s}}})"),
+    Reading("recent_busy", "rank", "run_rank:gputrain_gpu_busy_ratio:max_rate2m", "recent", """
+            max by ({rank}) (
+              max by ({rank}, gpu, uuid) (gputrain_training_gpu_info{{{s}}})
+              * on ({gpu}) group_left ()
+              (sum by ({gpu}) (rate(gputrain_gpu_busy_seconds_total{{{s}}}[{w}]))
+               / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{w}]))))"""),
+    # MFU, goodput and badput by cause divide by the rank's wall seconds
+    # (``gputrain_training_elapsed_seconds_total``, ``{wall}``), so they are exact from a
+    # run's first minute and a restart's gap counts as time outside steps
+    Reading("mfu", "rank", "run_rank:gputrain_training_mfu:ratio_rate5m", "rate", """
+            sum by ({rank}) (rate(gputrain_training_flops_total{{{s}}}[{w}])) / {wall}
+            / run_rank:gputrain_gpu_peak_flops:sum"""),
+    # goodput and badput are shares of the wall time's parts (promql's accounted seconds)
+    Reading("goodput", "rank", "run_rank:gputrain_training_goodput:ratio_rate5m", "rate", """
+            {productive} / run_rank:gputrain_training_accounted_seconds:rate5m"""),
+    Reading("badput", "rank", "run_rank_cause:gputrain_training_badput:ratio_rate5m", "rate", """
+            (label_replace({wait}, "cause", "{data_wait_cause}", "", "")
+             or sum by ({rank}, cause) (label_replace(
+                  rate(gputrain_training_phase_seconds_total{{{s}}}[{w}]),
+                  "cause", "$1", "phase", "(.+)"))
+             or label_replace({outside_steps}, "cause", "{outside_steps_cause}", "", ""))
+            / on ({rank}) group_left run_rank:gputrain_training_accounted_seconds:rate5m""",
+            by="cause"),
+    # per GPU. GPU ratios divide by the seconds the sampler watched: exact from the first
+    # scrapes after an exporter (re)start, and blind time (a lost GPU) counts on neither side
+    Reading("busy", "rank_gpu", "run_rank_gpu:gputrain_gpu_busy_ratio:rate5m", "rate", """
+            sum by ({gpu}) (rate(gputrain_gpu_busy_seconds_total{{{s}}}[{w}]))
+            / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{w}]))"""),
+    Reading("memory_used", "rank_gpu", "run_rank_gpu:gputrain_gpu_memory_used:ratio", None, """
+            sum by ({gpu}) (gputrain_gpu_memory_used_bytes{{{s}}})
+            / sum by ({gpu}) (gputrain_gpu_memory_total_bytes{{{s}}})"""),
+    Reading("power_used", "rank_gpu", "run_rank_gpu:gputrain_gpu_power_limit_used:ratio_avg5m",
+            "rate", """
+            sum by ({gpu}) (avg_over_time(gputrain_gpu_power_watts{{{s}}}[{w}]))
+            / sum by ({gpu}) (gputrain_gpu_power_limit_watts{{{s}}})"""),
+    # host-to-device traffic, judged against the link as it ran (else at its best)
+    Reading("pcie_rx_used", "rank_gpu", "run_rank_gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m",
+            "rate", """
+            sum by ({gpu}) (rate(gputrain_gpu_pcie_received_bytes_total{{{s}}}[{w}]))
+            / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{w}]))
+            / (gpu:gputrain_gpu_pcie_link_current:max5m or gpu:gputrain_gpu_pcie_link_max:max)"""),
+    # the link as it ran in the window (its best: an idle link trains down between bursts)
+    # and at its best
+    Reading("pcie_link_now", "rank_gpu", "run_rank_gpu:gputrain_gpu_pcie_link_current:max5m",
+            "rate", """
+            max by ({gpu}) (max_over_time(
+              gputrain_gpu_pcie_link_current_bytes_per_second{{{s}}}[{w}]))"""),
+    Reading("pcie_link_max", "rank_gpu", "run_rank_gpu:gputrain_gpu_pcie_link_max:max", None,
+            "max by ({gpu}) (gputrain_gpu_pcie_link_max_bytes_per_second{{{s}}})"),
+    Reading("sm_active", "rank_gpu", "run_rank_gpu:gputrain_gpu_sm_active_ratio:avg5m", "rate",
+            "avg by ({gpu}) (avg_over_time(gputrain_gpu_sm_active_ratio{{{s}}}[{w}]))"),
+    Reading("tensor_active", "rank_gpu", "run_rank_gpu:gputrain_gpu_tensor_active_ratio:avg5m",
+            "rate",
+            "avg by ({gpu}) (avg_over_time(gputrain_gpu_tensor_active_ratio{{{s}}}[{w}]))"),
+    Reading("throttled", "rank_gpu",
+            "run_rank_gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m", "rate", """
+            sum by ({gpu}) (rate(gputrain_gpu_clock_event_seconds_total{{{s},
+              reason=~"{throttle_reasons}"}}[{w}]))
+            / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{w}]))"""),
+    # what of a GPU's time a run does not own: busy with other runs' processes or with
+    # processes no client reports (only where the driver gives per-process samples)
+    Reading("foreign", "run_gpu", "run_gpu:gputrain_gpu_foreign_busy:ratio_rate5m", "rate", """
+            (gpu:gputrain_gpu_unattributed_busy:ratio_rate5m
+             + on ({gpu}) sum by ({gpu}) (run_gpu:gputrain_training_gpu_busy:ratio_rate5m))
+            - on ({gpu}) group_right run_gpu:gputrain_training_gpu_busy:ratio_rate5m"""),
+    # per node
+    Reading("cpu_busy", "node", "instance:gputrain_host_cpu_busy:ratio_rate5m", "rate", """
+            1 - sum by ({node}) (rate(gputrain_host_cpu_seconds_total{{{s},mode=~"idle|iowait"}}[{w}]))
+            / sum by ({node}) (rate(gputrain_host_cpu_seconds_total{{{s}}}[{w}]))""",
+            refined=True),
+    Reading("memory_available", "node", "instance:gputrain_host_memory_available_bytes:sum", None,
+            "sum by ({node}) (gputrain_host_memory_available_bytes{{{s}}})"),
+    Reading("iowait", "node", "instance:gputrain_host_cpu_iowait:ratio_rate5m", "rate", """
+            sum by ({node}) (rate(gputrain_host_cpu_seconds_total{{{s},mode="iowait"}}[{w}]))
+            / sum by ({node}) (rate(gputrain_host_cpu_seconds_total{{{s}}}[{w}]))""",
+            refined=True),
+    Reading("disk_busy", "node", "instance:gputrain_host_disk_busy:max_rate5m", "rate", """
+            max by ({node}) (rate(gputrain_host_disk_io_time_seconds_total{{{s}}}[{w}]))""",
+            refined=True),
+    Reading("network_rx_used", "node",
+            "instance:gputrain_host_network_receive_link_used:max_ratio_rate5m", "rate", """
+            max by ({node}) (
+              rate(gputrain_host_network_received_bytes_total{{{s}}}[{w}])
+              / gputrain_host_network_speed_bytes_per_second{{{s}}})""", refined=True),
+    # of the busiest interface, the lesser of its two directions against its speed: a
+    # link saturated both ways (an all-reduce sends as much as it receives), not an input
+    Reading("network_duplex_used", "node",
+            "instance:gputrain_host_network_duplex_link_used:max_ratio_rate5m", "rate", """
+            max by ({node}) (
+              (rate(gputrain_host_network_received_bytes_total{{{s}}}[{w}])
+               / gputrain_host_network_speed_bytes_per_second{{{s}}})
+              < (rate(gputrain_host_network_transmitted_bytes_total{{{s}}}[{w}])
+                 / gputrain_host_network_speed_bytes_per_second{{{s}}})
+              or (rate(gputrain_host_network_transmitted_bytes_total{{{s}}}[{w}])
+                  / gputrain_host_network_speed_bytes_per_second{{{s}}}))"""),
+)
+BY_FIELD = {r.field: r for r in READINGS}
+
+
+def of_scope(scope: Scope) -> tuple[Reading, ...]:
+    """The readings of one scope, in the table's order."""
+    return tuple(r for r in READINGS if r.scope == scope)
+
+
+# The node readings that refine input-bound into a stage (CPU preprocessing, disk, network),
+# by their recorded series: each is judged with hysteresis (see WINDOWS["hold"]), its peak
+# over the hold range read beside it as ``<name>_peak``
+REFINED = {r.field: r.record for r in READINGS if r.refined}
 
 
 @dataclass
