@@ -18,6 +18,7 @@ from prometheus_client.utils import floatToGoString
 
 from exporter.protocol import MAX_BUCKETS, MAX_GPUS, MAX_PHASES, Refused
 from exporter.reading.gpu_backends import DemoBackend, NvmlBackend
+from exporter.reading.host_processes import HostProcess
 from exporter.reading.nvml import Nvml
 from exporter.reading.sampler import Sampler
 from exporter.serving.attribution import Attribution, GpuIndex, Owners, resolve_gpus
@@ -414,3 +415,37 @@ def test_the_page_and_the_status_history_read_one_join_per_cycle():
     assert page_gpus("1") == set()
     sampler.run_once()
     assert page_gpus("1") == doc_gpus("1") == {"1"}
+
+
+def test_a_join_that_fails_never_freezes_the_page(caplog):
+    """A bug in attributing processes to ranks (here: reading the process table raises) costs
+    that cycle its attribution, logged once; the GPUs' own series and the pushed ranks' lines
+    keep refreshing. The near miss: the join working again brings the attribution back."""
+    clock = FakeClock()
+    gpus = [FakeGpu(uuid="GPU-00000000-aaaa-bbbb-cccc-000000000000", processes=[(4242, 2**30)])]
+    sampler = Sampler(NvmlBackend(Nvml(FakeDriver(gpus, clock=clock).binding), clock=clock),
+                      None, clock=clock)
+    store = IngestStore(clock=clock)
+    broken = [True]
+
+    def read(pid: int) -> HostProcess:
+        if broken[0]:
+            raise RuntimeError("a bug")
+        return HostProcess(pid, pid, 1, 77)  # its start: 77 ticks after boot
+
+    app = Exposition(sampler, store, clock=clock,
+                     views=Attribution(Owners(read=read), snapshot=sampler.snapshot))
+    app.views.follow(sampler, store)
+    for k in range(3):
+        push(store, rank="0", steps=10 + k, process={"pid": 4242, "start_time": 77})
+        clock.advance(1.0)
+        with caplog.at_level(logging.ERROR, logger="exporter.serving.attribution"):
+            sampler.run_once()
+        page = app.render()[0].decode()
+        assert f"gputrain_training_steps_total{{rank=\"0\",run=\"resnet18\"}} {10 + k}.0" in page
+        assert 'gputrain_gpu_sampled_seconds_total{gpu="0"' in page
+        assert "gputrain_training_gpu_memory_bytes{" not in page
+    assert sum("attributing" in r.message for r in caplog.records) == 1
+    broken[0] = False
+    sampler.run_once()
+    assert 'gputrain_training_gpu_memory_bytes{gpu="0",rank="0"' in app.render()[0].decode()

@@ -297,6 +297,7 @@ class Attribution:
         self.latest = NodeView(snapshot if snapshot is not None else Snapshot(-1, 0.0, "", ""))
         self.listeners: list[Callable[[NodeView], None]] = []
         self._joined = -1  # the last snapshot cycle joined
+        self._failed = False  # a join has failed (logged once)
         self._lock = threading.Lock()
 
     def update(self, snap: Snapshot, states: Iterable[RankState]) -> NodeView:
@@ -307,10 +308,17 @@ class Attribution:
                 return self.latest
             self._joined = snap.cycle
             states = tuple(sorted(states, key=lambda s: (s.run, s.rank)))
-            held, others = self.owners.attribute(snap, states)
-            counted = self.shares.count(snap, states)
-            view = NodeView(snap, states, held, others, counted.busy, counted.unowned,
-                            counted.listed, counted.strangers, counted.unresolved)
+            try:
+                held, others = self.owners.attribute(snap, states)
+                counted = self.shares.count(snap, states)
+                view = NodeView(snap, states, held, others, counted.busy, counted.unowned,
+                                counted.listed, counted.strangers, counted.unresolved)
+            except Exception:  # a bug here must not freeze the page: this cycle joins nothing
+                if not self._failed:
+                    log.exception("attributing the GPUs' processes to ranks failed; the "
+                                  "cycles it fails in show no attribution (logged once)")
+                self._failed = True
+                view = NodeView(snap, states)
             self.latest = view
         for listener in list(self.listeners):
             listener(view)
