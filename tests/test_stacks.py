@@ -464,3 +464,46 @@ def test_a_wait_is_charged_to_the_code_that_waits_not_to_the_standard_library():
     assert [(t["function"], t["file"], t["share"]) for t in main["top"]] == [
         ("_MultiProcessingDataLoaderIter._try_get_data", "torch/utils/data/dataloader.py", 0.9),
         ("slow_read", "train.py", 0.1)]
+
+
+@pytest.mark.parametrize("error, torn, done, reads", [
+    ("Failed to get stack traces", 2, True, 3),
+    ("Failed to get stack traces", 3, False, 3),
+    ("Permission denied (os error 13)", 1, False, 1),  # a refusal: no second try
+])
+def test_a_dump_torn_by_the_running_process_is_taken_again(tmp_path, monkeypatch, error, torn,
+                                                          done, reads):
+    """A nonblocking read walks the frames while the process runs on, and sometimes fails
+    mid-walk ("Failed to get stack traces"): the dump is taken again, up to three reads in all.
+    The near misses: three torn reads fail the dump with py-spy's own words, and a refused
+    read is not taken again."""
+    from exporter.client.stacks import DUMP_ATTEMPTS, CaptureFailed, capture
+
+    assert DUMP_ATTEMPTS == 3
+    count = tmp_path / "reads"
+    frame = {"name": "zz_waits", "filename": "/srv/train.py", "short_filename": "train.py",
+             "line": 7}
+    doc = json.dumps([{"thread_name": "MainThread", "os_thread_id": 1, "active": True,
+                       "owns_gil": False, "frames": [frame]}])
+    spy = tmp_path / "py-spy"
+    spy.write_text(f"""#!/bin/sh
+n=$(cat {count} 2>/dev/null || echo 0); n=$((n + 1)); echo $n > {count}
+if [ $n -le {torn} ]; then echo "Error: {error}" >&2; exit 1; fi
+echo '{doc}'
+""")
+    spy.chmod(0o755)
+    monkeypatch.setenv("GPUTRAIN_PY_SPY", str(spy))
+    monkeypatch.setenv("GPUTRAIN_TRACE_DIR", str(tmp_path / "traces"))
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        if done:
+            result = capture("dump", 0, sleeper.pid, "torn", "0", "p-0123456789ab")
+            (thread,) = result["processes"][0]["threads"]
+            assert thread["frames"][0]["function"] == "zz_waits"
+        else:
+            with pytest.raises(CaptureFailed, match=r"Failed to get stack traces|refused"):
+                capture("dump", 0, sleeper.pid, "torn", "0", "p-0123456789ab")
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert int(count.read_text()) == reads

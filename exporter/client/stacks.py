@@ -466,6 +466,9 @@ class CaptureFailed(Exception):
 
 
 _REFUSED = re.compile(r"permission denied|operation not permitted", re.IGNORECASE)
+# a nonblocking read torn by the running process: worth taking again
+_TORN = re.compile(r"failed to get stack trace", re.IGNORECASE)
+DUMP_ATTEMPTS = 3
 
 
 def _refused(pid: int) -> CaptureFailed:
@@ -540,6 +543,24 @@ def _tree(pid: int) -> list[int]:
     return pids[:MAX_DUMP_PROCESSES]
 
 
+def _dump(pid: int, started: Callable[[subprocess.Popen], None]) -> Any:
+    """``py-spy dump --nonblocking --json`` of one process. A nonblocking read walks the
+    frames while the process runs on: it sometimes fails mid-walk ("Failed to get stack
+    traces") where the stack changed under it; such a read is taken again, up to
+    DUMP_ATTEMPTS times in all. A refusal or a process that is no Python fails at once."""
+    for attempt in range(DUMP_ATTEMPTS):
+        try:
+            # 10 s each at most: the daemon gives a dump STACKS_GRACE (120 s) in all
+            out, _ = _run_py_spy(["dump", "--pid", str(pid), "--nonblocking", "--json"], pid,
+                                 10.0, started)
+            return json.loads(out)
+        except CaptureFailed as exc:
+            if not _TORN.search(str(exc)) or attempt == DUMP_ATTEMPTS - 1:
+                raise
+            time.sleep(0.05 * (attempt + 1))  # let the walked frames settle
+    raise AssertionError("unreachable")
+
+
 def _dump_tree(pid: int, started: Callable[[subprocess.Popen], None]) -> dict[int, Any]:
     """``py-spy dump --json`` of ``pid`` and each descendant, one at a time: py-spy's own
     ``--subprocesses`` is not in its JSON, and one non-Python child (a logging agent) fails
@@ -547,10 +568,7 @@ def _dump_tree(pid: int, started: Callable[[subprocess.Popen], None]) -> dict[in
     dumps: dict[int, Any] = {}
     for p in _tree(pid):
         try:
-            # 10 s each at most: the daemon gives a dump STACKS_GRACE (120 s) in all
-            out, _ = _run_py_spy(["dump", "--pid", str(p), "--nonblocking", "--json"], p,
-                                 10.0, started)
-            dumps[p] = json.loads(out)
+            dumps[p] = _dump(p, started)
         except (CaptureFailed, ValueError) as exc:
             if p == pid:
                 raise
