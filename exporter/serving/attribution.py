@@ -9,11 +9,12 @@ reads, so every surface sees the same join of the same cycle.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from exporter.reading.host_processes import HostProcess, read_process
 from exporter.reading.sampler import Snapshot
@@ -106,8 +107,7 @@ class Owners:
     child, a compile or DataLoader worker that touched CUDA). A process is read once (its
     ``/proc`` entry) and kept while it is on a GPU. A process this daemon cannot read (no
     hostPID, a sandbox) is :data:`UNRESOLVED`: neither a rank's nor a stranger's. Pids are never
-    labels: they only join NVML's process list to the pushed ranks. One instance serves the
-    page thread and the sampler's (thread-safe)."""
+    labels: they only join NVML's process list to the pushed ranks."""
 
     MAX_DEPTH = 16
 
@@ -120,41 +120,50 @@ class Owners:
         self._procs: dict[int, HostProcess | None] = {}
         self._lock = threading.Lock()
 
-    def attribute(self, snap: Snapshot, states: list[RankState]) -> tuple[
-            dict[RankKey, dict[GpuKey, float]], dict[GpuKey, tuple[int, float]]]:
-        """Bytes each (run, rank) holds per GPU, and per GPU the count and bytes of the
-        processes no rank owns (those that cannot be read left out: unknown). The processes no
-        longer on any GPU are forgotten."""
+    def resolve(self, snap: Snapshot, states: Iterable[RankState]) -> dict[int, RankKey | None]:
+        """The owner of every process on a GPU of ``snap`` (listed, holding memory or with
+        busy seconds): its (run, rank), None for no rank's, :data:`UNRESOLVED` where it cannot
+        be read. The processes no longer on any GPU are forgotten."""
         keys = RankProcesses(states)
-        ranks: dict[RankKey, dict[GpuKey, float]] = {}
-        others: dict[GpuKey, tuple[int, float]] = {}
+        out: dict[int, RankKey | None] = {}
         seen: set[int] = set()
         with self._lock:
             for g in snap.gpus:
-                if not g.up or g.sample is None:
-                    continue
-                key = (g.identity.index, g.identity.uuid)
-                count, held, unknown = 0, 0.0, 0
-                for pid in dict.fromkeys((*g.sample.pids, *g.sample.process_memory)):
-                    used = g.sample.process_memory.get(pid, 0.0)
-                    owner = self._owner(pid, keys, seen)
-                    if owner is UNRESOLVED:
-                        unknown += 1
-                    elif owner is None:
-                        count, held = count + 1, held + used
-                    else:
-                        mine = ranks.setdefault(owner, {})
-                        mine[key] = mine.get(key, 0.0) + used
-                if not unknown or count:
-                    others[key] = (count, held)
+                listed = (*g.sample.pids, *g.sample.process_memory) if g.sample else ()
+                for pid in (*listed, *g.process_busy_seconds):
+                    if pid not in out:
+                        out[pid] = self._owner(pid, keys, seen)
             self._procs = {pid: p for pid, p in self._procs.items() if pid in seen}
-        return ranks, others
+        return out
 
-    def owner(self, pid: int, keys: RankProcesses) -> RankKey | None:
-        """The (run, rank) whose process is ``pid`` or an ancestor of it; :data:`UNRESOLVED`
-        where ``pid`` cannot be read."""
-        with self._lock:
-            return self._owner(pid, keys, set())
+    def attribute(self, snap: Snapshot, states: Iterable[RankState],
+                  owner_of: dict[int, RankKey | None] | None = None) -> tuple[
+            dict[RankKey, dict[GpuKey, float]], dict[GpuKey, tuple[int, float]]]:
+        """Bytes each (run, rank) holds per GPU, and per GPU the count and bytes of the
+        processes no rank owns (those that cannot be read left out: unknown); ``owner_of``:
+        :meth:`resolve`'s answer for ``snap``, where the caller has it."""
+        if owner_of is None:
+            owner_of = self.resolve(snap, states)
+        ranks: dict[RankKey, dict[GpuKey, float]] = {}
+        others: dict[GpuKey, tuple[int, float]] = {}
+        for g in snap.gpus:
+            if not g.up or g.sample is None:
+                continue
+            key = (g.identity.index, g.identity.uuid)
+            count, held, unknown = 0, 0.0, 0
+            for pid in dict.fromkeys((*g.sample.pids, *g.sample.process_memory)):
+                used = g.sample.process_memory.get(pid, 0.0)
+                owner = owner_of[pid]
+                if owner is UNRESOLVED:
+                    unknown += 1
+                elif owner is None:
+                    count, held = count + 1, held + used
+                else:
+                    mine = ranks.setdefault(owner, {})
+                    mine[key] = mine.get(key, 0.0) + used
+            if not unknown or count:
+                others[key] = (count, held)
+        return ranks, others
 
     def _owner(self, pid: int, keys: RankProcesses, seen: set[int]) -> RankKey | None:
         if pid in keys.by_pid:  # needs no /proc: a client that pushes the host's pid
@@ -180,27 +189,36 @@ class Owners:
 Seconds = tuple[float, float]
 
 
+class Counted(NamedTuple):
+    """:meth:`GpuShares.count`'s answer: the share fields of a :class:`NodeView`."""
+
+    busy: dict[RankKey, dict[GpuKey, Seconds]]
+    unowned: dict[GpuKey, Seconds]
+    listed: dict[RankKey, frozenset[GpuKey]]
+    strangers: frozenset[GpuKey]
+    unresolved: dict[GpuKey, int]
+
+
 class GpuShares:
     """Each rank's busy seconds on each GPU, and each GPU's busy seconds that no rank owns: the
     sampler's per-process busy counters summed by their owner (a rank's pushed pid or a
-    descendant of it, as :class:`Owners` finds it), snapshot after snapshot. A rank's counter
+    descendant of it, as :meth:`Owners.resolve` finds it), snapshot after snapshot. A rank's counter
     grows while the rank is live (a restarted process of it goes on counting into it). A GPU
     whose driver gives per-process samples has an unattributed counter (0 where every process is
     a rank's); one whose driver gives none has none: never a misleading zero. Only
     :class:`Attribution` counts, once per snapshot."""
 
-    def __init__(self, owners: Owners | None = None) -> None:
-        self.owners = owners or Owners()
+    def __init__(self) -> None:
         self._last: dict[tuple[GpuKey, int], Seconds] = {}  # (gpu, pid) -> its totals
         self._ranks: dict[RankKey, dict[GpuKey, Seconds]] = {}
         self._others: dict[GpuKey, Seconds] = {}
         self._warned = False
 
-    def count(self, snap: Snapshot, states: Iterable[RankState]) -> NodeView:
-        """Count the busy seconds the processes added since the last snapshot counted, and
-        return who is where as of ``snap`` (the view's share fields only)."""
-        states = list(states)
-        keys = RankProcesses(states)
+    def count(self, snap: Snapshot, states: Iterable[RankState],
+              owner_of: dict[int, RankKey | None]) -> Counted:
+        """Count the busy seconds the processes added since the last snapshot counted, each
+        to its owner (``owner_of``: :meth:`Owners.resolve`'s answer for ``snap``), and say who
+        is where as of ``snap``."""
         live = {(st.run, st.rank) for st in states}
         # built aside and taken at once: a failure half-way counts nothing twice
         ranks = {k: dict(v) for k, v in self._ranks.items() if k in live}
@@ -212,17 +230,16 @@ class GpuShares:
         for g in snap.gpus:
             key = (g.identity.index, g.identity.uuid)
             pids = g.sample.pids if g.sample is not None else ()
-            owner_of = {pid: self.owners.owner(pid, keys)
-                        for pid in dict.fromkeys((*pids, *g.process_busy_seconds))}
-            for o in owner_of.values():
+            owners = [owner_of[pid] for pid in dict.fromkeys((*pids, *g.process_busy_seconds))]
+            for o in owners:
                 if o is not None and o is not UNRESOLVED:
                     listed.setdefault(o, set()).add(key)
-            if any(o is None for o in owner_of.values()):
+            if any(o is None for o in owners):
                 strangers.add(key)
-            if unknown := sum(o is UNRESOLVED for o in owner_of.values()):
+            if unknown := sum(o is UNRESOLVED for o in owners):
                 unresolved[key] = unknown
             if g.sample is not None and g.sample.process_utilization is not None:
-                if owner_of and all(o is UNRESOLVED for o in owner_of.values()):
+                if owners and all(o is UNRESOLVED for o in owners):
                     others.pop(key, None)  # no process readable: unknown, not zero
                 else:
                     others.setdefault(key, (0.0, 0.0))
@@ -244,9 +261,9 @@ class GpuShares:
                         "unknown. Run the daemon in the host's PID namespace (Kubernetes "
                         "hostPID: true, docker --pid=host, compose pid: host).",
                         sum(unresolved.values()))
-        return NodeView(snap, busy={k: dict(v) for k, v in ranks.items()}, unowned=dict(others),
-                        listed={k: frozenset(v) for k, v in listed.items()},
-                        strangers=frozenset(strangers), unresolved=unresolved)
+        return Counted({k: dict(v) for k, v in ranks.items()}, dict(others),
+                       {k: frozenset(v) for k, v in listed.items()}, frozenset(strangers),
+                       unresolved)
 
 
 @dataclass(frozen=True)
@@ -275,14 +292,10 @@ class NodeView:
     def cycle(self) -> int:
         return self.snapshot.cycle
 
-    @property
+    @functools.cached_property
     def gpus(self) -> GpuIndex:
         """The snapshot's GPUs, indexed (built once per view, on first use)."""
-        index = self.__dict__.get("_gpus")
-        if index is None:
-            index = GpuIndex(self.snapshot)
-            object.__setattr__(self, "_gpus", index)  # a cache: the view itself is unchanged
-        return index
+        return GpuIndex(self.snapshot)
 
 
 class Attribution:
@@ -291,8 +304,8 @@ class Attribution:
     view, in the sampler's thread. A snapshot seen twice is joined once."""
 
     def __init__(self, owners: Owners | None = None, snapshot: Snapshot | None = None) -> None:
-        self.shares = GpuShares(owners)
-        self.owners = self.shares.owners
+        self.owners = owners or Owners()
+        self._shares = GpuShares()
         # before the first cycle: the given snapshot (a sampler's first), nobody attributed
         self.latest = NodeView(snapshot if snapshot is not None else Snapshot(-1, 0.0, "", ""))
         self.listeners: list[Callable[[NodeView], None]] = []
@@ -309,10 +322,10 @@ class Attribution:
             self._joined = snap.cycle
             states = tuple(sorted(states, key=lambda s: (s.run, s.rank)))
             try:
-                held, others = self.owners.attribute(snap, states)
-                counted = self.shares.count(snap, states)
-                view = NodeView(snap, states, held, others, counted.busy, counted.unowned,
-                                counted.listed, counted.strangers, counted.unresolved)
+                owner_of = self.owners.resolve(snap, states)  # once: both joins read it
+                held, others = self.owners.attribute(snap, states, owner_of)
+                view = NodeView(snap, states, held, others,
+                                *self._shares.count(snap, states, owner_of))
             except Exception:  # a bug here must not freeze the page: this cycle joins nothing
                 if not self._failed:
                     log.exception("attributing the GPUs' processes to ranks failed; the "
