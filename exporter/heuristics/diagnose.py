@@ -108,6 +108,14 @@ class Prometheus:
         return out
 
 
+def _as_ages(q: dict[str, str]) -> None:
+    """The readings that are a unix time in their series (``Reading.since``) read as the
+    seconds since it."""
+    for x in READINGS:
+        if x.since:
+            q[x.field] = f"time() - {q[x.field]}"
+
+
 def queries(selector: str, window: str, ids: Identity | None = None) -> dict[str, str]:
     """The PromQL this command runs on the raw series, by name: the recording rules' own
     expressions written inline (their ratios over ``window``), so it needs no rules loaded."""
@@ -117,9 +125,7 @@ def queries(selector: str, window: str, ids: Identity | None = None) -> dict[str
     q = {name: inline(record, records) for name, record in RECORDED.items()}
     # every rank that exports anything (a rank that never stepped too)
     q["ranks"] = f'group by ({r}) ({{__name__=~"gputrain_training_.+", {s}}})'
-    for x in READINGS:
-        if x.since:
-            q[x.field] = f"time() - {q[x.field]}"
+    _as_ages(q)
     pss = f"gputrain_training_process_proportional_memory_bytes{{{s}}}"
     rss = f"gputrain_training_process_resident_memory_bytes{{{s}}}"
     available = f"gputrain_host_memory_available_bytes{{{s}}}"
@@ -179,9 +185,7 @@ def recorded_queries(selector: str, ids: Identity | None = None) -> dict[str, st
     """The same readings from the recorded series alone (their 5m windows), by name."""
     ids = ids or Identity()
     q = {name: f"{record}{{{selector}}}" for name, record in RECORDED.items()}
-    for x in READINGS:
-        if x.since:
-            q[x.field] = f"time() - {q[x.field]}"
+    _as_ages(q)
     tree = f"run_rank:gputrain_training_process_memory_bytes:sum{{{selector}}}"
     available = f"instance:gputrain_host_memory_available_bytes:sum{{{selector}}}"
     for span, (w, o) in LEAK_SPANS.items():
