@@ -169,7 +169,6 @@ class History:
         # range are the refinements' hysteresis
         self._host_peaks: deque = deque()
         self._ranks: dict[tuple[str, str], _RankTrack] = {}
-        self._snapshot: Snapshot | None = None
         self._lock = threading.Lock()
         self.first_seen: float | None = None
         self.version = 0
@@ -184,10 +183,9 @@ class History:
         ranks_busy, unowned = view.busy, view.unowned
         ranks_here, strangers = view.listed, view.strangers
         with self._lock:
-            self.view = view
+            self.view = view  # its snapshot is the history's latest
             if self.first_seen is None:
                 self.first_seen = t
-            self._snapshot = snap
             seen = set()
             for st in snap.gpus:
                 key = st.identity.uuid or st.identity.index
@@ -348,7 +346,9 @@ class History:
 
     @property
     def snapshot(self) -> Snapshot | None:
-        return self._snapshot
+        """The latest cycle's snapshot (its view's)."""
+        view = self.view
+        return None if view is None else view.snapshot
 
     def size(self) -> int:
         """Points held, all tracks together: bounded by the GPUs, the live ranks and the
@@ -367,7 +367,7 @@ class History:
         """Each collector's last success, how long before ``now`` (unix seconds; default the
         last snapshot's time) in sampler intervals: a sampler stuck in a hung call publishes
         no snapshot, so only the wall clock shows it."""
-        snap = self._snapshot
+        snap = self.snapshot
         if snap is None:
             return {}
         now = snap.timestamp if now is None else now
@@ -376,12 +376,12 @@ class History:
 
     def collectors_failing(self) -> list[str]:
         """The collectors whose last cycle failed, by name."""
-        snap = self._snapshot
+        snap = self.snapshot
         return sorted(n for n, c in snap.collectors.items() if not c.success) if snap else []
 
     def seconds_seen(self) -> float:
         """How much of the window the history covers, in seconds."""
-        snap = self._snapshot
+        snap = self.snapshot
         if snap is None or self.first_seen is None:
             return 0.0
         return min(self.window, snap.timestamp - self.first_seen)
@@ -465,7 +465,7 @@ class History:
             old = self._host_previous if recent else self._since(self._host, now.t, start)
             if start is not None and (old is None or old.t >= now.t):
                 old = self._host_previous
-            snap = self._snapshot
+            snap = self.snapshot
         out = _host_ratios(old, now, snap, recent)
         if not recent:
             with self._lock:
@@ -487,11 +487,11 @@ class History:
         ages = self.collector_ages(now)
         host = self.host_readings() if host is None else host
         with self._lock:
-            snap, view = self._snapshot, self.view
+            view = self.view
             ranks = list(self._ranks.values())
-        if snap is None or view is None:
+        if view is None:
             return []
-        index = view.gpus
+        snap, index = view.snapshot, view.gpus
         recent = self.gpu_readings(snap.timestamp - RECENT_SECONDS)
         with self._lock:
             memories = [(tr.state, list(tr.rss)) for tr in ranks]
