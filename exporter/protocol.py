@@ -22,6 +22,17 @@ DEFAULT_PUSH_INTERVAL_SECONDS = 5.0  # the client pushes its totals this often
 # Phases that are no part of any step: the client keeps them out of step time, and the rules
 # and verdicts count them beside the steps, never as a phase of one
 OUTSIDE_STEP_PHASES = frozenset({"dataloader_start", "evaluation", "checkpoint"})
+# How a rank's process ended, said with its goodbye. A clean end: the user's close() (or the
+# monitor's context manager left without an exception), or the wrapped loop run to its end; a
+# failure: an exception nobody caught (its type is sent; a collective's timeout is one) or a
+# signal that ended it (its name). "exited" is neither: the interpreter ended normally without
+# either, which a hand-written loop that never calls close() does, and so does a crash that a
+# launcher caught and turned into an exit status (torch.multiprocessing.spawn does).
+CLEAN_EXITS = ("closed", "completed")
+FAILED_EXITS = ("exception", "signal")
+EXIT_REASONS = (*CLEAN_EXITS, "exited", *FAILED_EXITS)
+# the longest a time-like field may say (seconds): a year; a real clock meets it
+MAX_SECONDS = 366 * 86400.0
 PUSH_PATH = "/api/v1/push"
 PROFILE_PATH = "/api/v1/profile"  # POST a request; GET PROFILE_PATH/<id> its state
 ALERTS_PATH = "/api/v1/alerts"  # Alertmanager's webhook
@@ -39,6 +50,7 @@ MAX_PHASE_NAME_LENGTH = 64
 MAX_PHASES = 16
 MAX_BUCKETS = 32
 MAX_GPUS = 16
+MAX_WORLD_SIZE = 1 << 20  # ranks in one run
 # the DataLoader workers a rank may state (its slow steps and the loader's count: two lines)
 MAX_LOADER_WORKERS = 4096
 # FLOP/s no GPU reaches: twice the fastest dense datasheet peak (B200, FP4: 9 PFLOP/s). A
@@ -96,6 +108,9 @@ MAX_DUMP_PROCESSES = 16
 MAX_DUMP_THREADS = 32
 MAX_DUMP_FRAMES = 30
 MAX_DUMP_FRAMES_TOTAL = 1500
+# a hang's dump also lists the collectives its process started and has not finished (PyTorch's
+# flight recorder), the newest this many
+MAX_PENDING_COLLECTIVES = 8
 
 
 class Refused(Exception):
@@ -273,6 +288,9 @@ PUSH_FIELDS: tuple[Field, ...] = (
     Field("comm_bytes", "amount", "gradient bytes all-reduced", cumulative=True),
     Field("loader_workers", "count", "the wrapped DataLoader's num_workers",
           bound=MAX_LOADER_WORKERS),
+    Field("world_size", "count", "the ranks of the run: torch.distributed's world size, else "
+                                 "WORLD_SIZE (a node's daemon then knows which it cannot see)",
+          bound=MAX_WORLD_SIZE),
     Field("precision", "enum", "the arithmetic the rank trains in: its GPUs' peak FLOP/s at "
                                "it is MFU's denominator", choices=PRECISIONS,
           default=DEFAULT_PRECISION),
@@ -287,8 +305,20 @@ PUSH_FIELDS: tuple[Field, ...] = (
     Field("capabilities", "array", "what the client reads in a JSON answer: profile, stacks"),
     Field("profile", "object", "the client's state of a profile (docs/profiles.md)"),
     Field("stacks", "object", "the client's state of a py-spy capture"),
-    Field("goodbye", "bool", "true at a clean exit: the rank's series go a minute later",
-          default=False),
+    Field("step_open_seconds", "amount", "seconds the step in progress has run at this push, "
+                                         "outside-step phases excluded (absent: none open)",
+          bound=MAX_SECONDS),
+    Field("open_phase", "name", "the outside-step phase in progress (evaluation, checkpoint, "
+                                "dataloader_start, or one opened with outside_step=True)"),
+    Field("open_phase_seconds", "amount", "seconds the open_phase has run at this push",
+          bound=MAX_SECONDS),
+    Field("goodbye", "bool", "true at the process's end: the rank's series go a minute later "
+                             "(a failure's stay --ingest.ttl)", default=False),
+    Field("exit_reason", "enum", "with goodbye: how the process ended; closed and completed "
+                                 "are clean, exception and signal failures, exited neither "
+                                 "(absent: closed)", choices=EXIT_REASONS),
+    Field("exit_detail", "name", "with a failure: the exception's type or the signal's name "
+                                 "(1-128 of [A-Za-z0-9_.:-])"),
 )
 PROCESS_FIELDS: tuple[Field, ...] = (
     Field("cpu_seconds", "amount", "CPU seconds of the process tree", cumulative=True),

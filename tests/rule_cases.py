@@ -45,6 +45,8 @@ class Fire:
     labels: dict[str, str]
     value: str = ""
     severity: str | None = None  # picks the rule where one name has several severities
+    # what the description's `{{ range ... | query }}` blocks show (the culprit of a hang)
+    ranged: str = ""
 
 
 @dataclass
@@ -168,6 +170,36 @@ def vanishing(run: str, r: str, g: str, uuid: str, finished: bool = False,
             sel("gputrain_training_step_duration_seconds_sum", **where): steps,
             sel("gputrain_training_last_push_timestamp_seconds", **where): steps,
             sel("gputrain_training_finished", **where): "0x9 1x21" if finished else flat(0, 30)}
+
+
+def live_rank(run: str, r: str, open_from: int | None = None, silent_from: int | None = None,
+              phase_from: int | None = None, phase: str = "checkpoint", step_s: float = 0.1,
+              minutes: int = 30, every: int = 15) -> dict[str, str]:
+    """Rank ``r`` of ``run`` stepping (``step_s`` seconds a step) and pushing, a sample every
+    ``every`` seconds (a case's interval: a live rank pushed in the last 30 s); from minute
+    ``open_from`` its step stays open (no step ends, its step in progress grows with the
+    clock), from ``phase_from`` it is in ``phase`` (its phase in progress grows instead), and
+    from ``silent_from`` it pushes no more (the exporter still holds its last values)."""
+    k = 60 // every  # samples a minute
+    where = {"run": run, "rank": r}
+    n = minutes * k
+    stop = min(x for x in (open_from, phase_from, minutes) if x is not None) * k
+    parts = [(every / step_s, stop), (0, n - stop)] if stop < n else [(every / step_s, n)]
+    out = {sel("gputrain_training_step_duration_seconds_count", **where): segments(parts),
+           sel("gputrain_training_step_duration_seconds_sum", **where):
+               segments([(every * (1 if per else 0), m) for per, m in parts]),
+           sel("gputrain_training_last_push_timestamp_seconds", **where):
+               segments([(every, silent_from * k), (0, n - silent_from * k)])
+               if silent_from is not None else ramp(every, n)}
+    if open_from is not None:
+        out[sel("gputrain_training_step_in_progress_seconds", **where)] = \
+            f"0x{open_from * k - 1} 0+{every}x{n - open_from * k}"
+    else:
+        out[sel("gputrain_training_step_in_progress_seconds", **where)] = flat(0, n)
+    if phase_from is not None:
+        out[sel("gputrain_training_phase_in_progress_seconds", phase=phase, **where)] = \
+            f"_x{phase_from * k} 0+{every}x{n - phase_from * k}"
+    return out
 
 
 def run_steps(run: str, wait: float, r: str = "0", step_sum: float = 60,
@@ -296,35 +328,63 @@ def alert_cases() -> list[Case]:
                   segments([(9, 5), (15, 5)] * 6)},
              [Fire("GpuTrainInputBound", rank("swing"), "15%", "info")],
              fire_at="45m", quiet_at=None, quiet_alerts=[]),
-        Case("GpuTrainStalled: a rank that stopped stepping at 5m while its GPU spins (95% busy "
-             "at 20% of its power: a hung collective) is stalled and nothing else",
-             spinning_gpu("hung", "0+60x5 300x25"),
-             [Fire("GpuTrainStalled", rank("hung"), "22m 0s")],
-             fire_at="27m", quiet_at=None, quiet_alerts=[]),
-        Case("GpuTrainStalled: two ranks made their last step 22 minutes ago; the one in an "
-             "evaluation since (its client pushes the evaluation's seconds as they pass) is not "
-             "stalled, the other is",
-             {**{sel(m, run=r, rank="0"): v for r in ("evaluating", "stuck") for m, v in (
-                 ("gputrain_training_elapsed_seconds_total", ramp(60, 30)),
-                 ("gputrain_training_step_duration_seconds_sum", segments([(60, 5), (0, 25)])),
-                 ("gputrain_training_data_wait_seconds_total", segments([(1, 5), (0, 25)])),
-                 ("gputrain_training_step_duration_seconds_count", "0+60x5 300x25"),
-                 ("gputrain_training_last_step_timestamp_seconds", "0+60x5 300x25"))},
-              sel("gputrain_training_phase_seconds_total", run="evaluating", rank="0",
-                  phase="evaluation"): segments([(0, 5), (60, 25)])},
-             [Fire("GpuTrainStalled", rank("stuck"), "22m 0s")],
-             fire_at="27m", quiet_at=None, quiet_alerts=[]),
-        Case("GpuTrainStalled: a rank in an evaluation for over 2 hours (no step since 5m) is "
-             "taken for a hang inside it; at 1h it is not yet",
-             {**{sel(m, run="long-eval", rank="0"): v for m, v in (
-                 ("gputrain_training_elapsed_seconds_total", ramp(60, 135)),
-                 ("gputrain_training_step_duration_seconds_sum", segments([(60, 5), (0, 130)])),
-                 ("gputrain_training_step_duration_seconds_count", "0+60x5 300x130"),
-                 ("gputrain_training_last_step_timestamp_seconds", "0+60x5 300x130"))},
-              sel("gputrain_training_phase_seconds_total", run="long-eval", rank="0",
-                  phase="evaluation"): segments([(0, 5), (60, 130)])},
+        Case("GpuTrainStalled: a live rank whose step has been open since 5m while the other "
+             "rank of its run steps (a lone rank's hang) is stalled at 17m, not at 14m; a rank "
+             "whose process died at 5m with the same open step is no stall (it vanished)",
+             {**live_rank("stuck", "0", open_from=5),
+              **live_rank("stuck", "1"),
+              **live_rank("dead", "0", open_from=5, silent_from=5)},
+             # at 17m: the step open 12 minutes; the dead rank silent 12 minutes
+             [Fire("GpuTrainStalled", rank("stuck"), "12m 0s"),
+              Fire("GpuTrainRunVanished", {"run": "dead"}, "12m 0s")],
+             fire_at="17m", quiet_at="14m", quiet_alerts=["GpuTrainStalled"], interval="15s"),
+        Case("GpuTrainStalled: a live rank in an evaluation for over 2 hours is taken for a hang "
+             "inside it; at 1h it is not yet, and a rank of another run in a 1-hour "
+             "checkpoint stays silent",
+             {**live_rank("long-eval", "0", phase_from=5, phase="evaluation", minutes=135),
+              **live_rank("long-save", "0", phase_from=70, phase="checkpoint", minutes=135)},
              [Fire("GpuTrainStalled", rank("long-eval"), "2h 5m 0s")],
-             fire_at="130m", quiet_at="60m"),
+             fire_at="130m", quiet_at="60m", interval="15s"),
+        Case("GpuTrainRunHung: both live ranks of run 'hang' (0.1 s steps) have had a step open "
+             "since 10m: hung at 12m (over the 60 s floor), not at 11m; rank 1 of "
+             "'hang-phase' checkpoints while rank 0 waits (waiting, not hung), 'hang-dead' "
+             "stopped pushing, rank 1 of 'hang-partial' still steps, and 'hang-slow' (2-minute "
+             "steps) has a step open 4 minutes, under its limit of 5",
+             {**live_rank("hang", "0", open_from=10), **live_rank("hang", "1", open_from=10),
+              **live_rank("hang-phase", "0", open_from=10),
+              **live_rank("hang-phase", "1", phase_from=10, phase="checkpoint"),
+              **live_rank("hang-dead", "0", open_from=10, silent_from=10),
+              **live_rank("hang-dead", "1", open_from=10, silent_from=10),
+              **live_rank("hang-partial", "0", open_from=10), **live_rank("hang-partial", "1"),
+              **live_rank("hang-slow", "0", open_from=10, step_s=120)},
+             [Fire("GpuTrainRunHung", {"run": "hang"}, "2"),
+              Fire("GpuTrainRunVanished", {"run": "hang-dead"}, "4m 0s")],
+             fire_at="14m", quiet_at="11m", quiet_alerts=["GpuTrainRunHung"], interval="15s"),
+        Case("GpuTrainRunHung: the culprit named: rank 1 of 'culprit' is in its data set's "
+             "__getitem__ while rank 0 waits in the all-reduce (the exporter's dumps)",
+             {**live_rank("culprit", "0", open_from=10), **live_rank("culprit", "1", open_from=10),
+              sel("gputrain_training_stack_location", run="culprit", rank="0",
+                  location="collective", function="c10d::Reducer::finalize_backward"):
+                  "_x44 1x75",
+              sel("gputrain_training_stack_location", run="culprit", rank="1",
+                  location="data_loading", function="DS.__getitem__"): "_x44 1x75"},
+             [Fire("GpuTrainRunHung", {"run": "culprit"}, "2",
+                   ranged=" Rank 1 on n1:19400 is in `DS.__getitem__` (data_loading).")],
+             fire_at="14m", quiet_at="11m", interval="15s"),
+        Case("GpuTrainRunFailed: rank 1 of 'crashed' ended by a RuntimeError at 10m (its "
+             "collective timed out); a rank that closed cleanly stays silent",
+             {**live_rank("crashed", "0", silent_from=11),
+              **live_rank("crashed", "1", silent_from=10),
+              sel("gputrain_training_failed", run="crashed", rank="1"): "0x40 1x79",
+              sel("gputrain_training_exit_info", run="crashed", rank="1", reason="exception",
+                  detail="RuntimeError"): "_x40 1x79",
+              **live_rank("clean", "0", silent_from=10),
+              sel("gputrain_training_finished", run="clean", rank="0"): "0x40 1x79",
+              sel("gputrain_training_exit_info", run="clean", rank="0", reason="closed",
+                  detail=""): "_x40 1x79"},
+             [Fire("GpuTrainRunFailed", {"run": "crashed", "rank": "1"}, "1",
+                   ranged=": exception RuntimeError")],
+             fire_at="12m", quiet_at="9m", interval="15s"),
         Case("GpuTrainRunVanished: both ranks of run 'vanish-killed' stop pushing at 10m without a "
              "goodbye and their GPUs go idle; a run that said goodbye, a silent rank whose GPU "
              "stays busy and a run whose other rank still pushes stay silent",
@@ -808,17 +868,6 @@ def alert_cases() -> list[Case]:
               sel("gputrain_gpu_clock_event_seconds_total", gpu="1", uuid="GPU-b",
                   reason="sw_thermal_slowdown"): ramp(3)},
              [Fire("GpuTrainThrottling", gpu("0", "GPU-a"), "25%")]),
-        Case("GpuTrainStalled: last step at 5m, still reporting at 17m; a stepping run stays "
-             "silent",
-             {sel("gputrain_training_last_step_timestamp_seconds", run="stuck", rank="0"):
-                  "0+60x5 300x25",
-              sel("gputrain_training_step_duration_seconds_count", run="stuck", rank="0"):
-                  "0+60x5 300x25",
-              sel("gputrain_training_last_step_timestamp_seconds", run="ok", rank="0"):
-                  "0+60x30"},
-             # at 17m: time() 1020 - 300 = 720 s
-             [Fire("GpuTrainStalled", rank("stuck"), "12m 0s")],
-             fire_at="17m", quiet_at="14m"),
         Case("GpuTrainGPULost: GPU 3 off the bus from 5m; GPU 2 answers",
              {sel("gputrain_gpu_up", gpu="3", uuid="GPU-d"): "1x4 0x10",
               sel("gputrain_gpu_up", gpu="2", uuid="GPU-c"): flat(1, 15)},
@@ -1121,6 +1170,7 @@ def expected_alert(fire: Fire, rules: list[dict]) -> dict:
     rule = matching[0]
 
     def fill(text: str) -> str:
+        text = re.sub(r"\{\{ range .*?\{\{ end \}\}", lambda m: fire.ranged, text)
         text = re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: fire.labels[m.group(1)], text)
         text = re.sub(r"\{\{ \$value[^}]*\}\}", fire.value, text)
         return re.sub(r"\{\{ (\d+) \| humanizeDuration \}\}",

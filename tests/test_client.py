@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import sys
 import time
 
 import pytest
-from conftest import cgroup_tree, require_module, sample_value, wait_until
+from conftest import ROOT, cgroup_tree, free_port, require_module, sample_value, wait_until
 
 from exporter.client import TrainingMonitor, batch_len
 from exporter.client.monitor import default_rank, default_run
@@ -434,7 +436,9 @@ def test_every_key_the_client_sends_is_in_the_push_schema_and_every_field_is_sen
                                 "steps": 2})
         pusher._stacks.offer({"type": "stacks", "version": 1, "id": "p-ba9876543210",
                               "mode": "dump", "seconds": 1})
-        payload = pusher.payload(goodbye=True)
+        with m.phase("evaluation"):  # in progress in the step the loop's end left open
+            # the goodbye of a process that an exception ended
+            payload = pusher.payload(goodbye=True, reason="exception", detail="RuntimeError")
     finally:
         m.close()
     schema = {f.name for f in PUSH_FIELDS} | {f"process.{f.name}" for f in PROCESS_FIELDS}
@@ -444,5 +448,222 @@ def test_every_key_the_client_sends_is_in_the_push_schema_and_every_field_is_sen
     store = IngestStore()
     assert store.push(json.dumps(payload).encode()) == "goodbye"
     (state,) = store.states()
-    assert state.precision == "fp16" and state.loader_workers == 0 and state.finished
-    assert state.process["cpu_throttled_seconds"] == 1.0
+    assert state.precision == "fp16" and state.loader_workers == 0 and state.failed
+    assert (state.exit_reason, state.exit_detail) == ("exception", "RuntimeError")
+    assert state.open_phase == "evaluation" and state.process["cpu_throttled_seconds"] == 1.0
+
+
+# -- the step in progress ------------------------------------------------------------------
+
+def _fake_clock(monkeypatch) -> list[float]:
+    import exporter.client.monitor as monitor
+
+    now = [1000.0]
+    monkeypatch.setattr(monitor, "_now", lambda: now[0])
+    return now
+
+
+def test_a_push_says_how_long_the_open_step_and_the_open_phase_have_run(monkeypatch):
+    """The step in progress grows with every push, outside-step phases excluded (it holds
+    still while one runs, which is pushed beside it); nothing is said when nothing is open."""
+    now = _fake_clock(monkeypatch)
+    m = TrainingMonitor(run="open", start=False)
+    keys = {"step_open_seconds", "open_phase", "open_phase_seconds"}
+    assert not keys & set(m.totals())
+    seen = []
+    with m.step(samples=1):
+        now[0] += 7
+        seen.append(m.totals())
+        with m.phase("evaluation"):
+            now[0] += 100
+            seen.append(m.totals())
+            now[0] += 100
+            seen.append(m.totals())
+        now[0] += 3
+        seen.append(m.totals())
+        with m.phase("callbacks"):  # a phase within steps is its step's time
+            now[0] += 5
+            seen.append(m.totals())
+    assert [(t["step_open_seconds"], t.get("open_phase"), t.get("open_phase_seconds"))
+            for t in seen] == [(7, None, None), (7, "evaluation", 100), (7, "evaluation", 200),
+                               (10, None, None), (15, None, None)]
+    now[0] += 2
+    after = m.totals()
+    assert after["step_seconds"] == 15 and after["step_open_seconds"] == 2  # the next step's
+    m.new_epoch()  # no step is open until the next fetch
+    with m.phase("checkpoint"):
+        now[0] += 4
+        between = m.totals()
+    assert "step_open_seconds" not in between
+    assert (between["open_phase"], between["open_phase_seconds"]) == ("checkpoint", 4)
+    # a read torn by a phase's end (the step's start already moved past the phase's)
+    # says no time, never a negative one
+    m._boundary, m._open_phase = now[0], ("evaluation", now[0] - 50)
+    torn = m.totals()
+    assert (torn["step_open_seconds"], torn["open_phase_seconds"]) == (0, 50)
+
+
+def test_the_open_step_grows_in_real_time():
+    m = TrainingMonitor(run="open", start=False)
+    with m.step(samples=1):
+        time.sleep(0.05)
+        assert m.totals()["step_open_seconds"] >= 0.05
+
+
+def test_a_loop_left_by_break_holds_its_last_step_until_training_goes_on(monkeypatch):
+    """The step a break leaves is in no push until the next training event (here, a phase,
+    then a step) counts it, with its whole time."""
+    now = _fake_clock(monkeypatch)
+    m = TrainingMonitor(run="held", start=False)
+    for i, _ in enumerate(m.wrap(range(10), batch_size=2)):
+        now[0] += 1
+        if i == 3:
+            now[0] += 360
+            break
+    held = m.totals()
+    assert (held["steps"], held["samples"], held["step_seconds"]) == (3, 6, 3)
+    with m.phase("checkpoint"):
+        now[0] += 1
+    counted = m.totals()
+    assert (counted["steps"], counted["samples"], counted["step_seconds"]) == (4, 8, 364)
+    for _ in m.wrap(range(1), batch_size=2):  # left by a break again, counted by a step
+        now[0] += 1
+        break
+    assert m.totals()["steps"] == 4
+    with m.step(samples=2):
+        now[0] += 1
+    assert m.totals()["steps"] == 6 and m.totals()["samples"] == 12
+
+
+def test_a_step_an_exception_broke_is_never_counted(monkeypatch):
+    """Step 4 blocks for 6 minutes (a collective waiting for a peer that never comes), then
+    raises out of the loop and the monitor's block: three steps, three seconds, and no
+    6-minute step in the histogram."""
+    now = _fake_clock(monkeypatch)
+    m = TrainingMonitor(run="broken", start=False, endpoint=f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(RuntimeError, match="timed out"), m:
+        for i, _ in enumerate(m.wrap(range(10), batch_size=2)):
+            now[0] += 1
+            if i == 3:
+                now[0] += 360
+                raise RuntimeError("collective timed out")
+    t = m.totals()
+    assert (t["steps"], t["samples"], t["step_seconds"]) == (3, 6, 3)
+    assert t["step_counts"][t["step_buckets"].index(1.0)] == 3  # none over a second
+
+
+# -- stacks with native frames -------------------------------------------------------------
+
+WAITS_IN_CPP = """
+import datetime, os, sys
+import torch.distributed as dist
+from exporter.client.stacks import allow_parent_tracer, prctl
+
+allow_parent_tracer(prctl())  # the test's py-spy, a sibling, may read it (Yama scope 1)
+print("ready", flush=True)
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=2,
+                        timeout=datetime.timedelta(seconds=120))
+"""
+
+
+@pytest.fixture
+def waits_in_cpp(tmp_path):
+    """A process whose main thread waits inside gloo's C++ for a peer that never comes."""
+    require_module("torch.distributed")
+    script = tmp_path / "waits.py"
+    script.write_text(WAITS_IN_CPP)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "store")],
+                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def _main_thread(result: dict) -> dict:
+    (main,) = [p for p in result["processes"] if p["role"] == "main"]
+    return next(t for t in main["threads"] if t["name"] == "MainThread")
+
+
+def test_a_native_dump_shows_the_cpp_frames_a_rank_waits_in(waits_in_cpp, tmp_path,
+                                                            monkeypatch):
+    from exporter.client.stacks import capture
+    from exporter.protocol import MAX_DUMP_FRAMES
+
+    monkeypatch.setenv("GPUTRAIN_TRACE_DIR", str(tmp_path / "traces"))
+
+    def native() -> dict | None:
+        result = capture("dump", 1, waits_in_cpp.pid, "native", "0", "p-0123456789ab",
+                         native=True)
+        frames = _main_thread(result)["frames"]
+        in_cpp = any(f["function"].startswith(("c10d::", "gloo::")) for f in frames)
+        return result if in_cpp else None
+
+    result = wait_until(native, timeout=60, what="a native dump inside gloo's wait")
+    assert "warning" not in result
+    thread = _main_thread(result)
+    frames = thread["frames"]
+    assert len(frames) <= MAX_DUMP_FRAMES
+    cpp = next(f for f in frames if f["function"].startswith(("c10d::", "gloo::")))
+    assert cpp["file"].endswith(".so") and cpp["line"] == 0
+    # the program's own line, under the C++ and torch's Python frames
+    assert frames[thread["where"]]["file"] == "waits.py"
+    assert any(f["function"] == "init_process_group" for f in frames)
+    # the near miss: a dump not asked for native frames has none
+    plain = _main_thread(capture("dump", 1, waits_in_cpp.pid, "native", "0", "p-ba9876543210"))
+    assert not any(f["file"].endswith(".so") for f in plain["frames"])
+    assert plain["frames"][plain["where"]]["file"] == "waits.py"
+
+
+def _logging_py_spy(tmp_path, refuse_native: bool) -> tuple:
+    """py-spy behind a script that logs its arguments and, with ``refuse_native``, answers
+    --native as py-spy does where it cannot unwind native frames."""
+    from exporter.client.stacks import find_py_spy
+
+    real = find_py_spy()
+    assert real is not None, "py-spy is part of the test environment"
+    log_file = tmp_path / "py-spy-args"
+    refuse = ('case " $* " in *" --native "*) echo "Error: native stack traces are not '
+              'supported on this platform" >&2; exit 1;; esac\n' if refuse_native else "")
+    spy = tmp_path / "py-spy"
+    spy.write_text(f'#!/bin/sh\necho "$*" >> {log_file}\n{refuse}exec {real} "$@"\n')
+    spy.chmod(0o755)
+    return spy, log_file
+
+
+def test_without_native_frames_the_dump_is_taken_and_says_why(waits_in_cpp, tmp_path,
+                                                              monkeypatch):
+    from exporter.client.stacks import capture
+
+    spy, log_file = _logging_py_spy(tmp_path, refuse_native=True)
+    monkeypatch.setenv("GPUTRAIN_PY_SPY", str(spy))
+    monkeypatch.setenv("GPUTRAIN_TRACE_DIR", str(tmp_path / "traces"))
+    result = capture("dump", 1, waits_in_cpp.pid, "native", "0", "p-0123456789ab",
+                     native=True)
+    assert result["warning"].startswith("native frames were not available")
+    assert "not supported on this platform" in result["warning"]
+    thread = _main_thread(result)
+    assert thread["frames"][thread["where"]]["file"] == "waits.py"
+    assert [line.split()[3] for line in log_file.read_text().splitlines()] == [
+        "--native", "--nonblocking"]
+
+
+@pytest.mark.parametrize("native, flag", [(True, "--native"), ("true", "--nonblocking"),
+                                          (1, "--nonblocking"), (None, "--nonblocking")])
+def test_only_native_true_asks_for_native_frames(tmp_path, monkeypatch, native, flag):
+    """The daemon's instruction is read leniently: native frames where it says true, a plain
+    dump for anything else (never a refused instruction)."""
+    from exporter.client.stacks import StackSampler
+
+    spy, log_file = _logging_py_spy(tmp_path, refuse_native=False)
+    monkeypatch.setenv("GPUTRAIN_PY_SPY", str(spy))
+    monkeypatch.setenv("GPUTRAIN_TRACE_DIR", str(tmp_path / "traces"))
+    sampler = StackSampler("lenient", "0", lambda: None)
+    sampler.offer({"type": "stacks", "version": 1, "id": "p-0123456789ab", "mode": "dump",
+                   "seconds": 1, **({"native": native} if native is not None else {})})
+    report = wait_until(lambda: (sampler.report() or {}).get("state") in ("done", "failed")
+                        and sampler.report(), timeout=60, what="the dump")
+    assert report["state"] == "done", report
+    first = log_file.read_text().splitlines()[0].split()
+    assert first[:3] == ["dump", "--pid", str(os.getpid())] and first[3] == flag

@@ -73,14 +73,31 @@ def test_evaluation_and_checkpoint_are_no_phase_of_the_step():
     assert judged.findings() == ["step-time-stalls"]
 
 
-def test_a_rank_that_made_no_step_for_10_minutes_is_stalled():
+def test_a_live_rank_whose_step_is_open_10_minutes_while_a_peer_steps_is_stalled():
+    stuck, peer = report(0.95, 0.01), report(0.95, 0.01)
+    peer.rank = "1"
+    for r in (stuck, peer):
+        r.steps_per_second, r.seconds_since_push = 0.0, 3.0
+    stuck.step_in_progress, peer.step_in_progress = 700.0, 0.01
+    judged = {r.rank: r for r in judge([stuck, peer], T)}
+    assert judged["0"].verdict == "stalled" and judged["0"].bottleneck, judged["0"]
+    assert judged["1"].verdict != "stalled"
+
+
+def test_a_dead_rank_with_an_old_open_step_is_never_stalled_nor_hung():
     rep = report(0.0, None)
-    rep.steps_per_second, rep.seconds_since_step = 0.0, 700
+    rep.steps_per_second, rep.step_in_progress, rep.seconds_since_push = 0.0, 700.0, 700.0
+    assert judge_one(rep).verdict not in ("stalled", "hung")
+
+
+def test_a_lone_rank_whose_step_is_open_past_its_limit_is_hung_and_nothing_else():
+    rep = report(0.3, 0.6)  # input-bound over the window, until its step stopped ending
+    rep.step_seconds, rep.seconds_since_push, rep.step_in_progress = 0.1, 2.0, 70.0
     judged = judge_one(rep)
-    assert judged.verdict == "stalled" and judged.bottleneck
+    assert (judged.verdict, judged.status, judged.also) == ("hung", "hung", [])
     rep = report(0.95, 0.01)
-    rep.seconds_since_step = 300  # a slow step, not a stall
-    assert judge_one(rep).status == "ok"
+    rep.step_seconds, rep.seconds_since_push, rep.step_in_progress = 0.1, 2.0, 50.0
+    assert judge_one(rep).status == "ok"  # under the floor: a slow step, no hang
 
 
 def test_a_rank_without_gpu_data():

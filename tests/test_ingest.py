@@ -401,7 +401,9 @@ SCALARS = [(where, f) for where, fields in (("", PUSH_FIELDS), ("process.", PROC
 REFUSED = {"count": [-1, 1.5, "1", True, 2**63, 1e300], "amount": [-1.0, "1", True, 2**63],
            "timestamp": [-1.0, "now", [1]], "enum": ["fp64", 16, None], "bool": ["yes", 1, None]}
 TAKEN = {"count": 10, "amount": 1.0, "timestamp": 1.7e9, "enum": "fp8", "bool": True}
-NEEDS = {"comm_exposed_seconds": {"comm_seconds": 2.0}}  # what a field is checked against
+NEEDS = {"comm_exposed_seconds": {"comm_seconds": 2.0},  # what a field is checked against
+         "open_phase_seconds": {"open_phase": "evaluation"},  # or comes with
+         "exit_reason": {"goodbye": True}}
 
 
 def _with(where: str, name: str, value=...) -> dict:
@@ -427,7 +429,7 @@ def test_every_scalar_field_of_the_schema_is_checked_and_taken(rig, where, f):
         assert r.status_code == 400 and f"missing field '{where}{f.name}'" in r.text, r.text
     else:
         assert r.status_code == 200, r.text
-    good = f.bound if f.bound is not None else TAKEN[f.kind]
+    good = f.bound if f.bound is not None else f.choices[0] if f.choices else TAKEN[f.kind]
     r = rig.push(_with(where, f.name, good) | {"run_id": "taken"})
     assert r.status_code == 200, r.text
     assert rig.v("gputrain_training_steps_total") == 10

@@ -98,6 +98,10 @@ class Reference:
                                       f["gputrain_gpu_unattributed_memory_busy_seconds_total"])
         slow_n, workers = (f["gputrain_training_slow_steps_total"],
                            f["gputrain_training_loader_workers"])
+        failed, exit_info, in_step, in_phase = (
+            f[f"gputrain_training_{n}"] for n in (
+                "failed", "exit_info", "step_in_progress_seconds", "phase_in_progress_seconds"))
+        now = self._store.now()
         ranks_busy, unowned = view.busy, view.unowned
         here = view.listed  # a rank's share is exported while it is on the GPU
         profiles = self._store.profiles.latest_done()
@@ -130,6 +134,13 @@ class Reference:
             if st.last_step_timestamp is not None:
                 skew.add_metric(lv, st.clock_skew)
             finished.add_metric(lv, 1.0 if st.finished else 0.0)
+            failed.add_metric(lv, 1.0 if st.failed else 0.0)
+            if st.exit_reason is not None:
+                exit_info.add_metric([*lv, st.exit_reason, st.exit_detail or ""], 1)
+            if (open_s := st.step_in_progress(now)) is not None:
+                in_step.add_metric(lv, open_s)
+            if (phase := st.phase_in_progress(now)) is not None:
+                in_phase.add_metric([*lv, phase[0]], phase[1])
             if "cpu_seconds" in st.process:
                 cpu.add_metric(lv, st.process["cpu_seconds"])
             if "cpu_allowance_cores" in st.process:
@@ -160,7 +171,8 @@ class Reference:
             others_busy.add_metric([index, uuid], b)
             others_memory.add_metric([index, uuid], m)
         for family in (steps, wait, samples, flops, comm, exposed, comm_bytes, elapsed, slow,
-                       slow_n, workers, hist, phases, last_step, last_push, skew, finished, cpu,
+                       slow_n, workers, hist, phases, last_step, last_push, skew, finished,
+                       failed, exit_info, in_step, in_phase, cpu,
                        allowance, throttled, rss, pss, read, gpu_info, gpu_memory, busy,
                        memory_busy, profile, unattributed, strangers, others_busy, others_memory):
             if family.samples:
@@ -194,7 +206,11 @@ def test_training_lines_are_what_prometheus_client_writes_in_both_formats():
                   "proportional_memory_bytes": 9876543210.5, "read_bytes": 0,
                   "cpu_allowance_cores": 2.5, "cpu_throttled_seconds": 0.25},
          comm_seconds=1.5, comm_exposed_seconds=0.5, comm_bytes=4e8,  # its GPU found by pid
-         loader_workers=4)
+         loader_workers=4, step_open_seconds=2.5, open_phase="checkpoint",
+         open_phase_seconds=0.75)
+    push(store, rank="2", step_open_seconds=12.5)  # its step open: it grows with the clock
+    push(store, rank="4", goodbye=True, exit_reason="exception",
+         exit_detail="torch.distributed.DistBackendError")
     push(store, run="alpha", rank="3", steps=10**15, samples=1e22,
          gpus=["1", "GPU-00000000-aaaa-bbbb-cccc-000000000000", "7"],  # 7: not on this node
          capabilities=["profile"])

@@ -146,14 +146,19 @@ def _thresholds(path: str | None) -> dict[str, float]:
         raise ConfigError(f"--status.rules-config {exc}") from None
 
 
-def _observe(history: Any, view: Any, status: Any) -> None:
+def _observe(history: Any, view: Any, status: Any, hangs: Any = None) -> None:
     """Note a cycle's view (its snapshot, the live ranks, who holds which GPU) in the status
-    history."""
+    history, then look for a run that turned hung (its stacks are taken at once)."""
     try:
         history.observe(view)
     except Exception:  # the sampler must outlive a bug here
         log.exception("recording the status history failed")
     status.changed()
+    if hangs is not None:
+        try:
+            hangs.check()
+        except Exception:  # likewise: a bug here must not stop the sampler's cycle
+            log.exception("looking for hung runs failed")
 
 
 def _hangup(signum: int, frame: Any) -> None:
@@ -175,6 +180,7 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     from exporter.serving.attribution import Attribution, Owners
     from exporter.serving.connections import raise_descriptor_limit
     from exporter.serving.exposition import Exposition
+    from exporter.serving.hangs import HangWatch
     from exporter.serving.history import History
     from exporter.serving.ingest import IngestStore
     from exporter.serving.routes import IngestSite, WebSite
@@ -233,7 +239,8 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
         # the laptop tour: training on the CPU uses a demo GPU, as the last cycle saw it
         backend.follow(lambda: views.latest.states)
     history = History(settings["status.window"], peaks=peaks, instance=socket.gethostname(),
-                      interval=settings["sampler.interval"])
+                      interval=settings["sampler.interval"],
+                      clock=store.now if store is not None else time.monotonic)
     status = StatusView(history, thresholds, lambda: sampler.gpu_error, backend.name,
                         lambda: sampler.snapshot.driver_version,
                         store.profiles if store is not None else None,
@@ -241,7 +248,8 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
                         wall_clock=time.time)
     if store is not None:  # a profile asked for or finished: a viewer sees it at once
         store.profiles.listeners.append(status.changed)
-    views.listeners.append(lambda view: _observe(history, view, status))
+    hangs = HangWatch(history, store.profiles, thresholds) if store is not None else None
+    views.listeners.append(lambda view: _observe(history, view, status, hangs))
     sampler.start()
     status.start()
     app = Exposition(sampler, store, peaks=peaks, status=status, views=views,

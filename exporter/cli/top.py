@@ -164,7 +164,8 @@ def frame(doc: dict[str, Any], error: str | None = None, width: int = 80) -> Any
     if not doc["runs"]:
         parts.append(Text("No training run is pushing to this daemon.", style="grey70"))
     colour = {"fault": "red", "bottleneck": "red", "underutilized": "yellow", "ok": "green",
-              "no-gpu-data": "grey50", "stopped": "grey50", "finished": "grey50"}
+              "no-gpu-data": "grey50", "stopped": "grey50", "finished": "grey50",
+              "hung": "red", "failed": "red"}
     for run in doc["runs"]:
         body: list[Any] = []
         for v in run["verdicts"]:
@@ -178,18 +179,25 @@ def frame(doc: dict[str, Any], error: str | None = None, width: int = 80) -> Any
             f"samples/s {_num(run['samples_per_second'])} · MFU {percent(run['mfu'])} · "
             f"goodput {percent(run['goodput'])} · GPUs idle {_num(run['gpus_idle'], '.2f')}",
             style="grey70"))
+        if run.get("hang"):
+            body.append(Text(f"hung: {run['hang']}", style="bold red"))
         if run.get("partial"):
             body.append(Text(f"partly visible: {run['partial']}", style="grey50"))
         rank_rows = []
         for r in run["ranks"]:
             push = _ago(r["seconds_since_push"]) + " ago"
-            last = Text(f"finished {push}", style="grey50") if r.get("finished") else \
-                push if r["pushing"] else Text(f"stopped pushing {push}", style="bold red")
+            if r.get("failed"):
+                detail = f" ({r['exit_detail']})" if r.get("exit_detail") else ""
+                last = Text(f"failed {push}{detail}", style="bold red")
+            elif r.get("finished"):
+                last = Text(f"finished {push}", style="grey50")
+            else:
+                last = push if r["pushing"] else Text(f"stopped pushing {push}", style="bold red")
             rank_rows.append([
                 r["rank"], _num(r["samples_per_second"]),
                 _num(r["step_seconds"], ".1f", 1000, " ms"), percent(r["data_wait_ratio"]),
                 percent(r.get("comm_exposed_ratio")), percent(r["mfu"]), _memory(r),
-                gpu_names(r["gpus"], doc["gpus"]), r["verdict"], last])
+                gpu_names(r["gpus"], doc["gpus"]), r["verdict"], last_step(r), last])
         # inside the run's panel: its border and padding take four columns
         ranks = fitted(RANK_COLUMNS, rank_rows, width - 4)
         body.append(ranks)
@@ -209,7 +217,25 @@ def frame(doc: dict[str, Any], error: str | None = None, width: int = 80) -> Any
 GPU_COLUMNS = (("GPU", 0), ("Name", 4), ("Busy", 0), ("SM", 5), ("Tensor", 8), ("Memory", 3),
                ("Power", 7), ("PCIe RX/TX", 6), ("Temp", 2), ("Used by", 0))
 RANK_COLUMNS = (("rank", 0), ("samples/s", 0), ("step", 3), ("data wait", 0), ("comm wait", 5),
-                ("MFU", 4), ("memory", 6), ("GPUs", 2), ("verdict", 0), ("last push", 1))
+                ("MFU", 4), ("memory", 6), ("GPUs", 2), ("verdict", 0), ("last step", 0),
+                ("last push", 1))
+
+
+def last_step(r: dict[str, Any]) -> str:
+    """The step in progress as the page shows it: since the rank's last step, what holds it
+    (a declared phase, or where a hang's stacks found it)."""
+    if r.get("finished") or r.get("failed"):
+        return "-"
+    phases = r.get("phase_in_progress") or {}
+    if phases:
+        name, seconds = next(iter(phases.items()))
+        return f"in {name} {_ago(seconds)}"
+    open_s = r.get("step_in_progress_seconds")
+    if open_s is None:
+        since = r.get("seconds_since_step")
+        return "n/a" if since is None else f"{_ago(since)} ago"
+    where = f" · {r['location']} in {r['location_function']}" if r.get("location") else ""
+    return f"step open {_ago(open_s)}{where}"
 GAP = 2  # columns between two cells of a table
 PIPE_COLUMNS = 160  # into a pipe without COLUMNS
 FOLDED = 16  # the last column folds its text: it needs this much

@@ -83,6 +83,8 @@ class GpuTrainCallback(Integration, Callback):
     - A step runs from one ``on_train_batch_end`` to the next, less the phases below.
     - Validation is the phase ``evaluation``; ``Trainer.save_checkpoint`` (``ModelCheckpoint``
       and any other caller) is the phase ``checkpoint``: neither is in step time or data wait.
+    - The end of ``fit`` is the goodbye: ``closed``, or ``exception`` with the type of the one
+      that ended it (``on_exception``: a KeyboardInterrupt, Lightning's SIGTERMException).
 
     ``batch_size`` (samples per step) defaults to ``len()`` of the batch; other keyword
     arguments go to :class:`TrainingMonitor` (the rank defaults to ``trainer.global_rank``).
@@ -124,8 +126,17 @@ class GpuTrainCallback(Integration, Callback):
             self._monitor().phase("evaluation").__exit__(None, None, None)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._restore_profiler(trainer)
+        if stage == "fit":
+            self._close()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        # fit ended by an exception (no teardown hook follows): the goodbye names its type
+        self._restore_profiler(trainer)
+        if getattr(trainer.state, "fn", None) == "fit":
+            self._close(exception)
+
+    def _restore_profiler(self, trainer: Any) -> None:
         if self._profiler is not None and trainer.profiler is self._profiler:
             trainer.profiler = self._profiler._inner  # the trainer's own, for its summary
         self._profiler = None
-        if stage == "fit":
-            self._close()

@@ -6,16 +6,29 @@ CUDA synchronisation, no allocation that grows. A background daemon thread (see
 The two threads need no lock: every total only grows, each is read in one step, and the step
 count is the sum of the one copy of the histogram's buckets (``list()`` of a list runs without
 a thread switch), so a push's histogram is always consistent. A push may see a step's
-seconds before its data wait (never the reverse) and carry the rest one push later.
+seconds before its data wait (never the reverse) and carry the rest one push later. The step
+in progress is read the same way: its start and the outside-step phase open in it, the phase
+first (a read torn by the phase's end says too little for one push, never a negative time or
+the phase's seconds as the step's).
+
+The end of the process is said with the final push (``exit_reason``, see
+:data:`exporter.protocol.EXIT_REASONS`): :meth:`TrainingMonitor.close` and the ``with`` block
+say ``closed`` (``exception`` where the block is left by one); at the interpreter's exit
+(atexit) an exception nobody caught says ``exception``, else a :meth:`TrainingMonitor.wrap`
+loop that ran to its end ``completed``, else ``exited``. SIGTERM and SIGHUP say ``signal``
+where the monitor may catch them (see :class:`_SignalGoodbye`).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import math
 import os
+import signal
 import sys
+import threading
 import time
 import weakref
 from bisect import bisect_left
@@ -28,6 +41,7 @@ from exporter.client.profiling import RankProfiler
 from exporter.client.pusher import Pusher
 from exporter.client.stacks import StackSampler
 from exporter.protocol import (
+    CLEAN_EXITS,
     DEFAULT_INGEST_URL,
     DEFAULT_PRECISION,
     DEFAULT_PUSH_INTERVAL_SECONDS,
@@ -35,6 +49,8 @@ from exporter.protocol import (
     MAX_LOADER_WORKERS,
     MAX_PHASE_NAME_LENGTH,
     MAX_PHASES,
+    MAX_SECONDS,
+    MAX_WORLD_SIZE,
     OTHER_PHASE,
     OUTSIDE_STEP_PHASES,
     PRECISIONS,
@@ -52,6 +68,11 @@ DEFAULT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    10.0, 30.0, 60.0)
 DEFAULT_ENDPOINT = DEFAULT_INGEST_URL
 _AUTOCAST_PRECISION = {"bfloat16": "bf16", "float16": "fp16"}
+# The signals whose default action ends the process, said with a goodbye where nobody else
+# handles them; and the seconds the goodbye may take at most, so that a daemon that is down or
+# slow never holds up the death the signal asked for by more
+GOODBYE_SIGNALS = ("SIGTERM", "SIGHUP")
+SIGNAL_GOODBYE_SECONDS = 0.8
 
 
 def _autocast_precision() -> str | None:
@@ -105,6 +126,19 @@ def batch_len(batch: Any) -> int:
         return len(first)
     except TypeError:
         return 1
+
+
+def world_size() -> int | None:
+    """The ranks of the run: torch.distributed's world size once its process group is up,
+    else WORLD_SIZE (torchrun, Slurm's launchers set it); None where neither says."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return int(dist.get_world_size())
+    except Exception:  # a process group torn down between the two calls
+        pass
+    env = os.environ.get("WORLD_SIZE", "")
+    return int(env) if env.isdigit() and 0 < int(env) <= MAX_WORLD_SIZE else None
 
 
 def cuda_gpu_refs() -> list[str]:
@@ -184,6 +218,8 @@ class _Phase:
 
     def __enter__(self) -> None:
         m = self._m
+        if m._held is not None:
+            m._settle(True)
         self._t0 = t0 = _now()
         if self._outside:
             m._outside_depth += 1
@@ -198,6 +234,22 @@ class _Phase:
             if m._outside_depth == 0:
                 m._open_phase = None  # before the total grows: a push never counts it twice
         m._add_phase(self._name, elapsed, self._outside)
+
+
+def exit_name(exc_type: type) -> str:
+    """How a goodbye names an exception's type: its qualified name, after its module unless
+    that is ``builtins`` (``RuntimeError``, ``torch.distributed.DistBackendError``)."""
+    module = getattr(exc_type, "__module__", None)
+    name = str(getattr(exc_type, "__qualname__", None) or getattr(exc_type, "__name__", "?"))
+    return sanitize(name if module in (None, "builtins") else f"{module}.{name}")
+
+
+def _uncaught() -> BaseException | None:
+    """The exception that ended the main module, once the interpreter has printed it: it sets
+    ``sys.last_exc`` (3.12) and ``sys.last_value`` before running the atexit handlers (a
+    ``sys.exit()`` sets neither)."""
+    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    return exc if isinstance(exc, BaseException) else None
 
 
 def _process_age() -> float | None:
@@ -243,6 +295,14 @@ class TrainingMonitor:
     (evaluation, checkpoint saves, DataLoader start-up); its data wait is the time blocked
     fetching its batch. A fetch that no step follows (the ``next()`` that ends an epoch) is
     added to the data-wait and step-second totals at once, so no fetch is ever lost.
+
+    The final push says how the process ended (see the module). Made on the main thread (and
+    started), the monitor catches SIGTERM and SIGHUP where their disposition is the default
+    (never where a launcher, a framework or the script set a handler first; never in a
+    forked child, a DataLoader worker, which gets the default back at the fork): the
+    signal sends the goodbye (``signal``, with its name) within
+    :data:`SIGNAL_GOODBYE_SECONDS`, then ends the process by the same signal, exit status
+    unchanged, even while the training thread waits inside a C++ collective.
     """
 
     def __init__(self, run: str | None = None, rank: str | int | None = None,
@@ -288,6 +348,12 @@ class TrainingMonitor:
         self._open_phase: tuple[str, float] | None = None  # the outermost outside phase: start
         self._reported_phases: dict[str, float] = {}  # the pusher thread's, to stay monotonic
         self._wrap_samples: float | None = None  # samples of the wrap() step in progress
+        # a wrap() step ended by the loop's closing (a break, or an exception out of its body):
+        # (samples, seconds, data wait, end); see wrap()
+        self._held: tuple[float, float, float, float] | None = None
+        self._completed = False  # the last wrap() ran its iterable to its end
+        # an uncaught exception from before the monitor (an interactive session's) is not its
+        self._earlier_exc = _uncaught()
         self._data_wait = _DataWait(self)
         self._step = _Step(self)
         self._gpus: list[str] = []
@@ -307,6 +373,7 @@ class TrainingMonitor:
                               or None, profiler=self._profiler, stacks=self._stacks)
         if start:
             self._pusher.start()
+            _SIGNALS.watch(self)
         ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: _disable_in_child(ref))
         atexit.register(_close_at_exit, ref)
@@ -352,7 +419,17 @@ class TrainingMonitor:
         warming up: without ``persistent_workers=True`` each epoch pays it again) are the
         phase ``dataloader_start``, outside any step. A DataLoader's ``num_workers`` is pushed
         (its batches come in groups of that many). Samples are ``batch_size`` or
-        ``batch_len(batch)``. :meth:`new_epoch` applies inside."""
+        ``batch_len(batch)``. :meth:`new_epoch` applies inside.
+
+        A loop left early (``break``, or an exception out of its body) closes the generator
+        at once, in the same way: its last step is held, then counted as training goes on
+        (the next step, phase, wrap or epoch) or ends cleanly (closed, completed), and
+        dropped where the process ends any other way: an exception (a collective that timed
+        out after a long hang is no step), or an exit that says neither (a launcher such as
+        ``torch.multiprocessing.spawn`` may have caught one)."""
+        if self._held is not None:
+            self._settle(True)
+        self._completed = False
         self.note_loader(iterable)
         start = self.phase("dataloader_start")
         with start:
@@ -382,6 +459,7 @@ class TrainingMonitor:
                     self._boundary = t0
             if batch is _END:  # the fetch that ends the epoch: no step will claim it
                 self._flush_wait()
+                self._completed = True
                 return
             n = batch_size if batch_size is not None else batch_len(batch)
             self._wrap_samples = n  # this step is open until the body asks for the next batch
@@ -390,7 +468,7 @@ class TrainingMonitor:
             except GeneratorExit:
                 if self._wrap_samples is not None:
                     self._wrap_samples = None
-                    done(n, clock())
+                    self._hold(n, clock())
                 raise
             now = clock()
             if self._wrap_samples is not None:  # else new_epoch() in the body ended it
@@ -436,6 +514,8 @@ class TrainingMonitor:
         """Time from here to the next fetch is not part of any step: call it before work
         between epochs that is not a phase. Inside a :meth:`wrap` loop body it ends the step
         in progress here (call it before that work, not after)."""
+        if self._held is not None:
+            self._settle(True)
         if self._wrap_samples is not None:
             self._step_done(self._wrap_samples, _now())
             self._wrap_samples = None
@@ -512,16 +592,50 @@ class TrainingMonitor:
         if self._boundary is not None:
             self._boundary += wait
 
+    def _hold(self, samples: float, now: float) -> None:
+        """The wrap() step in progress ended at ``now`` by the loop's closing: hold it (see
+        :meth:`wrap`); the next step is timed from ``now`` as after any other."""
+        if self._held is not None:
+            self._settle(True)
+        if self._boundary is None:
+            self._boundary = now
+        self._held = (samples, now - self._boundary, self._pending_wait, now)
+        self._pending_wait = 0.0
+        self._boundary = now
+        self._attention = True  # the next step's end settles it
+
+    def _settle(self, count: bool) -> None:
+        """Count the held step (``count``: training went on, or ended cleanly), or drop it
+        (the process ends otherwise: see :meth:`wrap`); a dropped one's fetch stays data
+        wait, as a fetch no step claimed."""
+        held = self._held
+        if held is None:
+            return
+        self._held = None
+        samples, step_s, wait, end = held
+        if not count:
+            self._step_seconds += wait  # before the wait: see _flush_wait
+            self._wait_seconds += wait
+            return
+        self._step_seconds += step_s
+        self._wait_seconds += wait
+        self._samples += samples
+        self._flops += samples * self._flops_per_sample
+        self._counts[bisect_left(self._bounds, step_s)] += 1
+        self._last_step = max(self._last_step, end)
+
     def _detect_gpus(self) -> None:
         """Called on the training thread at the start of a wrap and after the first step."""
         self._gpus = cuda_gpu_refs()
         self._redetect = self._redetect and not any(self._counts)
-        self._attention = self._redetect or self._profiler.wanted
+        self._attention = self._redetect or self._profiler.wanted or self._held is not None
 
     def _attend(self, step_s: float) -> None:
         """At a step's end, while :attr:`_attention` is set (training thread): look for the
         GPUs again, and drive a profile the daemon asked for (this step's fetch is still in
-        ``_pending_wait``)."""
+        ``_pending_wait``); count a held step."""
+        if self._held is not None:
+            self._settle(True)
         if self._redetect:
             self._detect_gpus()
         profiler = self._profiler
@@ -547,10 +661,18 @@ class TrainingMonitor:
         last = self._last_step
         phases = dict(self._phases)
         open_phase = self._open_phase  # read after the totals (see _Phase.__exit__)
+        boundary = self._boundary  # after the phase: see the module
+        now = _now()
+        in_progress: dict[str, Any] = {}
         if open_phase is not None:
             name, t0 = open_phase
             key = name if name in phases or len(phases) < MAX_PHASES - 1 else OTHER_PHASE
-            phases[key] = phases.get(key, 0.0) + max(0.0, _now() - t0)
+            phases[key] = phases.get(key, 0.0) + max(0.0, now - t0)
+            in_progress["open_phase"] = name
+            in_progress["open_phase_seconds"] = min(MAX_SECONDS, max(0.0, now - t0))
+        if boundary is not None:  # a phase holds the step: its time up to the phase's start
+            upto = now if open_phase is None else open_phase[1]
+            in_progress["step_open_seconds"] = min(MAX_SECONDS, max(0.0, upto - boundary))
         # between a phase's end and its total a read may see neither: report no less than before
         reported = self._reported_phases
         for name, seconds in list(reported.items()):
@@ -568,11 +690,13 @@ class TrainingMonitor:
             "step_counts": cumulative,
             "gpus": list(self._gpus),
             "precision": self.precision,
-            "elapsed_seconds": max(0.0, _now() - self._started()),
+            "elapsed_seconds": max(0.0, now - self._started()),
             **({"flops": self._flops} if self._flops_known else {}),
             **({"loader_workers": min(self._loader_workers, MAX_LOADER_WORKERS)}
                if self._loader_workers is not None else {}),
             **self._comm_totals(),
+            **({"world_size": world} if (world := world_size()) else {}),
+            **in_progress,
         }
 
     def _comm_totals(self) -> dict[str, float]:
@@ -596,20 +720,36 @@ class TrainingMonitor:
         return self._pusher.push_now(timeout)
 
     def close(self, timeout: float = 1.0) -> None:
-        """Send the final totals (and goodbye) and stop the pusher. Safe to call twice."""
+        """Send the final totals with the goodbye (``closed``) and stop the pusher, waiting
+        ``timeout`` seconds at most for the daemon. Safe to call twice."""
+        self._end("closed", None, timeout)
+
+    def _end(self, reason: str, detail: str | None = None, timeout: float = 1.0,
+             quick: bool = False) -> None:
+        """The goodbye, saying how the process ended (``reason``, ``detail``: see
+        protocol.EXIT_REASONS); a held step counts where the end is clean (CLEAN_EXITS,
+        which ``exited`` is not). ``quick`` (a signal, maybe off the training thread): the
+        totals as they are, no capture awaited."""
         if self._closed or os.getpid() != self._pid:
             return
         self._closed = True
-        self._flush_wait()
-        self._profiler.close()
-        self._stacks.close()
-        self._pusher.stop(goodbye=True, timeout=timeout)
+        if not quick:
+            self._settle(reason in CLEAN_EXITS)
+            self._flush_wait()
+            self._profiler.close()
+            self._stacks.close()
+        self._pusher.stop(goodbye=True, timeout=timeout, reason=reason, detail=detail)
+        if not quick:
+            _SIGNALS.forget(self)
 
     def __enter__(self) -> TrainingMonitor:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self._end("closed")
+        else:
+            self._end("exception", exit_name(exc_type))
 
 
 def _env_token() -> str | None:
@@ -636,9 +776,208 @@ def _disable_in_child(ref: weakref.ref) -> None:
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
+    """The interpreter exits: say why (see the module)."""
     monitor = ref()
-    if monitor is not None:
-        monitor.close()
+    if monitor is None:
+        return
+    exc = _uncaught()
+    if exc is not None and exc is not monitor._earlier_exc:
+        monitor._end("exception", exit_name(type(exc)))
+    else:
+        monitor._end("completed" if monitor._completed else "exited")
+
+
+class _SignalGoodbye:
+    """SIGTERM and SIGHUP, caught where their disposition was the default, for the monitors
+    of this process: the goodbye (``signal``), then the default again and the signal raised
+    anew, so that the process dies by it with the exit status it would have had.
+
+    Python runs a signal's handler on the main thread only, between two bytecodes: never
+    while the training thread waits inside a C++ call (a hung collective), so such a kill
+    would wait for the call's timeout. The handler also writes the signal's number to a pipe
+    (``signal.set_wakeup_fd``, where nobody else uses it) that a thread of the monitor
+    reads: that thread says the goodbye and ends the process where the main thread cannot.
+    Whichever comes first does it. Either acts only while the monitor's handler is the
+    signal's own (a framework that installs its own after it, and calls it, keeps the
+    signal), and never in a forked child."""
+
+    def __init__(self) -> None:
+        self._forks = False  # the fork hooks are registered
+        self._mask: set[int] | None = None  # the forking thread's, while it forks
+        self._reset()
+
+    def _reset(self) -> None:
+        self._monitors: weakref.WeakSet[TrainingMonitor] = weakref.WeakSet()
+        self._signums: set[int] = set()  # the signals caught
+        self._pid = os.getpid()
+        self._claim = threading.Lock()
+        self._claimer: int | None = None
+        self._done = threading.Event()
+        self._pipe: tuple[int, int] | None = None  # (read, write): the wakeup fd's
+        self._libc_signal: Any = None
+
+    def _ours(self, signum: int) -> bool:
+        """Whether the monitor's handler is ``signum``'s (a bound method is made anew at
+        each access: compared by ==)."""
+        return signal.getsignal(signum) == self._handle
+
+    def watch(self, monitor: TrainingMonitor) -> None:
+        """Catch the signals for ``monitor`` where they may be caught (where it is made)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if os.getpid() != self._pid:  # forked before any monitor watched (else see _in_child)
+            self._reset()
+        for name in GOODBYE_SIGNALS:
+            signum = getattr(signal, name, None)
+            if signum is None:  # Windows
+                continue
+            try:
+                if signal.getsignal(signum) is signal.SIG_DFL:
+                    signal.signal(signum, self._handle)
+                    self._signums.add(signum)
+            except (ValueError, OSError):  # a subinterpreter
+                continue
+        if not any(self._ours(n) for n in self._signums):
+            return
+        self._monitors.add(monitor)
+        if not self._forks:
+            self._forks = True
+            os.register_at_fork(before=self._before_fork, after_in_parent=self._after_fork,
+                                after_in_child=self._in_child)
+        if self._pipe is None:
+            self._start_watcher()
+
+    def forget(self, monitor: TrainingMonitor) -> None:
+        """``monitor`` has said goodbye: with none left, the signals are the default's again
+        (on the main thread; elsewhere the handler, finding none, acts as the default)."""
+        self._monitors.discard(monitor)
+        if any(not m._closed for m in self._monitors) or os.getpid() != self._pid or \
+                threading.current_thread() is not threading.main_thread():
+            return
+        for signum in list(self._signums):
+            if self._ours(signum):
+                signal.signal(signum, signal.SIG_DFL)
+            self._signums.discard(signum)
+        self._stop_watcher()
+
+    def _start_watcher(self) -> None:
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        earlier: int | None = None
+        with contextlib.suppress(ValueError):  # not the main interpreter's main thread
+            earlier = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        if earlier != -1:  # someone else's (an asyncio loop): theirs it stays
+            if earlier is not None:
+                signal.set_wakeup_fd(earlier)
+            os.close(read)
+            os.close(write)
+            return
+        try:
+            import ctypes
+
+            libc_signal = ctypes.CDLL(None).signal
+            libc_signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+            libc_signal.restype = ctypes.c_void_p
+            self._libc_signal = libc_signal
+        except (OSError, AttributeError):  # no libc to restore the default from a thread
+            pass
+        self._pipe = (read, write)
+        threading.Thread(target=self._watch, args=(read,), name="gputrain-signals",
+                         daemon=True).start()
+
+    def _stop_watcher(self) -> None:
+        if self._pipe is None:
+            return
+        write = self._pipe[1]
+        self._pipe = None
+        current = signal.set_wakeup_fd(-1)
+        if current != write:
+            signal.set_wakeup_fd(current)
+        os.close(write)  # the watcher reads the end of the pipe and returns; it closes read
+
+    def _watch(self, read: int) -> None:
+        try:
+            while True:
+                data = os.read(read, 64)
+                if not data:
+                    return
+                for signum in data:
+                    if signum in self._signums and self._ours(signum):
+                        self._end(signum)
+        except OSError:
+            return
+        finally:
+            os.close(read)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self._ours(signum):  # else a later handler called it: theirs
+            self._end(signum)
+
+    def _end(self, signum: int) -> None:
+        """Say goodbye once (whoever comes second waits for the first), then die by
+        ``signum``."""
+        if os.getpid() == self._pid:
+            if not self._claim.acquire(blocking=False):
+                if self._claimer != threading.get_ident():  # the same signal twice: die now
+                    self._done.wait(SIGNAL_GOODBYE_SECONDS + 1.0)
+                self._die(signum)
+                return
+            self._claimer = threading.get_ident()
+            try:
+                deadline = time.monotonic() + SIGNAL_GOODBYE_SECONDS
+                name = signal.Signals(signum).name
+                for monitor in list(self._monitors):
+                    left = deadline - time.monotonic()
+                    if left > 0.05:
+                        monitor._end("signal", name, left, quick=True)
+            except Exception as exc:  # the goodbye is a courtesy; the death is owed
+                log.debug("gputrain: no goodbye at %s: %s", signum, exc)
+            finally:
+                self._done.set()
+        self._die(signum)
+
+    def _die(self, signum: int) -> None:
+        """The default action of ``signum``, as if never caught."""
+        try:
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signum, signal.SIG_DFL)
+            elif self._libc_signal is not None:  # Python allows signal.signal on the main
+                self._libc_signal(signum, None)  # thread only
+            else:
+                os._exit(128 + signum)
+        except Exception:
+            os._exit(128 + signum)
+        os.kill(os.getpid(), signum)
+
+    def _before_fork(self) -> None:
+        # the child has the parent's handler and pipe until its fork hook runs: a signal sent
+        # to it before then waits for the default (else it would wake the parent's watcher)
+        if self._signums and os.getpid() == self._pid:
+            self._mask = signal.pthread_sigmask(signal.SIG_BLOCK, self._signums)
+
+    def _after_fork(self) -> None:
+        mask, self._mask = self._mask, None
+        if mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+    def _in_child(self) -> None:
+        """After a fork (a DataLoader worker): the default again, nothing of the parent's."""
+        with contextlib.suppress(ValueError):  # forked from a thread Python cannot call main
+            for signum in self._signums:
+                if self._ours(signum):
+                    signal.signal(signum, signal.SIG_DFL)
+            if self._pipe is not None:
+                current = signal.set_wakeup_fd(-1)
+                if current != self._pipe[1]:
+                    signal.set_wakeup_fd(current)
+        for fd in self._pipe or ():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._reset()
+        self._after_fork()  # a signal that came meanwhile now ends the child, as the default
+
+
+_SIGNALS = _SignalGoodbye()
 
 
 class HookTimer:
@@ -734,7 +1073,11 @@ class Integration:
             raise RuntimeError(f"gputrain: a training hook ran before {self._begins}")
         return self._hooks
 
-    def _close(self) -> None:
-        """Training has ended: the final push."""
+    def _close(self, exc: BaseException | None = None) -> None:
+        """Training has ended (``closed``), or ``exc`` ended it (``exception``): the final
+        push."""
         if self.monitor is not None:
-            self.monitor.close()
+            if exc is None:
+                self.monitor.close()
+            else:
+                self.monitor._end("exception", exit_name(type(exc)))

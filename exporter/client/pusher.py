@@ -2,11 +2,14 @@
 
 It runs in a daemon thread with a ``requests.Session`` and short timeouts. When the daemon is
 down it logs one warning, backs off (up to a minute), and the next successful push carries all
-the totals, so nothing is lost. Nothing it does can raise into the training loop.
+the totals, so nothing is lost. Nothing it does can raise into the training loop. The goodbye
+(:meth:`Pusher.stop`) is the last push: none follows it, and it keeps to its time limit even
+while another push holds the connection.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -72,6 +75,7 @@ class Pusher:
         self._tree: ProcessTree | None = None
         self._cgroup: CgroupCpu | None = None
         self._disabled = False
+        self._ended = False  # the goodbye was sent (or tried): no push after it
         self._lock = threading.Lock()  # one push at a time (the thread, or close())
 
     def start(self) -> None:
@@ -88,6 +92,11 @@ class Pusher:
         self._thread = None
 
     def _run(self) -> None:
+        # a push's imports (psutil's) now, not in the goodbye at the interpreter's exit: an
+        # import that runs exec() there (a namedtuple's) makes CPython forget an uncaught
+        # KeyboardInterrupt, and the process exits 1 instead of by SIGINT
+        with contextlib.suppress(Exception):
+            self.payload()
         delay = self.interval
         while not self._stopping.is_set():
             self._wake.wait(delay)
@@ -110,7 +119,10 @@ class Pusher:
             self._pushed.wait_for(lambda: self._tried >= ticket, timeout)
             return self._accepted >= ticket
 
-    def payload(self, goodbye: bool = False) -> dict[str, Any]:
+    def payload(self, goodbye: bool = False, reason: str | None = None,
+                detail: str | None = None) -> dict[str, Any]:
+        """The push's body; with ``goodbye``, how the process ended: ``reason`` (one of
+        protocol.EXIT_REASONS) and ``detail`` (an exception's type, a signal's name)."""
         body: dict[str, Any] = {**self._identity, **self._totals()}
         try:
             if self._tree is None or self._cgroup is None:
@@ -121,6 +133,10 @@ class Pusher:
             log.debug("gputrain: process stats unavailable: %s", exc)
         if goodbye:
             body["goodbye"] = True
+            if reason is not None:
+                body["exit_reason"] = reason
+                if detail is not None:
+                    body["exit_detail"] = detail
         if self._profiler is not None:
             # without torch too: its client then answers "profiling unavailable"
             body["capabilities"] = [PROFILE_CAPABILITY]
@@ -135,14 +151,28 @@ class Pusher:
                 body["stacks"] = report
         return body
 
-    def push_once(self, goodbye: bool = False, timeout: Any = TIMEOUT) -> bool:
-        """One push; never raises. Returns True when the daemon accepted it."""
-        if self._disabled:
+    def push_once(self, goodbye: bool = False, timeout: Any = TIMEOUT,
+                  deadline: float | None = None, reason: str | None = None,
+                  detail: str | None = None) -> bool:
+        """One push; never raises. Returns True when the daemon accepted it. With a
+        ``deadline`` (``time.monotonic()`` seconds), waiting for a push under way to end and
+        this one's connect and read all end by then; past it, nothing is sent."""
+        wait = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+        if self._disabled or not self._lock.acquire(timeout=wait):
             return False
-        with self._lock:
+        try:
+            if self._ended:  # the goodbye went first (a push that raced it): the rank is gone
+                return False
+            self._ended = goodbye
+            if deadline is not None:
+                left = max(0.05, deadline - time.monotonic())
+                connect = min(0.5, left / 2)
+                timeout = (connect, max(0.05, left - connect))
             with self._pushed:
                 serves = self._tickets  # read before the totals are
-            ok = self._push_locked(goodbye, timeout)
+            ok = self._push_locked(goodbye, timeout, reason, detail)
+        finally:
+            self._lock.release()
         with self._pushed:
             self._tried = max(self._tried, serves)
             if ok:
@@ -150,13 +180,14 @@ class Pusher:
             self._pushed.notify_all()
         return ok
 
-    def _push_locked(self, goodbye: bool, timeout: Any) -> bool:
+    def _push_locked(self, goodbye: bool, timeout: Any, reason: str | None = None,
+                     detail: str | None = None) -> bool:
         try:
             if self._session is None:
                 self._session = requests.Session()
                 if self._server_name:
                     self._session.mount("https://", ServerName(self._server_name))
-            body = self.payload(goodbye)
+            body = self.payload(goodbye, reason, detail)
             r = self._session.post(self._url, json=body, headers=self._headers,
                                    timeout=timeout, verify=self._verify)
         except Exception as exc:  # connection refused, timeout, anything: never into training
@@ -210,16 +241,18 @@ class Pusher:
                 if taker is not None:  # each ignores a type it does not know
                     taker.offer(instruction)
 
-    def stop(self, goodbye: bool, timeout: float) -> None:
-        """Stop the thread and send the final state once (short timeout)."""
+    def stop(self, goodbye: bool, timeout: float, reason: str | None = None,
+             detail: str | None = None) -> None:
+        """Stop the thread and send the final state once, within ``timeout`` seconds in all
+        (waiting for a push under way included): ``reason`` and ``detail`` say how the
+        process ended (see :meth:`payload`)."""
+        deadline = time.monotonic() + timeout
         self._stopping.set()
         self._wake.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
         if not self._disabled:
-            deadline = time.monotonic() + timeout
-            self.push_once(goodbye=goodbye, timeout=(min(0.5, timeout), max(
-                0.1, deadline - time.monotonic())))
+            self.push_once(goodbye=goodbye, deadline=deadline, reason=reason, detail=detail)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._session is not None:
             self._session.close()
 

@@ -5,7 +5,11 @@ The daemon queues a request; the answer to the client's next push carries it (se
 py-spy (the optional extra ``gputrain-exporter[stacks]``) as its own child, on its own process
 and every process below it (DataLoader workers, the pin-memory thread, any other child),
 ``--nonblocking`` so no process is ever paused: ``record`` samples for N seconds, ``dump``
-takes one picture of every thread (a stalled rank). The result is reduced to the functions
+takes one picture of every thread (a stalled rank). A dump asked for with ``"native": true``
+(a hung rank) reads the rank's own process with ``--native`` instead: py-spy pauses it for
+milliseconds to unwind its C and C++ frames too, so a wait inside a collective shows where it
+waits (``c10d::...``, ``gloo::...``); where that cannot be done, the plain dump is taken and
+its report says why. The result is reduced to the functions
 each role spends its samples in, pushed back, and written as a speedscope file beside the
 torch traces. The training thread is never involved: a capture runs while steps go on.
 
@@ -41,6 +45,7 @@ from exporter.protocol import (
     MAX_DUMP_PROCESSES,
     MAX_DUMP_THREADS,
     MAX_FUNCTION_LENGTH,
+    MAX_PENDING_COLLECTIVES,
     MAX_PROFILE_ERROR_LENGTH,
     MAX_STACK_TOP,
     MAX_STACKS_SECONDS,
@@ -73,6 +78,9 @@ _FRAME = re.compile(r"(?P<function>.*) \((?P<file>[^()]*):(?P<line>\d+)\)")
 _PROCESS = re.compile(r'process (?P<pid>\d+):')
 _COMMAND = re.compile(r'process (?P<pid>\d+):".*?";(?=process \d+:|thread \()', re.DOTALL)
 _THREAD = re.compile(r"thread \((?P<tid>0x[0-9a-fA-F]+|\d+)\)(?:: (?P<name>.*))?")
+# a thread with more frames than a dump keeps keeps its Python frames and its innermost native
+# ones (where it waits), at least this many of them
+MIN_NATIVE_FRAMES = 10
 
 
 def find_py_spy() -> str | None:
@@ -335,13 +343,40 @@ def _library_roots() -> tuple[str, ...]:
     return tuple({paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths})
 
 
+def _native(frame: dict[str, Any]) -> bool:
+    """A frame ``py-spy dump --native`` unwound from machine code: it names its shared object
+    (``module``), where a Python frame has none."""
+    return bool(frame.get("module"))
+
+
+def _kept(frames: list[dict[str, Any]], limit: int) -> list[dict[str, Any]]:
+    """The at most ``limit`` frames (innermost first) a dump keeps of a thread's: all where
+    they fit; else the Python frames and the innermost native ones (at least
+    MIN_NATIVE_FRAMES of them: the pybind and libtorch glue around a call is many frames
+    deep), the outermost cut."""
+    if len(frames) <= limit:
+        return frames
+    python = sum(1 for f in frames if not _native(f))
+    room = max(MIN_NATIVE_FRAMES, limit - python)
+    kept = []
+    for f in frames:
+        if _native(f):
+            if room <= 0:
+                continue
+            room -= 1
+        kept.append(f)
+    return kept[:limit]
+
+
 def parse_dump(dumps: dict[int, Any], main_pid: int) -> list[dict[str, Any]]:
     """One ``py-spy dump --json`` per process (``pid -> its JSON``, or a string saying why
     that process has none: a non-Python child) as processes, the main one first, each
     ``{"pid", "role", "threads": [{"name", "tid", "active", "gil", "role", "frames"
     (innermost first), "where"}]}`` or ``{"pid", "role": "other", "threads": [], "error"}``,
-    bounded (MAX_DUMP_*). ``where`` is the index of the innermost frame outside the standard
-    library and site-packages (the program's own code), or None."""
+    bounded (MAX_DUMP_*; see :func:`_kept`). A native frame (``--native``) is its function
+    and its shared object's name as the file, line 0. ``where`` is the index of the innermost
+    Python frame outside the standard library and site-packages (the program's own code), or
+    None."""
     libs = _library_roots()
     order = sorted(dumps, key=lambda p: (p != main_pid, p))[:MAX_DUMP_PROCESSES]
     budget = MAX_DUMP_FRAMES_TOTAL
@@ -355,15 +390,16 @@ def parse_dump(dumps: dict[int, Any], main_pid: int) -> list[dict[str, Any]]:
         threads: list[dict[str, Any]] = []
         for t in [t for t in raw if isinstance(t, dict) and not
                   str(t.get("thread_name") or "").startswith(OWN_THREADS)][:MAX_DUMP_THREADS]:
-            raw_frames = [f for f in t.get("frames") or [] if isinstance(f, dict)]
+            raw_frames = _kept([f for f in t.get("frames") or [] if isinstance(f, dict)],
+                               max(0, min(MAX_DUMP_FRAMES, budget)))
             frames = [{"function": str(f.get("name", "?"))[:MAX_FUNCTION_LENGTH],
                        "file": str(f.get("short_filename") or f.get("filename") or "")
                        [-MAX_FUNCTION_LENGTH:],
                        "line": f.get("line") if isinstance(f.get("line"), int) else 0}
-                      for f in raw_frames[:max(0, min(MAX_DUMP_FRAMES, budget))]]
+                      for f in raw_frames]
             budget -= len(frames)
-            own = next((i for i, f in enumerate(raw_frames[:len(frames)])
-                        if not str(f.get("filename", "")).startswith(libs)), None)
+            own = next((i for i, f in enumerate(raw_frames) if not _native(f) and
+                        not str(f.get("filename", "")).startswith(libs)), None)
             tid = t.get("os_thread_id")
             threads.append({"name": str(t.get("thread_name") or "")[:MAX_FUNCTION_LENGTH],
                             "tid": tid if isinstance(tid, int) else 0,
@@ -406,6 +442,7 @@ class StackSampler(ReportSlot):
             return
         version, sid = instruction.get("version"), instruction.get("id")
         mode, seconds = instruction.get("mode"), instruction.get("seconds")
+        native = instruction.get("native") is True  # a dump's; anything but true is no ask
         if not isinstance(version, int) or version > STACKS_VERSION or \
                 not isinstance(sid, str) or not PROFILE_ID_RE.fullmatch(sid) or \
                 mode not in STACKS_MODES or isinstance(seconds, bool) or \
@@ -419,7 +456,7 @@ class StackSampler(ReportSlot):
             self._report = {"id": sid, "state": "running", "mode": mode,
                             "started": time.time()}
         log.info("gputrain: the daemon asks for py-spy stacks (%s, %s)", sid, mode)
-        self._thread = threading.Thread(target=self._capture, args=(sid, mode, seconds),
+        self._thread = threading.Thread(target=self._capture, args=(sid, mode, seconds, native),
                                         name="gputrain-stacks", daemon=True)
         self._thread.start()
         self._wake()
@@ -439,10 +476,11 @@ class StackSampler(ReportSlot):
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def _capture(self, sid: str, mode: str, seconds: int) -> None:
+    def _capture(self, sid: str, mode: str, seconds: int, native: bool = False) -> None:
         started = time.time()
         try:
-            result = capture(mode, seconds, self._pid, self.run, self.rank, sid, self._started)
+            result = capture(mode, seconds, self._pid, self.run, self.rank, sid, self._started,
+                             native)
             state: dict[str, Any] = {"id": sid, "state": "done", "mode": mode,
                                      "started": started, "finished": time.time(), **result}
         except Exception as exc:
@@ -543,16 +581,19 @@ def _tree(pid: int) -> list[int]:
     return pids[:MAX_DUMP_PROCESSES]
 
 
-def _dump(pid: int, started: Callable[[subprocess.Popen], None]) -> Any:
-    """``py-spy dump --nonblocking --json`` of one process. A nonblocking read walks the
-    frames while the process runs on: it sometimes fails mid-walk ("Failed to get stack
-    traces") where the stack changed under it; such a read is taken again, up to
-    DUMP_ATTEMPTS times in all. A refusal or a process that is no Python fails at once."""
+def _dump(pid: int, started: Callable[[subprocess.Popen], None], native: bool = False) -> Any:
+    """``py-spy dump --nonblocking --json`` of one process (``native``: ``--native``
+    instead, which pauses the process while it reads; py-spy takes no --native without
+    blocking). A nonblocking read walks the frames while the process runs on: it sometimes
+    fails mid-walk ("Failed to get stack traces") where the stack changed under it; such a
+    read is taken again, up to DUMP_ATTEMPTS times in all. A refusal or a process that is no
+    Python fails at once."""
+    how = ["--native"] if native else ["--nonblocking"]
     for attempt in range(DUMP_ATTEMPTS):
         try:
             # 10 s each at most: the daemon gives a dump STACKS_GRACE (120 s) in all
-            out, _ = _run_py_spy(["dump", "--pid", str(pid), "--nonblocking", "--json"], pid,
-                                 10.0, started)
+            out, _ = _run_py_spy(["dump", "--pid", str(pid), *how, "--json"], pid, 10.0,
+                                 started)
             return json.loads(out)
         except CaptureFailed as exc:
             if not _TORN.search(str(exc)) or attempt == DUMP_ATTEMPTS - 1:
@@ -561,30 +602,88 @@ def _dump(pid: int, started: Callable[[subprocess.Popen], None]) -> Any:
     raise AssertionError("unreachable")
 
 
-def _dump_tree(pid: int, started: Callable[[subprocess.Popen], None]) -> dict[int, Any]:
+def _dump_tree(pid: int, started: Callable[[subprocess.Popen], None], native: bool = False
+               ) -> tuple[dict[int, Any], str | None]:
     """``py-spy dump --json`` of ``pid`` and each descendant, one at a time: py-spy's own
     ``--subprocesses`` is not in its JSON, and one non-Python child (a logging agent) fails
-    its whole dump. The main process must be readable; a child that is not says why."""
+    its whole dump. The main process must be readable; a child that is not says why. With
+    ``native``, the main process's frames are unwound natively where py-spy can (else the
+    second value says why not)."""
     dumps: dict[int, Any] = {}
+    warning = None
     for p in _tree(pid):
         try:
+            if p == pid and native:
+                try:
+                    dumps[p] = _dump(p, started, native=True)
+                    continue
+                except (CaptureFailed, ValueError) as exc:
+                    warning = f"native frames were not available ({exc}); the stacks are " \
+                              "Python frames only"
+                    log.info("gputrain: %s", warning)
             dumps[p] = _dump(p, started)
         except (CaptureFailed, ValueError) as exc:
             if p == pid:
                 raise
             dumps[p] = ("not a Python process" if "python version" in str(exc).lower()
                         else str(exc))
-    return dumps
+    return dumps, warning
+
+
+def pending_collectives(limit: int = MAX_PENDING_COLLECTIVES) -> list[dict[str, Any]] | None:
+    """The collectives this process has started and not finished, from PyTorch's flight
+    recorder (on by default since 2.x for gloo and NCCL: ``TORCH_FR_BUFFER_SIZE``), read from
+    this thread while the training thread may be blocked in one: the newest ``limit``, each
+    its name (``gloo:all_reduce``), sequence number in its process group, the group, and its
+    age in seconds. None where torch.distributed is not up, the recorder is off, or this torch
+    has no on-demand dump (a private API: ``_dump_fr_trace_json``)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is None or not dist.is_initialized():
+            return None
+        from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore
+
+        doc = json.loads(_dump_fr_trace_json())
+    except Exception:  # an older or newer torch, a group torn down: no record, no harm
+        return None
+    if "entries" not in doc:
+        return None  # TORCH_FR_BUFFER_SIZE=0
+    done = {str(k): int(v.get("last_completed_collective", -1))
+            for k, v in (doc.get("pg_status") or {}).items() if isinstance(v, dict)}
+    now_ns = time.time_ns()
+    out = []
+    for e in doc["entries"]:
+        seq = e.get("collective_seq_id")
+        # on gloo an entry's state stays "scheduled": pending is not retired, or past the
+        # group's last completed collective
+        retired = e.get("retired")
+        if not isinstance(seq, int) or retired or (
+                retired is None and seq <= done.get(str(e.get("pg_id")), -1)):
+            continue
+        group = e.get("process_group")
+        out.append({"name": str(e.get("profiling_name", "?"))[:MAX_FUNCTION_LENGTH],
+                    "seq": seq, "group": str(group[1] if isinstance(group, list) and
+                                             len(group) > 1 else group)[:MAX_FUNCTION_LENGTH],
+                    "seconds": max(0.0, (now_ns - int(e.get("time_created_ns") or now_ns))
+                                   / 1e9)})
+    return out[-limit:]
 
 
 def capture(mode: str, seconds: int, pid: int, run: str, rank: str, sid: str,
-            started: Callable[[subprocess.Popen], None] = lambda p: None) -> dict[str, Any]:
-    """Take one capture of ``pid`` and its descendants; the report's result fields."""
+            started: Callable[[subprocess.Popen], None] = lambda p: None,
+            native: bool = False) -> dict[str, Any]:
+    """Take one capture of ``pid`` and its descendants; the report's result fields.
+    ``native``: a dump with the main process's native frames (see :func:`_dump_tree`)."""
     if mode == "dump":
-        processes = parse_dump(_dump_tree(pid, started), pid)
+        dumps, warning = _dump_tree(pid, started, native)
+        processes = parse_dump(dumps, pid)
         path = _output_path(run, rank, sid, "dump")
-        size = _write(path, {"run": run, "rank": rank, "id": sid, "processes": processes})
-        return {"processes": processes, "file": str(path), "file_bytes": size}
+        pending = pending_collectives() if native else None
+        size = _write(path, {"run": run, "rank": rank, "id": sid, "processes": processes,
+                             **({"collectives": pending} if pending is not None else {})})
+        return {"processes": processes, "file": str(path), "file_bytes": size,
+                **({"collectives": pending} if pending is not None else {}),
+                **({"warning": warning[:MAX_PROFILE_ERROR_LENGTH]} if warning else {})}
     with tempfile.TemporaryDirectory(prefix="gputrain-stacks-") as tmp:
         raw = os.path.join(tmp, "stacks.txt")
         t0 = time.monotonic()

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
+from exporter.heuristics.location import Location, culprit_line
 from exporter.heuristics.promql import (
     THROTTLE_REASONS,
     Q,
@@ -40,7 +41,6 @@ from exporter.heuristics.readings import (
     NodeReport,
     RankReport,
     mean,
-    outside_steps,
     percent,
     stale_collectors,
 )
@@ -146,7 +146,7 @@ class Heuristic:
         ``guarded`` holds only for a rank that steps with one process over the window and
         still runs, and one not a fault only on fresh readings."""
         if not self.judged(r, t) or (self.guarded and (not r.stepping or gone(r, t)
-                                                       or r.restarts_recent)):
+                                                       or r.restarts_recent or held(r, t))):
             return None
         if self.scope in ("gpu", "rank_gpu"):
             for g in r.gpus:
@@ -180,10 +180,18 @@ class Heuristic:
         }
 
 
+def held(r: RankReport, t: dict[str, float]) -> bool:
+    """The rank's step in progress has run past the floor of the hung limit and twice its
+    mean step: the window's rates are of steps that no longer come, so no bottleneck of its
+    steps is judged (as :meth:`Q.stepping`)."""
+    return _v(r.step_in_progress, ">", t["hung_min_seconds"]) and \
+        _v(r.step_in_progress, ">", 2 * (r.step_seconds or 0.0))
+
+
 def gone(r: RankReport, t: dict[str, float]) -> bool:
     """The rank no longer runs: it said goodbye, or has not pushed for the vanished
     threshold. Its last window is history, so nothing about its steps is judged."""
-    return r.finished or _v(r.seconds_since_push, ">", t["vanished_seconds"])
+    return r.ended or _v(r.seconds_since_push, ">", t["vanished_seconds"])
 
 
 def refined(r: RankReport | NodeReport, name: str, threshold: str,
@@ -471,7 +479,8 @@ class RunVanished(Heuristic):
         silent = "time() - run_rank:gputrain_training_last_push_timestamp_seconds:max"
         return [self.rule(q, "warning", f"""max by ({run}) (
               {silent} > {t['vanished_seconds']}
-              unless on ({rank}) (run_rank:gputrain_training_finished:max > 0))
+              unless on ({rank}) (run_rank:gputrain_training_finished:max > 0
+                                   or run_rank_reason:gputrain_training_exit_info:max))
             unless on ({run}) (min by ({run}) ({silent}) <= {t['vanished_seconds']})
             unless on ({run}) (max by ({run}) (run_rank:gputrain_gpu_busy_ratio:max_rate2m)
               >= {t['vanished_gpu_idle']})""",
@@ -488,7 +497,7 @@ class RunVanished(Heuristic):
             return {}
         return {id(r): f"stopped without finishing {_ago(r.seconds_since_push)} ago: no "
                        "push and no goodbye since, its GPUs idle"
-                for r in ranks if not r.finished}
+                for r in ranks if not r.ended}
 
 
 def _ago(seconds: float | None) -> str:
@@ -505,21 +514,171 @@ def _ago(seconds: float | None) -> str:
 # --- the pipeline, from its input to its output: the first that holds is the verdict -------
 
 
+def alive(r: RankReport, t: dict[str, float]) -> bool:
+    """The rank's process lives: it pushed within ``alive_seconds`` (its pusher thread runs
+    in it) and has not said goodbye. Only a live rank is judged hung or stalled: a dead
+    rank's old steps say nothing of now."""
+    return not r.ended and _v(r.seconds_since_push, "<", t["alive_seconds"] + 1e-9)
+
+
+def typical_step(r: RankReport) -> float | None:
+    """The pace a rank's step in progress is judged against: the longer of its process's
+    mean step so far and the rate window's (a run that slowed down is judged at its new
+    pace); None before its first step."""
+    known = [x for x in (r.typical_step_seconds, r.step_seconds) if x is not None and x > 0]
+    return max(known) if known else None
+
+
+def hung_limit(r: RankReport, t: dict[str, float]) -> float:
+    """How long a rank's step may run before it is hung, in seconds: ``hung_step_factor``
+    times its typical step, within ``hung_min_seconds`` and ``hung_max_seconds``, and never
+    under ``hung_slowest_factor`` times it (a run of minutes-long steps); before its first
+    step, ``hung_first_step_seconds`` (compilation, warm-up)."""
+    typical = typical_step(r)
+    if typical is None:
+        return t["hung_first_step_seconds"]
+    limit = min(max(t["hung_step_factor"] * typical, t["hung_min_seconds"]),
+                t["hung_max_seconds"])
+    return max(limit, t["hung_slowest_factor"] * typical)
+
+
+def rank_hung(r: RankReport, t: dict[str, float]) -> bool:
+    """A live rank whose step in progress has run past :func:`hung_limit`, outside any
+    declared phase."""
+    return alive(r, t) and not r.phase_in_progress and \
+        _v(r.step_in_progress, ">", hung_limit(r, t))
+
+
+def in_phase(ranks: list[RankReport], t: dict[str, float]) -> list[RankReport]:
+    """The live ranks of a run inside a declared phase (an evaluation, a checkpoint): the
+    others wait for them, not hung."""
+    return [r for r in ranks if alive(r, t) and r.phase_in_progress]
+
+
+class RunHung(Heuristic):
+    alert, verdict, kind, scope, level = "GpuTrainRunHung", "hung", "hang", "run", "global"
+    severity, for_ = "critical", "0m"
+    summary = ("A training run hung: its ranks make no step, far past their pace, while their "
+               "processes live.")
+    advice = ("Read where each rank is: the exporter took py-spy stacks of every rank when the "
+              "run hung (the status page, `gputrain-exporter top`, `/api/v1/status`). The rank "
+              "that is not waiting in a collective while its peers are holds the run: fix what "
+              "holds it (a data set or storage read that blocks, a checkpoint write that hangs, "
+              "a deadlock). Where every rank waits in a collective, a peer is gone or the "
+              "network failed. Act before the collective's timeout (NCCL's watchdog: 10 "
+              "minutes by default) ends the job.")
+    fires_when = ("every live rank of a run has a step in progress over {hung_step_factor} its "
+                  "typical step (at least {hung_min_seconds}, at most {hung_max_seconds}, never "
+                  "under {hung_slowest_factor} it; {hung_first_step_seconds} before its first "
+                  "step) while it pushes, and no rank of the run is in a declared phase")
+    why = ("A live rank (it pushed in the last {alive_seconds}: its client's thread runs in the "
+           "process) whose current step has run far past its own pace, outside any phase a "
+           "client declares (an evaluation, a checkpoint, a DataLoader's start), is hung; a "
+           "run is hung when every live rank is. The step in progress is aged by the "
+           "exporter's own clock, so the verdict comes within about {hung_min_seconds} plus a "
+           "scrape and an evaluation of the hang, long before NCCL's watchdog (a 10-minute "
+           "collective timeout, an 8-minute heartbeat) kills the job and the evidence with it. "
+           "When a run turns hung, each node's exporter dumps its ranks' stacks (py-spy, with "
+           "native frames: a wait inside a C++ collective shows as one) and classifies where "
+           "each is: in a collective, loading data, in checkpoint I/O, in evaluation, "
+           "computing, elsewhere (`gputrain_training_stack_location`). The culprit is the rank "
+           "not waiting in a collective while its peers are. Ranks that wait for a peer in a "
+           "declared phase are waiting, not hung, until that phase's own limit "
+           "(`GpuTrainStalled`).")
+    confirm = ("gputrain_training_step_in_progress_seconds",
+               "gputrain_training_stack_location")
+    panel = 'GpuTrain / Run, "Samples per second" at zero while every rank still pushes.'
+    profile, stepping = False, False
+    thresholds = {
+        "hung_step_factor": Threshold(
+            10.0, "factor", "a step ten times the rank's typical one is no jitter: garbage "
+                            "collection, a recompilation or a slow batch stay well under it"),
+        "hung_min_seconds": Threshold(
+            60, "seconds", "the floor: a hang is said within 2 minutes at a 15 s scrape and "
+                           "evaluation, long before NCCL's 10-minute collective timeout"),
+        "hung_max_seconds": Threshold(
+            300, "seconds", "the ceiling, well under NCCL's watchdog (TORCH_NCCL_HEARTBEAT_"
+                            "TIMEOUT_SEC 480 s, a 600 s collective timeout): the stacks are "
+                            "taken while the evidence lives"),
+        "hung_slowest_factor": Threshold(
+            2.0, "factor", "a run of minutes-long steps: a step is hung only past twice its "
+                           "typical one, whatever the ceiling"),
+        "hung_first_step_seconds": Threshold(
+            1800, "seconds", "before the first step there is no pace: torch.compile and "
+                             "warm-up of a large model take minutes (our choice)"),
+        "alive_seconds": Threshold(
+            30, "seconds", "6 missed pushes at the client's 5 s interval: its process is "
+                           "gone or stopped"),
+    }
+
+    def rules(self, q: Q) -> list[dict]:
+        t, run, rank = q.t, q.run, q.rank
+        mean, mean5m = ("run_rank:gputrain_training_step_seconds:mean",
+                        "run_rank:gputrain_training_step_seconds:mean5m")
+        typical = f"({mean5m} > {mean} or {mean})"
+        clamped = (f"clamp({t['hung_step_factor']} * {typical}, {t['hung_min_seconds']}, "
+                   f"{t['hung_max_seconds']})")
+        slowest = f"{t['hung_slowest_factor']} * {typical}"
+        open_ = "run_rank:gputrain_training_step_in_progress_seconds:max"
+        limit = (f"(({slowest} > {clamped}) or {clamped} "
+                 f"or {open_} * 0 + {t['hung_first_step_seconds']})")
+        live = (f"(time() - run_rank:gputrain_training_last_push_timestamp_seconds:max "
+                f"<= {t['alive_seconds']} unless on ({rank}) "
+                f"run_rank_reason:gputrain_training_exit_info:max)")
+        hung = f"({open_} > {limit} and on ({rank}) {live})"
+        culprit = ('run_rank_location:gputrain_training_stack_location:max{run=%q, '
+                   'location!=\\"collective\\"}')
+        return [self.rule(q, "critical", f"""count by ({run}) ({hung})
+            >= count by ({run}) ({live})
+            unless on ({run}) count by ({run}) (
+              run_rank_phase:gputrain_training_phase_in_progress_seconds:max
+              and on ({rank}) {live})""",
+            f"""Run {{{{ $labels.run }}}} hung: {{{{ $value | printf "%.0f" }}}} live rank(s)
+            made no step far past their pace.{{{{ range printf "{culprit}" $labels.run | query }}}}
+            Rank {{{{ .Labels.rank }}}} on {{{{ .Labels.instance }}}} is in
+            `{{{{ .Labels.function }}}}` ({{{{ .Labels.location }}}}).{{{{ end }}}}""")]
+
+    def holds_run(self, ranks: list[RankReport], t: dict[str, float]) -> dict[int, str]:
+        live = [r for r in ranks if alive(r, t)]
+        if not live or in_phase(ranks, t) or not all(rank_hung(r, t) for r in live):
+            return {}
+        line = hang_line(live)
+        return {id(r): f"no step for {r.step_in_progress:.0f} s (its pace allows "
+                       f"{hung_limit(r, t):.0f} s); {line}" for r in live}
+
+
+def hang_line(ranks: list[RankReport]) -> str:
+    """Where a hung run's ranks are, in one line that names the culprit (see
+    :func:`exporter.heuristics.location.culprit_line`): from each rank's capture, or
+    "stacks being captured" before any is in."""
+    found = [(r.rank, r.instance, Location(location=next(iter(r.location)),
+                                           function=r.location_detail or ""))
+             for r in ranks if r.location]
+    if not found:
+        return "its ranks' stacks are being captured"
+    return culprit_line(found).line
+
+
 class Stalled(Heuristic):
     alert, verdict = "GpuTrainStalled", "stalled"
     severity, for_ = "critical", "1m"
-    summary = "A training run stopped making steps while its process lives."
-    advice = ("Look for a hang in a collective, a dead DataLoader worker or a deadlock "
-              "(py-spy dump --pid).")
-    fires_when = ("no step for {stalled_seconds} while the rank still reports and spent no "
-                  "time in an evaluation or checkpoint over the last 5 minutes, or no step for "
-                  "{stalled_in_phase_seconds} whatever it did")
-    why = ("A rank still reports but made no step for {stalled_seconds}, and is in no phase "
-           "outside steps (a client pushes an evaluation or checkpoint while it lasts, so a "
-           "long one is no stall), or made none for {stalled_in_phase_seconds} even in one (a "
-           "hang inside an evaluation). Nothing else is said of a stalled rank: with no step, "
-           "no tuning advice holds.")
-    confirm = ("gputrain_training_last_step_timestamp_seconds",)
+    summary = "A live rank has made no step for a long time, or is stuck in a phase."
+    advice = ("Look for a hang in a collective, a dead DataLoader worker, a deadlock or an "
+              "evaluation or checkpoint that never ends (py-spy dump --pid, or "
+              "`gputrain-exporter profile --stacks --dump`).")
+    fires_when = ("a live rank's step in progress over {stalled_seconds} outside any phase, or "
+                  "its declared phase (an evaluation, a checkpoint) open for "
+                  "{stalled_in_phase_seconds}")
+    why = ("The long cases, rank by rank: a live rank (pushing) whose step in progress has run "
+           "{stalled_seconds} whatever its peers do, or whose declared phase outside steps (a "
+           "client pushes an evaluation or checkpoint while it lasts) has run "
+           "{stalled_in_phase_seconds}: a hang inside it. A run whose ranks all hang is said "
+           "sooner, as `GpuTrainRunHung`; ranks waiting for a peer's phase are waiting until "
+           "that phase passes its limit. A rank that stopped pushing is no stall: it died "
+           "(`GpuTrainRunVanished`, `GpuTrainRunFailed`). Nothing else is said of a stalled "
+           "rank: with no step, no tuning advice holds.")
+    confirm = ("gputrain_training_step_in_progress_seconds",
+               "gputrain_training_phase_in_progress_seconds")
     panel = 'GpuTrain / Run, "Samples per second" at zero while the rank is still listed.'
     profile, stepping = False, False
     stacks = "dump"  # where is it stuck: a collective, a lock, a dead worker
@@ -530,19 +689,67 @@ class Stalled(Heuristic):
                              "inside it (our choice: set it above your longest)")}
 
     def rules(self, q: Q) -> list[dict]:
-        since = f'time() - {q.metric("gputrain_training_last_step_timestamp_seconds")}'
-        return [self.rule(q, "critical", f"""({since} > {q.t['stalled_seconds']}
-                          unless on ({q.rank}) ({q.outside_steps()} > 0))
-                          or {since} > {q.t['stalled_in_phase_seconds']}""",
+        t, rank = q.t, q.rank
+        live = (f"time() - run_rank:gputrain_training_last_push_timestamp_seconds:max "
+                f"<= {t['alive_seconds']}")
+        return [self.rule(q, "critical", f"""(run_rank:gputrain_training_step_in_progress_seconds:max
+                          > {t['stalled_seconds']}
+                          or max by ({rank}) (
+                            run_rank_phase:gputrain_training_phase_in_progress_seconds:max)
+                          > {t['stalled_in_phase_seconds']})
+                          and on ({rank}) ({live})""",
                           f"""{q.who} made no step for {{{{ $value | humanizeDuration }}}}
                           although it still reports.""")]
 
     def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
-        since = r.seconds_since_step
-        if (_v(since, ">", t["stalled_seconds"]) and not outside_steps(r)) or \
-                _v(since, ">", t["stalled_in_phase_seconds"]):
-            return f"no step for {since:.0f} s"
+        if not alive(r, t):
+            return None
+        for phase, seconds in r.phase_in_progress.items():
+            if seconds > t["stalled_in_phase_seconds"]:
+                return f"in {phase} for {seconds:.0f} s"
+        if not r.phase_in_progress and _v(r.step_in_progress, ">", t["stalled_seconds"]):
+            return f"no step for {r.step_in_progress:.0f} s"
         return None
+
+
+class RunFailed(Heuristic):
+    alert, verdict, kind, scope, level = ("GpuTrainRunFailed", "failed", "state", "run",
+                                          "global")
+    severity, for_ = "critical", "0m"
+    summary = "A training run failed: a rank's process ended by an exception or a signal."
+    advice = ("Read the failure the rank names (the job's log has its traceback: a "
+              "collective's timeout, an out-of-memory, a CUDA error; a signal: the scheduler "
+              "or the OOM killer), fix it, and resume from the last checkpoint. A rank that "
+              "timed out in a collective often waited for another: read where its peers were "
+              "when the run hung.")
+    fires_when = "a rank's client said its process ended by an exception or a signal"
+    why = ("The client tells a clean end (the user's close(), the loop run out, a normal "
+           "exit) from a failure (an exception nobody caught, which includes a collective's "
+           "timeout; a SIGTERM or SIGHUP): a failed rank is never \"finished\". The exporter "
+           "keeps a failed rank for --ingest.ttl (10 m by default) and says which exception "
+           "or signal ended it (`gputrain_training_exit_info`). A process killed outright "
+           "(SIGKILL, the OOM killer) says nothing: it is `GpuTrainRunVanished`.")
+    confirm = ("gputrain_training_failed", "gputrain_training_exit_info")
+    panel = 'GpuTrain / Run, "Samples per second" falls to zero.'
+    profile, stepping = False, False
+
+    def rules(self, q: Q) -> list[dict]:
+        return [self.rule(q, "critical", f"""max by ({q.run}, rank) (
+              run_rank:gputrain_training_failed:max > 0)""",
+            """Rank {{ $labels.rank }} of run {{ $labels.run }} ended by a failure{{ range
+            printf "run_rank_reason:gputrain_training_exit_info:max{run=%q, rank=%q}"
+            $labels.run $labels.rank | query }}: {{ .Labels.reason }}
+            {{ .Labels.detail }}{{ end }}.""")]
+
+    def holds_run(self, ranks: list[RankReport], t: dict[str, float]) -> dict[int, str]:
+        return {id(r): f"ended by {failure_text(r)}" for r in ranks if r.failed}
+
+
+def failure_text(r: RankReport) -> str:
+    """How a failed rank ended, in words: ``an exception (RuntimeError)``."""
+    reason = next(iter(r.exit), "a failure")
+    what = {"exception": "an exception", "signal": "a signal"}.get(reason, reason)
+    return f"{what} ({r.exit_detail})" if r.exit_detail else what
 
 
 class GPUShared(Heuristic):
@@ -1597,8 +1804,8 @@ class ExporterDown(Heuristic):
 # holds.
 CATALOGUE: tuple[Heuristic, ...] = (
     GPULost(), XidErrors(), GPUMemoryFault(), CollectorFailing(), ExporterDown(),
-    CollectorStale(), RunVanished(), RunRestarting(),
-    Stalled(), GPUShared(), PCIeLinkDegraded(),
+    CollectorStale(), RunFailed(), RunVanished(), RunRestarting(),
+    RunHung(), Stalled(), GPUShared(), PCIeLinkDegraded(),
     CPUQuotaBound(), CPUPreprocessingBound(), DiskIOBound(), NetworkInputBound(), InputBound(),
     DataLoaderRestarts(), CommunicationBound(),
     HostToDeviceBound(), HostOverheadBound(), LaunchBound(), TensorCoresIdle(), LowMFU(),
@@ -1622,7 +1829,7 @@ THRESHOLDS: dict[str, Threshold] = _collect_thresholds(CATALOGUE)
 BY_ALERT: dict[str, Heuristic] = {e.alert: e for e in CATALOGUE}
 BY_VERDICT: dict[str, Heuristic] = {e.verdict: e for e in CATALOGUE}
 LEVELS = ("node", "global")
-KINDS = ("fault", "state", "bottleneck", "health", "symptom")
+KINDS = ("fault", "state", "hang", "bottleneck", "health", "symptom")
 # the alerts whose firing for a rank asks for a profile of it (Alertmanager's webhook)
 PROFILED_ALERTS: frozenset[str] = frozenset(e.alert for e in CATALOGUE if e.profiled)
 # the alerts whose firing for a rank asks for py-spy stacks of it, and which capture

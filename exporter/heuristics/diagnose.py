@@ -244,7 +244,7 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
             if name == "regime_changed_seconds" and value >= parse_duration(window):
                 continue  # an old change: the rate window holds the new regime alone
             if rep:
-                value = value > 0 if name == "finished" else value
+                value = value > 0 if name in ("finished", "failed") else value
                 setattr(rep, name, value)
                 if name == "steps_per_second" and rank_key(labels) in recorded:
                     rep.source = "recorded"
@@ -265,6 +265,8 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
                 rep = reports.get(rank_key(labels))
                 if rep:
                     getattr(rep, keyed.field)[labels.get(by, "")] = value
+                    if keyed.detail:
+                        setattr(rep, f"{keyed.field}_detail", labels.get(keyed.detail))
     def gpu_key(labels: dict[str, str]) -> tuple[str, ...]:
         return (*rank_key(labels), labels.get("gpu", ""), labels.get("uuid", ""))
 

@@ -158,6 +158,7 @@ def inline(expr: str, records: dict[str, str]) -> str:
 # run changed pace), and its age while the rank is read over the regime window instead of the
 # rate window (absent otherwise)
 REGIME_START = BY_FIELD["regime_changed_seconds"].record
+OPEN = BY_FIELD["step_in_progress"].record
 REGIME_SHORT = "run_rank:gputrain_training_regime_age_seconds:short_window"
 GPU_BUSY, GPU_BUSY_REGIME = "gpu:gputrain_gpu_busy_ratio:rate5m", "gpu:gputrain_gpu_busy_ratio:rate1m"
 RANK_GPU_BUSY = "run_rank_gpu:gputrain_gpu_busy_ratio:rate5m"
@@ -237,7 +238,20 @@ def _fragments(s: str, ids: Identity, w: str) -> dict[str, str]:
     # A step straddling the window's start counts whole at its end, so at a run's first and
     # last pushes a raw difference can go past the wall time by up to a step: the parts that
     # would go negative count 0
+    # the step in progress, where it has run longer than the window's mean step: it weighs in
+    # the step time and the throughput as it grows (its part inside the window, a second a
+    # second of it, and one step more); where the window holds no step, it counts whole
+    seconds = parse_duration(w) if w else 0.0
+    open_ = f"max by ({rank}) (gputrain_training_step_in_progress_seconds{{{s}}})"
+    mean = (f"({steps} / sum by ({rank}) "
+            f"(rate(gputrain_training_step_duration_seconds_count{{{s}}}[{w}])))")
+    longer = f"unless on ({rank}) ({open_} <= {mean})"
+    open_part = (f"(clamp_max({open_}, {seconds:g}) / {seconds:g} {longer} or 0 * {steps})"
+                 if seconds else "0")
+    open_count = (f"({open_} * 0 + 1 / {seconds:g} {longer} or 0 * {steps})"
+                  if seconds else "0")
     return {"s": s, "w": w, "rank": rank, "gpu": ids.gpu, "node": ids.node, "run": ids.run,
+            "open_part": open_part, "open_count": open_count,
             "run_gpu": ids.run_gpu, "wall": wall, "steps": steps, "wait": wait,
             "all_phases": phases("phase!=''"),
             "productive": f"clamp_min({steps} - {wait} - {phases(IN_STEP)}, 0)",
@@ -376,12 +390,17 @@ class Q:
         """``expr`` (of a rank, or of a rank's GPUs) only while the rank steps, with one
         process over the rate window, and still runs: a run whose steps stopped while its GPUs
         spin is stalled, and nothing else holds for it; rates across a restart are no
-        bottleneck; a rank that said goodbye, or went silent, left only history behind."""
+        bottleneck; a rank that said goodbye, or went silent, left only history behind; and
+        one whose step in progress has run past the floor of the hung limit and twice its mean
+        step is judged on that step, not on the window's rates of steps that no longer come."""
         return (f"({expr}) and on ({self.rank}) ({self.steps} > 0) unless on ({self.rank}) "
-                f"(run_rank:gputrain_training_finished:max > 0 or time() - "
+                f"(run_rank:gputrain_training_finished:max > 0 "
+                f"or run_rank_reason:gputrain_training_exit_info:max or time() - "
                 f"run_rank:gputrain_training_last_push_timestamp_seconds:max > "
                 f"{self.t['vanished_seconds']} or "
-                f"run_rank:gputrain_training_restarts:resets5m > 0)")
+                f"run_rank:gputrain_training_restarts:resets5m > 0 or "
+                f"{OPEN} > {self.t['hung_min_seconds']} and on ({self.rank}) "
+                f"{OPEN} > 2 * run_rank:gputrain_training_step_seconds:mean5m)")
 
     def refined(self, record: str, threshold: str) -> str:
         """A refinement's reading (a recorded node series) at ``threshold``, with hysteresis:

@@ -72,6 +72,8 @@ class Reading:
     ``since``: the series is a unix time; the reading is the seconds since it.
     ``refined``: a node reading that refines input-bound into a stage, judged with hysteresis
     (:data:`REFINED`).
+    ``detail``: with ``by``, a second label kept beside it (in the field ``<field>_detail``):
+    the function a rank is stuck in, the exception that ended it.
 
     The daemon's history (:mod:`exporter.serving.history`) computes the same readings from its
     own samples, in Python; tests/test_agreement.py holds it to this table.
@@ -85,6 +87,7 @@ class Reading:
     by: str | None = None
     since: bool = False
     refined: bool = False
+    detail: str | None = None
 
     @property
     def gpu_record(self) -> str:
@@ -115,13 +118,18 @@ READINGS = (
             / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{w}]))"""),
     # samples per second of step time: the training loop's throughput, exact from a run's
     # first minute (a bare rate() over 5m reads low until the run is 5m old)
+    # (the step in progress weighs in both once it runs longer than the mean step:
+    # :func:`with_open_step`, the fragments open_part and open_count)
     Reading("samples_per_second", "rank",
             "run_rank:gputrain_training_samples_per_second:rate5m", "rate", """
             sum by ({rank}) (rate(gputrain_training_samples_total{{{s}}}[{w}]))
-            / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{w}]))"""),
+            / (sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{w}]))
+               + {open_part})"""),
     Reading("step_seconds", "rank", "run_rank:gputrain_training_step_seconds:mean5m", "rate", """
-            sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{w}]))
-            / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[{w}]))"""),
+            (sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{w}]))
+             + {open_part})
+            / (sum by ({rank}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[{w}]))
+               + {open_count})"""),
     # gradient communication, where the client measures it: the share of the step time it
     # ran, and the share the step waited for it (exposed)
     Reading("comm_ratio", "rank", "run_rank:gputrain_training_comm_ratio:rate5m", "rate", """
@@ -192,6 +200,29 @@ READINGS = (
             since=True),
     Reading("finished", "rank", "run_rank:gputrain_training_finished:max", None,
             "max by ({rank}) (gputrain_training_finished{{{s}}})"),
+    # how a rank that said goodbye ended: a failure (an exception, a signal) is no finish
+    Reading("failed", "rank", "run_rank:gputrain_training_failed:max", None,
+            "max by ({rank}) (gputrain_training_failed{{{s}}})"),
+    Reading("exit", "rank", "run_rank_reason:gputrain_training_exit_info:max", None,
+            "max by ({rank}, reason, detail) (gputrain_training_exit_info{{{s}}})",
+            by="reason", detail="detail"),
+    # the time: the step in progress and the outside-step phase in progress, aged by the
+    # daemon's own clock, and the pace they are judged against (the mean step of the
+    # rank's process so far: the rate window's empties while a rank hangs)
+    Reading("step_in_progress", "rank", "run_rank:gputrain_training_step_in_progress_seconds:max",
+            None, "max by ({rank}) (gputrain_training_step_in_progress_seconds{{{s}}})"),
+    Reading("phase_in_progress", "rank",
+            "run_rank_phase:gputrain_training_phase_in_progress_seconds:max", None,
+            "max by ({rank}, phase) (gputrain_training_phase_in_progress_seconds{{{s}}})",
+            by="phase"),
+    Reading("typical_step_seconds", "rank", "run_rank:gputrain_training_step_seconds:mean", None,
+            """
+            sum by ({rank}) (gputrain_training_step_duration_seconds_sum{{{s}}})
+            / (sum by ({rank}) (gputrain_training_step_duration_seconds_count{{{s}}}) > 0)"""),
+    # where a hung rank is: the daemon's classification of the dump it took
+    Reading("location", "rank", "run_rank_location:gputrain_training_stack_location:max", None,
+            "max by ({rank}, location, function) (gputrain_training_stack_location{{{s}}})",
+            by="location", detail="function"),
     Reading("recent_busy", "rank", "run_rank:gputrain_gpu_busy_ratio:max_rate2m", "recent", """
             max by ({rank}) (
               max by ({rank}, gpu, uuid) (gputrain_training_gpu_info{{{s}}})
@@ -289,6 +320,12 @@ READINGS = (
                   / gputrain_host_network_speed_bytes_per_second{{{s}}}))"""),
 )
 BY_FIELD = {r.field: r for r in READINGS}
+# The readings that say whether a rank lives and how long its step has been open: recorded in
+# a group of their own every ``liveness_interval`` (shorter than the recording interval), so a
+# hang is said within two minutes at the default settings
+LIVENESS = frozenset(BY_FIELD[f].record for f in (
+    "seconds_since_push", "finished", "failed", "exit", "step_in_progress",
+    "phase_in_progress", "typical_step_seconds", "location"))
 
 
 def of_scope(scope: Scope) -> tuple[Reading, ...]:
@@ -382,7 +419,21 @@ class RankReport:
     loader_workers: float | None = None  # the DataLoader's num_workers, where pushed
     seconds_since_step: float | None = None
     seconds_since_push: float | None = None  # since the exporter last heard from the rank
-    finished: bool = False  # it said goodbye (a clean close()): finished, never vanished
+    finished: bool = False  # it said goodbye at a clean end: finished, never vanished
+    failed: bool = False  # it said goodbye at a failure (an exception, a signal)
+    exit: dict[str, float] = field(default_factory=dict)  # how it ended: {reason: 1}
+    exit_detail: str | None = None  # the exception's type or the signal's name
+    # seconds its open step has run (outside-step phases excluded) and its outside-step
+    # phase in progress, by name: the daemon's own clock
+    step_in_progress: float | None = None
+    phase_in_progress: dict[str, float] = field(default_factory=dict)
+    typical_step_seconds: float | None = None  # its process's mean step so far
+    # where its hang's capture found it: {location: 1} and the function that says so
+    location: dict[str, float] = field(default_factory=dict)
+    location_detail: str | None = None
+    # its process is stopped (SIGSTOP): only the daemon of its node can see it
+    stopped: bool = False
+    world_size: float | None = None  # the ranks of its run, where its client says
     recent_busy: float | None = None  # its busiest GPU over the recent window (0-1)
     # seconds since its steps changed pace (exporter.heuristics.regime), while that is inside
     # the rate window; None where they did not
@@ -406,6 +457,11 @@ class RankReport:
     partial: str = ""  # why the run's ranks are only partly visible here, if they are
 
     @property
+    def ended(self) -> bool:
+        """It said goodbye: finished, failed, or exited without telling which."""
+        return self.finished or self.failed or bool(self.exit)
+
+    @property
     def stepping(self) -> bool:
         """It made steps in the window (an unknown rate is no step)."""
         return (self.steps_per_second or 0.0) > 0
@@ -413,11 +469,12 @@ class RankReport:
     @property
     def bottleneck(self) -> bool:
         """Something to act on."""
-        return self.status in ("fault", "bottleneck", "underutilized")
+        return self.status in ("fault", "bottleneck", "underutilized", "hung", "failed")
 
     def findings(self) -> list[str]:
         """The verdict and every finding beside it: the catalogue alerts that fire for it."""
-        first = [self.verdict] if self.status in ("fault", "bottleneck", "stopped") else []
+        first = [self.verdict] if self.status in ("fault", "bottleneck", "stopped", "hung",
+                                                  "failed") else []
         return first + [f.name for f in self.also]
 
 
@@ -434,6 +491,26 @@ class NodeReport:
     collectors_failing: list[str] = field(default_factory=list)
     collector_ages: dict[str, float] = field(default_factory=dict)  # in sampler intervals
     findings: list[tuple[str, str, Finding]] = field(default_factory=list)  # (gpu, severity, f)
+
+
+def with_open_step(r: RankReport, seconds: float) -> RankReport:
+    """``r``'s mean step and throughput over a window of ``seconds`` with its step in
+    progress weighed in, where that has run longer than the window's mean step (or the window
+    holds none): its part inside the window as step time, and as one step more; as the
+    readings' PromQL does (the fragments ``open_part`` and ``open_count``)."""
+    open_s, mean = r.step_in_progress, r.step_seconds
+    if open_s is None or seconds <= 0 or (mean is not None and open_s <= mean):
+        return r
+    steps = r.steps_per_second or 0.0
+    step_rate = (mean or 0.0) * steps  # seconds of steps a second
+    part = min(open_s, seconds) / seconds
+    if r.samples_per_second is not None and step_rate > 0:
+        r.samples_per_second *= step_rate / (step_rate + part)
+    elif r.steps_per_second is not None:
+        r.samples_per_second = 0.0
+    if r.steps_per_second is not None:
+        r.step_seconds = (step_rate + part) / (steps + 1 / seconds)
+    return r
 
 
 def outside_steps(r: RankReport) -> tuple[str, float] | None:

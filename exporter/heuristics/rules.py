@@ -25,6 +25,7 @@ import yaml
 from exporter.config import load_mapping, merge
 from exporter.heuristics.catalogue import CATALOGUE, LEVELS, defaults
 from exporter.heuristics.promql import Q, check_run_labels, identity, recording
+from exporter.heuristics.readings import LIVENESS
 
 RUNBOOK = "https://github.com/gputrain/gputrain-exporter/blob/main/alerts/runbook.md"
 
@@ -35,6 +36,9 @@ DEFAULTS: dict[str, Any] = {
     "run_labels": ["run"],
     "runbook_url": RUNBOOK,
     "recording_interval": "30s",
+    # the readings of a rank's liveness and its step in progress (readings.LIVENESS): a hang
+    # is said within two minutes of it
+    "liveness_interval": "10s",
     "thresholds": defaults(),
     "for": {e.alert: e.for_ for e in CATALOGUE},
 }
@@ -79,8 +83,11 @@ def groups(overrides: dict | None = None, level: str = "all") -> list[dict]:
     q = Q(cfg, identity(cfg))
     out = []
     if level in ("all", "node"):
+        recorded = recording(cfg["selector"], identity(cfg))
+        out.append({"name": "gputrain.liveness", "interval": cfg["liveness_interval"],
+                    "rules": [r for r in recorded if r["record"] in LIVENESS]})
         out.append({"name": "gputrain.recording", "interval": cfg["recording_interval"],
-                    "rules": recording(cfg["selector"], identity(cfg))})
+                    "rules": [r for r in recorded if r["record"] not in LIVENESS]})
         out.append({"name": "gputrain.alerts", "rules": [
             rule for e in CATALOGUE if e.level == "node" for rule in e.rules(q)]})
     if level in ("all", "global"):
@@ -114,7 +121,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("rules", help="print the Prometheus rule file with your thresholds")
     p.add_argument("--config", metavar="FILE",
                    help="YAML with any of: selector, run_labels, runbook_url, "
-                        "recording_interval, thresholds.<name>, for.<alert>")
+                        "recording_interval, liveness_interval, thresholds.<name>, "
+                        "for.<alert>")
     p.add_argument("--level", choices=("all", *LEVELS), default="all",
                    help="all (default: one Prometheus does everything); node (recording rules "
                         "and one-node alerts, for each shard); global (alerts comparing a "

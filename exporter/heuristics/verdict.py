@@ -16,7 +16,9 @@ from exporter.heuristics.catalogue import (
     CATALOGUE,
     GPUMemoryFault,
     GPUUnderutilized,
+    alive,
     gone,
+    hung_limit,
 )
 from exporter.heuristics.readings import (  # noqa: F401 - the readings, with the verdicts
     Finding,
@@ -50,6 +52,17 @@ STATUS_ADVICE = {
     "no-gpu-data": "No GPU of this rank is known to the exporter: check that the client reports "
                    "its GPU (CUDA_VISIBLE_DEVICES or torch.cuda) and that the exporter sees it.",
     "finished": "Nothing to change: the rank closed cleanly (its client said goodbye).",
+    "stopped": "Continue it (kill -CONT <pid>, or fg in its shell) when you mean it to train "
+               "again; its peers wait in their collectives meanwhile, and a collective's "
+               "timeout may end them.",
+    "ended": "Call close() (or leave the monitor's `with` block) at the end of training, so "
+             "that a clean end reads finished: an exit without it cannot be told from a crash "
+             "that a launcher caught (torch.multiprocessing.spawn turns an exception into an "
+             "exit status).",
+    "waiting": "Nothing to change in this rank: its step waits for a peer inside a declared "
+               "phase (a checkpoint, an evaluation). If that phase never ends, it is called "
+               "stalled at its phase limit; make long saves asynchronous so the others wait "
+               "less.",
 }
 STATUS_SUMMARY = {
     "gpu-bound": "The GPUs are busy: the model's own work sets the pace.",
@@ -58,14 +71,20 @@ STATUS_SUMMARY = {
     "warming-up": "The window holds too few samples for a rate yet.",
     "no-gpu-data": "The exporter knows no GPU of this rank.",
     "finished": "The rank finished: it closed cleanly.",
+    "waiting": "The rank waits for a peer inside a declared phase.",
+    "ended": "The rank's process ended without saying it finished.",
+    "stopped": "The rank's process is stopped on purpose (SIGSTOP).",
 }
 # Every verdict a rank can get, in the order a page lists them: what to act on first
 ORDER: tuple[str, ...] = (*(e.verdict for e in CATALOGUE if e.kind != "symptom"),
-                          UNDERUTILIZED, "restarted", "paused", "warming-up", "no-gpu-data",
+                          UNDERUTILIZED, "waiting", "restarted", "paused", "warming-up",
+                          "no-gpu-data", "stopped", "ended",
                           "gpu-bound", "finished")
 # A rank's status by the kind of its verdict: a run that is gone is stopped, not a bottleneck
-STATUS = {"fault": "fault", "state": "stopped", "bottleneck": "bottleneck",
+STATUS = {"fault": "fault", "state": "stopped", "hang": "hung", "bottleneck": "bottleneck",
           "health": "bottleneck"}
+# verdicts whose status is their own: a failure is not just stopped
+STATUS_OF = {"failed": "failed"}
 
 
 def summary(verdict: str) -> str:
@@ -120,6 +139,10 @@ def judge(reports: list[RankReport], t: dict[str, float]) -> list[RankReport]:
     """Set every rank's status, verdict and findings in the catalogue's decision order; the
     findings are exactly the catalogue alerts that fire for it."""
     per_run = run_findings(reports, t)
+    per_phase: dict[tuple, list[RankReport]] = {}
+    for r in reports:
+        if alive(r, t) and r.phase_in_progress:
+            per_phase.setdefault(run_key(r), []).append(r)
     stepping = {run_key(r) for r in reports if r.stepping}
     least: dict[tuple, float] = {}
     for r in reports:
@@ -131,21 +154,40 @@ def judge(reports: list[RankReport], t: dict[str, float]) -> list[RankReport]:
     for rep in reports:
         found = rank_findings(rep, t, run_key(rep) in stepping)
         for name, why in per_run.get(id(rep), {}).items():
-            if name == "vanished" or "stalled" not in found:
+            if name in ("vanished", "failed", "hung") or "stalled" not in found:
                 found[name] = why
         ordered = [v for v in ORDER if v in found]
         busy = mean([x.busy for x in rep.gpus])
+        waits = waiting_for(rep, per_phase.get(run_key(rep), []), t)
         if rep.finished and not any(BY_VERDICT[v].kind == "fault" for v in ordered):
             # a clean close(): finished, whatever its last window held
             rep.status = rep.verdict = "finished"
             ago = rep.seconds_since_push
-            rep.reason = "closed cleanly" + (f" {ago:.0f} s ago" if ago is not None else "")
+            how = {"completed": "its loop ran to its end", "exited": "its process exited "
+                   "normally"}.get(next(iter(rep.exit), ""), "closed cleanly")
+            rep.reason = how + (f" {ago:.0f} s ago" if ago is not None else "")
+            rep.also = [Finding(n, found[n], advice_for(n, rep)) for n in ordered]
+        elif rep.stopped and not rep.ended:
+            rep.status, rep.verdict = "stopped", "stopped"
+            rep.reason = ("its process is stopped (SIGSTOP or Ctrl-Z): no step and no push "
+                          "until it is continued (SIGCONT, fg)")
+            rep.also = [Finding(n, found[n], advice_for(n, rep)) for n in ordered
+                        if BY_VERDICT[n].kind == "fault"]
+        elif rep.ended and not rep.failed and not any(
+                BY_VERDICT[v].kind == "fault" for v in ordered):
+            rep.status, rep.verdict = "stopped", "ended"
+            ago = rep.seconds_since_push
+            rep.reason = ("its process exited without close() or the end of its loop"
+                          + (f" {ago:.0f} s ago" if ago is not None else ""))
             rep.also = [Finding(n, found[n], advice_for(n, rep)) for n in ordered]
         elif ordered:
             rep.verdict = ordered[0]
-            rep.status = STATUS[BY_VERDICT[rep.verdict].kind]
+            rep.status = STATUS_OF.get(rep.verdict) or STATUS[BY_VERDICT[rep.verdict].kind]
             rep.reason = found[ordered[0]]
             rep.also = [Finding(n, found[n], advice_for(n, rep)) for n in ordered[1:]]
+        elif waits:
+            # a live rank whose step waits on a peer's declared phase: no hang, no stall
+            rep.status, rep.verdict, rep.reason = "ok", "waiting", waits
         elif rep.restarts_recent:
             rep.status, rep.verdict = "ok", "restarted"
             rep.reason = (f"its process was replaced {rep.restarts_recent:.0f} time(s) in the "
@@ -183,6 +225,17 @@ def judge(reports: list[RankReport], t: dict[str, float]) -> list[RankReport]:
     return reports
 
 
+def waiting_for(rep: RankReport, phased: list[RankReport], t: dict[str, float]) -> str:
+    """Why a live rank without a phase of its own waits for peers in a declared phase (their
+    checkpoint, their evaluation), or "": its step in progress is theirs to end."""
+    if not alive(rep, t) or rep.phase_in_progress or not phased or \
+            (rep.step_in_progress or 0.0) <= min(hung_limit(rep, t), t["hung_min_seconds"]):
+        return ""
+    who = "; ".join(f"rank {p.rank}'s {name} ({seconds:.0f} s so far)"
+                    for p in phased for name, seconds in p.phase_in_progress.items())
+    return f"its step waits for {who}; no step for {rep.step_in_progress:.0f} s"
+
+
 def node_findings(node: NodeReport, t: dict[str, float]) -> NodeReport:
     """The faults and health findings of a node and of each of its GPUs, whoever uses them:
     (gpu, or "" for the node; severity; finding), in the decision order."""
@@ -211,10 +264,13 @@ def visibility(reports: list[RankReport], shard: str = "") -> list[RankReport]:
         runs.setdefault(run_key(rep), []).append(rep)
     for ranks in runs.values():
         numbers = {int(r.rank) for r in ranks if r.rank.isdigit()}
-        missing = sorted(set(range(max(numbers) + 1)) - numbers) if numbers else []
+        # the ranks a client says its run has, else those up to the highest seen
+        world = max((int(r.world_size) for r in ranks if r.world_size), default=0)
+        top = max(world - 1, max(numbers, default=-1))
+        missing = sorted(set(range(top + 1)) - numbers) if numbers else []
         why = []
         if missing:
-            why.append(f"ranks {_ranges(missing)} of 0-{max(numbers)} are not visible")
+            why.append(f"ranks {_ranges(missing)} of 0-{top} are not visible")
         if shard:
             why.append(shard)
         for r in ranks:

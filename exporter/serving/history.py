@@ -18,7 +18,9 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -32,6 +34,7 @@ from exporter.heuristics.readings import (
     duration_seconds,
     rank_order,
     window_seconds,
+    with_open_step,
 )
 from exporter.heuristics.regime import (
     MIN_INTERVALS,
@@ -152,8 +155,10 @@ class History:
 
     def __init__(self, window: float = WINDOW_SECONDS, point_seconds: float = POINT_SECONDS,
                  peaks: PeakTable | None = None, instance: str = "",
-                 interval: float = 1.0) -> None:
+                 interval: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.window = window
+        # the ingest's monotonic clock: what ages a rank's step and phase in progress
+        self.clock = clock
         self.interval = interval  # the sampler's, in seconds: what a collector's age counts in
         self.view: NodeView | None = None  # the latest cycle's, as observed
         self.point_seconds = point_seconds
@@ -551,7 +556,19 @@ class History:
             if st.last_step_timestamp is not None:
                 rep.seconds_since_step = max(0.0, snap.timestamp - st.last_step_timestamp)
             rep.seconds_since_push = max(0.0, snap.timestamp - st.received_unix)
-            rep.finished = st.finished
+            rep.finished, rep.failed = st.finished, st.failed
+            if st.exit_reason is not None:
+                rep.exit, rep.exit_detail = {st.exit_reason: 1.0}, st.exit_detail
+            rep.stopped = stopped(st)
+            rep.world_size = st.world_size
+            mono = self.clock()
+            rep.step_in_progress = st.step_in_progress(mono)
+            if (phase := st.phase_in_progress(mono)) is not None:
+                rep.phase_in_progress = {phase[0]: phase[1]}
+            if st.steps > 0:
+                rep.typical_step_seconds = st.step_seconds / st.steps
+            if old is not None:
+                with_open_step(rep, now.t - old.t)
             memory = tree_memory(st)
             rep.memory_measure = None if memory is None else memory[1]
             # as deriv() over the ranges, and the recent one offset by itself: a slope is
@@ -582,6 +599,21 @@ class History:
             rep.gpus.sort(key=lambda x: (len(x.gpu), x.gpu))
             out.append(rep)
         return sorted(out, key=lambda r: (r.run, rank_order(r.rank)))
+
+
+def stopped(st: RankState, proc: str = "/proc") -> bool:
+    """The rank's process is stopped (SIGSTOP, Ctrl-Z: state T), as this daemon's /proc shows
+    the pid it pushed, where the process's start time there is the one it pushed (so a pid of
+    another PID namespace, or one reused, is never taken for it)."""
+    if st.pid is None or st.start_time is None:
+        return False
+    try:
+        with open(f"{proc}/{st.pid}/stat", encoding="ascii", errors="replace") as fh:
+            text = fh.read()
+    except OSError:
+        return False
+    fields = text[text.rfind(")") + 2:].split()
+    return len(fields) > 19 and fields[0] == "T" and fields[19] == str(st.start_time)
 
 
 def _host_ratios(old: _HostPoint | None, now: _HostPoint, snap: Snapshot | None,

@@ -19,8 +19,10 @@ from typing import Any
 
 from exporter.heuristics.stalls import slow_step_count, slow_step_seconds
 from exporter.protocol import (
+    CLEAN_EXITS,
     CLOCK_TOLERANCE_SECONDS,
     DEFAULT_PRECISION,
+    FAILED_EXITS,
     FLOPS_SLACK_SECONDS,
     GPU_REF_RE,
     MAX_BUCKETS,
@@ -93,6 +95,7 @@ class RankState:
     # the DataLoader's worker processes, where the client wraps one (its batches come in
     # groups of this many: one slow step, then the rest fast)
     loader_workers: int | None = None
+    world_size: int | None = None  # the ranks of its run, where the client says
     last_step_timestamp: float | None = None  # on the daemon's clock (see _clock_skew)
     # the client's clock minus the daemon's, as its timestamps show it (0 within
     # CLOCK_TOLERANCE_SECONDS); its timestamps are moved by it
@@ -104,7 +107,33 @@ class RankState:
     capabilities: tuple[str, ...] = ()  # what the client understands in a push answer
     profile_report: dict[str, Any] | None = None  # the client's state of a profile, this push
     stacks_report: dict[str, Any] | None = None  # and of a py-spy capture
-    finished: bool = False  # it said goodbye (a clean close()): finished, not vanished
+    finished: bool = False  # it said goodbye at a clean end: finished, not vanished
+    # it said goodbye at a failure (an exception, a signal): failed, never finished
+    failed: bool = False
+    # the step in progress and the outside-step phase in progress, as of this push (see
+    # step_in_progress(): the daemon's own clock ages them)
+    step_open_seconds: float | None = None
+    open_phase: str | None = None
+    open_phase_seconds: float | None = None
+    exit_reason: str | None = None  # with a goodbye: how the process ended
+    exit_detail: str | None = None  # ... the exception's type or the signal's name
+
+    def step_in_progress(self, now: float) -> float | None:
+        """Seconds the rank's open step has run at ``now`` (monotonic), outside-step phases
+        excluded: what it pushed, aged by the daemon's own clock since (no client clock
+        enters it); None where no step is open or the rank has ended."""
+        if self.step_open_seconds is None or self.exit_reason is not None:
+            return None
+        if self.open_phase is not None:  # a phase holds the step: it does not grow
+            return self.step_open_seconds
+        return self.step_open_seconds + max(0.0, now - self.received_at)
+
+    def phase_in_progress(self, now: float) -> tuple[str, float] | None:
+        """The outside-step phase in progress and its seconds at ``now`` (monotonic)."""
+        if self.open_phase is None or self.open_phase_seconds is None or \
+                self.exit_reason is not None:
+            return None
+        return self.open_phase, self.open_phase_seconds + max(0.0, now - self.received_at)
 
     @property
     def cumulative_counts(self) -> tuple[int, ...]:
@@ -169,7 +198,31 @@ def parse_push(raw: bytes, now: float, now_unix: float) -> tuple[RankState, bool
     _parse_gpus(body, st)
     _parse_profile(body, st)
     goodbye = scalars["goodbye"]
+    _parse_end(body, st, goodbye)
     return st, goodbye
+
+
+def _optional_name(body: dict, key: str, what: str) -> str | None:
+    """A name field that may be absent (or null)."""
+    return None if body.get(key) is None else _name(body, key, what)
+
+
+def _parse_end(body: dict, st: RankState, goodbye: bool) -> None:
+    """The open phase, and how the process ended: a goodbye without ``exit_reason`` (a client
+    from before it) is a clean close(); one with a failure's reason is a failure."""
+    st.open_phase = _optional_name(body, "open_phase", "a phase's name")
+    if st.open_phase is not None and len(st.open_phase) > MAX_PHASE_NAME_LENGTH:
+        raise Refused(400, f"field 'open_phase' is longer than {MAX_PHASE_NAME_LENGTH} "
+                           "characters")
+    if st.open_phase is None and st.open_phase_seconds is not None:
+        raise Refused(400, "field 'open_phase_seconds' comes with 'open_phase'")
+    st.exit_detail = _optional_name(body, "exit_detail", "an exception's type or a signal")
+    if not goodbye and (st.exit_reason is not None or st.exit_detail is not None):
+        raise Refused(400, "fields 'exit_reason' and 'exit_detail' come with 'goodbye': true")
+    if goodbye:
+        st.exit_reason = st.exit_reason or "closed"
+        st.failed = st.exit_reason in FAILED_EXITS
+        st.finished = st.exit_reason in CLEAN_EXITS
 
 
 def _check_comm(st: RankState) -> None:
@@ -396,6 +449,10 @@ class IngestStore:
             return False
         return hmac.compare_digest(given, self._token.encode())
 
+    def now(self) -> float:
+        """The store's monotonic clock: what ages a rank's step and phase in progress."""
+        return self._clock()
+
     def count(self, code: int) -> None:
         """Count one push by its HTTP status; /metrics shows it at once."""
         with self._lock:
@@ -434,8 +491,12 @@ class IngestStore:
             if old is None and len(self._states) >= self.max_series:
                 raise Refused(429, f"{len(self._states)} (run, rank) pairs are live, the "
                                    f"limit (--ingest.max-series) is {self.max_series}")
-            new.finished = goodbye
-            if goodbye:
+            if goodbye and not new.finished:
+                # a failure (or an end it cannot tell from one) is remembered as long as a
+                # silent rank: it is the news
+                new.expires_at = new.received_at + self.ttl
+                message = "goodbye"
+            elif goodbye:
                 # Keep the final totals a little, so the last increments reach Prometheus.
                 new.expires_at = new.received_at + min(self.ttl, GOODBYE_GRACE_SECONDS)
                 message = "goodbye"

@@ -17,9 +17,10 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, NamedTuple, Protocol
 
+from exporter.heuristics.location import Location, classify_dump
 from exporter.protocol import (
     DEFAULT_PROFILE_STEPS,
     DEFAULT_STACKS_SECONDS,
@@ -30,6 +31,7 @@ from exporter.protocol import (
     MAX_FUNCTION_LENGTH,
     MAX_NAME_LENGTH,
     MAX_OP_NAME_LENGTH,
+    MAX_PENDING_COLLECTIVES,
     MAX_PROFILE_ERROR_LENGTH,
     MAX_PROFILE_STEPS,
     MAX_PROFILE_TOP_OPS,
@@ -73,6 +75,17 @@ MAX_ALERTS = 1000  # alerts in one webhook call
 MAX_SKIPPED_SHOWN = 20  # skipped alerts listed in a webhook answer (all are counted)
 MAX_NAMES_SHOWN = 5  # live runs or ranks a refusal lists (the rest are counted)
 
+HANG_TRIGGER = "hang"  # a dump the daemon took on its own when a run hung
+
+
+class HangLocation(NamedTuple):
+    """Where a hang's capture found a rank, and the rank's steps when it was asked for."""
+
+    location: str
+    function: str
+    steps: int
+
+
 @dataclass
 class Profile:
     """One profile request and, once the rank has sent it, its result."""
@@ -99,6 +112,10 @@ class Profile:
     mode: str | None = None  # stacks: "record" (sample for ``seconds``) or "dump"
     seconds: int = 0  # stacks, record: the seconds asked for
     stacks: dict[str, Any] = field(default_factory=dict)  # stacks: the client's result
+    native: bool = False  # a dump with native frames (a wait inside a C++ collective shows)
+    steps_at: int = 0  # the rank's steps when it was asked for (a hang's capture)
+    # a dump's main thread: where the rank is (exporter.heuristics.location), once done
+    location: Location | None = None
 
     def document(self, brief: bool = False) -> dict[str, Any]:
         """The JSON the API answers with; ``brief`` leaves out the per-step parts (up to
@@ -112,6 +129,10 @@ class Profile:
             doc["error"] = self.error
         if self.kind == "stacks":
             doc.update(mode=self.mode, seconds=self.seconds)
+            if self.native:
+                doc["native"] = True
+            if self.location is not None:
+                doc["location"] = asdict(self.location)
             if self.state == "done":
                 result = dict(self.stacks)
                 if brief and "processes" in result:
@@ -217,6 +238,38 @@ def _frames(frames: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
+def _collectives(value: Any) -> list[dict[str, Any]]:
+    """A dump's pending collectives (the flight recorder's, see
+    :func:`exporter.client.stacks.pending_collectives`), checked."""
+    w = "stacks.collectives"
+    if not isinstance(value, list) or len(value) > MAX_PENDING_COLLECTIVES:
+        raise Refused(400, f"'{w}' must be an array of at most {MAX_PENDING_COLLECTIVES}")
+    out = []
+    for i, c in enumerate(value):
+        if not isinstance(c, dict):
+            raise Refused(400, f"'{w}[{i}]' must be an object")
+        out.append({"name": _text(c.get("name"), f"{w}[{i}].name"),
+                    "seq": number(c.get("seq", 0), f"{w}[{i}].seq", True),
+                    "group": _text(c.get("group", ""), f"{w}[{i}].group"),
+                    "seconds": number(c.get("seconds", 0), f"{w}[{i}].seconds")})
+    return out
+
+
+def where_is(stacks: dict[str, Any]) -> Location:
+    """Where a dump found the rank: its main thread's frames
+    (:func:`exporter.heuristics.location.classify_dump`), unless the flight recorder shows a
+    collective it started and has not finished while the frames say no more than computing
+    (a Python-only dump of a rank waiting in DDP's all-reduce reads as its backward pass):
+    the direct record wins over the frames' guess."""
+    found = classify_dump(stacks["processes"])
+    pending = stacks.get("collectives") or []
+    if pending and found.location in ("computing", "elsewhere"):
+        name = pending[-1]["name"]
+        return replace(found, location="collective", function=name,
+                       collective=name.split(":", 1)[-1])
+    return found
+
+
 def parse_stacks_report(report: Any) -> dict[str, Any]:
     """Validate the ``stacks`` field of a push (the client's state of one py-spy capture)."""
     if not isinstance(report, dict):
@@ -304,6 +357,8 @@ def parse_stacks_report(report: Any) -> dict[str, Any]:
         if total > MAX_DUMP_FRAMES_TOTAL:
             raise Refused(400, f"'stacks.processes' hold {total} frames; at most "
                                f"{MAX_DUMP_FRAMES_TOTAL}")
+        if report.get("collectives") is not None:
+            result["collectives"] = _collectives(report["collectives"])
     out["result"] = result
     return out
 
@@ -404,7 +459,8 @@ class ProfileBoard:
 
     def request(self, run: str, rank: str | None = None, steps: int = DEFAULT_PROFILE_STEPS,
                 trigger: str = "cli", live: dict[str, dict[str, Rank]] | None = None,
-                mode: str | None = None, seconds: int = DEFAULT_STACKS_SECONDS) -> Profile:
+                mode: str | None = None, seconds: int = DEFAULT_STACKS_SECONDS,
+                native: bool = False) -> Profile:
         """Queue a profile of ``rank`` of ``run`` (its lowest rank here when None), one of
         each kind per rank at a time and at most one of a kind per rank per
         ``rank_interval`` seconds: a torch profile of ``steps`` steps, or with ``mode``
@@ -459,7 +515,9 @@ class ProfileBoard:
                               steps=steps if kind == "torch" else 0, trigger=trigger,
                               requested=self._wall(), requested_at=now, changed_at=now,
                               kind=kind, mode=mode,
-                              seconds=seconds if mode == "record" else 0)
+                              seconds=seconds if mode == "record" else 0,
+                              native=native and mode == "dump",
+                              steps_at=int(getattr(state, "steps", 0)))
             self._profiles[profile.id] = profile
             self._open[(run, rank, kind)] = profile
             if self.rank_interval > 0:
@@ -500,6 +558,33 @@ class ProfileBoard:
                     out[(p.run, p.rank)] = p
             return out
 
+    def hang_locations(self) -> dict[tuple[str, str], HangLocation]:
+        """Per (run, rank), where its last hang capture found it (a dump the daemon took on
+        its own, classified), with the rank's steps when it was asked for."""
+        with self._cond:
+            return {(p.run, p.rank): HangLocation(p.location.location, p.location.function,
+                                                  p.steps_at)
+                    for p in self._profiles.values()
+                    if p.location is not None and p.trigger == HANG_TRIGGER}
+
+    def capture_hang(self, run: str, ranks: list[str]) -> list[str]:
+        """Dump, with native frames, each of ``ranks`` of ``run`` that push here and offer
+        stacks, for a hang (one capture per rank at a time, within the board's bounds);
+        returns the ids started. A rank already being captured, or over a bound, is left out
+        (it is logged by the caller's count, never raised)."""
+        live = self.live()
+        started = []
+        for rank in ranks:
+            state = live.get(run, {}).get(rank)
+            if state is None or STACKS_CAPABILITY not in state.capabilities:
+                continue
+            try:
+                started.append(self.request(run, rank, trigger=HANG_TRIGGER, live=live,
+                                            mode="dump", native=True).id)
+            except Refused:
+                continue
+        return started
+
     # -- the push path ------------------------------------------------------------------------
 
     def latest_stacks(self) -> dict[tuple[str, str], Profile]:
@@ -536,7 +621,8 @@ class ProfileBoard:
                 else:
                     instructions.append({"type": "stacks", "version": STACKS_VERSION,
                                          "id": profile.id, "mode": profile.mode,
-                                         "seconds": profile.seconds or DEFAULT_STACKS_SECONDS})
+                                         "seconds": profile.seconds or DEFAULT_STACKS_SECONDS,
+                                         **({"native": True} if profile.native else {})})
             if changed:
                 self._changed_locked()
         if changed:
@@ -562,6 +648,8 @@ class ProfileBoard:
             profile.error = report.get("error") or "the client gave no reason"
         elif profile.state == "done" and kind == "stacks":
             profile.stacks = report["result"]
+            if profile.mode == "dump" and profile.stacks.get("processes"):
+                profile.location = where_is(profile.stacks)
         elif profile.state == "done":
             profile.trace = report["trace"]
             profile.trace_bytes = report["trace_bytes"]

@@ -46,16 +46,20 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
     if doc.get("mode") == "record":
         return [role_line(r) for r in doc.get("roles", [])] or [
             "no sample: every thread of the rank was idle"]
+    pending = [f"pending collective {c['name']} #{c['seq']:.0f} of group {c['group'] or '?'}, "
+               f"started {c['seconds']:.0f} s before the dump (flight recorder)"
+               for c in doc.get("collectives", [])[-2:]]
     if "where" in doc:
-        return [where_line(r) for r in doc["where"]]
+        return [where_line(r) for r in doc["where"]] + pending
     from exporter.serving.profiles import dump_summary
 
-    return [where_line(r) for r in dump_summary(doc.get("processes", []))]
+    return [where_line(r) for r in dump_summary(doc.get("processes", []))] + pending
 
 
 def render(doc: dict[str, Any]) -> str:
     """A finished capture as text: the file, then each role's functions, or each thread."""
-    trigger = "you" if doc["trigger"] == "cli" else f"the alert {doc['trigger'][6:]}"
+    trigger = "you" if doc["trigger"] == "cli" else "the daemon, as the run hung" \
+        if doc["trigger"] == "hang" else f"the alert {doc['trigger'][6:]}"
     if doc["mode"] == "record":
         lines = [f"Stacks {doc['id']}: run {doc['run']}, rank {doc['rank']}, py-spy sampled "
                  f"its processes {doc['seconds_sampled']:.0f} s at {doc['rate']:.0f} Hz "

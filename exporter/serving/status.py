@@ -20,6 +20,7 @@ from importlib import resources
 from typing import Any
 
 from exporter import __version__
+from exporter.heuristics.catalogue import hang_line
 from exporter.heuristics.readings import stale_collectors
 from exporter.heuristics.verdict import (
     ORDER,
@@ -32,6 +33,7 @@ from exporter.heuristics.verdict import (
     visibility,
     wasted_gpus,
 )
+from exporter.serving.hangs import with_locations
 from exporter.serving.history import History, tree_memory
 from exporter.serving.stacks import GUARDED, recent_stacks, with_lines
 
@@ -172,7 +174,8 @@ class StatusView:
         now = snap.timestamp if snap is not None else time.time()
         wall = self._now()  # a stuck sampler's last snapshot is old: its age is the point
         readings, host_window = h.gpu_readings(), h.host_readings()
-        reports = judge(visibility(h.reports(readings, host_window, now=wall)), self.thresholds)
+        reports = judge(visibility(with_locations(h.reports(readings, host_window, now=wall), h,
+                                                  self.profiles)), self.thresholds)
         states = h.rank_states()
         users: dict[str, list[dict[str, str]]] = {}
         for rep in reports:
@@ -304,9 +307,13 @@ def _run(name: str, ranks: list[RankReport], states: dict, now: float,
                  "also": list(dict.fromkeys(f.name for r in reps for f in r.also))}
                 for v, reps in sorted(by_verdict.items(), key=lambda kv: _RANKING[kv[0]])]
     wasted = wasted_gpus(ranks)
+    hung = [r for r in ranks if r.verdict == "hung"]
     return {
         "run": name,
         "status": verdicts[0]["status"],
+        # a hung run's one line: where its ranks are, the culprit first
+        "hang": (hang_line(hung) + (f"; {hung[0].partial}" if hung[0].partial else ""))
+        if hung else None,
         "verdicts": verdicts,
         "partial": ranks[0].partial or None,
         "samples_per_second": _sum([r.samples_per_second for r in ranks]),
@@ -352,6 +359,17 @@ def _rank(rep: RankReport, st: Any, now: float) -> dict[str, Any]:
         "pushing": since_push is not None and since_push <= STALE_PUSH_SECONDS
         and rep.verdict != "vanished",
         "finished": rep.finished,
+        "failed": rep.failed,
+        # how its process ended (a goodbye's reason: closed, completed, exited, exception,
+        # signal) and the exception's type or the signal's name
+        "exit_reason": next(iter(rep.exit), None),
+        "exit_detail": rep.exit_detail,
+        # the step in progress and the declared phase in progress, by the daemon's clock
+        "step_in_progress_seconds": rep.step_in_progress,
+        "phase_in_progress": rep.phase_in_progress,
+        # where its hang's stacks found it (collective, data_loading, ...) and the function
+        "location": next(iter(rep.location), None),
+        "location_function": rep.location_detail,
         # seconds since its steps changed pace, inside the window (None: they did not)
         "regime_changed_seconds": rep.regime_changed_seconds,
         "status": rep.status,

@@ -111,8 +111,29 @@ FAMILIES: tuple[Family, ...] = (
            "The rank's clock minus the daemon's, as its step timestamps show it (0 within 2 s): "
            "taken off its last step's timestamp, which is never after the push."),
     Family("gputrain_training_finished", "gauge",
-           "1 once the rank said goodbye (a clean close()), else 0: a rank that stops pushing "
-           "without it has vanished."),
+           "1 once the rank said goodbye at a clean end (close(), its loop run out, a normal "
+           "exit), else 0: a rank that stops pushing without it has vanished."),
+    Family("gputrain_training_failed", "gauge",
+           "1 once the rank's process ended by a failure (an uncaught exception, a collective's "
+           "timeout, a signal), else 0; gputrain_training_exit_info says which."),
+    Family("gputrain_training_exit_info", "gauge",
+           "How the rank's process ended, once it said goodbye: reason closed, completed or "
+           "exited (clean), exception or signal (a failure), and detail, the exception's type "
+           "or the signal's name; always 1.", ("run", "rank", "reason", "detail")),
+    Family("gputrain_training_step_in_progress_seconds", "gauge",
+           "Seconds the rank's current step has run so far, outside-step phases excluded, by "
+           "the daemon's own clock (absent while no step is open): a step far past the rank's "
+           "pace is a hang long before it ends."),
+    Family("gputrain_training_phase_in_progress_seconds", "gauge",
+           "Seconds the rank's outside-step phase in progress (evaluation, checkpoint, "
+           "dataloader_start) has run so far, by the daemon's own clock; absent while none is "
+           "open.", ("run", "rank", "phase")),
+    Family("gputrain_training_stack_location", "gauge",
+           "Where the rank's main thread was in the py-spy dump the daemon took when the "
+           "rank's run hung: location is one of collective, data_loading, checkpoint_io, "
+           "evaluation, computing, elsewhere, function the frame that says so; always 1, "
+           "while the rank has made no step since the dump.",
+           ("run", "rank", "location", "function")),
     Family("gputrain_training_process_cpu_seconds_total", "counter",
            "CPU seconds of the training process and its children (DataLoader workers)."),
     Family("gputrain_training_process_cpu_allowance_cores", "gauge",
@@ -213,6 +234,8 @@ class TrainingCollector:
         busy = {k: {g: v for g, v in on.items() if g in view.listed.get(k, ())}
                 for k, on in view.busy.items()}  # exported while its processes are there
         profiles = self._store.profiles.latest_done()
+        locations = self._store.profiles.hang_locations()
+        now = self._store.now()
         regimes = self._regimes()
         chunks: list[list[str]] = [[] for _ in FAMILIES]
         cache: dict[tuple[str, str], tuple[RankState, tuple[tuple[int, str], ...]]] = {}
@@ -220,7 +243,7 @@ class TrainingCollector:
         for st in states:
             key = (st.run, st.rank)
             try:
-                lines = self._rank_parts(st, gpus, held, busy, profiles, cache)
+                lines = self._rank_parts(st, gpus, held, busy, profiles, cache, now, locations)
                 if (start := regimes.get(key)) is not None:
                     lines.append((INDEX["gputrain_training_regime_start_timestamp_seconds"],
                                   f"gputrain_training_regime_start_timestamp_seconds"
@@ -267,10 +290,12 @@ class TrainingCollector:
         return "".join(out).encode()
 
     def _rank_parts(self, st: RankState, gpus: GpuIndex, held: Mapping, busy: Mapping,
-                    profiles: dict, cache: dict) -> list[tuple[int, str]]:
+                    profiles: dict, cache: dict, now: float = 0.0,
+                    locations: Mapping | None = None) -> list[tuple[int, str]]:
         """One rank's lines by family index; raises when they cannot be written (a string
         UTF-8 cannot encode)."""
         key = (st.run, st.rank)
+        locations = locations or {}
         hit = self._lines.get(key)
         own = hit[1] if hit is not None and hit[0] is st else _rank_lines(st)
         parts = list(own)
@@ -291,6 +316,19 @@ class TrainingCollector:
                                strict=True):
                 parts.append((INDEX[name], f'{name}{{gpu="{_escape(index)}",{lbl},'
                                            f'uuid="{_escape(uuid)}"}} {floatToGoString(v)}\n'))
+        fg = floatToGoString
+        if (open_s := st.step_in_progress(now)) is not None:
+            parts.append((INDEX["gputrain_training_step_in_progress_seconds"],
+                          f"gputrain_training_step_in_progress_seconds{{{lbl}}} {fg(open_s)}\n"))
+        if (phase := st.phase_in_progress(now)) is not None:
+            parts.append((INDEX["gputrain_training_phase_in_progress_seconds"],
+                          f'gputrain_training_phase_in_progress_seconds{{phase="{phase[0]}",'
+                          f"{lbl}}} {fg(phase[1])}\n"))
+        if (where := locations.get(key)) is not None and where.steps == st.steps:
+            parts.append((INDEX["gputrain_training_stack_location"],
+                          f'gputrain_training_stack_location{{function="'
+                          f'{_escape(where.function)}",location="{where.location}",{lbl}}} '
+                          "1.0\n"))
         if (done := profiles.get(key)) is not None:
             parts.append((INDEX["gputrain_training_profile_info"],
                           f'gputrain_training_profile_info{{{lbl},trace="{_escape(done.trace)}"}} '
@@ -358,6 +396,7 @@ def _rank_lines(st: RankState) -> tuple[tuple[int, str], ...]:
         "gputrain_training_clock_skew_seconds":
             st.clock_skew if st.last_step_timestamp is not None else None,
         "gputrain_training_finished": 1.0 if st.finished else 0.0,
+        "gputrain_training_failed": 1.0 if st.failed else 0.0,
         "gputrain_training_process_cpu_seconds_total": proc.get("cpu_seconds"),
         "gputrain_training_process_resident_memory_bytes": proc.get("resident_memory_bytes"),
         "gputrain_training_process_proportional_memory_bytes":
@@ -369,6 +408,10 @@ def _rank_lines(st: RankState) -> tuple[tuple[int, str], ...]:
     }
     out = [(INDEX[name], f"{name}{{{lbl}}} {fg(v)}\n") for name, v in values.items()
            if v is not None]
+    if st.exit_reason is not None:
+        out.append((INDEX["gputrain_training_exit_info"],
+                    f'gputrain_training_exit_info{{detail="{st.exit_detail or ""}",'
+                    f'rank="{st.rank}",reason="{st.exit_reason}",run="{st.run}"}} 1.0\n'))
     out.append((INDEX["gputrain_training_step_duration_seconds"], "".join(hist)))
     out.extend((INDEX["gputrain_training_phase_seconds_total"],
                 f'gputrain_training_phase_seconds_total{{phase="{name}",{lbl}}} {fg(seconds)}\n')

@@ -106,9 +106,25 @@ function gpuNames(gpus, byUuid) {
 // When a rank last pushed: a finished rank said goodbye (never red), a silent one did not
 function lastPush(r) {
   const when = ago(r.seconds_since_push) + " ago";
+  if (r.failed) return el("td", { class: "stale" }, "failed " + when
+    + (r.exit_detail ? " (" + r.exit_detail + ")" : ""));
   if (r.finished) return el("td", { class: "muted" }, "finished " + when);
   if (r.pushing) return el("td", {}, when);
   return el("td", { class: "stale" }, "stopped pushing " + when);
+}
+
+// The step in progress: how long since the rank's last step ended, and what holds it (a
+// declared phase, or where a hang's stacks found it)
+function lastStep(r) {
+  if (r.finished || r.failed) return el("td", { class: "muted" }, "—");
+  const phase = Object.entries(r.phase_in_progress || {})[0];
+  if (phase) return el("td", {}, "in " + phase[0] + " " + ago(phase[1]));
+  if (r.step_in_progress_seconds === null || r.step_in_progress_seconds === undefined) {
+    return el("td", {}, r.seconds_since_step === null ? "n/a" : ago(r.seconds_since_step) + " ago");
+  }
+  const where = r.location ? " · " + r.location + " in " + r.location_function : "";
+  return el("td", { class: r.verdict === "hung" ? "stale" : "", "data-open-step": r.rank },
+    "step open " + ago(r.step_in_progress_seconds) + where);
 }
 
 function runCard(run, byUuid) {
@@ -131,6 +147,7 @@ function runCard(run, byUuid) {
     " · MFU ", el("b", {}, pct(run.mfu)),
     " · goodput ", el("b", {}, pct(run.goodput)),
     " · GPUs idle ", el("b", {}, num(run.gpus_idle, 2))));
+  if (run.hang) card.append(el("p", { class: "hang", "data-hang": run.run }, "Hung: " + run.hang));
   if (run.partial) card.append(el("p", { class: "muted" }, "Partly visible: " + run.partial));
   const rows = run.ranks.map((r) => el("tr", { "data-rank": r.rank },
     el("td", {}, r.rank),
@@ -145,10 +162,12 @@ function runCard(run, byUuid) {
     el("td", {}, r.verdict, ...(r.regime_changed_seconds === null
       || r.regime_changed_seconds === undefined ? [] : [el("span", { class: "muted",
         "data-regime": r.rank }, " · pace changed " + ago(r.regime_changed_seconds) + " ago")])),
+    lastStep(r),
     lastPush(r)));
   card.append(el("table", {}, el("thead", {}, el("tr", {},
     ...["rank", "samples/s", "step", "data wait", "comm wait", "phases", "MFU", "memory", "GPUs",
-        "verdict", "last push"].map((h) => el("th", {}, h)))), el("tbody", {}, ...rows)));
+        "verdict", "last step", "last push"].map((h) => el("th", {}, h)))),
+    el("tbody", {}, ...rows)));
   // beside the verdict: what py-spy saw each rank's processes run lately
   for (const r of run.ranks.filter((x) => x.stacks)) {
     card.append(el("div", { class: "stacks", "data-stacks": r.rank },

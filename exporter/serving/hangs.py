@@ -1,0 +1,88 @@
+"""Hangs, as the daemon sees them: when a run turns hung, dump the stacks of its ranks here.
+
+Each sampler cycle :class:`HangWatch` looks for a live rank whose step in progress has run past
+the floor of the hung limit (``hung_min_seconds``); only then does it build the window's
+reports and ask the catalogue (:class:`~exporter.heuristics.catalogue.RunHung`) whether the
+rank's run is hung. A run that is asks each of its ranks that push here for a py-spy dump
+with native frames, once per hang (a hang is the ranks' processes and step counts: a run that
+steps again and hangs again is a new one), within the profile board's bounds. The board
+classifies each dump (:mod:`exporter.heuristics.location`); :func:`with_locations` puts the
+answer on the reports every surface judges.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from exporter.heuristics.catalogue import BY_VERDICT
+from exporter.heuristics.readings import RankReport, run_key
+from exporter.serving.history import History
+from exporter.serving.profiles import ProfileBoard
+
+log = logging.getLogger(__name__)
+
+MAX_REMEMBERED = 256  # hangs already captured, remembered to capture each once
+
+
+def with_locations(reports: list[RankReport], history: History,
+                   board: ProfileBoard | None) -> list[RankReport]:
+    """Set each report's location (and the function that says so) from its rank's last hang
+    capture, while the rank has made no step since it was asked for."""
+    if board is None:
+        return reports
+    found = board.hang_locations()
+    if not found:
+        return reports
+    states = history.rank_states()
+    for rep in reports:
+        key = (rep.run, rep.rank)
+        where, st = found.get(key), states.get(key)
+        if where is not None and st is not None and st.steps == where.steps:
+            rep.location, rep.location_detail = {where.location: 1.0}, where.function
+    return reports
+
+
+class HangWatch:
+    """Captures the stacks of a hung run's ranks on this node, once per hang."""
+
+    def __init__(self, history: History, board: ProfileBoard, thresholds: dict[str, float],
+                 reports: Callable[[], list[RankReport]] | None = None) -> None:
+        self.history = history
+        self.board = board
+        self.thresholds = thresholds
+        self._reports = reports or history.reports
+        self._captured: dict[tuple[Any, ...], list[str]] = {}  # hang -> capture ids
+        self.captures = 0  # captures started, over the daemon's life
+
+    def check(self) -> None:
+        """One cycle: capture the stacks of each run that turned hung since the last."""
+        floor = self.thresholds["hung_min_seconds"]
+        now = self.history.clock()
+        states = self.history.rank_states()
+        if not any((st.step_in_progress(now) or 0.0) > floor for st in states.values()):
+            if self._captured:
+                self._captured.clear()
+            return
+        runs: dict[tuple, list[RankReport]] = {}
+        for rep in self._reports():
+            runs.setdefault(run_key(rep), []).append(rep)
+        hung = BY_VERDICT["hung"]
+        for ranks in runs.values():
+            if not hung.holds_run(ranks, self.thresholds):
+                continue
+            hang = tuple(sorted((r.run, r.rank, states[(r.run, r.rank)].run_id,
+                                 states[(r.run, r.rank)].steps)
+                                for r in ranks if (r.run, r.rank) in states))
+            if hang in self._captured:
+                continue
+            if len(self._captured) >= MAX_REMEMBERED:
+                self._captured.pop(next(iter(self._captured)))
+            run = ranks[0].run
+            ids = self.board.capture_hang(run, [r.rank for r in ranks])
+            self._captured[hang] = ids
+            self.captures += len(ids)
+            log.warning("run %s is hung: its steps stopped far past their pace; captured the "
+                        "stacks of %d of its %d rank(s) here (%s)", run, len(ids), len(ranks),
+                        ", ".join(ids) or "none could be asked")

@@ -1,0 +1,134 @@
+"""A data-parallel run that hangs, for the hang tests: one rank of real torch.distributed over
+gloo on the CPU, launched once per rank as torchrun launches its workers (``RANK``,
+``WORLD_SIZE``; a file store, so no rendezvous port to race for).
+
+Each rank trains a small DDP model on batches from a DataLoader (``monitor.wrap``), its
+communication watched, pushing to ``--endpoint``. After ``--block-after`` steps, rank
+``--block-rank`` blocks where ``--block`` says, for ``--block-seconds`` (0: for ever), while
+its peers go on into the gradient all-reduce and wait there:
+
+- ``data``: in its data set's ``__getitem__`` (a read that never returns);
+- ``checkpoint``: inside ``torch.save`` to a file whose writes never return, outside any
+  declared phase (a save to storage that hangs);
+- ``checkpoint-phase``: the same save inside ``monitor.phase("checkpoint")``, after which the
+  others wait for it at a barrier (a long checkpoint, declared: no hang);
+- ``none``: no rank blocks.
+
+``--timeout`` sets the process group's collective timeout in seconds (gloo's stands in for
+NCCL's watchdog); when it passes, the waiting ranks' collective raises and their processes end
+by that exception. ``--compile`` trains a ``torch.compile``d model (its first steps compile).
+``--until FILE`` stops every rank cleanly at the next round once FILE exists.
+
+Run as ``python tests/hang_train.py --rank R --world N --endpoint URL --run NAME --out DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import time
+from pathlib import Path
+
+
+class SlowFile:
+    """A file whose writes block for ``seconds`` (0: for ever): storage that hangs."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def write(self, data: bytes) -> int:
+        time.sleep(self.seconds or 1e9)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+def save_checkpoint(state: dict, seconds: float) -> None:
+    """The training script's own save: torch.save into storage that hangs."""
+    import torch
+
+    torch.save(state, SlowFile(seconds))  # type: ignore[arg-type]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, default=4)
+    p.add_argument("--endpoint", required=True)
+    p.add_argument("--run", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--block", choices=("none", "data", "checkpoint", "checkpoint-phase"),
+                   default="none")
+    p.add_argument("--block-rank", type=int, default=3)
+    p.add_argument("--block-after", type=int, default=200)
+    p.add_argument("--block-seconds", type=float, default=0.0)
+    p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--steps-per-round", type=int, default=50)
+    p.add_argument("--until", default="")
+    a = p.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from exporter.client import TrainingMonitor
+
+    dist.init_process_group("gloo", init_method=f"file://{Path(a.out).resolve()}/store",
+                            rank=a.rank, world_size=a.world,
+                            timeout=datetime.timedelta(seconds=a.timeout))
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    blocks = a.rank == a.block_rank and a.block != "none"
+    batch = 8
+
+    class Samples(torch.utils.data.Dataset):
+        """Random samples; the blocking rank's read of the batch after ``--block-after``
+        steps never returns (or takes ``--block-seconds``)."""
+
+        def __len__(self) -> int:
+            return 1 << 30
+
+        def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            if blocks and a.block == "data" and i == a.block_after * batch:
+                time.sleep(a.block_seconds or 1e9)
+            return torch.randn(64), torch.randn(1)
+
+    model: torch.nn.Module = DDP(torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)))
+    monitor = TrainingMonitor(run=a.run, rank=a.rank, endpoint=a.endpoint, push_interval=1.0)
+    monitor.watch_communication(model)
+    if a.compile:
+        model = torch.compile(model)  # type: ignore[assignment]
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(Samples(), batch_size=batch, num_workers=0)
+    done = 0
+    it = iter(monitor.wrap(loader))
+    while True:
+        stop = torch.tensor([int(bool(a.until) and Path(a.until).exists())])
+        dist.broadcast(stop, 0)  # every rank stops after the same round
+        if stop.item():
+            break
+        for _ in range(a.steps_per_round):
+            x, y = next(it)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            done += 1
+            if blocks and done == a.block_after and a.block == "checkpoint":
+                save_checkpoint(model.state_dict(), a.block_seconds)
+            if done == a.block_after and a.block == "checkpoint-phase":
+                if blocks:
+                    with monitor.phase("checkpoint"):
+                        save_checkpoint(model.state_dict(), a.block_seconds)
+                dist.barrier()  # the others wait for its save
+    monitor.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    main()
