@@ -33,6 +33,11 @@ FAILED_EXITS = ("exception", "signal")
 EXIT_REASONS = (*CLEAN_EXITS, "exited", *FAILED_EXITS)
 # the longest a time-like field may say (seconds): a year; a real clock meets it
 MAX_SECONDS = 366 * 86400.0
+# a Unix time a client sends is within this of the daemon's clock (ten years: a clock that far
+# off is no clock to correct, and past it the correction loses the time's precision: the push
+# says which field is out of range), and never past LATEST_UNIX
+MAX_CLOCK_OFFSET_SECONDS = 10 * MAX_SECONDS
+LATEST_UNIX = 2.0**33  # the year 2242: no report's start or finish is later
 PUSH_PATH = "/api/v1/push"
 PROFILE_PATH = "/api/v1/profile"  # POST a request; GET PROFILE_PATH/<id> its state
 ALERTS_PATH = "/api/v1/alerts"  # Alertmanager's webhook
@@ -280,7 +285,8 @@ PUSH_FIELDS: tuple[Field, ...] = (
     Field("flops", "amount", "model FLOPs, where the client knows its FLOPs per sample",
           cumulative=True),
     Field("elapsed_seconds", "amount", "seconds since the process started, by the client's "
-                                       "clock (else the daemon's)", cumulative=True),
+                                       "clock (else the daemon's)", cumulative=True,
+          bound=10 * MAX_SECONDS),
     Field("comm_seconds", "amount", "seconds of gradient communication that ran (DDP)",
           cumulative=True),
     Field("comm_exposed_seconds", "amount", "the part of comm_seconds the steps waited for "
@@ -352,6 +358,16 @@ def scalar(f: Field, value: object, where: str = "") -> Any:
         raise Refused(400, f"field '{name}' must be one of {', '.join(f.choices)}, got "
                            f"{value!r}")
     return value
+
+
+def unix_time(value: Any, field: str) -> float:
+    """A Unix time from JSON (a profile's or a capture's start or finish): a number >= 0 and
+    at most LATEST_UNIX; Refused(400) naming ``field``."""
+    v = number(value, field)
+    if v > LATEST_UNIX:
+        raise Refused(400, f"field '{field}' is {v:g}: no Unix time a clock gives (at most "
+                           f"{LATEST_UNIX:g})")
+    return v
 
 
 def read_scalars(body: dict, fields: tuple[Field, ...], where: str = "") -> dict[str, Any]:

@@ -334,8 +334,8 @@ def alert_cases() -> list[Case]:
              {**live_rank("stuck", "0", open_from=5),
               **live_rank("stuck", "1"),
               **live_rank("dead", "0", open_from=5, silent_from=5)},
-             # at 17m: the step open 12 minutes; the dead rank silent 12 minutes
-             [Fire("GpuTrainStalled", rank("stuck"), "12m 0s"),
+             # at 17m: the step open 11.5 minutes at the last recording; the dead rank silent 12
+             [Fire("GpuTrainStalled", rank("stuck"), "11m 30s"),
               Fire("GpuTrainRunVanished", {"run": "dead"}, "12m 0s")],
              fire_at="17m", quiet_at="14m", quiet_alerts=["GpuTrainStalled"], interval="15s"),
         Case("GpuTrainStalled: a live rank in an evaluation for over 2 hours is taken for a hang "
@@ -343,7 +343,7 @@ def alert_cases() -> list[Case]:
              "checkpoint stays silent",
              {**live_rank("long-eval", "0", phase_from=5, phase="evaluation", minutes=135),
               **live_rank("long-save", "0", phase_from=70, phase="checkpoint", minutes=135)},
-             [Fire("GpuTrainStalled", rank("long-eval"), "2h 5m 0s")],
+             [Fire("GpuTrainStalled", rank("long-eval"), "2h 4m 30s")],
              fire_at="130m", quiet_at="60m", interval="15s"),
         Case("GpuTrainRunHung: both live ranks of run 'hang' (0.1 s steps) have had a step open "
              "since 10m: hung at 12m (over the 60 s floor), not at 11m; rank 1 of "

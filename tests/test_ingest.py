@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import pytest
 import requests
@@ -453,3 +454,49 @@ def test_a_cumulative_field_that_goes_down_is_a_409_and_a_gauge_may(rig, where, 
         assert r.status_code == 409 and f.name in r.text, r.text
     else:
         assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("last_step_timestamp", 1e308), ("last_step_timestamp", 1e10), ("elapsed_seconds", 1e308)])
+def test_a_time_no_clock_gives_is_a_400_naming_it_and_the_readings_stay_right(
+        rig, field, value):
+    """A timestamp far from any real clock (or an elapsed time no process reaches) would make
+    the clock correction wipe the rank's last step into 1970: it is refused, naming the field,
+    and the rank's readings stay those of its last good push."""
+    assert rig.push(body(last_step_timestamp=time.time() - 1)).status_code == 200
+    before = rig.v("gputrain_training_last_step_timestamp_seconds")
+    r = rig.push(body(steps=11, step_counts=[2, 9, 11], **{field: value}))
+    assert r.status_code == 400 and f"'{field}'" in r.text, r.text
+    assert rig.v("gputrain_training_steps_total") == 10
+    assert rig.v("gputrain_training_last_step_timestamp_seconds") == before
+    assert rig.v("gputrain_training_clock_skew_seconds") == 0
+
+
+def test_a_profiles_times_past_any_clock_are_a_400_naming_the_field(rig):
+    rig.push(body(capabilities=["profile"]))
+    p = rig.store.profiles.request("resnet18", "0", 1)
+    r = rig.push(body(capabilities=["profile"], profile={
+        "id": p.id, "state": "running", "started": 1e308}))
+    assert r.status_code == 400 and "'profile.started'" in r.text, r.text
+
+
+@pytest.mark.parametrize("token", [None, "s3cret"])
+def test_a_trace_path_is_on_metrics_only_where_no_token_guards_it(token):
+    """The status page hides a profile's trace path when an ingest token is set; /metrics,
+    which anyone who can scrape reads, hides it too."""
+    r = Rig(token=token)
+    try:
+        auth = {"Authorization": f"Bearer {token}"} if token else {}
+        r.push(body(capabilities=["profile"]), headers=auth)
+        p = r.store.profiles.request("resnet18", "0", 1)
+        step = {"seconds": 1.0, "data_loading": 0.5, "forward": 0.2, "backward": 0.2,
+                "optimizer": 0.1, "other": 0.0, "idle": 0.0}
+        done = r.push(body(capabilities=["profile"], profile={
+            "id": p.id, "state": "done", "finished": 1.7e9, "trace": "/home/alice/secret/t.json",
+            "trace_bytes": 10, "steps": [step], "top_ops": []}), headers=auth)
+        assert done.status_code == 200, done.text
+        page = r.exposition()
+        assert ("/home/alice/secret" in page) is (token is None), page
+        assert "gputrain_training_profile_info" in page
+    finally:
+        r.server.shutdown()

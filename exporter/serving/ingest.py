@@ -26,6 +26,7 @@ from exporter.protocol import (
     FLOPS_SLACK_SECONDS,
     GPU_REF_RE,
     MAX_BUCKETS,
+    MAX_CLOCK_OFFSET_SECONDS,
     MAX_GPU_FLOPS,
     MAX_GPUS,
     MAX_NAME_LENGTH,
@@ -57,6 +58,7 @@ PROCESS_COUNTERS = cumulative(PROCESS_FIELDS, required=False)
 # the scalar fields a RankState keeps under their own name (goodbye is returned beside it)
 _STATE_FIELDS = tuple(f.name for f in PUSH_FIELDS if f.kind in SCALAR_KINDS and
                       f.name != "goodbye")
+_TIMESTAMPS = tuple(f.name for f in PUSH_FIELDS if f.kind == "timestamp")
 _PROCESS_IDS = ("pid", "start_time")  # kept apart from the process's figures
 
 
@@ -189,6 +191,11 @@ def parse_push(raw: bytes, now: float, now_unix: float) -> tuple[RankState, bool
         raise Refused(400, "field 'run_id' must be 1-64 letters, digits, _ or -")
     st = RankState(run=run, rank=rank, run_id=run_id, received_at=now, received_unix=now_unix)
     scalars = read_scalars(body, PUSH_FIELDS)
+    for f in _TIMESTAMPS:  # a clock that far off is no clock: its time would corrupt the rest
+        ts = scalars[f]
+        if ts is not None and abs(ts - now_unix) > MAX_CLOCK_OFFSET_SECONDS:
+            raise Refused(400, f"field '{f}' is {ts:.6g}, over ten years from the daemon's "
+                               f"clock ({now_unix:.10g}): check the client machine's clock")
     for key in _STATE_FIELDS:
         setattr(st, key, scalars[key])
     _check_comm(st)
@@ -448,6 +455,12 @@ class IngestStore:
         except UnicodeEncodeError:
             return False
         return hmac.compare_digest(given, self._token.encode())
+
+    @property
+    def guarded(self) -> bool:
+        """An ingest token is set: what the status hides (paths on a rank's machine) is
+        hidden on /metrics too."""
+        return self._token is not None
 
     def now(self) -> float:
         """The store's monotonic clock: what ages a rank's step and phase in progress."""

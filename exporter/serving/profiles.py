@@ -51,6 +51,7 @@ from exporter.protocol import (
     Refused,
     check_unicode,
     number,
+    unix_time,
 )
 
 
@@ -169,7 +170,7 @@ def parse_report(report: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"id": pid, "state": state}
     for key in ("started", "finished"):
         if report.get(key) is not None:
-            out[key] = number(report[key], f"profile.{key}")
+            out[key] = unix_time(report[key], f"profile.{key}")
     if state == "failed":
         out["error"] = _text(report.get("error", ""), "profile.error",
                              MAX_PROFILE_ERROR_LENGTH)
@@ -284,7 +285,7 @@ def parse_stacks_report(report: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"id": pid, "state": state}
     for key in ("started", "finished"):
         if report.get(key) is not None:
-            out[key] = number(report[key], f"stacks.{key}")
+            out[key] = unix_time(report[key], f"stacks.{key}")
     if state == "failed":
         out["error"] = _text(report.get("error", ""), "stacks.error", MAX_PROFILE_ERROR_LENGTH)
     if state != "done":

@@ -32,6 +32,7 @@ from exporter.serving.ingest import IngestStore, RankState
 log = logging.getLogger(__name__)
 
 LABELS = ["run", "rank"]
+HIDDEN = "hidden: the ingest token guards it"  # a trace's path, where a token is set
 
 
 def _escape(value: str) -> str:
@@ -168,7 +169,8 @@ FAMILIES: tuple[Family, ...] = (
            per_rank=MAX_GPUS),
     Family("gputrain_training_profile_info", "gauge",
            "The rank's last finished profile (`gputrain-exporter profile`, or an alert): the "
-           "trace's path on the rank's machine; the value is the Unix time it finished.",
+           "trace's path on the rank's machine (hidden where an ingest token is set); the value "
+           "is the Unix time it finished.",
            ("run", "rank", "trace")),
     Family("gputrain_gpu_unattributed_memory_bytes", "gauge",
            "GPU memory held by processes that no pushing rank owns, in bytes: someone else on "
@@ -330,8 +332,11 @@ class TrainingCollector:
                           f'{_escape(where.function)}",location="{where.location}",{lbl}}} '
                           "1.0\n"))
         if (done := profiles.get(key)) is not None:
+            # a path on the rank's machine: hidden where an ingest token guards it, as on the
+            # status page (GET /api/v1/profile with the token has it)
+            trace = HIDDEN if self._store.guarded else _escape(done.trace)
             parts.append((INDEX["gputrain_training_profile_info"],
-                          f'gputrain_training_profile_info{{{lbl},trace="{_escape(done.trace)}"}} '
+                          f'gputrain_training_profile_info{{{lbl},trace="{trace}"}} '
                           f"{floatToGoString(done.finished)}\n"))
         for _, line in parts:
             if not line.isascii():  # O(1): the page is encoded whole, so check here
