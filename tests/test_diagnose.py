@@ -92,11 +92,11 @@ def test_a_dead_rank_with_an_old_open_step_is_never_stalled_nor_hung():
 
 def test_a_lone_rank_whose_step_is_open_past_its_limit_is_hung_and_nothing_else():
     rep = report(0.3, 0.6)  # input-bound over the window, until its step stopped ending
-    rep.step_seconds, rep.seconds_since_push, rep.step_in_progress = 0.1, 2.0, 70.0
+    rep.typical_step_seconds, rep.seconds_since_push, rep.step_in_progress = 0.1, 2.0, 70.0
     judged = judge_one(rep)
     assert (judged.verdict, judged.status, judged.also) == ("hung", "hung", [])
     rep = report(0.95, 0.01)
-    rep.step_seconds, rep.seconds_since_push, rep.step_in_progress = 0.1, 2.0, 50.0
+    rep.typical_step_seconds, rep.seconds_since_push, rep.step_in_progress = 0.1, 2.0, 50.0
     assert judge_one(rep).status == "ok"  # under the floor: a slow step, no hang
 
 

@@ -185,7 +185,7 @@ def held(r: RankReport, t: dict[str, float]) -> bool:
     mean step: the window's rates are of steps that no longer come, so no bottleneck of its
     steps is judged (as :meth:`Q.stepping`)."""
     return _v(r.step_in_progress, ">", t["hung_min_seconds"]) and \
-        _v(r.step_in_progress, ">", 2 * (r.step_seconds or 0.0))
+        _v(r.step_in_progress, ">", 2 * (typical_step(r) or 0.0))
 
 
 def gone(r: RankReport, t: dict[str, float]) -> bool:
@@ -522,11 +522,11 @@ def alive(r: RankReport, t: dict[str, float]) -> bool:
 
 
 def typical_step(r: RankReport) -> float | None:
-    """The pace a rank's step in progress is judged against: the longer of its process's
-    mean step so far and the rate window's (a run that slowed down is judged at its new
-    pace); None before its first step."""
-    known = [x for x in (r.typical_step_seconds, r.step_seconds) if x is not None and x > 0]
-    return max(known) if known else None
+    """The pace a rank's step in progress is judged against: its process's mean step so far,
+    from its counters alone (the window's mean weighs the open step in, and a pace that
+    holds the step it judges would never call it long); None before its first step."""
+    x = r.typical_step_seconds
+    return x if x is not None and x > 0 else None
 
 
 def hung_limit(r: RankReport, t: dict[str, float]) -> float:
@@ -568,7 +568,7 @@ class RunHung(Heuristic):
               "network failed. Act before the collective's timeout (NCCL's watchdog: 10 "
               "minutes by default) ends the job.")
     fires_when = ("every live rank of a run has a step in progress over {hung_step_factor} its "
-                  "typical step (at least {hung_min_seconds}, at most {hung_max_seconds}, never "
+                  "typical step (its process's mean step) (at least {hung_min_seconds}, at most {hung_max_seconds}, never "
                   "under {hung_slowest_factor} it; {hung_first_step_seconds} before its first "
                   "step) while it pushes, and no rank of the run is in a declared phase")
     why = ("A live rank (it pushed in the last {alive_seconds}: its client's thread runs in the "
@@ -613,9 +613,7 @@ class RunHung(Heuristic):
 
     def rules(self, q: Q) -> list[dict]:
         t, run, rank = q.t, q.run, q.rank
-        mean, mean5m = ("run_rank:gputrain_training_step_seconds:mean",
-                        "run_rank:gputrain_training_step_seconds:mean5m")
-        typical = f"({mean5m} > {mean} or {mean})"
+        typical = "run_rank:gputrain_training_step_seconds:mean"
         clamped = (f"clamp({t['hung_step_factor']} * {typical}, {t['hung_min_seconds']}, "
                    f"{t['hung_max_seconds']})")
         slowest = f"{t['hung_slowest_factor']} * {typical}"

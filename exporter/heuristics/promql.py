@@ -159,6 +159,7 @@ def inline(expr: str, records: dict[str, str]) -> str:
 # rate window (absent otherwise)
 REGIME_START = BY_FIELD["regime_changed_seconds"].record
 OPEN = BY_FIELD["step_in_progress"].record
+TYPICAL = BY_FIELD["typical_step_seconds"].record  # the process's mean step: no open step in it
 REGIME_SHORT = "run_rank:gputrain_training_regime_age_seconds:short_window"
 GPU_BUSY, GPU_BUSY_REGIME = "gpu:gputrain_gpu_busy_ratio:rate5m", "gpu:gputrain_gpu_busy_ratio:rate1m"
 RANK_GPU_BUSY = "run_rank_gpu:gputrain_gpu_busy_ratio:rate5m"
@@ -391,8 +392,8 @@ class Q:
         process over the rate window, and still runs: a run whose steps stopped while its GPUs
         spin is stalled, and nothing else holds for it; rates across a restart are no
         bottleneck; a rank that said goodbye, or went silent, left only history behind; and
-        one whose step in progress has run past the floor of the hung limit and twice its mean
-        step is judged on that step, not on the window's rates of steps that no longer come."""
+        one whose step in progress has run past the floor of the hung limit and twice its
+        process's mean step is judged on that step, not on the window's rates of steps that no longer come."""
         return (f"({expr}) and on ({self.rank}) ({self.steps} > 0) unless on ({self.rank}) "
                 f"(run_rank:gputrain_training_finished:max > 0 "
                 f"or run_rank_reason:gputrain_training_exit_info:max or time() - "
@@ -400,7 +401,7 @@ class Q:
                 f"{self.t['vanished_seconds']} or "
                 f"run_rank:gputrain_training_restarts:resets5m > 0 or "
                 f"{OPEN} > {self.t['hung_min_seconds']} and on ({self.rank}) "
-                f"{OPEN} > 2 * run_rank:gputrain_training_step_seconds:mean5m)")
+                f"{OPEN} > 2 * {TYPICAL})")
 
     def refined(self, record: str, threshold: str) -> str:
         """A refinement's reading (a recorded node series) at ``threshold``, with hysteresis:
