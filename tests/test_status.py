@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -652,9 +653,10 @@ def test_top_without_rich_says_how_to_get_it(monkeypatch, capsys):
 
 
 def test_a_killed_run_says_it_stopped_and_a_closed_one_finished(daemon_factory, tmp_path):
-    """A run killed with SIGTERM (no goodbye) turns from its red input-bound card to a grey
-    "stopped without finishing", on the API and in `top`; a run that closes cleanly is
-    finished, never red; a run still pushing beside them is still judged on its steps."""
+    """A run killed with SIGKILL (no goodbye) turns from its red input-bound card to a grey
+    "stopped without finishing", on the API and in `top`; one ended by SIGTERM says so with
+    its goodbye and reads failed, never finished; a run that closes cleanly is finished, never
+    red; a run still pushing beside them is still judged on its steps."""
     cfg = tmp_path / "thresholds.yml"
     cfg.write_text("thresholds:\n  vanished_seconds: 6\n")
     # every demo GPU idle, as a starved loader leaves its GPU
@@ -663,7 +665,7 @@ def test_a_killed_run_says_it_stopped_and_a_closed_one_finished(daemon_factory, 
     starved = ("--data-wait-ms", "30", "--compute-ms", "0")
     clients = {run: synthetic_client(run, daemon.ingest_url, *starved, *extra, gpu=gpu)
                for run, gpu, extra in (("killed", 1, ()), ("running", 3, ()),
-                                       ("done", 2, ("--steps", "150")))}
+                                       ("done", 2, ("--steps", "150")), ("terminated", 0, ()))}
 
     def runs() -> dict[str, dict]:
         doc = requests.get(daemon.url + "/api/v1/status", timeout=5).json()
@@ -678,8 +680,17 @@ def test_a_killed_run_says_it_stopped_and_a_closed_one_finished(daemon_factory, 
                    what="the killed run judged input-bound first")
         wait_until(lambda: judged("done", "finished"), timeout=60,
                    what="the closed run called finished")
-        clients["killed"].terminate()  # SIGTERM: the process ends without a goodbye
+        wait_until(lambda: judged("terminated", "bottleneck"), timeout=60,
+                   what="the run to be terminated judged first")
+        clients["killed"].kill()  # SIGKILL: the process ends without a goodbye
         clients["killed"].wait(timeout=30)
+        clients["terminated"].terminate()  # SIGTERM: its client says so, then it ends
+        assert clients["terminated"].wait(timeout=30) == -signal.SIGTERM
+        failed = wait_until(lambda: judged("terminated", "failed"), timeout=60,
+                            what="the terminated run shown as failed")
+        assert failed["verdicts"][0]["verdict"] == "failed"
+        assert "SIGTERM" in failed["verdicts"][0]["reason"]
+        assert failed["ranks"][0]["finished"] is False
         card = wait_until(lambda: judged("killed", "stopped"), timeout=60,
                           what="the killed run shown as stopped")
         verdict = card["verdicts"][0]

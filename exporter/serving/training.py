@@ -112,8 +112,8 @@ FAMILIES: tuple[Family, ...] = (
            "The rank's clock minus the daemon's, as its step timestamps show it (0 within 2 s): "
            "taken off its last step's timestamp, which is never after the push."),
     Family("gputrain_training_finished", "gauge",
-           "1 once the rank said goodbye at a clean end (close(), its loop run out, a normal "
-           "exit), else 0: a rank that stops pushing without it has vanished."),
+           "1 once the rank said goodbye at a clean end (close(), or its loop run out), else "
+           "0: a rank that stops pushing without a goodbye has vanished."),
     Family("gputrain_training_failed", "gauge",
            "1 once the rank's process ended by a failure (an uncaught exception, a collective's "
            "timeout, a signal), else 0; gputrain_training_exit_info says which."),
