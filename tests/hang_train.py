@@ -32,13 +32,16 @@ from pathlib import Path
 
 
 class SlowFile:
-    """A file whose writes block for ``seconds`` (0: for ever): storage that hangs."""
+    """A file whose first write blocks for ``seconds`` (0: for ever): storage that hangs."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
+        self.blocked = False
 
     def write(self, data: bytes) -> int:
-        time.sleep(self.seconds or 1e9)
+        if not self.blocked:
+            self.blocked = True
+            time.sleep(self.seconds or 1e9)
         return len(data)
 
     def flush(self) -> None:
