@@ -172,6 +172,13 @@ def vanishing(run: str, r: str, g: str, uuid: str, finished: bool = False,
             sel("gputrain_training_finished", **where): "0x9 1x21" if finished else flat(0, 30)}
 
 
+def _by_minute(start: int, minutes: int, k: int) -> str:
+    """Seconds since minute ``start``, a sample every 60/k s, moving on whole minutes only (0
+    before ``start``): an alert evaluated between two minutes' recordings reads one value,
+    whichever group ran first."""
+    return " ".join(f"{max(0, m - start) * 60}x{k - 1}" for m in range(minutes))
+
+
 def live_rank(run: str, r: str, open_from: int | None = None, silent_from: int | None = None,
               phase_from: int | None = None, phase: str = "checkpoint", step_s: float = 0.1,
               minutes: int = 30, every: int = 15) -> dict[str, str]:
@@ -193,12 +200,13 @@ def live_rank(run: str, r: str, open_from: int | None = None, silent_from: int |
                if silent_from is not None else ramp(every, n)}
     if open_from is not None:
         out[sel("gputrain_training_step_in_progress_seconds", **where)] = \
-            f"0x{open_from * k - 1} 0+{every}x{n - open_from * k}"
+            _by_minute(open_from, minutes, k)
     else:
         out[sel("gputrain_training_step_in_progress_seconds", **where)] = flat(0, n)
     if phase_from is not None:
         out[sel("gputrain_training_phase_in_progress_seconds", phase=phase, **where)] = \
-            f"_x{phase_from * k} 0+{every}x{n - phase_from * k}"
+            " ".join(["_" * 1] * (phase_from * k) + [f"{(m - phase_from) * 60}x{k - 1}"
+                                                     for m in range(phase_from, minutes)])
     return out
 
 
@@ -328,23 +336,26 @@ def alert_cases() -> list[Case]:
                   segments([(9, 5), (15, 5)] * 6)},
              [Fire("GpuTrainInputBound", rank("swing"), "15%", "info")],
              fire_at="45m", quiet_at=None, quiet_alerts=[]),
-        Case("GpuTrainStalled: a live rank whose step has been open since 5m while the other "
-             "rank of its run steps (a lone rank's hang) is stalled at 17m, not at 14m; a rank "
+        Case("GpuTrainStalled: a live rank whose step has been open since 5m while a run "
+             "beside it steps is stalled at 17m, not at 14m; a rank "
              "whose process died at 5m with the same open step is no stall (it vanished)",
              {**live_rank("stuck", "0", open_from=5),
-              **live_rank("stuck", "1"),
+              **live_rank("stepping", "0"),
               **live_rank("dead", "0", open_from=5, silent_from=5)},
-             # at 17m: the step open 11.5 minutes at the last recording; the dead rank silent 12
-             [Fire("GpuTrainStalled", rank("stuck"), "11m 30s"),
-              Fire("GpuTrainRunVanished", {"run": "dead"}, "12m 0s")],
-             fire_at="17m", quiet_at="14m", quiet_alerts=["GpuTrainStalled"], interval="15s"),
+             # at 17m40s: the step open 12 minutes by the last recording (the series move on
+             # whole minutes), so the lone rank's run is hung too; the dead rank silent 12m30s then
+             [Fire("GpuTrainStalled", rank("stuck"), "12m 0s"),
+              Fire("GpuTrainRunHung", {"run": "stuck"}, "1"),
+              Fire("GpuTrainRunVanished", {"run": "dead"}, "12m 30s")],
+             fire_at="1060s", quiet_at="880s", quiet_alerts=["GpuTrainStalled"],
+             interval="15s"),
         Case("GpuTrainStalled: a live rank in an evaluation for over 2 hours is taken for a hang "
              "inside it; at 1h it is not yet, and a rank of another run in a 1-hour "
              "checkpoint stays silent",
              {**live_rank("long-eval", "0", phase_from=5, phase="evaluation", minutes=135),
               **live_rank("long-save", "0", phase_from=70, phase="checkpoint", minutes=135)},
-             [Fire("GpuTrainStalled", rank("long-eval"), "2h 4m 30s")],
-             fire_at="130m", quiet_at="60m", interval="15s"),
+             [Fire("GpuTrainStalled", rank("long-eval"), "2h 5m 0s")],
+             fire_at="7840s", quiet_at="60m", interval="15s"),
         Case("GpuTrainRunHung: both live ranks of run 'hang' (0.1 s steps) have had a step open "
              "since 10m: hung at 12m (over the 60 s floor), not at 11m; rank 1 of "
              "'hang-phase' checkpoints while rank 0 waits (waiting, not hung), 'hang-dead' "
@@ -373,7 +384,7 @@ def alert_cases() -> list[Case]:
              fire_at="14m", quiet_at="11m", interval="15s"),
         Case("GpuTrainRunFailed: rank 1 of 'crashed' ended by a RuntimeError at 10m (its "
              "collective timed out); a rank that closed cleanly stays silent",
-             {**live_rank("crashed", "0", silent_from=11),
+             {**live_rank("crashed", "0"),
               **live_rank("crashed", "1", silent_from=10),
               sel("gputrain_training_failed", run="crashed", rank="1"): "0x40 1x79",
               sel("gputrain_training_exit_info", run="crashed", rank="1", reason="exception",
@@ -1210,7 +1221,10 @@ def promtool_group(case: Case, rules: list[dict], names: list[str]) -> dict:
 def promtool_file(cases: list[Case], comment: str) -> str:
     rules = _rules()
     names = sorted(alert_names())
+    # groups due at one time run in this order (promtool's own is a map's: random), so that an
+    # alert reads the recordings of its time, as Prometheus' groups mostly do
     doc = {"rule_files": ["../gputrain.rules.yml"], "evaluation_interval": "30s",
+           "group_eval_order": [g["name"] for g in yaml.safe_load(render())["groups"]],
            "tests": [promtool_group(c, rules, names) for c in cases]}
     return HEADER + comment + yaml.safe_dump(doc, sort_keys=False, width=100,
                                              allow_unicode=True)
