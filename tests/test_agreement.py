@@ -277,7 +277,7 @@ def test_the_daemon_judges_each_seed_scenario_as_diagnose_does(results, i, case)
         assert ours is not None, f"{case.name}: the daemon has no {name} (diagnose {theirs})"
         # the scenario's pushes count whole steps (the series do not): the daemon's step count
         # over its 300 s window is off by under one step
-        per_step = name in ("steps_per_second", "step_seconds")
+        per_step = name in ("steps_per_second", "step_seconds", "typical_step_seconds")
         rel = remote["step_seconds"] / 300 if per_step else 1e-6
         assert ours == pytest.approx(theirs, rel=rel, abs=1e-9), f"{case.name}: {name}"
         compared.append(name)

@@ -376,8 +376,8 @@ def test_the_example_configs_start_real_prometheus_and_alertmanager(tmp_path):
             server.start()
         groups = requests.get(servers[0].url + "/api/v1/rules", timeout=2).json()["data"][
             "groups"]
-        assert {g["name"] for g in groups} == {"gputrain.recording", "gputrain.alerts",
-                                               "gputrain.global.alerts"}
+        assert {g["name"] for g in groups} == {"gputrain.liveness", "gputrain.recording",
+                                               "gputrain.alerts", "gputrain.global.alerts"}
         status = requests.get(servers[1].url + "/api/v2/status", timeout=2).json()
         assert "severity" in status["config"]["original"]
         # tiers of one signal nest: while the warning fires, its info is held back

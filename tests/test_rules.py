@@ -193,7 +193,8 @@ def test_levels_split_the_rules_by_where_they_are_evaluated(fmt):
     two together are exactly the single-Prometheus file."""
     node, glob, every = (_rules_of(level, fmt=fmt) for level in ("node", "global", "all"))
     # the alerts that span a run's ranks, and so its nodes
-    across = {"GpuTrainStragglerRank", "GpuTrainRunVanished", "GpuTrainCommunicationBound"}
+    across = {"GpuTrainStragglerRank", "GpuTrainRunVanished", "GpuTrainCommunicationBound",
+              "GpuTrainRunHung", "GpuTrainRunFailed"}
     assert {r["alert"] for r in glob} == across
     assert not [r for r in glob if "record" in r]
     assert not across & {r.get("alert") for r in node}

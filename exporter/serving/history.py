@@ -565,8 +565,8 @@ class History:
             rep.step_in_progress = st.step_in_progress(mono)
             if (phase := st.phase_in_progress(mono)) is not None:
                 rep.phase_in_progress = {phase[0]: phase[1]}
-            if st.steps > 0:
-                rep.typical_step_seconds = st.step_seconds / st.steps
+            if now.steps > 0:  # the process's own totals, as its counters read at this point
+                rep.typical_step_seconds = now.step_seconds / now.steps
             if old is not None:
                 with_open_step(rep, now.t - old.t)
             memory = tree_memory(st)
