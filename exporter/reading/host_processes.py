@@ -22,16 +22,31 @@ class HostProcess(NamedTuple):
     start_ticks: int | None  # clock ticks after boot it started
 
 
-def read_stat(pid: int | str, proc: str | Path = "/proc") -> tuple[int, int] | None:
-    """(parent pid, start time in clock ticks) from ``/proc/<pid>/stat``, or None if gone."""
+def _stat_fields(pid: int | str, proc: str | Path) -> list[str] | None:
+    """``/proc/<pid>/stat``'s fields from the third (state) on, or None if gone."""
     try:
         text = (Path(proc) / str(pid) / "stat").read_text()
     except (OSError, ValueError):
         return None
     # the command name may hold spaces and parentheses: the fields start after the last ')'
-    fields = text[text.rindex(")") + 2:].split()
+    return text[text.rindex(")") + 2:].split()
+
+
+def read_stat(pid: int | str, proc: str | Path = "/proc") -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) from ``/proc/<pid>/stat``, or None if gone."""
+    fields = _stat_fields(pid, proc)
     try:
-        return int(fields[1]), int(fields[19])  # fields 4 (ppid) and 22 (starttime)
+        return (int(fields[1]), int(fields[19])) if fields else None  # fields 4 and 22
+    except (IndexError, ValueError):
+        return None
+
+
+def read_state(pid: int | str, proc: str | Path = "/proc") -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks) from ``/proc/<pid>/stat``: ``T`` is stopped
+    (SIGSTOP, Ctrl-Z); None if gone."""
+    fields = _stat_fields(pid, proc)
+    try:
+        return (fields[0], int(fields[19])) if fields else None  # fields 3 and 22
     except (IndexError, ValueError):
         return None
 

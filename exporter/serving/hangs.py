@@ -13,7 +13,6 @@ answer on the reports every surface judges.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from exporter.heuristics.catalogue import BY_VERDICT
@@ -39,7 +38,7 @@ def with_locations(reports: list[RankReport], history: History,
     for rep in reports:
         key = (rep.run, rep.rank)
         where, st = found.get(key), states.get(key)
-        if where is not None and st is not None and st.steps == where.steps:
+        if where is not None and st is not None and where.current(st.steps):
             rep.location, rep.location_detail = {where.location: 1.0}, where.function
     return reports
 
@@ -47,14 +46,12 @@ def with_locations(reports: list[RankReport], history: History,
 class HangWatch:
     """Captures the stacks of a hung run's ranks on this node, once per hang."""
 
-    def __init__(self, history: History, board: ProfileBoard, thresholds: dict[str, float],
-                 reports: Callable[[], list[RankReport]] | None = None) -> None:
+    def __init__(self, history: History, board: ProfileBoard,
+                 thresholds: dict[str, float]) -> None:
         self.history = history
         self.board = board
         self.thresholds = thresholds
-        self._reports = reports or history.reports
         self._captured: dict[tuple[Any, ...], list[str]] = {}  # hang -> capture ids
-        self.captures = 0  # captures started, over the daemon's life
 
     def check(self) -> None:
         """One cycle: capture the stacks of each run that turned hung since the last."""
@@ -66,7 +63,7 @@ class HangWatch:
                 self._captured.clear()
             return
         runs: dict[tuple, list[RankReport]] = {}
-        for rep in self._reports():
+        for rep in self.history.reports():
             runs.setdefault(run_key(rep), []).append(rep)
         hung = BY_VERDICT["hung"]
         for ranks in runs.values():
@@ -82,7 +79,6 @@ class HangWatch:
             run = ranks[0].run
             ids = self.board.capture_hang(run, [r.rank for r in ranks])
             self._captured[hang] = ids
-            self.captures += len(ids)
             log.warning("run %s is hung: its steps stopped far past their pace; captured the "
                         "stacks of %d of its %d rank(s) here (%s)", run, len(ids), len(ranks),
                         ", ".join(ids) or "none could be asked")

@@ -46,6 +46,7 @@ from exporter.heuristics.regime import (
 )
 from exporter.heuristics.stalls import histogram_quantile
 from exporter.protocol import OUTSIDE_STEP_PHASES
+from exporter.reading.host_processes import read_state
 from exporter.reading.peak_flops import PeakTable
 from exporter.reading.sampler import GpuState, Snapshot
 from exporter.serving.attribution import NodeView, resolve_gpus
@@ -607,13 +608,7 @@ def stopped(st: RankState, proc: str = "/proc") -> bool:
     another PID namespace, or one reused, is never taken for it)."""
     if st.pid is None or st.start_time is None:
         return False
-    try:
-        with open(f"{proc}/{st.pid}/stat", encoding="ascii", errors="replace") as fh:
-            text = fh.read()
-    except OSError:
-        return False
-    fields = text[text.rfind(")") + 2:].split()
-    return len(fields) > 19 and fields[0] == "T" and fields[19] == str(st.start_time)
+    return read_state(st.pid, proc) == ("T", st.start_time)
 
 
 def _host_ratios(old: _HostPoint | None, now: _HostPoint, snap: Snapshot | None,

@@ -86,6 +86,10 @@ class HangLocation(NamedTuple):
     function: str
     steps: int
 
+    def current(self, steps: int) -> bool:
+        """Whether it still says where a rank with ``steps`` steps is: none since the dump."""
+        return steps == self.steps
+
 
 @dataclass
 class Profile:

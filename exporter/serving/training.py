@@ -326,7 +326,7 @@ class TrainingCollector:
             parts.append((INDEX["gputrain_training_phase_in_progress_seconds"],
                           f'gputrain_training_phase_in_progress_seconds{{phase="{phase[0]}",'
                           f"{lbl}}} {fg(phase[1])}\n"))
-        if (where := locations.get(key)) is not None and where.steps == st.steps:
+        if (where := locations.get(key)) is not None and where.current(st.steps):
             parts.append((INDEX["gputrain_training_stack_location"],
                           f'gputrain_training_stack_location{{function="'
                           f'{_escape(where.function)}",location="{where.location}",{lbl}}} '
