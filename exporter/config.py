@@ -215,6 +215,10 @@ OPTIONS: list[Option] = [
     Option("ingest.max-series", _positive_int, 1024, "most live (run, rank) pairs kept", "N"),
     Option("ingest.ttl", parse_duration, 600.0,
            "forget a rank whose pushes stopped this long ago", "DURATION"),
+    Option("ingest.dead-ttl", parse_interval, 3600.0,
+           "after --ingest.ttl, how long a rank that ended without a clean close (silent "
+           "without a goodbye, or failed) is still reported as dead, its counters gone "
+           "(0s: forget it with the ttl)", "DURATION"),
     Option("profile.alert-interval", parse_interval, 3600.0,
            "at most one profile per run in this time for the alerts Alertmanager sends to "
            "/api/v1/alerts on the ingest address (0s: no limit)", "DURATION"),

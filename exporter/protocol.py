@@ -319,7 +319,8 @@ PUSH_FIELDS: tuple[Field, ...] = (
     Field("open_phase_seconds", "amount", "seconds the open_phase has run at this push",
           bound=MAX_SECONDS),
     Field("goodbye", "bool", "true at the process's end: the rank's series go a minute later "
-                             "(a failure's stay --ingest.ttl)", default=False),
+                             "(a failure's stay --ingest.ttl, then its end alone "
+                             "--ingest.dead-ttl)", default=False),
     Field("exit_reason", "enum", "with goodbye: how the process ended; closed and completed "
                                  "are clean, exception and signal failures, exited neither "
                                  "(absent: closed)", choices=EXIT_REASONS),

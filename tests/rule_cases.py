@@ -221,6 +221,23 @@ def run_steps(run: str, wait: float, r: str = "0", step_sum: float = 60,
                 ramp(step_sum / step_s)}
 
 
+def periodic_rank(run: str, phase: str, every: int, lasts: int, start: int = 10,
+                  minutes: int = 90) -> dict[str, str]:
+    """Rank 0 of ``run`` pushing every minute, in ``phase`` (outside the steps: no step ends)
+    for ``lasts`` minutes every ``every`` from minute ``start``, stepping (0.5 s steps) the
+    other minutes."""
+    where = {"run": run, "rank": "0"}
+    busy = [m >= start and (m - start) % every < lasts for m in range(minutes)]
+    return {sel("gputrain_training_phase_seconds_total", phase=phase, **where):
+                segments([(60 if b else 0, 1) for b in busy]),
+            sel("gputrain_training_step_duration_seconds_sum", **where):
+                segments([(0 if b else 60, 1) for b in busy]),
+            sel("gputrain_training_step_duration_seconds_count", **where):
+                segments([(0 if b else 120, 1) for b in busy]),
+            sel("gputrain_training_elapsed_seconds_total", **where): ramp(60, minutes),
+            sel("gputrain_training_last_push_timestamp_seconds", **where): ramp(60, minutes)}
+
+
 def tree_leak(who: dict[str, str]) -> dict[str, str]:
     """The labels of a rank's GpuTrainHostMemoryLeak from its process tree's memory."""
     return {**who, "evidence": "process"}
@@ -350,12 +367,32 @@ def alert_cases() -> list[Case]:
              fire_at="1060s", quiet_at="880s", quiet_alerts=["GpuTrainStalled"],
              interval="15s"),
         Case("GpuTrainStalled: a live rank in an evaluation for over 2 hours is taken for a hang "
-             "inside it; at 1h it is not yet, and a rank of another run in a 1-hour "
-             "checkpoint stays silent",
+             "inside it, and its peer waiting for it since is stalled with it; at 1h neither "
+             "is yet, and a rank of another run in a 1-hour checkpoint stays silent",
              {**live_rank("long-eval", "0", phase_from=5, phase="evaluation", minutes=135),
+              **live_rank("long-eval", "1", open_from=5, minutes=135),
               **live_rank("long-save", "0", phase_from=70, phase="checkpoint", minutes=135)},
-             [Fire("GpuTrainStalled", rank("long-eval"), "2h 5m 0s")],
+             [Fire("GpuTrainStalled", rank("long-eval"), "2h 5m 0s"),
+              Fire("GpuTrainStalled", rank("long-eval", "1"), "2h 5m 0s")],
              fire_at="7840s", quiet_at="60m", interval="15s"),
+        Case("GpuTrainStalled: a rank is judged within its run: rank 0 of 'save-wait' has had "
+             "its step open 20 minutes while rank 1 checkpoints (waiting, not stalled), and so "
+             "has rank 0 of 'eval-wait' while rank 1 evaluates; rank 0 of 'save-gone' waits as "
+             "long for a checkpointing peer that died at 5m, and rank 0 of 'alone' beside a "
+             "stepping peer: both stalled",
+             {**live_rank("save-wait", "0", open_from=5),
+              **live_rank("save-wait", "1", phase_from=5, phase="checkpoint"),
+              **live_rank("eval-wait", "0", open_from=5),
+              **live_rank("eval-wait", "1", phase_from=5, phase="evaluation"),
+              **live_rank("save-gone", "0", open_from=5),
+              **live_rank("save-gone", "1", phase_from=5, silent_from=5),
+              **live_rank("alone", "0", open_from=5), **live_rank("alone", "1")},
+             # at 25m the open steps read 20 minutes (the series move on whole minutes); the
+             # lone live rank of 'save-gone' is hung too, 'alone' is not (rank 1 steps)
+             [Fire("GpuTrainStalled", rank("save-gone"), "20m 0s"),
+              Fire("GpuTrainRunHung", {"run": "save-gone"}, "1"),
+              Fire("GpuTrainStalled", rank("alone"), "20m 0s")],
+             fire_at="25m", quiet_at="14m", quiet_alerts=["GpuTrainStalled"], interval="15s"),
         Case("GpuTrainRunHung: both live ranks of run 'hang' (0.1 s steps) have had a step open "
              "since 10m: hung at 12m (over the 60 s floor), not at 11m; rank 1 of "
              "'hang-phase' checkpoints while rank 0 waits (waiting, not hung), 'hang-dead' "
@@ -408,6 +445,32 @@ def alert_cases() -> list[Case]:
              # at 14m the ranks have been silent 4 minutes; at 11m only one
              [Fire("GpuTrainRunVanished", {"run": "vanish-killed"}, "4m 0s")],
              fire_at="14m", quiet_at="11m"),
+        Case("A run that died stays reported after the exporter's ttl: 'oom' killed at 30m and "
+             "'crash' failed at 30m keep only their end on the page from 40m (--ingest.ttl; "
+             "--ingest.dead-ttl keeps it an hour), and at 55m both alerts still fire; 'done' "
+             "closed at 30m and its series went a minute later: silent",
+             {sel("gputrain_training_step_duration_seconds_count", run="oom", rank="0"):
+                  "0+60x29 1800x10 _x20",
+              sel("gputrain_training_last_push_timestamp_seconds", run="oom", rank="0"):
+                  "0+60x29 1800x30",
+              sel("gputrain_training_finished", run="oom", rank="0"): flat(0),
+              sel("gputrain_training_step_duration_seconds_count", run="crash", rank="1"):
+                  "0+60x29 1800x10 _x20",
+              sel("gputrain_training_last_push_timestamp_seconds", run="crash", rank="1"):
+                  "0+60x29 1800x30",
+              sel("gputrain_training_failed", run="crash", rank="1"): "0x29 1x30",
+              sel("gputrain_training_exit_info", run="crash", rank="1", reason="exception",
+                  detail="torch.OutOfMemoryError"): "_x29 1x30",
+              sel("gputrain_training_step_duration_seconds_count", run="done", rank="0"):
+                  "0+60x29 1800 _x29",
+              sel("gputrain_training_last_push_timestamp_seconds", run="done", rank="0"):
+                  "0+60x29 1800 _x29",
+              sel("gputrain_training_finished", run="done", rank="0"): "0x29 1 _x29"},
+             # at 55m 'oom' has been silent 25 minutes
+             [Fire("GpuTrainRunVanished", {"run": "oom"}, "25m 0s"),
+              Fire("GpuTrainRunFailed", {"run": "crash", "rank": "1"}, "1",
+                   ranged=": exception torch.OutOfMemoryError")],
+             fire_at="55m", quiet_at="25m"),
         Case("GpuTrainGPUShared: runs a (40% of GPU 0) and b (20%) share GPU 0 with a process no "
              "client reports (10%): each run sees the rest as foreign; run solo alone on GPU 1 "
              "stays silent",
@@ -700,7 +763,7 @@ def alert_cases() -> list[Case]:
                 for g, u in (("4", "GPU-e"), ("5", "GPU-f")))],
              quiet_alerts=["GpuTrainHostOverheadBound"]),
         Case("GpuTrainStepTimeStalls: one 30 s step a minute among 1 s steps (p99 17.8 s), "
-             "and checkpoint saves (a phase outside the steps) at 20% of the step time; steady "
+             "and checkpoint saves (a phase outside the steps) at 20% of the wall time; steady "
              "1 s steps and 5% in checkpoints stay silent",
              {**{sel("gputrain_training_step_duration_seconds_bucket", run="ckpt", rank="0",
                      le=le): ramp(n)
@@ -710,16 +773,37 @@ def alert_cases() -> list[Case]:
                      le=le): ramp(n)
                  for le, n in (("0.5", 0), ("1.0", 60), ("2.5", 60), ("5.0", 60), ("10.0", 60),
                                ("30.0", 60), ("+Inf", 60))},
-              **run_steps("saves", 0.01),
+              **run_steps("saves", 0.01, step_sum=48),
               sel("gputrain_training_phase_seconds_total", run="saves", rank="0",
                   phase="checkpoint"): ramp(12),
-              **run_steps("few-saves", 0.01),
+              sel("gputrain_training_elapsed_seconds_total", run="saves", rank="0"): ramp(60),
+              **run_steps("few-saves", 0.01, step_sum=57),
               sel("gputrain_training_phase_seconds_total", run="few-saves", rank="0",
-                  phase="checkpoint"): ramp(3)},
+                  phase="checkpoint"): ramp(3),
+              sel("gputrain_training_elapsed_seconds_total", run="few-saves", rank="0"):
+                  ramp(60)},
              # p99: rank 0.99 * 61 = 60.39 of 61, in the (10, 30] bucket: 10 + 20 * 0.39
              [Fire("GpuTrainStepTimeStalls", rank("ckpt"), "17.8"),
               Fire("GpuTrainStepTimeStalls", rank("saves"), "0.2")],
              fire_at="30m", quiet_at="10m"),
+        Case("A cost that recurs is judged by its share of the wall time over 1h: 'ckpt-slow' "
+             "saves for 8 minutes every 30 and 'eval-heavy' evaluates 5 minutes every 15, each "
+             "stopping the steps longer than a stepping guard allows, and 'epoch-start' starts "
+             "its DataLoader 1 minute every 10; 'ckpt-fast' (1 minute every 30) and "
+             "'eval-light' (2 minutes every 30) stay silent",
+             {**periodic_rank("ckpt-slow", "checkpoint", every=30, lasts=8),
+              **periodic_rank("eval-heavy", "evaluation", every=15, lasts=5),
+              **periodic_rank("epoch-start", "dataloader_start", every=10, lasts=1),
+              **periodic_rank("ckpt-fast", "checkpoint", every=30, lasts=1),
+              **periodic_rank("eval-light", "evaluation", every=30, lasts=2)},
+             # at 75m the hour's samples are 15m..75m: 60 minutes of increments (minutes
+             # 15-74), of them ckpt-slow's 15-17, 40-47, 70-74 (16: 0.267), eval-heavy's
+             # 25-29, 40-44, 55-59, 70-74 (20: 0.333), epoch-start's 20, 30, ..., 70 (6:
+             # 10%); ckpt-fast 2 (3.3%), eval-light 4 (6.7%)
+             [Fire("GpuTrainStepTimeStalls", rank("ckpt-slow"), "0.267"),
+              Fire("GpuTrainStepTimeStalls", rank("eval-heavy"), "0.333"),
+              Fire("GpuTrainDataLoaderRestarts", rank("epoch-start"), "10%")],
+             fire_at="75m", quiet_at="5m"),
         Case("GpuTrainStepTimeStalls: a 60 s stall every 5 minutes among 1 s steps (0.4% of "
              "the steps: p99 stays at 1 s) costs 20% of the wall time; one of 15 s (5%) does "
              "not",

@@ -210,7 +210,8 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
             store = IngestStore(settings["ingest.max-series"], settings["ingest.ttl"], token,
                                 alert_interval=settings["profile.alert-interval"],
                                 profiled_alerts=PROFILED_ALERTS, stack_alerts=STACK_ALERTS,
-                                rank_interval=settings["profile.rank-interval"])
+                                rank_interval=settings["profile.rank-interval"],
+                                dead_ttl=settings["ingest.dead-ttl"])
         thresholds = _thresholds(settings["status.rules-config"])
     except ConfigError as exc:
         log.error("%s", exc)

@@ -145,8 +145,7 @@ class Heuristic:
         """Why it holds for a rank, whatever its scope, or None. As its rules, an entry
         ``guarded`` holds only for a rank that steps with one process over the window and
         still runs, and one not a fault only on fresh readings."""
-        if not self.judged(r, t) or (self.guarded and (not r.stepping or gone(r, t)
-                                                       or r.restarts_recent or held(r, t))):
+        if not self.judged(r, t) or (self.guarded and not steps_judged(r, t)):
             return None
         if self.scope in ("gpu", "rank_gpu"):
             for g in r.gpus:
@@ -178,6 +177,12 @@ class Heuristic:
                 "runbook_url": f"{q.cfg['runbook_url']}#{self.alert.lower()}",
             },
         }
+
+
+def steps_judged(r: RankReport, t: dict[str, float]) -> bool:
+    """The rank's window of steps may be judged (as :meth:`Q.stepping`): it steps with one
+    process over the window, still runs, and no step of it is held far past its pace."""
+    return r.stepping and not gone(r, t) and not r.restarts_recent and not held(r, t)
 
 
 def held(r: RankReport, t: dict[str, float]) -> bool:
@@ -459,9 +464,11 @@ class RunVanished(Heuristic):
            "goodbye a clean close() sends, and none of its GPUs was busy {vanished_gpu_idle} or "
            "more of the last {recent_window}: the processes are gone, not hung (a hung rank "
            "still pushes, and is stalled). A run that closes cleanly is finished, never "
-           "vanished. The alert holds while the exporter still remembers the ranks "
-           "(--ingest.ttl, 10 m by default); the status page shows the run as stopped "
-           "without finishing, and judges nothing else of it.")
+           "vanished. A rank that died is not forgotten with its series: after "
+           "--ingest.ttl (10 m) the exporter keeps its end (its last push, no goodbye) for "
+           "--ingest.dead-ttl (1 h by default), so the alert, the status page, `top` and "
+           "`diagnose` keep saying the run died; the status page shows it as stopped without "
+           "finishing, and judges nothing else of it.")
     confirm = ("run_rank:gputrain_training_last_push_timestamp_seconds:max",
                "run_rank:gputrain_training_finished:max",
                "run_rank:gputrain_gpu_busy_ratio:max_rate2m")
@@ -658,21 +665,24 @@ def hang_line(ranks: list[RankReport]) -> str:
 
 
 class Stalled(Heuristic):
-    alert, verdict = "GpuTrainStalled", "stalled"
+    alert, verdict, scope, level = "GpuTrainStalled", "stalled", "run", "global"
     severity, for_ = "critical", "1m"
     summary = "A live rank has made no step for a long time, or is stuck in a phase."
     advice = ("Look for a hang in a collective, a dead DataLoader worker, a deadlock or an "
               "evaluation or checkpoint that never ends (py-spy dump --pid, or "
               "`gputrain-exporter profile --stacks --dump`).")
-    fires_when = ("a live rank's step in progress over {stalled_seconds} outside any phase, or "
-                  "its declared phase (an evaluation, a checkpoint) open for "
-                  "{stalled_in_phase_seconds}")
+    fires_when = ("a live rank's step in progress over {stalled_seconds} outside any phase "
+                  "while no live rank of its run is in a declared phase under "
+                  "{stalled_in_phase_seconds}, or its declared phase (an evaluation, a "
+                  "checkpoint) open for {stalled_in_phase_seconds}")
     why = ("The long cases, rank by rank: a live rank (pushing) whose step in progress has run "
            "{stalled_seconds} whatever its peers do, or whose declared phase outside steps (a "
            "client pushes an evaluation or checkpoint while it lasts) has run "
            "{stalled_in_phase_seconds}: a hang inside it. A run whose ranks all hang is said "
            "sooner, as `GpuTrainRunHung`; ranks waiting for a peer's phase are waiting until "
-           "that phase passes its limit. A rank that stopped pushing is no stall: it died "
+           "that phase passes its limit (a rank is judged within its run: the rule is global, so "
+           "a peer's phase on another node counts). A rank that stopped pushing is no stall: "
+           "it died "
            "(`GpuTrainRunVanished`, `GpuTrainRunFailed`). Nothing else is said of a stalled "
            "rank: with no step, no tuning advice holds.")
     confirm = ("gputrain_training_step_in_progress_seconds",
@@ -687,27 +697,37 @@ class Stalled(Heuristic):
                              "inside it (our choice: set it above your longest)")}
 
     def rules(self, q: Q) -> list[dict]:
-        t, rank = q.t, q.rank
-        live = (f"time() - run_rank:gputrain_training_last_push_timestamp_seconds:max "
-                f"<= {t['alive_seconds']}")
-        return [self.rule(q, "critical", f"""(run_rank:gputrain_training_step_in_progress_seconds:max
-                          > {t['stalled_seconds']}
-                          or max by ({rank}) (
-                            run_rank_phase:gputrain_training_phase_in_progress_seconds:max)
-                          > {t['stalled_in_phase_seconds']})
-                          and on ({rank}) ({live})""",
+        t, run, rank = q.t, q.run, q.rank
+        live = (f"(time() - run_rank:gputrain_training_last_push_timestamp_seconds:max "
+                f"<= {t['alive_seconds']} unless on ({rank}) "
+                f"run_rank_reason:gputrain_training_exit_info:max)")
+        phase = "run_rank_phase:gputrain_training_phase_in_progress_seconds:max"
+        # a live peer inside a declared phase, under its limit: the run's open steps wait
+        waited = (f"count by ({run}) ({phase} <= {t['stalled_in_phase_seconds']} "
+                  f"and on ({rank}) {live})")
+        return [self.rule(q, "critical", f"""((run_rank:gputrain_training_step_in_progress_seconds:max
+                          > {t['stalled_seconds']} unless on ({rank}) {phase})
+                          unless on ({run}) {waited}
+                          or max by ({rank}) ({phase}) > {t['stalled_in_phase_seconds']})
+                          and on ({rank}) {live}""",
                           f"""{q.who} made no step for {{{{ $value | humanizeDuration }}}}
                           although it still reports.""")]
 
-    def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
-        if not alive(r, t):
-            return None
-        for phase, seconds in r.phase_in_progress.items():
-            if seconds > t["stalled_in_phase_seconds"]:
-                return f"in {phase} for {seconds:.0f} s"
-        if not r.phase_in_progress and _v(r.step_in_progress, ">", t["stalled_seconds"]):
-            return f"no step for {r.step_in_progress:.0f} s"
-        return None
+    def holds_run(self, ranks: list[RankReport], t: dict[str, float]) -> dict[int, str]:
+        limit = t["stalled_in_phase_seconds"]
+        waited = any(alive(r, t) and r.phase_in_progress and
+                     max(r.phase_in_progress.values()) <= limit for r in ranks)
+        out: dict[int, str] = {}
+        for r in ranks:
+            if not alive(r, t):
+                continue
+            for phase, seconds in r.phase_in_progress.items():
+                if seconds > limit:
+                    out[id(r)] = f"in {phase} for {seconds:.0f} s"
+            if id(r) not in out and not r.phase_in_progress and not waited and \
+                    _v(r.step_in_progress, ">", t["stalled_seconds"]):
+                out[id(r)] = f"no step for {r.step_in_progress:.0f} s"
+        return out
 
 
 class RunFailed(Heuristic):
@@ -724,8 +744,9 @@ class RunFailed(Heuristic):
     why = ("The client tells a clean end (the user's close(), the loop run out, a normal "
            "exit) from a failure (an exception nobody caught, which includes a collective's "
            "timeout; a SIGTERM or SIGHUP): a failed rank is never \"finished\". The exporter "
-           "keeps a failed rank for --ingest.ttl (10 m by default) and says which exception "
-           "or signal ended it (`gputrain_training_exit_info`). A process killed outright "
+           "says which exception or signal ended it (`gputrain_training_exit_info`) for "
+           "--ingest.ttl (10 m) with its counters, then for --ingest.dead-ttl (1 h by "
+           "default) with its end alone: the alert holds on that long. A process killed outright "
            "(SIGKILL, the OOM killer) says nothing: it is `GpuTrainRunVanished`.")
     confirm = ("gputrain_training_failed", "gputrain_training_exit_info")
     panel = 'GpuTrain / Run, "Samples per second" falls to zero.'
@@ -1044,29 +1065,33 @@ class DataLoaderRestarts(Heuristic):
     summary = "A training run loses time starting its DataLoader workers, epoch after epoch."
     advice = ("Keep the workers across epochs: DataLoader(..., persistent_workers=True), and a "
               "lighter worker start (no heavy imports or dataset copies in each worker).")
-    fires_when = "DataLoader start-up > {loader_start_share} of the wall time for {for}"
+    fires_when = ("DataLoader start-up > {loader_start_share} of the wall time over "
+                  "{periodic_window}, for {for}, while the rank runs")
     why = ("Starting the DataLoader's workers (the phase `dataloader_start`, `iter(loader)`, "
            "which the client keeps outside the steps) takes more than {loader_start_share} of "
-           "the rank's wall time: without persistent_workers, PyTorch starts every worker "
-           "again each epoch, and short epochs pay it often.")
-    confirm = ('run_rank_cause:gputrain_training_badput:ratio_rate5m{cause="dataloader_start"}',)
+           "the rank's wall time over {periodic_window}: without persistent_workers, PyTorch "
+           "starts every worker again each epoch, and short epochs pay it often. A cost that "
+           "recurs is judged by its share over a window that holds several occurrences, "
+           "through the minutes each one stops the steps, never by a `for:` that each "
+           "occurrence would reset.")
+    confirm = ('run_rank_phase:gputrain_training_outside_share:ratio_rate1h'
+               '{phase="dataloader_start"}',)
     panel = 'GpuTrain / Run, "Goodput and badput": the `dataloader_start` band.'
+    stepping = False  # judged while the rank runs, stepping or starting its workers
     thresholds = {"loader_start_share": Threshold(
         0.05, "ratio", "PyTorch's DataLoader: persistent_workers keeps workers across epochs")}
 
     def rules(self, q: Q) -> list[dict]:
-        # the badput share of the cause dataloader_start, written out: a recorded series is
-        # never selected with matchers here, so the rule can be inlined (diagnose, replays)
-        start = q.metric("gputrain_training_phase_seconds_total", 'phase="dataloader_start"')
-        return [self.rule(q, "info", f"""sum by ({q.rank}) (rate({start}[{WINDOWS['rate']}]))
-            / run_rank:gputrain_training_accounted_seconds:rate5m > {q.t['loader_start_share']}""",
+        return [self.rule(q, "info", q.live(f"""{q.periodic('dataloader_start')}
+            > {q.t['loader_start_share']}"""),
             f"""{q.who} spends {{{{ $value | humanizePercentage }}}} of its wall time starting
-            DataLoader workers.""")]
+            DataLoader workers (over {WINDOWS['periodic']}).""")]
 
     def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
-        share = r.badput.get("dataloader_start")
-        if _v(share, ">", t["loader_start_share"]):
-            return f"DataLoader start-up takes {percent(share)} of the wall time"
+        share = r.periodic.get("dataloader_start")
+        if not gone(r, t) and _v(share, ">", t["loader_start_share"]):
+            return (f"DataLoader start-up takes {percent(share)} of the wall time over "
+                    f"{WINDOWS['periodic']}")
         return None
 
 
@@ -1387,16 +1412,21 @@ class StepTimeStalls(Heuristic):
               "logging every N steps).")
     CHECKPOINT_ADVICE = ("Checkpoint asynchronously or less often, write to local disk and "
                          "upload later.")
+    EVALUATION_ADVICE = ("Evaluate less often or on fewer batches (Lightning's "
+                         "val_check_interval and limit_val_batches, transformers' eval_steps), "
+                         "or on another GPU while training goes on.")
     LOADER_START_ADVICE = ("Keep the DataLoader's workers across epochs: "
                            "DataLoader(..., persistent_workers=True).")
     UNKNOWN_ADVICE = ("See what the slow steps do: `gputrain-exporter profile --stacks` during "
                       "one (garbage collection: gc.freeze() after start-up; a synchronisation, "
                       "an evaluation or logging every N steps).")
     fires_when = ("steps over {slow_step_factor} the median take > {stall_time_share} of the "
-                  "wall time over {quantile_window}, p99 step time > {stall_p99_over_p50} the "
-                  "median, or checkpoint saves > {checkpoint_share} of the step time; not where "
-                  "the slow steps are the loader's period (one in its workers' count, within "
-                  "{loader_period_tolerance}, their time >= {loader_wait_share} data wait)")
+                  "wall time over {quantile_window}, or p99 step time > {stall_p99_over_p50} the "
+                  "median, while the rank steps (not where the slow steps are the loader's "
+                  "period: one in its workers' count, within {loader_period_tolerance}, their "
+                  "time >= {loader_wait_share} data wait); or, while it runs, checkpoint saves "
+                  "> {checkpoint_share} or evaluations > {evaluation_share} of the wall time "
+                  "over {periodic_window}")
     why = ("Rare long stalls are judged by the time they cost: steps more than "
            "{slow_step_factor} the rank's median took more than {stall_time_share} of its wall "
            "time over {quantile_window} (counted by the daemon from the pushed step histogram, "
@@ -1405,8 +1435,12 @@ class StepTimeStalls(Heuristic):
            "while the p99 never moves. It also fires where the p99 step time is more than "
            "{stall_p99_over_p50} the median, or checkpoint saves (the phase `checkpoint`, "
            "which the client keeps out of step time) take more than {checkpoint_share} of the "
-           "step time (a TensorFlow performance study: even periodic bottlenecks hurt the "
-           "average). A DataLoader with N workers delivers its batches in groups of N: one "
+           "wall time, or evaluations (the phase `evaluation`) more than {evaluation_share} (a "
+           "TensorFlow performance study: even periodic bottlenecks hurt the average). A "
+           "checkpoint to slow storage for 8 minutes every 30 lasts less than any `for:` and "
+           "stops the steps while it runs, so these costs are judged by their share of the "
+           "wall time over {periodic_window} (several occurrences) while the rank runs, "
+           "stepping or not. A DataLoader with N workers delivers its batches in groups of N: one "
            "step in N waits for data and the rest find theirs ready, so the p99 is far above "
            "the median with no stall at all. Where the client states the loader's workers and "
            "the slow steps are one in N (within {loader_period_tolerance}) and mostly data wait "
@@ -1415,9 +1449,11 @@ class StepTimeStalls(Heuristic):
            "the rank saves them, persistent workers where its loader restarts.")
     confirm = ("run_rank:gputrain_training_slow_step:ratio_rate30m",
                "run_rank:gputrain_training_step_seconds:p99_30m",
-               "run_rank:gputrain_training_checkpoint_ratio:rate5m")
-    panel = ('GpuTrain / Run, "Step time": the max far above p50, in periodic spikes; "Phases" '
-             'shows `checkpoint` if the client marks it.')
+               "run_rank_phase:gputrain_training_outside_share:ratio_rate1h")
+    panel = ('GpuTrain / Run, "Step time": the max far above p50, in periodic spikes; "Goodput '
+             'and badput" shows the `checkpoint` and `evaluation` bands if the client marks '
+             'them.')
+    stepping = False  # its slow steps are judged while it steps, its periodic costs while it runs
     thresholds = {
         "stall_p99_over_p50": Threshold(5.0, "factor", "a TensorFlow performance study: "
                                                        "periodic stalls hurt the average"),
@@ -1425,8 +1461,13 @@ class StepTimeStalls(Heuristic):
             0.1, "ratio", "our choice: a tenth of the wall time is worth a fix; a DataLoader "
                           "re-created each epoch or a checkpoint every few hundred steps costs "
                           "up to a fifth while the p99 does not move"),
-        "checkpoint_share": Threshold(0.1, "ratio", "checkpoint saves, a phase outside the "
-                                                    "steps"),
+        "checkpoint_share": Threshold(
+            0.1, "ratio", "checkpoint saves, a phase outside the steps: a tenth of the wall "
+                          "time (our choice; async checkpointing takes them off the loop)"),
+        "evaluation_share": Threshold(
+            0.2, "ratio", "evaluations, a phase outside the steps: a fifth of the wall time "
+                          "(our choice: some evaluation is the point, most of the time is "
+                          "not)"),
         "loader_period_tolerance": Threshold(
             0.5, "ratio", "our choice: slow steps within half of 1/N of the steps are a loader "
                           "of N workers' period (rare stalls are one in hundreds)"),
@@ -1448,38 +1489,48 @@ class StepTimeStalls(Heuristic):
             and on ({q.rank}) {share} <= on ({q.rank}) ({num(1 + tolerance)} / {workers})
             and on ({q.rank}) run_rank:gputrain_training_slow_step_data_wait:ratio_rate30m
               >= {t['loader_wait_share']})"""
-        return [self.rule(q, "info", f"""((run_rank:gputrain_training_slow_step:ratio_rate30m
+        slow = q.stepping(f"""(run_rank:gputrain_training_slow_step:ratio_rate30m
             > {t['stall_time_share']}
             or on ({q.rank}) (run_rank:gputrain_training_step_seconds:p99_30m
               > {t['stall_p99_over_p50']} * run_rank:gputrain_training_step_seconds:p50_30m))
-            unless on ({q.rank}) {loader})
-            or on ({q.rank}) (run_rank:gputrain_training_checkpoint_ratio:rate5m
-              > {t['checkpoint_share']})""",
+            unless on ({q.rank}) {loader}""")
+        periodic = q.live(f"""{q.periodic('checkpoint')} > {t['checkpoint_share']}
+            or on ({q.rank}) {q.periodic('evaluation')} > {t['evaluation_share']}""")
+        return [self.rule(q, "info", f"{slow} or on ({q.rank}) ({periodic})",
             f"""{q.who}: steps over {SLOW_STEP_FACTOR:g}x the median take more than
-            {t['stall_time_share']} of the wall time, the p99 step time is more than
-            {t['stall_p99_over_p50']}x the median over {WINDOWS['quantile']}, or checkpoint
-            saves take more than {t['checkpoint_share']} of the step time
+            {t['stall_time_share']} of the wall time, or the p99 step time is more than
+            {t['stall_p99_over_p50']}x the median over {WINDOWS['quantile']}; or checkpoint
+            saves take more than {t['checkpoint_share']}, or evaluations more than
+            {t['evaluation_share']}, of the wall time over {WINDOWS['periodic']}
             ({{{{ $value | printf "%.3g" }}}}).""")]
 
     def advice_for(self, r: RankReport) -> str:
-        if r.phases.get("checkpoint") or r.badput.get("checkpoint"):
+        if r.periodic.get("checkpoint") or r.phases.get("checkpoint") or \
+                r.badput.get("checkpoint"):
             return self.CHECKPOINT_ADVICE
+        if r.periodic.get("evaluation"):
+            return self.EVALUATION_ADVICE
         if r.badput.get("dataloader_start") or r.phases.get("dataloader_start"):
             return self.LOADER_START_ADVICE
         return self.UNKNOWN_ADVICE
 
     def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
         periodic = loader_period(r, t)
-        if not periodic and _v(r.stall_share, ">", t["stall_time_share"]):
-            return (f"steps over {SLOW_STEP_FACTOR:g}x the median take {percent(r.stall_share)} "
-                    "of the wall time")
-        p50, p99 = r.step_p50_seconds, r.step_p99_seconds
-        if not periodic and p50 and p99 and p99 > t["stall_p99_over_p50"] * p50:
-            return (f"p99 step time {p99:.3g} s is over {t['stall_p99_over_p50']:g}x the median "
-                    f"{p50:.3g} s ({WINDOWS['quantile']})")
-        checkpoint = r.phases.get("checkpoint")
-        if _v(checkpoint, ">", t["checkpoint_share"]):
-            return f"checkpoint saves take {percent(checkpoint)} of the step time"
+        if steps_judged(r, t):
+            if not periodic and _v(r.stall_share, ">", t["stall_time_share"]):
+                return (f"steps over {SLOW_STEP_FACTOR:g}x the median take "
+                        f"{percent(r.stall_share)} of the wall time")
+            p50, p99 = r.step_p50_seconds, r.step_p99_seconds
+            if not periodic and p50 and p99 and p99 > t["stall_p99_over_p50"] * p50:
+                return (f"p99 step time {p99:.3g} s is over {t['stall_p99_over_p50']:g}x the "
+                        f"median {p50:.3g} s ({WINDOWS['quantile']})")
+        if gone(r, t):
+            return None
+        for phase, what in (("checkpoint", "checkpoint saves"), ("evaluation", "evaluations")):
+            share = r.periodic.get(phase)
+            if _v(share, ">", t[f"{phase}_share"]):
+                return (f"{what} take {percent(share)} of the wall time over "
+                        f"{WINDOWS['periodic']}")
         return None
 
 
@@ -1517,9 +1568,12 @@ class StragglerRank(Heuristic):
 
     def rules(self, q: Q) -> list[dict]:
         # a rank of a run is its run labels and rank: a run spans jobs, never split by them
-        t, wait, comm, run, rank = q.t, q.wait, q.comm, q.run, f"{q.run}, rank"
-        compute = "run_rank:gputrain_training_compute_seconds:mean5m"
-        step = "run_rank:gputrain_training_step_seconds:mean5m"
+        t, run, rank = q.t, q.run, f"{q.run}, rank"
+        # only the ranks that step are compared: a rank waiting for a peer's checkpoint, or
+        # hung, has an open step that weighs in its mean, and lags nobody (Q.stepping)
+        wait, comm = f"({q.stepping(q.wait)})", f"({q.stepping(q.comm)})"
+        compute = f"({q.stepping('run_rank:gputrain_training_compute_seconds:mean5m')})"
+        step = f"({q.stepping('run_rank:gputrain_training_step_seconds:mean5m')})"
         f, cf = t["straggler_wait_factor"], t["straggler_compute_factor"]
         return [self.rule(q, "warning", f"""({wait} >= {t['input_bound']}
               and {wait} > on ({run}) group_left () ({f} * quantile by ({run}) (0.5, {wait})))
@@ -1538,7 +1592,9 @@ class StragglerRank(Heuristic):
 
     def laggards(self, ranks: list[RankReport], t: dict[str, float]) -> dict[int, str]:
         """The ranks of one run that lag the others (by ``id``), with the reason. A rank
-        that waits for the others (data or communication) is never one of them."""
+        that waits for the others (data or communication) is never one of them; only ranks
+        whose steps may be judged are compared (:func:`steps_judged`)."""
+        ranks = [r for r in ranks if steps_judged(r, t)]
         f, cf = t["straggler_wait_factor"], t["straggler_compute_factor"]
         waits = [r.data_wait_ratio for r in ranks if r.data_wait_ratio is not None]
         comms = [r.comm_exposed_ratio for r in ranks if r.comm_exposed_ratio is not None]

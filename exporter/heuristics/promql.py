@@ -254,7 +254,7 @@ def _fragments(s: str, ids: Identity, w: str) -> dict[str, str]:
     return {"s": s, "w": w, "rank": rank, "gpu": ids.gpu, "node": ids.node, "run": ids.run,
             "open_part": open_part, "open_count": open_count,
             "run_gpu": ids.run_gpu, "wall": wall, "steps": steps, "wait": wait,
-            "all_phases": phases("phase!=''"),
+            "all_phases": phases("phase!=''"), "outside": OUTSIDE_STEP,
             "productive": f"clamp_min({steps} - {wait} - {phases(IN_STEP)}, 0)",
             "outside_steps": f"clamp_min({wall} - {steps} - {phases(OUTSIDE_STEP)}, 0)",
             "throttle_reasons": "|".join(THROTTLE_REASONS),
@@ -402,6 +402,25 @@ class Q:
                 f"run_rank:gputrain_training_restarts:resets5m > 0 or "
                 f"{OPEN} > {self.t['hung_min_seconds']} and on ({self.rank}) "
                 f"{OPEN} > 2 * {TYPICAL})")
+
+    def live(self, expr: str) -> str:
+        """``expr`` (of a rank) only while the rank runs: it pushes and said no goodbye. A
+        cost judged over the periodic window holds through the minutes a checkpoint stops
+        the steps, where :meth:`stepping` would reset the alert's ``for``."""
+        return (f"({expr}) unless on ({self.rank}) "
+                f"(run_rank:gputrain_training_finished:max > 0 "
+                f"or run_rank_reason:gputrain_training_exit_info:max or time() - "
+                f"run_rank:gputrain_training_last_push_timestamp_seconds:max > "
+                f"{self.t['vanished_seconds']})")
+
+    def periodic(self, phase: str) -> str:
+        """Of each rank, the share of its wall time in ``phase`` over the periodic window
+        (the reading ``periodic`` of that phase, written raw: a recorded series is never
+        selected with matchers, so a rule can be inlined)."""
+        w = WINDOWS["periodic"]
+        return (f"(sum by ({self.rank}) (rate(gputrain_training_phase_seconds_total"
+                f'{{{self.s},phase="{phase}"}}[{w}])) / sum by ({self.rank}) '
+                f"(rate(gputrain_training_elapsed_seconds_total{{{self.s}}}[{w}])))")
 
     def refined(self, record: str, threshold: str) -> str:
         """A refinement's reading (a recorded node series) at ``threshold``, with hysteresis:

@@ -30,6 +30,10 @@ WINDOWS = {
     # a refinement entered (its reading at its line) holds while the reading stays within the
     # margin below it and reached the line within this range: hysteresis, from the window
     "hold": "5m",
+    # a cost that recurs for minutes at a time (a checkpoint, an evaluation, a DataLoader's
+    # start each epoch) is judged by its share of the wall time over this: long enough to
+    # hold several occurrences, none of which lasts an alert's `for:`
+    "periodic": "1h",
 }
 
 
@@ -164,6 +168,12 @@ READINGS = (
             "run_rank:gputrain_training_slow_step_data_wait:ratio_rate30m", "quantile", """
             sum by ({rank}) (rate(gputrain_training_data_wait_seconds_total{{{s}}}[{w}]))
             / sum by ({rank}) (rate(gputrain_training_slow_step_seconds_total{{{s}}}[{w}]))"""),
+    # of the wall time over the periodic window, the share in each phase outside the steps
+    # (a checkpoint, an evaluation, a DataLoader's start): costs that recur for minutes
+    Reading("periodic", "rank", "run_rank_phase:gputrain_training_outside_share:ratio_rate1h",
+            "periodic", """
+            sum by ({rank}, phase) (rate(gputrain_training_phase_seconds_total{{{s},{outside}}}[{w}]))
+            / on ({rank}) group_left {wall}""", by="phase"),
     Reading("loader_workers", "rank", "run_rank:gputrain_training_loader_workers:max", None,
             "max by ({rank}) (gputrain_training_loader_workers{{{s}}})"),
     Reading("phases", "rank", "run_rank_phase:gputrain_training_phase_ratio:rate5m", "rate", """
@@ -397,6 +407,8 @@ class RankReport:
     # costs the rank the others wait for (the rest of a fast rank's wait is for that rank)
     run_comm_exposed_min: float | None = None
     phases: dict[str, float] = field(default_factory=dict)
+    # of the wall time over the periodic window, the share in each phase outside the steps
+    periodic: dict[str, float] = field(default_factory=dict)
     gpus: list[GpuReading] = field(default_factory=list)
     host: dict[str, float] = field(default_factory=dict)
     collectors_failing: list[str] = field(default_factory=list)  # on the rank's node

@@ -13,7 +13,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, NamedTuple
 
 from exporter.reading.host_processes import HostProcess, read_process
@@ -287,6 +287,8 @@ class NodeView:
     listed: Mapping[RankKey, frozenset[GpuKey]] = field(default_factory=dict)
     strangers: frozenset[GpuKey] = frozenset()
     unresolved: Mapping[GpuKey, int] = field(default_factory=dict)
+    # the ranks that ended without a clean close, after their ttl (IngestStore.departed)
+    departed: tuple[RankState, ...] = ()
 
     @property
     def cycle(self) -> int:
@@ -313,9 +315,10 @@ class Attribution:
         self._failed = False  # a join has failed (logged once)
         self._lock = threading.Lock()
 
-    def update(self, snap: Snapshot, states: Iterable[RankState]) -> NodeView:
-        """The view of ``snap`` with the ranks live at its end; published and told to the
-        listeners when it is new."""
+    def update(self, snap: Snapshot, states: Iterable[RankState],
+               departed: Iterable[RankState] = ()) -> NodeView:
+        """The view of ``snap`` with the ranks live at its end (and those departed);
+        published and told to the listeners when it is new."""
         with self._lock:
             if snap.cycle <= self._joined:
                 return self.latest
@@ -332,6 +335,8 @@ class Attribution:
                                   "cycles it fails in show no attribution (logged once)")
                 self._failed = True
                 view = NodeView(snap, states)
+            if departed:
+                view = replace(view, departed=tuple(departed))
             self.latest = view
         for listener in list(self.listeners):
             listener(view)
@@ -341,4 +346,5 @@ class Attribution:
         """Build a view after each of ``sampler``'s cycles, with ``store``'s live ranks; before
         any other listener of the sampler runs."""
         sampler.listeners.insert(0, lambda: self.update(
-            sampler.snapshot, store.states() if store is not None else ()))
+            sampler.snapshot, store.states() if store is not None else (),
+            store.departed() if store is not None else ()))

@@ -61,6 +61,7 @@ FAULT_SECONDS = window_seconds("fault")  # new Xid and ECC errors count this lon
 RECENT_SECONDS = window_seconds("recent")  # a vanished run's GPUs: idle this long
 HOLD_SECONDS = window_seconds("hold")  # a refinement's hysteresis (see REFINED)
 RESTART_SECONDS = window_seconds("restart")  # a rank's restarts count this long
+PERIODIC_SECONDS = window_seconds("periodic")  # a recurring cost's share: over this long
 MAX_RESTARTS_KEPT = 64  # a crash loop's restarts in the hour, at most, that are counted
 
 
@@ -138,6 +139,10 @@ class _RankTrack:
     epoch: int = 0
     points: deque = field(default_factory=deque)
     rss: deque = field(default_factory=deque)  # (t, bytes), a point a minute
+    # (t, wall seconds, seconds in each phase outside the steps), a point a minute over the
+    # periodic window: a recurring cost's share of the wall time
+    outside: deque = field(default_factory=lambda: deque(
+        maxlen=int(PERIODIC_SECONDS / SLOW_POINT_SECONDS) + 2))
     measure: str | None = None  # what ``rss`` holds: "pss", or "rss" where PSS is unreadable
     # when its process was replaced (a new run_id under the same run and rank)
     restarts: deque = field(default_factory=lambda: deque(maxlen=MAX_RESTARTS_KEPT))
@@ -175,6 +180,7 @@ class History:
         # range are the refinements' hysteresis
         self._host_peaks: deque = deque()
         self._ranks: dict[tuple[str, str], _RankTrack] = {}
+        self._departed: dict[tuple[str, str], RankState] = {}
         self._lock = threading.Lock()
         self.first_seen: float | None = None
         self.version = 0
@@ -224,6 +230,10 @@ class History:
                 if t - track.points[-1].t >= self.point_seconds:
                     track.points.append(self._rank_point(track, t))
                     self._detect(track, t)
+                if not track.outside or t - track.outside[-1][0] >= SLOW_POINT_SECONDS:
+                    point = track.points[-1]
+                    track.outside.append((point.t, point.wall, {
+                        p: v for p, v in point.phases.items() if p in OUTSIDE_STEP_PHASES}))
                 memory = tree_memory(st)
                 if memory is not None:
                     if memory[1] != track.measure:  # another measure is another series
@@ -233,6 +243,9 @@ class History:
                         track.rss.append((t, memory[0]))
                 live[key] = track
             self._ranks = live  # a rank the ingest forgot is forgotten here too
+            # ... but one that ended without a clean close is reported as such a while
+            self._departed = {(st.run, st.rank): st for st in view.departed
+                              if (st.run, st.rank) not in live}
             self.version += 1
 
     def _note_gpu(self, track: _GpuTrack, st: GpuState, t: float,
@@ -365,9 +378,10 @@ class History:
                     + len(self._memory))
 
     def rank_states(self) -> dict[tuple[str, str], RankState]:
-        """The latest pushed state of every live (run, rank)."""
+        """The latest pushed state of every live (run, rank), and the last of every
+        departed one."""
         with self._lock:
-            return {key: tr.state for key, tr in self._ranks.items()}
+            return {**self._departed, **{key: tr.state for key, tr in self._ranks.items()}}
 
     def collector_ages(self, now: float | None = None) -> dict[str, float]:
         """Each collector's last success, how long before ``now`` (unix seconds; default the
@@ -512,6 +526,7 @@ class History:
                 now = self._rank_point(tr, snap.timestamp)
                 old = self._since(tr.points, now.t)
                 rss = list(tr.rss)
+                costs = [x for x in tr.outside if x[0] >= now.t - PERIODIC_SECONDS]
                 replaced = list(tr.restarts)
                 full = (old is not None and old is not tr.points[0]) or \
                     len(tr.points) == tr.points.maxlen
@@ -566,6 +581,7 @@ class History:
             rep.step_in_progress = st.step_in_progress(mono)
             if (phase := st.phase_in_progress(mono)) is not None:
                 rep.phase_in_progress = {phase[0]: phase[1]}
+            rep.periodic = periodic_shares(costs, now)
             if now.steps > 0:  # the process's own totals, as its counters read at this point
                 rep.typical_step_seconds = now.step_seconds / now.steps
             if old is not None:
@@ -599,7 +615,38 @@ class History:
                 rep.mfu = rep.mfu / peak if peak > 0 else None
             rep.gpus.sort(key=lambda x: (len(x.gpu), x.gpu))
             out.append(rep)
+        with self._lock:
+            departed = list(self._departed.values())
+        out.extend(departed_report(st, self.instance, snap.timestamp) for st in departed)
         return sorted(out, key=lambda r: (r.run, rank_order(r.rank)))
+
+
+def periodic_shares(points: list[tuple[float, float, dict[str, float]]],
+                    now: _RankPoint) -> dict[str, float]:
+    """Of the wall time since the oldest of ``points`` (those inside the periodic window),
+    the share in each phase outside the steps, as the reading ``periodic``'s rate over the
+    window; {} before a minute of it."""
+    if not points:
+        return {}
+    _, wall, phases = points[0]
+    if now.wall - wall <= 0 or now.t - points[0][0] < SLOW_POINT_SECONDS:
+        return {}
+    return {p: max(0.0, v - phases.get(p, 0.0)) / (now.wall - wall)
+            for p, v in now.phases.items() if p in OUTSIDE_STEP_PHASES}
+
+
+def departed_report(st: RankState, instance: str, now: float) -> RankReport:
+    """A departed rank's report (it ended without a clean close and the ingest's ttl ran
+    out): how and when it ended, as its page lines say, and no readings of its steps."""
+    rep = RankReport("", instance, st.run, st.rank)
+    rep.seconds_since_push = max(0.0, now - st.received_unix)
+    if st.last_step_timestamp is not None:
+        rep.seconds_since_step = max(0.0, now - st.last_step_timestamp)
+    rep.failed = st.failed
+    if st.exit_reason is not None:
+        rep.exit, rep.exit_detail = {st.exit_reason: 1.0}, st.exit_detail
+    rep.world_size = st.world_size
+    return rep
 
 
 def stopped(st: RankState, proc: str = "/proc") -> bool:

@@ -49,6 +49,7 @@ from exporter.serving.profiles import ProfileBoard, parse_report, parse_stacks_r
 
 MAX_CAPABILITIES = 8
 GOODBYE_GRACE_SECONDS = 60.0  # a finished rank's final totals stay this long, for one more scrape
+DEAD_TTL_SECONDS = 3600.0  # a rank that ended without a clean close is reported this long after
 
 # the totals that only grow within one run_id: the required ones; those only where the
 # client sends them (the communication fields where it measures a DDP model); the process's
@@ -421,7 +422,13 @@ def _wall_seconds(old: RankState | None, new: RankState) -> float:
 
 
 class IngestStore:
-    """The live (run, rank) states, bounded in number and expired after ``ttl`` seconds."""
+    """The live (run, rank) states, bounded in number and expired after ``ttl`` seconds.
+
+    A rank that ended without a clean close (silent without a goodbye, or a goodbye that says
+    it failed) is not forgotten when its ``ttl`` runs out: it becomes *departed* for
+    ``dead_ttl`` more seconds, its counters gone and its end kept (when it last pushed, how it
+    ended), so that every surface and its alert still say the run died (:meth:`departed`).
+    A new push of that (run, rank) ends it."""
 
     def __init__(self, max_series: int = 1024, ttl: float = 600.0, token: str | None = None,
                  clock: Callable[[], float] = time.monotonic,
@@ -429,14 +436,19 @@ class IngestStore:
                  alert_interval: float = 3600.0,
                  profiled_alerts: frozenset[str] = frozenset(),
                  rank_interval: float = 0.0,
-                 stack_alerts: dict[str, str] | None = None) -> None:
+                 stack_alerts: dict[str, str] | None = None,
+                 dead_ttl: float = DEAD_TTL_SECONDS) -> None:
         self.max_series = max_series
         self.ttl = ttl
+        self.dead_ttl = dead_ttl
         self._token = token
         self._clock = clock
         self._wall = wall_clock
         self._lock = threading.Lock()
         self._states: dict[tuple[str, str], RankState] = {}
+        # the ranks that ended without a clean close, after their ttl: (their last state, the
+        # monotonic time they are forgotten), oldest first
+        self._departed: dict[tuple[str, str], tuple[RankState, float]] = {}
         self._requests: dict[str, int] = {}
         self.version = 0
         self._next_expiry = math.inf  # no state expires before this (monotonic)
@@ -517,6 +529,7 @@ class IngestStore:
                 new.expires_at = new.received_at + self.ttl
                 message = "ok"
             self._states[key] = new
+            self._departed.pop(key, None)  # it lives again: a new process, or a late push
             self._next_expiry = min(self._next_expiry, new.expires_at)
             self.version += 1
         instructions = self.profiles.on_push(new, new.profile_report, new.stacks_report)
@@ -531,10 +544,21 @@ class IngestStore:
             return
         stale = [k for k, st in self._states.items() if st.expires_at <= now]
         for k in stale:
-            del self._states[k]
-        self._next_expiry = min((st.expires_at for st in self._states.values()),
-                                default=math.inf)
-        if stale:
+            st = self._states.pop(k)
+            if not st.finished and self.dead_ttl > 0:
+                # its end is the news: kept, without its counters, for dead_ttl more
+                self._departed.pop(k, None)
+                self._departed[k] = (st, st.expires_at + self.dead_ttl)
+        gone = [k for k, (_, until) in self._departed.items() if until <= now]
+        for k in gone:
+            del self._departed[k]
+        while len(self._departed) > self.max_series:  # bounded as the live ones: oldest go
+            del self._departed[next(iter(self._departed))]
+        self._next_expiry = min(min((st.expires_at for st in self._states.values()),
+                                    default=math.inf),
+                                min((until for _, until in self._departed.values()),
+                                    default=math.inf))
+        if stale or gone:
             self.version += 1
 
     def states_version(self) -> int:
@@ -548,3 +572,11 @@ class IngestStore:
         with self._lock:
             self._expire_locked()
             return list(self._states.values())
+
+    def departed(self) -> list[RankState]:
+        """The last states of the ranks that ended without a clean close and whose ``ttl``
+        ran out, for ``dead_ttl`` after it: what /metrics, the status page and ``top`` keep
+        saying of a run that died."""
+        with self._lock:
+            self._expire_locked()
+            return [st for st, _ in self._departed.values()]

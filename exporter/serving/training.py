@@ -260,6 +260,9 @@ class TrainingCollector:
             for i, chunk in lines:
                 chunks[i].append(chunk)
         self._left_out &= {(st.run, st.rank) for st in states}  # gone: logged if back
+        for st in sorted(self._store.departed(), key=lambda s: (s.run, s.rank)):
+            for i, chunk in _departed_lines(st):
+                chunks[i].append(chunk)
         self.left_out = left_out
         self._lines = cache  # forgets ranks that are gone
         for name, field in (("gputrain_gpu_unattributed_memory_bytes", 1),
@@ -371,6 +374,19 @@ class _One:
 def _labels(st: RankState) -> str:
     # label names sorted, as prometheus_client writes them; names are validated at ingest
     return f'rank="{st.rank}",run="{st.run}"'
+
+
+# what a departed rank (it ended without a clean close, its ttl ran out) keeps on the page: its
+# end, so that its run's alert holds on for the ingest's dead_ttl; none of its counters
+DEPARTED = ("gputrain_training_last_step_timestamp_seconds",
+            "gputrain_training_last_push_timestamp_seconds", "gputrain_training_finished",
+            "gputrain_training_failed", "gputrain_training_exit_info")
+
+
+def _departed_lines(st: RankState) -> list[tuple[int, str]]:
+    """A departed rank's lines: those of :data:`DEPARTED` it has."""
+    keep = {INDEX[name] for name in DEPARTED}
+    return [(i, line) for i, line in _rank_lines(st) if i in keep]
 
 
 def _rank_lines(st: RankState) -> tuple[tuple[int, str], ...]:
