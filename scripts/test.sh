@@ -7,7 +7,7 @@
 #     [test], [top] and [stacks] (py-spy) extras, and tests/frameworks.txt at its versions (torch, lightning, keras,
 #     transformers, accelerate); the README's quick start names the same list
 #   - nvidia-ml-py at each release of the binding matrix, one small venv each under .venv-nvml/
-#     (scripts/nvml_matrix.sh), where the NVML tests run again
+#     (scripts/nvml_matrix.sh), where the NVML tests run again, beside the suite
 # Usage: scripts/test.sh [extra pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,14 +40,29 @@ $py -m ruff check .
 # client): CI fails on a type error as on a failing test
 $py -m mypy
 
+# the NVML binding matrix runs beside the suite (it needs only .venv), its output kept apart
+matrix_log=$(mktemp)
+bash scripts/nvml_matrix.sh -q >"$matrix_log" 2>&1 &
+matrix=$!
+
+# most of the suite's time is waiting (Prometheus, promtool, torch ranks, Chromium, daemons):
+# parallel workers (pytest-xdist), a test file each at a time, so a module's servers start
+# once; GPUTRAIN_TEST_WORKERS=0 runs it in one process
+workers=${GPUTRAIN_TEST_WORKERS:-4}
+xdist=()
+[ "$workers" = 0 ] || xdist=(-n "$workers" --dist loadfile)
 set +e
-$py -m pytest "$@"
+$py -m pytest "${xdist[@]}" "$@"
 rc=$?
+wait "$matrix"
+matrix_rc=$?
 set -e
+echo "--- the NVML tests under each nvidia-ml-py release of the binding matrix"
+cat "$matrix_log"
+rm -f "$matrix_log"
 if [ "$rc" -eq 5 ]; then
     echo "pytest collected no tests: that is a failure" >&2
     exit 1
 fi
 [ "$rc" -eq 0 ] || exit "$rc"
-# the NVML tests again under each nvidia-ml-py release of the binding matrix (about a minute)
-bash scripts/nvml_matrix.sh -q
+[ "$matrix_rc" -eq 0 ] || exit "$matrix_rc"

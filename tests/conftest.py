@@ -62,11 +62,15 @@ def free_port() -> int:
     """A loopback port nothing listens on, never one this session handed out before: the
     kernel gives a port just released again about once in 10,000 binds, and a daemon's web
     and ingest ports, picked before either is bound, would then collide."""
+    # each pytest-xdist worker takes the ports of its own residue: two workers never hand out
+    # one port, whatever the kernel gives them
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
     while True:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if port not in _PORTS_GIVEN:
+        if port % workers == worker and port not in _PORTS_GIVEN:
             _PORTS_GIVEN.add(port)
             return port
 

@@ -74,13 +74,27 @@ def test_every_alert_has_a_case_that_fires_it_and_one_that_does_not():
     assert any(not c.fires for c in seeds), "a scenario where the rules must stay silent"
 
 
-def test_promtool_unit_tests_pass():
+def test_promtool_unit_tests_pass_for_both_rule_layouts(tmp_path):
+    """Every case through the single file and through the node + global files (a shard's
+    and the global layer's), the two promtool runs side by side."""
     promtool = require_binary("promtool")
-    tests = sorted(str(p) for p in (ROOT / "alerts" / "tests").glob("*.test.yml"))
+    tests = sorted((ROOT / "alerts" / "tests").glob("*.test.yml"))
     assert len(tests) == len(rule_cases.files()) == 3
-    out = subprocess.run([promtool, "test", "rules", *tests], capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.count("SUCCESS") == len(tests)
+    split = tmp_path / "tests"
+    split.mkdir()
+    layout = [f"{ROOT}/alerts/gputrain.{level}.rules.yml" for level in ("node", "global")]
+    for path in tests:
+        doc = yaml.safe_load(path.read_text())
+        assert doc["rule_files"] == ["../gputrain.rules.yml"]
+        doc["rule_files"] = layout
+        (split / path.name).write_text(yaml.safe_dump(doc, sort_keys=False))
+    runs = [subprocess.Popen([promtool, "test", "rules", *map(str, files)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for files in (tests, sorted(split.iterdir()))]
+    for run, name in zip(runs, ("single", "node + global"), strict=True):
+        out = run.communicate()[0]
+        assert run.returncode == 0, f"{name}: {out}"
+        assert out.count("SUCCESS") == len(tests), f"{name}: {out}"
 
 
 @pytest.mark.parametrize("threshold, value, failing_case", [
@@ -89,16 +103,29 @@ def test_promtool_unit_tests_pass():
     ("gpu_busy_target", 0.98, "TensorFlow study, inefficient GPU graph"),
 ])
 def test_the_cases_catch_a_wrong_threshold(tmp_path, threshold, value, failing_case):
-    """The promtool cases are not vacuous: rules with one threshold moved fail them."""
+    """The promtool cases are not vacuous: rules with one threshold moved fail them. Only
+    the case expected to fail runs (each case is a group of its own)."""
     promtool = require_binary("promtool")
     (tmp_path / "gputrain.rules.yml").write_text(render({"thresholds": {threshold: value}}))
     (tmp_path / "tests").mkdir()
+    picked = 0
     for path in (ROOT / "alerts" / "tests").glob("*.test.yml"):
-        (tmp_path / "tests" / path.name).write_text(path.read_text())
-    out = subprocess.run([promtool, "test", "rules", *map(str, (tmp_path / "tests").iterdir())],
-                         capture_output=True, text=True)
-    assert out.returncode != 0
-    assert failing_case in out.stdout + out.stderr
+        doc = yaml.safe_load(path.read_text())
+        doc["tests"] = [t for t in doc["tests"] if failing_case in t.get("name", "")]
+        picked += len(doc["tests"])
+        if doc["tests"]:
+            (tmp_path / "tests" / path.name).write_text(yaml.safe_dump(doc, sort_keys=False))
+    assert picked == 1, f"{failing_case!r} names {picked} cases"
+    files = [str(p) for p in (tmp_path / "tests").iterdir()]
+    moved = subprocess.run([promtool, "test", "rules", *files], capture_output=True,
+                           text=True)
+    assert moved.returncode != 0
+    assert failing_case in moved.stdout + moved.stderr
+    # ... and the same case passes with the shipped rules: it fails for the threshold
+    (tmp_path / "gputrain.rules.yml").write_text(RULES.read_text())
+    shipped = subprocess.run([promtool, "test", "rules", *files], capture_output=True,
+                             text=True)
+    assert shipped.returncode == 0, shipped.stdout + shipped.stderr
 
 
 def test_rules_command_applies_user_thresholds(tmp_path):
