@@ -690,6 +690,48 @@ def alert_cases() -> list[Case]:
              [Fire("GpuTrainLaunchBound", rank_gpu("r", "0", "0", "GPU-a"), "95%"),
               Fire("GpuTrainLaunchBound", rank_gpu("r", "2", "2", "GPU-c"), "95%")],
              fire_at="30m", quiet_at="12m"),
+        Case("GpuTrainLaunchBound judges GPM's SM activity where it is read, power only where "
+             "it is not: GPU 0 at 85% power with SMs 20% active fires, GPU 1 (no GPM) at 20% "
+             "power fires; GPU 2 held at half its clock (25% power, SMs 80% active) and GPU 3 "
+             "(30% power, SMs 35% active) stay silent",
+             {**{k: v for g, u in (("0", "GPU-a"), ("1", "GPU-b"), ("2", "GPU-c"),
+                                   ("3", "GPU-d")) for k, v in gpu_of("gpm", g, g, u).items()},
+              **{sel(m, gpu=g, uuid=u): v
+                 for g, u, watts in (("0", "GPU-a", 595), ("1", "GPU-b", 140),
+                                     ("2", "GPU-c", 175), ("3", "GPU-d", 210))
+                 for m, v in (("gputrain_gpu_busy_seconds_total", ramp(57)),
+                              ("gputrain_gpu_power_watts", flat(watts)),
+                              ("gputrain_gpu_power_limit_watts", flat(700)))},
+              **{sel("gputrain_gpu_sm_active_ratio", gpu=g, uuid=u): flat(x)
+                 for g, u, x in (("0", "GPU-a", 0.2), ("2", "GPU-c", 0.8),
+                                 ("3", "GPU-d", 0.35))}},
+             [Fire("GpuTrainLaunchBound", rank_gpu("gpm", "0", "0", "GPU-a"), "95%"),
+              Fire("GpuTrainLaunchBound", rank_gpu("gpm", "1", "1", "GPU-b"), "95%")],
+             fire_at="30m", quiet_at="12m"),
+        Case("GpuTrainStepTimeStalls judges the exact count of slow steps over the quantiles: "
+             "'accumulate' takes one step in 8 at 4x the median (2 s among 0.5 s: a gradient "
+             "accumulation boundary; in buckets 0.01, 1, 10 s its p99 reads 16x the p50) and "
+             "counts no slow step: silent; 'rare-stall' counts one 30 s step in 200 (20% of the "
+             "wall time) while its p99 stays under 2x the median: fires",
+             {**{sel("gputrain_training_step_duration_seconds_bucket", run=r, rank="0",
+                     le=le): ramp(n)
+                 for r, counts in (("accumulate", (0, 56, 64, 64)),
+                                   ("rare-stall", (0, 96, 96, 96.5)))
+                 for le, n in zip(("0.01", "1.0", "10.0", "+Inf"), counts, strict=True)},
+              **{sel(m, run=r, rank="0"): ramp(v)
+                 for r, steps, step_s, slow, slow_s in (("accumulate", 64, 44, 0, 0),
+                                                        ("rare-stall", 96.5, 60, 0.5, 12))
+                 for m, v in (("gputrain_training_elapsed_seconds_total", 60),
+                              ("gputrain_training_step_duration_seconds_sum", step_s),
+                              ("gputrain_training_step_duration_seconds_count", steps),
+                              ("gputrain_training_slow_steps_total", slow),
+                              ("gputrain_training_slow_step_seconds_total", slow_s))}},
+             # a minute of accumulate: 56 steps of 0.5 s and 8 of 2 s (44 s); p50 at rank 32
+             # of 56 in (0.01, 1] reads 0.58 s, p99 at rank 63.4 in (1, 10] 9.3 s; no step
+             # over 5x the median. rare-stall: 96 steps of 0.5 s and half a 24 s step (60 s),
+             # 12 s of it slow (0.2); its p99 at rank 95.5 of 96.5 stays in (0.01, 1]
+             [Fire("GpuTrainStepTimeStalls", rank("rare-stall"), "0.2")],
+             fire_at="40m", quiet_at="10m"),
         Case("GpuTrainTensorCoresIdle: SMs 80% active and no tensor work; 30% tensor work, or "
              "SMs only 30% active, stay silent",
              {**gpu_of("r", "0", "0", "GPU-a"), **gpu_of("r", "1", "1", "GPU-b"),
@@ -954,6 +996,23 @@ def alert_cases() -> list[Case]:
               sel("gputrain_gpu_memory_total_bytes", gpu="1", uuid="GPU-b"): flat(80e9, 15)},
              [Fire("GpuTrainGPUMemoryNearLimit", gpu("0", "GPU-a"), "97.5%")],
              fire_at="10m", quiet_at="3m"),
+        Case("GpuTrainGPUMemoryNearLimit judges most of the window, not a `for:` each dip "
+             "resets: GPU 0 at 97% two readings in three (80% between) and GPU 3 at 99% three "
+             "in four (50% between) fire; GPU 1 at 97% one reading in three and GPU 2 steady "
+             "at 90% stay silent",
+             {**{sel("gputrain_gpu_memory_used_bytes", gpu=g, uuid=u):
+                 " ".join(num(x * 80e9) for x in (pattern * 30)[:30])
+                 for g, u, pattern in (("0", "GPU-a", [0.97, 0.97, 0.8]),
+                                       ("1", "GPU-b", [0.97, 0.8, 0.8]),
+                                       ("2", "GPU-c", [0.9]),
+                                       ("3", "GPU-d", [0.99, 0.99, 0.99, 0.5]))},
+              **{sel("gputrain_gpu_memory_total_bytes", gpu=g, uuid=u): flat(80e9, 30)
+                 for g, u in (("0", "GPU-a"), ("1", "GPU-b"), ("2", "GPU-c"), ("3", "GPU-d"))}},
+             # any six readings in a row (the 5m window at 1m) hold four of GPU 0's 97% and
+             # four of GPU 3's 99%: the median; GPU 1's hold four of its 80%
+             [Fire("GpuTrainGPUMemoryNearLimit", gpu("0", "GPU-a"), "97%"),
+              Fire("GpuTrainGPUMemoryNearLimit", gpu("3", "GPU-d"), "99%")],
+             fire_at="20m", quiet_at="3m"),
         Case("GpuTrainThrottling: power-capped 25% of the time; sync boost and 5% thermal "
              "slowdown stay silent",
              {sel("gputrain_gpu_clock_event_seconds_total", gpu="0", uuid="GPU-a",

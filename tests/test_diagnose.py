@@ -379,3 +379,25 @@ def test_a_run_whose_every_rank_went_silent_without_a_goodbye_is_stopped_not_a_b
     done = judge([rank("0", 300, finished=True)], T)
     assert (done[0].status, done[0].verdict) == ("finished", "finished")
     assert exit_status(done) == 0
+
+
+@pytest.mark.parametrize("sm, power, launch_bound", [
+    (0.2, 0.85, True),  # GPM says the SMs idle, whatever the power
+    (None, 0.2, True),  # no GPM: power is the proxy
+    (0.8, 0.25, False),  # held at half its clock: little power, every SM busy
+    (0.35, 0.3, False),
+])
+def test_launch_bound_reads_gpm_before_power(sm, power, launch_bound):
+    found = judge_one(report(0.95, 0.01, sm=sm, tensor=0.5, power=power)).findings()
+    assert ("launch-bound" in found) == launch_bound, found
+
+
+@pytest.mark.parametrize("share, p50, p99, stalls", [
+    (0.0, 0.58, 9.3, False),  # a gradient-accumulation boundary: wide buckets, no slow step
+    (None, 0.58, 9.3, True),  # no count pushed: the quantiles are all there is
+    (0.2, 0.5, 0.99, True),  # rare long stalls the p99 never sees
+])
+def test_the_exact_slow_step_count_wins_over_the_quantiles(share, p50, p99, stalls):
+    rep = report(0.95, 0.01)
+    rep.stall_share, rep.step_p50_seconds, rep.step_p99_seconds = share, p50, p99
+    assert ("step-time-stalls" in judge_one(rep).findings()) == stalls

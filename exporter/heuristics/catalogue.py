@@ -1261,11 +1261,13 @@ class LaunchBound(Heuristic):
     severity, for_ = "info", "15m"
     summary = "A GPU is busy but does little work: kernels are too small."
     advice = "Use a larger batch, CUDA graphs or torch.compile, and fuse small ops."
-    fires_when = ("busy >= {launch_busy_above} but power < {launch_power_below} of the limit or "
-                  "SM active < {launch_sm_active_below}, {for}")
+    fires_when = ("busy >= {launch_busy_above} but SM active < {launch_sm_active_below} (GPM), "
+                  "or where GPM is missing power < {launch_power_below} of the limit, {for}")
     why = ("The GPU is busy at least {launch_busy_above} of the time but draws under "
            "{launch_power_below} of its power limit, or its SMs are under "
-           "{launch_sm_active_below} active: many small kernels (low power means idle SMs, as "
+           "{launch_sm_active_below} active (GPM's measure wins: where it is read, power is not "
+           "judged, as a GPU held at half its clock draws little power with every SM busy): "
+           "many small kernels (low power means idle SMs, as "
            "nvidia-smi shows them; a TensorFlow performance study's small-batch case spent "
            "half its step launching kernels). torch.compile gave a PyTorch tuning walk-through "
            "+32 %.")
@@ -1284,15 +1286,18 @@ class LaunchBound(Heuristic):
         return [self.rule(q, "info", f"""{q.busy} >= {t['launch_busy_above']}
             and on ({q.rank}, gpu, uuid)
             (run_rank_gpu:gputrain_gpu_power_limit_used:ratio_avg5m < {t['launch_power_below']}
+               unless on ({q.rank}, gpu, uuid) run_rank_gpu:gputrain_gpu_sm_active_ratio:avg5m
              or run_rank_gpu:gputrain_gpu_sm_active_ratio:avg5m < {t['launch_sm_active_below']})""",
             f"""{q.gpu_who} is busy {{{{ $value | humanizePercentage }}}} of the time but draws
             less than {t['launch_power_below']} of its power limit (or its SMs are less than
             {t['launch_sm_active_below']} active).""")]
 
     def holds_gpu(self, g: GpuReading, t: dict[str, float]) -> str | None:
-        if _v(g.busy, ">=", t["launch_busy_above"]) and (
-                _v(g.power_used, "<", t["launch_power_below"])
-                or _v(g.sm_active, "<", t["launch_sm_active_below"])):
+        # GPM's SM activity is the measure; power only its proxy where GPM is missing (a GPU
+        # whose clock is held at half draws little power with every SM busy)
+        idle_sms = _v(g.sm_active, "<", t["launch_sm_active_below"]) if g.sm_active is not None \
+            else _v(g.power_used, "<", t["launch_power_below"])
+        if _v(g.busy, ">=", t["launch_busy_above"]) and idle_sms:
             return (f"busy {percent(g.busy)} but power {percent(g.power_used)} of the limit, "
                     f"SM active {percent(g.sm_active)}")
         return None
@@ -1421,8 +1426,8 @@ class StepTimeStalls(Heuristic):
                       "one (garbage collection: gc.freeze() after start-up; a synchronisation, "
                       "an evaluation or logging every N steps).")
     fires_when = ("steps over {slow_step_factor} the median take > {stall_time_share} of the "
-                  "wall time over {quantile_window}, or p99 step time > {stall_p99_over_p50} the "
-                  "median, while the rank steps (not where the slow steps are the loader's "
+                  "wall time over {quantile_window} (or, where that count is missing, p99 step "
+                  "time > {stall_p99_over_p50} the median), while the rank steps (not where the slow steps are the loader's "
                   "period: one in its workers' count, within {loader_period_tolerance}, their "
                   "time >= {loader_wait_share} data wait); or, while it runs, checkpoint saves "
                   "> {checkpoint_share} or evaluations > {evaluation_share} of the wall time "
@@ -1430,10 +1435,12 @@ class StepTimeStalls(Heuristic):
     why = ("Rare long stalls are judged by the time they cost: steps more than "
            "{slow_step_factor} the rank's median took more than {stall_time_share} of its wall "
            "time over {quantile_window} (counted by the daemon from the pushed step histogram, "
-           "a lower bound). A stall in under 1 % of the steps (a DataLoader re-created each "
+           "a lower bound, and exact where the quantiles are not: with it, the quantiles are "
+           "not judged). A stall in under 1 % of the steps (a DataLoader re-created each "
            "epoch, a checkpoint every few hundred steps) can cost a fifth of the wall time "
-           "while the p99 never moves. It also fires where the p99 step time is more than "
-           "{stall_p99_over_p50} the median, or checkpoint saves (the phase `checkpoint`, "
+           "while the p99 never moves. Where the count is missing (a Prometheus fed by "
+           "another client), it fires where the p99 step time is more than "
+           "{stall_p99_over_p50} the median; or checkpoint saves (the phase `checkpoint`, "
            "which the client keeps out of step time) take more than {checkpoint_share} of the "
            "wall time, or evaluations (the phase `evaluation`) more than {evaluation_share} (a "
            "TensorFlow performance study: even periodic bottlenecks hurt the average). A "
@@ -1492,7 +1499,8 @@ class StepTimeStalls(Heuristic):
         slow = q.stepping(f"""(run_rank:gputrain_training_slow_step:ratio_rate30m
             > {t['stall_time_share']}
             or on ({q.rank}) (run_rank:gputrain_training_step_seconds:p99_30m
-              > {t['stall_p99_over_p50']} * run_rank:gputrain_training_step_seconds:p50_30m))
+              > {t['stall_p99_over_p50']} * run_rank:gputrain_training_step_seconds:p50_30m
+              unless on ({q.rank}) run_rank:gputrain_training_slow_step:ratio_rate30m))
             unless on ({q.rank}) {loader}""")
         periodic = q.live(f"""{q.periodic('checkpoint')} > {t['checkpoint_share']}
             or on ({q.rank}) {q.periodic('evaluation')} > {t['evaluation_share']}""")
@@ -1521,7 +1529,11 @@ class StepTimeStalls(Heuristic):
                 return (f"steps over {SLOW_STEP_FACTOR:g}x the median take "
                         f"{percent(r.stall_share)} of the wall time")
             p50, p99 = r.step_p50_seconds, r.step_p99_seconds
-            if not periodic and p50 and p99 and p99 > t["stall_p99_over_p50"] * p50:
+            # the quantiles, interpolated inside wide buckets, only where the exact count of
+            # slow steps is missing: a step in 8 at 4x the median (a gradient-accumulation
+            # boundary) can read p99 over 5x p50 in buckets 0.01-1-10 s, and is no stall
+            if not periodic and r.stall_share is None and p50 and p99 and \
+                    p99 > t["stall_p99_over_p50"] * p50:
                 return (f"p99 step time {p99:.3g} s is over {t['stall_p99_over_p50']:g}x the "
                         f"median {p50:.3g} s ({WINDOWS['quantile']})")
         if gone(r, t):
@@ -1739,9 +1751,12 @@ class GPUMemoryNearLimit(Heuristic):
     summary = "A GPU's memory is nearly full."
     advice = ("Use activation checkpointing, AMP, or a smaller micro-batch with gradient "
               "accumulation.")
-    fires_when = "GPU memory used > {memory_near_limit} for {for}"
-    why = ("A GPU's memory is over {memory_near_limit} used: the next larger batch or sequence "
-           "will fail.")
+    fires_when = ("GPU memory used > {memory_near_limit} over most of {rate_window} (its "
+                  "median), for {for}")
+    why = ("A GPU's memory is over {memory_near_limit} used for most of {rate_window} (the "
+           "window's median reading: a GPU at its ceiling two readings in three, freeing a "
+           "little between steps, is at its ceiling; a `for:` on the raw reading would be "
+           "reset by every dip): the next larger batch or sequence will fail.")
     confirm = ("gpu:gputrain_gpu_memory_used:ratio",)
     panel = ('GpuTrain / Node, "GPU memory" (used against total); GpuTrain / Run, "GPU memory '
              'used" ({memory_near_limit} line).')

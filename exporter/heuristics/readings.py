@@ -261,8 +261,11 @@ READINGS = (
     Reading("busy", "rank_gpu", "run_rank_gpu:gputrain_gpu_busy_ratio:rate5m", "rate", """
             sum by ({gpu}) (rate(gputrain_gpu_busy_seconds_total{{{s}}}[{w}]))
             / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{w}]))"""),
-    Reading("memory_used", "rank_gpu", "run_rank_gpu:gputrain_gpu_memory_used:ratio", None, """
-            sum by ({gpu}) (gputrain_gpu_memory_used_bytes{{{s}}})
+    # the memory used as most of the window saw it (its median): a GPU at its ceiling two
+    # readings in three is at its ceiling, whatever the dips between
+    Reading("memory_used", "rank_gpu", "run_rank_gpu:gputrain_gpu_memory_used:ratio", "rate",
+            """
+            sum by ({gpu}) (quantile_over_time(0.5, gputrain_gpu_memory_used_bytes{{{s}}}[{w}]))
             / sum by ({gpu}) (gputrain_gpu_memory_total_bytes{{{s}}})"""),
     Reading("power_used", "rank_gpu", "run_rank_gpu:gputrain_gpu_power_limit_used:ratio_avg5m",
             "rate", """

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 import threading
 import time
 from collections import deque
@@ -87,6 +88,7 @@ class _GpuPoint(NamedTuple):
     # rank owns is (a share counts only while its processes are on the GPU)
     here: frozenset = frozenset()
     stranger_here: bool = False
+    memory: float | None = None  # of its memory, the share used at this cycle
 
 
 class _HostPoint(NamedTuple):
@@ -264,9 +266,11 @@ class History:
             track.errors.append((t, *_error_counts(st)))
         throttle = sum(st.clock_event_seconds.get(r, 0.0) for r in THROTTLE_REASONS)
         link = s.pcie_link_current_bytes_per_second if s is not None and st.up else None
+        memory = s.memory_used_bytes / s.memory_total_bytes if s is not None and st.up and \
+            s.memory_total_bytes and s.memory_used_bytes is not None else None
         point = _GpuPoint(t, st.sampled_seconds, st.busy_seconds, st.pcie_rx_bytes,
                           st.pcie_tx_bytes, throttle, *sums, ranks_busy, unattributed, link,
-                          *here)
+                          *here, memory)
         track.previous, track.current = track.current, point
         if not track.points or t - track.points[-1].t >= self.point_seconds:
             track.points.append(point)
@@ -442,6 +446,12 @@ class History:
                     links = [p.link for p in (*tr.points, now)
                              if p.t >= old.t and p.link is not None]
                     reading.pcie_link_now = max(links) if links else None
+                    # the memory as most of the window saw it, as quantile_over_time(0.5)
+                    # reads it: a GPU at its ceiling two readings in three is at its ceiling
+                    used = [p.memory for p in (*tr.points, now)
+                            if p.t >= old.t and p.memory is not None]
+                    if used and s is not None:
+                        reading.memory_used = statistics.median(used)
                     _gpu_window(reading, old, now, s)
                 rates: dict[str, float | None] = {"rx": None, "tx": None}
                 prev = tr.previous
