@@ -52,7 +52,7 @@ workers=${GPUTRAIN_TEST_WORKERS:-4}
 xdist=()
 [ "$workers" = 0 ] || xdist=(-n "$workers" --dist loadfile)
 set +e
-$py -m pytest "${xdist[@]}" "$@"
+$py -m pytest "${xdist[@]}" --durations=25 "$@"
 rc=$?
 wait "$matrix"
 matrix_rc=$?

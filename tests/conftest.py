@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -56,23 +57,41 @@ NO_HOST = tuple(f"--no-collector.{name}" for name, entry in COLLECTORS.items()
 
 
 _PORTS_GIVEN: set[int] = set()
+# the listening ports tests hand out lie below the kernel's ephemeral range, so no outgoing
+# connection takes one between its choice and its bind; each pytest-xdist worker has its own
+# slice of them, so two workers never hand out one port
+_PORTS_LOW = 20000
+
+
+def _port_slice() -> range:
+    try:
+        high = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        high = 32768
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    span = (max(high, _PORTS_LOW + 1000) - _PORTS_LOW) // workers
+    return range(_PORTS_LOW + worker * span, _PORTS_LOW + (worker + 1) * span)
 
 
 def free_port() -> int:
-    """A loopback port nothing listens on, never one this session handed out before: the
-    kernel gives a port just released again about once in 10,000 binds, and a daemon's web
-    and ingest ports, picked before either is bound, would then collide."""
-    # each pytest-xdist worker takes the ports of its own residue: two workers never hand out
-    # one port, whatever the kernel gives them
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
-    while True:
+    """A loopback port nothing listens on, never one this session handed out before (a
+    daemon's web and ingest ports, picked before either is bound, must differ), from this
+    worker's own slice below the ephemeral range."""
+    ports = _port_slice()
+    start = random.randrange(len(ports))
+    for i in range(len(ports)):
+        port = ports[(start + i) % len(ports)]
+        if port in _PORTS_GIVEN:
+            continue
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port % workers == worker and port not in _PORTS_GIVEN:
-            _PORTS_GIVEN.add(port)
-            return port
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    raise RuntimeError(f"no free port in {ports}")
 
 
 def require_binary(name: str, *alternatives: str,
@@ -449,6 +468,13 @@ def _starts_something(func, module, depth: int = 3, seen: set | None = None) -> 
     return False
 
 
+# the test files that take longest, longest first (bench/RESULTS.md, "The suite's time")
+SLOW_FIRST = ("test_hangs.py", "test_comm.py", "test_location.py", "test_regime.py",
+              "test_rules.py", "test_agreement.py", "test_scaleout.py", "test_stacks.py",
+              "test_tour.py", "test_abuse.py", "test_profile.py", "test_page.py",
+              "test_exit.py", "test_accuracy.py")
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """Mark every test that starts a process, server or socket (itself, through a fixture, or
     through a helper of its module) ``integration``: ``pytest -m "not integration"`` is the
@@ -463,3 +489,7 @@ def pytest_collection_modifyitems(config, items) -> None:
                 funcs.append(fixturedef.func)
         if any(_starts_something(f, inspect.getmodule(f) or module) for f in funcs):
             item.add_marker(pytest.mark.integration)
+    # the files that wait longest first, so parallel workers (scripts/test.sh) do not end on
+    # one of them alone; the rest in their order
+    first = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: first.get(Path(str(item.fspath)).name, len(first)))
