@@ -238,6 +238,50 @@ def periodic_rank(run: str, phase: str, every: int, lasts: int, start: int = 10,
             sel("gputrain_training_last_push_timestamp_seconds", **where): ramp(60, minutes)}
 
 
+def regime_steps(run: str, parts: list[tuple[int, int, int]],
+                 changed: int | None = None) -> dict[str, str]:
+    """Rank 0 of ``run`` by minutes: each part is (steps under 0.25 s, steps in (2.5, 10] s,
+    minutes); where the first part's steps are 30 a minute they take 2 s each, in (1, 2.5].
+    ``changed``: the minute from which the exporter exports where its regime began."""
+    where = {"run": run, "rank": "0"}
+    les = ("0.25", "1.0", "2.5", "10.0", "+Inf")
+
+    def per_minute(fast: int, stalls: int, le: str) -> int:
+        slow2 = fast == 30  # the 2 s steps of an old regime
+        if le == "0.25":
+            return 0 if slow2 else fast
+        if le == "1.0":
+            return 0 if slow2 else fast
+        return fast + (stalls if le in ("10.0", "+Inf") else 0)
+
+    out = {sel("gputrain_training_step_duration_seconds_bucket", le=le, **where):
+           segments([(per_minute(f, x, le), m) for f, x, m in parts]) for le in les}
+    out[sel("gputrain_training_step_duration_seconds_count", **where)] = \
+        segments([(f + x, m) for f, x, m in parts])
+    out[sel("gputrain_training_step_duration_seconds_sum", **where)] = \
+        segments([(60, m) for _, _, m in parts])
+    if changed is not None:
+        total = sum(m for _, _, m in parts)
+        out[sel("gputrain_training_regime_start_timestamp_seconds", **where)] = \
+            f"_x{changed} {changed * 60}x{total - changed - 1}"
+    return out
+
+
+def swapping_node(node: str, iowait: float, swap_mib: float) -> dict[str, str]:
+    """A run named after ``node`` waiting half of each step for data, on that node (its 8
+    CPUs 30 % busy, ``iowait`` waiting on I/O), which swaps ``swap_mib`` MiB/s in and out."""
+    where = {"instance": f"{node}:19400"}
+    per_min = 8 * 60
+    return {**run_steps(node, 0.5, **where),
+            sel("gputrain_host_cpu_seconds_total", mode="user", **where): ramp(per_min * 0.3),
+            sel("gputrain_host_cpu_seconds_total", mode="iowait", **where):
+                ramp(per_min * iowait),
+            sel("gputrain_host_cpu_seconds_total", mode="idle", **where):
+                ramp(per_min * (0.7 - iowait)),
+            sel("gputrain_host_swap_in_bytes_total", **where): ramp(swap_mib * 2**20 * 30),
+            sel("gputrain_host_swap_out_bytes_total", **where): ramp(swap_mib * 2**20 * 30)}
+
+
 def tree_leak(who: dict[str, str]) -> dict[str, str]:
     """The labels of a rank's GpuTrainHostMemoryLeak from its process tree's memory."""
     return {**who, "evidence": "process"}
@@ -585,6 +629,19 @@ def alert_cases() -> list[Case]:
               sel("gputrain_host_disk_io_time_seconds_total", device="nvme0n1"): ramp(57)},
              [Fire("GpuTrainInputBound", rank("disk"), "50%", "warning"),
               Fire("GpuTrainDiskIOBound", rank("disk"), "50%")]),
+        Case("GpuTrainHostMemoryPressure, the cause before its symptom: a rank waiting 50% "
+             "for data on n2 (30% iowait, swapping 20 MiB/s) and on n3 (swapping 20 MiB/s, no "
+             "iowait) is memory pressure, not disk; with 30% iowait and no swap on n4, or 1 "
+             "MiB/s of it on n5, it is disk I/O",
+             {k: v for node, iowait, swap_mib in (("n2", 0.3, 20), ("n3", 0.0, 20),
+                                                  ("n4", 0.3, 0), ("n5", 0.3, 1))
+              for k, v in swapping_node(node, iowait, swap_mib).items()},
+             [*(Fire("GpuTrainInputBound", rank(node, instance=f"{node}:19400"), "50%",
+                     "warning") for node in ("n2", "n3", "n4", "n5")),
+              Fire("GpuTrainHostMemoryPressure", rank("n2", instance="n2:19400"), "50%"),
+              Fire("GpuTrainHostMemoryPressure", rank("n3", instance="n3:19400"), "50%"),
+              Fire("GpuTrainDiskIOBound", rank("n4", instance="n4:19400"), "50%"),
+              Fire("GpuTrainDiskIOBound", rank("n5", instance="n5:19400"), "50%")]),
         Case("GpuTrainNetworkInputBound: input-bound while eth0 receives 88% of 10 Gbit/s",
              {**run_steps("net", 0.778), **run_steps("ok", 1 / 60), **host_cpu(50 / 120),
               sel("gputrain_host_network_received_bytes_total", interface="eth0"):
@@ -846,6 +903,20 @@ def alert_cases() -> list[Case]:
               Fire("GpuTrainStepTimeStalls", rank("eval-heavy"), "0.333"),
               Fire("GpuTrainDataLoaderRestarts", rank("epoch-start"), "10%")],
              fire_at="75m", quiet_at="5m"),
+        Case("GpuTrainStepTimeStalls reads the tail of the current regime: 'fixed' ran 2 s "
+             "steps for 20 minutes, then 0.2 s ones (the exporter saw its pace change at 20m): "
+             "at 45m its 30-minute p99 would still hold the old steps, and it stays silent; "
+             "'stalling' changed pace too and stalls 6 steps in 300 in its new regime, as "
+             "'steady-stall' does from the start: both fire",
+             {**regime_steps("fixed", [(30, 0, 20), (300, 0, 40)], changed=20),
+              **regime_steps("stalling", [(30, 0, 20), (294, 6, 40)], changed=20),
+              **regime_steps("steady-stall", [(294, 6, 60)])},
+             # over any window of the new regime a minute holds 294 steps under 0.25 s and 6
+             # in (2.5, 10]: p99 at rank 297 of 300 reads 2.5 + 7.5 * 3 / 6 = 6.25 s, p50
+             # 0.128 s. 'fixed' over its new regime alone: p99 0.2475 s, p50 0.125 s
+             [Fire("GpuTrainStepTimeStalls", rank("stalling"), "6.25"),
+              Fire("GpuTrainStepTimeStalls", rank("steady-stall"), "6.25")],
+             fire_at="45m", quiet_at="10m"),
         Case("GpuTrainStepTimeStalls: a 60 s stall every 5 minutes among 1 s steps (0.4% of "
              "the steps: p99 stays at 1 s) costs 20% of the wall time; one of 15 s (5%) does "
              "not",

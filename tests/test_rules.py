@@ -221,7 +221,7 @@ def test_levels_split_the_rules_by_where_they_are_evaluated(fmt):
     node, glob, every = (_rules_of(level, fmt=fmt) for level in ("node", "global", "all"))
     # the alerts that span a run's ranks, and so its nodes
     across = {"GpuTrainStragglerRank", "GpuTrainRunVanished", "GpuTrainCommunicationBound",
-              "GpuTrainRunHung", "GpuTrainRunFailed"}
+              "GpuTrainRunHung", "GpuTrainRunFailed", "GpuTrainStalled"}
     assert {r["alert"] for r in glob} == across
     assert not [r for r in glob if "record" in r]
     assert not across & {r.get("alert") for r in node}
@@ -243,7 +243,10 @@ def test_run_labels_group_runs_and_never_job(tmp_path):
     cfg.write_text("run_labels: [cluster, run]\n")
     rules = {r.get("alert") or r.get("record"): r for r in _rules_of("all", str(cfg))}
     straggler = rules["GpuTrainStragglerRank"]["expr"]
-    assert "quantile by (cluster, run)" in straggler and "job" not in straggler
+    # the run's medians group by the run labels, never by job (a rank is matched with its
+    # own series on every label it has, job included)
+    assert set(re.findall(r"quantile by \(([^)]*)\)", straggler)) == {"cluster, run"}
+    assert set(re.findall(r"on \(([^)]*)\) group_left", straggler)) == {"cluster, run"}
     assert "sum by (cluster, job, instance, run, rank)" in \
         rules["run_rank:gputrain_training_data_wait_ratio:rate5m"]["expr"]
     assert "(cluster {{ $labels.cluster }})" in \

@@ -648,8 +648,14 @@ class RunHung(Heuristic):
         if not live or in_phase(ranks, t) or not all(rank_hung(r, t) for r in live):
             return {}
         line = hang_line(live)
-        return {id(r): f"no step for {r.step_in_progress:.0f} s (its pace allows "
-                       f"{hung_limit(r, t):.0f} s); {line}" for r in live}
+        out = {id(r): f"no step for {r.step_in_progress:.0f} s (its pace allows "
+                      f"{hung_limit(r, t):.0f} s); {line}" for r in live}
+        # a rank of the run that went silent without a goodbye is part of the hang (the
+        # alert is the run's): the peer the live ones wait for, gone mid-step
+        out.update({id(r): f"silent for {_ago(r.seconds_since_push)} without a goodbye while "
+                           "its run's live ranks hang: they may wait for it"
+                    for r in ranks if not alive(r, t) and not r.ended})
+        return out
 
 
 def hang_line(ranks: list[RankReport]) -> str:
@@ -904,6 +910,53 @@ class CPUQuotaBound(Heuristic):
         return None
 
 
+class HostMemoryPressure(Heuristic):
+    alert, verdict = "GpuTrainHostMemoryPressure", "memory-pressure"
+    severity, for_ = "warning", "10m"
+    summary = ("A training run is input-bound because its node is out of memory and swaps: "
+               "the busy disk is paging, not data.")
+    advice = ("Free the node's memory before tuning storage: a data set held in Python lists or "
+              "dicts is copied into every DataLoader worker as it is read (hold it in numpy "
+              "arrays or a memory-mapped file), fewer workers or a smaller prefetch_factor, no "
+              "second copy of the data in each rank, or a node with more memory (`free -h`, "
+              "`vmstat 1`: si and so).")
+    fires_when = ("input-bound and the node swapping >= {swap_mib_per_second} MiB/s (in and "
+                  "out)")
+    why = ("Input-bound while the node swaps pages in and out at {swap_mib_per_second} MiB a "
+           "second or more (/proc/vmstat's pswpin and pswpout): the node's memory is "
+           "exhausted, and what looks like a slow disk (iowait, a busy swap device) is the "
+           "paging. The cause comes before its symptom: this verdict outranks CPU "
+           "preprocessing and disk I/O, and `GpuTrainDiskIOBound` does not fire on a swapping "
+           "node. A faster disk would not help; less memory per worker would.")
+    confirm = ("instance:gputrain_host_swap_bytes:rate5m",
+               "instance:gputrain_host_memory_available_bytes:sum")
+    panel = ('GpuTrain / Node, "Memory" (available near zero) beside "CPU by mode" (iowait); '
+             '`gputrain_host_swap_in_bytes_total` and `_out_` rising.')
+    thresholds = {"swap_mib_per_second": Threshold(
+        4.0, "count", "our choice, in MiB/s: 1,024 pages of 4 KiB a second, sustained, is a "
+                      "node that pages as it trains (vmstat's si + so)")}
+
+    def rules(self, q: Q) -> list[dict]:
+        return [self.rule(q, "warning", f"""({q.wait} >= {q.t['input_bound']}) and on ({q.node})
+            instance:gputrain_host_swap_bytes:rate5m >= {q.t['swap_mib_per_second'] * 2**20:g}""",
+            f"""{q.who} waits {{{{ $value | humanizePercentage }}}} of each step for data while
+            its node swaps {q.t['swap_mib_per_second']:g} MiB a second or more: its memory
+            is exhausted.""")]
+
+    def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
+        swap = r.host.get("swap_rate")
+        if _v(r.data_wait_ratio, ">=", t["input_bound"]) and \
+                _v(swap, ">=", t["swap_mib_per_second"] * 2**20):
+            return (f"data wait {percent(r.data_wait_ratio)} of each step while the node swaps "
+                    f"{(swap or 0) / 2**20:.1f} MiB/s")
+        return None
+
+
+def swapping(r: RankReport, t: dict[str, float]) -> bool:
+    """The rank's node swaps at the memory-pressure line: its iowait is paging."""
+    return _v(r.host.get("swap_rate"), ">=", t["swap_mib_per_second"] * 2**20)
+
+
 class CPUPreprocessingBound(Heuristic):
     alert, verdict = "GpuTrainCPUPreprocessingBound", "cpu-preprocessing"
     severity, for_ = "warning", "10m"
@@ -944,7 +997,7 @@ class DiskIOBound(Heuristic):
     advice = ("Cache the data set in memory or on local NVMe, use larger sequential reads or "
               "more reader threads.")
     fires_when = ("input-bound, iowait >= {iowait_high} or a disk busy >= {disk_busy_high}, CPU "
-                  "not saturated")
+                  "not saturated, the node not swapping ({swap_mib_per_second} MiB/s or more)")
     why = ("Input-bound while the CPUs wait on I/O (iowait >= {iowait_high}) or a disk is "
            "{disk_busy_high} busy, and the CPUs are not saturated (a profiling guide's sign of a "
            "disk bottleneck: high disk I/O with low CPU use, in iostat and iotop).")
@@ -963,14 +1016,16 @@ class DiskIOBound(Heuristic):
         return [self.rule(q, "warning", f"""({q.wait} >= {t['input_bound']})
             and on ({q.node}) ({q.refined(REFINED['iowait'], 'iowait_high')}
                  or {q.refined(REFINED['disk_busy'], 'disk_busy_high')})
-            and on ({q.node}) {q.unrefined(REFINED['cpu_busy'], 'cpu_saturated')}""",
+            and on ({q.node}) {q.unrefined(REFINED['cpu_busy'], 'cpu_saturated')}
+            unless on ({q.node}) instance:gputrain_host_swap_bytes:rate5m
+              >= {t['swap_mib_per_second'] * 2**20:g}""",
             f"""{q.who} waits {{{{ $value | humanizePercentage }}}} of each step for data while
             the node waits on its disks (iowait >= {t['iowait_high']} or a disk busy >=
             {t['disk_busy_high']}) and the CPUs are not saturated.""")]
 
     def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
         iowait, disk = (r.host.get(k) for k in ("iowait", "disk_busy"))
-        if _v(r.data_wait_ratio, ">=", t["input_bound"]) and \
+        if _v(r.data_wait_ratio, ">=", t["input_bound"]) and not swapping(r, t) and \
                 unrefined(r, "cpu_busy", "cpu_saturated", t) and \
                 (refined(r, "iowait", "iowait_high", t) or
                  refined(r, "disk_busy", "disk_busy_high", t)):
@@ -1875,7 +1930,7 @@ CATALOGUE: tuple[Heuristic, ...] = (
     GPULost(), XidErrors(), GPUMemoryFault(), CollectorFailing(), ExporterDown(),
     CollectorStale(), RunFailed(), RunVanished(), RunRestarting(),
     RunHung(), Stalled(), GPUShared(), PCIeLinkDegraded(),
-    CPUQuotaBound(), CPUPreprocessingBound(), DiskIOBound(), NetworkInputBound(), InputBound(),
+    CPUQuotaBound(), HostMemoryPressure(), CPUPreprocessingBound(), DiskIOBound(), NetworkInputBound(), InputBound(),
     DataLoaderRestarts(), CommunicationBound(),
     HostToDeviceBound(), HostOverheadBound(), LaunchBound(), TensorCoresIdle(), LowMFU(),
     GPUMemoryUnderused(), StepTimeStalls(), StragglerRank(), HostMemoryLeak(),

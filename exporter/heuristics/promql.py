@@ -14,7 +14,14 @@ import re
 from typing import Any
 
 from exporter.config import parse_duration
-from exporter.heuristics.readings import BY_FIELD, WINDOWS, Scope, of_scope, window_seconds
+from exporter.heuristics.readings import (
+    BY_FIELD,
+    READINGS,
+    WINDOWS,
+    Scope,
+    of_scope,
+    window_seconds,
+)
 from exporter.protocol import OUTSIDE_STEP_PHASES
 
 # the phases that are part of a step (evaluation, checkpoint saves and start-up are not)
@@ -161,6 +168,11 @@ REGIME_START = BY_FIELD["regime_changed_seconds"].record
 OPEN = BY_FIELD["step_in_progress"].record
 TYPICAL = BY_FIELD["typical_step_seconds"].record  # the process's mean step: no open step in it
 REGIME_SHORT = "run_rank:gputrain_training_regime_age_seconds:short_window"
+# ... and while it is younger than the quantile window: its percentiles and stall share are
+# read over the rate window (over the regime window where REGIME_SHORT holds), never over
+# old-regime steps
+REGIME_YOUNG = "run_rank:gputrain_training_regime_age_seconds:quantile_window"
+QUANTILE_RECORDS = frozenset(x.record for x in READINGS if x.window == "quantile")
 GPU_BUSY, GPU_BUSY_REGIME = "gpu:gputrain_gpu_busy_ratio:rate5m", "gpu:gputrain_gpu_busy_ratio:rate1m"
 RANK_GPU_BUSY = "run_rank_gpu:gputrain_gpu_busy_ratio:rate5m"
 # over the rate window whatever the regime: whether the window straddles a restart
@@ -172,7 +184,8 @@ def regime_rules(s: str, ids: Identity, r: str = WINDOWS["rate"]) -> list[dict]:
     :data:`REGIME_START`) fills it and is younger than ``r``
     (:func:`exporter.heuristics.regime.short_window` is the same condition)."""
     young, window = window_seconds("regime"), parse_duration(r)
-    return [_rec(REGIME_SHORT, f"(time() - {REGIME_START}) >= {young:g} < {window:g}")]
+    return [_rec(REGIME_SHORT, f"(time() - {REGIME_START}) >= {young:g} < {window:g}"),
+            _rec(REGIME_YOUNG, f"(time() - {REGIME_START}) < {window_seconds('quantile'):g}")]
 
 
 def regime_selected(short: str, long: str, ids: Identity) -> str:
@@ -182,19 +195,34 @@ def regime_selected(short: str, long: str, ids: Identity) -> str:
             f"(({long}) unless on ({ids.rank}) {REGIME_SHORT})")
 
 
+def quantile_selected(short: str, medium: str, long: str, ids: Identity) -> str:
+    """A quantile-window reading (percentiles, the stall share): over the regime window where
+    the regime is that young (:data:`REGIME_SHORT`), over the rate window (``medium``) while
+    it is younger than the quantile window, over the quantile window elsewhere: after a change
+    of pace, the tail is the new regime's too."""
+    return (f"(({short}) and on ({ids.rank}) {REGIME_SHORT}) or "
+            f"(({medium}) and on ({ids.rank}) {REGIME_YOUNG} "
+            f"unless on ({ids.rank}) {REGIME_SHORT}) or "
+            f"(({long}) unless on ({ids.rank}) {REGIME_YOUNG})")
+
+
 def recording(s: str, ids: Identity, r: str = WINDOWS["rate"]) -> list[dict]:
     """Recording rules: level:metric:operation. Ratios divide separately-summed counters over
     ``r``, or over the regime window for a rank whose run changed pace less than ``r`` ago
     (:mod:`exporter.heuristics.regime`); the step-time percentiles take the quantile window.
     Each rule comes after the rules whose series it reads."""
-    short = {x["record"]: x["expr"] for x in _windowed(s, ids, WINDOWS["regime"])}
+    regime = WINDOWS["regime"]
+    short = {x["record"]: x["expr"] for x in _windowed(s, ids, regime, quantile=regime)}
     short[RANK_GPU_BUSY] = " ".join(rank_gpu_join(s, GPU_BUSY_REGIME, ids).split())
+    medium = {x["record"]: x["expr"] for x in _readings("rank", s, ids, r, quantile=r)}
     out = regime_rules(s, ids, r)
     for rule in _windowed(s, ids, r):
         name, expr = rule["record"], rule["expr"]
         if name == GPU_BUSY:
             out.append(_rec(GPU_BUSY_REGIME, short[GPU_BUSY]))
-        if name.startswith("run_rank") and name not in _NOT_SELECTED and short[name] != expr:
+        if name in QUANTILE_RECORDS:
+            rule = _rec(name, quantile_selected(short[name], medium[name], expr, ids))
+        elif name.startswith("run_rank") and name not in _NOT_SELECTED and short[name] != expr:
             rule = _rec(name, regime_selected(short[name], expr, ids))
         out.append(rule)
     return _in_order(out)
@@ -261,24 +289,28 @@ def _fragments(s: str, ids: Identity, w: str) -> dict[str, str]:
             "data_wait_cause": DATA_WAIT_CAUSE, "outside_steps_cause": OUTSIDE_STEPS_CAUSE}
 
 
-def _readings(scope: Scope, s: str, ids: Identity, r: str) -> list[dict]:
+def _readings(scope: Scope, s: str, ids: Identity, r: str,
+              quantile: str = WINDOWS["quantile"]) -> list[dict]:
     """The recording rule of each reading of ``scope`` (:data:`READINGS`), over its window
-    (``r`` for the rate window); a GPU reading's per-GPU series."""
+    (``r`` for the rate window, ``quantile`` for the quantile window); a GPU reading's
+    per-GPU series."""
     out = []
     for x in of_scope(scope):
-        w = r if x.window == "rate" else WINDOWS.get(x.window or "", "")
+        w = r if x.window == "rate" else quantile if x.window == "quantile" else \
+            WINDOWS.get(x.window or "", "")
         out.append(_rec(x.gpu_record if scope == "rank_gpu" else x.record,
                         x.expr.format(**_fragments(s, ids, w))))
     return out
 
 
-def _windowed(s: str, ids: Identity, r: str) -> list[dict]:
-    """The recording rules with every ratio and mean over ``r``: the readings', and those of
-    the series beside them that alerts, dashboards and readings read."""
+def _windowed(s: str, ids: Identity, r: str, quantile: str = WINDOWS["quantile"]) -> list[dict]:
+    """The recording rules with every ratio and mean over ``r`` (the quantile readings over
+    ``quantile``): the readings', and those of the series beside them that alerts, dashboards
+    and readings read."""
     rank, gpu, f = ids.rank, ids.gpu, _fragments(s, ids, r)
     gpu_power = "gpu:gputrain_gpu_power_watts:rate5m"
     return [
-        *_readings("rank", s, ids, r),
+        *_readings("rank", s, ids, r, quantile),
         # how often each rank's process was replaced in the rate window: rates across a
         # restart are no bottleneck (recorded, so that global rules may read it too)
         _rec("run_rank:gputrain_training_restarts:resets5m", restarts(s, ids, r)),

@@ -308,6 +308,11 @@ READINGS = (
             refined=True),
     Reading("memory_available", "node", "instance:gputrain_host_memory_available_bytes:sum", None,
             "sum by ({node}) (gputrain_host_memory_available_bytes{{{s}}})"),
+    # bytes a second swapped in and out: a node out of memory pages to disk, which reads as
+    # iowait and a busy disk (memory pressure, not a slow data set)
+    Reading("swap_rate", "node", "instance:gputrain_host_swap_bytes:rate5m", "rate", """
+            sum by ({node}) (rate(gputrain_host_swap_in_bytes_total{{{s}}}[{w}]))
+            + sum by ({node}) (rate(gputrain_host_swap_out_bytes_total{{{s}}}[{w}]))"""),
     Reading("iowait", "node", "instance:gputrain_host_cpu_iowait:ratio_rate5m", "rate", """
             sum by ({node}) (rate(gputrain_host_cpu_seconds_total{{{s},mode="iowait"}}[{w}]))
             / sum by ({node}) (rate(gputrain_host_cpu_seconds_total{{{s}}}[{w}]))""",

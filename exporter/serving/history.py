@@ -98,6 +98,7 @@ class _HostPoint(NamedTuple):
     cpu_iowait: float
     disks: dict[str, tuple[float, float, float | None]]  # read, written, io time
     nics: dict[str, tuple[float, float]]  # received, transmitted
+    swapped: float | None = None  # bytes swapped in and out since boot
 
 
 class _RankPoint(NamedTuple):
@@ -282,9 +283,14 @@ class History:
                  for d, r in (snap.host.get("disk") or {}).items()}
         nics = {n: (r.received_bytes, r.transmitted_bytes)
                 for n, r in (snap.host.get("network") or {}).items()}
+        mem = snap.host.get("memory")
+        swapped = None
+        if mem is not None and mem.swapped_in_bytes is not None and \
+                mem.swapped_out_bytes is not None:
+            swapped = mem.swapped_in_bytes + mem.swapped_out_bytes
         point = _HostPoint(t, sum(modes.values()) if modes else None,
                            modes.get("idle", 0.0) + modes.get("iowait", 0.0),
-                           modes.get("iowait", 0.0), disks, nics)
+                           modes.get("iowait", 0.0), disks, nics, swapped)
         self._host_previous, self._host_current = self._host_current, point
         if not self._host or t - self._host[-1].t >= self.point_seconds:
             self._host.append(point)
@@ -561,10 +567,9 @@ class History:
             if age is not None and age < self.window:
                 rep.regime_changed_seconds = age
             short_busy: dict = {}
-            whole = None  # the window's, where the rates are the young regime's alone
+            # a young regime is read alone: its rates, and its step-time percentiles and
+            # stall share too (the rules' quantile_selected), never the old regime's tail
             if short is not None and short.t < now.t and old is not None:
-                whole = RankReport("", "", st.run, st.rank)
-                _rank_window(whole, old, now, st.bucket_bounds)
                 old = short
                 if old.t not in shorter:
                     shorter[old.t] = self.gpu_readings(old.t)
@@ -573,12 +578,6 @@ class History:
                 _rank_window(rep, old, now, st.bucket_bounds)
                 rep.loader_workers = st.loader_workers
                 _cpu_window(rep, old, now, st.process.get("cpu_allowance_cores"))
-            if whole is not None:
-                # the step-time percentiles and the stall share stay over the window, as the
-                # rules keep theirs over 30m whatever the regime
-                rep.step_p50_seconds, rep.step_p99_seconds = \
-                    whole.step_p50_seconds, whole.step_p99_seconds
-                rep.stall_share = whole.stall_share
             if st.last_step_timestamp is not None:
                 rep.seconds_since_step = max(0.0, snap.timestamp - st.last_step_timestamp)
             rep.seconds_since_push = max(0.0, snap.timestamp - st.received_unix)
@@ -684,6 +683,8 @@ def _host_ratios(old: _HostPoint | None, now: _HostPoint, snap: Snapshot | None,
         total = now.cpu_total - old.cpu_total
         out["cpu_busy"] = 1 - (now.cpu_idle - old.cpu_idle) / total
         out["iowait"] = (now.cpu_iowait - old.cpu_iowait) / total
+    if now.swapped is not None and old.swapped is not None:
+        out["swap_rate"] = max(0.0, now.swapped - old.swapped) / dt
     busy = [(n[2] - o[2]) / dt for d, n in now.disks.items()
             if (o := old.disks.get(d)) is not None and None not in (n[2], o[2])]
     if busy:
