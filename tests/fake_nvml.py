@@ -289,6 +289,9 @@ class FakeGpu:
     clock_events_ns: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("sw_power_cap", "sync_boost", *_CLOCK_EVENTS), 0))
     violation_ns: dict[str, int] = field(default_factory=dict)
+    # nvmlDeviceGetCurrentClocksEventReasons' bitmask (nvmlClocksEventReason*), None: not
+    # supported
+    clock_event_reasons: int | None = None
     # power smoothing (Blackwell-era field values): preset number, percent, mW/s
     power_smoothing: dict[str, int] = field(default_factory=lambda: {
         "enabled": 1, "active_preset": 2, "admin_percent_tmp_floor": 40,
@@ -932,6 +935,14 @@ class FakeDriver:
     def _c_nvmlDeviceGetRetiredPagesPendingStatus(self, handle: Any, out: Any) -> int:
         return self._uint_out("nvmlDeviceGetRetiredPagesPendingStatus", handle, out,
                               lambda g: None if g.retired_pages is None else g.retired_pending)
+
+    def _c_nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any, out: Any) -> int:
+        return self._uint_out("nvmlDeviceGetCurrentClocksEventReasons", handle, out,
+                              lambda g: g.clock_event_reasons, ctype=c_ulonglong)
+
+    def _c_nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: Any, out: Any) -> int:
+        return self._uint_out("nvmlDeviceGetCurrentClocksThrottleReasons", handle, out,
+                              lambda g: g.clock_event_reasons, ctype=c_ulonglong)
 
     def _c_nvmlDeviceGetViolationStatus(self, handle: Any, policy: Any, out: Any) -> int:
         g = self._dev("nvmlDeviceGetViolationStatus", handle)

@@ -1084,6 +1084,24 @@ def alert_cases() -> list[Case]:
              [Fire("GpuTrainGPUMemoryNearLimit", gpu("0", "GPU-a"), "97%"),
               Fire("GpuTrainGPUMemoryNearLimit", gpu("3", "GPU-d"), "99%")],
              fire_at="20m", quiet_at="3m"),
+        Case("GpuTrainThrottling on every driver: GPU 0, slowed by its hardware 25% of the time "
+             "(hw_slowdown, from the reasons bitmask of a driver before 575), and GPU 1, at "
+             "half its identical peers' SM clock while 90% busy with no reason given, fire; GPU "
+             "2 at 90% of its peers' clock, and GPU 3 at half of it but 10% busy, stay silent",
+             {**{sel("gputrain_gpu_info", gpu=g, uuid=f"GPU-{g}", name="NVIDIA H100 80GB HBM3",
+                     pci_bus_id=f"0000:0{g}:00.0", driver_version="550.54.15",
+                     backend="nvml"): flat(1, 30) for g in "01234"},
+              **{sel("gputrain_gpu_clock_hertz", gpu=g, uuid=f"GPU-{g}", clock="sm"):
+                 flat(hz, 30) for g, hz in zip("01234", (2e9, 1e9, 1.8e9, 1e9, 2e9),
+                                               strict=True)},
+              **{sel("gputrain_gpu_busy_seconds_total", gpu=g, uuid=f"GPU-{g}"): ramp(b, 30)
+                 for g, b in zip("01234", (54, 54, 54, 6, 54), strict=True)},
+              sel("gputrain_gpu_clock_event_seconds_total", gpu="0", uuid="GPU-0",
+                  reason="hw_slowdown"): ramp(15, 30)},
+             # the node's H100s' median SM clock is 1.8 GHz: GPU 1 at 1 GHz is 55.56% of it
+             [Fire("GpuTrainThrottling", gpu("0", "GPU-0"), "25%"),
+              Fire("GpuTrainThrottling", gpu("1", "GPU-1"), "55.56%")],
+             fire_at="25m", quiet_at="5m"),
         Case("GpuTrainThrottling: power-capped 25% of the time; sync boost and 5% thermal "
              "slowdown stay silent",
              {sel("gputrain_gpu_clock_event_seconds_total", gpu="0", uuid="GPU-a",

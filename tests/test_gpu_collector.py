@@ -380,6 +380,43 @@ def test_clock_events_fall_back_to_violation_counters(clock):
     assert got["hw_thermal_slowdown"] is None
 
 
+@pytest.mark.parametrize("bits, slowed", [
+    (0x8 | 0x40, "hw_thermal_slowdown"),  # HW_SLOWDOWN with HW_THERMAL: thermal
+    (0x8 | 0x80, "hw_power_brake_slowdown"),  # ... with the power brake
+    (0x8, "hw_slowdown"),  # HW_SLOWDOWN alone: another hardware reason
+    (0x1, None),  # idle: no slowdown
+    (0x10, None),  # sync boost: clocks aligned on purpose, no throttle
+])
+def test_a_hardware_slowdown_before_driver_575_is_read_from_the_reasons_bitmask(
+        clock, bits, slowed):
+    """A 550 driver has no per-reason counters of hardware slowdowns: the reasons bitmask
+    (nvmlDeviceGetCurrentClocksEventReasons) counts each reading's interval to the reasons set,
+    so a GPU its hardware slows is throttled on every driver."""
+    g = gpu(0, violation_ns={"sw_power_cap": 0, "sw_thermal_slowdown": 0, "sync_boost": 0})
+    g.clock_event_reasons = 0
+    rig = Rig([g], clock, version="550.54.15")
+    rig.cycle()  # a reading, then a second passes
+    g.clock_event_reasons = bits
+    for _ in range(4):  # four readings a second apart, the bits set at each
+        rig.cycle()
+    for reason in ("hw_thermal_slowdown", "hw_power_brake_slowdown", "hw_slowdown"):
+        got = rig.value("gputrain_gpu_clock_event_seconds_total", reason=reason)
+        assert got == pytest.approx(4.0 if reason == slowed else 0.0, abs=0.01), reason
+    # the counters the driver has (the violation counters) are never replaced by the bitmask
+    assert rig.value("gputrain_gpu_clock_event_seconds_total", reason="sw_power_cap") == 0.0
+
+
+def test_the_reasons_bitmask_never_replaces_a_reasons_own_counter(clock):
+    g = gpu(0)
+    g.clock_event_reasons = 0x8 | 0x40
+    rig = Rig([g], clock, version="590.48.01")
+    for _ in range(3):
+        rig.cycle()
+    assert rig.value("gputrain_gpu_clock_event_seconds_total", reason="hw_slowdown") is not None
+    assert rig.value("gputrain_gpu_clock_event_seconds_total",
+                     reason="hw_thermal_slowdown") == 0.0  # its field, not the bitmask
+
+
 # --- asked once, logged once ------------------------------------------------------------------
 
 def test_not_supported_is_asked_once_and_left_out(clock):

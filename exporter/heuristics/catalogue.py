@@ -1835,25 +1835,44 @@ class Throttling(Heuristic):
     severity, for_ = "warning", "10m"
     summary = "A GPU's clocks are held down by power or temperature."
     advice = "Check cooling and the power limit: nvidia-smi -q -d PERFORMANCE."
-    fires_when = "power/thermal clock events > {throttle_ratio} of the time for {for}"
+    fires_when = ("power/thermal clock events > {throttle_ratio} of the time, or the SM clock "
+                  "< {slow_clock_ratio} of its identical peers' while busy >= {gpu_busy_low}, "
+                  "for {for}")
     why = ("Power-cap, thermal or power-brake clock events ({throttle_reasons}) for more than "
-           "{throttle_ratio} of the time.")
+           "{throttle_ratio} of the time (the driver's counters; before driver 575, the "
+           "hardware reasons from NVML's current reasons bitmask, sampled). Or, whatever the "
+           "driver says: the GPU's SM clock over {rate_window} is under {slow_clock_ratio} of "
+           "the median of the node's GPUs of the same model while it is at least "
+           "{gpu_busy_low} busy (a GPU at half its identical peers' clock under the same work "
+           "is slowed: a failing fan, a power brake the driver does not report).")
     confirm = ("gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m",
                "gputrain_gpu_temperature_celsius")
     panel = ('GpuTrain / Run, "SM clock" and "Throttled time" ({throttle_ratio} line); '
              'GpuTrain / Node, "Temperature" and "Power".')
     profile = False
-    thresholds = {"throttle_ratio": Threshold(0.1, "ratio", "NVML's clock-event reasons")}
+    thresholds = {
+        "throttle_ratio": Threshold(0.1, "ratio", "NVML's clock-event reasons"),
+        "slow_clock_ratio": Threshold(
+            0.7, "ratio", "our choice: a GPU at half its peers' clock is slowed; boost clocks "
+                          "of identical GPUs under one load differ by a few percent")}
 
     def rules(self, q: Q) -> list[dict]:
-        return [self.rule(q, "warning", f"gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m > "
-                                        f"{q.t['throttle_ratio']}",
-                          f"""{q.node_gpu} was throttled {{{{ $value | humanizePercentage }}}} of
-                          the time (power cap, thermal slowdown or power brake).""")]
+        t = q.t
+        return [self.rule(q, "warning", f"""gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m
+            > {t['throttle_ratio']}
+            or (gpu:gputrain_gpu_sm_clock_vs_peers:ratio_avg5m < {t['slow_clock_ratio']}
+                and on ({q.ids.gpu}) gpu:gputrain_gpu_busy_ratio:rate5m >= {t['gpu_busy_low']})""",
+            f"""{q.node_gpu} was throttled {{{{ $value | humanizePercentage }}}} of the time
+            (power cap, thermal slowdown or power brake), or its SM clock ran at that share of
+            its identical peers' while busy.""")]
 
     def holds_gpu(self, g: GpuReading, t: dict[str, float]) -> str | None:
         if _v(g.throttled, ">", t["throttle_ratio"]):
             return f"throttled {percent(g.throttled)} of the time"
+        if _v(g.sm_clock_vs_peers, "<", t["slow_clock_ratio"]) and \
+                _v(g.busy, ">=", t["gpu_busy_low"]):
+            return (f"SM clock at {percent(g.sm_clock_vs_peers)} of its identical peers' while "
+                    f"{percent(g.busy)} busy")
         return None
 
 

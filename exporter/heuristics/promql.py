@@ -32,7 +32,7 @@ DATA_WAIT_CAUSE, OUTSIDE_STEPS_CAUSE = "data_wait", "outside_steps"
 # the clock-event reasons that are throttling (sync boost is not: it aligns clocks on purpose)
 LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 THROTTLE_REASONS = ("sw_power_cap", "sw_thermal_slowdown", "hw_thermal_slowdown",
-                    "hw_power_brake_slowdown")
+                    "hw_power_brake_slowdown", "hw_slowdown")
 
 
 class Identity:

@@ -290,6 +290,18 @@ READINGS = (
     Reading("tensor_active", "rank_gpu", "run_rank_gpu:gputrain_gpu_tensor_active_ratio:avg5m",
             "rate",
             "avg by ({gpu}) (avg_over_time(gputrain_gpu_tensor_active_ratio{{{s}}}[{w}]))"),
+    # the GPU's SM clock over the window against the median of its node's GPUs of the same
+    # model: a GPU at half its identical peers' clock is slowed, whatever reasons its driver
+    # gives (or fails to give)
+    Reading("sm_clock_vs_peers", "rank_gpu",
+            "run_rank_gpu:gputrain_gpu_sm_clock_vs_peers:ratio_avg5m", "rate", """
+            max by ({gpu}) (
+              (avg by ({gpu}) (avg_over_time(gputrain_gpu_clock_hertz{{{s},clock="sm"}}[{w}]))
+               * on ({gpu}) group_left (name) max by ({gpu}, name) (gputrain_gpu_info{{{s}}}))
+              / on ({node}, name) group_left
+              quantile by ({node}, name) (0.5,
+                avg by ({gpu}) (avg_over_time(gputrain_gpu_clock_hertz{{{s},clock="sm"}}[{w}]))
+                * on ({gpu}) group_left (name) max by ({gpu}, name) (gputrain_gpu_info{{{s}}})))"""),
     Reading("throttled", "rank_gpu",
             "run_rank_gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m", "rate", """
             sum by ({gpu}) (rate(gputrain_gpu_clock_event_seconds_total{{{s},
@@ -372,6 +384,8 @@ class GpuReading:
     pcie_link_now: float | None = None  # bytes/s: the link at its best in the window ...
     pcie_link_max: float | None = None  # ... and at its best at all (GPU and slot)
     throttled: float | None = None
+    # its SM clock over the window against its node's identical GPUs' median (1: as theirs)
+    sm_clock_vs_peers: float | None = None
     up: bool | None = None  # False: NVML says the GPU is lost
     xid_errors: float | None = None  # Xid errors in the fault window
     # uncorrectable ECC errors new in the fault window, or found by an exporter that started

@@ -46,6 +46,17 @@ VIOLATION_POLICIES = {
     "sw_thermal_slowdown": fi.PERF_POLICY_THERMAL,
     "sync_boost": fi.PERF_POLICY_SYNC_BOOST,
 }
+# The current clock-event reasons bitmask (nvmlDeviceGetCurrentClocksEventReasons, before 535
+# nvmlDeviceGetCurrentClocksThrottleReasons: nvmlClocksEventReason* of nvml.h), read where a
+# reason has no counter (the per-reason fields came with driver 575): each reading's interval is
+# counted to the reasons set at its end, as the busy time is sampled. HW_SLOWDOWN (0x8) is set
+# with HW_THERMAL and HW_POWER_BRAKE too: alone, it is "hw_slowdown" (another hardware reason)
+CLOCK_EVENT_BITS = {"sw_power_cap": 0x4, "sw_thermal_slowdown": 0x20,
+                    "hw_thermal_slowdown": 0x40, "hw_power_brake_slowdown": 0x80}
+HW_SLOWDOWN_BIT = 0x8
+CLOCK_EVENT_REASONS_CALLS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("nvmlDeviceGetCurrentClocksEventReasons", {}),
+    ("nvmlDeviceGetCurrentClocksThrottleReasons", {}))
 # A throttle counter cannot grow faster than the wall clock: this much slack (ns a second, and
 # ns flat) covers the driver's and our timestamps disagreeing.
 THROTTLE_SLACK = (1.05, 50e6)
@@ -230,7 +241,10 @@ class _NvmlDevice:
         self.pcie_max: float | None = None  # bytes/s of the link at its best, once known
         self.pcie_counter: tuple[float, float, float] | None = None  # (at, rx, tx), 32-bit
         self.throttle: dict[str, tuple[float, float]] = {}  # reason -> (at, ns) from a field
-        self.throttle_source: dict[str, str] = {}  # reason -> "field" or "violation"
+        self.throttle_source: dict[str, str] = {}  # reason -> "field", "violation", "bitmask"
+        # seconds counted from the reasons bitmask, by reason, and when it was last read
+        self.bitmask_seconds: dict[str, float] = {}
+        self.bitmask_at: float | None = None
         self.nvlink_present = 0
         self.process_seen_us = 0  # the newest per-process utilisation sample read
         self.process_last_us: dict[int, int] = {}  # pid -> its newest sample's timestamp
@@ -546,6 +560,7 @@ class NvmlBackend:
             if v is not None:
                 s.clock_event_counter_seconds[label] = float(v.violationTime) / 1e9
                 dev.throttle_source[label] = "violation"
+        self._bitmask(dev, s)
         if nvlink:
             self._nvlink(dev, s, nvlink, values)
         rx, tx = values.get(pcie[0]), values.get(pcie[1])
@@ -556,6 +571,32 @@ class NvmlBackend:
             return True
         return self._pcie_wrapping(dev, s, rx.value, tx.value,
                                    VALUE_TYPE_MODULUS.get(rx.value_type))
+
+    def _bitmask(self, dev: _NvmlDevice, s: GpuSample) -> None:
+        """The clock-event reasons no counter reports, from the current reasons bitmask: a
+        driver before 575 has no hardware slowdown counter, and a GPU slowed by its hardware
+        (thermal, power brake, another HW_SLOWDOWN) is no less slowed."""
+        missing = [r for r in (*CLOCK_EVENT_BITS, "hw_slowdown")
+                   if r not in s.clock_event_counter_seconds]
+        if not missing:
+            return
+        bits = self.nvml.call_versioned(CLOCK_EVENT_REASONS_CALLS, dev.handle,
+                                        device=dev.identity.index)
+        if bits is None:
+            return
+        bits = int(bits)
+        t = s.timestamp
+        dt = 0.0 if dev.bitmask_at is None else max(0.0, t - dev.bitmask_at)
+        dev.bitmask_at = t
+        named = CLOCK_EVENT_BITS["hw_thermal_slowdown"] | \
+            CLOCK_EVENT_BITS["hw_power_brake_slowdown"]
+        hw_other = bool(bits & HW_SLOWDOWN_BIT) and not bits & named
+        for label in missing:
+            on = hw_other if label == "hw_slowdown" else bits & CLOCK_EVENT_BITS[label]
+            seconds = dev.bitmask_seconds.get(label, 0.0) + (dt if on else 0.0)
+            dev.bitmask_seconds[label] = seconds
+            s.clock_event_counter_seconds[label] = seconds
+            dev.throttle_source[label] = "bitmask"
 
     def _throttle_trusted(self, dev: _NvmlDevice, label: str, fid: int, got: fi.FieldValue,
                           now: float) -> bool:

@@ -112,14 +112,17 @@ CLOCKS = GpuMetric(
 CLOCK_EVENTS = GpuMetric(
     "gputrain_gpu_clock_event_seconds_total", "counter", "seconds",
     "Seconds the clocks were held down, by reason (NVML clock-event counters, by the field "
-    "numbering of the driver's NVML version; else nvmlDeviceGetViolationStatus). A reason the "
-    "driver cannot be trusted to report is absent.",
+    "numbering of the driver's NVML version; else nvmlDeviceGetViolationStatus; else sampled "
+    "from the current clock-event reasons bitmask). A reason no source reports is absent.",
     "`sw_power_cap` and `sync_boost`: fields 74 and 76; `sw_thermal_slowdown`, "
     "`hw_thermal_slowdown`, `hw_power_brake_slowdown`: the clock-event fields by the driver's "
     "own numbering (see [GPU metrics across drivers]"
     "(#gpu-metrics-across-drivers-and-nvidia-ml-py-releases)), else "
-    "`nvmlDeviceGetViolationStatus` for `sw_thermal_slowdown`; a reason the driver cannot be "
-    "trusted to report is absent",
+    "`nvmlDeviceGetViolationStatus` for `sw_thermal_slowdown`; where no counter reports a "
+    "reason, each reading's interval counted to the reasons set in "
+    "`nvmlDeviceGetCurrentClocksEventReasons` (before the 535 binding "
+    "`...ThrottleReasons`), and `hw_slowdown` for HW_SLOWDOWN without the thermal or power "
+    "brake bit; a reason no source reports is absent",
     labels={"reason": ()})
 XID_ERRORS = GpuMetric(
     "gputrain_gpu_xid_errors_total", "counter", "errors",

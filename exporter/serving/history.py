@@ -89,6 +89,7 @@ class _GpuPoint(NamedTuple):
     here: frozenset = frozenset()
     stranger_here: bool = False
     memory: float | None = None  # of its memory, the share used at this cycle
+    sm_clock: float | None = None  # hertz of its SM clock at this cycle
 
 
 class _HostPoint(NamedTuple):
@@ -269,9 +270,10 @@ class History:
         link = s.pcie_link_current_bytes_per_second if s is not None and st.up else None
         memory = s.memory_used_bytes / s.memory_total_bytes if s is not None and st.up and \
             s.memory_total_bytes and s.memory_used_bytes is not None else None
+        sm_clock = s.clocks_hertz.get("sm") if s is not None and st.up else None
         point = _GpuPoint(t, st.sampled_seconds, st.busy_seconds, st.pcie_rx_bytes,
                           st.pcie_tx_bytes, throttle, *sums, ranks_busy, unattributed, link,
-                          *here, memory)
+                          *here, memory, sm_clock)
         track.previous, track.current = track.current, point
         if not track.points or t - track.points[-1].t >= self.point_seconds:
             track.points.append(point)
@@ -432,6 +434,7 @@ class History:
         bytes/s)."""
         with self._lock:
             out = {}
+            clocks: dict[str, float] = {}  # each GPU's mean SM clock over its window
             for key, tr in self._gpus.items():
                 st, now = tr.state, tr.current
                 old = None
@@ -458,6 +461,10 @@ class History:
                             if p.t >= old.t and p.memory is not None]
                     if used and s is not None:
                         reading.memory_used = statistics.median(used)
+                    sm = [p.sm_clock for p in (*tr.points, now)
+                          if p.t >= old.t and p.sm_clock is not None]
+                    if sm and s is not None:
+                        clocks[key] = statistics.fmean(sm)
                     _gpu_window(reading, old, now, s)
                 rates: dict[str, float | None] = {"rx": None, "tx": None}
                 prev = tr.previous
@@ -467,6 +474,7 @@ class History:
                         if a is not None and b is not None:
                             rates[name] = max(0.0, b - a) / dt
                 out[key] = (st, reading, rates)
+            _clocks_vs_peers(out, clocks)
             return out
 
     def _faults(self, reading: GpuReading, tr: _GpuTrack) -> None:
@@ -726,6 +734,19 @@ def _growth(a: _RankPoint, b: _RankPoint) -> tuple[float, float, float, float]:
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
+
+
+def _clocks_vs_peers(readings: dict[str, tuple[GpuState, GpuReading, dict]],
+                     clocks: dict[str, float]) -> None:
+    """Each GPU's mean SM clock against the median of the node's GPUs of its model (the
+    reading ``sm_clock_vs_peers``, as the rules' ``quantile by (node, name)``)."""
+    by_model: dict[str, list[float]] = {}
+    for key, hz in clocks.items():
+        by_model.setdefault(readings[key][0].identity.name, []).append(hz)
+    for key, hz in clocks.items():
+        median = statistics.median(by_model[readings[key][0].identity.name])
+        if median > 0:
+            readings[key][1].sm_clock_vs_peers = hz / median
 
 
 def _gpu_window(reading: GpuReading, old: _GpuPoint, now: _GpuPoint, sample) -> None:
