@@ -210,6 +210,12 @@ def live_rank(run: str, r: str, open_from: int | None = None, silent_from: int |
     return out
 
 
+def on_node(node: str, series: dict[str, str]) -> dict[str, str]:
+    """``series`` as exporter ``node`` (instance ``<node>:19400``) exports them."""
+    return {k.replace(f'instance="{NODE["instance"]}"', f'instance="{node}:19400"'): v
+            for k, v in series.items()}
+
+
 def run_steps(run: str, wait: float, r: str = "0", step_sum: float = 60,
               step_s: float = 1.0, **node: str) -> dict[str, str]:
     """A rank waiting ``wait`` of each minute for data, out of ``step_sum`` seconds of steps
@@ -463,6 +469,27 @@ def alert_cases() -> list[Case]:
              [Fire("GpuTrainRunHung", {"run": "culprit"}, "2",
                    ranged=" Rank 1 on n1:19400 is in `DS.__getitem__` (data_loading).")],
              fire_at="14m", quiet_at="11m", interval="15s"),
+        Case("GpuTrainRunNameShared: two jobs push as run 'train' (rank 0 from n1 and n2, 0.1 s "
+             "and 0.5 s steps) and as run 'twice' (ranks 0 and 1 from both): said, and never "
+             "compared (no straggler); 'multi' (rank 0 on n1, rank 1 on n2) and 'moved' (rank 0 "
+             "silent on n1 since 5m, live on n2) are one job each",
+             {**live_rank("train", "0"), **on_node("n2", live_rank("train", "0", step_s=0.5)),
+              **live_rank("twice", "0"), **live_rank("twice", "1"),
+              **on_node("n2", {**live_rank("twice", "0"), **live_rank("twice", "1")}),
+              # the second 'twice' job's rank 0 waits 60% for data, the others 1%: compared as
+              # one run's, it would be a straggler
+              **{sel("gputrain_training_data_wait_seconds_total", run="twice", rank=r):
+                 ramp(0.15, 120) for r in "01"},
+              **on_node("n2", {sel("gputrain_training_data_wait_seconds_total", run="twice",
+                                   rank=r): ramp(w, 120) for r, w in (("0", 9), ("1", 0.15))}),
+              **live_rank("multi", "0"), **on_node("n2", live_rank("multi", "1")),
+              **live_rank("moved", "0", silent_from=5), **on_node("n2", live_rank("moved", "0"))},
+             [Fire("GpuTrainRunNameShared", {"run": "train", "rank": "0"}, "2"),
+              Fire("GpuTrainRunNameShared", {"run": "twice", "rank": "0"}, "2"),
+              Fire("GpuTrainInputBound", rank("twice", "0", instance="n2:19400"), "60%",
+                   "warning"),
+              Fire("GpuTrainRunNameShared", {"run": "twice", "rank": "1"}, "2")],
+             fire_at="12m", quiet_at="1m", interval="15s"),
         Case("GpuTrainRunFailed: rank 1 of 'crashed' ended by a RuntimeError at 10m (its "
              "collective timed out); a rank that closed cleanly stays silent",
              {**live_rank("crashed", "0"),

@@ -14,6 +14,7 @@ from conftest import ROOT, cgroup_tree, free_port, require_module, sample_value,
 
 from exporter.client import TrainingMonitor, batch_len
 from exporter.client.monitor import default_rank, default_run
+from exporter.protocol import NAME_RE
 
 
 def sleeping_loader(n: int, wait_s: float, batch: int):
@@ -245,6 +246,26 @@ def test_defaults_from_the_environment(monkeypatch):
     monkeypatch.setenv("GPUTRAIN_URL", "http://10.0.0.1:19401/")
     m = TrainingMonitor(start=False)
     assert (m.run, m.rank, m.endpoint) == ("mine", "5", "http://10.0.0.1:19401")
+
+
+def test_two_jobs_of_one_script_launched_without_a_run_id_are_two_runs(monkeypatch):
+    """torchrun without --rdzv-id says TORCHELASTIC_RUN_ID=none: the default run is the
+    script's name and a digest of the job's rendezvous, the same for all its ranks and another
+    for the next job (a plain python process keeps the script's name)."""
+    for var in ("GPUTRAIN_RUN", "SLURM_JOB_ID", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(sys, "argv", ["/work/train.py"])
+    assert default_run() == "train"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    first = default_run()
+    assert first.startswith("train-") and NAME_RE.fullmatch(first)
+    assert default_run() == first  # every rank of the job
+    monkeypatch.setenv("MASTER_PORT", "41377")  # the next job (--standalone picks a port)
+    assert default_run() != first
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-42")  # --rdzv-id names the run
+    assert default_run() == "job-42"
 
 
 def test_batch_len():

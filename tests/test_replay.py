@@ -61,13 +61,12 @@ def test_the_harness_records_a_scenario_that_replays_to_its_alerts(tmp_path):
     assert measured["gpu_busy"] == pytest.approx(0.95, abs=0.01)  # the demo GPU's pinned load
     fired = replay(recording)
     # The host is this machine: on a busy CI box its CPUs really are saturated, and then the
-    # CPU-preprocessing verdict is the right one. It must fire exactly when the recording
-    # shows saturated CPUs (a margin either side of the line for the rules' 5m windows).
+    # CPU-preprocessing verdict is the right one; it may fire only where the recording shows
+    # busy CPUs. Silent on a saturated box is right too: the rules judge 5-minute windows with
+    # hysteresis, and the recording's mean can sit above a line its windows did not all reach.
     scenario = CPU_BY_NAME["cpu-slow-input"]
     cpu = measured["host_cpu_busy"]
     if "GpuTrainCPUPreprocessingBound" in fired:
         assert cpu > 0.8, f"CPUPreprocessingBound fired with the host CPUs {cpu:.0%} busy"
         scenario = replace(scenario, silent=scenario.silent - {"CPUPreprocessingBound"})
-    else:
-        assert cpu < 0.95, f"CPUPreprocessingBound silent with the host CPUs {cpu:.0%} busy"
     check(fired, scenario)

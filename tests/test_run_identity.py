@@ -64,3 +64,29 @@ def test_a_rank_whose_peers_step_or_whose_phased_peer_died_is_stalled(peer):
     found = {r0["verdict"]} | {f["verdict"] for f in r0["also"]}
     assert "stalled" in found or r0["verdict"] == "hung", r0
     assert "straggler" not in found  # its open step is no slow compute
+
+
+def test_two_jobs_under_one_run_name_are_said_and_never_compared():
+    """diagnose's view (every node's ranks): run 'twice' pushed by two jobs of ranks 0 and 1,
+    one of which waits 60 % for data. As one run its rank 0 on n2 would be a straggler; as
+    two jobs under one name it is said so, and its ranks are not compared. Four ranks of one
+    job spread over two nodes are compared as before."""
+    from exporter.heuristics.diagnose import GpuReading, RankReport, judge
+    from exporter.heuristics.rules import DEFAULTS
+
+    def rank(r: str, node: str, wait: float) -> RankReport:
+        rep = RankReport("gputrain", f"{node}:19400", "twice", r, steps_per_second=10,
+                         data_wait_ratio=wait, seconds_since_push=2.0, step_seconds=0.1)
+        rep.gpus = [GpuReading("0", f"GPU-{node}-{r}", 0.9, memory_used=0.5, power_used=0.7)]
+        return rep
+
+    t = DEFAULTS["thresholds"]
+    shared = judge([rank("0", "n1", 0.01), rank("1", "n1", 0.01),
+                    rank("0", "n2", 0.6), rank("1", "n2", 0.01)], t)
+    for rep in shared:
+        assert "name-shared" in rep.findings(), rep.reason
+        assert "straggler" not in rep.findings()
+    one_job = judge([rank("0", "n1", 0.01), rank("1", "n1", 0.01),
+                     rank("2", "n2", 0.6), rank("3", "n2", 0.01)], t)
+    assert "straggler" in one_job[2].findings()
+    assert not any("name-shared" in rep.findings() for rep in one_job)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import logging
 import math
 import os
@@ -91,14 +92,21 @@ def _autocast_precision() -> str | None:
 
 
 def default_run() -> str:
-    """GPUTRAIN_RUN, TORCHELASTIC_RUN_ID, SLURM_JOB_ID, else the script's name."""
+    """GPUTRAIN_RUN, TORCHELASTIC_RUN_ID, SLURM_JOB_ID, else the script's name; a job that
+    torch.distributed launches without a run id (torchrun's is "none" unless --rdzv-id is
+    given) adds what its ranks share and another job does not: a short digest of its
+    rendezvous (MASTER_ADDR:MASTER_PORT), so two jobs of one script are two runs."""
     for var in ("GPUTRAIN_RUN", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
-        # torchrun's run id is "none" unless --rdzv-id is given: that names no run
         if os.environ.get(var) and os.environ[var] != "none":
             return os.environ[var]
     script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     name = os.path.splitext(script)[0]
-    return name if name and name not in ("-c", "-m") else "python"
+    name = name if name and name not in ("-c", "-m") else "python"
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if addr and port:
+        digest = hashlib.sha256(f"{addr}:{port}".encode()).hexdigest()[:6]
+        return f"{name}-{digest}"
+    return name
 
 
 def default_rank() -> str:

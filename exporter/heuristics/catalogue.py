@@ -92,6 +92,9 @@ class Heuristic:
     stacks: ClassVar[str | None] = None
     stepping: ClassVar[bool] = True
     run_stepping: ClassVar[bool] = False  # holds only while a rank of its run steps
+    # it compares the ranks of a run (or counts them): never where two jobs share the run's
+    # name (RunNameShared), whose ranks are no one run's
+    compares_ranks: ClassVar[bool] = False
     thresholds: ClassVar[dict[str, Threshold]] = {}  # the thresholds this entry owns
 
     @property
@@ -166,6 +169,8 @@ class Heuristic:
         expr = q.stepping(expr) if self.guarded else expr
         # a global rule reads only recorded series, across nodes: staleness is the nodes'
         expr = expr if self.kind == "fault" or self.level == "global" else q.fresh(expr)
+        if self.compares_ranks:
+            expr = f"({expr}) unless on ({q.run}) {q.shared}"
         return {
             "alert": self.alert,
             "expr": " ".join(expr.split()),
@@ -414,6 +419,48 @@ class CollectorStale(Heuristic):
                 f"succeeded {ages} sampler intervals ago; nothing is judged on them")
 
 
+class RunNameShared(Heuristic):
+    alert, verdict, kind, scope, level = ("GpuTrainRunNameShared", "name-shared", "health",
+                                          "run", "global")
+    severity, for_ = "warning", "2m"
+    summary = ("Two jobs push under one run name: the same rank of a run is live on two nodes "
+               "at once.")
+    advice = ("Give each job its own run name: GPUTRAIN_RUN, torchrun's --rdzv-id, or let the "
+              "client take Slurm's job id or the rendezvous (the default where the launcher "
+              "sets one). Until then the run's ranks are not compared: no straggler, "
+              "communication, hang, stall or vanished verdict is given for it.")
+    fires_when = ("a (run, rank) pushed within {alive_seconds} from two or more exporters at "
+                  "once")
+    why = ("A run is its name, and two jobs that share one (a script's default run name "
+           "started twice, a name hard-coded in a config) push the same (run, rank) from two "
+           "nodes at once. Compared as one run they make stragglers, hangs and stalls of each "
+           "other's pace; so where a rank of a run is live on two exporters, the run-wide "
+           "alerts leave the run out, and this one says why.")
+    confirm = ("run_rank:gputrain_training_last_push_timestamp_seconds:max",)
+    panel = 'GpuTrain / Overview, the Runs table: one run listed on two nodes with one rank.'
+    profile, stepping = False, False
+
+    def rules(self, q: Q) -> list[dict]:
+        return [self.rule(q, "warning", q.shared,
+            """Rank {{ $labels.rank }} of run {{ $labels.run }} is pushed by
+            {{ $value | printf "%.0f" }} jobs at once.""")]
+
+    def holds_run(self, ranks: list[RankReport], t: dict[str, float]) -> dict[int, str]:
+        seen = shared_ranks(ranks, t)
+        return {id(r): f"rank {r.rank} is pushed from {', '.join(sorted(seen[r.rank]))} at "
+                       "once: two jobs share the run's name"
+                for r in ranks if r.rank in seen and alive(r, t)}
+
+
+def shared_ranks(ranks: list[RankReport], t: dict[str, float]) -> dict[str, set[str]]:
+    """Of one run's ranks, those live on two or more exporters at once: {rank: instances}."""
+    where: dict[str, set[str]] = {}
+    for r in ranks:
+        if alive(r, t):
+            where.setdefault(r.rank, set()).add(r.instance)
+    return {rank: at for rank, at in where.items() if len(at) > 1}
+
+
 class RunRestarting(Heuristic):
     alert, verdict, kind = "GpuTrainRunRestarting", "restarting", "health"
     severity, for_ = "warning", "0m"
@@ -454,6 +501,7 @@ class RunVanished(Heuristic):
     alert, verdict, kind, scope, level = ("GpuTrainRunVanished", "vanished", "state", "run",
                                           "global")
     severity, for_ = "warning", "0m"
+    compares_ranks = True
     summary = "A training run stopped without finishing: its ranks went silent, no goodbye."
     advice = ("The job was killed or crashed (OOM killer, preemption, a node failure, a "
               "SIGKILL or SIGTERM without close()): check the scheduler and the job's log, and "
@@ -565,6 +613,7 @@ def in_phase(ranks: list[RankReport], t: dict[str, float]) -> list[RankReport]:
 class RunHung(Heuristic):
     alert, verdict, kind, scope, level = "GpuTrainRunHung", "hung", "hang", "run", "global"
     severity, for_ = "critical", "0m"
+    compares_ranks = True
     summary = ("A training run hung: its ranks make no step, far past their pace, while their "
                "processes live.")
     advice = ("Read where each rank is: the exporter took py-spy stacks of every rank when the "
@@ -673,6 +722,7 @@ def hang_line(ranks: list[RankReport]) -> str:
 class Stalled(Heuristic):
     alert, verdict, scope, level = "GpuTrainStalled", "stalled", "run", "global"
     severity, for_ = "critical", "1m"
+    compares_ranks = True
     summary = "A live rank has made no step for a long time, or is stuck in a phase."
     advice = ("Look for a hang in a collective, a dead DataLoader worker, a deadlock or an "
               "evaluation or checkpoint that never ends (py-spy dump --pid, or "
@@ -1154,6 +1204,7 @@ class CommunicationBound(Heuristic):
     # global: the ranks of a run are compared (a run spans nodes)
     alert, verdict, level = "GpuTrainCommunicationBound", "communication-bound", "global"
     severity, for_ = "warning", "10m"
+    compares_ranks = True
     summary = "A training run waits for its gradient communication (all-reduce)."
     advice = ("Overlap and shrink the gradient sync: tune DDP's bucket_cap_mb, set "
               "static_graph=True and gradient_as_bucket_view=True, compress with a DDP comm "
@@ -1604,6 +1655,7 @@ class StepTimeStalls(Heuristic):
 class StragglerRank(Heuristic):
     alert, verdict, scope, level = "GpuTrainStragglerRank", "straggler", "run", "global"
     severity, for_ = "warning", "15m"
+    compares_ranks = True
     summary = "One rank of a run is slower than the others."
     advice = "Check that rank's node: its input, thermal throttling, a slower GPU or link."
     fires_when = ("data wait > {straggler_wait_factor} the run's median (and >= {input_bound}); "
@@ -1947,7 +1999,7 @@ class ExporterDown(Heuristic):
 # holds.
 CATALOGUE: tuple[Heuristic, ...] = (
     GPULost(), XidErrors(), GPUMemoryFault(), CollectorFailing(), ExporterDown(),
-    CollectorStale(), RunFailed(), RunVanished(), RunRestarting(),
+    CollectorStale(), RunNameShared(), RunFailed(), RunVanished(), RunRestarting(),
     RunHung(), Stalled(), GPUShared(), PCIeLinkDegraded(),
     CPUQuotaBound(), HostMemoryPressure(), CPUPreprocessingBound(), DiskIOBound(), NetworkInputBound(), InputBound(),
     DataLoaderRestarts(), CommunicationBound(),

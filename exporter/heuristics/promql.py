@@ -435,6 +435,15 @@ class Q:
                 f"{OPEN} > {self.t['hung_min_seconds']} and on ({self.rank}) "
                 f"{OPEN} > 2 * {TYPICAL})")
 
+    @property
+    def shared(self) -> str:
+        """The runs whose name two jobs share: a (run, rank) live on two instances at once
+        (its run labels and rank; pushed within ``alive_seconds``). Their ranks are never
+        compared as one run's."""
+        return (f"(count by ({self.run}, rank) (time() - "
+                f"run_rank:gputrain_training_last_push_timestamp_seconds:max "
+                f"<= {self.t['alive_seconds']}) > 1)")
+
     def live(self, expr: str) -> str:
         """``expr`` (of a rank) only while the rank runs: it pushes and said no goodbye. A
         cost judged over the periodic window holds through the minutes a checkpoint stops

@@ -19,6 +19,7 @@ from exporter.heuristics.catalogue import (
     alive,
     gone,
     hung_limit,
+    shared_ranks,
 )
 from exporter.heuristics.readings import (  # noqa: F401 - the readings, with the verdicts
     Finding,
@@ -103,16 +104,18 @@ def advice_for(verdict: str, rep: RankReport) -> str:
     return STATUS_ADVICE.get(verdict) or BY_VERDICT[verdict].advice_for(rep)
 
 
-def rank_findings(rep: RankReport, t: dict[str, float], run_steps: bool = True) -> \
-        dict[str, str]:
+def rank_findings(rep: RankReport, t: dict[str, float], run_steps: bool = True,
+                  shared: bool = False) -> dict[str, str]:
     """Every finding of one rank that holds, with its reason, in the decision order: faults
     of its GPUs and node first. As the alerts, an entry about the rank's steps holds only while
     it steps (a stalled rank is stalled, and its GPUs' and node's faults and health, nothing
     else), and one about its run's share of a GPU while a rank of the run does
-    (``run_steps``)."""
+    (``run_steps``); none that compares the ranks of its run where two jobs share the run's
+    name (``shared``)."""
     out: dict[str, str] = {}
     for e in CATALOGUE:
-        if e.kind == "symptom" or e.scope == "run" or (e.run_stepping and not run_steps):
+        if e.kind == "symptom" or e.scope == "run" or (e.run_stepping and not run_steps) or \
+                (shared and e.compares_ranks):
             continue
         why = e.finding(rep, t)
         if why:
@@ -130,6 +133,8 @@ def run_findings(reports: list[RankReport], t: dict[str, float]) -> dict[int, di
     out: dict[int, dict[str, str]] = {}
     for entry in (e for e in CATALOGUE if e.scope == "run"):
         for ranks in runs.values():
+            if entry.compares_ranks and shared_ranks(ranks, t):
+                continue  # two jobs under one name: no one run's ranks to compare
             for who, why in entry.holds_run(ranks, t).items():
                 out.setdefault(who, {})[entry.verdict] = why
     return out
@@ -151,8 +156,12 @@ def judge(reports: list[RankReport], t: dict[str, float]) -> list[RankReport]:
             least[key] = min(least.get(key, r.comm_exposed_ratio), r.comm_exposed_ratio)
     for r in reports:
         r.run_comm_exposed_min = least.get(run_key(r))
+    runs: dict[tuple, list[RankReport]] = {}
+    for r in reports:
+        runs.setdefault(run_key(r), []).append(r)
+    shared = {key for key, ranks in runs.items() if shared_ranks(ranks, t)}
     for rep in reports:
-        found = rank_findings(rep, t, run_key(rep) in stepping)
+        found = rank_findings(rep, t, run_key(rep) in stepping, run_key(rep) in shared)
         for name, why in per_run.get(id(rep), {}).items():
             if name in ("vanished", "failed", "hung") or "stalled" not in found:
                 found[name] = why
