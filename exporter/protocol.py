@@ -334,6 +334,10 @@ PROCESS_FIELDS: tuple[Field, ...] = (
                                                  "bytes, where smaps_rollup is readable"),
     Field("read_bytes", "amount", "bytes the tree read from storage", cumulative=True),
     Field("cpu_allowance_cores", "amount", "the CPU cores its cgroup (v2) allows"),
+    Field("cpu_allowance_group", "count", "where a quota or cpuset limits it: the cgroup that "
+                                          "sets the allowance, as its inode number (the "
+                                          "ranks that share it share the allowance; never a "
+                                          "label)"),
     Field("cpu_throttled_seconds", "amount", "seconds its cgroup (v2) was throttled",
           cumulative=True),
     Field("pid", "count", "the process's pid in its own PID namespace (never a label)"),

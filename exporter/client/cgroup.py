@@ -53,21 +53,26 @@ class CgroupCpu:
 
     def read(self) -> dict[str, float]:
         """``cpu_allowance_cores`` (where a quota or cpuset limits it below the machine's
-        CPUs, else the machine's) and ``cpu_throttled_seconds``; {} without a cgroup v2."""
+        CPUs, else the machine's), ``cpu_allowance_group`` (where one does: the inode number of
+        the cgroup that sets it, the same for every process under it, so the daemon divides
+        the allowance among the ranks that share it) and ``cpu_throttled_seconds``; {} without
+        a cgroup v2."""
         if not self._dirs:
             return {}
         cores = float(os.cpu_count() or 1)
         throttled = None
+        limited_by: Path | None = None
         for d in self._dirs:
             try:
                 quota, period = (d / "cpu.max").read_text().split()[:2]
-                if quota != "max":
-                    cores = min(cores, int(quota) / int(period))
+                if quota != "max" and int(quota) / int(period) < cores:
+                    cores, limited_by = int(quota) / int(period), d
             except (OSError, ValueError):
                 pass
             with contextlib.suppress(OSError, ValueError):
-                cores = min(cores, float(count_cpus((d / "cpuset.cpus.effective").read_text())
-                                         or cores))
+                cpus = float(count_cpus((d / "cpuset.cpus.effective").read_text()) or cores)
+                if cpus < cores:
+                    cores, limited_by = cpus, d
             try:
                 for line in (d / "cpu.stat").read_text().splitlines():
                     name, _, value = line.partition(" ")
@@ -76,6 +81,9 @@ class CgroupCpu:
             except (OSError, ValueError):
                 pass
         out = {"cpu_allowance_cores": cores}
+        if limited_by is not None:
+            with contextlib.suppress(OSError):
+                out["cpu_allowance_group"] = float(limited_by.stat().st_ino)
         if throttled is not None:
             out["cpu_throttled_seconds"] = throttled
         return out

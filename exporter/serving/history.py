@@ -51,7 +51,7 @@ from exporter.reading.host_processes import read_state
 from exporter.reading.peak_flops import PeakTable
 from exporter.reading.sampler import GpuState, Snapshot
 from exporter.serving.attribution import NodeView, resolve_gpus
-from exporter.serving.ingest import RankState
+from exporter.serving.ingest import RankState, allowance_shares
 
 WINDOW_SECONDS = window_seconds("rate")  # the recording rules' ratios
 POINT_SECONDS = 10.0  # a ratio over the window is exact to its end; its start may be this late
@@ -541,6 +541,8 @@ class History:
             memories = [(tr.state, list(tr.rss)) for tr in ranks]
             available = list(self._memory)
         outside = _memory_outside(snap.timestamp, snap, available, memories)
+        # each rank's share of its cgroup's CPU allowance (as /metrics exports it)
+        shares = allowance_shares([tr.state for tr in ranks])
         younger: dict[float, tuple[dict, dict[str, float]]] = {}  # by a rank's first point
         shorter: dict[float, dict] = {}  # a young regime's GPU readings, by its first point
         out = []
@@ -585,7 +587,7 @@ class History:
             if old is not None:
                 _rank_window(rep, old, now, st.bucket_bounds)
                 rep.loader_workers = st.loader_workers
-                _cpu_window(rep, old, now, st.process.get("cpu_allowance_cores"))
+                _cpu_window(rep, old, now, shares.get((st.run, st.rank)))
             if st.last_step_timestamp is not None:
                 rep.seconds_since_step = max(0.0, snap.timestamp - st.last_step_timestamp)
             rep.seconds_since_push = max(0.0, snap.timestamp - st.received_unix)

@@ -104,6 +104,8 @@ class RankState:
     # CLOCK_TOLERANCE_SECONDS); its timestamps are moved by it
     clock_skew: float = 0.0
     process: dict[str, float] = field(default_factory=dict)
+    # the cgroup its CPU allowance comes from (an inode number), where a limit sets it
+    allowance_group: int | None = None
     pid: int | None = None  # as the rank's process sees itself (inside its PID namespace)
     start_time: int | None = None  # the process's start, clock ticks after boot
     gpus: tuple[str, ...] = ()
@@ -293,6 +295,8 @@ def _parse_process(body: dict, st: RankState) -> None:
         raise Refused(400, f"field 'process' must be an object, got {json_kind(proc)}")
     values = read_scalars(proc, PROCESS_FIELDS, "process.")
     st.pid, st.start_time = (values.pop(key) for key in _PROCESS_IDS)
+    group = values.pop("cpu_allowance_group", None)
+    st.allowance_group = int(group) if group is not None else None
     st.process = {key: v for key, v in values.items() if v is not None}
 
 
@@ -419,6 +423,27 @@ def _wall_seconds(old: RankState | None, new: RankState) -> float:
     if old.run_id == new.run_id and None not in (old.elapsed_seconds, new.elapsed_seconds):
         return old.wall_seconds + (new.elapsed_seconds - old.elapsed_seconds)
     return old.wall_seconds + max(0.0, new.received_at - old.received_at)
+
+
+def allowance_shares(states: list[RankState]) -> dict[tuple[str, str], float]:
+    """Each live rank's share of its cgroup's CPU allowance, in cores: the allowance divided
+    among the ranks on this node that share the cgroup setting it (the ranks of one pod or
+    job share its quota, and each at a quarter of it is the pod at its limit); a rank alone
+    under its limit, or that says no group, has the whole of it."""
+    groups: dict[tuple[int, float], int] = {}
+    for st in states:
+        cores = st.process.get("cpu_allowance_cores")
+        if st.allowance_group is not None and cores is not None and st.exit_reason is None:
+            key = (st.allowance_group, cores)
+            groups[key] = groups.get(key, 0) + 1
+    out = {}
+    for st in states:
+        cores = st.process.get("cpu_allowance_cores")
+        if cores is None:
+            continue
+        n = groups.get((st.allowance_group, cores), 1) if st.allowance_group is not None else 1
+        out[(st.run, st.rank)] = cores / n
+    return out
 
 
 class IngestStore:

@@ -27,7 +27,7 @@ from exporter.heuristics.stalls import SLOW_STEP_FACTOR
 from exporter.protocol import MAX_BUCKETS, MAX_GPUS, MAX_PHASES
 from exporter.reading.sampler import CollectorStatus
 from exporter.serving.attribution import GpuIndex, NodeView, resolve_gpus
-from exporter.serving.ingest import IngestStore, RankState
+from exporter.serving.ingest import IngestStore, RankState, allowance_shares
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,9 @@ FAMILIES: tuple[Family, ...] = (
            "CPU seconds of the training process and its children (DataLoader workers)."),
     Family("gputrain_training_process_cpu_allowance_cores", "gauge",
            "CPU cores the training process's cgroup allows it (cgroup v2 cpu.max quota over "
-           "period, cpuset.cpus.effective; the machine's CPUs where neither limits it)."),
+           "period, cpuset.cpus.effective; the machine's CPUs where neither limits it), "
+           "divided among the ranks on this node under the cgroup that sets the limit (the "
+           "ranks of one pod share its quota)."),
     Family("gputrain_training_process_cpu_throttled_seconds_total", "counter",
            "Seconds the kernel throttled the training process's cgroup (cpu.stat "
            "throttled_usec): time at its CPU quota."),
@@ -231,6 +233,7 @@ class TrainingCollector:
         started = time.perf_counter()
         # the ranks as pushed now; who holds which GPU as of the latest cycle's view
         states = sorted(self._store.states(), key=lambda s: (s.run, s.rank))
+        shares = allowance_shares(states)  # a cgroup's allowance, divided among its ranks
         view = self._view()
         gpus, held = view.gpus, view.held
         busy = {k: {g: v for g, v in on.items() if g in view.listed.get(k, ())}
@@ -246,6 +249,10 @@ class TrainingCollector:
             key = (st.run, st.rank)
             try:
                 lines = self._rank_parts(st, gpus, held, busy, profiles, cache, now, locations)
+                if (cores := shares.get(key)) is not None:
+                    lines.append((INDEX["gputrain_training_process_cpu_allowance_cores"],
+                                  f"gputrain_training_process_cpu_allowance_cores"
+                                  f"{{{_labels(st)}}} {floatToGoString(cores)}\n"))
                 if (start := regimes.get(key)) is not None:
                     lines.append((INDEX["gputrain_training_regime_start_timestamp_seconds"],
                                   f"gputrain_training_regime_start_timestamp_seconds"
@@ -422,7 +429,6 @@ def _rank_lines(st: RankState) -> tuple[tuple[int, str], ...]:
         "gputrain_training_process_resident_memory_bytes": proc.get("resident_memory_bytes"),
         "gputrain_training_process_proportional_memory_bytes":
             proc.get("proportional_memory_bytes"),
-        "gputrain_training_process_cpu_allowance_cores": proc.get("cpu_allowance_cores"),
         "gputrain_training_process_cpu_throttled_seconds_total":
             proc.get("cpu_throttled_seconds"),
         "gputrain_training_process_read_bytes_total": proc.get("read_bytes"),
