@@ -163,8 +163,9 @@ def alerts_for(rep: dict, conditions: list[tuple[str, dict]]) -> tuple[set[str],
     for alert, labels in conditions:
         entry = BY_ALERT[alert]
         if "rank" in labels:
-            if (labels["run"], labels["rank"]) != (rep["run"], rep["rank"]):
-                continue
+            if (labels["run"], labels["rank"]) != (rep["run"], rep["rank"]) or \
+                    labels.get("instance", rep["instance"]) != rep["instance"]:
+                continue  # (two jobs may push one (run, rank) from two nodes)
         elif "run" in labels and "gpu" not in labels:  # a run's own: for each of its ranks
             if labels["run"] != rep["run"]:
                 continue

@@ -603,7 +603,9 @@ def test_alertmanager_with_the_shipped_config_asks_the_daemon_for_a_profile(trai
         (profile,) = wait_until(lambda: finished("torch"), timeout=120,
                                 what="the alert's profile")
         assert profile["state"] == "done", profile
-        assert profile["mean"]["data_loading"] / profile["mean"]["seconds"] > 0.5
+        # the largest part of the mean step (its share varies with how loaded the CPUs are)
+        mean = profile["mean"]
+        assert max(STEP_PARTS, key=lambda p: mean[p]) == "data_loading", mean
         assert Path(profile["trace"]).is_file()
         status = requests.get(d.url + "/api/v1/status", timeout=5).json()
         assert any(p["id"] == profile["id"] for p in status["profiles"])
