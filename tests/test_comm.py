@@ -249,10 +249,15 @@ def _judge(stack, name: str, *args: str,
                                    daemon.url], cwd=ROOT, capture_output=True, text=True,
                                   timeout=60, env={**os.environ, "COLUMNS": "200"}).stdout
 
-        # top judges the window at its own moment: wait for what the page said there too
-        said = page[next(iter(page))]["verdict"]
-        top_out = wait_until(lambda: (out := top()) and said in out and out, timeout=180,
-                             interval=2, what=f"top to say {said} for run {name}")
+        # top judges the window at its own moment: wait until it says what the page says at
+        # that moment (two ranks on two shared cores may swap which one lags)
+        def agreed() -> str | None:
+            now = _status_ranks(daemon, name)
+            out = top()
+            return out if now and out and now[next(iter(now))]["verdict"] in out else None
+
+        top_out = wait_until(agreed, timeout=180, interval=2,
+                             what=f"top to say what the page says of run {name}")
         refs = run.finish()
     finally:
         run.stop()
