@@ -676,9 +676,7 @@ class RunHung(Heuristic):
         open_ = "run_rank:gputrain_training_step_in_progress_seconds:max"
         limit = (f"(({slowest} > {clamped}) or {clamped} "
                  f"or {open_} * 0 + {t['hung_first_step_seconds']})")
-        live = (f"(time() - run_rank:gputrain_training_last_push_timestamp_seconds:max "
-                f"<= {t['alive_seconds']} unless on ({rank}) "
-                f"run_rank_reason:gputrain_training_exit_info:max)")
+        live = q.alive
         hung = f"({open_} > {limit} and on ({rank}) {live})"
         culprit = ('run_rank_location:gputrain_training_stack_location:max{run=%q, '
                    'location!=\\"collective\\"}')
@@ -754,9 +752,7 @@ class Stalled(Heuristic):
 
     def rules(self, q: Q) -> list[dict]:
         t, run, rank = q.t, q.run, q.rank
-        live = (f"(time() - run_rank:gputrain_training_last_push_timestamp_seconds:max "
-                f"<= {t['alive_seconds']} unless on ({rank}) "
-                f"run_rank_reason:gputrain_training_exit_info:max)")
+        live = q.alive
         phase = "run_rank_phase:gputrain_training_phase_in_progress_seconds:max"
         # a live peer inside a declared phase, under its limit: the run's open steps wait
         waited = (f"count by ({run}) ({phase} <= {t['stalled_in_phase_seconds']} "
@@ -995,8 +991,7 @@ class HostMemoryPressure(Heuristic):
 
     def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
         swap = r.host.get("swap_rate")
-        if _v(r.data_wait_ratio, ">=", t["input_bound"]) and \
-                _v(swap, ">=", t["swap_mib_per_second"] * 2**20):
+        if _v(r.data_wait_ratio, ">=", t["input_bound"]) and swapping(r, t):
             return (f"data wait {percent(r.data_wait_ratio)} of each step while the node swaps "
                     f"{(swap or 0) / 2**20:.1f} MiB/s")
         return None

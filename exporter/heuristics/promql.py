@@ -427,13 +427,27 @@ class Q:
         one whose step in progress has run past the floor of the hung limit and twice its
         process's mean step is judged on that step, not on the window's rates of steps that no longer come."""
         return (f"({expr}) and on ({self.rank}) ({self.steps} > 0) unless on ({self.rank}) "
-                f"(run_rank:gputrain_training_finished:max > 0 "
-                f"or run_rank_reason:gputrain_training_exit_info:max or time() - "
-                f"run_rank:gputrain_training_last_push_timestamp_seconds:max > "
-                f"{self.t['vanished_seconds']} or "
+                f"({self.ended} or "
                 f"run_rank:gputrain_training_restarts:resets5m > 0 or "
                 f"{OPEN} > {self.t['hung_min_seconds']} and on ({self.rank}) "
                 f"{OPEN} > 2 * {TYPICAL})")
+
+    @property
+    def ended(self) -> str:
+        """The ranks that no longer run: a goodbye (finished, or an exit said) or silent past
+        ``vanished_seconds`` (as :func:`exporter.heuristics.catalogue.gone`)."""
+        return (f"run_rank:gputrain_training_finished:max > 0 "
+                f"or run_rank_reason:gputrain_training_exit_info:max or time() - "
+                f"run_rank:gputrain_training_last_push_timestamp_seconds:max > "
+                f"{self.t['vanished_seconds']}")
+
+    @property
+    def alive(self) -> str:
+        """The live ranks: pushed within ``alive_seconds``, no exit said (as
+        :func:`exporter.heuristics.catalogue.alive`)."""
+        return (f"(time() - run_rank:gputrain_training_last_push_timestamp_seconds:max "
+                f"<= {self.t['alive_seconds']} unless on ({self.rank}) "
+                f"run_rank_reason:gputrain_training_exit_info:max)")
 
     @property
     def shared(self) -> str:
@@ -448,11 +462,7 @@ class Q:
         """``expr`` (of a rank) only while the rank runs: it pushes and said no goodbye. A
         cost judged over the periodic window holds through the minutes a checkpoint stops
         the steps, where :meth:`stepping` would reset the alert's ``for``."""
-        return (f"({expr}) unless on ({self.rank}) "
-                f"(run_rank:gputrain_training_finished:max > 0 "
-                f"or run_rank_reason:gputrain_training_exit_info:max or time() - "
-                f"run_rank:gputrain_training_last_push_timestamp_seconds:max > "
-                f"{self.t['vanished_seconds']})")
+        return f"({expr}) unless on ({self.rank}) ({self.ended})"
 
     def periodic(self, phase: str) -> str:
         """Of each rank, the share of its wall time in ``phase`` over the periodic window

@@ -451,18 +451,16 @@ class History:
                 if s is not None and s.memory_total_bytes and s.memory_used_bytes is not None:
                     reading.memory_used = s.memory_used_bytes / s.memory_total_bytes
                 if old is not None and now is not None:
+                    inside = [p for p in (*tr.points, now) if p.t >= old.t]
                     # the link at its best in the window, as max_over_time reads it
-                    links = [p.link for p in (*tr.points, now)
-                             if p.t >= old.t and p.link is not None]
+                    links = [p.link for p in inside if p.link is not None]
                     reading.pcie_link_now = max(links) if links else None
                     # the memory as most of the window saw it, as quantile_over_time(0.5)
                     # reads it: a GPU at its ceiling two readings in three is at its ceiling
-                    used = [p.memory for p in (*tr.points, now)
-                            if p.t >= old.t and p.memory is not None]
+                    used = [p.memory for p in inside if p.memory is not None]
                     if used and s is not None:
                         reading.memory_used = statistics.median(used)
-                    sm = [p.sm_clock for p in (*tr.points, now)
-                          if p.t >= old.t and p.sm_clock is not None]
+                    sm = [p.sm_clock for p in inside if p.sm_clock is not None]
                     if sm and s is not None:
                         clocks[key] = statistics.fmean(sm)
                     _gpu_window(reading, old, now, s)
