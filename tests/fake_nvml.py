@@ -107,6 +107,7 @@ STABLE_FIELDS = {
     76: ("clock_event", "sync_boost"),  # NVML_FI_DEV_PERF_POLICY_SYNC_BOOST
     90: ("nvlink", "speed_mbps"),  # NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON
     91: ("nvlink", "present"),  # NVML_FI_DEV_NVLINK_LINK_COUNT: links present
+    94: ("pcie_replay", "count"),  # NVML_FI_DEV_PCIE_REPLAY_COUNTER (an H200: unsigned int)
     138: ("nvlink", "tx_kib"),  # NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX
     139: ("nvlink", "rx_kib"),  # NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX
 }
@@ -267,6 +268,9 @@ class FakeGpu:
     bus_id: str = "00000000:18:00.0"
     util_samples: list[tuple[int, int]] = field(default_factory=list)  # (timestamp us, %)
     util_rate: int = 50
+    # the driver's own sample buffer: a sample at util_rate every this many us (None: only
+    # util_samples, as scripted)
+    util_sample_period_us: int | None = None
     memory_used: int = 10 * 1024**3
     memory_total: int = 81559 * 1024**2
     memory_reserved: int = 512 * 1024**2  # the driver's; v1's "used" counts it, v2's does not
@@ -284,6 +288,7 @@ class FakeGpu:
     pcie_rx_bytes: int = 0
     pcie_tx_bytes: int = 0
     pcie_counter_type: int = ULONGLONG  # UINT: a 32-bit counter that wraps
+    pcie_replays: int = 0
     pcie_rx_kbs: int = 1000
     pcie_tx_kbs: int = 500
     clock_events_ns: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
@@ -343,6 +348,30 @@ def h100_sxm(i: int = 0, **kw: Any) -> FakeGpu:
         gpm={"graphics_util": 71.0, "sm_util": 62.0, "sm_occupancy": 31.0, "tensor_util": 12.5,
              "dram_bw_util": 40.0, "pcie_rx_mib_s": 100.0, "pcie_tx_mib_s": 10.0,
              "nvlink_rx_mib_s": 2048.0, "nvlink_tx_mib_s": 1024.0})
+    values.update(kw)
+    return FakeGpu(**values)
+
+
+def h200_vm(i: int = 0, **kw: Any) -> FakeGpu:
+    """An H200 as the GPU proof met it in a lent VM (tests/data/gpu/preflight.json, driver
+    580.159.04): "NVIDIA H200", 143771 MiB, 700 W, PCIe Gen5 x16 at 00:06.0, GPM; its PCIe byte
+    counters are 32-bit (field valueType unsigned int: the sampler takes GPM's PCIe rates);
+    no NVLink (the link-count field and every link's state answer NOT_SUPPORTED); the
+    clock-event reasons bitmask answers (1, GPU_IDLE, at rest); the utilisation sample buffer
+    always holds samples (the driver's ~1/6 s samples, idle ones too)."""
+    values: dict[str, Any] = dict(
+        uuid=f"GPU-{i:08x}-c5c5-549a-60f8-80f9b2155111", name="NVIDIA H200",
+        bus_id=f"00000000:{0x06 + i:02X}:00.0", power_limit_mw=700_000, power_mw=78_473,
+        memory_total=143771 * 1024**2, memory_used=3 * 1024**2, memory_reserved=0,
+        util_rate=0, util_sample_period_us=166_667,
+        temperature=33, sm_clock_mhz=1980, mem_clock_mhz=3201, pcie_gen=5, pcie_width=16,
+        pcie_gen_max=5, pcie_gen_gpu_max=5, pcie_width_max=16, pcie_counter_type=UINT,
+        nvlink_present=0, field_errors={91: NOT_SUPPORTED},
+        errors={"nvmlDeviceGetNvLinkState": NOT_SUPPORTED}, clock_event_reasons=1,
+        remapped_rows=(0, 0, 0, 0),
+        gpm={"graphics_util": 0.0, "sm_util": 0.0, "sm_occupancy": 0.0, "tensor_util": 0.0,
+             "dram_bw_util": 0.0, "pcie_rx_mib_s": 2.7, "pcie_tx_mib_s": 3.3,
+             "nvlink_rx_mib_s": 0.0, "nvlink_tx_mib_s": 0.0})
     values.update(kw)
     return FakeGpu(**values)
 
@@ -711,6 +740,15 @@ class FakeDriver:
         return SUCCESS
 
     # -- readings ------------------------------------------------------------------------------
+    def _util_samples(self, g: FakeGpu) -> list[tuple[int, int]]:
+        """The scripted samples, or with ``util_sample_period_us`` the driver's buffer as a real
+        one keeps it: a sample at ``util_rate`` every period up to now, the last 100."""
+        if not g.util_sample_period_us:
+            return g.util_samples
+        period, now = g.util_sample_period_us, int(self.clock() * 1e6)
+        last = now - now % period
+        return [(last - k * period, g.util_rate) for k in range(99, -1, -1)]
+
     def _c_nvmlDeviceGetSamples(self, handle: Any, kind: Any, last: Any, value_type: Any,
                                 count: Any, samples: Any) -> int:
         name = "nvmlDeviceGetSamples"
@@ -719,7 +757,7 @@ class FakeDriver:
             pass  # the fill pass of one binding call: counted once
         if isinstance(g, int) or g is None:
             return g if isinstance(g, int) else INVALID_ARGUMENT
-        fresh = [(ts, v) for ts, v in g.util_samples if ts > _int(last)]
+        fresh = [(ts, v) for ts, v in self._util_samples(g) if ts > _int(last)]
         if not fresh:
             return NOT_FOUND
         _write(value_type, c_uint(UINT))
@@ -865,6 +903,8 @@ class FakeDriver:
             raw = g.pcie_rx_bytes if key == "rx_bytes" else g.pcie_tx_bytes
             vtype = g.pcie_counter_type
             value = raw % (2**32) if vtype == UINT else raw
+        elif kind == "pcie_replay":
+            value, vtype = g.pcie_replays, UINT
         elif kind == "power_smoothing":
             value, vtype = g.power_smoothing.get(key), UINT
         elif kind == "nvlink":

@@ -75,24 +75,42 @@ def test_the_summary_window_opens_at_the_first_push_not_at_the_start():
     assert first_push(scrapes, "b") is None
 
 
-def result(name: str, bytes_per_sample: float) -> dict:
+def result(name: str, bytes_per_sample: float, *flags: str) -> dict:
     return {"scenario": name, "returncode": 0, "nvidia_smi": {
         "power": {"exporter": 300.0, "nvidia_smi": 300.0, "samples": 5,
                   "relative_difference": 0.0},
         "memory": {"exporter": 1.0, "nvidia_smi": 1.0, "samples": 5,
                    "relative_difference": 0.0}},
+        "args": ["--image-size", "224", "--uint8-transfer", *flags],
         "measured": {"pcie_rx_bytes_per_sample": bytes_per_sample,
                      "pcie_rx_bytes_per_second": 1e9, "tensor_active": 0.3}}
+
+
+UINT8_224 = 3 * 224 * 224  # bytes of one uint8 image
 
 
 def test_host_to_device_is_judged_by_bytes_per_sample_not_rates():
     """The inflated input crosses PCIe at a lower rate (the step rate drops) but 20 times the
     bytes a sample: that passes; the near miss, twice the bytes a sample, does not."""
-    plain, h2d = result("s003-5-uint8", 150e3), result("s002-h2d-copy", 3e6)
-    h2d["measured"]["pcie_rx_bytes_per_second"] = 0.5e9  # lower than plain's
-    assert not [f for f in check([plain, h2d]) if "PCIe" in f]
-    h2d["measured"]["pcie_rx_bytes_per_sample"] = 300e3
-    assert [f for f in check([plain, h2d]) if "PCIe bytes per sample" in f]
+    amp = result("s003-6-amp", 1.1 * UINT8_224, "--amp")
+    h2d = result("s002-h2d-copy", 1.08 * 20 * UINT8_224, "--amp", "--h2d-inflate", "20")
+    h2d["measured"]["pcie_rx_bytes_per_second"] = 0.5e9  # lower than amp's
+    assert not [f for f in check([amp, h2d]) if "PCIe" in f]
+    h2d["measured"]["pcie_rx_bytes_per_sample"] = 2 * UINT8_224
+    assert [f for f in check([amp, h2d]) if "PCIe bytes per sample" in f]
+
+
+def test_the_pcie_bytes_read_are_held_to_the_bytes_the_trainer_sent():
+    """At least 0.9 and at most 1.5 times the input a sample (1.07-1.13 on an H200); true fp32
+    read 12-16 times on the H200 and is held to the lower bound only."""
+    def pcie(r: dict) -> list[str]:
+        return [f for f in check([r]) if "PCIe received" in f]
+
+    assert not pcie(result("s003-5-tf32", 1.08 * UINT8_224))
+    assert pcie(result("s003-5-tf32", 0.8 * UINT8_224))  # a reading that lost bytes
+    assert pcie(result("s003-5-tf32", 1.6 * UINT8_224))  # traffic that is not the input
+    assert not pcie(result("s003-5-uint8", 16 * UINT8_224, "--no-tf32"))
+    assert pcie(result("s003-5-uint8", 0.8 * UINT8_224, "--no-tf32"))
 
 
 def test_no_tf32_makes_fp32_true_fp32():

@@ -2,8 +2,8 @@
 the alerts that must fire do, and those that must not, do not.
 
 tests/data/cpu-demo/ was recorded on a CPU-only machine (`tests/gpu/harness.py --cpu-demo`):
-real torch training on the CPU, simulated GPUs. tests/data/gpu/ holds recordings from a real
-GPU, made with `tests/gpu/harness.py` on a GPU machine."""
+real torch training on the CPU, simulated GPUs. The recordings of a real GPU (tests/data/gpu/)
+replay in tests/test_gpu_recording.py, with what that GPU must fire."""
 
 from __future__ import annotations
 
@@ -13,13 +13,11 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, require_binary, require_module
 from gpu.replay import replay
-from gpu.scenarios import BY_NAME, CPU_BY_NAME, Scenario
+from gpu.scenarios import CPU_BY_NAME, Scenario
 
 DATA = ROOT / "tests" / "data"
 RECORDINGS = [(p, CPU_BY_NAME[p.name.removesuffix(".prom.gz")])
               for p in sorted((DATA / "cpu-demo").glob("*.prom.gz"))]
-RECORDINGS += [(p, BY_NAME[p.name.removesuffix(".prom.gz")])
-               for p in sorted((DATA / "gpu").glob("*.prom.gz"))]
 
 
 def check(fired: dict, scenario: Scenario) -> None:

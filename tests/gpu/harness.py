@@ -209,6 +209,24 @@ def first_push(scrapes, run: str) -> float | None:
                         for n, labels in samples)), None)
 
 
+def wait_for_steps(exporter_url: str, run: str, proc: subprocess.Popen,
+                   timeout: float) -> bool:
+    """Whether the daemon's /metrics shows the run's steps within ``timeout`` seconds (False at
+    once if the trainer has ended)."""
+    needle = f'run="{run}"'
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            text = requests.get(exporter_url + "/metrics", timeout=10).text
+        except requests.RequestException:
+            text = ""
+        if any(line.startswith("gputrain_training_steps_total{") and needle in line
+               for line in text.splitlines()):
+            return True
+        time.sleep(0.5)
+    return False
+
+
 def _arg(args: tuple[str, ...], flag: str, default: str) -> str:
     return args[args.index(flag) + 1] if flag in args else default
 
@@ -318,8 +336,11 @@ def run_scenario(sc: Scenario, args, exporter_url: str, ingest_url: str, out: Pa
     profile = None
     profiled = args.profile and args.profile_only in ("", sc.name)
     if profiled and seconds > (sc.warmup or args.warmup) + 10:
-        # a profile of the running trainer, as `gputrain-exporter profile` asks for one
-        time.sleep(sc.warmup or args.warmup)
+        # a profile of the running trainer, as `gputrain-exporter profile` asks for one, once
+        # the daemon has its steps: a CUDA trainer's start-up (import, context, workers) can
+        # outlast the warm-up, and a profile asked for before its first push is refused
+        pushed = wait_for_steps(exporter_url, sc.name, proc, timeout=150)
+        time.sleep(min(5.0, sc.warmup or args.warmup) if pushed else 0)
         try:
             profile = ask(ingest_url, sc.name, "0", 5, timeout=120)
         except Failed as exc:
@@ -379,6 +400,31 @@ def markdown(results: list[dict], fired: dict[str, list[str]] | None = None) -> 
         if fired is not None:
             cells.append(", ".join(fired.get(r["scenario"], [])) or "none")
         lines.append("| " + " | ".join([*cells, r["seed"]]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def agreement_markdown(results: list[dict]) -> str:
+    """Per scenario, the exporter beside nvidia-smi (power, memory, utilisation: the means of
+    the same instants) and the PCIe bytes it read a sample beside the bytes the trainer sent."""
+    from gpu.checks import input_bytes
+
+    lines = ["| scenario | power W (nvidia-smi) | memory MiB (nvidia-smi) | "
+             "utilisation % (nvidia-smi) | PCIe received a sample (the input) |",
+             "|" + " --- |" * 5]
+    for r in results:
+        smi = r.get("nvidia_smi") or {}
+
+        def pair(key: str, digits: int, smi: dict = smi) -> str:
+            c = smi.get(key)
+            if not c:
+                return "n/a"
+            return f"{c['exporter']:.{digits}f} ({c['nvidia_smi']:.{digits}f})"
+
+        got = r.get("measured", {}).get("pcie_rx_bytes_per_sample")
+        pcie = "n/a" if got is None else \
+            f"{got / 1e3:.0f} kB ({input_bytes(r.get('args', [])) / 1e3:.0f} kB)"
+        lines.append(f"| {r['scenario']} | {pair('power', 1)} | {pair('memory', 0)} | "
+                     f"{pair('util', 1)} | {pcie} |")
     return "\n".join(lines) + "\n"
 
 

@@ -14,10 +14,12 @@ process), so CI runs the same code.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -71,8 +73,11 @@ def shm() -> dict[str, Any]:
     return {"total_bytes": usage.total, "free_bytes": usage.free}
 
 
-def preflight(cycles: int = 20, interval: float = 0.2, fake: bool = False) -> dict[str, Any]:
-    """The preflight document (see the module's docstring)."""
+def preflight(cycles: int = 20, interval: float = 0.2, fake: bool = False,
+              model: str = "h100_sxm", child: bool = True) -> dict[str, Any]:
+    """The preflight document (see the module's docstring). ``fake``: over the fake driver's
+    ``model`` (a function of tests/fake_nvml.py) rather than the GPU; ``child``: start the
+    matrix-product child (``cuda_child``)."""
     from exporter.reading.gpu_backends import BackendUnavailable, NvmlBackend
     from exporter.reading.nvml import Nvml
 
@@ -87,10 +92,12 @@ def preflight(cycles: int = 20, interval: float = 0.2, fake: bool = False) -> di
     except ImportError:
         doc["torch"] = None
     if fake:
-        from fake_nvml import FakeDriver, h100_sxm
+        import fake_nvml
 
-        driver = FakeDriver([h100_sxm(0, processes=[(os.getpid(), 2**30)],
-                                      process_samples=[(1_000, os.getpid(), 50, 20)])])
+        make = getattr(fake_nvml, model)
+        gpu = make(0) if model != "h100_sxm" else make(
+            0, processes=[(os.getpid(), 2**30)], process_samples=[(1_000, os.getpid(), 50, 20)])
+        driver = fake_nvml.FakeDriver([gpu], version=FAKE_VERSIONS.get(model, "590.48.01"))
         module: Any = driver.binding
     else:
         try:
@@ -120,9 +127,15 @@ def preflight(cycles: int = 20, interval: float = 0.2, fake: bool = False) -> di
                 doc.setdefault("sample_errors", []).append(f"GPU {g.index}: {exc}")
             per_gpu[g.index].append(time.perf_counter() - t)
         time.sleep(interval)
+    cycled = {name: dict(v) for name, v in binding.calls.items()}  # the cycles' calls
+    doc["last_reading"] = {g.index: _jsonable(dataclasses.asdict(backend.sample(g)))
+                           for g in gpus}
+    doc["raw"] = raw_answers(module, 0)
+    if child:
+        doc["cuda_child"] = cuda_child(module, backend, gpus[0] if gpus else None, fake)
     backend.close()
     calls = {}
-    for name, v in sorted(binding.calls.items()):
+    for name, v in sorted(cycled.items()):
         before = started.get(name, {"calls": 0, "seconds": 0.0})
         n = v["calls"] - before["calls"]
         calls[name] = {"calls_per_cycle": n / cycles if cycles else 0.0,
@@ -136,13 +149,158 @@ def preflight(cycles: int = 20, interval: float = 0.2, fake: bool = False) -> di
     return doc
 
 
+# the driver each fake model was met with (h200_vm: the GPU proof's machine)
+FAKE_VERSIONS = {"h200_vm": "580.159.04"}
+# nvmlValueType_t: which member of the value union holds a field's value
+VALUE_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal",
+                 6: "usVal"}
+CHILD = """
+import sys, time, torch
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+a = torch.randn(2048, 2048, device=dev)
+(a @ a).sum().item()
+print("ready", dev, flush=True)
+end = time.monotonic() + 90
+while time.monotonic() < end:
+    for _ in range(20):
+        b = a @ a
+    b.sum().item()
+"""
+
+
+def _jsonable(value: Any) -> Any:
+    """A reading or an NVML struct as JSON: ctypes structs by their fields, keys as strings."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    fields = getattr(value, "_fields_", None)
+    if fields is not None:
+        return {f[0]: _jsonable(getattr(value, f[0], None)) for f in fields}
+    if value is None or isinstance(value, (int, float, str, bool)):
+        return value
+    if hasattr(value, "__dict__"):  # the binding's friendly objects
+        return {k: _jsonable(v) for k, v in vars(value).items() if not k.startswith("_")}
+    return repr(value)
+
+
+def _answer(call: Any) -> Any:
+    """What one raw NVML call answers, or the error's code and name."""
+    try:
+        return {"ok": _jsonable(call())}
+    except Exception as exc:
+        return {"error": getattr(exc, "value", None), "message": str(exc)}
+
+
+def raw_answers(nvml: Any, index: int) -> dict[str, Any]:
+    """GPU ``index``'s raw answers to the calls the fake driver has to imitate: the reasons
+    (supported and current bitmask), field values per field (each its own return code), NVLink
+    state per link, GPM support, the compute processes and the per-process samples."""
+    from exporter.reading.gpu_backends import STABLE_CLOCK_EVENT_FIELDS
+
+    try:
+        h = nvml.nvmlDeviceGetHandleByIndex(index)
+    except Exception as exc:
+        return {"error": str(exc)}
+    out: dict[str, Any] = {}
+    for name in ("nvmlDeviceGetSupportedClocksEventReasons",
+                 "nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetComputeRunningProcesses",
+                 "nvmlGpmQueryDeviceSupport", "nvmlDeviceGetPerformanceState"):
+        fn = getattr(nvml, name, None)
+        out[name] = _answer(lambda fn=fn: fn(h)) if fn else {"missing": True}
+    out["nvmlDeviceGetProcessUtilization"] = _answer(
+        lambda: nvml.nvmlDeviceGetProcessUtilization(h, 0))
+    # (NVLink throughput is asked for all links at once: the sampler's own calls time it)
+    ids = {f"clock_event_{k}": v for k, v in STABLE_CLOCK_EVENT_FIELDS.items()}
+    # the clock-event reason durations by ID (NVML 12.550+), where this binding names them
+    for attr in dir(nvml):
+        if attr.startswith("NVML_FI_DEV_CLOCKS_EVENT_REASON_"):
+            ids[attr.removeprefix("NVML_FI_DEV_")] = getattr(nvml, attr)
+    for attr in ("NVML_FI_DEV_PCIE_REPLAY_COUNTER", "NVML_FI_DEV_PCIE_COUNT_RX_BYTES",
+                 "NVML_FI_DEV_PCIE_COUNT_TX_BYTES", "NVML_FI_DEV_NVLINK_LINK_COUNT"):
+        if hasattr(nvml, attr):
+            ids[attr.removeprefix("NVML_FI_DEV_")] = getattr(nvml, attr)
+    fields: dict[str, Any] = {}
+    for label, fid in sorted(ids.items()):
+        got = _answer(lambda fid=fid: nvml.nvmlDeviceGetFieldValues(h, [fid])[0])
+        if "ok" in got:
+            v = got["ok"]
+            member = VALUE_MEMBERS.get(v.get("valueType"), "ullVal")
+            got = {"return": v.get("nvmlReturn"), "valueType": v.get("valueType"),
+                   "value": (v.get("value") or {}).get(member)}
+        fields[f"{label} ({fid})"] = got
+    out["field_values"] = fields
+    out["nvlink_state"] = {str(link): _answer(lambda link=link: nvml.nvmlDeviceGetNvLinkState(
+        h, link)) for link in range(18)}
+    return out
+
+
+def cuda_child(nvml: Any, backend: Any, gpu: Any, fake: bool) -> dict[str, Any]:
+    """A child doing matrix products on the GPU (the CPU without one): whether NVML's process
+    list holds its pid as this process sees it, what the per-process samples say of it (their
+    period from their timestamps), what the sampler reads of it, and whether py-spy reads its
+    stacks here."""
+    from exporter.client.stacks import find_py_spy
+
+    out: dict[str, Any] = {}
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        line = child.stdout.readline()  # "ready DEVICE" once its first product is done
+        out["pid"] = child.pid
+        out["ready"] = line.strip()
+        if not line.startswith("ready"):
+            out["error"] = child.stderr.read()[-2000:] if child.stderr else ""
+            return out
+        time.sleep(3)  # a few of NVML's per-process sample periods
+        h = nvml.nvmlDeviceGetHandleByIndex(0)
+        procs = _answer(lambda: nvml.nvmlDeviceGetComputeRunningProcesses(h))
+        out["nvml_processes"] = procs
+        out["pid_in_nvml_list"] = any(
+            isinstance(p, dict) and p.get("pid") == child.pid for p in procs.get("ok") or [])
+        samples = _answer(lambda: nvml.nvmlDeviceGetProcessUtilization(h, 0))
+        out["process_samples"] = samples
+        stamps = sorted(s["timeStamp"] for s in samples.get("ok") or []
+                        if isinstance(s, dict) and s.get("pid") == child.pid)
+        out["child_sample_stamps_us"] = stamps
+        if gpu is not None:
+            readings = []
+            for _ in range(4):
+                r = backend.sample(gpu)
+                readings.append({"pids": list(r.pids), "process_utilization":
+                                 _jsonable(r.process_utilization),
+                                 "process_seconds": _jsonable(r.process_seconds),
+                                 "utilization": r.utilization, "sm_active": r.sm_active})
+                time.sleep(1)
+            out["sampler_readings"] = readings
+        spy = find_py_spy()
+        out["py_spy"] = spy
+        if spy:
+            try:
+                dump = subprocess.run([spy, "dump", "--pid", str(child.pid)],
+                                      capture_output=True, text=True, timeout=30)
+                out["py_spy_dump"] = {"returncode": dump.returncode,
+                                      "stdout": dump.stdout[:3000],
+                                      "stderr": dump.stderr[-1500:]}
+            except subprocess.TimeoutExpired:
+                out["py_spy_dump"] = {"error": "timed out after 30 s"}
+    finally:
+        child.kill()
+        child.wait()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="where to write the JSON")
     p.add_argument("--cycles", type=int, default=20, help="sampler cycles to time")
     p.add_argument("--fake", action="store_true", help="the fake driver (no GPU)")
+    p.add_argument("--model", default="h100_sxm", help="the fake driver's GPU model")
     args = p.parse_args(argv)
-    doc = preflight(args.cycles, fake=args.fake)
+    doc = preflight(args.cycles, fake=args.fake, model=args.model)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     slowest = sorted(((v["mean_ms"] or 0.0, n) for n, v in doc.get("calls", {}).items()),
                      reverse=True)[:5]
@@ -151,6 +309,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{doc.get('cycle_ms')}; slowest calls (ms): "
           + ", ".join(f"{n} {ms:.2f}" for ms, n in slowest)
           + (f"; error: {doc['error']}" if "error" in doc else ""), flush=True)
+    child = doc.get("cuda_child", {})
+    print(f"preflight: child {child.get('ready')!r} pid {child.get('pid')} in NVML's list: "
+          f"{child.get('pid_in_nvml_list')}; py-spy {child.get('py_spy')}: "
+          f"{child.get('py_spy_dump', {}).get('returncode', child.get('py_spy_dump'))}",
+          flush=True)
     return 0
 
 

@@ -27,16 +27,23 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 from exporter.heuristics.promql import inline  # noqa: E402
-from gpu.harness import free_port, markdown, read_recording  # noqa: E402
+from gpu.harness import (  # noqa: E402
+    agreement_markdown,
+    free_port,
+    markdown,
+    read_recording,
+)
 
 JOB, INSTANCE = "gputrain", "gpu-node:19400"
 
 
-def to_openmetrics(recording: Path, job: str = JOB, instance: str = INSTANCE) -> str:
-    """Every sample of every scrape, grouped by name (OpenMetrics wants a family's samples
-    together), each an ``unknown`` family so the names stay exactly as scraped."""
+def to_openmetrics(recording: Path | list, job: str = JOB, instance: str = INSTANCE) -> str:
+    """Every sample of every scrape (of a recording, or the scrapes given), grouped by name
+    (OpenMetrics wants a family's samples together), each an ``unknown`` family so the names
+    stay exactly as scraped."""
     by_name: dict[str, list[str]] = {}
-    for t, samples in read_recording(recording):
+    scrapes = read_recording(recording) if isinstance(recording, Path) else recording
+    for t, samples in scrapes:
         for (name, labels), value in samples.items():
             all_labels = {**dict(labels), "job": job, "instance": instance}
             text = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(all_labels.items()))
@@ -118,20 +125,42 @@ class Backfilled:
         self.log.close()
 
 
-class Replay(Backfilled):
-    """A harness recording, backfilled."""
+def training_span(scrapes: list, run: str, warmup: float) -> list:
+    """The scrapes a verdict on run ``run`` may read: from ``warmup`` seconds after its first
+    push to its last scrape before it said it finished (the daemon still shows the scenario
+    before, finished). A recording holds the
+    trainer's start-up (torch's import, CUDA's context: the GPU idle) and its goodbye (every
+    rule then stands down, as it must for a run that ended), and its windows are shorter than
+    the rules' 5 minutes, so either would be in every rate the rules read. All the scrapes
+    where fewer than two would be left."""
+    def ours(labels: tuple) -> bool:
+        return dict(labels).get("run") == run
 
-    def __init__(self, recording: Path, workdir: Path) -> None:
+    pushed = [t for t, samples in scrapes
+              if any(n == "gputrain_training_steps_total" and ours(labels)
+                     for n, labels in samples)]
+    if not pushed:
+        return scrapes
+    ended = next((t for t, samples in scrapes
+                  if any(n == "gputrain_training_finished" and ours(labels) and v > 0
+                         for (n, labels), v in samples.items())), None)
+    kept = [(t, samples) for t, samples in scrapes
+            if t >= pushed[0] + warmup and (ended is None or t < ended)]
+    return kept if len(kept) >= 2 else scrapes
+
+
+class Replay(Backfilled):
+    """A harness recording, backfilled: the span of its training (``training_span``)."""
+
+    def __init__(self, recording: Path, workdir: Path, warmup: float = 10.0) -> None:
         self.recording = recording
         scrapes = read_recording(recording)
         if len(scrapes) < 2:
             raise ValueError(f"{recording}: fewer than two scrapes")
-        # the training starts after torch's import: measure the span from its first push
-        training = [t for t, samples in scrapes
-                    if any(n.startswith("gputrain_training_") for n, _ in samples)]
-        self.start_time = training[0] if training else scrapes[0][0]
+        scrapes = training_span(scrapes, recording.name.removesuffix(".prom.gz"), warmup)
+        self.start_time = scrapes[0][0]
         self.end_time = scrapes[-1][0]
-        super().__init__(to_openmetrics(recording), workdir)
+        super().__init__(to_openmetrics(scrapes), workdir)
 
     def firing(self, rules_text: str, hold: float = 30.0, step: float = 5.0) -> dict[str, list]:
         """Alert name -> the label sets for which its condition held over the last ``hold``
@@ -172,7 +201,7 @@ def table(directory: Path) -> str:
     fired = {r["scenario"]: sorted(a.removeprefix("GpuTrain") for a in
                                    replay(directory / f"{r['scenario']}.prom.gz"))
              for r in results}
-    return markdown(results, fired)
+    return markdown(results, fired) + "\n" + agreement_markdown(results)
 
 
 def main(argv: list[str] | None = None) -> int:
