@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, require_binary
 from gpu.preflight import preflight
-from gpu.replay import Replay, inline_alerts
+from gpu.replay import Replay, inline_alerts, status_agreement
 from gpu.scenarios import expected_on
 
 from exporter.heuristics.catalogue import BY_ALERT
@@ -114,6 +114,10 @@ def test_a_gpu_recording_fires_what_it_must_and_diagnose_says_the_same(recording
     (rep,) = json.loads(diagnosed.stdout)["ranks"]
     want = {BY_ALERT[a].verdict for a in now if BY_ALERT[a].kind != "symptom"}
     assert set(rep["findings"]) == want, f"{run}: diagnose {rep['findings']} ({rep['reason']})"
+    status = recording.with_name(f"{run}.status.json")  # recorded by harnesses since 50's
+    if status.is_file():
+        page, told = status_agreement(recording, json.loads(status.read_text()))
+        assert page == told, f"{run}: the page said {page}, diagnose {told}"
 
 
 def test_the_committed_run_passes_the_proofs_checks():

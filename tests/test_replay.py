@@ -7,12 +7,13 @@ replay in tests/test_gpu_recording.py, with what that GPU must fire."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from conftest import ROOT, require_binary, require_module
-from gpu.replay import replay
+from gpu.replay import replay, status_agreement
 from gpu.scenarios import CPU_BY_NAME, Scenario
 
 DATA = ROOT / "tests" / "data"
@@ -69,3 +70,8 @@ def test_the_harness_records_a_scenario_that_replays_to_its_alerts(tmp_path):
         assert cpu > 0.7, f"CPUPreprocessingBound fired with the host CPUs {cpu:.0%} busy"
         scenario = replace(scenario, silent=scenario.silent - {"CPUPreprocessingBound"})
     check(fired, scenario)
+    # the daemon's own status view, read while the run trained, says what diagnose says of the
+    # same scrapes at the same moment (the harness gives each scenario a daemon of its own)
+    status = json.loads((tmp_path / "cpu-slow-input.status.json").read_text())
+    page, told = status_agreement(recording, status)
+    assert page and page == told, f"the page said {page}, diagnose {told}"

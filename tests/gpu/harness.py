@@ -15,6 +15,7 @@ into Prometheus data and says which alerts fire.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import io
 import json
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -311,6 +313,60 @@ def compare_with_smi(scrapes, smi_path: Path, gpu: str, t0: float, t1: float) ->
     return {k: rel(v) for k, v in pairs.items()}
 
 
+@contextlib.contextmanager
+def serving(args, log) -> Iterator[tuple[str, str]]:
+    """A daemon on this machine's GPUs (the demo's with --cpu-demo) for one scenario: its
+    metrics and ingest URLs."""
+    port, ingest = free_port(), free_port()
+    cmd = [sys.executable, "-m", "exporter", f"--web.listen-address=127.0.0.1:{port}",
+           f"--ingest.listen-address=127.0.0.1:{ingest}", "--sampler.interval=1s"]
+    if args.cpu_demo:
+        # a well-fed simulated GPU: what fires comes from the (real) training signals
+        cmd += ["--gpu.backend=demo", "--demo.gpus=2", "--demo.load=0.95"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                if requests.get(url + "/healthz", timeout=1).ok:
+                    break
+            except requests.RequestException:
+                time.sleep(0.2)
+        yield url, f"http://127.0.0.1:{ingest}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+
+
+class StatusWatch(threading.Thread):
+    """The daemon's status document, every 2 s while the scenario trains: the last one in
+    which the run's rank is judged and has not finished (the page's verdict over the same
+    scrapes as the recording), with the time it was read."""
+
+    def __init__(self, url: str, run: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.run_name = url, run
+        self.last: dict | None = None
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.wait(2.0):
+            try:
+                doc = requests.get(self.url + "/api/v1/status", timeout=10).json()
+            except (requests.RequestException, ValueError):
+                continue
+            ours = [r for r in doc.get("runs", []) if r.get("run") == self.run_name]
+            if ours and ours[0].get("status") != "finished":
+                self.last = {"time": doc.get("time"), "window_seconds":
+                             doc.get("window_seconds"), "run": ours[0]}
+
+    def stop(self) -> dict | None:
+        self.stopping.set()
+        self.join(timeout=15)
+        return self.last
+
+
 def run_scenario(sc: Scenario, args, exporter_url: str, ingest_url: str, out: Path) -> dict:
     rec_path = out / f"{sc.name}.prom.gz"
     try:
@@ -321,6 +377,8 @@ def run_scenario(sc: Scenario, args, exporter_url: str, ingest_url: str, out: Pa
     recorder = Recorder(exporter_url + "/metrics", rec_path)
     smi = SmiSampler(out / f"{sc.name}.smi.csv.gz") if shutil.which("nvidia-smi") else None
     recorder.start()
+    watch = StatusWatch(exporter_url, sc.name)
+    watch.start()
     if smi:
         smi.start()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "GPUTRAIN_URL": ingest_url,
@@ -355,6 +413,9 @@ def run_scenario(sc: Scenario, args, exporter_url: str, ingest_url: str, out: Pa
     except (requests.RequestException, ValueError) as exc:
         attribution = {"error": str(exc)}
     recorder.stop()
+    status = watch.stop()
+    if status is not None:
+        (out / f"{sc.name}.status.json").write_text(json.dumps(status, indent=1) + "\n")
     if smi:
         smi.stop()
     result = {"scenario": sc.name, "args": list(flags), "seed": sc.seed, "adapted": adapted,
@@ -474,25 +535,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown scenarios: {', '.join(unknown)} (known: {', '.join(table)})")
     args.out.mkdir(parents=True, exist_ok=True)
-    port, ingest = free_port(), free_port()
-    exporter_cmd = [sys.executable, "-m", "exporter", f"--web.listen-address=127.0.0.1:{port}",
-                    f"--ingest.listen-address=127.0.0.1:{ingest}", "--sampler.interval=1s"]
-    if args.cpu_demo:
-        # a well-fed simulated GPU: what fires comes from the (real) training signals
-        exporter_cmd += ["--gpu.backend=demo", "--demo.gpus=2", "--demo.load=0.95"]
+    results: list[dict] = []
+    hardware = None
     log = open(args.out / "exporter.log", "w")  # noqa: SIM115 - closed below
-    exporter = subprocess.Popen(exporter_cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    url, ingest_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{ingest}"
-    results = []
     try:
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            try:
-                if requests.get(url + "/healthz", timeout=1).ok:
-                    break
-            except requests.RequestException:
-                time.sleep(0.2)
-        for name in names:
+        for i, name in enumerate(names):
             sc = table[name]
             need = (sc.seconds or args.seconds) + SCENARIO_OVERHEAD_SECONDS
             if args.deadline and time.time() + need > args.deadline:
@@ -502,14 +549,16 @@ def main(argv: list[str] | None = None) -> int:
                                 "args": list(sc.args), "returncode": 0, "measured": {}})
                 continue
             print(f"scenario {name} ...", flush=True)
-            result = run_scenario(sc, args, url, ingest_url, args.out)
+            # a daemon of its own: its status view's window then holds this scenario alone,
+            # as the recording does, so the page and a replay judge the same data
+            with serving(args, log) as (url, ingest_url):
+                result = run_scenario(sc, args, url, ingest_url, args.out)
+                if i == len(names) - 1 and shutil.which("nvidia-smi"):
+                    # while the exporter still serves: its series beside nvidia-smi's
+                    hardware = record_hardware(args.out, url)
             results.append(result)
             print(json.dumps(result["measured"]), flush=True)
-        # while the exporter still serves: its series beside nvidia-smi's
-        hardware = record_hardware(args.out, url) if shutil.which("nvidia-smi") else None
     finally:
-        exporter.terminate()
-        exporter.wait(timeout=15)
         log.close()
     failures = check(results, gpu=not args.cpu_demo)
     (args.out / "summary.json").write_text(json.dumps(

@@ -152,12 +152,16 @@ def training_span(scrapes: list, run: str, warmup: float) -> list:
 class Replay(Backfilled):
     """A harness recording, backfilled: the span of its training (``training_span``)."""
 
-    def __init__(self, recording: Path, workdir: Path, warmup: float = 10.0) -> None:
+    def __init__(self, recording: Path, workdir: Path, warmup: float = 10.0,
+                 whole: bool = False) -> None:
+        """``whole``: every scrape, as the daemon that was scraped saw them (to set beside its
+        own status view), not only the run's training span."""
         self.recording = recording
         scrapes = read_recording(recording)
         if len(scrapes) < 2:
             raise ValueError(f"{recording}: fewer than two scrapes")
-        scrapes = training_span(scrapes, recording.name.removesuffix(".prom.gz"), warmup)
+        if not whole:
+            scrapes = training_span(scrapes, recording.name.removesuffix(".prom.gz"), warmup)
         self.start_time = scrapes[0][0]
         self.end_time = scrapes[-1][0]
         super().__init__(to_openmetrics(scrapes), workdir)
@@ -180,6 +184,38 @@ class Replay(Backfilled):
                 out.setdefault(alert["alert"], []).extend(dict(x) for x in held)
         return out
 
+
+
+def diagnose(url: str, run: str, at: float) -> list[dict]:
+    """``gputrain-exporter diagnose --json`` of run ``run`` at ``at`` (unix seconds) against
+    the Prometheus at ``url``: its rank reports."""
+    out = subprocess.run([sys.executable, "-m", "exporter", "diagnose", "--prometheus", url,
+                          "--json", "--time", str(at), "--run", run], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    if out.returncode not in (0, 1, 3):
+        raise RuntimeError(f"diagnose failed: {out.stderr[-2000:]}")
+    import json
+
+    return json.loads(out.stdout)["ranks"]
+
+
+def status_agreement(recording: Path, status: dict) -> tuple[list, list]:
+    """What the daemon's status view said of a scenario's run (the harness's
+    ``<scenario>.status.json``) and what ``diagnose`` says of the whole recording at the same
+    moment: each as sorted (rank, verdict, further findings)."""
+    run = recording.name.removesuffix(".prom.gz")
+    with tempfile.TemporaryDirectory() as tmp:
+        r = Replay(recording, Path(tmp), whole=True)
+        try:
+            reports = diagnose(r.url, run, status["time"])
+        finally:
+            r.stop()
+    page = sorted((x["rank"], x["verdict"], tuple(sorted(a["verdict"] for a in x["also"])))
+                  for x in status["run"]["ranks"])
+    told = sorted((x["rank"], x["verdict"],
+                   tuple(sorted(f for f in x["findings"] if f != x["verdict"])))
+                  for x in reports)
+    return page, told
 
 
 def replay(recording: Path, rules_text: str | None = None, hold: float = 30.0) -> dict:
