@@ -300,8 +300,14 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
                  " (token required)" if token else "")
     stop.wait()
     log.info("shutting down")
+    # both ports at once: each stops accepting, then answers what it holds within its grace
+    draining = [threading.Thread(target=srv.shutdown, name=f"gputrain-stop-{srv.name}")
+                for srv in servers]
+    for t in draining:
+        t.start()
+    for t in draining:
+        t.join()
     for srv in servers:
-        srv.shutdown()
         srv.close_socket()
     app.stop()
     status.stop()

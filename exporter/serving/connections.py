@@ -56,6 +56,9 @@ MAX_LONG_POLLS = 32  # per port: GETs of a profile that wait; more are answered 
 # ones only after): the caps keep that many descriptors free per port
 LISTEN_BACKLOG = 128
 SWEEP_SECONDS = 0.5  # how often a port looks for connections past their deadline
+# on SIGTERM: the requests already being handled get this long to be answered (a push or a
+# scrape takes milliseconds; a long-poll is answered at once with what it has)
+SHUTDOWN_GRACE_SECONDS = 5.0
 READ_CHUNK = 16 * 1024  # bytes one read takes from a connection (asyncio's default: 256 KiB)
 ERROR_LOG_SECONDS = 60.0  # a client's failing requests are logged once in this long
 MAX_LOGGED_ADDRESSES = 4096
@@ -128,6 +131,7 @@ class Port:
         self.reading: dict[Connection, tuple[float, int]] = {}
         self.long_polls: dict[str, int] = {}
         self.refused = 0
+        self.draining = False  # shutting down: answer what is in, each answer closes
         self._logged: dict[str, float] = {}  # client address -> loop time of its last error
         self._wakers: set[asyncio.Future[None]] = set()
 
@@ -281,6 +285,29 @@ class Port:
             if not f.done():
                 f.set_result(None)
         self._wakers.clear()
+
+    async def drain(self, grace: float) -> int:
+        """Shutting down (the listening socket is closed already): connections with no
+        request in are closed, those with one get up to ``grace`` seconds for its answer, which
+        closes them; long-polls answer at once. Returns how many were still busy at the end
+        (cut: their requests outlasted the grace)."""
+        self.draining = True
+        self.wake()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while True:
+            for conn in list(self.conns):
+                if conn.state in ("new", "idle") and not conn._pending_input():
+                    conn._abort()  # nothing asked on it: closing cuts no request
+                elif conn.state == "closing" and conn.answered():
+                    conn._abort()  # its last answer is out
+            if not self.conns or loop.time() >= deadline:
+                break  # (a request's bytes in a connection's buffer are read and answered)
+            await asyncio.sleep(0.02)
+        cut = [c for c in self.conns if c.state != "closing"]
+        for conn in list(self.conns):
+            conn._abort()
+        return len(cut)
 
     async def changed(self, timeout: float) -> None:
         """Return after the next :meth:`wake`, or after ``timeout`` seconds."""
@@ -537,6 +564,8 @@ class Connection(RequestHandler):
                               start_time: float | None) -> tuple[web.StreamResponse, bool]:
         if self._client_done or (not request.content.is_eof() and not resp.prepared):
             resp.force_close()  # a body left unread must never be parsed as a request
+        elif self.port.draining and not resp.prepared:
+            resp.force_close()  # shutting down: the client asks its next one elsewhere
         self._content = None
         answer = await super().finish_response(request, resp, start_time)
         if self.transport is None or self.state in ("closing", "closed"):
@@ -585,6 +614,11 @@ class Connection(RequestHandler):
         if transport.can_write_eof():
             transport.write_eof()
         self._arm(self._loop.time() + CLOSING_SECONDS)
+
+    def answered(self) -> bool:
+        """Its closing answer has left this process (nothing of it is waiting to be sent)."""
+        transport = self.transport or self._raw
+        return transport is None or transport.get_write_buffer_size() == 0
 
     def _abort(self) -> None:
         self.state = "closed"

@@ -369,8 +369,8 @@ class IngestSite(Site):
         while True:
             profile = board.get(pid)
             left = deadline - loop.time()
-            if profile is None or profile.state in FINAL or left <= 0:
-                return profile
+            if profile is None or profile.state in FINAL or left <= 0 or self.port.draining:
+                return profile  # (shutting down: as it is now)
             await self.port.changed(min(left, 1.0))
 
 

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from exporter.serving.connections import (
     LISTEN_BACKLOG,
+    SHUTDOWN_GRACE_SECONDS,
     SWEEP_SECONDS,
     Connection,
     Port,
@@ -105,22 +106,28 @@ class Server:
             lambda: Connection(self.port, aio, loop, self._tls), sock=self.socket,
             backlog=LISTEN_BACKLOG)
 
-    def shutdown(self) -> None:
-        """Stop serving: every connection is closed, the loop ends."""
+    def shutdown(self, grace: float = SHUTDOWN_GRACE_SECONDS) -> None:
+        """Stop serving: accept no more connections, answer the requests already in (within
+        ``grace`` seconds, each answer with ``Connection: close``), close the rest; the loop
+        ends."""
         loop = self._loop
         if loop is None or loop.is_closed():
             return
 
-        def stop() -> None:
-            self._aio.close()
-            for conn in list(self.port.conns):
-                conn._abort()
-            loop.stop()
+        async def stop() -> None:
+            try:
+                self._aio.close()  # the listening socket: new connections are refused
+                cut = await self.port.drain(grace)
+                if cut:
+                    log.warning("shutting down: %d request(s) on the %s port were not "
+                                "answered within %.0f s", cut, self.name, grace)
+            finally:
+                loop.stop()
 
         with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(stop)
+            asyncio.run_coroutine_threadsafe(stop(), loop)
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=grace + 10)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def close_socket(self) -> None:

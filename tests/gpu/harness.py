@@ -443,13 +443,13 @@ def run_scenario(sc: Scenario, args, exporter_url: str, ingest_url: str, out: Pa
 
 def markdown(results: list[dict], fired: dict[str, list[str]] | None = None) -> str:
     """The table of a run: measured figures, the alerts fired (when a replay says), and what
-    the seed reported."""
+    the published figure."""
     def pct(x):
         return "n/a" if x is None else f"{100 * x:.1f}%"
 
     columns = ["scenario", "GPU busy", "SM active", "tensor active", "data wait", "samples/s",
                "memory", "power", "MFU", *(["alerts fired"] if fired is not None else []),
-               "the seed reported"]
+               "published figure"]
     lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     for r in results:
         m = r.get("measured", {})
