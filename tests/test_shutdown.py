@@ -79,7 +79,7 @@ def test_a_sigterm_answers_every_request_already_in_and_closes_the_rest(daemon_f
     # in flight when the signal comes, each on a connection the daemon has accepted (it has
     # answered one request on it first):
     polls, pushes, idle = [], [], []
-    for i in range(6):  # long-polls
+    for _ in range(6):  # long-polls
         s = request(port, f"GET {PROFILE_PATH}/{pid} HTTP/1.1\r\nHost: x\r\n\r\n")
         read_response(s)
         s.sendall(f"GET {PROFILE_PATH}/{pid}?wait=5 HTTP/1.1\r\nHost: x\r\n\r\n".encode())
