@@ -250,20 +250,33 @@ def test_1100_slow_connections_do_not_take_the_daemon_down(limited_daemon):
 
 def test_300_ranks_keeping_connections_alive_all_get_through(limited_daemon):
     """300 ranks on one node, each with a kept-alive connection (as requests.Session keeps
-    it), against the 128-connection cap: the longest-idle connection makes room for a new
-    one, its client reconnects on its next push, and every push of two rounds is accepted."""
+    it), against the 128 connections an address may hold: a connection idle for a while makes
+    room for a new one (its client reconnects on its next push); while every connection is
+    in recent use a new one is answered 503 with Retry-After, and a rank that waits as told
+    gets through. Every push of two rounds is accepted."""
     d = limited_daemon
     sessions = [requests.Session() for _ in range(300)]
+    told = set()
+
+    def push(i: int, s: requests.Session, steps: int) -> int:
+        for _ in range(10):
+            r = s.post(d.ingest_url + "/api/v1/push", timeout=10,
+                       json={**GOOD, "rank": str(i), "steps": steps})
+            if r.status_code != 503:
+                return r.status_code
+            told.add(r.headers.get("Retry-After"))
+            time.sleep(float(r.headers.get("Retry-After", "1")))
+        return 503
+
     try:
         for round_ in range(2):
-            codes = [s.post(d.ingest_url + "/api/v1/push", timeout=10,
-                            json={**GOOD, "rank": str(i), "steps": 10 + round_}).status_code
-                     for i, s in enumerate(sessions)]
+            codes = [push(i, s, 10 + round_) for i, s in enumerate(sessions)]
             assert codes == [200] * len(sessions), f"round {round_}: {set(codes)}"
         d.wait_sample("gputrain_ingest_series", predicate=lambda v: v == 300)
     finally:
         for s in sessions:
             s.close()
+    assert told <= {"1"}
     assert "Traceback" not in d.log_text()
 
 
@@ -571,3 +584,52 @@ class SourceAdapter(requests.adapters.HTTPAdapter):
     def init_poolmanager(self, *args, **kwargs):
         kwargs["source_address"] = (self._source, 0)
         return super().init_poolmanager(*args, **kwargs)
+
+
+def test_a_keep_alive_flood_from_one_address_gets_an_answer_for_every_push(limited_daemon):
+    """160 clients on one address, each on a kept-alive connection pushing every 0.1 s, against
+    the 128 connections an address may hold with 1,024 descriptors: no push is cut without an
+    answer. A client past the address's share is answered 503 with Retry-After (and comes back
+    after it), the others' answers say Connection: close while the address is crowded so the
+    clients take turns, every 200 is a push applied, and the log says so once for the burst."""
+    import threading
+
+    d = limited_daemon
+    codes: dict[object, int] = {}
+    no_retry_after = [0]
+    lock = threading.Lock()
+    stop = time.monotonic() + 8.0
+
+    def client(rank: int) -> None:
+        s = requests.Session()
+        steps = 0
+        while time.monotonic() < stop:
+            steps += 1
+            try:
+                r = s.post(d.ingest_url + "/api/v1/push", timeout=20,
+                           json={**GOOD, "run": "flood", "rank": str(rank), "steps": steps})
+                code: object = r.status_code
+            except requests.ConnectionError as exc:
+                code = type(exc.__context__ or exc).__name__  # a cut: no answer at all
+            with lock:
+                codes[code] = codes.get(code, 0) + 1
+                if code == 503 and r.headers.get("Retry-After") != "1":
+                    no_retry_after[0] += 1
+            time.sleep(1.0 if code == 503 else 0.1)
+        s.close()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(160)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    cuts = {k: v for k, v in codes.items() if not isinstance(k, int)}
+    assert not cuts, f"pushes cut without an answer: {cuts} (answers: {codes})"
+    assert set(codes) <= {200, 503}, codes
+    assert codes.get(503), f"the flood never filled the address's share: {codes}"
+    assert no_retry_after[0] == 0
+    assert pushed(d, "200") == codes[200]
+    d.wait_sample("gputrain_ingest_series", predicate=lambda v: v == 160)  # each got through
+    log = d.log_text()
+    assert log.count("refusing connections on the ingest port") == 1, log[-2000:]
+    assert "Traceback" not in log

@@ -56,6 +56,15 @@ MAX_LONG_POLLS = 32  # per port: GETs of a profile that wait; more are answered 
 # ones only after): the caps keep that many descriptors free per port
 LISTEN_BACKLOG = 128
 SWEEP_SECONDS = 0.5  # how often a port looks for connections past their deadline
+# An idle keep-alive connection is closed to make room only once idle this long: a client
+# sends its next request on it while the close is on its way (nothing tells it the request
+# was not read), so a connection in use is never taken. A connection refused for want of room
+# gets a 503 with Retry-After instead, and while a port or an address is crowded each answer
+# closes its connection (Connection: close), so its clients take turns without a silent cut.
+RECLAIM_IDLE_SECONDS = 2.0
+CROWDED_SECONDS = 5.0  # a refusal marks the address (or the port) crowded this long
+RETRY_AFTER_SECONDS = 1
+BURST_SECONDS = 10.0  # refusals this close together are one burst: logged at its start and end
 # on SIGTERM: the requests already being handled get this long to be answered (a push or a
 # scrape takes milliseconds; a long-poll is answered at once with what it has)
 SHUTDOWN_GRACE_SECONDS = 5.0
@@ -107,10 +116,12 @@ def client_key(address: str) -> str:
 
 
 def _canned(status: int, reason: str, text: str) -> bytes:
-    """A whole closing answer, for the connection level (before aiohttp has a request)."""
+    """A whole closing answer, for the connection level (before aiohttp has a request); a 503
+    says when to come back."""
     body = (text + "\n").encode()
+    retry = f"Retry-After: {RETRY_AFTER_SECONDS}\r\n" if status == 503 else ""
     return (f"HTTP/1.1 {status} {reason}\r\nServer: {SERVER}\r\nContent-Type: {TEXT_PLAIN}\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+            f"Content-Length: {len(body)}\r\n{retry}Connection: close\r\n\r\n").encode() + body
 
 
 class Port:
@@ -131,6 +142,10 @@ class Port:
         self.reading: dict[Connection, tuple[float, int]] = {}
         self.long_polls: dict[str, int] = {}
         self.refused = 0
+        self.crowded: dict[str, float] = {}  # client -> loop time its crowding ends
+        self.crowded_until = 0.0  # the whole port's
+        self.burst = 0  # refusals in the burst under way
+        self.burst_started = self.last_refusal = -math.inf
         self.draining = False  # shutting down: answer what is in, each answer closes
         self._logged: dict[str, float] = {}  # client address -> loop time of its last error
         self._wakers: set[asyncio.Future[None]] = set()
@@ -151,6 +166,7 @@ class Port:
         slowest loses, not the heaviest address."""
         mine = self.by_address.get(conn.client, {})
         if len(mine) >= self.per_address and not self._close_idle(mine):
+            self.crowd(conn.client)
             return self._refuse(f"{len(mine)} connections from {conn.address} are open on the "
                                 f"{self.name} port, the most one address may hold")
         full = len(self.conns) >= self.max_connections
@@ -160,6 +176,7 @@ class Port:
             if (full or fresh >= fresh_cap) and not self._evict_slowest(fresh_only=True) and \
                     (fresh >= fresh_cap or not (self._close_idle(self.idle)
                                                 or self._evict_slowest(fresh_only=False))):
+                self.crowd(None)
                 return self._refuse(f"{len(self.conns)} connections are open on the "
                                     f"{self.name} port ({fresh} that never completed a "
                                     "request), its limit")
@@ -196,10 +213,31 @@ class Port:
         self._logged[address] = now
         return True
 
+    def crowd(self, client: str | None) -> None:
+        """Answers to ``client`` (the whole port's, for None) close their connections for a
+        while: its clients take turns on the connections it may hold."""
+        until = asyncio.get_running_loop().time() + CROWDED_SECONDS
+        if client is None:
+            self.crowded_until = until
+        else:
+            if len(self.crowded) >= MAX_LOGGED_ADDRESSES:
+                self.crowded.clear()
+            self.crowded[client] = until
+
+    def is_crowded(self, client: str, now: float) -> bool:
+        return now < self.crowded_until or now < self.crowded.get(client, -math.inf)
+
     def _refuse(self, why: str) -> str:
+        """A refusal (answered 503 with Retry-After where the connection can read it): the
+        log says so at a burst's first and, from the sweep, at its end."""
         self.refused += 1
-        if self.refused in (1, 10, 100) or self.refused % 1000 == 0:
-            log.warning("%d connection(s) refused so far: %s", self.refused, why)
+        now = asyncio.get_running_loop().time()
+        if now - self.last_refusal > BURST_SECONDS:
+            self.burst, self.burst_started = 0, now
+            log.warning("refusing connections on the %s port (503, Retry-After %d s): %s",
+                        self.name, RETRY_AFTER_SECONDS, why)
+        self.burst += 1
+        self.last_refusal = now
         return why
 
     def _close_idle(self, among: dict[Connection, None]) -> bool:
@@ -213,6 +251,10 @@ class Port:
         not a timer per request)."""
         for conn in [c for c in self.conns if c.deadline <= now]:
             conn.expired()
+        if self.burst and now - self.last_refusal > BURST_SECONDS:
+            log.warning("the %s port refused %d connection(s) over %.0f s; it takes them again",
+                        self.name, self.burst, self.last_refusal - self.burst_started)
+            self.burst = 0
         for conn, (began, length) in list(self.reading.items()):
             want = min(length, MIN_BODY_BYTES_PER_SECOND * (now - began - BODY_GRACE_SECONDS))
             if conn.received < want:
@@ -346,6 +388,7 @@ class Connection(RequestHandler):
         self.slow_body = False  # its body was cut for arriving too slowly
         self.state = "new"
         self.started = 0.0  # loop time of the current request's first byte
+        self.idle_since = 0.0  # loop time it last became idle
         self.deadline = math.inf  # loop time; see Port.sweep
         self._head_bytes = 0
         self._head_lines = 0
@@ -564,8 +607,11 @@ class Connection(RequestHandler):
                               start_time: float | None) -> tuple[web.StreamResponse, bool]:
         if self._client_done or (not request.content.is_eof() and not resp.prepared):
             resp.force_close()  # a body left unread must never be parsed as a request
-        elif self.port.draining and not resp.prepared:
-            resp.force_close()  # shutting down: the client asks its next one elsewhere
+        elif not resp.prepared and (self.port.draining or
+                                    self.port.is_crowded(self.client, self._loop.time())):
+            # shutting down, or others wait for room: the client's next request comes on a
+            # new connection (a close it is told of, never one that races its next request)
+            resp.force_close()
         self._content = None
         answer = await super().finish_response(request, resp, start_time)
         if self.transport is None or self.state in ("closing", "closed"):
@@ -573,6 +619,7 @@ class Connection(RequestHandler):
         self.served += 1
         if resp.keep_alive:
             self.state = "idle"
+            self.idle_since = self._loop.time()
             self.port.idle[self] = None
             self._arm(self._loop.time() + IDLE_SECONDS)
         else:
@@ -627,9 +674,12 @@ class Connection(RequestHandler):
             transport.abort()
 
     def reclaim(self) -> bool:
-        """Close this idle connection to make room, unless a request has just arrived on
-        it (bytes waiting to be read): its client reconnects on its next request."""
-        if self.state != "idle" or self._pending_input():
+        """Close this idle connection to make room, if it has been idle RECLAIM_IDLE_SECONDS
+        and no request has just arrived on it (bytes waiting to be read): its client
+        reconnects on its next request."""
+        if self.state != "idle" or \
+                self._loop.time() - self.idle_since < RECLAIM_IDLE_SECONDS or \
+                self._pending_input():
             return False
         self.state = "closed"
         self._released()  # its room is free now, so its descriptor must be too
