@@ -399,14 +399,17 @@ def _client_hello() -> bytes:
     return outgoing.read()
 
 
-def _handshake_churn(ports: list[int], stop_at: threading.Event) -> int:
+def _handshake_churn(ports: list[int], stop_at: threading.Event,
+                     sources: list[str] | None = None) -> int:
     """Re-open TLS handshakes that never finish (a whole or half ClientHello, then a close)
-    from the attacker until ``stop_at``; returns how many."""
+    from the attacker (or from each of ``sources`` in turn) until ``stop_at``; returns how
+    many."""
     hello, n = _client_hello(), 0
+    sources = sources or [ATTACKER]
     while not stop_at.is_set():
         for port in ports:
             with contextlib.suppress(OSError), socket.socket() as s:
-                s.bind((ATTACKER, 0))
+                s.bind((sources[n % len(sources)], 0))
                 s.connect(("127.0.0.1", port))
                 s.sendall(hello if n % 2 else hello[:len(hello) // 2])
             n += 1
@@ -430,9 +433,11 @@ def _https_probe(url: str, seconds: float, cert: str) -> tuple[int, int]:
     return ok, tried
 
 
-def tls(seconds: float) -> None:
+def tls(seconds: float, addresses: int = 0) -> None:
     """The TLS-handshake run: TLS on both ports, two attacker threads re-opening handshakes
-    that never finish, HTTPS scrapes probed; RSS at start, peak and after."""
+    that never finish (from one address, or from ``addresses`` of them: past the per-address
+    cap, every one starts a handshake), HTTPS scrapes probed; RSS at start, peak and after."""
+    sources = [f"127.0.{1 + i // 250}.{1 + i % 250}" for i in range(addresses)] or None
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -451,7 +456,8 @@ def tls(seconds: float) -> None:
         url = f"https://127.0.0.1:{web}/metrics"
         try:
             _wait_https(url, cert)
-            print(f"gputrain-exporter  {_tls_round(proc.pid, [web, ingest], url, cert, seconds)}",
+            print(f"gputrain-exporter  "
+                  f"{_tls_round(proc.pid, [web, ingest], url, cert, seconds, sources)}",
                   flush=True)
         finally:
             stop(proc)
@@ -466,7 +472,7 @@ def tls(seconds: float) -> None:
         url = f"https://127.0.0.1:{port}/metrics"
         try:
             _wait_https(url, cert)
-            print(f"node_exporter      {_tls_round(ne.pid, [port], url, cert, seconds)} "
+            print(f"node_exporter      {_tls_round(ne.pid, [port], url, cert, seconds, sources)} "
                   "(anchor, one port)", flush=True)
         finally:
             stop(ne)
@@ -481,12 +487,14 @@ def _wait_https(url: str, cert: str) -> None:
     raise SystemExit(f"{url} did not answer")
 
 
-def _tls_round(pid: int, ports: list[int], url: str, cert: str, seconds: float) -> str:
+def _tls_round(pid: int, ports: list[int], url: str, cert: str, seconds: float,
+               sources: list[str] | None = None) -> str:
     idle = rss_mb(pid)
     stop_at = threading.Event()
     counts: list[int] = []
-    churners = [threading.Thread(target=lambda: counts.append(_handshake_churn(ports, stop_at)))
-                for _ in range(2)]
+    churners = [threading.Thread(
+        target=lambda: counts.append(_handshake_churn(ports, stop_at, sources)))
+        for _ in range(2)]
     for t in churners:
         t.start()
     ok, n = _https_probe(url, seconds, cert)
@@ -495,8 +503,10 @@ def _tls_round(pid: int, ports: list[int], url: str, cert: str, seconds: float) 
         t.join()
     peak = rss_mb(pid, "VmHWM")
     time.sleep(3)
+    after = rss_mb(pid)
+    time.sleep(27)
     return (f"{sum(counts)} dead handshakes: HTTPS scrapes {pct(ok, n)}; RSS idle {idle:.0f} "
-            f"MB, peak {peak:.0f} MB, 3 s after {rss_mb(pid):.0f} MB")
+            f"MB, peak {peak:.0f} MB, 3 s after {after:.0f} MB, 30 s after {rss_mb(pid):.0f} MB")
 
 
 def main() -> None:
@@ -525,6 +535,8 @@ def main() -> None:
             accept(args.seconds, args.accepts)
         elif name == "tls":
             tls(args.seconds)
+        elif name == "tls-addresses":
+            tls(args.seconds, args.addresses)
 
 
 if __name__ == "__main__":

@@ -271,6 +271,36 @@ def test_decreasing_totals_within_a_run_id_are_refused_but_a_new_run_id_resets(r
     assert rig.v("gputrain_training_steps_total") == 5
 
 
+def test_two_processes_pushing_one_run_and_rank_are_told_not_counted_as_restarts(rig):
+    """Two processes push run resnet18 rank 0 (a script started twice, two jobs with one run
+    name): the second's run_id takes over as a restart would, but the first coming back to
+    its run_id is the sign; it is refused with a 409 that says why, and the totals stay the
+    second's instead of flipping between the two (each flip read as a restart)."""
+    assert rig.push(body(run_id="first", steps=100, step_counts=[2, 9, 100])).status_code == 200
+    assert rig.push(body(run_id="second", steps=3, step_counts=[1, 2, 3])).status_code == 200
+    for steps in (101, 102, 103):
+        r = rig.push(body(run_id="first", steps=steps, step_counts=[2, 9, steps]))
+        assert r.status_code == 409, r.text
+        assert "another process" in r.text and "second" in r.text and "GPUTRAIN_RUN" in r.text
+        assert rig.push(body(run_id="second", steps=steps - 97,
+                             step_counts=[1, 2, steps - 97])).status_code == 200
+        assert rig.v("gputrain_training_steps_total") == steps - 97
+
+
+def test_restarts_that_never_return_to_an_old_run_id_are_restarts(rig):
+    """The near misses: a process restarted three times (each a new run_id) is taken every
+    time, and so is a run_id seen again only after the ttl (600 s), long forgotten."""
+    for i, run_id in enumerate(("a", "b", "c", "d")):
+        assert rig.push(body(run_id=run_id, steps=1 + i, step_counts=[0, 0, 1 + i])) \
+            .status_code == 200
+    assert rig.v("gputrain_training_steps_total") == 4
+    rig.clock.advance(300)
+    assert rig.push(body(run_id="d", steps=9, step_counts=[0, 0, 9])).status_code == 200
+    rig.clock.advance(601)
+    assert rig.push(body(run_id="a", steps=2, step_counts=[0, 0, 2])).status_code == 200
+    assert rig.v("gputrain_training_steps_total") == 2
+
+
 def test_body_over_1_mib_is_413(rig):
     r = rig.push(None, raw=b" " * (1024 * 1024 + 1))
     assert r.status_code == 413 and "limit" in r.text

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import math
 import threading
 import time
@@ -48,7 +49,9 @@ from exporter.protocol import (
 from exporter.serving.profiles import ProfileBoard, parse_report, parse_stacks_report
 
 MAX_CAPABILITIES = 8
+log = logging.getLogger(__name__)
 GOODBYE_GRACE_SECONDS = 60.0  # a finished rank's final totals stay this long, for one more scrape
+FORMER_RUN_IDS = 4  # run_ids a (run, rank) had before its current one, remembered
 DEAD_TTL_SECONDS = 3600.0  # a rank that ended without a clean close is reported this long after
 
 # the totals that only grow within one run_id: the required ones; those only where the
@@ -475,6 +478,12 @@ class IngestStore:
         # monotonic time they are forgotten), oldest first
         self._departed: dict[tuple[str, str], tuple[RankState, float]] = {}
         self._requests: dict[str, int] = {}
+        # the run_ids a (run, rank) had before its current one: run_id -> the monotonic time
+        # of its last push (a few, the latest kept). A restarted process takes a new run_id
+        # and never returns to an old one: one that does is a second process pushing the same
+        # (run, rank) beside the first, which would read as a restart at every turn
+        self._former: dict[tuple[str, str], dict[str, float]] = {}
+        self._shared_logged: set[tuple[str, str]] = set()  # warned once each
         self.version = 0
         self._next_expiry = math.inf  # no state expires before this (monotonic)
         self.listeners: list[Callable[[], None]] = []  # called after every change
@@ -530,6 +539,8 @@ class IngestStore:
         with self._lock:
             self._expire_locked()
             old = self._states.get(key)
+            if old is not None and old.run_id != new.run_id:
+                self._not_a_second_process(key, old, new)
             same = old if old is not None and old.run_id == new.run_id else None
             if same is not None:
                 _check_monotonic(same, new)
@@ -553,6 +564,12 @@ class IngestStore:
             else:
                 new.expires_at = new.received_at + self.ttl
                 message = "ok"
+            if old is not None and old.run_id != new.run_id:  # a restart: remember the old
+                former = self._former.setdefault(key, {})
+                former.pop(old.run_id, None)
+                former[old.run_id] = old.received_at
+                while len(former) > FORMER_RUN_IDS:
+                    del former[next(iter(former))]
             self._states[key] = new
             self._departed.pop(key, None)  # it lives again: a new process, or a late push
             self._next_expiry = min(self._next_expiry, new.expires_at)
@@ -562,6 +579,25 @@ class IngestStore:
         self._changed()
         return message, new, instructions
 
+    def _not_a_second_process(self, key: tuple[str, str], old: RankState,
+                              new: RankState) -> None:
+        """Refuse a push whose run_id this (run, rank) had before its current one, within
+        the ttl: two processes push the same (run, rank) (two jobs with one run name, a
+        script started twice): the latest keeps it, the other is told why (409)."""
+        seen = self._former.get(key, {}).get(new.run_id)
+        if seen is None or self._clock() - seen > self.ttl:
+            return
+        if key not in self._shared_logged:
+            if len(self._shared_logged) >= self.max_series:
+                self._shared_logged.clear()
+            self._shared_logged.add(key)
+            log.warning("run %r rank %r is pushed by two processes at once (run_ids %s and "
+                        "%s): the one that started last is kept, the other refused (409)",
+                        new.run, new.rank, old.run_id, new.run_id)
+        raise Refused(409, f"run {new.run!r} rank {new.rank!r} is pushed by another process "
+                           f"(run_id {old.run_id}, this one {new.run_id}): give each process its "
+                           "own run name (GPUTRAIN_RUN) or rank")
+
     def _expire_locked(self) -> None:
         # A scan of every rank only when one may be due: not on every push and scrape.
         now = self._clock()
@@ -570,6 +606,7 @@ class IngestStore:
         stale = [k for k, st in self._states.items() if st.expires_at <= now]
         for k in stale:
             st = self._states.pop(k)
+            self._former.pop(k, None)
             if not st.finished and self.dead_ttl > 0:
                 # its end is the news: kept, without its counters, for dead_ttl more
                 self._departed.pop(k, None)
