@@ -123,3 +123,39 @@ def _refused(port: int) -> bool:
     except ConnectionRefusedError:
         return True
     return False
+
+
+def test_a_goodbye_answered_before_a_restart_stays_said(daemon_factory):
+    """A rank that closed (its goodbye answered 200), then the daemon is stopped and another
+    takes its port: the new one never lists that rank, since nothing pushes it again; a rank
+    still training is listed again (its next push), as a rank whose goodbye is not answered
+    would be."""
+    from exporter.client import TrainingMonitor
+
+    d = daemon_factory("--gpu.backend=demo", "--demo.gpus=1")
+    done = TrainingMonitor(run="done", rank=0, endpoint=d.ingest_url, push_interval=0.2)
+    going = TrainingMonitor(run="going", rank=0, endpoint=d.ingest_url, push_interval=0.2)
+    try:
+        for _ in range(3):
+            for m in (done, going):
+                with m.step(samples=8):
+                    pass
+        d.wait_sample("gputrain_training_steps_total", {"run": "done", "rank": "0"})
+        done.close()
+        d.wait_sample("gputrain_training_finished", {"run": "done", "rank": "0"},
+                      predicate=lambda v: v == 1)
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(timeout=30) == 0
+        again = daemon_factory("--gpu.backend=demo", "--demo.gpus=1", ingest_port=d.ingest_port)
+        with going.step(samples=8):
+            pass
+        again.wait_sample("gputrain_training_steps_total", {"run": "going", "rank": "0"},
+                          timeout=30)
+        # three pushes of the rank that trains: the closed one, at the same interval, would
+        # have pushed by then
+        again.wait_sample("gputrain_ingest_requests_total", {"code": "200"},
+                          predicate=lambda v: v >= 3, timeout=30)
+        assert 'run="done"' not in again.metrics()
+    finally:
+        going.close()
+        done.close()
