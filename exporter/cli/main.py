@@ -15,7 +15,7 @@ import ssl
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from exporter import __version__
@@ -45,8 +45,15 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+class Parser(argparse.ArgumentParser):
+    """The command line: its commands' parsers by name, and serve's (the default command)."""
+
+    serve_parser: argparse.ArgumentParser
+    commands: Mapping[str, argparse.ArgumentParser]
+
+
+def build_parser() -> Parser:
+    parser = Parser(
         prog="gputrain-exporter",
         description="Prometheus exporter for GPU training: per-GPU and host metrics, and the "
                     "step and data-wait times that training clients push.")
@@ -72,7 +79,7 @@ def _did_you_mean(word: str, known: Sequence[str]) -> str:
     return f"; did you mean {close[0]}?" if close else ""
 
 
-def _unknown(parser: argparse.ArgumentParser, command: str, extra: list[str]) -> str:
+def _unknown(parser: Parser, command: str, extra: list[str]) -> str:
     """What is wrong with arguments the command does not take, with the closest it does."""
     sub = parser.commands[command]
     options = [o for a in sub._actions for o in a.option_strings]
@@ -183,7 +190,7 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     from exporter.serving.hangs import HangWatch
     from exporter.serving.history import History
     from exporter.serving.ingest import IngestStore
-    from exporter.serving.routes import IngestSite, WebSite
+    from exporter.serving.routes import IngestSite, Site, WebSite
     from exporter.serving.server import (
         GC_YOUNG_THRESHOLD,
         GIL_SWITCH_SECONDS,
@@ -217,6 +224,7 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
         log.error("%s", exc)
         return 2
 
+    backend: DemoBackend | NvmlBackend
     if settings["gpu.backend"] == "demo":
         backend = DemoBackend(settings["demo.gpus"], settings["demo.load"],
                               memory_fault=settings["demo.memory-fault"],
@@ -263,7 +271,8 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     # a full garbage collection holds the GIL for tens of ms at 1,024 ranks: a tenth as often
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     servers = []
-    listen = [("web", web_host, web_port, WebSite, (app,), tls)]
+    listen: list[tuple[str, str, int, type[Site], tuple[Any, ...], tuple[str, str] | None]] = [
+        ("web", web_host, web_port, WebSite, (app,), tls)]
     if store is not None:
         listen.append(("ingest", ingest_host, ingest_port, IngestSite,
                        (store, app.healthy), ingest_tls))
@@ -272,8 +281,9 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
         try:
             servers.append(make_server(host_, port, handler, *serves, tls=tls_))
         except ssl.SSLError as exc:
+            cert, key = tls_ or ("", "")  # (only a TLS port raises it)
             log.error("--%s.tls-cert-file %s / --%s.tls-key-file %s: not a usable certificate "
-                      "and key (%s)", part, tls_[0], part, tls_[1], exc.reason or exc)
+                      "and key (%s)", part, cert, part, key, exc.reason or exc)
         except OSError as exc:
             if tls_ is not None and exc.errno in (errno.ENOENT, errno.EACCES, errno.EISDIR):
                 log.error("cannot read --%s.tls-cert-file %s or --%s.tls-key-file %s: %s",

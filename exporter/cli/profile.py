@@ -171,7 +171,7 @@ def _progress(doc: dict[str, Any]) -> None:
                         f"{words[doc['state']]}"), file=sys.stderr)
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("bytes", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
@@ -199,8 +199,8 @@ def render(doc: dict[str, Any]) -> str:
     else:
         lines.append("Where each step's time went (ms):")
     lines.append("  " + "".join(f"{h:>10}" for h in head))
-    rows = [(str(i), s) for i, s in rows] + [("mean", doc["mean"])]
-    for name, s in rows:
+    named = [(str(i), s) for i, s in rows] + [("mean", doc["mean"])]
+    for name, s in named:
         cells = [name, f"{s['seconds'] * 1e3:.1f}",
                  *(f"{s[p] * 1e3:.1f}" for p in STEP_PARTS)]
         if gpu:

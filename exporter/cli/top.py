@@ -192,7 +192,8 @@ def frame(doc: dict[str, Any], error: str | None = None, width: int = 80) -> Any
             elif r.get("finished"):
                 last = Text(f"finished {push}", style="grey50")
             else:
-                last = push if r["pushing"] else Text(f"stopped pushing {push}", style="bold red")
+                last = Text(push) if r["pushing"] else Text(f"stopped pushing {push}",
+                                                            style="bold red")
             rank_rows.append([
                 r["rank"], _num(r["samples_per_second"]),
                 _num(r["step_seconds"], ".1f", 1000, " ms"), percent(r["data_wait_ratio"]),

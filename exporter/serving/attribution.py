@@ -81,7 +81,7 @@ class RankProcesses:
     and its start time (both pushed), matched to a host process's ``NSpid`` and start time;
     a rank whose client pushes no start time (before 0.9) by its pid taken as the host's."""
 
-    def __init__(self, states: list[RankState]) -> None:
+    def __init__(self, states: Iterable[RankState]) -> None:
         self.by_start: dict[tuple[int, int], RankKey] = {}
         self.by_pid: dict[int, RankKey] = {}
         for st in states:
@@ -345,6 +345,8 @@ class Attribution:
     def follow(self, sampler: Sampler, store: IngestStore | None) -> None:
         """Build a view after each of ``sampler``'s cycles, with ``store``'s live ranks; before
         any other listener of the sampler runs."""
-        sampler.listeners.insert(0, lambda: self.update(
-            sampler.snapshot, store.states() if store is not None else (),
-            store.departed() if store is not None else ()))
+        def cycle() -> None:
+            self.update(sampler.snapshot, store.states() if store is not None else (),
+                        store.departed() if store is not None else ())
+
+        sampler.listeners.insert(0, cycle)

@@ -21,7 +21,7 @@ import resource
 import socket
 import ssl
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -393,7 +393,9 @@ class Connection(RequestHandler):
     def __init__(self, port: Port, server: web.Server, loop: asyncio.AbstractEventLoop,
                  tls: ssl.SSLContext | None) -> None:
         super().__init__(server, loop=loop, keepalive_timeout=IDLE_SECONDS + 5,
-                         access_log=None, max_line_size=MAX_REQUEST_LINE,
+                         # None: no access log (aiohttp tests it, its annotation says Logger)
+                         access_log=None,  # type: ignore[arg-type]
+                         max_line_size=MAX_REQUEST_LINE,
                          max_field_size=MAX_HEADER_BYTES, max_headers=MAX_HEADERS + 1,
                          lingering_time=CLOSING_SECONDS,
                          auto_decompress=False)  # a coded body is refused (415), never inflated
@@ -412,7 +414,7 @@ class Connection(RequestHandler):
         self._line_bytes = 0
         self._tail = b""
         self._busy_bytes = 0
-        self._raw: asyncio.BaseTransport | None = None
+        self._raw: asyncio.Transport | None = None
         self._admitted = False
         self._client_done = False  # the client closed its side
         self._content: Any = None  # the body of the request being handled
@@ -424,33 +426,33 @@ class Connection(RequestHandler):
         if self._raw is not None:  # the TLS transport, after the handshake (see _start_tls)
             super().connection_made(transport)
             return
-        self._raw = transport
-        peer = transport.get_extra_info("peername")
+        raw = self._raw = cast(asyncio.Transport, transport)  # a server's stream transport
+        peer = raw.get_extra_info("peername")
         self.address = str(peer[0]) if peer else ""
         self.client = client_key(self.address)
         why = self.port.admit(self)
         if why is not None:
             if self.tls is None:  # a TLS client would read plain text as a broken handshake
-                transport.write(_canned(503, "Service Unavailable", f"busy: {why}; try again"))
-            transport.close()
+                raw.write(_canned(503, "Service Unavailable", f"busy: {why}; try again"))
+            raw.close()
             return
         self._admitted = True
-        _read_in_chunks(transport)
+        _read_in_chunks(raw)
         self._begin_head()
         if self.tls is None:
-            super().connection_made(transport)
+            super().connection_made(raw)
         else:
             why = self.port.start_handshake(self)
             if why is not None:
                 self._released()
-                transport.abort()
+                raw.abort()
                 return
-            self._handshake = self._loop.create_task(self._start_tls(transport))
+            self._handshake = self._loop.create_task(self._start_tls(raw, self.tls))
             self._handshake.add_done_callback(self._handshake_done)
 
-    async def _start_tls(self, transport: asyncio.BaseTransport) -> None:
+    async def _start_tls(self, transport: asyncio.Transport, tls: ssl.SSLContext) -> None:
         try:
-            secure = await self._loop.start_tls(transport, self, self.tls, server_side=True,
+            secure = await self._loop.start_tls(transport, self, tls, server_side=True,
                                                 ssl_handshake_timeout=HEADER_SECONDS)
         except (OSError, RuntimeError, asyncio.TimeoutError,  # ssl.SSLError is OSError
                 asyncio.CancelledError) as exc:  # (cancelled: the connection ended, _released)
@@ -622,7 +624,8 @@ class Connection(RequestHandler):
         self.state = "busy"
         self._arm(self.started + REQUEST_SECONDS)
 
-    def eof_received(self) -> bool | None:
+    # asyncio's protocol returns whether to keep the transport (aiohttp's annotation: None)
+    def eof_received(self) -> bool | None:  # type: ignore[override]
         """The client closed its side: a request that is in (or whose body is being read)
         is answered, a short body as such, and then the connection closes; otherwise it
         closes now."""
@@ -682,7 +685,7 @@ class Connection(RequestHandler):
     def _close_with(self, status: int, reason: str, text: str) -> None:
         """Answer at the connection level and close once the answer is out (input that
         arrives meanwhile is discarded, so the answer is not lost to a reset)."""
-        transport = self.transport or self._raw
+        transport = cast("asyncio.Transport | None", self.transport) or self._raw
         self.state = "closing"
         if transport is None or transport.is_closing():
             return
@@ -696,12 +699,12 @@ class Connection(RequestHandler):
 
     def answered(self) -> bool:
         """Its closing answer has left this process (nothing of it is waiting to be sent)."""
-        transport = self.transport or self._raw
+        transport = cast("asyncio.Transport | None", self.transport) or self._raw
         return transport is None or transport.get_write_buffer_size() == 0
 
     def _abort(self) -> None:
         self.state = "closed"
-        transport = self.transport or self._raw
+        transport = cast("asyncio.Transport | None", self.transport) or self._raw
         if transport is not None:
             transport.abort()
 
@@ -722,7 +725,7 @@ class Connection(RequestHandler):
         """Close this connection, which is still sending headers, to make room."""
         self.state = "closed"
         self._released()
-        if self.tls is None:
+        if self.tls is None and self._raw is not None:
             self._raw.write(_canned(503, "Service Unavailable", f"busy: the {self.port.name} "
                                     "port is full and this connection had sent the least for "
                                     "its age"))
@@ -731,13 +734,16 @@ class Connection(RequestHandler):
     def _drop(self) -> None:
         """Close at once: a TLS close waits up to 30 s for the peer's close_notify, holding a
         descriptor the port no longer counts, so a TLS connection is cut."""
+        if self._raw is None:
+            return
         if self.tls is None:
             self._raw.close()
         else:
             self._raw.abort()
 
     def _pending_input(self) -> bool:
-        sock = (self._raw or self.transport).get_extra_info("socket")
+        transport = self._raw or self.transport
+        sock = transport.get_extra_info("socket") if transport is not None else None
         if sock is None:
             return False
         # asyncio's socket wrapper has no recv: look through a socket object on the same

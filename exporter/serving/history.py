@@ -203,23 +203,23 @@ class History:
             if self.first_seen is None:
                 self.first_seen = t
             seen = set()
-            for st in snap.gpus:
-                key = st.identity.uuid or st.identity.index
-                seen.add(key)
-                track = self._gpus.get(key)
-                if track is None:
-                    track = self._gpus[key] = _GpuTrack(st, points=deque(maxlen=self._points))
-                gpu = (st.identity.index, st.identity.uuid)
-                self._note_gpu(track, st, t,
+            for gs in snap.gpus:
+                gkey = gs.identity.uuid or gs.identity.index
+                seen.add(gkey)
+                gtrack = self._gpus.get(gkey)
+                if gtrack is None:
+                    gtrack = self._gpus[gkey] = _GpuTrack(gs, points=deque(maxlen=self._points))
+                gpu = (gs.identity.index, gs.identity.uuid)
+                self._note_gpu(gtrack, gs, t,
                                {rank: busy[gpu][0] for rank, busy in ranks_busy.items()
                                 if gpu in busy},
                                unowned[gpu][0] if gpu in unowned else None,
                                (frozenset(k for k, on in ranks_here.items() if gpu in on),
                                 gpu in strangers))
-            for key in [k for k in self._gpus if k not in seen]:
-                del self._gpus[key]
+            for gone in [k for k in self._gpus if k not in seen]:
+                del self._gpus[gone]
             self._note_host(snap, t)
-            live = {}
+            live: dict[tuple[str, str], _RankTrack] = {}
             for st in states:
                 key = (st.run, st.rank)
                 track = self._ranks.get(key)
@@ -272,8 +272,11 @@ class History:
             s.memory_total_bytes and s.memory_used_bytes is not None else None
         sm_clock = s.clocks_hertz.get("sm") if s is not None and st.up else None
         point = _GpuPoint(t, st.sampled_seconds, st.busy_seconds, st.pcie_rx_bytes,
-                          st.pcie_tx_bytes, throttle, *sums, ranks_busy, unattributed, link,
-                          *here, memory, sm_clock)
+                          st.pcie_tx_bytes, throttle, sm=sums[0], sm_n=int(sums[1]),
+                          tensor=sums[2], tensor_n=int(sums[3]), power=sums[4],
+                          power_n=int(sums[5]), ranks_busy=ranks_busy,
+                          unattributed=unattributed, link=link, here=here[0],
+                          stranger_here=here[1], memory=memory, sm_clock=sm_clock)
         track.previous, track.current = track.current, point
         if not track.points or t - track.points[-1].t >= self.point_seconds:
             track.points.append(point)
@@ -547,10 +550,10 @@ class History:
         for tr in ranks:
             with self._lock:
                 st = tr.state
-                now = self._rank_point(tr, snap.timestamp)
-                old = self._since(tr.points, now.t)
+                latest = self._rank_point(tr, snap.timestamp)
+                old = self._since(tr.points, latest.t)
                 rss = list(tr.rss)
-                costs = [x for x in tr.outside if x[0] >= now.t - PERIODIC_SECONDS]
+                costs = [x for x in tr.outside if x[0] >= latest.t - PERIODIC_SECONDS]
                 replaced = list(tr.restarts)
                 full = (old is not None and old is not tr.points[0]) or \
                     len(tr.points) == tr.points.maxlen
@@ -558,8 +561,10 @@ class History:
                 age = None if tr.regime_start is None else snap.timestamp - tr.regime_start
                 short = None
                 if short_window(age, self.window):
-                    short = self._since(tr.points, now.t,
-                                        max(now.t - REGIME_SECONDS, tr.regime_start))
+                    since = latest.t - REGIME_SECONDS
+                    if tr.regime_start is not None:  # (short_window holds only with an age)
+                        since = max(since, tr.regime_start)
+                    short = self._since(tr.points, latest.t, since)
             rank_gpus, rank_host = gpus, host
             if old is not None and not full:
                 if old.t not in younger:
@@ -577,15 +582,15 @@ class History:
             short_busy: dict = {}
             # a young regime is read alone: its rates, and its step-time percentiles and
             # stall share too (the rules' quantile_selected), never the old regime's tail
-            if short is not None and short.t < now.t and old is not None:
+            if short is not None and short.t < latest.t and old is not None:
                 old = short
                 if old.t not in shorter:
                     shorter[old.t] = self.gpu_readings(old.t)
                 short_busy = shorter[old.t]
             if old is not None:
-                _rank_window(rep, old, now, st.bucket_bounds)
+                _rank_window(rep, old, latest, st.bucket_bounds)
                 rep.loader_workers = st.loader_workers
-                _cpu_window(rep, old, now, shares.get((st.run, st.rank)))
+                _cpu_window(rep, old, latest, shares.get((st.run, st.rank)))
             if st.last_step_timestamp is not None:
                 rep.seconds_since_step = max(0.0, snap.timestamp - st.last_step_timestamp)
             rep.seconds_since_push = max(0.0, snap.timestamp - st.received_unix)
@@ -598,11 +603,11 @@ class History:
             rep.step_in_progress = st.step_in_progress(mono)
             if (phase := st.phase_in_progress(mono)) is not None:
                 rep.phase_in_progress = {phase[0]: phase[1]}
-            rep.periodic = periodic_shares(costs, now)
-            if now.steps > 0:  # the process's own totals, as its counters read at this point
-                rep.typical_step_seconds = now.step_seconds / now.steps
+            rep.periodic = periodic_shares(costs, latest)
+            if latest.steps > 0:  # the process's own totals, as its counters read at this point
+                rep.typical_step_seconds = latest.step_seconds / latest.steps
             if old is not None:
-                with_open_step(rep, now.t - old.t)
+                with_open_step(rep, latest.t - old.t)
             memory = tree_memory(st)
             rep.memory_measure = None if memory is None else memory[1]
             # as deriv() over the ranges, and the recent one offset by itself: a slope is
@@ -693,19 +698,20 @@ def _host_ratios(old: _HostPoint | None, now: _HostPoint, snap: Snapshot | None,
         out["iowait"] = (now.cpu_iowait - old.cpu_iowait) / total
     if now.swapped is not None and old.swapped is not None:
         out["swap_rate"] = max(0.0, now.swapped - old.swapped) / dt
-    busy = [(n[2] - o[2]) / dt for d, n in now.disks.items()
-            if (o := old.disks.get(d)) is not None and None not in (n[2], o[2])]
+    busy = [(io - was) / dt for d, n in now.disks.items()
+            if (io := n[2]) is not None and (before := old.disks.get(d)) is not None
+            and (was := before[2]) is not None]
     if busy:
         out["disk_busy"] = max(busy)
     speeds = {n: r.speed_bytes_per_second
               for n, r in ((snap.host.get("network") or {}) if snap else {}).items()}
-    used = [(n[0] - o[0]) / dt / speeds[nic] for nic, n in now.nics.items()
-            if (o := old.nics.get(nic)) is not None and speeds.get(nic)]
+    used = [(n[0] - p[0]) / dt / speeds[nic] for nic, n in now.nics.items()
+            if (p := old.nics.get(nic)) is not None and speeds.get(nic)]
     if used:
         out["network_rx_used"] = max(used)
-    duplex = [min(n[0] - o[0], n[1] - o[1]) / dt / speeds[nic]
+    duplex = [min(n[0] - p[0], n[1] - p[1]) / dt / speeds[nic]
               for nic, n in now.nics.items()
-              if (o := old.nics.get(nic)) is not None and speeds.get(nic)]
+              if (p := old.nics.get(nic)) is not None and speeds.get(nic)]
     if duplex:
         out["network_duplex_used"] = max(duplex)
     if recent:

@@ -423,8 +423,9 @@ def _wall_seconds(old: RankState | None, new: RankState) -> float:
     count as time outside steps."""
     if old is None:
         return new.elapsed_seconds or 0.0
-    if old.run_id == new.run_id and None not in (old.elapsed_seconds, new.elapsed_seconds):
-        return old.wall_seconds + (new.elapsed_seconds - old.elapsed_seconds)
+    before, now = old.elapsed_seconds, new.elapsed_seconds
+    if old.run_id == new.run_id and before is not None and now is not None:
+        return old.wall_seconds + (now - before)
     return old.wall_seconds + max(0.0, new.received_at - old.received_at)
 
 

@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, NamedTuple, Protocol
 
@@ -436,7 +436,7 @@ class ProfileBoard:
     """The daemon's profiles: requests, delivery in push answers, results, the alert
     webhook's rate limit. ``states`` gives the live ranks (the ingest's)."""
 
-    def __init__(self, states: Callable[[], list[Rank]], alert_interval: float = 3600.0,
+    def __init__(self, states: Callable[[], Sequence[Rank]], alert_interval: float = 3600.0,
                  profiled_alerts: frozenset[str] = frozenset(),
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time,
@@ -482,8 +482,8 @@ class ProfileBoard:
         ranks = live.get(run)
         if ranks and rank is None:
             rank = min(ranks, key=_rank_order)
-        state = ranks.get(rank) if ranks else None
-        if state is None:
+        state = ranks.get(rank) if ranks and rank is not None else None
+        if state is None or rank is None:
             raise Refused(404, self._not_here(run, rank, live))
         if kind == "torch" and PROFILE_CAPABILITY not in state.capabilities:
             raise Refused(409, f"rank {rank} of run {run} cannot be profiled: its "
@@ -704,7 +704,7 @@ class ProfileBoard:
             reasons = [why] if why is not None else [] if modes else [
                 self._not_here(run, rank, live)]
             for mode in modes:
-                why, pid = self._alert(name, run, rank, live, mode)
+                why, pid = self._alert(name, run or "", rank or "", live, mode)
                 if why is None:
                     started.append({"alertname": name, "run": run, "rank": rank, "id": pid,
                                     "kind": "torch" if mode is None else "stacks"})

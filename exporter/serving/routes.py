@@ -90,7 +90,7 @@ def _quoted(value: str, limit: int = 40) -> str:
 
 
 def _address(request: web.BaseRequest) -> str:
-    return request.protocol.address  # type: ignore[union-attr]
+    return str(getattr(request.protocol, "address", ""))  # our Connection's
 
 
 def _target(request: web.BaseRequest) -> tuple[str, str]:
@@ -123,6 +123,10 @@ class Site:
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Called on the port's loop once it listens."""
+
+    async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
+        """Answer one request (each port's site says how)."""
+        raise NotImplementedError
 
     async def blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)

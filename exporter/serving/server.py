@@ -169,7 +169,8 @@ def make_server(host: str, port: int, handler: type[Site], *serves: Any,
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         context.load_cert_chain(certfile=tls[0], keyfile=tls[1])
     sock = _bind(host, port)
-    return Server(sock, lambda p, pool: handler(*serves, p, pool), context, handler.name)
+    make: Callable[..., Site] = handler  # each site takes what it serves, then the port's
+    return Server(sock, lambda p, pool: make(*serves, p, pool), context, handler.name)
 
 
 def serve_in_thread(server: Server, name: str) -> threading.Thread:

@@ -15,7 +15,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from importlib import resources
 from typing import Any
 
@@ -78,7 +78,7 @@ class StatusView:
         self.backend = backend
         self._driver = driver or (lambda: "")
         self._lock = threading.Lock()  # one build at a time
-        self._cached: tuple[tuple[int, int], bytes] | None = None
+        self._cached: tuple[tuple[int, int, tuple[str, ...]], bytes] | None = None
         self._asked = -math.inf  # monotonic time of the last request
         self._changed = threading.Event()
         self._stop = threading.Event()
@@ -95,7 +95,7 @@ class StatusView:
         name, ctype = ASSETS[path]
         if name not in self._assets:
             self._assets[name] = resources.files("exporter.serving").joinpath(
-                "static", name).read_bytes()
+                "static").joinpath(name).read_bytes()
         body = self._assets[name]
         if name == "index.html":
             # a data block, never run (the policy allows no inline script); "<" escaped so
@@ -129,11 +129,12 @@ class StatusView:
     def _build(self) -> bytes:
         with self._lock:
             version = self._version()
-            if self._cached is None or self._cached[0] != version:
-                body = json.dumps(self.document(), separators=(",", ":")).encode()
-                self._cached = (version, body)
+            cached = self._cached
+            if cached is None or cached[0] != version:
+                cached = self._cached = (version, json.dumps(
+                    self.document(), separators=(",", ":")).encode())
                 self.builds += 1
-            return self._cached[1]
+            return cached[1]
 
     def _now(self) -> float | None:
         return self._wall() if self._wall is not None else None
@@ -261,7 +262,7 @@ class StatusView:
         }
 
 
-def attribution_note(unresolved: dict[tuple[str, str], int]) -> dict[str, Any] | None:
+def attribution_note(unresolved: Mapping[tuple[str, str], int]) -> dict[str, Any] | None:
     """None where every GPU process could be read on the host, else how many could not and
     the fix: their GPU shares are unknown (not zero) and no GPU of theirs is called shared."""
     if not unresolved:

@@ -293,11 +293,11 @@ class TrainingCollector:
         out: list[str] = []
         always = ("gputrain_ingest_requests_total", "gputrain_ingest_series",
                   "gputrain_ingest_ranks_left_out")
-        for family, header, lines in zip(FAMILIES, self._headers[openmetrics], chunks,
-                                         strict=True):
-            if lines or family.name in always:
+        for family, header, family_lines in zip(FAMILIES, self._headers[openmetrics], chunks,
+                                                strict=True):
+            if family_lines or family.name in always:
                 out.append(header)
-                out.extend(lines)
+                out.extend(family_lines)
         self._status = CollectorStatus(True, time.perf_counter() - started, time.time())
         return "".join(out).encode()
 
