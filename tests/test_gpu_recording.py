@@ -6,14 +6,12 @@ the same verdicts (tests/data/gpu/README.md has the run)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import ROOT, require_binary
 from gpu.preflight import preflight
-from gpu.replay import Replay, inline_alerts, status_agreement
+from gpu.replay import Replay, diagnose, inline_alerts, status_agreement
 from gpu.scenarios import expected_on
 
 from exporter.heuristics.catalogue import BY_ALERT
@@ -100,10 +98,7 @@ def test_a_gpu_recording_fires_what_it_must_and_diagnose_says_the_same(recording
     try:
         fired = r.firing(rules_text)
         at = r.end_time - 2
-        diagnosed = subprocess.run(
-            [sys.executable, "-m", "exporter", "diagnose", "--prometheus", r.url, "--json",
-             "--time", str(at), "--run", run], cwd=ROOT, capture_output=True, text=True,
-            timeout=120)
+        (rep,) = diagnose(r.url, run, at)
         now = {a["alert"] for a in inline_alerts(rules_text)
                if any(x["metric"].get("run") == run for x in r.query(a["inlined"], at))}
     finally:
@@ -111,7 +106,6 @@ def test_a_gpu_recording_fires_what_it_must_and_diagnose_says_the_same(recording
     names = {a.removeprefix("GpuTrain") for a in fired}
     assert scenario.fire <= names, f"{run}: expected {sorted(scenario.fire)}, fired {names}"
     assert not scenario.silent & names, f"{run}: must not fire {scenario.silent & names}"
-    (rep,) = json.loads(diagnosed.stdout)["ranks"]
     want = {BY_ALERT[a].verdict for a in now if BY_ALERT[a].kind != "symptom"}
     assert set(rep["findings"]) == want, f"{run}: diagnose {rep['findings']} ({rep['reason']})"
     status = recording.with_name(f"{run}.status.json")  # recorded by harnesses since 50's

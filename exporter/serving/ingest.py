@@ -540,8 +540,9 @@ class IngestStore:
         with self._lock:
             self._expire_locked()
             old = self._states.get(key)
-            if old is not None and old.run_id != new.run_id:
-                self._not_a_second_process(key, old, new)
+            switched = old if old is not None and old.run_id != new.run_id else None
+            if switched is not None:
+                self._not_a_second_process(key, switched, new)
             same = old if old is not None and old.run_id == new.run_id else None
             if same is not None:
                 _check_monotonic(same, new)
@@ -565,10 +566,10 @@ class IngestStore:
             else:
                 new.expires_at = new.received_at + self.ttl
                 message = "ok"
-            if old is not None and old.run_id != new.run_id:  # a restart: remember the old
+            if switched is not None:  # a restart: remember the old run_id
                 former = self._former.setdefault(key, {})
-                former.pop(old.run_id, None)
-                former[old.run_id] = old.received_at
+                former.pop(switched.run_id, None)
+                former[switched.run_id] = switched.received_at
                 while len(former) > FORMER_RUN_IDS:
                     del former[next(iter(former))]
             self._states[key] = new

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Sequence
 
 POWER_TOLERANCE = 0.10    # relative, against nvidia-smi power.draw
 MEMORY_TOLERANCE = 0.02   # relative, against nvidia-smi memory.used
@@ -94,14 +95,16 @@ def check(results: list[dict], gpu: bool = True) -> list[str]:
     return failures
 
 
-def input_bytes(args: list[str]) -> int:
-    """The bytes of one sample the trainer copies to the GPU under these flags."""
-    def arg(flag: str, default: str) -> str:
-        return args[args.index(flag) + 1] if flag in args else default
+def flag_value(args: Sequence[str], flag: str, default: str) -> str:
+    """The value ``flag`` has in a scenario's flags of examples/pytorch_train.py."""
+    return args[args.index(flag) + 1] if flag in args else default
 
-    side = int(arg("--image-size", "32"))
+
+def input_bytes(args: Sequence[str]) -> int:
+    """The bytes of one sample the trainer copies to the GPU under these flags."""
+    side = int(flag_value(args, "--image-size", "32"))
     pixel = 1 if "--uint8-transfer" in args else 4
-    return 3 * side * side * int(arg("--h2d-inflate", "1")) * pixel
+    return 3 * side * side * int(flag_value(args, "--h2d-inflate", "1")) * pixel
 
 
 def check_profile(name: str, doc: dict | None) -> list[str]:

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 from exporter.cli.profile import Failed, ask  # noqa: E402
-from gpu.checks import check  # noqa: E402
+from gpu.checks import check, flag_value, input_bytes  # noqa: E402
 from gpu.scenarios import ALL, BY_NAME, CPU_BY_NAME, CPU_DEMO, Scenario  # noqa: E402
 
 # the link's max beside its current state: the exporter's PCIe capacity is the max (issue 28)
@@ -229,23 +229,16 @@ def wait_for_steps(exporter_url: str, run: str, proc: subprocess.Popen,
     return False
 
 
-def _arg(args: tuple[str, ...], flag: str, default: str) -> str:
-    return args[args.index(flag) + 1] if flag in args else default
-
-
 def adapt_workers(args: tuple[str, ...], shm_free: float | None) -> tuple[tuple[str, ...], str]:
     """The scenario's flags with fewer DataLoader workers where ``/dev/shm`` (``shm_free``
     bytes) cannot hold what they pass: each worker keeps 2 batches in flight (the default
     prefetch factor), and half of /dev/shm is left to everything else. A small /dev/shm (a
     container's 64 MiB default) otherwise kills the DataLoader ("bus error"). Returns the flags
     and a note ("" when unchanged)."""
-    workers = int(_arg(args, "--workers", "0"))
+    workers = int(flag_value(args, "--workers", "0"))
     if not workers or shm_free is None:
         return args, ""
-    side = int(_arg(args, "--image-size", "32"))
-    pixel = 1 if "--uint8-transfer" in args else 4
-    batch = int(_arg(args, "--batch-size", "128")) * 3 * side * side \
-        * int(_arg(args, "--h2d-inflate", "1")) * pixel
+    batch = int(flag_value(args, "--batch-size", "128")) * input_bytes(args)
     fits = int(shm_free / 2 // (2 * batch))
     if fits >= workers:
         return args, ""
@@ -467,8 +460,6 @@ def markdown(results: list[dict], fired: dict[str, list[str]] | None = None) -> 
 def agreement_markdown(results: list[dict]) -> str:
     """Per scenario, the exporter beside nvidia-smi (power, memory, utilisation: the means of
     the same instants) and the PCIe bytes it read a sample beside the bytes the trainer sent."""
-    from gpu.checks import input_bytes
-
     lines = ["| scenario | power W (nvidia-smi) | memory MiB (nvidia-smi) | "
              "utilisation % (nvidia-smi) | PCIe received a sample (the input) |",
              "|" + " --- |" * 5]

@@ -132,7 +132,7 @@ def preflight(cycles: int = 20, interval: float = 0.2, fake: bool = False,
                            for g in gpus}
     doc["raw"] = raw_answers(module, 0)
     if child:
-        doc["cuda_child"] = cuda_child(module, backend, gpus[0] if gpus else None, fake)
+        doc["cuda_child"] = cuda_child(module, backend, gpus[0] if gpus else None)
     backend.close()
     calls = {}
     for name, v in sorted(cycled.items()):
@@ -237,7 +237,7 @@ def raw_answers(nvml: Any, index: int) -> dict[str, Any]:
     return out
 
 
-def cuda_child(nvml: Any, backend: Any, gpu: Any, fake: bool) -> dict[str, Any]:
+def cuda_child(nvml: Any, backend: Any, gpu: Any) -> dict[str, Any]:
     """A child doing matrix products on the GPU (the CPU without one): whether NVML's process
     list holds its pid as this process sees it, what the per-process samples say of it (their
     period from their timestamps), what the sampler reads of it, and whether py-spy reads its

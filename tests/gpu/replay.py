@@ -14,6 +14,7 @@ right from the first scrapes.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tempfile
@@ -194,8 +195,6 @@ def diagnose(url: str, run: str, at: float) -> list[dict]:
                          capture_output=True, text=True, timeout=120)
     if out.returncode not in (0, 1, 3):
         raise RuntimeError(f"diagnose failed: {out.stderr[-2000:]}")
-    import json
-
     return json.loads(out.stdout)["ranks"]
 
 
