@@ -2,7 +2,8 @@
 # Install everything the test suite needs, then run all of it.
 #   - Debian packages: prometheus (server + promtool), prometheus-alertmanager (server + amtool),
 #     prometheus-node-exporter (the benchmark's anchor), victoria-metrics (VictoriaMetrics and
-#     vmalert: the global layer of the scale-out test), chromium (draws the status page headless)
+#     vmalert: the global layer of the scale-out test), chromium (draws the status page headless),
+#     faketime (a daemon on a node whose clock is off: tests/test_clocks.py)
 #   - Python, into the virtual environment .venv (scripts/install.sh): this package with its
 #     [test], [top] and [stacks] (py-spy) extras, and tests/frameworks.txt at its versions (torch, lightning, keras,
 #     transformers, accelerate); the README's quick start names the same list
@@ -18,6 +19,7 @@ command -v amtool >/dev/null 2>&1 || missing+=(prometheus-alertmanager)
 command -v prometheus-node-exporter >/dev/null 2>&1 || missing+=(prometheus-node-exporter)
 command -v vmalert >/dev/null 2>&1 || missing+=(victoria-metrics)
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+command -v faketime >/dev/null 2>&1 || missing+=(faketime)
 if [ ${#missing[@]} -gt 0 ]; then
     sudo=""
     [ "$(id -u)" -eq 0 ] || sudo="sudo"

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from exporter.heuristics.catalogue import BY_ALERT  # noqa: E402
+from exporter.heuristics.promql import parse_duration  # noqa: E402
 from exporter.heuristics.rules import render  # noqa: E402
 
 NODE = {"job": "gputrain", "instance": "n1:19400"}
@@ -59,6 +60,7 @@ class Case:
     quiet_alerts: list[str] = field(default_factory=list)  # silent at quiet_at; default: fires'
     interval: str = "1m"
     signals: dict[str, Any] | None = None  # a case study's training_run() arguments
+    ages: bool = True  # the exporter exports ages beside its timestamps (False: an older one)
 
     def __post_init__(self) -> None:
         # The exporter exports the seconds it watched each GPU beside its counters; the GPU
@@ -80,6 +82,46 @@ class Case:
                 counted.add(who)
                 self.series[sel("gputrain_training_step_duration_seconds_count",
                                 **dict(who))] = ramp(60, points - 1)
+        # The exporter ages what it times by its own clock beside the wall-clock timestamp,
+        # and the rules read the age: on a node whose clock is right the age is the case's
+        # time less the timestamp. A case about clocks gives both.
+        step = parse_duration(self.interval)
+        for selector in list(self.series) if self.ages else ():
+            name, _, labels = selector.partition("{")
+            if name in AGED and (aged := f"{AGED[name]}{{{labels}") not in self.series:
+                self.series[aged] = " ".join(
+                    "_" if v is None else num(k * step - v)
+                    for k, v in enumerate(expand(self.series[selector])))
+
+
+# a wall-clock timestamp the exporter exports -> the age beside it, by its monotonic clock
+AGED = {"gputrain_training_last_push_timestamp_seconds": "gputrain_training_last_push_age_seconds",
+        "gputrain_training_regime_start_timestamp_seconds":
+            "gputrain_training_regime_age_seconds",
+        "gputrain_collector_last_success_timestamp_seconds": "gputrain_collector_age_seconds"}
+_NUM = r"-?[\d.]+(?:e[+-]?\d+)?"
+_STEP = re.compile(rf"^({_NUM})(?:([+-])({_NUM[2:]}))?x(\d+)$")
+
+
+def expand(values: str) -> list[float | None]:
+    """promtool's expanding notation ('a+bxn' is a, a+b, ..., a+n*b; 'axn' is n+1 a's; '_' a
+    missing sample, '_xn' n of them; 'stale' a missing sample here)."""
+    out: list[float | None] = []
+    for token in values.split():
+        if token == "stale":
+            out.append(None)
+            continue
+        if token == "_" or token.startswith("_x"):
+            out.extend([None] * (int(token[2:]) if token != "_" else 1))
+            continue
+        m = _STEP.match(token)
+        if not m:
+            out.append(float(token))
+            continue
+        start, sign, step, n = float(m[1]), m[2], float(m[3] or 0), int(m[4])
+        step = -step if sign == "-" else step
+        out.extend(start + i * step for i in range(n + 1))
+    return out
 
 
 def _rank_of(selector: str) -> tuple[tuple[str, str], ...] | None:
@@ -208,6 +250,28 @@ def live_rank(run: str, r: str, open_from: int | None = None, silent_from: int |
             " ".join(["_" * 1] * (phase_from * k) + [f"{(m - phase_from) * 60}x{k - 1}"
                                                      for m in range(phase_from, minutes)])
     return out
+
+
+def skewed_node(node: str, offset: float, run: str, minutes: int = 30,
+                **ages: str) -> dict[str, str]:
+    """Exporter ``<node>:19400`` on a node whose clock is ``offset`` seconds off Prometheus':
+    every wall-clock time it exports is off by as much, its ages are not (its collectors
+    succeeded a second ago, rank 0 of ``run``, 50 % input-bound, pushed just now; ``ages``
+    gives other ``collector``, ``push`` ages and the wall-clock times that go with them)."""
+    where = {"instance": f"{node}:19400"}
+    clock = f"{num(offset)}+60x{minutes}"
+    rank_of = {"run": run, "rank": "0", **where}
+    return {sel("gputrain_exporter_time_seconds", **where): clock,
+            sel("gputrain_sampler_interval_seconds", **where): flat(1, minutes),
+            **{sel("gputrain_collector_last_success_timestamp_seconds", collector=c, **where):
+               ages.get(f"{c}_time", clock) for c in ("gpu", "cpu")},
+            **{sel("gputrain_collector_age_seconds", collector=c, **where):
+               ages.get(c, flat(1, minutes)) for c in ("gpu", "cpu")},
+            sel("gputrain_training_last_push_timestamp_seconds", **rank_of):
+                ages.get("push_time", clock),
+            sel("gputrain_training_last_push_age_seconds", **rank_of):
+                ages.get("push", flat(0, minutes)),
+            **run_steps(run, 0.5, **where)}
 
 
 def on_node(node: str, series: dict[str, str]) -> dict[str, str]:
@@ -516,6 +580,46 @@ def alert_cases() -> list[Case]:
              # at 14m the ranks have been silent 4 minutes; at 11m only one
              [Fire("GpuTrainRunVanished", {"run": "vanish-killed"}, "4m 0s")],
              fire_at="14m", quiet_at="11m"),
+        # a node's clock is no evidence (issue 46, principle 8): ages come from the exporter's
+        # own monotonic clock; the wall-clock times it exports are off by the node's offset
+        Case("GpuTrainClockOffset: n1's clock 10 minutes behind Prometheus', n2's 10 minutes "
+             "ahead: both say so, and their 50% input-bound ranks are judged as ever (no "
+             "collector stale, no rank silent); n3's clock 10 s off is no offset",
+             {**skewed_node("n1", -600, "behind"), **skewed_node("n2", 600, "ahead"),
+              **skewed_node("n3", -10, "near")},
+             [Fire("GpuTrainClockOffset", {"job": "gputrain", "instance": f"{n}:19400"}, "600")
+              for n in ("n1", "n2")] +
+             [Fire("GpuTrainInputBound", rank(run, instance=f"{n}:19400"), "50%", "warning")
+              for n, run in (("n1", "behind"), ("n2", "ahead"), ("n3", "near"))],
+             fire_at="15m", quiet_at="5m", quiet_alerts=["GpuTrainClockOffset"]),
+        Case("On nodes whose clocks are 10 minutes off, what really stops still says so: n4's "
+             "rank pushes no more from 10m and its GPU goes idle (RunVanished), n5's gpu "
+             "collector stops at 5m (CollectorStale)",
+             {**on_node("n4", {**vanishing("skew-gone", "0", "0", "GPU-a"),
+                               sel("gputrain_training_last_push_timestamp_seconds",
+                                   run="skew-gone", rank="0"): "-600+60x10 0x20",
+                               sel("gputrain_training_last_push_age_seconds",
+                                   run="skew-gone", rank="0"): "0x10 60+60x19",
+                               sel("gputrain_exporter_time_seconds"): "-600+60x30"}),
+              **skewed_node("n5", 600, "skew-frozen", gpu="0x5 60+60x24",
+                            gpu_time="600+60x5 900x25")},
+             [Fire("GpuTrainRunVanished", {"run": "skew-gone"}, "5m 0s"),
+              Fire("GpuTrainCollectorStale", {"job": "gputrain", "instance": "n5:19400",
+                                              "collector": "gpu"}, "600"),
+              Fire("GpuTrainClockOffset", {"job": "gputrain", "instance": "n4:19400"}, "600")],
+             fire_at="15m", quiet_at="5m",
+             quiet_alerts=["GpuTrainRunVanished", "GpuTrainCollectorStale"]),
+        Case("An exporter older than the age gauges (wall-clock times only, its clock right): "
+             "a rank silent from 10m still vanishes, a collector stopped at 5m still reads "
+             "stale",
+             {**vanishing("old-gone", "0", "0", "GPU-a"),
+              sel("gputrain_collector_last_success_timestamp_seconds", instance="n6:19400",
+                  collector="gpu"): "0+60x5 300x25",
+              sel("gputrain_sampler_interval_seconds", instance="n6:19400"): flat(1, 30)},
+             [Fire("GpuTrainRunVanished", {"run": "old-gone"}, "4m 0s"),
+              Fire("GpuTrainCollectorStale", {"job": "gputrain", "instance": "n6:19400",
+                                              "collector": "gpu"}, "540")],
+             fire_at="14m", quiet_at="5m", ages=False),
         Case("A run that died stays reported after the exporter's ttl: 'oom' killed at 30m and "
              "'crash' failed at 30m keep only their end on the page from 40m (--ingest.ttl; "
              "--ingest.dead-ttl keeps it an hour), and at 55m both alerts still fire; 'done' "

@@ -98,9 +98,10 @@ class Reference:
                                       f["gputrain_gpu_unattributed_memory_busy_seconds_total"])
         slow_n, workers = (f["gputrain_training_slow_steps_total"],
                            f["gputrain_training_loader_workers"])
-        failed, exit_info, in_step, in_phase = (
+        failed, exit_info, in_step, in_phase, push_age = (
             f[f"gputrain_training_{n}"] for n in (
-                "failed", "exit_info", "step_in_progress_seconds", "phase_in_progress_seconds"))
+                "failed", "exit_info", "step_in_progress_seconds", "phase_in_progress_seconds",
+                "last_push_age_seconds"))
         now = self._store.now()
         ranks_busy, unowned = view.busy, view.unowned
         here = view.listed  # a rank's share is exported while it is on the GPU
@@ -131,6 +132,7 @@ class Reference:
             if st.last_step_timestamp is not None:
                 last_step.add_metric(lv, st.last_step_timestamp)
             last_push.add_metric(lv, st.received_unix)
+            push_age.add_metric(lv, round(max(0.0, now - st.received_at), 3))
             if st.last_step_timestamp is not None:
                 skew.add_metric(lv, st.clock_skew)
             finished.add_metric(lv, 1.0 if st.finished else 0.0)
@@ -171,7 +173,8 @@ class Reference:
             others_busy.add_metric([index, uuid], b)
             others_memory.add_metric([index, uuid], m)
         for family in (steps, wait, samples, flops, comm, exposed, comm_bytes, elapsed, slow,
-                       slow_n, workers, hist, phases, last_step, last_push, skew, finished,
+                       slow_n, workers, hist, phases, last_step, last_push, push_age, skew,
+                       finished,
                        failed, exit_info, in_step, in_phase, cpu,
                        allowance, throttled, rss, pss, read, gpu_info, gpu_memory, busy,
                        memory_busy, profile, unattributed, strangers, others_busy, others_memory):

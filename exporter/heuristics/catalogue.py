@@ -61,7 +61,8 @@ class Heuristic:
 
     ``kind``: ``fault`` (the GPU or the exporter's view of it is broken: outranks every
     pipeline verdict), ``state`` (the run is no longer running: nothing else is judged),
-    ``bottleneck`` (``diagnose`` names it), ``health`` (worth acting on, no pipeline stage) or
+    ``bottleneck`` (``diagnose`` names it), ``health`` (worth acting on, no pipeline stage),
+    ``note`` (said beside the verdict, never the verdict: the run itself is not at fault) or
     ``symptom`` (the GPU is under-used; the others say why).
     ``scope``: what the condition is about: ``rank``, ``rank_gpu`` (a GPU as a rank uses it),
     ``gpu`` (any GPU of a node; a rank's verdict takes its own GPUs'), ``node``, or ``run``
@@ -1989,6 +1990,48 @@ class ExporterDown(Heuristic):
                           f"{q.where} has not been scraped: its GPUs and runs are unmonitored.")]
 
 
+class ClockOffset(Heuristic):
+    alert, verdict, kind, scope = "GpuTrainClockOffset", "clock-offset", "note", "node"
+    severity, for_ = "info", "10m"
+    summary = "A node's clock is off Prometheus' clock."
+    advice = ("Synchronise the node's clock (`chronyc tracking` or `timedatectl "
+              "timesync-status` says how far off it is). No verdict reads the node's clock: the "
+              "exporter ages pushes and readings by its own monotonic clock; but the timestamps "
+              "it exports (a rank's last step, a regime's start) and its log read off by as "
+              "much.")
+    fires_when = ("the exporter's wall clock more than {clock_offset_seconds} from the time of "
+                  "Prometheus' scrapes, for {for}")
+    why = ("Each scrape carries the exporter's wall clock (`gputrain_exporter_time_seconds`, "
+           "as node_exporter's `node_time_seconds`); the scrape's own time less it is the "
+           "node's clock offset from Prometheus', within the scrape's latency. A node whose "
+           "clock is minutes off used to read as frozen collectors and silent ranks (a "
+           "timestamp compared across two machines); the rules now take every age from the "
+           "exporter's monotonic clock, and say the offset here instead. The daemon's own "
+           "page cannot see it: it has no other clock to compare with.")
+    confirm = ("instance:gputrain_exporter_clock_offset_seconds:max",
+               "gputrain_exporter_time_seconds")
+    panel = ("Prometheus: `gputrain_exporter_time_seconds - "
+             "timestamp(gputrain_exporter_time_seconds)`.")
+    profile = False
+    stepping = False
+    thresholds = {"clock_offset_seconds": Threshold(
+        30.0, "seconds", "well past NTP's offsets (milliseconds) and a scrape's latency, "
+                         "well under the 2-minute silence that calls a run vanished")}
+
+    def rules(self, q: Q) -> list[dict]:
+        return [self.rule(q, "info", f"""abs(instance:gputrain_exporter_clock_offset_seconds:max)
+                          > {q.t['clock_offset_seconds']:g}""",
+                          f"""The clock of {q.where} is {{{{ $value | printf "%.0f" }}}} s off
+                          Prometheus' clock.""")]
+
+    def holds_node(self, n: RankReport | NodeReport, t: dict[str, float]) -> str | None:
+        offset = n.host.get("clock_offset")
+        if offset is None or abs(offset) <= t["clock_offset_seconds"]:
+            return None
+        return (f"the node's clock is {abs(offset):.0f} s "
+                f"{'ahead of' if offset > 0 else 'behind'} Prometheus' clock")
+
+
 # The catalogue, in the decision order: faults, the stall, the pipeline from its input to its
 # output, then what is not a stage of it, and the symptom. A rank's verdict is the first that
 # holds.
@@ -2000,7 +2043,7 @@ CATALOGUE: tuple[Heuristic, ...] = (
     DataLoaderRestarts(), CommunicationBound(),
     HostToDeviceBound(), HostOverheadBound(), LaunchBound(), TensorCoresIdle(), LowMFU(),
     GPUMemoryUnderused(), StepTimeStalls(), StragglerRank(), HostMemoryLeak(),
-    GPUMemoryNearLimit(), Throttling(),
+    GPUMemoryNearLimit(), Throttling(), ClockOffset(),
     GPUUnderutilized(),
 )
 
@@ -2019,7 +2062,7 @@ THRESHOLDS: dict[str, Threshold] = _collect_thresholds(CATALOGUE)
 BY_ALERT: dict[str, Heuristic] = {e.alert: e for e in CATALOGUE}
 BY_VERDICT: dict[str, Heuristic] = {e.verdict: e for e in CATALOGUE}
 LEVELS = ("node", "global")
-KINDS = ("fault", "state", "hang", "bottleneck", "health", "symptom")
+KINDS = ("fault", "state", "hang", "bottleneck", "health", "note", "symptom")
 # the alerts whose firing for a rank asks for a profile of it (Alertmanager's webhook)
 PROFILED_ALERTS: frozenset[str] = frozenset(e.alert for e in CATALOGUE if e.profiled)
 # the alerts whose firing for a rank asks for py-spy stacks of it, and which capture

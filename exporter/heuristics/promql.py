@@ -116,12 +116,26 @@ def memory_outside(available: str, growth: str, ids: Identity, window: str,
             f"({growth}) or max by ({node}) ({available}) * 0))")
 
 
+def on_prometheus_clock(prefix: str, s: str, by: str, timestamp: str = "timestamp") -> str:
+    """When something the exporter ages happened, as a time on Prometheus' clock: the scrape's
+    time less the age the exporter gave at that scrape (``<prefix>_age_seconds``, its own
+    monotonic clock), so a node whose clock is minutes off reads neither silent nor old;
+    ``<prefix>_<timestamp>_seconds`` (the exporter's wall clock) only where an exporter older
+    than the age gauge gives no age."""
+    age = f"{prefix}_age_seconds{{{s}}}"
+    return (f"max by ({by}) (timestamp({age}) - {age}) "
+            f"or max by ({by}) ({prefix}_{timestamp}_seconds{{{s}}})")
+
+
 def collector_age(selector: str, ids: Identity) -> str:
     """Of each collector, how old its last success was when Prometheus last scraped it, in
-    the exporter's sampler intervals (scrape time less the success time: no clock but the
-    exporter's own matters, and a frozen page ages at every scrape)."""
+    the exporter's sampler intervals: the age the exporter wrote at that scrape, by its own
+    monotonic clock (a frozen page ages at every scrape; a node's clock offset does not
+    enter). From an exporter older than the age gauge, the scrape's time less the success's
+    wall-clock time."""
+    age = f"gputrain_collector_age_seconds{{{selector}}}"
     last = f"gputrain_collector_last_success_timestamp_seconds{{{selector}}}"
-    return (f"(timestamp({last}) - {last}) / on ({ids.node}) group_left "
+    return (f"({age} or (timestamp({last}) - {last})) / on ({ids.node}) group_left "
             f"max by ({ids.node}) (gputrain_sampler_interval_seconds{{{selector}}})")
 
 
@@ -281,6 +295,9 @@ def _fragments(s: str, ids: Identity, w: str) -> dict[str, str]:
                   if seconds else "0")
     return {"s": s, "w": w, "rank": rank, "gpu": ids.gpu, "node": ids.node, "run": ids.run,
             "open_part": open_part, "open_count": open_count,
+            "last_push": on_prometheus_clock("gputrain_training_last_push", s, rank),
+            "regime_start": on_prometheus_clock("gputrain_training_regime", s, rank,
+                                                "start_timestamp"),
             "run_gpu": ids.run_gpu, "wall": wall, "steps": steps, "wait": wait,
             "all_phases": phases("phase!=''"), "outside": OUTSIDE_STEP,
             "productive": f"clamp_min({steps} - {wait} - {phases(IN_STEP)}, 0)",

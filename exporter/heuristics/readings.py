@@ -114,8 +114,7 @@ READINGS = (
     # rate window ago, a rate-window reading is read over the regime window (promql.recording)
     Reading("regime_changed_seconds", "rank",
             "run_rank:gputrain_training_regime_start_timestamp_seconds:max", None,
-            "max by ({rank}) (gputrain_training_regime_start_timestamp_seconds{{{s}}})",
-            since=True),
+            "{regime_start}", since=True),
     Reading("data_wait_ratio", "rank", "run_rank:gputrain_training_data_wait_ratio:rate5m",
             "rate", """
             sum by ({rank}) (rate(gputrain_training_data_wait_seconds_total{{{s}}}[{w}]))
@@ -206,8 +205,7 @@ READINGS = (
     # busiest GPU over the recent window (a vanished run's GPUs go idle)
     Reading("seconds_since_push", "rank",
             "run_rank:gputrain_training_last_push_timestamp_seconds:max", None,
-            "max by ({rank}) (gputrain_training_last_push_timestamp_seconds{{{s}}})",
-            since=True),
+            "{last_push}", since=True),
     Reading("finished", "rank", "run_rank:gputrain_training_finished:max", None,
             "max by ({rank}) (gputrain_training_finished{{{s}}})"),
     # how a rank that said goodbye ended: a failure (an exception, a signal) is no finish
@@ -314,6 +312,11 @@ READINGS = (
              + on ({gpu}) sum by ({gpu}) (run_gpu:gputrain_training_gpu_busy:ratio_rate5m))
             - on ({gpu}) group_right run_gpu:gputrain_training_gpu_busy:ratio_rate5m"""),
     # per node
+    # the node's clock less Prometheus' at its scrapes (the exporter's wall clock at the
+    # scrape, against the scrape's own time): the daemon cannot read it of itself
+    Reading("clock_offset", "node", "instance:gputrain_exporter_clock_offset_seconds:max", None,
+            "max by ({node}) (gputrain_exporter_time_seconds{{{s}}} - "
+            "timestamp(gputrain_exporter_time_seconds{{{s}}}))"),
     Reading("cpu_busy", "node", "instance:gputrain_host_cpu_busy:ratio_rate5m", "rate", """
             1 - sum by ({node}) (rate(gputrain_host_cpu_seconds_total{{{s},mode=~"idle|iowait"}}[{w}]))
             / sum by ({node}) (rate(gputrain_host_cpu_seconds_total{{{s}}}[{w}]))""",

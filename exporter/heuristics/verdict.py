@@ -77,7 +77,7 @@ STATUS_SUMMARY = {
     "stopped": "The rank's process is stopped on purpose (SIGSTOP).",
 }
 # Every verdict a rank can get, in the order a page lists them: what to act on first
-ORDER: tuple[str, ...] = (*(e.verdict for e in CATALOGUE if e.kind != "symptom"),
+ORDER: tuple[str, ...] = (*(e.verdict for e in CATALOGUE if e.kind not in ("symptom", "note")),
                           UNDERUTILIZED, "waiting", "restarted", "paused", "warming-up",
                           "no-gpu-data", "stopped", "ended",
                           "gpu-bound", "finished")
@@ -86,6 +86,8 @@ STATUS = {"fault": "fault", "state": "stopped", "hang": "hung", "bottleneck": "b
           "health": "bottleneck"}
 # verdicts whose status is their own: a failure is not just stopped
 STATUS_OF = {"failed": "failed"}
+# said beside whatever verdict a rank gets, never as it (a node's clock offset)
+NOTES: tuple[str, ...] = tuple(e.verdict for e in CATALOGUE if e.kind == "note")
 
 
 def summary(verdict: str) -> str:
@@ -228,6 +230,9 @@ def judge(reports: list[RankReport], t: dict[str, float]) -> list[RankReport]:
         else:
             rep.status, rep.verdict = "ok", "gpu-bound"
             rep.reason = f"GPU busy {percent(busy)}"
+        said = {f.name for f in rep.also}
+        rep.also += [Finding(n, found[n], advice_for(n, rep)) for n in NOTES
+                     if n in found and n not in said]
         rep.advice = advice_for(rep.verdict, rep)
         if rep.regime_changed_seconds is not None:
             rep.reason += f"; {changed_text(rep.regime_changed_seconds)}"

@@ -31,11 +31,14 @@ BACKEND_RETRY_SECONDS = 60.0
 
 @dataclass(frozen=True)
 class CollectorStatus:
-    """How a collector's last cycle went (seconds; wall-clock timestamp)."""
+    """How a collector's last cycle went (seconds; wall-clock timestamp, and the same moment
+    on the daemon's monotonic clock, which ages it: a wall clock that steps or is minutes off
+    never makes a reading look frozen)."""
 
     success: bool
     duration_seconds: float
     last_success_timestamp: float | None
+    last_success_monotonic: float | None = None
 
 
 @dataclass
@@ -225,6 +228,14 @@ class Sampler:
         if self.backend is not None and self._backend_ready:
             self.backend.close()
 
+    def now(self) -> float:
+        """The sampler's monotonic clock (seconds): what ages its collectors' last success."""
+        return self._clock()
+
+    def wall(self) -> float:
+        """The sampler's wall clock (Unix seconds): the time of its snapshots."""
+        return self._wall()
+
     def healthy(self) -> bool:
         """True when a cycle completed within the last three intervals."""
         last = self._last_cycle_at
@@ -291,8 +302,12 @@ class Sampler:
             result, ok = None, False
         duration = self._clock() - started
         previous = self._status.get(name)
-        last_ok = self._wall() if ok else (previous.last_success_timestamp if previous else None)
-        self._status[name] = CollectorStatus(ok, duration, last_ok)
+        if ok:
+            self._status[name] = CollectorStatus(ok, duration, self._wall(), self._clock())
+        else:
+            self._status[name] = CollectorStatus(
+                ok, duration, previous.last_success_timestamp if previous else None,
+                previous.last_success_monotonic if previous else None)
         return result
 
     def _gpu_backend(self) -> GpuBackend:

@@ -55,12 +55,26 @@ AGE_NAME = "gputrain_exporter_page_age_seconds"
 _AGE_HELP = ("Seconds since the page being served was last brought up to date (it is rebuilt "
              "at every sampler cycle and push); it grows when the page builder fails.")
 _AGE_HEADER = f"# HELP {AGE_NAME} {_AGE_HELP}\n# TYPE {AGE_NAME} gauge\n".encode()
+COLLECTOR_AGE_NAME = "gputrain_collector_age_seconds"
+_COLLECTOR_AGE_HELP = (
+    "Seconds since the collector's last successful cycle, at this scrape, on the daemon's own "
+    "monotonic clock: a node whose clock is off never reads as frozen (the timestamp in "
+    "gputrain_collector_last_success_timestamp_seconds is its wall clock's).")
+TIME_NAME = "gputrain_exporter_time_seconds"
+_TIME_HELP = ("The daemon's wall clock at this scrape, in Unix seconds (node_exporter's "
+              "node_time_seconds): the scrape's own time less this is the node's clock offset "
+              "from Prometheus'.")
+_TIME_HEADER = f"# HELP {TIME_NAME} {_TIME_HELP}\n# TYPE {TIME_NAME} gauge\n".encode()
+_COLLECTOR_AGE_HEADER = (f"# HELP {COLLECTOR_AGE_NAME} {_COLLECTOR_AGE_HELP}\n"
+                         f"# TYPE {COLLECTOR_AGE_NAME} gauge\n").encode()
 
 
 def page_families() -> list[GaugeMetricFamily]:
     """The families the page itself adds at each request (written by :meth:`Exposition.page`,
     not by a collector)."""
-    return [GaugeMetricFamily(AGE_NAME, _AGE_HELP)]
+    return [GaugeMetricFamily(AGE_NAME, _AGE_HELP),
+            GaugeMetricFamily(COLLECTOR_AGE_NAME, _COLLECTOR_AGE_HELP, labels=["collector"]),
+            GaugeMetricFamily(TIME_NAME, _TIME_HELP)]
 
 
 def wants_openmetrics(accept: str | None) -> bool:
@@ -196,10 +210,29 @@ class Exposition:
         """The page as sent: its body, then its age (and OpenMetrics' end), gzipped as a
         second gzip member where the body is (a gzip stream may hold several)."""
         age = floatToGoString(round(max(0.0, now - page.built_at), 3))
-        tail = b"".join((_AGE_HEADER, f"{AGE_NAME} {age}\n".encode(), _EOF if om else b""))
+        wall = floatToGoString(round(self.sampler.wall(), 3))
+        tail = b"".join((_AGE_HEADER, f"{AGE_NAME} {age}\n".encode(), self._collector_ages(),
+                         _TIME_HEADER, f"{TIME_NAME} {wall}\n".encode(), _EOF if om else b""))
         if gzip_ok:
             return page.gzipped + gzip.compress(tail, compresslevel=1)  # type: ignore[operator]
         return page.plain + tail
+
+    def _collector_ages(self) -> bytes:
+        """Each collector's age at this request (COLLECTOR_AGE_NAME), by the monotonic clock
+        that timed its last success: the sampler's for its collectors, the ingest's for the
+        training page. At each request, not at the page's build: a page that stops being
+        rebuilt ages too."""
+        aged = [(name, st, self.sampler.now) for name, st in
+                self.views.latest.snapshot.collectors.items()]
+        if self.training is not None and self.store is not None:
+            aged.append(("training", self.training.status, self.store.now))
+        lines = [_COLLECTOR_AGE_HEADER]
+        for name, st, clock in sorted(aged, key=lambda x: x[0]):
+            if st.last_success_monotonic is not None:
+                age = round(max(0.0, clock() - st.last_success_monotonic), 3)
+                lines.append(f'{COLLECTOR_AGE_NAME}{{collector="{name}"}} '
+                             f"{floatToGoString(age)}\n".encode())
+        return b"".join(lines) if len(lines) > 1 else b""
 
     def _wait_for(self, om: bool, gzip_ok: bool, version: int) -> None:
         if self._thread is None:  # no page thread: build here (tests, tools)

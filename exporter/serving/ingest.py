@@ -513,6 +513,10 @@ class IngestStore:
         """The store's monotonic clock: what ages a rank's step and phase in progress."""
         return self._clock()
 
+    def wall(self) -> float:
+        """The store's wall clock (Unix seconds): the clock of the history's points."""
+        return self._wall()
+
     def count(self, code: int) -> None:
         """Count one push by its HTTP status; /metrics shows it at once."""
         with self._lock:

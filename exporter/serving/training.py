@@ -103,6 +103,13 @@ FAMILIES: tuple[Family, ...] = (
            "Unix time the last step ended."),
     Family("gputrain_training_last_push_timestamp_seconds", "gauge",
            "Unix time the daemon last heard from the rank."),
+    Family("gputrain_training_last_push_age_seconds", "gauge",
+           "Seconds since the daemon last heard from the rank, on its own monotonic clock: the "
+           "rules take the rank's liveness from this age (a node whose clock is off never "
+           "reads as silent), not from the timestamp."),
+    Family("gputrain_training_regime_age_seconds", "gauge",
+           "Seconds since the rank's current regime began (see the start timestamp), on the "
+           "daemon's own clock: the rules read the regime's age from this."),
     Family("gputrain_training_regime_start_timestamp_seconds", "gauge",
            "Unix time the rank's current regime began: where the daemon found its step time, "
            "throughput and data wait change together (a fix, a slowdown); absent until it "
@@ -209,7 +216,7 @@ class TrainingCollector:
         self._store = store
         self._regimes = regimes or dict  # each rank's regime start, from the history
         self._view = view  # the latest cycle's attribution (exporter.serving.attribution)
-        self._status = CollectorStatus(True, 0.0, time.time())
+        self._status = CollectorStatus(True, 0.0, time.time(), self._store.now())
         # a rank's own lines by family index, until its next push
         self._lines: dict[tuple[str, str], tuple[RankState, tuple[tuple[int, str], ...]]] = {}
         self._left_out: set[tuple[str, str]] = set()  # ranks logged as left out
@@ -240,7 +247,7 @@ class TrainingCollector:
                 for k, on in view.busy.items()}  # exported while its processes are there
         profiles = self._store.profiles.latest_done()
         locations = self._store.profiles.hang_locations()
-        now = self._store.now()
+        now, wall = self._store.now(), self._store.wall()
         regimes = self._regimes()
         chunks: list[list[str]] = [[] for _ in FAMILIES]
         cache: dict[tuple[str, str], tuple[RankState, tuple[tuple[int, str], ...]]] = {}
@@ -257,6 +264,9 @@ class TrainingCollector:
                     lines.append((INDEX["gputrain_training_regime_start_timestamp_seconds"],
                                   f"gputrain_training_regime_start_timestamp_seconds"
                                   f"{{{_labels(st)}}} {floatToGoString(start)}\n"))
+                    lines.append((INDEX["gputrain_training_regime_age_seconds"],
+                                  f"gputrain_training_regime_age_seconds{{{_labels(st)}}} "
+                                  f"{floatToGoString(round(max(0.0, wall - start), 3))}\n"))
             except Exception as exc:  # one rank's bad state must never stop the page
                 left_out += 1
                 if key not in self._left_out:
@@ -270,6 +280,7 @@ class TrainingCollector:
         for st in sorted(self._store.departed(), key=lambda s: (s.run, s.rank)):
             for i, chunk in _departed_lines(st):
                 chunks[i].append(chunk)
+            chunks[INDEX["gputrain_training_last_push_age_seconds"]].append(_push_age(st, now))
         self.left_out = left_out
         self._lines = cache  # forgets ranks that are gone
         for name, field in (("gputrain_gpu_unattributed_memory_bytes", 1),
@@ -298,7 +309,8 @@ class TrainingCollector:
             if family_lines or family.name in always:
                 out.append(header)
                 out.extend(family_lines)
-        self._status = CollectorStatus(True, time.perf_counter() - started, time.time())
+        self._status = CollectorStatus(True, time.perf_counter() - started, time.time(),
+                                       self._store.now())
         return "".join(out).encode()
 
     def _rank_parts(self, st: RankState, gpus: GpuIndex, held: Mapping, busy: Mapping,
@@ -329,6 +341,7 @@ class TrainingCollector:
                 parts.append((INDEX[name], f'{name}{{gpu="{_escape(index)}",{lbl},'
                                            f'uuid="{_escape(uuid)}"}} {floatToGoString(v)}\n'))
         fg = floatToGoString
+        parts.append((INDEX["gputrain_training_last_push_age_seconds"], _push_age(st, now)))
         if (open_s := st.step_in_progress(now)) is not None:
             parts.append((INDEX["gputrain_training_step_in_progress_seconds"],
                           f"gputrain_training_step_in_progress_seconds{{{lbl}}} {fg(open_s)}\n"))
@@ -376,6 +389,13 @@ class _One:
 
     def collect(self) -> Iterator[Metric]:
         yield self._family
+
+
+def _push_age(st: RankState, now: float) -> str:
+    """The rank's gputrain_training_last_push_age_seconds line at ``now`` (the store's
+    monotonic clock)."""
+    return (f"gputrain_training_last_push_age_seconds{{{_labels(st)}}} "
+            f"{floatToGoString(round(max(0.0, now - st.received_at), 3))}\n")
 
 
 def _labels(st: RankState) -> str:
