@@ -855,6 +855,23 @@ def alert_cases() -> list[Case]:
               Fire("GpuTrainHostToDeviceBound", rank_gpu("r", "0", "0", "GPU-a"), "63.49%"),
               Fire("GpuTrainGPUUnderutilized", rank_gpu("r", "0", "0", "GPU-a"), "60%", "info")],
              fire_at="20m", quiet_at="8m"),
+        # a fault that dips is still a fault (issue 46, principle 4): the link by its share
+        Case("GpuTrainPCIeLinkDegraded: links that flap, each GPU 95% busy: GPU 0's at Gen3 two "
+             "readings in three and GPU 1's at x8 three in five fire (the median reading is "
+             "down); GPU 2's down one reading in three and GPU 3's two in five (dips) stay "
+             "silent",
+             {**{sel(m, gpu=g, uuid=u): v
+                 for g, u, pattern in (("0", "GPU-a", [15.75e9, 15.75e9, 63e9]),
+                                       ("1", "GPU-b", [31.5e9, 63e9, 31.5e9, 63e9, 31.5e9]),
+                                       ("2", "GPU-c", [15.75e9, 63e9, 63e9]),
+                                       ("3", "GPU-d", [63e9, 31.5e9, 63e9, 31.5e9, 63e9]))
+                 for m, v in (("gputrain_gpu_busy_seconds_total", ramp(57, 30)),
+                              ("gputrain_gpu_pcie_link_max_bytes_per_second", flat(63e9, 30)),
+                              ("gputrain_gpu_pcie_link_current_bytes_per_second",
+                               " ".join(num(pattern[k % len(pattern)]) for k in range(31))))}},
+             [Fire("GpuTrainPCIeLinkDegraded", gpu("0", "GPU-a"), "15.75G"),
+              Fire("GpuTrainPCIeLinkDegraded", gpu("1", "GPU-b"), "31.5G")],
+             fire_at="20m", quiet_at="8m"),
         Case("GpuTrainGPUMemoryUnderused: 3.2 of 80 GB for 30m; 60 of 80 GB stays silent",
              {**gpu_of("r", "0", "0", "GPU-a"), **gpu_of("r", "1", "1", "GPU-b"),
               sel("gputrain_gpu_memory_used_bytes", gpu="0", uuid="GPU-a"): flat(3.2e9),

@@ -872,14 +872,19 @@ class PCIeLinkDegraded(Heuristic):
     advice = ("Reseat or replace the GPU's riser or cable, check the slot's BIOS PCIe settings "
               "(generation, bifurcation), or move the GPU to another slot; meanwhile its "
               "host-to-device copies run at the link's reduced speed.")
-    fires_when = ("a GPU busy >= {pcie_degraded_busy_above} whose link never reached its "
-                  "maximum generation x width over {rate_window}, for {for}")
+    fires_when = ("a GPU busy >= {pcie_degraded_busy_above} whose link ran below its maximum "
+                  "generation x width for most of {rate_window} (its median reading), for "
+                  "{for}")
     why = ("A GPU's PCIe link trains down when idle to save power (normal) and back up at "
-           "the first transfer; one that stays below its maximum generation or width over "
-           "{rate_window} while the GPU is at least {pcie_degraded_busy_above} busy is a "
+           "the first transfer; one that runs below its maximum generation or width for most "
+           "of {rate_window} while the GPU is at least {pcie_degraded_busy_above} busy is a "
            "hardware finding (a riser, a cable, a slot, BIOS settings): it halves or worse "
-           "the host-to-device bandwidth. Host-to-device traffic is judged against the link "
-           "as it runs, so a trained-down link shows as a copy bottleneck at its own speed.")
+           "the host-to-device bandwidth. The link is judged by its median reading over the "
+           "window, a share: a link that flaps, down two readings in three, is degraded "
+           "(its best reading would hide it, and a `for:` on the raw gauge is reset by every "
+           "good reading), while one dip in three is not. Host-to-device traffic is judged "
+           "against the link at its best in the window, so a trained-down link shows as a "
+           "copy bottleneck at its own speed.")
     confirm = ("gputrain_gpu_pcie_link_current_bytes_per_second",
                "gputrain_gpu_pcie_link_max_bytes_per_second")
     panel = ('GpuTrain / Node: `gputrain_gpu_pcie_link_current_bytes_per_second` against '
@@ -890,15 +895,16 @@ class PCIeLinkDegraded(Heuristic):
                       "while idle, so a busy GPU's link below its maximum is a fault")}
 
     def rules(self, q: Q) -> list[dict]:
-        return [self.rule(q, "warning", f"""gpu:gputrain_gpu_pcie_link_current:max5m
+        return [self.rule(q, "warning", f"""gpu:gputrain_gpu_pcie_link_current:median5m
             < on ({q.ids.gpu}) gpu:gputrain_gpu_pcie_link_max:max
             and on ({q.ids.gpu}) gpu:gputrain_gpu_busy_ratio:rate5m
               >= {q.t['pcie_degraded_busy_above']}""",
-            f"""{q.node_gpu} is busy, but its PCIe link ran at most at
-            {{{{ $value | humanize }}}}B/s, below its maximum.""")]
+            f"""{q.node_gpu} is busy, but its PCIe link ran at
+            {{{{ $value | humanize }}}}B/s for most of {WINDOWS['rate']} (the median reading),
+            below its maximum.""")]
 
     def holds_gpu(self, g: GpuReading, t: dict[str, float]) -> str | None:
-        now, best = g.pcie_link_now, g.pcie_link_max
+        now, best = g.pcie_link_typical, g.pcie_link_max
         if now is not None and best and now < best and \
                 _v(g.busy, ">=", t["pcie_degraded_busy_above"]):
             return (f"busy {percent(g.busy)}, its PCIe link at {now / 1e9:.1f} GB/s of its "

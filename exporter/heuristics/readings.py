@@ -281,6 +281,12 @@ READINGS = (
             "rate", """
             max by ({gpu}) (max_over_time(
               gputrain_gpu_pcie_link_current_bytes_per_second{{{s}}}[{w}]))"""),
+    # and as it ran most of the window (the median reading: a link that flaps, down two
+    # readings in three, is down, where its best reading would hide it)
+    Reading("pcie_link_typical", "rank_gpu",
+            "run_rank_gpu:gputrain_gpu_pcie_link_current:median5m", "rate", """
+            max by ({gpu}) (quantile_over_time(0.5,
+              gputrain_gpu_pcie_link_current_bytes_per_second{{{s}}}[{w}]))"""),
     Reading("pcie_link_max", "rank_gpu", "run_rank_gpu:gputrain_gpu_pcie_link_max:max", None,
             "max by ({gpu}) (gputrain_gpu_pcie_link_max_bytes_per_second{{{s}}})"),
     Reading("sm_active", "rank_gpu", "run_rank_gpu:gputrain_gpu_sm_active_ratio:avg5m", "rate",
@@ -385,6 +391,7 @@ class GpuReading:
     power_used: float | None = None
     pcie_rx_used: float | None = None
     pcie_link_now: float | None = None  # bytes/s: the link at its best in the window ...
+    pcie_link_typical: float | None = None  # ... as it ran most of the window (the median) ...
     pcie_link_max: float | None = None  # ... and at its best at all (GPU and slot)
     throttled: float | None = None
     # its SM clock over the window against its node's identical GPUs' median (1: as theirs)

@@ -458,6 +458,8 @@ class History:
                     # the link at its best in the window, as max_over_time reads it
                     links = [p.link for p in inside if p.link is not None]
                     reading.pcie_link_now = max(links) if links else None
+                    # and as most of the window saw it, as quantile_over_time(0.5) reads it
+                    reading.pcie_link_typical = statistics.median(links) if links else None
                     # the memory as most of the window saw it, as quantile_over_time(0.5)
                     # reads it: a GPU at its ceiling two readings in three is at its ceiling
                     used = [p.memory for p in inside if p.memory is not None]
