@@ -252,6 +252,16 @@ def live_rank(run: str, r: str, open_from: int | None = None, silent_from: int |
     return out
 
 
+# (run, rank, gpu, uuid, its busy seconds a minute there, the bytes it holds there): 'dp' and
+# 'dp2' data-parallel, each rank 1 with a stray context on rank 0's GPU; 'pipe' one process
+# on two GPUs
+STRAY = [("dp", "0", "0", "GPU-a", 57, 40e9), ("dp", "1", "1", "GPU-b", 57, 40e9),
+         ("dp", "1", "0", "GPU-a", 0, 2**29),
+         ("dp2", "0", "2", "GPU-c", 57, 40e9), ("dp2", "1", "3", "GPU-d", 57, 40e9),
+         ("dp2", "1", "2", "GPU-c", 0, 2**30),
+         ("pipe", "0", "4", "GPU-e", 57, 40e9), ("pipe", "0", "5", "GPU-f", 57, 40e9)]
+
+
 def skewed_node(node: str, offset: float, run: str, minutes: int = 30,
                 **ages: str) -> dict[str, str]:
     """Exporter ``<node>:19400`` on a node whose clock is ``offset`` seconds off Prometheus':
@@ -970,6 +980,39 @@ def alert_cases() -> list[Case]:
               Fire("GpuTrainGPUUnderutilized", rank_gpu("idle", "0", "2", "GPU-c"), "60%",
                    "info")],
              fire_at="30m", quiet_at="12m", quiet_alerts=["GpuTrainLowMFU"]),
+        # a share is a share (issue 46, principles 3 and 7): a rank's capacity counts each GPU
+        # by its share of the GPU's busy time; a context it does no work in is said
+        Case("GpuTrainStrayCudaContext: rank 1 of 'dp' (on GPU 1) holds 512 MiB on GPU 0 and "
+             "rank 1 of 'dp2' (on GPU 3) 1 GiB on GPU 2, where they do no work: both said, and "
+             "neither GPU adds to their capacity ('dp' at 30% MFU is not low, as it read 15% "
+             "against two GPUs; 'dp2' at 10% is); 'pipe' drives GPUs 4 and 5 from one process "
+             "(its capacity both): silent",
+             {**{sel("gputrain_training_gpu_info", run=r, rank=k, gpu=g, uuid=u,
+                     precision="bf16"): flat(1)
+                 for r, k, g, u, _, _ in STRAY},
+              **{sel("gputrain_training_gpu_busy_seconds_total", run=r, rank=k, gpu=g, uuid=u):
+                 ramp(busy) for r, k, g, u, busy, _ in STRAY},
+              **{sel("gputrain_training_gpu_memory_bytes", run=r, rank=k, gpu=g, uuid=u):
+                 flat(held) for r, k, g, u, _, held in STRAY},
+              **{sel(m, gpu=g, uuid=u): v
+                 for g, u in sorted({(g, u) for _, _, g, u, _, _ in STRAY})
+                 for m, v in (("gputrain_gpu_busy_seconds_total", ramp(57)),
+                              ("gputrain_gpu_unattributed_busy_seconds_total", ramp(0)),
+                              ("gputrain_gpu_unattributed_processes", flat(0)))},
+              **{sel("gputrain_gpu_peak_flops", gpu=g, uuid=u, precision="bf16"): flat(1e15)
+                 for g, u in sorted({(g, u) for _, _, g, u, _, _ in STRAY})},
+              # FLOPs a minute over 60 s of wall time: 3e14, 1e14 and 6e14 FLOP/s
+              **{sel("gputrain_training_flops_total", run=r, rank=k): ramp(f)
+                 for r, k, f in (("dp", "0", 18e15), ("dp", "1", 18e15), ("dp2", "0", 6e15),
+                                 ("dp2", "1", 6e15), ("pipe", "0", 36e15))},
+              **{sel("gputrain_training_elapsed_seconds_total", run=r, rank=k): ramp(60)
+                 for r, k in (("dp", "0"), ("dp", "1"), ("dp2", "0"), ("dp2", "1"),
+                              ("pipe", "0"))}},
+             [Fire("GpuTrainStrayCudaContext", rank_gpu("dp", "1", "0", "GPU-a"), "512Mi"),
+              Fire("GpuTrainStrayCudaContext", rank_gpu("dp2", "1", "2", "GPU-c"), "1Gi"),
+              Fire("GpuTrainLowMFU", rank("dp2", "0"), "10%"),
+              Fire("GpuTrainLowMFU", rank("dp2", "1"), "10%")],
+             fire_at="30m", quiet_at="8m"),
         Case("GpuTrainHostOverheadBound: GPU 46% busy with 2% data wait (TensorFlow study, "
              "post-processing), and a callbacks phase at 58.33% of the step; a healthy run with "
              "a 5% logging phase, and one whose evaluation (not part of a step) takes 66.67% of "

@@ -246,3 +246,64 @@ def test_a_run_alone_once_the_others_exit_is_not_shared():
     (gpu,) = doc["gpus"]
     assert {(s["run"], s["rank"]): s["busy"] for s in gpu["shares"]} == {
         ("a", "0"): pytest.approx(0.5), (None, None): 0.0}
+
+
+def two_gpus(t: float, work: dict[str, dict[int, float]],
+             held: dict[str, dict[int, float]]) -> tuple[GpuState, ...]:
+    """H100s 0 and 1 after ``t`` seconds: on each, the pids of ``work`` keep it busy that share
+    of the time, and the pids of ``held`` hold those bytes (a pid may hold memory and do
+    nothing: a stray CUDA context)."""
+    out = []
+    for index in ("0", "1"):
+        busy, memory = work.get(index, {}), held.get(index, {})
+        sample = GpuSample(BASE + t, utilization=min(1.0, sum(busy.values())),
+                           memory_used_bytes=sum(memory.values()), memory_total_bytes=80e9,
+                           power_watts=500.0, power_limit_watts=700.0, pids=tuple(memory),
+                           process_memory=dict(memory),
+                           process_utilization={p: (s, s / 2) for p, s in busy.items()})
+        out.append(GpuState(GpuIdentity(index, f"GPU-{index}", "NVIDIA H100 80GB HBM3"),
+                            up=True, sample=sample, sampled_seconds=t,
+                            busy_seconds=t * sample.utilization,
+                            process_busy_seconds={p: s * t for p, s in busy.items()},
+                            process_memory_busy_seconds={p: s * t / 2 for p, s in busy.items()}))
+    return tuple(out)
+
+
+@pytest.mark.parametrize("stray", [True, False])
+def test_a_stray_context_is_said_and_adds_nothing_to_the_ranks_capacity(stray):
+    """Rank 1 of a data-parallel run trains on GPU 1 and (``stray``) holds 512 MiB on GPU 0,
+    rank 0's, doing nothing there (a torch.load without map_location): the page says so
+    beside its verdict, and its MFU counts GPU 1 alone. Without the stray context nothing is
+    said and the MFU is the same (the near miss: before, the stray GPU halved it)."""
+    now = [BASE]
+    store = IngestStore(clock=lambda: now[0], wall_clock=lambda: now[0])
+    views = Attribution(Owners(parent_of={100: 1, 400: 1}.get))
+    history = History(window=60.0, point_seconds=5.0, instance="n1")
+    view = StatusView(history, T, backend="nvml")
+    work = {"0": {100: 0.95}, "1": {400: 0.95}}
+    held = {"0": {100: 40e9, **({400: 2**29} if stray else {})}, "1": {400: 40e9}}
+    for k in range(40):
+        now[0] = BASE + k
+        for rank, pid, gpu in (("0", 100, "0"), ("1", 400, "1")):
+            store.push(json.dumps({
+                "version": SCHEMA_VERSION, "run": "dp", "rank": rank, "run_id": f"dp{rank}",
+                "steps": 10 * k, "step_seconds": float(k), "data_wait_seconds": 0.0,
+                "samples": 320 * k, "elapsed_seconds": float(k), "last_step_timestamp": now[0],
+                "flops": 3e14 * k, "precision": "bf16", "gpus": [gpu],
+                "process": {"pid": pid}}).encode())
+        history.observe(views.update(
+            Snapshot(k, now[0], "nvml", "", two_gpus(float(k), work, held)), store.states()))
+    (run,) = view.document()["runs"]
+    ranks = {r["rank"]: r for r in run["ranks"]}
+    also = {a["verdict"]: a["reason"] for a in ranks["1"]["also"]}
+    if stray:
+        assert also.get("stray-context") == ("holds 512 MiB on GPU 0 where it does no work: a "
+                                             "stray CUDA context"), ranks["1"]
+    else:
+        assert "stray-context" not in also
+    assert "stray-context" not in {a["verdict"] for a in ranks["0"]["also"]}
+    assert ranks["1"]["verdict"] != "stray-context"  # a note, never the verdict
+    reports = {r.rank: r for r in history.reports()}
+    # 3e14 FLOP/s of one H100's dense bf16 peak, whether or not it also holds GPU 0
+    assert reports["0"].mfu and reports["1"].mfu == pytest.approx(reports["0"].mfu)
+    assert reports["1"].gpu_share == pytest.approx({"1": 1.0, **({"0": 0.0} if stray else {})})

@@ -1996,6 +1996,61 @@ class ExporterDown(Heuristic):
                           f"{q.where} has not been scraped: its GPUs and runs are unmonitored.")]
 
 
+class StrayCudaContext(Heuristic):
+    alert, verdict, kind = "GpuTrainStrayCudaContext", "stray-context", "note"
+    severity, for_ = "info", "10m"
+    summary = ("A training process holds memory on a GPU it does no work on: a stray CUDA "
+               "context.")
+    advice = ("Load checkpoints with `torch.load(path, map_location=...)` (the rank's own "
+              "device, or \"cpu\"), and call `torch.cuda.set_device(local_rank)` before "
+              "anything touches CUDA: each stray context takes several hundred MiB of the other "
+              "GPU's memory, from the rank that trains there.")
+    fires_when = ("the rank's processes hold memory on a GPU where they do under {stray_share} "
+                  "of the work its processes do, while doing {stray_own_share} or more of "
+                  "another GPU's, for {for}")
+    why = ("A `torch.load` without `map_location` restores tensors to the device they were "
+           "saved from (cuda:0 for every rank of a data-parallel job), and any CUDA call before "
+           "`set_device` opens a context on GPU 0: each such rank then holds a context (and "
+           "what its caching allocator keeps) on a GPU another rank trains on, doing no work "
+           "there. The exporter sees it in NVML's process list: memory held, and no share of "
+           "that GPU's busy time (per-process samples), while the rank does its work on its "
+           "own GPU. It is said beside the verdict, and such a GPU adds nothing to the rank's "
+           "capacity (MFU's peak counts each GPU by the rank's share of it): before, it added "
+           "that GPU's whole peak to every rank that held one.")
+    confirm = ("run_rank_gpu:gputrain_training_gpu_share:ratio_rate5m",
+               "run_rank_gpu:gputrain_training_gpu_memory:bytes")
+    panel = ("Prometheus: `run_rank_gpu:gputrain_training_gpu_share:ratio_rate5m` (a rank's "
+             "share of each GPU it holds) beside `gputrain_training_gpu_memory_bytes`.")
+    profile = False
+    stepping = False
+    thresholds = {
+        "stray_share": Threshold(0.01, "ratio", "a context that launches nothing: no share of "
+                                                "the GPU's per-process busy time"),
+        "stray_own_share": Threshold(0.5, "ratio", "the rank does its work on a GPU of its own "
+                                                   "(most of that GPU's work is its)")}
+
+    def rules(self, q: Q) -> list[dict]:
+        t = q.t
+        share = "run_rank_gpu:gputrain_training_gpu_share:ratio_rate5m"
+        return [self.rule(q, "info", f"""run_rank_gpu:gputrain_training_gpu_memory:bytes > 0
+            and on ({q.rank}, gpu, uuid) ({share} < {t['stray_share']})
+            and on ({q.rank}) (max by ({q.rank}) ({share}) >= {t['stray_own_share']})""",
+            f"""{q.who} holds {{{{ $value | humanize1024 }}}}B on GPU {{{{ $labels.gpu }}}},
+            where its processes do under {t['stray_share']} of the work: a stray CUDA
+            context.""")]
+
+    def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
+        if not r.gpu_share or max(r.gpu_share.values()) < t["stray_own_share"]:
+            return None
+        stray = sorted((g for g, s in r.gpu_share.items()
+                        if s < t["stray_share"] and (r.gpu_memory_held.get(g) or 0) > 0),
+                       key=lambda g: (len(g), g))
+        if not stray:
+            return None
+        held = ", ".join(f"{r.gpu_memory_held[g] / 2**20:.0f} MiB on GPU {g}" for g in stray)
+        return f"holds {held} where it does no work: a stray CUDA context"
+
+
 class ClockOffset(Heuristic):
     alert, verdict, kind, scope = "GpuTrainClockOffset", "clock-offset", "note", "node"
     severity, for_ = "info", "10m"
@@ -2049,7 +2104,7 @@ CATALOGUE: tuple[Heuristic, ...] = (
     DataLoaderRestarts(), CommunicationBound(),
     HostToDeviceBound(), HostOverheadBound(), LaunchBound(), TensorCoresIdle(), LowMFU(),
     GPUMemoryUnderused(), StepTimeStalls(), StragglerRank(), HostMemoryLeak(),
-    GPUMemoryNearLimit(), Throttling(), ClockOffset(),
+    GPUMemoryNearLimit(), Throttling(), StrayCudaContext(), ClockOffset(),
     GPUUnderutilized(),
 )
 

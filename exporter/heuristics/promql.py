@@ -353,12 +353,19 @@ def _windowed(s: str, ids: Identity, r: str, quantile: str = WINDOWS["quantile"]
             sum by ({rank}) (rate(gputrain_training_process_cpu_seconds_total{{{s}}}[{r}]))"""),
         _rec("run_rank:gputrain_training_process_resident_memory_bytes:sum", f"""
             sum by ({rank}) (gputrain_training_process_resident_memory_bytes{{{s}}})"""),
-        # the summed peak of a rank's GPUs at the precision it trains in (MFU's denominator)
+        # the summed peak of a rank's GPUs at the precision it trains in (MFU's denominator),
+        # each GPU by the rank's share of its busy time where that is measured (a stray
+        # context on another rank's GPU adds nothing, two runs on one GPU each its part),
+        # whole where it is not
         _rec("run_rank:gputrain_gpu_peak_flops:sum", f"""
             sum by ({rank}) (
               max by ({rank}, gpu, uuid, precision) (gputrain_training_gpu_info{{{s}}})
               * on ({gpu}, precision) group_left
-              max by ({gpu}, precision) (gputrain_gpu_peak_flops{{{s}}}))"""),
+              max by ({gpu}, precision) (gputrain_gpu_peak_flops{{{s}}})
+              * on ({rank}, gpu, uuid) group_left ()
+              (run_rank_gpu:gputrain_training_gpu_share:ratio_rate5m
+               or on ({rank}, gpu, uuid)
+               max by ({rank}, gpu, uuid) (gputrain_training_gpu_info{{{s}}}) * 0 + 1))"""),
         # the wall time's parts: productive (step time less data wait and the phases inside
         # steps), data wait, each phase, and outside steps (the rest); goodput and badput are
         # shares of the parts' sum, each within [0, 1] and adding up to 1

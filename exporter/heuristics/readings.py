@@ -237,6 +237,24 @@ READINGS = (
               * on ({gpu}) group_left ()
               (sum by ({gpu}) (rate(gputrain_gpu_busy_seconds_total{{{s}}}[{w}]))
                / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{w}]))))"""),
+    # a rank's share of each of its GPUs: of the time that GPU's processes kept it busy, the
+    # part the rank's own processes did (only where the driver gives per-process samples and
+    # the GPU's processes did work in the window). A GPU it holds but does no work on (a stray
+    # CUDA context: torch.load without map_location) reads 0; MFU's peak counts each GPU by it
+    Reading("gpu_share", "rank", "run_rank_gpu:gputrain_training_gpu_share:ratio_rate5m", "rate",
+            """
+            (sum by ({rank}, gpu, uuid) (
+               rate(gputrain_training_gpu_busy_seconds_total{{{s}}}[{w}])
+               and gputrain_training_gpu_busy_seconds_total{{{s}}})
+             / on ({gpu}) group_left
+             sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{w}])))
+            / on ({gpu}) group_left ()
+            ((sum by ({gpu}) (run_gpu:gputrain_training_gpu_busy:ratio_rate5m)
+              + on ({gpu}) gpu:gputrain_gpu_unattributed_busy:ratio_rate5m) > 0)""",
+            by="gpu"),
+    # the GPU memory the rank's processes hold on each GPU (NVML's process list)
+    Reading("gpu_memory_held", "rank", "run_rank_gpu:gputrain_training_gpu_memory:bytes", None,
+            "max by ({rank}, gpu, uuid) (gputrain_training_gpu_memory_bytes{{{s}}})", by="gpu"),
     # MFU, goodput and badput by cause divide by the rank's wall seconds
     # (``gputrain_training_elapsed_seconds_total``, ``{wall}``), so they are exact from a
     # run's first minute and a restart's gap counts as time outside steps
@@ -441,6 +459,10 @@ class RankReport:
     phases: dict[str, float] = field(default_factory=dict)
     # of the wall time over the periodic window, the share in each phase outside the steps
     periodic: dict[str, float] = field(default_factory=dict)
+    # by GPU index: the rank's share of the GPU's busy time (of what its processes did), and
+    # the bytes its processes hold there
+    gpu_share: dict[str, float] = field(default_factory=dict)
+    gpu_memory_held: dict[str, float] = field(default_factory=dict)
     gpus: list[GpuReading] = field(default_factory=list)
     host: dict[str, float] = field(default_factory=dict)
     collectors_failing: list[str] = field(default_factory=list)  # on the rank's node

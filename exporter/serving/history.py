@@ -629,12 +629,21 @@ class History:
                 if (young := short_busy.get(uuid or index_)) is not None:
                     # its GPUs' busy time over the same span as its steps (the rules' selection)
                     reading = replace(reading, busy=young[1].busy)
-                if reading.unattributed is not None:  # the share no rank of this run owns
-                    reading = replace(reading, foreign=reading.unattributed + sum(
+                share = None
+                if (unowned := reading.unattributed) is not None:  # no rank of this run's
+                    reading = replace(reading, foreign=unowned + sum(
                         v for (run, _), v in reading.shares.items() if run != st.run))
+                    # of what the GPU's processes did, the part the rank's own did
+                    if (done := unowned + sum(reading.shares.values())) > 0:
+                        share = reading.shares.get((st.run, st.rank), 0.0) / done
+                        rep.gpu_share[index_] = share
+                if (held := view.held.get((st.run, st.rank), {}).get((index_, uuid))) is not None:
+                    rep.gpu_memory_held[index_] = held
                 rep.gpus.append(reading)
                 if not state.identity.parent:  # a MIG slice has no peak of its own
-                    peak += self.peaks.peaks(state.identity.name).get(st.precision, 0.0)
+                    # by the rank's share where measured (a stray context adds nothing)
+                    peak += self.peaks.peaks(state.identity.name).get(st.precision, 0.0) * (
+                        1.0 if share is None else share)
             if rep.mfu is not None:
                 rep.mfu = rep.mfu / peak if peak > 0 else None
             rep.gpus.sort(key=lambda x: (len(x.gpu), x.gpu))
