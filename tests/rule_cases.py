@@ -2,7 +2,8 @@
 
 ``.venv/bin/python scripts/generate.py`` (or ``.venv/bin/python tests/rule_cases.py``) writes
 ``alerts/tests/alerts.test.yml`` (a case per alert: a time where it must not fire yet, a time
-where it must, and a healthy series beside it that must stay silent) and
+where it must, and a healthy series beside it that must stay silent; evaluated every minute,
+those whose times or samples fall between minutes in ``alerts-fine.test.yml`` every 30 s) and
 ``alerts/tests/case-studies.test.yml`` (two articles' case studies with their numbers, each
 expecting the alerts their diagnosis implies and no others). ``test_rules`` keeps the
 files equal to this output and runs ``promtool test rules`` on them.
@@ -1641,12 +1642,26 @@ def promtool_group(case: Case, rules: list[dict], names: list[str]) -> dict:
             "alert_rule_test": checks}
 
 
+def evaluated_each(cases: list[Case]) -> str:
+    """The evaluation interval promtool needs for ``cases``: a minute where every case's
+    times and sample interval are whole minutes (half the evaluations of 30 s, and the same
+    verdicts: the shipped rules' `for`s and windows are minutes), else 30 s."""
+    whole = all(parse_duration(x) % 60 == 0 for c in cases
+                for x in (c.fire_at, c.quiet_at, c.interval) if x)
+    return "1m" if whole else "30s"
+
+
+def coarse(case: Case) -> bool:
+    """Whether promtool may evaluate ``case`` every minute (:func:`evaluated_each`)."""
+    return evaluated_each([case]) == "1m"
+
+
 def promtool_file(cases: list[Case], comment: str) -> str:
     rules = _rules()
     names = sorted(alert_names())
     # groups due at one time run in this order (promtool's own is a map's: random), so that an
     # alert reads the recordings of its time, as Prometheus' groups mostly do
-    doc = {"rule_files": ["../gputrain.rules.yml"], "evaluation_interval": "30s",
+    doc = {"rule_files": ["../gputrain.rules.yml"], "evaluation_interval": evaluated_each(cases),
            "group_eval_order": [g["name"] for g in yaml.safe_load(render())["groups"]],
            "tests": [promtool_group(c, rules, names) for c in cases]}
     return HEADER + comment + yaml.safe_dump(doc, sort_keys=False, width=100,
@@ -1690,8 +1705,12 @@ def files() -> dict[Path, str]:
         tests / "recording.test.yml": HEADER + "# Recording rules at their edges.\n"
         + yaml.safe_dump(recording, sort_keys=False, width=100, allow_unicode=True),
         tests / "alerts.test.yml": promtool_file(
-            alert_cases(), "# A case per alert: not yet, firing, and a healthy series that stays "
-                           "silent.\n"),
+            [c for c in alert_cases() if coarse(c)],
+            "# A case per alert: not yet, firing, and a healthy series that stays silent.\n"),
+        tests / "alerts-fine.test.yml": promtool_file(
+            [c for c in alert_cases() if not coarse(c)],
+            "# The cases whose times or samples fall between whole minutes: evaluated every "
+            "30 s.\n"),
         tests / "case-studies.test.yml": promtool_file(
             seed_cases(), "# Two articles' case studies (the PyTorch walk-through's ladder, the "
                           "TensorFlow analysis's six\n# bottlenecks), each firing the alerts their "

@@ -81,7 +81,7 @@ def test_promtool_unit_tests_pass_for_both_rule_layouts(tmp_path):
     layouts to the same rules), the two promtool runs side by side."""
     promtool = require_binary("promtool")
     tests = sorted((ROOT / "alerts" / "tests").glob("*.test.yml"))
-    assert len(tests) == len(rule_cases.files()) == 3
+    assert len(tests) == len(rule_cases.files()) == 4
     split = tmp_path / "tests"
     split.mkdir()
     layout = [f"{ROOT}/alerts/gputrain.{level}.rules.yml" for level in ("node", "global")]
