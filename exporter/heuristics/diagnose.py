@@ -497,6 +497,20 @@ def diagnose(url: str, run: str | None = None, window: str = "5m",
     return judge(visibility(reports, shard), cfg["thresholds"]), nodes
 
 
+def json_document(reports: list[RankReport], nodes: Sequence[NodeReport],
+                  stacks: dict[tuple[str, str], dict[str, Any]] | None = None) -> dict:
+    """What ``diagnose --json`` prints: every rank's report (its verdict, findings and
+    readings) and every node's faults."""
+    stacks = stacks or {}
+    return {"ranks": [{**asdict(r), "bottleneck": r.bottleneck, "findings": r.findings(),
+                       "stacks": stacks.get((r.run, r.rank))} for r in reports],
+            "nodes": [{"job": n.job, "instance": n.instance, "labels": n.labels, "up": n.up,
+                       "collectors_failing": n.collectors_failing,
+                       "findings": [{"gpu": gpu, "severity": severity, **asdict(f)}
+                                    for gpu, severity, f in n.findings]}
+                      for n in nodes]}
+
+
 def exit_status(reports: list[RankReport], nodes: Sequence[NodeReport] = ()) -> int:
     """1 when any rank or node has something to act on (a run that stopped without
     finishing too: its job died), else 3 when a rank's GPUs are unknown, else 0."""
@@ -558,14 +572,7 @@ def main(ns: argparse.Namespace) -> int:
         except PrometheusError as exc:  # the verdicts stand without the captures
             print(printable(f"gputrain-exporter diagnose: {exc}"), file=sys.stderr)
     if ns.json:
-        doc = {"ranks": [{**asdict(r), "bottleneck": r.bottleneck, "findings": r.findings(),
-                          "stacks": stacks.get((r.run, r.rank))} for r in reports],
-               "nodes": [{"job": n.job, "instance": n.instance, "labels": n.labels, "up": n.up,
-                          "collectors_failing": n.collectors_failing,
-                          "findings": [{"gpu": gpu, "severity": severity, **asdict(f)}
-                                       for gpu, severity, f in n.findings]}
-                         for n in nodes]}
-        json.dump(doc, sys.stdout, indent=2)
+        json.dump(json_document(reports, nodes, stacks), sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         # label values come from Prometheus: escaped before the terminal sees them
