@@ -256,7 +256,7 @@ def live_rank(run: str, r: str, open_from: int | None = None, silent_from: int |
 # (run, rank, gpu, uuid, its busy seconds a minute there, the bytes it holds there): 'dp' and
 # 'dp2' data-parallel, each rank 1 with a stray context on rank 0's GPU; 'pipe' one process
 # on two GPUs
-STRAY = [("dp", "0", "0", "GPU-a", 57, 40e9), ("dp", "1", "1", "GPU-b", 57, 40e9),
+STRAY = [("dp", "0", "0", "GPU-a", 36, 40e9), ("dp", "1", "1", "GPU-b", 57, 40e9),
          ("dp", "1", "0", "GPU-a", 0, 2**29),
          ("dp2", "0", "2", "GPU-c", 57, 40e9), ("dp2", "1", "3", "GPU-d", 57, 40e9),
          ("dp2", "1", "2", "GPU-c", 0, 2**30),
@@ -986,8 +986,8 @@ def alert_cases() -> list[Case]:
         Case("GpuTrainStrayCudaContext: rank 1 of 'dp' (on GPU 1) holds 512 MiB on GPU 0 and "
              "rank 1 of 'dp2' (on GPU 3) 1 GiB on GPU 2, where they do no work: both said, and "
              "neither GPU adds to their capacity ('dp' at 30% MFU is not low, as it read 15% "
-             "against two GPUs; 'dp2' at 10% is); 'pipe' drives GPUs 4 and 5 from one process "
-             "(its capacity both): silent",
+             "against two GPUs; 'dp2' at 10% is); GPU 0 at 60% is rank 0's to use, not rank "
+             "1's; 'pipe' drives GPUs 4 and 5 from one process (its capacity both): silent",
              {**{sel("gputrain_training_gpu_info", run=r, rank=k, gpu=g, uuid=u,
                      precision="bf16"): flat(1)
                  for r, k, g, u, _, _ in STRAY},
@@ -997,7 +997,8 @@ def alert_cases() -> list[Case]:
                  flat(held) for r, k, g, u, _, held in STRAY},
               **{sel(m, gpu=g, uuid=u): v
                  for g, u in sorted({(g, u) for _, _, g, u, _, _ in STRAY})
-                 for m, v in (("gputrain_gpu_busy_seconds_total", ramp(57)),
+                 for m, v in (("gputrain_gpu_busy_seconds_total",
+                               ramp(36 if u == "GPU-a" else 57)),
                               ("gputrain_gpu_unattributed_busy_seconds_total", ramp(0)),
                               ("gputrain_gpu_unattributed_processes", flat(0)))},
               **{sel("gputrain_gpu_peak_flops", gpu=g, uuid=u, precision="bf16"): flat(1e15)
@@ -1010,6 +1011,9 @@ def alert_cases() -> list[Case]:
                  for r, k in (("dp", "0"), ("dp", "1"), ("dp2", "0"), ("dp2", "1"),
                               ("pipe", "0"))}},
              [Fire("GpuTrainStrayCudaContext", rank_gpu("dp", "1", "0", "GPU-a"), "512Mi"),
+              # GPU 0 at 60%: under-used by rank 0, whose GPU it is, not by rank 1's context
+              Fire("GpuTrainGPUUnderutilized", rank_gpu("dp", "0", "0", "GPU-a"), "60%",
+                   "info"),
               Fire("GpuTrainStrayCudaContext", rank_gpu("dp2", "1", "2", "GPU-c"), "1Gi"),
               Fire("GpuTrainLowMFU", rank("dp2", "0"), "10%"),
               Fire("GpuTrainLowMFU", rank("dp2", "1"), "10%")],

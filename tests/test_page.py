@@ -245,8 +245,10 @@ def test_training_lines_are_what_prometheus_client_writes_in_both_formats():
 
 
 def _rig(clock: FakeClock) -> tuple[Sampler, IngestStore, Exposition]:
+    # one clock for all: the page's per-request lines (its age, the collectors' ages, the
+    # daemon's time) are the same at two requests of one moment
     sampler = Sampler(DemoBackend(2, 0.5, clock=clock, host="page-test"), None,
-                      collectors={"gpu"}, clock=clock)
+                      collectors={"gpu"}, clock=clock, wall_clock=lambda: 1.7e9 + clock())
     sampler.run_once()
     store = IngestStore(clock=clock)
     return sampler, store, Exposition(sampler, store, clock=clock)

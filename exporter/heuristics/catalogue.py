@@ -153,6 +153,9 @@ class Heuristic:
             return None
         if self.scope in ("gpu", "rank_gpu"):
             for g in r.gpus:
+                if self.scope == "rank_gpu" and \
+                        r.gpu_share.get(g.gpu, 1.0) < t["stray_share"]:
+                    continue  # a stray context's GPU: not the rank's to judge (as its rules)
                 why = self.holds_gpu(g, t)
                 if why:
                     return f"GPU {g.gpu}: {why}"
@@ -168,6 +171,10 @@ class Heuristic:
         """An alerting rule of this entry; ``situation`` starts its description, the advice
         ends it; ``labels`` beside the severity tell apart rules of one severity."""
         expr = q.stepping(expr) if self.guarded else expr
+        if self.scope == "rank_gpu":
+            # a GPU the rank holds but does no work on (a stray context) is not its to judge
+            expr = (f"({expr}) unless on ({q.rank}, gpu, uuid) "
+                    f"({GPU_SHARE} < {q.t['stray_share']})")
         # a global rule reads only recorded series, across nodes: staleness is the nodes'
         expr = expr if self.kind == "fault" or self.level == "global" else q.fresh(expr)
         if self.compares_ranks:
@@ -1996,6 +2003,9 @@ class ExporterDown(Heuristic):
                           f"{q.where} has not been scraped: its GPUs and runs are unmonitored.")]
 
 
+GPU_SHARE = "run_rank_gpu:gputrain_training_gpu_share:ratio_rate5m"
+
+
 class StrayCudaContext(Heuristic):
     alert, verdict, kind = "GpuTrainStrayCudaContext", "stray-context", "note"
     severity, for_ = "info", "10m"
@@ -2031,7 +2041,7 @@ class StrayCudaContext(Heuristic):
 
     def rules(self, q: Q) -> list[dict]:
         t = q.t
-        share = "run_rank_gpu:gputrain_training_gpu_share:ratio_rate5m"
+        share = GPU_SHARE
         return [self.rule(q, "info", f"""run_rank_gpu:gputrain_training_gpu_memory:bytes > 0
             and on ({q.rank}, gpu, uuid) ({share} < {t['stray_share']})
             and on ({q.rank}) (max by ({q.rank}) ({share}) >= {t['stray_own_share']})""",
