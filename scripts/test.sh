@@ -48,12 +48,11 @@ bash scripts/nvml_matrix.sh -q >"$matrix_log" 2>&1 &
 matrix=$!
 
 # most of the suite's time is waiting (Prometheus, promtool, torch ranks, Chromium, daemons):
-# parallel workers (pytest-xdist): the tests that share a module's servers on one worker, so
-# they start once (tests/conftest.py groups them), any other test on any worker;
-# GPUTRAIN_TEST_WORKERS=0 runs it in one process
+# parallel workers (pytest-xdist), a test file each at a time, so a module's servers start
+# once; GPUTRAIN_TEST_WORKERS=0 runs it in one process
 workers=${GPUTRAIN_TEST_WORKERS:-4}
 xdist=()
-[ "$workers" = 0 ] || xdist=(-n "$workers" --dist loadgroup)
+[ "$workers" = 0 ] || xdist=(-n "$workers" --dist loadfile)
 set +e
 $py -m pytest "${xdist[@]}" --durations=25 "$@"
 rc=$?

@@ -489,15 +489,6 @@ def pytest_collection_modifyitems(config, items) -> None:
                 funcs.append(fixturedef.func)
         if any(_starts_something(f, inspect.getmodule(f) or module) for f in funcs):
             item.add_marker(pytest.mark.integration)
-    # A test that shares a module's servers (a module-scoped fixture) runs on that module's
-    # worker (scripts/test.sh: --dist loadgroup), so they start once; any other test may run
-    # on any worker, so one long file (promtool's cases, the wrong thresholds) is no one
-    # worker's tail
-    for item in items:
-        if isinstance(item, pytest.Function) and any(
-                d.scope in ("module", "package", "session")
-                for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs):
-            item.add_marker(pytest.mark.xdist_group(Path(str(item.fspath)).name))
     # the files that wait longest first, so parallel workers (scripts/test.sh) do not end on
     # one of them alone; the rest in their order
     first = {name: i for i, name in enumerate(SLOW_FIRST)}
