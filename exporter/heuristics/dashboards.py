@@ -16,8 +16,25 @@ from typing import Any
 
 from exporter.config import parse_duration
 from exporter.heuristics.catalogue import CATALOGUE, derived, show
-from exporter.heuristics.promql import Identity, identity, new_errors
+from exporter.heuristics.promql import (
+    COMM_BYTES,
+    CPU_CORES,
+    ENERGY_PER_SAMPLE,
+    RANK_BUSY_AVG,
+    RUN_GPU_BUSY,
+    UNATTRIBUTED_BUSY,
+    WASTED_SECONDS,
+    Identity,
+    identity,
+    new_errors,
+)
+from exporter.heuristics.readings import READINGS
 from exporter.heuristics.rules import settings
+
+# the recorded series of each reading, by its field (a GPU's own by gpu:<field>): named in
+# readings.READINGS once
+R = {x.field: x.record for x in READINGS} | {
+    f"gpu:{x.field}": x.gpu_record for x in READINGS if x.scope == "rank_gpu"}
 
 DS = {"type": "prometheus", "uid": "${datasource}"}
 TAGS = ["gputrain"]
@@ -223,12 +240,12 @@ def overview(t: dict[str, float], js: str, ids: Identity, extra: list[dict],
     node_link = ("/d/gputrain-node/gputrain-node?${__url_time_range}&var-datasource="
                  "${datasource}&var-instance=${__data.fields.instance}")
     panels = [
-        lay.place(stat("Fleet GPU busy", f"avg(gpu:gputrain_gpu_busy_ratio:rate5m{{{js}}})",
+        lay.place(stat("Fleet GPU busy", f"avg({R['gpu:busy']}{{{js}}})",
                        "percentunit", busy,
                        f"Mean busy ratio of every GPU over 5m. Under {target_} is wasted money "
                        "(a TensorFlow performance study)."), 6, 4),
         lay.place(stat("Busy of GPUs that runs use",
-                       f"avg(run_rank_gpu:gputrain_gpu_busy_ratio:rate5m{{{js}}})", "percentunit",
+                       f"avg({R['busy']}{{{js}}})", "percentunit",
                        busy), 6, 4),
         lay.place(stat("GPUs no run uses",
                        f"count(gputrain_gpu_up{{{js}}} == 1 unless on ({ids.gpu}) "
@@ -237,13 +254,13 @@ def overview(t: dict[str, float], js: str, ids: Identity, extra: list[dict],
         lay.place(stat("Firing GpuTrain alerts", f"count({ALERTS}) or vector(0)", "none",
                        [(None, "green"), (1, "red")]), 6, 4),
         lay.place(table("Runs", [
-            target(f"run_rank:gputrain_training_samples_per_second:rate5m{{{js}}}", "samples/s",
+            target(f"{R['samples_per_second']}{{{js}}}", "samples/s",
                    "A"),
-            target(f"run_rank:gputrain_training_step_seconds:mean5m{{{js}}}", "step time", "B"),
-            target(f"run_rank:gputrain_training_data_wait_ratio:rate5m{{{js}}}", "data wait", "C"),
-            target(f"run_rank:gputrain_gpu_busy_ratio:avg5m{{{js}}}", "GPU busy", "D"),
-            target(f"run_rank:gputrain_training_mfu:ratio_rate5m{{{js}}}", "MFU", "E"),
-            target(f"run_rank:gputrain_training_goodput:ratio_rate5m{{{js}}}", "goodput", "F")],
+            target(f"{R['step_seconds']}{{{js}}}", "step time", "B"),
+            target(f"{R['data_wait_ratio']}{{{js}}}", "data wait", "C"),
+            target(f"{RANK_BUSY_AVG}{{{js}}}", "GPU busy", "D"),
+            target(f"{R['mfu']}{{{js}}}", "MFU", "E"),
+            target(f"{R['goodput']}{{{js}}}", "goodput", "F")],
             {"samples/s": "none", "step time": "s", "data wait": "percentunit",
              "GPU busy": "percentunit", "MFU": "percentunit", "goodput": "percentunit"},
             "Every (run, rank) on every node over 5m. Click a run for its dashboard, a node "
@@ -255,7 +272,7 @@ def overview(t: dict[str, float], js: str, ids: Identity, extra: list[dict],
         lay.place(bargauge(
             "Wasted GPU-hours by run",
             f"sort_desc(sum by ({ids.run}) (sum_over_time("
-            f"run:gputrain_gpu_wasted_seconds:rate5m{{{per_run}}}[$__range])) * {every:g} / 3600)",
+            f"{WASTED_SECONDS}{{{per_run}}}[$__range])) * {every:g} / 3600)",
             "{{run}}", "none",
             "GPU-hours each run's GPUs sat idle while it held them, over the dashboard's time "
             "range (1 - busy, summed over its GPUs). Click a run for its dashboard.",
@@ -266,14 +283,14 @@ def overview(t: dict[str, float], js: str, ids: Identity, extra: list[dict],
                         links={"run": run_link, "instance": node_link},
                         hide=("Time", "Value #A", "alertstate", "job")), 12, 8),
         lay.place(table("GPUs no run uses", [target(
-            f"gpu:gputrain_gpu_busy_ratio:rate5m{{{js}}} unless on ({ids.gpu}) "
+            f"{R['gpu:busy']}{{{js}}} unless on ({ids.gpu}) "
             f"gputrain_training_gpu_info{{{js}}}", "busy", "A")], {"busy": "percentunit"},
             "GPUs with no training client reporting them: idle capacity, or a job that does "
             "not use the client.", links={"instance": node_link}, hide=("Time", "job"),
             busy_steps=busy_pair(t)),
             12, 8),
         lay.place(table("Idle GPUs and who holds them", [target(
-            _owners(f"gpu:gputrain_gpu_busy_ratio:rate5m{{{js}}} < {t['gpu_busy_low']}",
+            _owners(f"{R['gpu:busy']}{{{js}}} < {t['gpu_busy_low']}",
                     js, ids.gpu), "busy", "A")], {"busy": "percentunit"},
             f"Every GPU busy under {low}, with what holds it: a run and rank (the client), a "
             "Kubernetes pod (--collector.kubernetes) or a Slurm job (--collector.slurm, "
@@ -281,20 +298,20 @@ def overview(t: dict[str, float], js: str, ids: Identity, extra: list[dict],
             links={"run": run_link, "instance": node_link}, hide=("Time", "job"),
             busy_steps=busy_pair(t)), 24, 8),
         lay.place(timeseries("GPU busy by run", [target(
-            f"run_rank:gputrain_gpu_busy_ratio:avg5m{{{js}}}", "{{run}} rank {{rank}}")],
+            f"{RANK_BUSY_AVG}{{{js}}}", "{{run}} rank {{rank}}")],
             "percentunit", f"{target_} is the goal; under {low} the GPU is badly used.",
             lines=busy_lines(t), max_=1), 12, 8),
         lay.place(timeseries("Data wait by run", [target(
-            f"run_rank:gputrain_training_data_wait_ratio:rate5m{{{js}}}", "{{run}} rank {{rank}}")],
+            f"{R['data_wait_ratio']}{{{js}}}", "{{run}} rank {{rank}}")],
             "percentunit", "Share of each step blocked on the data loader: "
             f"{pct(t, 'input_bound')} is moderately, "
             f"{pct(t, 'input_bound_high')} highly input-bound (TF "
             "Profiler).", lines=[(t["input_bound"], "orange"), (t["input_bound_high"], "red")],
             max_=1), 12, 8),
         lay.place(timeseries("GPU shares by run", [
-            target(f"run_gpu:gputrain_training_gpu_busy:ratio_rate5m{{{js}}}",
+            target(f"{RUN_GPU_BUSY}{{{js}}}",
                    "{{instance}} GPU {{gpu}}: {{run}}", "A"),
-            target(f"gpu:gputrain_gpu_unattributed_busy:ratio_rate5m{{{js}}}",
+            target(f"{UNATTRIBUTED_BUSY}{{{js}}}",
                    "{{instance}} GPU {{gpu}}: no run (unattributed)", "B")],
             "percentunit", "Of each GPU's time, the share each run's processes kept it busy and "
             "the share processes no run owns did (NVML's per-process utilisation; absent where "
@@ -331,7 +348,7 @@ def run(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict:
     panels = [
         lay.row("Training loop"),
         lay.place(timeseries("Samples per second", [target(
-            f"run_rank:gputrain_training_samples_per_second:rate5m{{{sel}}}", "rank {{rank}}")],
+            f"{R['samples_per_second']}{{{sel}}}", "rank {{rank}}")],
             "none", "Throughput per second of step time (compare runs in samples, "
             "not steps)."), 8, 8),
         lay.place(timeseries("Step time", [
@@ -341,12 +358,12 @@ def run(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict:
             "s", "Wall time of a step, data wait included. A max far above p50 is a periodic "
             "stall (checkpoints)."), 8, 8),
         lay.place(timeseries("Data wait", [target(
-            f"run_rank:gputrain_training_data_wait_ratio:rate5m{{{sel}}}", "rank {{rank}}")],
+            f"{R['data_wait_ratio']}{{{sel}}}", "rank {{rank}}")],
             "percentunit", f"{pct(t, 'input_bound')} moderately, {pct(t, 'input_bound_high')} "
             "highly input-bound.",
             lines=[(t["input_bound"], "orange"), (t["input_bound_high"], "red")], max_=1), 8, 8),
         lay.place(timeseries("Phases", [target(
-            f"run_rank_phase:gputrain_training_phase_ratio:rate5m{{{sel}}}",
+            f"{R['phases']}{{{sel}}}",
             "{{phase}} rank {{rank}}")], "percentunit",
             f"Share of the step in each named phase; a phase of the step over "
             f"{dominating:.0%} ({pct(t, 'phase_dominates')} the rest) is host overhead; checkpoint "
@@ -354,9 +371,9 @@ def run(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict:
             lines=[(dominating, "red")], max_=1), 12, 8),
         lay.row("Gradient communication"),
         lay.place(timeseries("Gradient communication", [
-            target(f"run_rank:gputrain_training_comm_exposed_ratio:rate5m{{{sel}}}",
+            target(f"{R['comm_exposed_ratio']}{{{sel}}}",
                    "exposed rank {{rank}}", "A"),
-            target(f"run_rank:gputrain_training_comm_ratio:rate5m{{{sel}}}",
+            target(f"{R['comm_ratio']}{{{sel}}}",
                    "ran rank {{rank}}", "B")], "percentunit",
             "Of each step, the gradient all-reduce that ran (DDP's reducer timers, where the "
             "client watches a DDP model) and the part the step waited for (exposed). Over "
@@ -364,7 +381,7 @@ def run(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict:
             "rank that waits least is the one the others wait for.",
             lines=[(t["comm_bound"], "red")], max_=1), 12, 8),
         lay.place(timeseries("Bytes all-reduced", [target(
-            f"run_rank:gputrain_training_comm_bytes:rate5m{{{sel}}}", "rank {{rank}}")],
+            f"{COMM_BYTES}{{{sel}}}", "rank {{rank}}")],
             "Bps", "Gradient bytes all-reduced per second (the size of DDP's buckets times "
             "the synchronised steps)."), 12, 8),
         lay.place(timeseries("NCCL bus bandwidth", [target(
@@ -375,16 +392,16 @@ def run(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict:
             "400 Gb/s InfiniBand) is NCCL on TCP sockets; NCCL_DEBUG=INFO names the "
             "transport."), 24, 8),
         lay.place(timeseries("Goodput and badput", [
-            target(f"avg(run_rank:gputrain_training_goodput:ratio_rate5m{{{sel}}})",
+            target(f"avg({R['goodput']}{{{sel}}})",
                    "productive steps", "A"),
-            target(f"avg by (cause) (run_rank_cause:gputrain_training_badput:ratio_rate5m"
+            target(f"avg by (cause) ({R['badput']}"
                    f"{{{sel}}})", "{{cause}}", "B")], "percentunit",
             "Where the wall time of the selected ranks went (their mean): productive step time "
             "(less data wait and the step's named phases), data wait, each phase, and time "
             "outside steps (start-up, restarts: the gap until a restarted process reports "
             "counts). The bars add up to 100 %.", bars=True, max_=1), 12, 8),
         lay.place(timeseries("Training processes", [
-            target(f"run_rank:gputrain_training_process_cpu_cores:rate5m{{{sel}}}",
+            target(f"{CPU_CORES}{{{sel}}}",
                    "CPU cores rank {{rank}}", "A")], "none",
             "CPU cores the training process and its DataLoader workers use."), 6, 8),
         lay.place(timeseries("Training process memory", [
@@ -398,19 +415,19 @@ def run(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict:
             "(the node dashboard's memory panel)."), 6, 8),
         lay.row("GPUs of the run"),
         lay.place(timeseries("GPU busy", [target(
-            f"run_rank_gpu:gputrain_gpu_busy_ratio:rate5m{{{sel}}}",
+            f"{R['busy']}{{{sel}}}",
             "GPU {{gpu}} rank {{rank}}")], "percentunit", "Any kernel running.",
             lines=busy_lines(t), max_=1), 8, 8),
         lay.place(timeseries("SM and tensor activity", [
-            target(f"run_rank_gpu:gputrain_gpu_sm_active_ratio:avg5m{{{sel}}}",
+            target(f"{R['sm_active']}{{{sel}}}",
                    "SM GPU {{gpu}}", "A"),
-            target(f"run_rank_gpu:gputrain_gpu_tensor_active_ratio:avg5m{{{sel}}}",
+            target(f"{R['tensor_active']}{{{sel}}}",
                    "tensor GPU {{gpu}}", "B")], "percentunit",
             f"GPM (Hopper and newer). SM active < {pct(t, 'launch_sm_active_below')} while busy is "
             f"launch-bound; tensor < {pct(t, 'tensor_active_below')} with SMs busy means no AMP.",
             lines=[(t["launch_sm_active_below"], "orange")], max_=1), 8, 8),
         lay.place(timeseries("Model FLOPs utilisation", [target(
-            f"run_rank:gputrain_training_mfu:ratio_rate5m{{{sel}}}", "rank {{rank}}")],
+            f"{R['mfu']}{{{sel}}}", "rank {{rank}}")],
             "percentunit",
             "The model's FLOPs per second of wall time over the dense peak of the rank's GPUs "
             "at the precision it trains in (gputrain_gpu_peak_flops). Needs flops_per_sample "
@@ -418,17 +435,17 @@ def run(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict:
             "torchtitan reaches 33-39 % on Llama 3.1 8B.",
             lines=[(t["mfu_low"], "orange")], max_=1), 8, 8),
         lay.place(timeseries("GPU memory used", [target(
-            f"run_rank_gpu:gputrain_gpu_memory_used:ratio{{{sel}}}", "GPU {{gpu}}")],
+            f"{R['memory_used']}{{{sel}}}", "GPU {{gpu}}")],
             "percentunit", f"Under {pct(t, 'memory_underused')} the batch is likely too small; "
             f"over {pct(t, 'memory_near_limit')} is near OOM.",
             lines=[(t["memory_underused"], "orange"), (t["memory_near_limit"], "red")],
             max_=1), 8, 8),
         lay.place(timeseries("Power against the limit", [target(
-            f"run_rank_gpu:gputrain_gpu_power_limit_used:ratio_avg5m{{{sel}}}",
+            f"{R['power_used']}{{{sel}}}",
             "GPU {{gpu}}")], "percentunit", "Low power while busy: the SMs idle.",
             lines=[(t["launch_power_below"], "orange")], max_=1), 8, 8),
         lay.place(timeseries("PCIe host-to-device against the link", [target(
-            f"run_rank_gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m{{{sel}}}",
+            f"{R['pcie_rx_used']}{{{sel}}}",
             "GPU {{gpu}}")], "percentunit", f"Over {pct(t, 'pcie_rx_high')} of the link with the "
             f"GPU under {pct(t, 'h2d_gpu_busy_below')} busy: the copy is the bottleneck.",
             lines=[(t["pcie_rx_high"], "red")], max_=1), 8, 8),
@@ -446,7 +463,7 @@ def run(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict:
             "for power or thermal reasons is throttling.",
             lines=[(t["throttle_ratio"], "red")], max_=1), 8, 8),
         lay.place(timeseries("Energy per sample", [target(
-            f"run_rank:gputrain_training_energy_joules_per_sample:rate5m{{{sel}}}",
+            f"{ENERGY_PER_SAMPLE}{{{sel}}}",
             "rank {{rank}}")], "joule",
             "Joules the rank's GPUs drew per training sample (their energy counters over the "
             "samples per second of wall time). Idle GPUs still draw power, so waiting raises it."),
@@ -525,7 +542,7 @@ def node(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict
             target(f"gputrain_gpu_pcie_link_max_bytes_per_second{{{n}}}",
                    "link max GPU {{gpu}}", "C")], "Bps"), 8, 8),
         lay.place(timeseries("Network both ways", [target(
-            f"instance:gputrain_host_network_duplex_link_used:max_ratio_rate5m{{{n}}}",
+            f"{R['network_duplex_used']}{{{n}}}",
             "busiest NIC, lesser direction")], "percentunit",
             f"The busiest interface's lesser direction against its speed: over "
             f"{pct(t, 'network_saturated')} both ways with little data wait is an all-reduce "
@@ -573,11 +590,11 @@ def node(t: dict[str, float], js: str, ids: Identity, extra: list[dict]) -> dict
             "A MIG instance is a row of its own (gpu 0/1), with its GPU (parent) and profile.",
             hide=("Time", "job", "instance", "info")), 12, 7),
         lay.place(table("Runs on this node", [
-            target(f"run_rank:gputrain_training_samples_per_second:rate5m{{{n}}}",
+            target(f"{R['samples_per_second']}{{{n}}}",
                    "samples/s", "A"),
-            target(f"run_rank:gputrain_training_data_wait_ratio:rate5m{{{n}}}",
+            target(f"{R['data_wait_ratio']}{{{n}}}",
                    "data wait", "B"),
-            target(f"run_rank:gputrain_gpu_busy_ratio:avg5m{{{n}}}", "GPU busy", "C")],
+            target(f"{RANK_BUSY_AVG}{{{n}}}", "GPU busy", "C")],
             {"samples/s": "none", "data wait": "percentunit", "GPU busy": "percentunit"},
             links={"run": "/d/gputrain-run/gputrain-run?${__url_time_range}&var-datasource="
                           "${datasource}&var-run=${__data.fields.run}&var-instance=$instance"

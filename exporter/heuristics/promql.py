@@ -331,7 +331,7 @@ def _windowed(s: str, ids: Identity, r: str, quantile: str = WINDOWS["quantile"]
         # how often each rank's process was replaced in the rate window: rates across a
         # restart are no bottleneck (recorded, so that global rules may read it too)
         _rec("run_rank:gputrain_training_restarts:resets5m", restarts(s, ids, r)),
-        _rec("run_rank:gputrain_training_comm_bytes:rate5m", f"""
+        _rec(COMM_BYTES, f"""
             sum by ({rank}) (rate(gputrain_training_comm_bytes_total{{{s}}}[{r}]))"""),
         # a step's compute: its time less the data wait and, where measured, the wait for
         # gradient communication (a fast rank waiting for a slow one computes no longer)
@@ -349,7 +349,7 @@ def _windowed(s: str, ids: Identity, r: str, quantile: str = WINDOWS["quantile"]
         _rec("run_rank:gputrain_training_checkpoint_ratio:rate5m", f"""
             sum by ({rank}) (rate(gputrain_training_phase_seconds_total{{{s},phase="checkpoint"}}[{r}]))
             / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{r}]))"""),
-        _rec("run_rank:gputrain_training_process_cpu_cores:rate5m", f"""
+        _rec(CPU_CORES, f"""
             sum by ({rank}) (rate(gputrain_training_process_cpu_seconds_total{{{s}}}[{r}]))"""),
         _rec("run_rank:gputrain_training_process_resident_memory_bytes:sum", f"""
             sum by ({rank}) (gputrain_training_process_resident_memory_bytes{{{s}}})"""),
@@ -379,18 +379,18 @@ def _windowed(s: str, ids: Identity, r: str, quantile: str = WINDOWS["quantile"]
             / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{r}]))"""),
         *[_rec(f"run_rank_gpu:{name.split(':', 1)[1]}", rank_gpu_join(s, name, ids))
           for name in [x["record"] for x in gpu_rules] + [gpu_power]],
-        _rec("run_rank:gputrain_gpu_busy_ratio:avg5m",
+        _rec(RANK_BUSY_AVG,
             f"avg by ({rank}) (run_rank_gpu:gputrain_gpu_busy_ratio:rate5m)"),
         # joules per sample: the rank's GPUs' mean power over its samples per wall second
         # (each side over its own clock, so exact from a run's first minute)
-        _rec("run_rank:gputrain_training_energy_joules_per_sample:rate5m", f"""
+        _rec(ENERGY_PER_SAMPLE, f"""
             sum by ({rank}) (run_rank_gpu:gputrain_gpu_power_watts:rate5m)
             / (sum by ({rank}) (rate(gputrain_training_samples_total{{{s}}}[{r}]))
                / sum by ({rank}) (rate(gputrain_training_elapsed_seconds_total{{{s}}}[{r}])))"""),
         # GPU-seconds per second that a run's GPUs sat idle while it held them (a GPU two
         # ranks share counts once); sum_over_time(...[range]) * the recording interval is
         # GPU-seconds over the range
-        _rec("run:gputrain_gpu_wasted_seconds:rate5m", f"""
+        _rec(WASTED_SECONDS, f"""
             sum by ({ids.run}) (max by ({ids.node}, run, gpu, uuid)
               (1 - run_rank_gpu:gputrain_gpu_busy_ratio:rate5m))"""),
         # a GPU's shares: each run's (its ranks' processes) and no rank's, from the processes'
@@ -398,13 +398,13 @@ def _windowed(s: str, ids: Identity, r: str, quantile: str = WINDOWS["quantile"]
         # leaves with its processes: the exporter drops a rank's busy counter of a GPU once
         # none of its processes is on it (stale at once, where a range would hold it for the
         # window), and the unattributed share counts while a process no rank owns is there
-        _rec("run_gpu:gputrain_training_gpu_busy:ratio_rate5m", f"""
+        _rec(RUN_GPU_BUSY, f"""
             (sum by ({ids.run_gpu}) (rate(gputrain_training_gpu_busy_seconds_total{{{s}}}[{r}])
                                     and gputrain_training_gpu_busy_seconds_total{{{s}}})
              or 0 * max by ({ids.run_gpu}) (gputrain_training_gpu_info{{{s}}}))
             / on ({gpu}) group_left
             sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{r}]))"""),
-        _rec("gpu:gputrain_gpu_unattributed_busy:ratio_rate5m", f"""
+        _rec(UNATTRIBUTED_BUSY, f"""
             (sum by ({gpu}) (rate(gputrain_gpu_unattributed_busy_seconds_total{{{s}}}[{r}]))
                and on ({gpu}) (max by ({gpu}) (gputrain_gpu_unattributed_processes{{{s}}}) > 0)
              or 0 * sum by ({gpu}) (rate(gputrain_gpu_unattributed_busy_seconds_total{{{s}}}[{r}])))
@@ -412,6 +412,17 @@ def _windowed(s: str, ids: Identity, r: str, quantile: str = WINDOWS["quantile"]
         *_readings("run_gpu", s, ids, r),
         *_readings("node", s, ids, r),
     ]
+
+
+# The recording rules written here beside the readings' (readings.READINGS), that the
+# dashboards read too: each named once
+WASTED_SECONDS = "run:gputrain_gpu_wasted_seconds:rate5m"
+RUN_GPU_BUSY = "run_gpu:gputrain_training_gpu_busy:ratio_rate5m"
+UNATTRIBUTED_BUSY = "gpu:gputrain_gpu_unattributed_busy:ratio_rate5m"
+RANK_BUSY_AVG = "run_rank:gputrain_gpu_busy_ratio:avg5m"
+COMM_BYTES = "run_rank:gputrain_training_comm_bytes:rate5m"
+ENERGY_PER_SAMPLE = "run_rank:gputrain_training_energy_joules_per_sample:rate5m"
+CPU_CORES = "run_rank:gputrain_training_process_cpu_cores:rate5m"
 
 
 def _rec(name: str, expr: str) -> dict:
