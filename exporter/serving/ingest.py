@@ -46,6 +46,7 @@ from exporter.protocol import (
     number,
     read_scalars,
 )
+from exporter.reading.host_processes import read_state
 from exporter.serving.profiles import ProfileBoard, parse_report, parse_stacks_report
 
 MAX_CAPABILITIES = 8
@@ -466,7 +467,9 @@ class IngestStore:
                  profiled_alerts: frozenset[str] = frozenset(),
                  rank_interval: float = 0.0,
                  stack_alerts: dict[str, str] | None = None,
-                 dead_ttl: float = DEAD_TTL_SECONDS) -> None:
+                 dead_ttl: float = DEAD_TTL_SECONDS, proc: str = "/proc") -> None:
+        """``proc``: the /proc this daemon sees the ranks' processes in (tests give another)."""
+        self._proc = proc
         self.max_series = max_series
         self.ttl = ttl
         self.dead_ttl = dead_ttl
@@ -587,22 +590,37 @@ class IngestStore:
 
     def _not_a_second_process(self, key: tuple[str, str], old: RankState,
                               new: RankState) -> None:
-        """Refuse a push whose run_id this (run, rank) had before its current one, within
-        the ttl: two processes push the same (run, rank) (two jobs with one run name, a
-        script started twice): the latest keeps it, the other is told why (409)."""
+        """Refuse a push of a second process of this (run, rank) (two jobs with one run name,
+        a script started twice): one whose run_id it had before its current one, within the
+        ttl, or, from its first push, one whose predecessor still runs (:meth:`_lives`). The
+        process that holds the (run, rank) keeps it, the other is told why (409): no switch
+        reads as a restart."""
         seen = self._former.get(key, {}).get(new.run_id)
-        if seen is None or self._clock() - seen > self.ttl:
+        if (seen is None or self._clock() - seen > self.ttl) and not self._lives(old, new):
             return
         if key not in self._shared_logged:
             if len(self._shared_logged) >= self.max_series:
                 self._shared_logged.clear()
             self._shared_logged.add(key)
             log.warning("run %r rank %r is pushed by two processes at once (run_ids %s and "
-                        "%s): the one that started last is kept, the other refused (409)",
+                        "%s): the one that holds it is kept, the other refused (409)",
                         new.run, new.rank, old.run_id, new.run_id)
         raise Refused(409, f"run {new.run!r} rank {new.rank!r} is pushed by another process "
                            f"(run_id {old.run_id}, this one {new.run_id}): give each process its "
                            "own run name (GPUTRAIN_RUN) or rank")
+
+    def _lives(self, old: RankState, new: RankState) -> bool:
+        """The current process of the (run, rank) still runs beside a new one that pushes
+        it, as this daemon's /proc shows both (the pid and the start time each pushed): a
+        second process, not a restart (a restarted process's predecessor is gone). False
+        where it cannot tell: a pid of another PID namespace, no process ids pushed, or a
+        process that said goodbye."""
+        if old.finished or old.failed or old.exit_reason is not None or None in (
+                old.pid, old.start_time, new.pid, new.start_time) or old.pid == new.pid:
+            return False
+        states = [read_state(st.pid, self._proc) for st in (old, new)]  # type: ignore[arg-type]
+        return all(s is not None and s[0] not in "ZX" and s[1] == st.start_time
+                   for s, st in zip(states, (old, new), strict=True))
 
     def _expire_locked(self) -> None:
         # A scan of every rank only when one may be due: not on every push and scrape.
