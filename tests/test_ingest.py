@@ -290,60 +290,57 @@ def test_two_processes_pushing_one_run_and_rank_are_told_not_counted_as_restarts
         assert rig.v("gputrain_training_steps_total") == steps - 97
 
 
-def _sleeper() -> tuple[subprocess.Popen, dict]:
-    """A real process of this machine, and the process ids a client in it would push."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    state = wait_until(lambda: read_state(proc.pid), timeout=10, what="the process's /proc")
-    return proc, {"pid": proc.pid, "start_time": state[1]}
+@pytest.fixture
+def processes():
+    """Two real processes of this machine (sleeping), each with the process ids a client in
+    it would push; killed at the end."""
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+             for _ in range(2)]
+    try:
+        yield [(p, {"pid": p.pid, "start_time": wait_until(
+                    lambda p=p: read_state(p.pid), timeout=10, what="its /proc")[1]})
+               for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
-def test_a_second_process_is_refused_from_its_first_push_while_the_first_runs(rig):
+def test_a_second_process_is_refused_from_its_first_push_while_the_first_runs(rig, processes):
     """Where the daemon sees both processes (one PID namespace), the second process's very
     first push is a 409: its predecessor still runs, so it is no restart (before, that first
     switch took the series and read as a restart). The first keeps its totals; and once the
     first exits, the other's next push is a restart like any."""
-    first, first_ids = _sleeper()
-    second, second_ids = _sleeper()
-    try:
-        assert rig.push(body(run_id="first", steps=100, step_counts=[2, 9, 100],
-                             process=first_ids)).status_code == 200
-        r = rig.push(body(run_id="second", steps=3, step_counts=[1, 2, 3], process=second_ids))
-        assert r.status_code == 409 and "another process" in r.text, r.text
-        assert rig.v("gputrain_training_steps_total") == 100
-        first.kill()
-        first.wait()
-        assert rig.push(body(run_id="second", steps=4, step_counts=[1, 2, 4],
-                             process=second_ids)).status_code == 200
-        assert rig.v("gputrain_training_steps_total") == 4
-    finally:
-        for p in (first, second):
-            p.kill()
-            p.wait()
+    (first, first_ids), (_, second_ids) = processes
+    assert rig.push(body(run_id="first", steps=100, step_counts=[2, 9, 100],
+                         process=first_ids)).status_code == 200
+    r = rig.push(body(run_id="second", steps=3, step_counts=[1, 2, 3], process=second_ids))
+    assert r.status_code == 409 and "another process" in r.text, r.text
+    assert rig.v("gputrain_training_steps_total") == 100
+    first.kill()
+    first.wait()
+    assert rig.push(body(run_id="second", steps=4, step_counts=[1, 2, 4],
+                         process=second_ids)).status_code == 200
+    assert rig.v("gputrain_training_steps_total") == 4
 
 
 @pytest.mark.parametrize("case", ["exited", "said goodbye", "not visible"])
-def test_a_new_process_whose_predecessor_is_gone_is_a_restart(rig, case):
+def test_a_new_process_whose_predecessor_is_gone_is_a_restart(rig, processes, case):
     """The near misses: the (run, rank)'s process exited before the new one's first push (a
     restart, as torchrun's elastic agent does one), said goodbye first, or runs where this
     daemon cannot see it (another PID namespace): the new process takes the (run, rank)."""
-    old, old_ids = _sleeper()
-    new, new_ids = _sleeper()
-    try:
-        if case == "not visible":
-            old_ids = {"pid": 2**22 - 7, "start_time": old_ids["start_time"]}
-        extra = {"goodbye": True} if case == "said goodbye" else {}
-        assert rig.push(body(run_id="old", steps=100, step_counts=[2, 9, 100],
-                             process=old_ids, **extra)).status_code == 200
-        if case == "exited":
-            old.kill()
-            old.wait()
-        assert rig.push(body(run_id="new", steps=3, step_counts=[1, 2, 3],
-                             process=new_ids)).status_code == 200
-        assert rig.v("gputrain_training_steps_total") == 3
-    finally:
-        for p in (old, new):
-            p.kill()
-            p.wait()
+    (old, old_ids), (_, new_ids) = processes
+    if case == "not visible":
+        old_ids = {"pid": 2**22 - 7, "start_time": old_ids["start_time"]}
+    extra = {"goodbye": True} if case == "said goodbye" else {}
+    assert rig.push(body(run_id="old", steps=100, step_counts=[2, 9, 100],
+                         process=old_ids, **extra)).status_code == 200
+    if case == "exited":
+        old.kill()
+        old.wait()
+    assert rig.push(body(run_id="new", steps=3, step_counts=[1, 2, 3],
+                         process=new_ids)).status_code == 200
+    assert rig.v("gputrain_training_steps_total") == 3
 
 
 def test_restarts_that_never_return_to_an_old_run_id_are_restarts(rig):
