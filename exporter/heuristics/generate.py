@@ -1,29 +1,21 @@
-"""Every committed file that is made from the catalogue, and the `dashboards` subcommand.
+"""What the committed files made from the catalogue hold (the runbook, the docs' alert,
+threshold and decision-order blocks), and the `dashboards` subcommand.
 
-``scripts/generate.py`` (in a checkout of the repository) rewrites them all: the rule
-files (all, and the node and global levels), the PrometheusRule, the promtool rule tests, the
-dashboards and their ConfigMap, the runbook, the alert and threshold tables of docs/alerts.md
-and the GPU metric table of docs/metrics.md (from exporter/reading/gpu_metrics.py);
-``--check`` lists the stale ones and exits 1 (a test does the same).
-``gputrain-exporter dashboards --config FILE --out DIR`` writes the dashboards with your
-thresholds, selector and run labels.
+``scripts/generate.py`` (in a checkout of the repository, outside this package) lists the
+files and rewrites them; ``gputrain-exporter dashboards --config FILE --out DIR`` writes the
+dashboards with your thresholds, selector and run labels.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import textwrap
-from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
-from exporter import protocol
 from exporter.heuristics import dashboards
 from exporter.heuristics.catalogue import CATALOGUE, THRESHOLDS, fill, show
-from exporter.heuristics.rules import load_overrides, render, render_prometheusrule, settings
-from exporter.reading import gpu_metrics
+from exporter.heuristics.rules import load_overrides, settings
 
 RUNBOOK_HEADER = """\
 # gputrain-exporter runbook
@@ -118,64 +110,12 @@ def replace_block(text: str, name: str, block: str) -> str:
     return f"{head}{begin}\n{block}{end}{rest.split(end, 1)[1]}"
 
 
-def _rule_cases(root: Path):
-    """tests/rule_cases.py of the checkout (it writes the promtool tests)."""
-    if "rule_cases" in sys.modules:  # the test suite has it already
-        return sys.modules["rule_cases"]
-    spec = importlib.util.spec_from_file_location("rule_cases", root / "tests" / "rule_cases.py")
-    if spec is None or spec.loader is None:
-        raise FileNotFoundError(root / "tests" / "rule_cases.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["rule_cases"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def decision_order() -> str:
     """The verdicts in the order diagnose decides in, for docs/diagnose.md."""
     from exporter.heuristics.verdict import ORDER
 
     return textwrap.fill(", ".join(f"`{v}`" for v in ORDER), 96,
                          break_on_hyphens=False) + "\n"
-
-
-def committed(root: Path) -> dict[Path, Callable[[], str]]:
-    """Every generated file of the checkout at ``root``, and how to make its content."""
-    alerts_page = root / "docs" / "alerts.md"
-    diagnose_page = root / "docs" / "diagnose.md"
-    metrics_page = root / "docs" / "metrics.md"
-    push_page = root / "docs" / "push-protocol.md"
-
-    def alerts_page_text() -> str:
-        text = replace_block(alerts_page.read_text(), "alert table", alert_table())
-        return replace_block(text, "threshold table", threshold_table())
-
-    files: dict[Path, Callable[[], str]] = {
-        root / "alerts" / "gputrain.rules.yml": render,
-        root / "alerts" / "gputrain.node.rules.yml": lambda: render(level="node"),
-        root / "alerts" / "gputrain.global.rules.yml": lambda: render(level="global"),
-        root / "deploy" / "kubernetes" / "prometheusrule.yaml": render_prometheusrule,
-        root / "alerts" / "runbook.md": runbook,
-        root / "deploy" / "kubernetes" / "dashboards-configmap.yaml": dashboards.configmap,
-        alerts_page: alerts_page_text,
-        diagnose_page: lambda: replace_block(diagnose_page.read_text(), "decision order",
-                                             decision_order()),
-        metrics_page: lambda: replace_block(metrics_page.read_text(), "GPU metric table",
-                                            gpu_metrics.doc_table()),
-        push_page: lambda: replace_block(push_page.read_text(), "push fields",
-                                         protocol.field_table()),
-    }
-    for name, d in dashboards.dashboards().items():
-        files[root / "grafana" / "dashboards" / name] = partial(dashboards.render, d)
-    for path, text in _rule_cases(root).files().items():
-        files[path] = partial(str, text)
-    return files
-
-
-def stale(root: Path) -> list[Path]:
-    """The generated files whose committed content differs from what generate writes."""
-    return [p for p, make in committed(root).items()
-            if not p.exists() or p.read_text() != make()]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
