@@ -71,20 +71,22 @@ def test_example_script_trains_on_cpu(daemon_factory):
 
 
 class GroupedBatches(Dataset):
-    """Items that take 30 ms each: a worker makes a batch of 4 in about 0.12 s, so a loader
-    of 4 workers delivers its batches four at a time."""
+    """Items that take 60 ms each (a sleep: no CPU): a worker makes a batch of 4 in about
+    0.24 s, so a loader of 4 workers delivers its batches four at a time, one every 60 ms on
+    average; a loop slower than that would never wait (30 ms items were too little on a busy
+    2-core CI machine: 2 slow steps of 316)."""
 
     def __len__(self) -> int:
-        return 4 * 4 * 40
+        return 4 * 4 * 20
 
     def __getitem__(self, i: int):
-        time.sleep(0.03)
+        time.sleep(0.06)
         return torch.zeros(8), i % 10
 
 
 def test_a_loaders_period_is_judged_input_bound_not_a_stall(daemon_factory, monkeypatch):
     """A real DataLoader with 4 workers whose batches arrive in groups of 4 (one step waits
-    about 0.1 s, the three after it take 4 ms): the client pushes its 4 workers, and the
+    about 0.2 s, the three after it take 4 ms): the client pushes its 4 workers, and the
     daemon's verdict is input-bound, naming the loader's period, with no step-time stall
     (whose p99-over-median test the pattern passes many times over)."""
     import requests
