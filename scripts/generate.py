@@ -36,7 +36,8 @@ def _rule_cases(root: Path):
 
 def committed(root: Path = ROOT) -> dict[Path, Callable[[], str]]:
     """Every generated file of the checkout at ``root``, and how to make its content."""
-    sys.path.insert(0, str(root))
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
     from exporter import protocol
     from exporter.heuristics import dashboards
     from exporter.heuristics.generate import (

@@ -38,9 +38,8 @@ from exporter.serving.history import History
 from exporter.serving.ingest import IngestStore
 
 BASE = 1_700_000_000  # the backfilled series start here (unix seconds)
-SHIFTED = ("gputrain_collector_last_success_timestamp_seconds", "gputrain_exporter_time_seconds",
-           "gputrain_training_last_push_timestamp_seconds",
-           "gputrain_training_regime_start_timestamp_seconds")
+# the exporter's wall-clock times (the ages beside them are not shifted)
+SHIFTED = (*rule_cases.AGED, "gputrain_exporter_time_seconds")
 _SERIES = re.compile(r'^([a-zA-Z_:][\w:]*)\{(.*)\}$')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 def duration(text: str) -> int:

@@ -34,6 +34,7 @@ from exporter.heuristics.promql import (
     tree_growth,
 )
 from exporter.heuristics.readings import (
+    BY_FIELD,
     LEAK_SPANS,
     REFINED,
     WINDOWS,
@@ -2003,7 +2004,8 @@ class ExporterDown(Heuristic):
                           f"{q.where} has not been scraped: its GPUs and runs are unmonitored.")]
 
 
-GPU_SHARE = "run_rank_gpu:gputrain_training_gpu_share:ratio_rate5m"
+# a rank's share of each GPU it holds, and the bytes it holds there (readings.READINGS)
+GPU_SHARE, GPU_HELD = BY_FIELD["gpu_share"].record, BY_FIELD["gpu_memory_held"].record
 
 
 class StrayCudaContext(Heuristic):
@@ -2027,10 +2029,9 @@ class StrayCudaContext(Heuristic):
            "own GPU. It is said beside the verdict, and such a GPU adds nothing to the rank's "
            "capacity (MFU's peak counts each GPU by the rank's share of it): before, it added "
            "that GPU's whole peak to every rank that held one.")
-    confirm = ("run_rank_gpu:gputrain_training_gpu_share:ratio_rate5m",
-               "run_rank_gpu:gputrain_training_gpu_memory:bytes")
-    panel = ("Prometheus: `run_rank_gpu:gputrain_training_gpu_share:ratio_rate5m` (a rank's "
-             "share of each GPU it holds) beside `gputrain_training_gpu_memory_bytes`.")
+    confirm = (GPU_SHARE, GPU_HELD)
+    panel = (f"Prometheus: `{GPU_SHARE}` (a rank's share of each GPU it holds) beside "
+             "`gputrain_training_gpu_memory_bytes`.")
     profile = False
     stepping = False
     thresholds = {
@@ -2041,10 +2042,9 @@ class StrayCudaContext(Heuristic):
 
     def rules(self, q: Q) -> list[dict]:
         t = q.t
-        share = GPU_SHARE
-        return [self.rule(q, "info", f"""run_rank_gpu:gputrain_training_gpu_memory:bytes > 0
-            and on ({q.rank}, gpu, uuid) ({share} < {t['stray_share']})
-            and on ({q.rank}) (max by ({q.rank}) ({share}) >= {t['stray_own_share']})""",
+        return [self.rule(q, "info", f"""{GPU_HELD} > 0
+            and on ({q.rank}, gpu, uuid) ({GPU_SHARE} < {t['stray_share']})
+            and on ({q.rank}) (max by ({q.rank}) ({GPU_SHARE}) >= {t['stray_own_share']})""",
             f"""{q.who} holds {{{{ $value | humanize1024 }}}}B on GPU {{{{ $labels.gpu }}}},
             where its processes do under {t['stray_share']} of the work: a stray CUDA
             context.""")]

@@ -363,7 +363,7 @@ def _windowed(s: str, ids: Identity, r: str, quantile: str = WINDOWS["quantile"]
               * on ({gpu}, precision) group_left
               max by ({gpu}, precision) (gputrain_gpu_peak_flops{{{s}}})
               * on ({rank}, gpu, uuid) group_left ()
-              (run_rank_gpu:gputrain_training_gpu_share:ratio_rate5m
+              ({BY_FIELD["gpu_share"].record}
                or on ({rank}, gpu, uuid)
                max by ({rank}, gpu, uuid) (gputrain_training_gpu_info{{{s}}}) * 0 + 1))"""),
         # the wall time's parts: productive (step time less data wait and the phases inside
