@@ -446,16 +446,33 @@ _STARTS = ("Daemon(", "Prometheus(", "Alertmanager(", "Webhook(", "subprocess.",
            "TCPSite(", "start_server(", "unshare", "serve(")
 
 
+def _source(func) -> str | None:
+    """``func``'s source, read once a session (a thousand tests share a few hundred
+    functions and fixtures: reading each anew cost 9 s of every collection)."""
+    if func not in _SOURCES:
+        try:
+            _SOURCES[func] = inspect.getsource(func)
+        except (OSError, TypeError):
+            _SOURCES[func] = None
+    return _SOURCES[func]
+
+
+_SOURCES: dict = {}
+_STARTERS: dict = {}
+
+
 def _starts_something(func, module, depth: int = 3, seen: set | None = None) -> bool:
     """Whether ``func``'s source, or a module-level function of ``module`` it names (to
     ``depth`` calls), starts a process, server or socket."""
-    seen = set() if seen is None else seen
+    if seen is None:  # a test's own function or fixture: the answer is the same every time
+        if (func, module) not in _STARTERS:
+            _STARTERS[func, module] = _starts_something(func, module, depth, set())
+        return _STARTERS[func, module]
     if func in seen or depth < 0:
         return False
     seen.add(func)
-    try:
-        source = inspect.getsource(func)
-    except (OSError, TypeError):
+    source = _source(func)
+    if source is None:
         return False
     if any(s in source for s in _STARTS):
         return True
@@ -478,8 +495,10 @@ SLOW_FIRST = ("test_hangs.py", "test_comm.py", "test_location.py", "test_regime.
 def pytest_collection_modifyitems(config, items) -> None:
     """Mark every test that starts a process, server or socket (itself, through a fixture, or
     through a helper of its module) ``integration``: ``pytest -m "not integration"`` is the
-    fast loop (CONTRIBUTING.md)."""
-    for item in items:
+    fast loop (CONTRIBUTING.md). Only where a mark expression names it: a run of the whole
+    suite (CI) or of another mark has no use for it."""
+    marked = "integration" in (config.option.markexpr or "")
+    for item in items if marked else ():
         if item.get_closest_marker("integration") or not isinstance(item, pytest.Function):
             continue
         module = item.module
