@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, require_binary, require_module
 from gpu.harness import read_recording
-from gpu.replay import replay, status_agreement, training_span
+from gpu.replay import explain, replay, status_agreement, training_span
 from gpu.scenarios import CPU_BY_NAME, Scenario
 
+from exporter.heuristics.promql import OPEN, TYPICAL
 from exporter.heuristics.rules import DEFAULTS
 
 DATA = ROOT / "tests" / "data"
@@ -98,9 +99,16 @@ def test_the_harness_records_a_scenario_that_replays_to_its_alerts(tmp_path):
     try:
         check(fired, scenario)
     except AssertionError as exc:
+        # what the rank-level verdicts' guards (Q.stepping, Q.fresh) read at the judged times
+        why = explain(recording, [
+            "run_rank:gputrain_training_data_wait_ratio:rate5m",
+            "run_rank:gputrain_training_steps:rate5m",
+            "run_rank:gputrain_training_restarts:resets5m", OPEN, TYPICAL,
+            "run_rank:gputrain_training_last_push_timestamp_seconds:max",
+            "run_rank:gputrain_training_finished:max"])
         raise AssertionError(f"{exc} (host CPUs {cpu:.0%} busy, data wait "
                              f"{measured['data_wait']:.0%}, the collectors' age at most "
-                             f"{stale or 0:.1f} sampler intervals)") from None
+                             f"{stale or 0:.1f} sampler intervals; {why})") from None
     # the daemon's own status view, read while the run trained, says what diagnose says of the
     # same scrapes at the same moment (the harness gives each scenario a daemon of its own)
     status = json.loads((tmp_path / "cpu-slow-input.status.json").read_text())

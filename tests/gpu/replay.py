@@ -167,12 +167,16 @@ class Replay(Backfilled):
         self.end_time = scrapes[-1][0]
         super().__init__(to_openmetrics(scrapes), workdir)
 
+    def judged_times(self, hold: float = 30.0, step: float = 5.0) -> list[float]:
+        """The times :meth:`firing` evaluates at: every ``step`` s over the last ``hold`` s."""
+        at_end = self.end_time - 2  # the last scrape can be partial
+        hold = min(hold, (at_end - self.start_time) / 3)  # a short recording: its last third
+        return [at_end - hold + i * step for i in range(int(hold / step) + 1)]
+
     def firing(self, rules_text: str, hold: float = 30.0, step: float = 5.0) -> dict[str, list]:
         """Alert name -> the label sets for which its condition held over the last ``hold``
         seconds of the recording."""
-        at_end = self.end_time - 2  # the last scrape can be partial
-        hold = min(hold, (at_end - self.start_time) / 3)  # a short recording: its last third
-        times = [at_end - hold + i * step for i in range(int(hold / step) + 1)]
+        times = self.judged_times(hold, step)
         out: dict[str, list] = {}
         for alert in inline_alerts(rules_text):
             held = None
@@ -215,6 +219,27 @@ def status_agreement(recording: Path, status: dict) -> tuple[list, list]:
                    tuple(sorted(f for f in x["findings"] if f != x["verdict"])))
                   for x in reports)
     return page, told
+
+
+def explain(recording: Path, series: list[str], hold: float = 30.0) -> str:
+    """Each recorded series of ``series`` (the shipped rules' expressions, inlined) at the
+    times :func:`replay` judges, and how many scrapes that span holds: why a verdict held or
+    did not, in words for a failing test."""
+    groups = yaml.safe_load((ROOT / "alerts" / "gputrain.rules.yml").read_text())["groups"]
+    records = {r["record"]: r["expr"] for g in groups for r in g["rules"] if "record" in r}
+    with tempfile.TemporaryDirectory() as tmp:
+        r = Replay(recording, Path(tmp))
+        try:
+            times = r.judged_times(hold)
+            lines = [f"judged at {len(times)} times over {times[-1] - times[0]:.0f} s of a "
+                     f"{r.end_time - r.start_time:.0f} s span"]
+            for name in series:
+                values = [[x["value"][1] for x in r.query(inline(name, records), t)]
+                          for t in times]
+                lines.append(f"{name}: {values}")
+            return "; ".join(lines)
+        finally:
+            r.stop()
 
 
 def replay(recording: Path, rules_text: str | None = None, hold: float = 30.0) -> dict:
