@@ -262,6 +262,13 @@ STRAY = [("dp", "0", "0", "GPU-a", 36, 40e9), ("dp", "1", "1", "GPU-b", 57, 40e9
          ("dp2", "1", "2", "GPU-c", 0, 2**30),
          ("pipe", "0", "4", "GPU-e", 57, 40e9), ("pipe", "0", "5", "GPU-f", 57, 40e9)]
 
+# (run, gpu, uuid, its busy seconds a minute there, the bytes it holds there): each rank 0 of
+# 'lone' and 'lone2' on a GPU of its own, and with a stray context on GPU 7; 'starved' on one
+# GPU where a foreign process does nearly all the work
+LONE = [("lone", "6", "GPU-g", 57, 40e9), ("lone", "7", "GPU-h", 0, 2**29),
+        ("lone2", "8", "GPU-i", 51, 40e9), ("lone2", "7", "GPU-h", 0, 2**29),
+        ("starved", "9", "GPU-j", 0.3, 40e9)]
+
 
 def skewed_node(node: str, offset: float, run: str, minutes: int = 30,
                 **ages: str) -> dict[str, str]:
@@ -1017,6 +1024,43 @@ def alert_cases() -> list[Case]:
               Fire("GpuTrainStrayCudaContext", rank_gpu("dp2", "1", "2", "GPU-c"), "1Gi"),
               Fire("GpuTrainLowMFU", rank("dp2", "0"), "10%"),
               Fire("GpuTrainLowMFU", rank("dp2", "1"), "10%")],
+             fire_at="30m", quiet_at="8m"),
+        # MFU's busy guard averages the GPUs a rank works on (a stray context's GPU is not
+        # its to keep busy): 'lone' at 95 % on GPU 6 read 77.5 % with its stray context's GPU
+        # 7, which a foreign process keeps 60 % busy, and its low MFU went unsaid
+        Case("A stray context's GPU is not its rank's: 'lone' (GPU 6 95% busy, 10% MFU, a "
+             "stray context on GPU 7, which a foreign process keeps 60% busy) reads low MFU; "
+             "'lone2' (GPU 8 85% busy, the same stray context) does not; GPU 7 is neither run's "
+             "to call shared; 'starved' does 0.5% of its only GPU, 95% busy with a foreign "
+             "process: that GPU is its own, and shared",
+             {**{sel("gputrain_training_gpu_info", run=r, rank="0", gpu=g, uuid=u,
+                     precision="bf16"): flat(1)
+                 for r, g, u, _, _ in LONE},
+              **{sel("gputrain_training_gpu_busy_seconds_total", run=r, rank="0", gpu=g,
+                     uuid=u): ramp(busy) for r, g, u, busy, _ in LONE},
+              **{sel("gputrain_training_gpu_memory_bytes", run=r, rank="0", gpu=g, uuid=u):
+                 flat(held) for r, g, u, _, held in LONE},
+              **{sel(m, gpu=g, uuid=u): v
+                 for g, u, busy, foreign in (("6", "GPU-g", 57, 0), ("7", "GPU-h", 36, 36),
+                                             ("8", "GPU-i", 51, 0), ("9", "GPU-j", 57, 56.7))
+                 for m, v in (("gputrain_gpu_busy_seconds_total", ramp(busy)),
+                              ("gputrain_gpu_unattributed_busy_seconds_total", ramp(foreign)),
+                              ("gputrain_gpu_unattributed_processes",
+                               flat(1 if foreign else 0)))},
+              **{sel("gputrain_gpu_peak_flops", gpu=g, uuid=u, precision="bf16"): flat(1e15)
+                 for g, u in (("6", "GPU-g"), ("7", "GPU-h"), ("8", "GPU-i"), ("9", "GPU-j"))},
+              # 1e14 FLOP/s each: 10 % of the one GPU each works on
+              **{sel("gputrain_training_flops_total", run=r, rank="0"): ramp(6e15)
+                 for r in ("lone", "lone2")},
+              **{sel("gputrain_training_elapsed_seconds_total", run=r, rank="0"): ramp(60)
+                 for r in ("lone", "lone2")}},
+             [Fire("GpuTrainLowMFU", rank("lone"), "10%"),
+              Fire("GpuTrainStrayCudaContext", rank_gpu("lone", "0", "7", "GPU-h"), "512Mi"),
+              Fire("GpuTrainStrayCudaContext", rank_gpu("lone2", "0", "7", "GPU-h"), "512Mi"),
+              Fire("GpuTrainGPUUnderutilized", rank_gpu("lone2", "0", "8", "GPU-i"), "85%",
+                   "info"),
+              Fire("GpuTrainGPUShared", {**NODE, "run": "starved", "gpu": "9",
+                                         "uuid": "GPU-j"}, "94.5%")],
              fire_at="30m", quiet_at="8m"),
         Case("GpuTrainHostOverheadBound: GPU 46% busy with 2% data wait (TensorFlow study, "
              "post-processing), and a callbacks phase at 58.33% of the step; a healthy run with "

@@ -153,9 +153,9 @@ class Heuristic:
         if not self.judged(r, t) or (self.guarded and not steps_judged(r, t)):
             return None
         if self.scope in ("gpu", "rank_gpu"):
+            stray = stray_gpus(r, t) if self.scope == "rank_gpu" else set()
             for g in r.gpus:
-                if self.scope == "rank_gpu" and \
-                        r.gpu_share.get(g.gpu, 1.0) < t["stray_share"]:
+                if g.gpu in stray:
                     continue  # a stray context's GPU: not the rank's to judge (as its rules)
                 why = self.holds_gpu(g, t)
                 if why:
@@ -172,10 +172,14 @@ class Heuristic:
         """An alerting rule of this entry; ``situation`` starts its description, the advice
         ends it; ``labels`` beside the severity tell apart rules of one severity."""
         expr = q.stepping(expr) if self.guarded else expr
-        if self.scope == "rank_gpu":
+        if self.scope == "rank_gpu" and self.run_stepping:
+            # of a run's GPU: not one where its ranks are only stray contexts
+            expr = (f"({expr}) unless on ({q.ids.run_gpu}) "
+                    f"(max by ({q.ids.run_gpu}) ({GPU_SHARE}) < {q.t['stray_share']} "
+                    f"and on ({q.ids.run_gpu}) count by ({q.ids.run_gpu}) ({q.stray}))")
+        elif self.scope == "rank_gpu":
             # a GPU the rank holds but does no work on (a stray context) is not its to judge
-            expr = (f"({expr}) unless on ({q.rank}, gpu, uuid) "
-                    f"({GPU_SHARE} < {q.t['stray_share']})")
+            expr = f"({expr}) unless on ({q.rank}, gpu, uuid) {q.stray}"
         # a global rule reads only recorded series, across nodes: staleness is the nodes'
         expr = expr if self.kind == "fault" or self.level == "global" else q.fresh(expr)
         if self.compares_ranks:
@@ -197,6 +201,15 @@ def steps_judged(r: RankReport, t: dict[str, float]) -> bool:
     """The rank's window of steps may be judged (as :meth:`Q.stepping`): it steps with one
     process over the window, still runs, and no step of it is held far past its pace."""
     return r.stepping and not gone(r, t) and not r.restarts_recent and not held(r, t)
+
+
+def stray_gpus(r: RankReport, t: dict[str, float]) -> set[str]:
+    """The GPUs where the rank is a stray context: it does under ``stray_share`` of the work
+    its processes do there while doing ``stray_own_share`` or more of another GPU's (as
+    :attr:`Q.stray`). A rank starved on its only GPU is no stray there."""
+    if not r.gpu_share or max(r.gpu_share.values()) < t["stray_own_share"]:
+        return set()
+    return {g for g, s in r.gpu_share.items() if s < t["stray_share"]}
 
 
 def held(r: RankReport, t: dict[str, float]) -> bool:
@@ -1462,7 +1475,9 @@ class LowMFU(Heuristic):
               "ops.")
     fires_when = ("busy >= {mfu_busy_above} and MFU < {mfu_low}, where the client reports "
                   "FLOPs, {for}")
-    why = ("The rank's GPUs are busy at least {mfu_busy_above} of the time, yet its model's "
+    why = ("The GPUs the rank works on are busy at least {mfu_busy_above} of the time (a GPU "
+           "where it does under {stray_share} of the work, a stray context's, left out), "
+           "yet its model's "
            "FLOPs per second are under {mfu_low} of their dense peak at the precision it "
            "trains in: the kernels run, but slowly (small or unfused ops, FP32 where bf16 "
            "would do, memory-bound work). torchtitan reaches 33-39 % for Llama 3.1 8B on "
@@ -1481,14 +1496,18 @@ class LowMFU(Heuristic):
 
     def rules(self, q: Q) -> list[dict]:
         t = q.t
+        # the mean over the GPUs the rank works on: a stray context's GPU is not its to keep
+        # busy (a rank at 95 % on its GPU with an idle stray one read 47.5 %)
+        busy = f"avg by ({q.rank}) ({q.busy} unless on ({q.rank}, gpu, uuid) {q.stray})"
         return [self.rule(q, "info", f"""run_rank:gputrain_training_mfu:ratio_rate5m < {t['mfu_low']}
-            and on ({q.rank}) {q.rank_busy} >= {t['mfu_busy_above']}""",
+            and on ({q.rank}) {busy} >= {t['mfu_busy_above']}""",
             f"""{q.who} reaches {{{{ $value | humanizePercentage }}}} model FLOPs utilisation
             (under {t['mfu_low']}) while its GPUs are busy {t['mfu_busy_above']} or more of the
             time.""")]
 
     def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
-        busy = mean([g.busy for g in r.gpus])
+        stray = stray_gpus(r, t)
+        busy = mean([g.busy for g in r.gpus if g.gpu not in stray])
         if _v(r.mfu, "<", t["mfu_low"]) and _v(busy, ">=", t["mfu_busy_above"]):
             return f"MFU {percent(r.mfu)} while the GPUs are busy {percent(busy)}"
         return None
@@ -2042,18 +2061,13 @@ class StrayCudaContext(Heuristic):
 
     def rules(self, q: Q) -> list[dict]:
         t = q.t
-        return [self.rule(q, "info", f"""{GPU_HELD} > 0
-            and on ({q.rank}, gpu, uuid) ({GPU_SHARE} < {t['stray_share']})
-            and on ({q.rank}) (max by ({q.rank}) ({GPU_SHARE}) >= {t['stray_own_share']})""",
+        return [self.rule(q, "info", f"""{GPU_HELD} > 0 and on ({q.rank}, gpu, uuid) {q.stray}""",
             f"""{q.who} holds {{{{ $value | humanize1024 }}}}B on GPU {{{{ $labels.gpu }}}},
             where its processes do under {t['stray_share']} of the work: a stray CUDA
             context.""")]
 
     def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
-        if not r.gpu_share or max(r.gpu_share.values()) < t["stray_own_share"]:
-            return None
-        stray = sorted((g for g, s in r.gpu_share.items()
-                        if s < t["stray_share"] and (r.gpu_memory_held.get(g) or 0) > 0),
+        stray = sorted((g for g in stray_gpus(r, t) if (r.gpu_memory_held.get(g) or 0) > 0),
                        key=lambda g: (len(g), g))
         if not stray:
             return None

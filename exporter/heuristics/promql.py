@@ -439,7 +439,6 @@ class Q:
     wait = "run_rank:gputrain_training_data_wait_ratio:rate5m"
     comm = "run_rank:gputrain_training_comm_exposed_ratio:rate5m"  # where it is measured
     busy = "run_rank_gpu:gputrain_gpu_busy_ratio:rate5m"  # each GPU of a rank
-    rank_busy = "run_rank:gputrain_gpu_busy_ratio:avg5m"  # the mean over a rank's GPUs
     steps = "run_rank:gputrain_training_steps:rate5m"
 
     def __init__(self, cfg: dict, ids: Identity) -> None:
@@ -453,6 +452,16 @@ class Q:
         self.node_gpu = f"GPU {{{{ $labels.gpu }}}} on {self.where}"
         self.on_node = f"on ({ids.node}) group_left"
         self.fault = WINDOWS["fault"]
+
+    @property
+    def stray(self) -> str:
+        """Of each rank, the GPUs where it is a stray context: it does under ``stray_share``
+        of the work its processes do there while doing ``stray_own_share`` or more of another
+        GPU's (as :func:`exporter.heuristics.catalogue.stray_gpus`). A rank starved on its only
+        GPU is no stray there: that GPU is still its own."""
+        share = BY_FIELD["gpu_share"].record
+        return (f"({share} < {self.t['stray_share']} and on ({self.rank}) "
+                f"(max by ({self.rank}) ({share}) >= {self.t['stray_own_share']}))")
 
     def stepping(self, expr: str) -> str:
         """``expr`` (of a rank, or of a rank's GPUs) only while the rank steps, with one
