@@ -40,8 +40,10 @@ class Rig:
         self.driver = FakeDriver(gpus, clock=clock, **driver)
         self.clock = clock
         self.backend = NvmlBackend(Nvml(self.driver.binding), clock=clock)
+        # the fake driver answers at once, but a loaded machine may not run a read within
+        # 0.8 of a 0.1 s interval of real time; a cycle's readings are its own here
         self.sampler = Sampler(self.backend, None, interval=interval,
-                               collectors={"gpu"}, clock=clock)
+                               collectors={"gpu"}, clock=clock, read_wait=60.0)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(GpuCollector(lambda: self.sampler.snapshot, peaks))
         self.registry.register(SelfCollector(lambda: self.sampler.snapshot))

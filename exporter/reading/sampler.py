@@ -149,7 +149,9 @@ def _delta(current: float | None, previous: float | None) -> float:
 
 class Sampler:
     """Reads GPUs (unless ``gpu`` is not in ``collectors``) and every host collector given,
-    every ``interval`` seconds, in a daemon thread."""
+    every ``interval`` seconds, in a daemon thread. A cycle waits ``read_wait`` seconds (real
+    time; 0.8 of the interval unless given) for the GPUs' reads; a read that takes longer is
+    taken in by a later cycle."""
 
     def __init__(
         self,
@@ -159,10 +161,12 @@ class Sampler:
         collectors: set[str] | frozenset[str] | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        read_wait: float | None = None,
     ) -> None:
         self.backend = backend
         self.host = tuple(host or ())
         self.interval = interval
+        self.read_wait = 0.8 * interval if read_wait is None else read_wait
         self.collectors = set(collectors) if collectors is not None else {
             "gpu", *(c.name for c in self.host)}
         self._clock = clock
@@ -391,7 +395,7 @@ class Sampler:
             started.append(slot)
         waiting = [s.pending for s in self._slots if s.pending is not None]
         if waiting:
-            wait_futures(waiting, timeout=self.interval * 0.8)
+            wait_futures(waiting, timeout=self.read_wait)
         for slot in self._slots:
             fut = slot.pending
             if fut is None:

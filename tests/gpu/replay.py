@@ -221,14 +221,15 @@ def status_agreement(recording: Path, status: dict) -> tuple[list, list]:
     return page, told
 
 
-def explain(recording: Path, series: list[str], hold: float = 30.0) -> str:
+def explain(recording: Path, series: list[str], hold: float = 30.0,
+            warmup: float = 10.0) -> str:
     """Each recorded series of ``series`` (the shipped rules' expressions, inlined) at the
     times :func:`replay` judges, and how many scrapes that span holds: why a verdict held or
     did not, in words for a failing test."""
     groups = yaml.safe_load((ROOT / "alerts" / "gputrain.rules.yml").read_text())["groups"]
     records = {r["record"]: r["expr"] for g in groups for r in g["rules"] if "record" in r}
     with tempfile.TemporaryDirectory() as tmp:
-        r = Replay(recording, Path(tmp))
+        r = Replay(recording, Path(tmp), warmup)
         try:
             times = r.judged_times(hold)
             lines = [f"judged at {len(times)} times over {times[-1] - times[0]:.0f} s of a "
@@ -242,10 +243,11 @@ def explain(recording: Path, series: list[str], hold: float = 30.0) -> str:
             r.stop()
 
 
-def replay(recording: Path, rules_text: str | None = None, hold: float = 30.0) -> dict:
+def replay(recording: Path, rules_text: str | None = None, hold: float = 30.0,
+           warmup: float = 10.0) -> dict:
     rules_text = rules_text or (ROOT / "alerts" / "gputrain.rules.yml").read_text()
     with tempfile.TemporaryDirectory() as tmp:
-        r = Replay(recording, Path(tmp))
+        r = Replay(recording, Path(tmp), warmup)
         try:
             return r.firing(rules_text, hold)
         finally:
