@@ -423,6 +423,11 @@ RANK_BUSY_AVG = "run_rank:gputrain_gpu_busy_ratio:avg5m"
 COMM_BYTES = "run_rank:gputrain_training_comm_bytes:rate5m"
 ENERGY_PER_SAMPLE = "run_rank:gputrain_training_energy_joules_per_sample:rate5m"
 CPU_CORES = "run_rank:gputrain_training_process_cpu_cores:rate5m"
+# the two guards most alerts hold (Q.stepping, Q.fresh), recorded once an evaluation
+# (Q.guards) rather than written into each alert: at 400 fleet nodes the straggler alert,
+# which held the first twelve times, took 2.62 s a pass, 0.67 s reading it recorded
+STEPPING = "run_rank:gputrain_training_stepping:bool"
+STALENESS = "instance:gputrain_collector_age:max_intervals"
 
 
 def _rec(name: str, expr: str) -> dict:
@@ -464,17 +469,30 @@ class Q:
                 f"(max by ({self.rank}) ({share}) >= {self.t['stray_own_share']}))")
 
     def stepping(self, expr: str) -> str:
-        """``expr`` (of a rank, or of a rank's GPUs) only while the rank steps, with one
-        process over the rate window, and still runs: a run whose steps stopped while its GPUs
-        spin is stalled, and nothing else holds for it; rates across a restart are no
-        bottleneck; a rank that said goodbye, or went silent, left only history behind; and
-        one whose step in progress has run past the floor of the hung limit and twice its
-        process's mean step is judged on that step, not on the window's rates of steps that no longer come."""
-        return (f"({expr}) and on ({self.rank}) ({self.steps} > 0) unless on ({self.rank}) "
+        """``expr`` (of a rank, or of a rank's GPUs) only while the rank steps
+        (:attr:`stepping_ranks`, recorded once as :data:`STEPPING`)."""
+        return f"({expr}) and on ({self.rank}) {STEPPING}"
+
+    @property
+    def stepping_ranks(self) -> str:
+        """The ranks that step, with one process over the rate window, and still run: a run
+        whose steps stopped while its GPUs spin is stalled, and nothing else holds for it;
+        rates across a restart are no bottleneck; a rank that said goodbye, or went silent,
+        left only history behind; and one whose step in progress has run past the floor of
+        the hung limit and twice its process's mean step is judged on that step, not on the
+        window's rates of steps that no longer come."""
+        return (f"({self.steps} > 0) unless on ({self.rank}) "
                 f"({self.ended} or "
                 f"run_rank:gputrain_training_restarts:resets5m > 0 or "
                 f"{OPEN} > {self.t['hung_min_seconds']} and on ({self.rank}) "
                 f"{OPEN} > 2 * {TYPICAL})")
+
+    def guards(self) -> list[dict]:
+        """The recording rules :meth:`stepping` and :meth:`fresh` read, last in the recording
+        group (after every series they read), at the node level (the global alerts read the
+        shards' results)."""
+        return [_rec(STEPPING, self.stepping_ranks),
+                _rec(STALENESS, f"max by ({self.node}) ({collector_age(self.s, self.ids)})")]
 
     @property
     def ended(self) -> str:
@@ -532,9 +550,9 @@ class Q:
 
     def fresh(self, expr: str) -> str:
         """``expr`` only where no collector of its node is stale: nothing but a fault is
-        judged on frozen readings."""
-        return (f"({expr}) unless on ({self.node}) (max by ({self.node}) "
-                f"({collector_age(self.s, self.ids)}) > {self.t['stale_intervals']})")
+        judged on frozen readings (its oldest collector's age in sampler intervals, recorded
+        once as :data:`STALENESS`)."""
+        return f"({expr}) unless on ({self.node}) ({STALENESS} > {self.t['stale_intervals']})"
 
     def outside_steps(self) -> str:
         """Of each rank, the seconds a second in phases outside steps (an evaluation, a

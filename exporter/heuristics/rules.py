@@ -87,7 +87,8 @@ def groups(overrides: dict | None = None, level: str = "all") -> list[dict]:
         out.append({"name": "gputrain.liveness", "interval": cfg["liveness_interval"],
                     "rules": [r for r in recorded if r["record"] in LIVENESS]})
         out.append({"name": "gputrain.recording", "interval": cfg["recording_interval"],
-                    "rules": [r for r in recorded if r["record"] not in LIVENESS]})
+                    "rules": [r for r in recorded if r["record"] not in LIVENESS]
+                    + q.guards()})
         out.append({"name": "gputrain.alerts", "rules": [
             rule for e in CATALOGUE if e.level == "node" for rule in e.rules(q)]})
     if level in ("all", "global"):
