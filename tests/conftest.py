@@ -438,6 +438,17 @@ def update_golden(request) -> bool:
     return bool(request.config.getoption("--update-golden") or os.environ.get("UPDATE_GOLDEN"))
 
 
+def series_parts(selector: str) -> dict[str, str]:
+    """PromQL counting the series of one rank, one GPU and one node among ``selector``'s: a
+    rank's series carry ``rank``; a GPU's ``gpu`` and no ``rank``; the node's neither (the
+    sizes of tests/test_scaleout.py and bench/bench_fleet.py)."""
+    return {
+        "rank": f'count by (instance, run, rank) ({{{selector}, rank!=""}})',
+        "gpu": f'count by (instance, gpu) ({{{selector}, gpu!="", rank=""}})',
+        "node": f'count by (instance) ({{{selector}, gpu="", rank=""}})',
+    }
+
+
 # What a test (or a fixture or module helper it uses) does that makes it an integration test:
 # it starts a process, a server or a socket of its own.
 _STARTS = ("Daemon(", "Prometheus(", "Alertmanager(", "Webhook(", "subprocess.", "Popen(",
@@ -487,7 +498,8 @@ def _starts_something(func, module, depth: int = 3, seen: set | None = None) -> 
 
 # the test files that take longest, longest first (bench/RESULTS.md, "The suite's time")
 SLOW_FIRST = ("test_hangs.py", "test_comm.py", "test_location.py", "test_regime.py",
-              "test_rules.py", "test_agreement.py", "test_scaleout.py", "test_stacks.py",
+              "test_rules.py", "test_agreement.py", "test_scaleout.py", "test_fleet.py",
+              "test_stacks.py",
               "test_tour.py", "test_abuse.py", "test_profile.py", "test_page.py",
               "test_exit.py", "test_accuracy.py")
 

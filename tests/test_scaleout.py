@@ -41,6 +41,7 @@ from conftest import (
     Webhook,
     free_port,
     require_binary,
+    series_parts,
     stop_all,
     synthetic_client,
     wait_until,
@@ -368,13 +369,8 @@ def test_sizes_at_the_global_layer(world):
     a1 = world["shards"]["a1"]
 
     def counts(prom_query, selector: str) -> dict[str, float]:
-        parts = {
-            "rank": f'count by (instance, run, rank) ({{{selector}, rank!=""}})',
-            "gpu": f'count by (instance, gpu) ({{{selector}, gpu!="", rank=""}})',
-            "node": f'count by (instance) ({{{selector}, gpu="", rank=""}})',
-        }
         out = {}
-        for part, q in parts.items():
+        for part, q in series_parts(selector).items():
             values = [float(r["value"][1]) for r in prom_query(q)]
             assert values, q
             out[part] = max(values)
