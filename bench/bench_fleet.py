@@ -69,9 +69,7 @@ DCGM_DCP_INCLUDED = {  # etc/dcp-metrics-included.csv @ 084a245dc715966ea2c72b00
 PRODUCTION = F.Timings(scrape="15s", evaluation="30s", recording="30s", liveness="10s",
                        for_="1m", latency_offset="30s", refresh=1.0)
 RAW = '__name__=~"gputrain_.+|up|scrape_.+"'
-# the shipped rules' results; the proposals' own two series (a third vmalert, below) apart
-RECORDED = ('__name__=~".+:.+", __name__!~"run_rank:gputrain_training_stepping:rate5m|'
-            'instance:gputrain_collector_age:max_intervals"')
+RECORDED = '__name__=~".+:.+"'  # the rules' results
 
 
 # --------------------------------------------------------------------------------------------
@@ -124,13 +122,10 @@ def machine_cpu() -> tuple[float, float]:
 class Snapshot:
     """What the window's figures are differences of."""
 
-    def __init__(self, fleet: F.Fleet, proposal: Any = None) -> None:
+    def __init__(self, fleet: F.Fleet) -> None:
         self.at = time.time()
         self.usage: dict[str, tuple[float, int]] = {}
         parts = fleet.processes()
-        if proposal is not None:
-            parts["vmalert-proposal"] = [proposal.proc.pid]
-        self.proposal = F.metrics(proposal.url) if proposal is not None else {}
         for part, pids in parts.items():
             cpu, rss = 0.0, 0
             for pid in pids:
@@ -217,53 +212,10 @@ def probe(url: str, rule_files: dict[str, Path], at: float) -> list[dict]:
 
 # ---- what the measurement proposes: two guards every alert repeats, recorded once instead
 
-STEPPING = "run_rank:gputrain_training_stepping:rate5m"
-STALENESS = "instance:gputrain_collector_age:max_intervals"
-
-
-def proposals(thresholds_file: Path) -> tuple[list[dict], list[tuple[str, str]]]:
-    """The proposed recording rules, and the (text, replacement) pairs that rewrite the
-    shipped alerts to read them. Q.stepping() (a rank steps, with one process, and runs)
-    is written out in full in 18 node alerts and 16 times in the global ones (12 times in
-    GpuTrainStragglerRank alone); Q.fresh() (no collector of the node is stale) in 26 node
-    alerts. Each is evaluated anew at every evaluation of every alert that holds it."""
-    import yaml
-
-    from exporter.heuristics.promql import Q, identity
-    from exporter.heuristics.rules import settings
-
-    cfg = settings(yaml.safe_load(thresholds_file.read_text()))
-    q = Q(cfg, identity(cfg))
-    stepping_tail = q.stepping("X")[len("(X)"):]  # " and on (R) (S > 0) unless on (R) (G)"
-    guard = stepping_tail.split(" unless on ", 1)[1]
-    fresh_tail = q.fresh("X")[len("(X)"):]  # " unless on (N) (max by (N) (AGE) > T)"
-    age, limit = fresh_tail.split(" (max by ", 1)[1].rsplit(" > ", 1)
-    rules = [{"record": STEPPING, "expr": f"({q.steps} > 0) unless on {guard}"},
-             {"record": STALENESS, "expr": f"max by {age}"}]
-    rewrites = [(stepping_tail, f" and on ({q.rank}) {STEPPING}"),
-                (fresh_tail, f" unless on ({q.node}) ({STALENESS} > {limit[:-1]})")]
-    return rules, rewrites
-
-
-def proposal_ruler(fleet: F.Fleet) -> Any:
-    """A third vmalert evaluating the proposed recording rules into VictoriaMetrics, at the
-    liveness interval (so that the alerts reading them lag the raw series by at most that)."""
-    import yaml
-
-    c = F._conftest()
-    rules, _ = proposals(fleet.rules["thresholds"])
-    d = fleet.tmp / "vmalert-proposal"
-    d.mkdir()
-    (d / "rules.yml").write_text(yaml.safe_dump({"groups": [{
-        "name": "gputrain.proposed", "interval": fleet.timings.liveness, "rules": rules}]}))
-    port = c.free_port()
-    server = c.Server([c.require_binary("vmalert", package="victoria-metrics"),
-                       f"-rule={d / 'rules.yml'}", f"-datasource.url={fleet.vm.url}",
-                       f"-remoteWrite.url={fleet.vm.url}", f"-httpListenAddr=127.0.0.1:{port}",
-                       f"-remoteWrite.flushInterval={fleet.timings.flush}"],
-                      d, f"http://127.0.0.1:{port}", "/health")
-    fleet.started.append(server)
-    return server.start()
+# the two guards a run before 2026-11-29 03:40 recorded with a third vmalert, as a proposal
+# (since shipped, in the recording group): --fit takes them out of such a run's results
+PROPOSED = ("run_rank:gputrain_training_stepping:rate5m",
+            "instance:gputrain_collector_age:max_intervals")
 
 
 def timed(url: str, expr: str, at: float, repeats: int = 3) -> tuple[float, list]:
@@ -279,37 +231,6 @@ def timed(url: str, expr: str, at: float, repeats: int = 3) -> tuple[float, list
         best = min(best, time.perf_counter() - t)
         result = body.get("data", {}).get("result", [])
     return best, result
-
-
-def proposal_probe(url: str, rule_files: dict[str, Path], at: float) -> dict:
-    """Every alert the proposals change, shipped and rewritten, at ``at`` (both read the same
-    samples): the cost of each, and whether they answer alike."""
-    import yaml
-
-    rules, rewrites = proposals(rule_files["thresholds"])
-    out: dict[str, Any] = {"rules": [], "added": []}
-    for rule in rules:
-        took, res = timed(url, rule["expr"], at)
-        out["added"].append({"record": rule["record"], "seconds": took, "series": len(res)})
-    for level in ("node", "global"):
-        for g in yaml.safe_load(rule_files[level].read_text())["groups"]:
-            for i, rule in enumerate(g["rules"]):
-                if "alert" not in rule:
-                    continue
-                new = rule["expr"]
-                for text, replacement in rewrites:
-                    new = new.replace(text, replacement)
-                if new == rule["expr"]:
-                    continue
-                before, a = timed(url, rule["expr"], at)
-                after, b = timed(url, new, at)
-                same = sorted(json.dumps(x["metric"], sort_keys=True) for x in a) == sorted(
-                    json.dumps(x["metric"], sort_keys=True) for x in b)
-                out["rules"].append({"level": level, "index": i, "alert": rule["alert"],
-                                     "before_s": before, "after_s": after, "same": same,
-                                     "series": len(a), "chars_before": len(rule["expr"]),
-                                     "chars_after": len(new)})
-    return out
 
 
 def rate(a: dict, b: dict, seconds: float, name: str, **labels: str) -> float:
@@ -357,7 +278,6 @@ def run(ns: argparse.Namespace) -> dict:
     started = time.time()
     fleet = F.start_pipeline(tmp, plan, t, finish_steps=finish, shard_nodes=ns.shard_nodes,
                              vmalert_queue=ns.vmalert_queue)
-    proposal = proposal_ruler(fleet) if ns.proposals else None
     up_after = time.time() - started
     print(f"{ns.nodes} nodes up after {up_after:.0f} s ({tmp})", flush=True)
     rules = RuleTimes()
@@ -377,14 +297,14 @@ def run(ns: argparse.Namespace) -> dict:
                     else:
                         fleet.start_late()
             if a is None and now >= warm:
-                a = Snapshot(fleet, proposal)
+                a = Snapshot(fleet)
             if a is not None:
                 rules.poll(fleet.node_ruler.url, "vmalert-node")
                 rules.poll(fleet.global_ruler.url, "vmalert-global")
                 if fleet.shard is not None:
                     rules.poll(fleet.shard.url, "prometheus-shard")
             time.sleep(min(10.0, max(0.0, end - time.time())))
-        b = Snapshot(fleet, proposal)
+        b = Snapshot(fleet)
         assert a is not None
         # the planted alerts may still be on their way (for: 1m behind 30 s of latency offset)
         deadline = time.time() + ns.grace
@@ -400,14 +320,12 @@ def run(ns: argparse.Namespace) -> dict:
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        for server in (fleet.vmagent, fleet.node_ruler, fleet.global_ruler, proposal,
+        for server in (fleet.vmagent, fleet.node_ruler, fleet.global_ruler,
                        fleet.shard, *fleet.daemons.values()):
             if server is not None:
                 server.stop()
         at = quiet - 40  # past the latency offset: every sample of the run is visible
         figures["probes"] = probe(fleet.vm.url, fleet.rules, at) if ns.probe else []
-        figures["proposals"] = (proposal_probe(fleet.vm.url, fleet.rules, at)
-                                if ns.proposals else {})
     finally:
         fleet.stop()
     return {"date": time.strftime("%Y-%m-%d %H:%M"), "nodes": ns.nodes,
@@ -433,17 +351,14 @@ def measure(fleet: F.Fleet, plan: F.Plan, a: Snapshot, b: Snapshot, rules: RuleT
     rec_parts = counts(vm, f'{RECORDED}, {healthy}')
     by_name = {r["metric"]["__name__"]: float(r["value"][1]) for r in F.query(
         vm, f'count by (__name__) ({{{RECORDED}}})')}
-    proposed = {r["metric"]["__name__"]: float(r["value"][1]) for r in F.query(
-        vm, f'count by (__name__) ({{__name__=~"{STEPPING}|{STALENESS}"}})')}
+    proposed: dict[str, float] = {}  # nothing beside the shipped rules (normalize)
     raw_by_name = {r["metric"]["__name__"]: float(r["value"][1]) for r in F.query(
         vm, f'count by (__name__) ({{job="gputrain", {RAW}}})')}
     usage = {part: {"cpu_cores": round((b.usage[part][0] - a.usage[part][0]) / seconds, 4),
                     "rss_bytes": b.usage[part][1]}
              for part in b.usage if part in a.usage}
     busy = (b.machine[0] - a.machine[0]) / (b.machine[1] - a.machine[1])
-    # less what the proposals' vmalert wrote (not part of the shipped pipeline)
-    proposed_rows = rate(a.proposal, b.proposal, seconds, "vmalert_remotewrite_sent_rows_total")
-    rows_in = rate(a.vm, b.vm, seconds, "vm_rows_inserted_total") - proposed_rows
+    rows_in = rate(a.vm, b.vm, seconds, "vm_rows_inserted_total")
     raw_rows = rate(a.vmagent, b.vmagent, seconds, "vmagent_remotewrite_block_size_rows_sum")
     rec_rows = rate(a.node_ruler, b.node_ruler, seconds, "vmalert_remotewrite_sent_rows_total")
     glob_rows = rate(a.global_ruler, b.global_ruler, seconds,
@@ -476,7 +391,7 @@ def measure(fleet: F.Fleet, plan: F.Plan, a: Snapshot, b: Snapshot, rules: RuleT
                    "vm_active": F.total(vmm, "vm_cache_entries",
                                         type="storage/hour_metric_ids")},
         "samples_per_s": {"ingested": rows_in, "raw": raw_rows, "recorded": rec_rows,
-                          "global_ruler": glob_rows, "proposals (not counted)": proposed_rows},
+                          "global_ruler": glob_rows},
         "remote_write": {"raw_bytes_per_node_min": raw_bytes * 60 / live,
                          "results_bytes_per_node_min": rec_bytes * 60 / live,
                          "raw_bytes_per_sample": raw_bytes / raw_rows if raw_rows else None,
@@ -666,14 +581,13 @@ def normalize(r: dict) -> dict:
     s = r["series"]
     if "proposed" in s:
         return r
-    names = (STEPPING, STALENESS)
-    proposed = {k: s["recorded_by_rule"].pop(k) for k in names if k in s["recorded_by_rule"]}
+    proposed = {k: s["recorded_by_rule"].pop(k) for k in PROPOSED if k in s["recorded_by_rule"]}
     s["proposed"] = proposed
     s["recorded"] -= sum(proposed.values())
     s["recorded_per_node"] = s["recorded"] / r["nodes_live"]
-    if STEPPING in proposed:
+    if PROPOSED[0] in proposed:
         s["recorded_parts"]["rank"] -= 1
-    if STALENESS in proposed:
+    if PROPOSED[1] in proposed:
         s["recorded_parts"]["node"] -= 1
     rows = sum(proposed.values()) / 10.0
     r["samples_per_s"]["ingested"] -= rows
@@ -792,9 +706,6 @@ def main() -> None:
                    help="the node vmalert's -remoteWrite.maxQueueSize (default: vmalert's)")
     p.add_argument("--no-probe", dest="probe", action="store_false",
                    help="skip timing each rule's query against VictoriaMetrics at the end")
-    p.add_argument("--no-proposals", dest="proposals", action="store_false",
-                   help="skip the proposed recording rules (a third vmalert) and the timing of "
-                        "the alerts rewritten to read them")
     p.add_argument("--nice", type=int, default=10)
     p.add_argument("--out", type=Path, help="write the figures here (JSON)")
     p.add_argument("--fit", type=Path, nargs="+", help="runs' JSON: slopes and extrapolation")

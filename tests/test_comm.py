@@ -116,6 +116,9 @@ HEAVY = ["--width", "2048", "--layers", "6", "--batch", "4", "--bucket-cap-mb", 
 # 1 MB of gradients, much more compute: at batch 1024 (12 ms of compute a step) a partner
 # descheduled for a few ms on a loaded machine read as 20 %+ exposed communication
 LIGHT = ["--width", "256", "--layers", "4", "--batch", "4096"]
+# the straggler's run: little compute (batch 1024), so that the 0.3 s one rank sleeps is its
+# step's difference (at 4096 a loaded machine's scheduling named the other rank)
+SLOWED = ["--width", "256", "--layers", "4", "--batch", "1024"]
 
 
 class Run:
@@ -346,7 +349,7 @@ def test_the_rank_slowed_on_purpose_is_the_only_straggler(stack):
     """Rank 1 computes 0.3 s longer each step; rank 0 waits for it in the all-reduce. Rank 1,
     which waits least, is the straggler on the page, in diagnose and in the alert; rank 0,
     which waits, never is, and its wait (for rank 1) is not called communication-bound."""
-    res = _judge_live(stack, "slowed", *LIGHT, "--steps", "4", "--slow-rank", "1",
+    res = _judge_live(stack, "slowed", *SLOWED, "--steps", "4", "--slow-rank", "1",
                       "--slow-seconds", "0.3", settled=_named("straggler"))
     page, diag = res["page"], res["diagnose"]
 
