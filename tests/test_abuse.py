@@ -625,7 +625,9 @@ def test_a_keep_alive_flood_from_one_address_gets_an_answer_for_every_push(limit
         t.join(timeout=120)
     cuts = {k: v for k, v in codes.items() if not isinstance(k, int)}
     assert not cuts, f"pushes cut without an answer: {cuts} (answers: {codes})"
-    assert set(codes) <= {200, 503}, codes
+    # served, refused for room, or (a client starved of CPU beside CI's burners sending its
+    # body too slowly: one push in 3,533 seen) timed out: each an answer
+    assert set(codes) <= {200, 503, 408} and codes.get(408, 0) <= codes[200] // 100, codes
     assert codes.get(503), f"the flood never filled the address's share: {codes}"
     assert no_retry_after[0] == 0
     assert pushed(d, "200") == codes[200]
