@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -119,8 +119,10 @@ def self_signed_cert(directory: Path, alt_name: str) -> tuple[Path, Path]:
     return cert, key
 
 
-def wait_until(predicate, timeout: float = 30.0, interval: float = 0.2, what: str = "condition"):
-    """Poll until predicate() returns a truthy value; fail the test after timeout seconds."""
+def wait_until(predicate, timeout: float = 30.0, interval: float = 0.2,
+               what: str | Callable[[], str] = "condition"):
+    """Poll until predicate() returns a truthy value; fail the test after timeout seconds.
+    ``what`` may be a callable, called only on failure (a log read when the wait gave up)."""
     deadline = time.monotonic() + timeout
     last_exc: Exception | None = None
     while time.monotonic() < deadline:
@@ -131,6 +133,8 @@ def wait_until(predicate, timeout: float = 30.0, interval: float = 0.2, what: st
         except Exception as exc:  # not ready yet
             last_exc = exc
         time.sleep(interval)
+    if callable(what):
+        what = what()
     raise AssertionError(f"timed out after {timeout}s waiting for {what}"
                          + (f" (last error: {last_exc})" if last_exc else ""))
 
@@ -166,8 +170,19 @@ class Daemon:
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(self.args, cwd=ROOT, env=self.env, stdout=self._log,
                                      stderr=subprocess.STDOUT)
-        wait_until(lambda: requests.get(self.url + "/healthz", timeout=1).status_code == 200,
-                   timeout=20, what=f"the exporter on {self.url} (log: {self.log_text()})")
+        # a generous bound: a daemon starts in well under a second, but on a CI machine with
+        # every core taken by torch ranks it has been seen to take over 20 s; one that exits
+        # fails at once, with its log
+        proc = self.proc
+
+        def up() -> bool:
+            if proc.poll() is not None:
+                # pytest.fail is no Exception: wait_until's retry does not swallow it
+                pytest.fail(f"the exporter exited ({proc.returncode}): {self.log_text()}")
+            return requests.get(self.url + "/healthz", timeout=2).status_code == 200
+
+        wait_until(up, timeout=90,
+                   what=lambda: f"the exporter on {self.url} (log: {self.log_text()!r})")
         return self
 
     def stop(self) -> None:
