@@ -88,7 +88,7 @@ def over_http(ranks: int, n: int, spacing: float) -> dict[str, list[float]]:
 def in_process(ranks: int, cycles: int) -> dict[str, float]:
     """The history's cost per sampler cycle, a document build, and the history's memory once
     its window is full, with ``ranks`` live and pushing every 5 s (in-process, demo GPUs)."""
-    now = [1_000_000.0]
+    now = [time.time()]  # the pushes carry wall-clock timestamps: the clock they are checked by
     sampler = Sampler(DemoBackend(8), host_collectors(), interval=1.0)
     store = IngestStore(max_series=max(ranks, 1), clock=lambda: now[0],
                         wall_clock=lambda: now[0])
