@@ -1,4 +1,4 @@
-"""diagnose and the alerts cannot disagree.
+"""diagnose and the alerts cannot disagree, nor the PromQL evaluator and Prometheus.
 
 Every promtool case and seed scenario of tests/rule_cases.py (their expected alerts are checked
 by promtool in test_rules.py), plus cases on the thresholds' boundaries, is backfilled into one
@@ -8,13 +8,18 @@ case fires (the verdict and its `also:` findings), `underutilized` where only
 GpuTrainGPUUnderutilized fires, and `ok` only where nothing fires. The alerts are every rule's
 condition, recording rules inlined, at the same time in the same Prometheus; that they match
 each case's promtool expectations is test_rules.py's job.
+
+Every query Prometheus answered there is then asked of the PromQL evaluator
+(exporter/heuristics/evaluator.py) over the same samples: the same label sets and values.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import math
 import re
+import time
 from dataclasses import asdict
 
 import pytest
@@ -23,7 +28,8 @@ from conftest import ROOT, require_binary
 from gpu.replay import Backfilled, inline_alerts, openmetrics_text
 
 from exporter.heuristics.catalogue import BY_ALERT, BY_VERDICT
-from exporter.heuristics.diagnose import diagnose, json_document
+from exporter.heuristics.diagnose import Prometheus, PrometheusError, diagnose, json_document
+from exporter.heuristics.evaluator import Engine, QueryError, Store, labels_of
 from exporter.heuristics.readings import READINGS
 from exporter.heuristics.rules import DEFAULTS
 from exporter.heuristics.verdict import NOTES, STATUS, STATUS_OF, RankReport, judge, visibility
@@ -105,21 +111,42 @@ def backfilled(tmp_path_factory):
     prom.stop()
 
 
+# every query Prometheus answered for `results`, by evaluation time (unix seconds): the
+# evaluator is held to them (test_the_evaluator_answers_every_query_as_prometheus_did)
+ANSWERED: dict[int, dict[str, dict[tuple, float]]] = {}
+
+
+def answers(result: list[tuple[dict[str, str], float]]) -> dict[tuple, float]:
+    return {labels_of(labels): value for labels, value in result}
+
+
 @pytest.fixture(scope="module")
 def results(backfilled):
     """By job and evaluation time: diagnose --json's reports, and every alert rule's condition
     (recording rules written inline) with the label sets it holds for."""
     rules_text = (ROOT / "alerts" / "gputrain.rules.yml").read_text()
     out: dict[str, tuple[list[dict], list[tuple[str, dict]]]] = {}
+    asked = Prometheus.query
+
+    def noted(self: Prometheus, expr: str) -> list[tuple[dict[str, str], float]]:
+        result = asked(self, expr)
+        ANSWERED.setdefault(int(str(self.at)), {})[expr] = answers(result)
+        return result
+
     for at in sorted({t for c in CASES for t in (c.fire_at, c.quiet_at) if t}):
         t = BASE + duration(at)
         # diagnose in this process (what `diagnose --json --time T` prints; test_diagnose runs
         # the command): a process per evaluation time only added its start
-        doc = json.loads(json.dumps(json_document(*diagnose(backfilled.url, at=str(t)))))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(Prometheus, "query", noted)
+            doc = json.loads(json.dumps(json_document(*diagnose(backfilled.url, at=str(t)))))
         for rep in doc["ranks"]:
             out.setdefault(f"{rep['job']}@{at}", ([], []))[0].append(rep)
         for alert in inline_alerts(rules_text):
-            for series in backfilled.query(alert["inlined"], t):
+            found = backfilled.query(alert["inlined"], t)
+            ANSWERED[t][alert["inlined"]] = {labels_of(x["metric"]): float(x["value"][1])
+                                             for x in found if x["value"][1] != "NaN"}
+            for series in found:
                 labels = series["metric"]
                 # a run's alert spans jobs (a run's ranks may be scraped under several): it
                 # goes to every case, whose ranks it names by their (unique) run
@@ -298,3 +325,116 @@ def test_diagnose_says_whether_the_tree_or_the_node_loses_the_memory(results):
     assert "proportional (PSS) memory grows 200 MiB/min" in leak(reports["pss"])
     for run in ("loaded", "slow", "shared"):
         assert leak(reports[run]) is None, (run, reports[run]["reason"])
+
+
+# --- the PromQL evaluator (exporter/heuristics/evaluator.py) answers as Prometheus did --------
+
+_LINE = re.compile(r'^([a-zA-Z_:][\w:]*)\{(.*)\} (\S+) (\d+)$')
+TIMES = sorted({BASE + duration(t) for c in CASES for t in (c.fire_at, c.quiet_at) if t})
+
+
+@pytest.fixture(scope="module")
+def store() -> Store:
+    """The backfill's samples, in an evaluator's store (no staleness: a backfill has none)."""
+    rows = []
+    for line in openmetrics(CASES).splitlines():
+        m = _LINE.match(line)
+        if m:
+            name, labels, value, t = m.groups()
+            rows.append((int(t) * 1000, labels_of({**dict(_LABEL.findall(labels)),
+                                                   "__name__": name}), float(value)))
+    out = Store(retention_ms=10 ** 12)
+    for t, labels, value in sorted(rows):
+        out.append(labels, t, value)
+    return out
+
+
+def same(a: dict[tuple, float], b: dict[tuple, float]) -> bool:
+    return a.keys() == b.keys() and all(
+        math.isclose(a[k], b[k], rel_tol=1e-9, abs_tol=1e-12) or a[k] == b[k] for k in a)
+
+
+def test_the_evaluator_answers_every_query_as_prometheus_did(results, store):
+    """Every query diagnose sent and every alert's condition, at every case's time: the same
+    label sets with the same values from the evaluator over the same samples."""
+    differ, asked, elapsed = [], 0, 0.0
+    for t, answered in sorted(ANSWERED.items()):
+        engine = Engine(store, t * 1000)
+        for expr, truth in answered.items():
+            started = time.perf_counter()
+            ours = answers(engine.query(expr))
+            elapsed += time.perf_counter() - started
+            asked += 1
+            if not same(truth, ours):
+                differ.append((t - BASE, expr, truth, ours))
+    print(f"{asked} queries at {len(ANSWERED)} times, the evaluator's CPU: {elapsed:.1f} s")
+    assert len(ANSWERED) == len(TIMES) and asked > 150 * len(TIMES)
+    assert not differ, "\n\n".join(
+        f"at +{t}s: {expr}\nPrometheus: {truth}\nevaluator:  {ours}"
+        for t, expr, truth, ours in differ[:5]) + f"\n({len(differ)} differ)"
+
+
+def test_what_the_evaluator_does_not_evaluate_is_an_error_naming_it():
+    engine = Engine(Store(), 0)
+    with pytest.raises(QueryError, match="predict_linear"):
+        engine.query("predict_linear(x[5m], 60)")
+    with pytest.raises(QueryError, match="cannot parse"):
+        engine.query("sum by (")
+    with pytest.raises(QueryError, match="stddev"):
+        engine.query("stddev(x)")
+
+
+CORNERS = [
+    # a counter that resets, extrapolated to the window's edges
+    'rate(gputrain_training_steps_total[5m])',
+    'increase(gputrain_training_steps_total[10m] offset 2m)',
+    # a subquery of the default resolution, and of its own
+    'max_over_time((rate(gputrain_training_steps_total[2m]))[10m:])',
+    'avg_over_time((rate(gputrain_training_steps_total[2m]))[10m:30s])',
+    # matching: many-to-one with a label copied from the one side; one-to-many; ignoring;
+    # set operations
+    'gputrain_gpu_power_watts * on (job, instance) group_left (node) label_replace(count by '
+    '(job, instance) (gputrain_gpu_power_watts), "node", "n-$1", "instance", "([^:]*).*")',
+    'count by (job, instance) (gputrain_gpu_power_watts) / on (job, instance) group_right '
+    'gputrain_gpu_power_watts',
+    'sum by (job, run) (gputrain_training_steps_total) > bool ignoring (run) '
+    'group_left sum by (job) (gputrain_training_steps_total) / 4',
+    'gputrain_training_steps_total unless on (job) gputrain_gpu_power_watts > 300',
+    'label_replace(gputrain_training_steps_total, "r", "rank-$1", "rank", "(.*)")',
+    'timestamp(gputrain_training_steps_total)',
+    'histogram_quantile(0.9, sum by (job, run, rank, le) '
+    '(rate(gputrain_training_step_duration_seconds_bucket[5m])))',
+    'quantile by (job) (0.3, gputrain_gpu_power_watts)',
+    'count without (gpu, uuid) (gputrain_gpu_power_watts)',
+    'clamp(gputrain_gpu_power_watts / 100, 0.5, 2)',
+    '-gputrain_gpu_power_watts % 7 ^ 2',
+    '1 / (gputrain_gpu_power_watts - gputrain_gpu_power_watts)',
+]
+
+
+@pytest.mark.parametrize("expr", CORNERS)
+def test_the_corners_of_the_language_are_evaluated_as_prometheus_does(backfilled, store, expr):
+    held = 0
+    for t in TIMES[::4]:
+        truth = answers(Prometheus(backfilled.url, at=str(t)).query(expr))
+        ours = answers(Engine(store, t * 1000).query(expr))
+        held += len(truth)
+        assert same(truth, ours), (expr, t - BASE, truth, ours)
+    assert held, f"{expr} holds nothing at any time: no corner tested"
+
+
+def test_a_match_prometheus_refuses_the_evaluator_refuses(backfilled, store):
+    expr = ("gputrain_training_steps_total * on (job, instance) group_left (uuid) "
+            "max by (job, instance, uuid) (gputrain_gpu_power_watts)")
+    refused = 0
+    for t in TIMES:
+        try:
+            truth = answers(Prometheus(backfilled.url, at=str(t)).query(expr))
+        except PrometheusError as exc:
+            assert "many-to-many" in str(exc)
+            refused += 1
+            with pytest.raises(QueryError, match="many-to-many"):
+                Engine(store, t * 1000).query(expr)
+        else:  # where the right side happens to be unique, both answer
+            assert same(truth, answers(Engine(store, t * 1000).query(expr)))
+    assert refused

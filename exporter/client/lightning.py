@@ -8,7 +8,7 @@ from typing import Any
 try:
     from lightning.pytorch.callbacks import Callback
 except ImportError:  # the older package name
-    from pytorch_lightning.callbacks import Callback  # type: ignore[assignment]
+    from pytorch_lightning.callbacks import Callback
 
 from exporter.client.monitor import Integration, TrainingMonitor, batch_len
 

@@ -65,7 +65,7 @@ class GpuTrainCallback(Integration, TrainerCallback):
             self._hooks.phase_since_mark("evaluation", self._eval_since)
             self._eval_since = None
 
-    def on_predict(self, args: Any, state: Any, control: Any,  # type: ignore[override]
+    def on_predict(self, args: Any, state: Any, control: Any,
                    **kwargs: Any) -> None:
         # Trainer.predict() also calls on_prediction_step, and ends here, not in on_evaluate
         self.on_evaluate(args, state, control, **kwargs)
