@@ -61,7 +61,9 @@ matrix=$!
 # module's servers start once; GPUTRAIN_TEST_WORKERS=0 runs it in one process
 workers=${GPUTRAIN_TEST_WORKERS:-4}
 xdist=()
-[ "$workers" = 0 ] || xdist=(-n "$workers" --dist loadfile)
+# the files in conftest.SLOW_FIRST's order, the longest first: xdist's own order (the files
+# with the most tests first) left the longest for the end, one worker finishing alone
+[ "$workers" = 0 ] || xdist=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 set +e
 $py -m pytest "${xdist[@]}" --durations=25 "$@"
 rc=$?
