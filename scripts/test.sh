@@ -31,11 +31,14 @@ fi
 
 # Everything Python goes into ./.venv (scripts/install.sh makes it: a stock Debian python3
 # refuses pip installs, PEP 668), never into the system's python.
-bash scripts/install.sh -e '.[test,top,stacks]'
+# --no-compile: pip would write the bytecode of every module it installs (torch's and the
+# frameworks' thousands: 29 s of a fresh CI's 51 s install of them); Python writes it for the
+# modules the suite imports, the first time it imports them
+bash scripts/install.sh --no-compile -e '.[test,top,stacks]'
 py=.venv/bin/python
 # PyTorch and the frameworks the integration tests drive, at the versions pinned in one place
 echo "installing the test frameworks into .venv: $(grep -v '^#' tests/frameworks.txt | xargs)"
-$py -m pip install -q --disable-pip-version-check -r tests/frameworks.txt
+$py -m pip install -q --no-compile --disable-pip-version-check -r tests/frameworks.txt
 
 $py -m ruff check .
 # the type check of the packages pyproject's [tool.mypy] lists (reading, heuristics, protocol,

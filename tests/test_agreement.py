@@ -438,3 +438,25 @@ def test_a_match_prometheus_refuses_the_evaluator_refuses(backfilled, store):
         else:  # where the right side happens to be unique, both answer
             assert same(truth, answers(Engine(store, t * 1000).query(expr)))
     assert refused
+
+
+def test_a_series_gone_from_a_scrape_is_stale_at_once_and_its_past_kept():
+    """As Prometheus marks a series that a scrape no longer has: an instant query no longer
+    returns it (rather than its last value for five minutes), a range still holds its past."""
+    a, b = (labels_of({"__name__": "x", "gpu": g}) for g in "ab")
+    store = Store(retention_ms=60_000)
+    for t, present in ((0, (a, b)), (10_000, (a, b)), (20_000, (a,)), (30_000, (a,))):
+        store.append_all(t, [(labels, t / 1000) for labels in present])
+
+    def at(t: int, expr: str) -> dict[str, float]:
+        return {dict(lb)["gpu"]: v for lb, v in answers(Engine(store, t).query(expr)).items()}
+
+    assert at(15_000, "x") == {"a": 10.0, "b": 10.0}
+    assert at(25_000, "x") == {"a": 20.0}  # b went stale at 20 s
+    assert at(30_000, "count_over_time(x[1m])") == {"a": 4.0, "b": 2.0}
+    store.append_all(40_000, [(a, 40.0), (b, 40.0)])  # b is back
+    assert at(40_000, "x") == {"a": 40.0, "b": 40.0}
+    store.prune(100_000)  # keep the last minute: from 40 s
+    assert at(100_000, "count_over_time(x[2m])") == {"a": 1.0, "b": 1.0}
+    store.prune(200_000)
+    assert len(store) == 0

@@ -378,7 +378,7 @@ def test_the_quick_start_names_everything_it_installs():
     script = (ROOT / "scripts" / "test.sh").read_text()
     debian = re.findall(r"missing\+=\(([\w-]+)\)", script)
     assert len(debian) >= 5
-    extras = re.search(r"install\.sh -e '\.\[([\w,]+)\]'", script).group(1).split(",")
+    extras = re.search(r"install\.sh (?:--[\w-]+ )*-e '\.\[([\w,]+)\]'", script).group(1).split(",")
     frameworks = requirement_names((ROOT / "tests" / "frameworks.txt").read_text().splitlines())
     named = [*debian, *frameworks]
     for e in extras:

@@ -51,6 +51,11 @@ class _Series:
     times: list[int] = field(default_factory=list)  # ms, ascending
     values: list[float] = field(default_factory=list)  # NaN where the series went stale
     stale: list[bool] = field(default_factory=list)
+    markers: int = 0  # how many of ``stale`` are True: a range of a series with none is a slice
+    by_name: dict[str, str] = field(default_factory=dict)  # the labels, for the matchers
+
+    def __post_init__(self) -> None:
+        self.by_name = dict(self.labels)
 
 
 class Store:
@@ -82,6 +87,7 @@ class Store:
         s.times.append(t_ms)
         s.values.append(value)
         s.stale.append(stale)
+        s.markers += stale
 
     def append_all(self, t_ms: int, samples: Iterable[tuple[Labels, float]],
                    names: Iterable[str] | None = None) -> None:
@@ -102,6 +108,7 @@ class Store:
         for labels, s in list(self._series.items()):
             k = bisect.bisect_left(s.times, cut)
             if k:
+                s.markers -= sum(s.stale[:k])
                 del s.times[:k], s.values[:k], s.stale[:k]
             if not s.times or all(s.stale):
                 del self._series[labels]
@@ -113,8 +120,7 @@ class Store:
         pool: Iterable[_Series] = self._by_name.get(name, {}).values() if name is not None \
             else self._series.values()
         for s in pool:
-            d = dict(s.labels)
-            if all(m(d) for m in matchers):
+            if all(m(s.by_name) for m in matchers):
                 yield s
 
 
@@ -581,7 +587,10 @@ class Engine:
         out = []
         for s in self.store.select(list(node.selector.matchers), node.selector.name):
             lo, hi = bisect.bisect_left(s.times, start), bisect.bisect_right(s.times, end)
-            points = [(s.times[i], s.values[i]) for i in range(lo, hi) if not s.stale[i]]
+            if s.markers:
+                points = [(s.times[i], s.values[i]) for i in range(lo, hi) if not s.stale[i]]
+            else:
+                points = list(zip(s.times[lo:hi], s.values[lo:hi], strict=True))
             if points:
                 out.append((s.labels, points))
         return Matrix(out)
