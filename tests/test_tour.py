@@ -246,7 +246,13 @@ def test_the_laptop_tour_runs_as_written(tour):
     profile = tour.run(tour.argv(found["profile"]), timeout=400)
     assert profile.returncode == 0, profile.stdout + profile.stderr
     assert "Where each step's time went" in profile.stdout
-    assert "Most of a step: data loading" in profile.stdout, profile.stdout
+    # the loader sleeps 5 ms a sample, 128 a batch: at least 640 ms of each step is data
+    # loading, however busy the machine; that it is most of the step holds where the CPU has
+    # time to spare (README: under a loaded CI machine, backward took more)
+    mean = re.search(r"^\s+mean\s+([\d.]+)\s+([\d.]+)", profile.stdout, re.M)
+    assert mean and float(mean.group(2)) >= 0.95 * 640, profile.stdout
+    assert re.search(r"^Most of a step: (data loading|the (forward|backward) pass), \d+% of it",
+                     profile.stdout, re.M), profile.stdout
     trace = re.search(r"Trace: (\S+)", profile.stdout).group(1)
     assert Path(trace).is_file() and Path(trace).is_relative_to(tour.tmp / "traces")
     wait_until(lambda: top.shows("profile p-"), timeout=60, what="top listing the profile")
