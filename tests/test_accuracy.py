@@ -277,10 +277,13 @@ def test_lightning_matches_simple_profiler(daemon_factory, tmp_path, delay):
     # the loader's workers (none here) are pushed, as wrap() pushes a DataLoader's
     assert sample_value(d.metrics(), "gputrain_training_loader_workers", {"run": run}) == 0
     # ours encloses Lightning's own timing of each fetch: never less, and more only by its
-    # start()/stop() calls, which a loaded scheduler may preempt (up to 0.1 ms a fetch seen
-    # under two CPU burners), so the bound is 2 % or 0.25 ms a fetch
+    # start()/stop() calls, which a loaded scheduler may preempt: 2 % or 0.25 ms a fetch,
+    # plus 20 ms for a preemption or two between ours and Lightning's (a scheduler quantum is
+    # milliseconds: two CPU burners beside a 4-worker suite once put 15 ms over 40 fetches).
+    # A wait measured around anything more than the fetch (the step: 0.45 s here) is far out
     reference, fetches = sum(durations[FETCH_ACTION]), len(durations[FETCH_ACTION])
-    assert reference - 1e-6 <= got.wait <= reference + max(0.02 * reference, 0.00025 * fetches)
+    assert reference - 1e-6 <= got.wait <= reference + max(0.02 * reference,
+                                                           0.00025 * fetches) + 0.02
     assert got.phases["checkpoint"] == pytest.approx(sum(durations["save_checkpoint"]),
                                                      rel=0.02)
     assert got.phases["checkpoint"] > 8 * 0.05
