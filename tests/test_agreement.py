@@ -20,6 +20,7 @@ import json
 import math
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 
 import pytest
@@ -57,24 +58,27 @@ def job_of(i: int) -> str:
     return f"gputrain-case{i}"
 
 
-def openmetrics(cases: list[rule_cases.Case]) -> str:
-    """Every case's series, under its own job, as OpenMetrics with timestamps."""
-    by_name: dict[str, list[str]] = {}
+def samples(cases: list[rule_cases.Case]) -> Iterator[tuple[str, dict[str, str], float, int]]:
+    """Every case's samples, under its own job: (name, labels, value, unix seconds)."""
     for i, case in enumerate(cases):
         interval = duration(case.interval)
         for selector, values in case.series.items():
             name, labels = _SERIES.match(selector).groups()
-            pairs = dict(_LABEL.findall(labels))
-            pairs["job"] = job_of(i)
-            text = ",".join(f'{k}="{v}"' for k, v in sorted(pairs.items()))
+            pairs = {**dict(_LABEL.findall(labels)), "job": job_of(i)}
             # a time moves with the series (a collector's last success, a rank's last push):
             # the cases count from 0, the backfill from BASE (its age is the time less it)
             shift = BASE if name in SHIFTED else 0
             for k, v in enumerate(rule_cases.expand(values)):
                 if v is not None:
-                    v += shift
-                    by_name.setdefault(name, []).append(
-                        f"{name}{{{text}}} {v!r} {BASE + k * interval}")
+                    yield name, pairs, v + shift, BASE + k * interval
+
+
+def openmetrics(cases: list[rule_cases.Case]) -> str:
+    """Every case's series, under its own job, as OpenMetrics with timestamps."""
+    by_name: dict[str, list[str]] = {}
+    for name, pairs, v, t in samples(cases):
+        text = ",".join(f'{k}="{x}"' for k, x in sorted(pairs.items()))
+        by_name.setdefault(name, []).append(f"{name}{{{text}}} {v!r} {t}")
     return openmetrics_text(by_name)
 
 
@@ -329,22 +333,15 @@ def test_diagnose_says_whether_the_tree_or_the_node_loses_the_memory(results):
 
 # --- the PromQL evaluator (exporter/heuristics/evaluator.py) answers as Prometheus did --------
 
-_LINE = re.compile(r'^([a-zA-Z_:][\w:]*)\{(.*)\} (\S+) (\d+)$')
 TIMES = sorted({BASE + duration(t) for c in CASES for t in (c.fire_at, c.quiet_at) if t})
 
 
 @pytest.fixture(scope="module")
 def store() -> Store:
-    """The backfill's samples, in an evaluator's store (no staleness: a backfill has none)."""
-    rows = []
-    for line in openmetrics(CASES).splitlines():
-        m = _LINE.match(line)
-        if m:
-            name, labels, value, t = m.groups()
-            rows.append((int(t) * 1000, labels_of({**dict(_LABEL.findall(labels)),
-                                                   "__name__": name}), float(value)))
+    """The samples backfilled, in an evaluator's store (no staleness: a backfill has none)."""
     out = Store(retention_ms=10 ** 12)
-    for t, labels, value in sorted(rows):
+    for t, labels, value in sorted((t * 1000, labels_of({**pairs, "__name__": name}), v)
+                                   for name, pairs, v, t in samples(CASES)):
         out.append(labels, t, value)
     return out
 

@@ -52,10 +52,10 @@ class _Series:
     values: list[float] = field(default_factory=list)  # NaN where the series went stale
     stale: list[bool] = field(default_factory=list)
     markers: int = 0  # how many of ``stale`` are True: a range of a series with none is a slice
-    by_name: dict[str, str] = field(default_factory=dict)  # the labels, for the matchers
+    label_map: dict[str, str] = field(default_factory=dict)  # the labels, for the matchers
 
     def __post_init__(self) -> None:
-        self.by_name = dict(self.labels)
+        self.label_map = dict(self.labels)
 
 
 class Store:
@@ -89,18 +89,16 @@ class Store:
         s.stale.append(stale)
         s.markers += stale
 
-    def append_all(self, t_ms: int, samples: Iterable[tuple[Labels, float]],
-                   names: Iterable[str] | None = None) -> None:
-        """A whole scrape at ``t_ms``: every series of ``names`` (default: every name seen) not
-        in it is marked stale."""
+    def append_all(self, t_ms: int, samples: Iterable[tuple[Labels, float]]) -> None:
+        """A whole scrape at ``t_ms``: every series the store holds that is not in it is marked
+        stale."""
         seen: set[Labels] = set()
         for labels, value in samples:
             seen.add(labels)
             self.append(labels, t_ms, value)
-        for name in (self._by_name if names is None else names):
-            for labels, s in list(self._by_name.get(name, {}).items()):
-                if labels not in seen and s.stale and not s.stale[-1]:
-                    self.append(labels, t_ms, math.nan, stale=True)
+        for labels, s in list(self._series.items()):
+            if labels not in seen and not s.stale[-1]:
+                self.append(labels, t_ms, math.nan, stale=True)
 
     def prune(self, now_ms: int) -> None:
         """Forget samples older than the retention, and series with none left."""
@@ -120,7 +118,7 @@ class Store:
         pool: Iterable[_Series] = self._by_name.get(name, {}).values() if name is not None \
             else self._series.values()
         for s in pool:
-            if all(m(s.by_name) for m in matchers):
+            if all(m(s.label_map) for m in matchers):
                 yield s
 
 
@@ -170,13 +168,8 @@ def _on(matching: Any) -> bool:
 
 
 def _ms(duration: Any) -> int:
+    """A parser duration (a range, a step, an offset: negative ones too) in ms; None is 0."""
     return round(duration.total_seconds() * 1000) if duration is not None else 0
-
-
-def _offset_ms(vs: Any) -> int:
-    """A selector's offset in ms (negative offsets included)."""
-    off = vs.offset
-    return _ms(off) if off is not None else 0
 
 
 # -- functions over ranges -------------------------------------------------------------------
@@ -221,9 +214,9 @@ def _slope(points: list[tuple[int, float]]) -> float | None:
     xs = [(t - t0) / 1000 for t, _ in points]
     ys = [v for _, v in points]
     n = len(points)
-    sx, sy = math.fsum(xs), math.fsum(ys)
-    sxy = math.fsum(x * y for x, y in zip(xs, ys, strict=True))
-    sx2 = math.fsum(x * x for x in xs)
+    sx, sy = _sum(xs), _sum(ys)
+    sxy = _sum(x * y for x, y in zip(xs, ys, strict=True))
+    sx2 = _sum(x * x for x in xs)
     var = sx2 - sx * sx / n
     return (sxy - sx * sy / n) / var if var else math.nan
 
@@ -287,25 +280,37 @@ def _bucket_quantile(q: float, buckets: list[tuple[float, float]]) -> float:
     return start + (end - start) * _divide(rank, count)
 
 
+def _sum(values: Iterable[float]) -> float:
+    """An exact sum, or where infinities meet (fsum refuses inf - inf) the plain one: NaN or
+    +-Inf, as Prometheus gives."""
+    values = list(values)
+    try:
+        return math.fsum(values)
+    except (ValueError, OverflowError):
+        return sum(values)
+
+
 def _avg(values: list[float]) -> float:
-    return math.fsum(values) / len(values)
+    return _sum(values) / len(values)
 
 
 OVER_TIME: dict[str, Callable[[list[float]], float]] = {
     "max_over_time": max,
     "min_over_time": min,
     "avg_over_time": _avg,
-    "sum_over_time": math.fsum,
+    "sum_over_time": _sum,
     "count_over_time": lambda v: float(len(v)),
     "last_over_time": lambda v: v[-1],
 }
 
-# The functions the evaluator runs (the rules use these); any other is a QueryError
+# the functions of one range (_range_function), and all the evaluator runs (the rules use
+# these); any other is a QueryError
+RANGE_FUNCTIONS = frozenset({"rate", "increase", "irate", "delta", "deriv", "resets", "changes",
+                             *OVER_TIME})
 FUNCTIONS = frozenset({
-    "rate", "increase", "irate", "delta", "deriv", "resets", "changes", "quantile_over_time",
-    *OVER_TIME, "time", "timestamp", "vector", "scalar", "label_replace", "clamp", "clamp_min",
-    "clamp_max", "abs", "histogram_quantile", "absent", "sqrt", "ln", "exp", "ceil", "floor",
-    "round",
+    *RANGE_FUNCTIONS, "quantile_over_time", "time", "timestamp", "vector", "scalar",
+    "label_replace", "clamp", "clamp_min", "clamp_max", "abs", "histogram_quantile", "absent",
+    "sqrt", "ln", "exp", "ceil", "floor", "round",
 })
 AGGREGATIONS = frozenset({"sum", "max", "min", "avg", "count", "quantile", "group"})
 
@@ -457,7 +462,7 @@ def _compile(node: Any) -> _Node:
             raise QueryError(f"'or' inside a selector is not evaluated here: {node}")
         name = node.name or None
         return _Selector(key, name, tuple(_matcher(m) for m in matchers.matchers
-                                          if m.name != NAME or name is None), _offset_ms(node))
+                                          if m.name != NAME or name is None), _ms(node.offset))
     if kind == "MatrixSelector":
         selector = _compile(node.vector_selector)
         assert isinstance(selector, _Selector)
@@ -618,8 +623,7 @@ class Engine:
         name, args = node.name, node.args
         if name == "time":
             return t / 1000
-        if name in ("rate", "increase", "irate", "delta", "deriv", "resets", "changes",
-                    *OVER_TIME):
+        if name in RANGE_FUNCTIONS:
             return self._range_function(name, args[0], t)
         if name == "quantile_over_time":
             q = self._scalar(args[0], t)
@@ -752,14 +756,12 @@ class Engine:
         out = []
         for key, values in groups.items():
             if op == "sum":
-                result = math.fsum(values) if all(math.isfinite(x) for x in values) \
-                    else sum(values)
+                result = _sum(values)
             elif op in ("max", "min"):
                 finite = [x for x in values if x == x]
                 result = (max if op == "max" else min)(finite) if finite else math.nan
             elif op == "avg":
-                result = math.fsum(values) / len(values) if all(
-                    math.isfinite(x) for x in values) else sum(values) / len(values)
+                result = _avg(values)
             elif op == "count":
                 result = float(len(values))
             elif op == "group":
