@@ -32,8 +32,8 @@ fi
 # Everything Python goes into ./.venv (scripts/install.sh makes it: a stock Debian python3
 # refuses pip installs, PEP 668), never into the system's python.
 # --no-compile: pip would write the bytecode of every module it installs (torch's and the
-# frameworks' thousands: 29 s of a fresh CI's 51 s install of them); Python writes it for the
-# modules the suite imports, the first time it imports them
+# frameworks' thousands; bench/RESULTS.md has what the installs took with and without it);
+# Python writes it for the modules the suite imports, the first time it imports them
 bash scripts/install.sh --no-compile -e '.[test,top,stacks]'
 py=.venv/bin/python
 # PyTorch and the frameworks the integration tests drive, at the versions pinned in one place
