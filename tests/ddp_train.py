@@ -7,10 +7,10 @@ of as many steps with sync, each followed by as many under ``no_sync()``: the st
 sync less the step time without it is the independent reference of the communication the step
 waits for, taken on the same machine under the same load, with nothing else running beside.
 The monitor counts the synchronised steps only. Each rank writes ``{"sync": s, "nosync": s,
-"exposed": s, "exposed_total": s}`` (mean seconds a step over the reference rounds; the
-exposed total it pushed) to ``--out``/rank<N>.json. ``--slow-rank`` computes
-``--slow-seconds`` longer each step (a sleep after its forward), or fetches that much longer
-with ``--slow-input``. With ``--until FILE``
+"differences": [s, ...], "exposed": s, "exposed_total": s}`` (mean seconds a step over the
+reference rounds, and each round's difference; the exposed total it pushed) to
+``--out``/rank<N>.json. ``--slow-rank`` computes ``--slow-seconds`` longer each step (a sleep
+after its forward), or fetches that much longer with ``--slow-input``. With ``--until FILE``
 the rounds go on (up to ``--rounds``) until FILE exists: a test judges the run while it
 trains, then lets it finish. ``--gpus`` lists demo GPU <rank> as each rank's GPU.
 ``--bucket-cap-mb`` sets DDP's bucket size (one bucket as large as the gradients: the
@@ -82,6 +82,7 @@ def worker(rank: int, a: argparse.Namespace) -> None:
                 train_step(batch)
     # the reference, once nothing else runs beside: rounds with and without gradient sync
     sync, nosync, steps = 0.0, 0.0, 0
+    differences = []  # each round's step time with sync less without, seconds a step
     before = monitor.totals().get("comm_exposed_seconds", 0.0)
     for _ in range(a.reference_rounds):
         dist.barrier()
@@ -92,14 +93,16 @@ def worker(rank: int, a: argparse.Namespace) -> None:
                 batch = fetch()
             with monitor.step(samples=a.batch):
                 train_step(batch)
-        sync += time.perf_counter() - t0
+        with_sync = time.perf_counter() - t0
         steps += a.steps
         dist.barrier()
         t0 = time.perf_counter()
         with model.no_sync():
             for _ in range(a.steps):
                 train_step(fetch())
-        nosync += time.perf_counter() - t0
+        without = time.perf_counter() - t0
+        sync, nosync = sync + with_sync, nosync + without
+        differences.append((with_sync - without) / a.steps)
     dist.barrier()
     # DDP logs an iteration's times at the next synchronised forward: one more, outside steps
     monitor.new_epoch()
@@ -111,6 +114,7 @@ def worker(rank: int, a: argparse.Namespace) -> None:
     counted = steps + 1
     Path(a.out, f"rank{rank}.json").write_text(json.dumps(
         {"sync": sync / steps if steps else None, "nosync": nosync / steps if steps else None,
+         "differences": differences,
          "exposed": (totals.get("comm_exposed_seconds", 0.0) - before) / counted,
          "exposed_total": totals.get("comm_exposed_seconds")}))
     dist.barrier()
