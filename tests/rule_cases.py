@@ -72,6 +72,20 @@ class Case:
             if m and "xid_errors" not in selector:
                 watched = sel("gputrain_gpu_sampled_seconds_total", gpu=m[1], uuid=m[2])
                 self.series.setdefault(watched, ramp(60, _points(self.series[selector]) - 1))
+        # and it exports every GPU it watches as up, so that a node's GPUs are listed whoever
+        # uses them (a case about a lost GPU gives its own)
+        watched_gpus = {}
+        for selector in list(self.series):
+            name, _, rest = selector.partition("{")
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', rest))
+            if name.startswith("gputrain_gpu_") and "gpu" in labels and "uuid" in labels:
+                key = tuple(labels.get(k, "") for k in ("job", "instance", "gpu", "uuid"))
+                watched_gpus.setdefault(key, _points(self.series[selector]))
+        for (job, instance, g, uuid), n in watched_gpus.items():
+            if not any(k.startswith("gputrain_gpu_up{") and f'gpu="{g}",uuid="{uuid}"' in k
+                       and f'instance="{instance}"' in k for k in self.series):
+                self.series[sel("gputrain_gpu_up", job=job, instance=instance, gpu=g,
+                                uuid=uuid)] = flat(1, n - 1)
         # A rank that pushes reports its steps: one a second unless the case says otherwise
         # (a stalled rank's count stays flat), since every rank alert holds only while its
         # rank steps.

@@ -115,6 +115,9 @@ def backfilled(tmp_path_factory):
     prom.stop()
 
 
+# diagnose --json's nodes, by job and evaluation time (filled by `results`)
+NODES: dict[str, list[dict]] = {}
+
 # every query Prometheus answered for `results`, by evaluation time (unix seconds): the
 # evaluator is held to them (test_the_evaluator_answers_every_query_as_prometheus_did)
 ANSWERED: dict[int, dict[str, dict[tuple, float]]] = {}
@@ -146,6 +149,8 @@ def results(backfilled):
             doc = json.loads(json.dumps(json_document(*diagnose(backfilled.url, at=str(t)))))
         for rep in doc["ranks"]:
             out.setdefault(f"{rep['job']}@{at}", ([], []))[0].append(rep)
+        for node in doc["nodes"]:
+            NODES.setdefault(f"{node['job']}@{at}", []).append(node)
         for alert in inline_alerts(rules_text):
             found = backfilled.query(alert["inlined"], t)
             ANSWERED[t][alert["inlined"]] = {labels_of(x["metric"]): float(x["value"][1])
@@ -217,6 +222,19 @@ def test_diagnose_names_exactly_the_alerts_that_fire(results, i, at):
             # (waiting: for a peer's declared phase, which no alert is)
             assert rep["verdict"] in ("gpu-bound", "paused", "no-gpu-data", "finished",
                                       "restarted", "waiting")
+
+
+@pytest.mark.parametrize("i, at", CHECKS, ids=[f"{CASES[i].name[:64]} @{at}" for i, at in CHECKS])
+def test_diagnose_finds_on_each_gpu_of_a_node_exactly_the_gpu_alerts_that_fire(results, i, at):
+    """What diagnose says of every GPU of a node, whoever uses it (a GPU no rank names is
+    judged too), is the GPU alerts that fire for it: none missing, none extra."""
+    _, conditions = results.get(f"{job_of(i)}@{at}", ([], []))
+    want = {(labels.get("instance"), labels["gpu"], BY_ALERT[alert].verdict)
+            for alert, labels in conditions
+            if BY_ALERT[alert].scope == "gpu" and "rank" not in labels and "run" not in labels}
+    got = {(node["instance"], f["gpu"], f["name"])
+           for node in NODES.get(f"{job_of(i)}@{at}", []) for f in node["findings"] if f["gpu"]}
+    assert got == want, f"diagnose's GPU findings {sorted(got)}, the alerts {sorted(want)}"
 
 
 # --- the daemon's own verdict (/, /api/v1/status, top) on the same seed scenarios --------------

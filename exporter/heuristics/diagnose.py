@@ -178,8 +178,7 @@ def fault_queries(selector: str, ids: Identity, window: str) -> dict[str, str]:
 RECORDED = {"ranks": BY_FIELD["steps_per_second"].record,
             **{name: x.record for x in READINGS for name in x.names}}
 # the readings of a node's GPUs the fault and health findings read, whoever uses the GPU
-NODE_GPU_READINGS = ("memory_used", "throttled", "busy", "pcie_link_now", "pcie_link_typical",
-                     "pcie_link_max")
+NODE_GPU_READINGS = tuple(x.field for x in READINGS if x.of_node)
 
 
 def recorded_queries(selector: str, ids: Identity | None = None) -> dict[str, str]:

@@ -78,6 +78,8 @@ class Reading:
     (:data:`REFINED`).
     ``detail``: with ``by``, a second label kept beside it (in the field ``<field>_detail``):
     the function a rank is stuck in, the exception that ended it.
+    ``of_node``: for scope ``rank_gpu``: read for every GPU of a node too, whoever uses it (the
+    node's GPU findings: a throttle, a degraded link, a full memory of a GPU no rank names).
 
     The daemon's history (:mod:`exporter.serving.history`) computes the same readings from its
     own samples, in Python; tests/test_agreement.py holds it to this table.
@@ -92,6 +94,7 @@ class Reading:
     since: bool = False
     refined: bool = False
     detail: str | None = None
+    of_node: bool = False
 
     @property
     def gpu_record(self) -> str:
@@ -276,13 +279,13 @@ READINGS = (
     # scrapes after an exporter (re)start, and blind time (a lost GPU) counts on neither side
     Reading("busy", "rank_gpu", "run_rank_gpu:gputrain_gpu_busy_ratio:rate5m", "rate", """
             sum by ({gpu}) (rate(gputrain_gpu_busy_seconds_total{{{s}}}[{w}]))
-            / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{w}]))"""),
+            / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{w}]))""", of_node=True),
     # the memory used as most of the window saw it (its median): a GPU at its ceiling two
     # readings in three is at its ceiling, whatever the dips between
     Reading("memory_used", "rank_gpu", "run_rank_gpu:gputrain_gpu_memory_used:ratio", "rate",
             """
             sum by ({gpu}) (quantile_over_time(0.5, gputrain_gpu_memory_used_bytes{{{s}}}[{w}]))
-            / sum by ({gpu}) (gputrain_gpu_memory_total_bytes{{{s}}})"""),
+            / sum by ({gpu}) (gputrain_gpu_memory_total_bytes{{{s}}})""", of_node=True),
     Reading("power_used", "rank_gpu", "run_rank_gpu:gputrain_gpu_power_limit_used:ratio_avg5m",
             "rate", """
             sum by ({gpu}) (avg_over_time(gputrain_gpu_power_watts{{{s}}}[{w}]))
@@ -298,15 +301,15 @@ READINGS = (
     Reading("pcie_link_now", "rank_gpu", "run_rank_gpu:gputrain_gpu_pcie_link_current:max5m",
             "rate", """
             max by ({gpu}) (max_over_time(
-              gputrain_gpu_pcie_link_current_bytes_per_second{{{s}}}[{w}]))"""),
+              gputrain_gpu_pcie_link_current_bytes_per_second{{{s}}}[{w}]))""", of_node=True),
     # and as it ran most of the window (the median reading: a link that flaps, down two
     # readings in three, is down, where its best reading would hide it)
     Reading("pcie_link_typical", "rank_gpu",
             "run_rank_gpu:gputrain_gpu_pcie_link_current:median5m", "rate", """
             max by ({gpu}) (quantile_over_time(0.5,
-              gputrain_gpu_pcie_link_current_bytes_per_second{{{s}}}[{w}]))"""),
+              gputrain_gpu_pcie_link_current_bytes_per_second{{{s}}}[{w}]))""", of_node=True),
     Reading("pcie_link_max", "rank_gpu", "run_rank_gpu:gputrain_gpu_pcie_link_max:max", None,
-            "max by ({gpu}) (gputrain_gpu_pcie_link_max_bytes_per_second{{{s}}})"),
+            "max by ({gpu}) (gputrain_gpu_pcie_link_max_bytes_per_second{{{s}}})", of_node=True),
     Reading("sm_active", "rank_gpu", "run_rank_gpu:gputrain_gpu_sm_active_ratio:avg5m", "rate",
             "avg by ({gpu}) (avg_over_time(gputrain_gpu_sm_active_ratio{{{s}}}[{w}]))"),
     Reading("tensor_active", "rank_gpu", "run_rank_gpu:gputrain_gpu_tensor_active_ratio:avg5m",
@@ -323,12 +326,12 @@ READINGS = (
               / on ({node}, name) group_left
               quantile by ({node}, name) (0.5,
                 avg by ({gpu}) (avg_over_time(gputrain_gpu_clock_hertz{{{s},clock="sm"}}[{w}]))
-                * on ({gpu}) group_left (name) max by ({gpu}, name) (gputrain_gpu_info{{{s}}})))"""),
+                * on ({gpu}) group_left (name) max by ({gpu}, name) (gputrain_gpu_info{{{s}}})))""", of_node=True),
     Reading("throttled", "rank_gpu",
             "run_rank_gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m", "rate", """
             sum by ({gpu}) (rate(gputrain_gpu_clock_event_seconds_total{{{s},
               reason=~"{throttle_reasons}"}}[{w}]))
-            / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{w}]))"""),
+            / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{w}]))""", of_node=True),
     # what of a GPU's time a run does not own: busy with other runs' processes or with
     # processes no client reports (only where the driver gives per-process samples)
     Reading("foreign", "run_gpu", "run_gpu:gputrain_gpu_foreign_busy:ratio_rate5m", "rate", """
