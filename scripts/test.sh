@@ -36,14 +36,20 @@ fi
 # Python writes it for the modules the suite imports, the first time it imports them
 bash scripts/install.sh --no-compile -e '.[test,top,stacks]'
 py=.venv/bin/python
-# PyTorch and the frameworks the integration tests drive, at the versions pinned in one place
+# PyTorch and the frameworks the integration tests drive, at the versions pinned in one place,
+# installed while ruff and mypy check the code (mypy reads the frameworks as Any, so it never
+# reads what is being installed): the install waits on the disk, the checks on the CPU
 echo "installing the test frameworks into .venv: $(grep -v '^#' tests/frameworks.txt | xargs)"
-$py -m pip install -q --no-compile --disable-pip-version-check -r tests/frameworks.txt
+$py -m pip install -q --no-compile --disable-pip-version-check -r tests/frameworks.txt &
+frameworks=$!
 
-$py -m ruff check .
-# the type check of the packages pyproject's [tool.mypy] lists (reading, heuristics, protocol,
-# client): CI fails on a type error as on a failing test
-$py -m mypy
+checks=0
+$py -m ruff check . || checks=$?
+# the type check of the whole package (pyproject's [tool.mypy]): CI fails on a type error as
+# on a failing test
+$py -m mypy || checks=$?
+wait "$frameworks"
+[ "$checks" -eq 0 ] || exit "$checks"
 
 # pytest caches the test modules it rewrites (assertion messages) as bytecode, unless told
 # not to write any: with PYTHONDONTWRITEBYTECODE set (some images set it) each of the suite's
@@ -58,11 +64,12 @@ matrix_log=$(mktemp)
 NVML_SKIP_INSTALLED=1 bash scripts/nvml_matrix.sh -q >"$matrix_log" 2>&1 &
 matrix=$!
 
-# the suite keeps both cores of the CI machine busy (91-97 % measured) while many of its tests
-# wait (Prometheus, promtool, torch ranks, Chromium, daemons): parallel workers
-# (pytest-xdist) overlap the waiting with the computing, a test file each at a time, so a
-# module's servers start once; GPUTRAIN_TEST_WORKERS=0 runs it in one process
-workers=${GPUTRAIN_TEST_WORKERS:-4}
+# many of the suite's tests wait (Prometheus, promtool, torch ranks, Chromium, daemons, the
+# regime test's minutes of real time): parallel workers (pytest-xdist) overlap the waiting
+# with the computing, a test file each at a time, so a module's servers start once. Five on
+# the 2-core CI machine: with four its cores were 81 % busy over a run (bench/RESULTS.md);
+# GPUTRAIN_TEST_WORKERS=0 runs it in one process
+workers=${GPUTRAIN_TEST_WORKERS:-5}
 xdist=()
 # the files in conftest.SLOW_FIRST's order, the longest first: xdist's own order (the files
 # with the most tests first) left the longest for the end, one worker finishing alone
