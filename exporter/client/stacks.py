@@ -641,7 +641,7 @@ def pending_collectives(limit: int = MAX_PENDING_COLLECTIVES) -> list[dict[str, 
     try:
         if dist is None or not dist.is_initialized():
             return None
-        from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore
+        from torch._C._distributed_c10d import _dump_fr_trace_json
 
         doc = json.loads(_dump_fr_trace_json())
     except Exception:  # an older or newer torch, a group torn down: no record, no harm
