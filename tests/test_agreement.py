@@ -225,16 +225,18 @@ def test_diagnose_names_exactly_the_alerts_that_fire(results, i, at):
 
 
 @pytest.mark.parametrize("i, at", CHECKS, ids=[f"{CASES[i].name[:64]} @{at}" for i, at in CHECKS])
-def test_diagnose_finds_on_each_gpu_of_a_node_exactly_the_gpu_alerts_that_fire(results, i, at):
-    """What diagnose says of every GPU of a node, whoever uses it (a GPU no rank names is
-    judged too), is the GPU alerts that fire for it: none missing, none extra."""
+def test_diagnose_finds_on_each_node_and_gpu_exactly_the_alerts_that_fire(results, i, at):
+    """What diagnose says of every node and every GPU of it, whoever uses them (a GPU no rank
+    names, a node no run is on, are judged too), is the node and GPU alerts that fire for
+    them: none missing, none extra."""
     _, conditions = results.get(f"{job_of(i)}@{at}", ([], []))
-    want = {(labels.get("instance"), labels["gpu"], BY_ALERT[alert].verdict)
+    want = {(labels.get("instance"), labels.get("gpu", ""), BY_ALERT[alert].verdict)
             for alert, labels in conditions
-            if BY_ALERT[alert].scope == "gpu" and "rank" not in labels and "run" not in labels}
+            if BY_ALERT[alert].scope in ("gpu", "node") and "rank" not in labels
+            and "run" not in labels}
     got = {(node["instance"], f["gpu"], f["name"])
-           for node in NODES.get(f"{job_of(i)}@{at}", []) for f in node["findings"] if f["gpu"]}
-    assert got == want, f"diagnose's GPU findings {sorted(got)}, the alerts {sorted(want)}"
+           for node in NODES.get(f"{job_of(i)}@{at}", []) for f in node["findings"]}
+    assert got == want, f"diagnose's findings {sorted(got)}, the alerts {sorted(want)}"
 
 
 # --- the daemon's own verdict (/, /api/v1/status, top) on the same seed scenarios --------------

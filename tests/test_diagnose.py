@@ -402,3 +402,26 @@ def test_the_exact_slow_step_count_wins_over_the_quantiles(share, p50, p99, stal
     rep = report(0.95, 0.01)
     rep.stall_share, rep.step_p50_seconds, rep.step_p99_seconds = share, p50, p99
     assert ("step-time-stalls" in judge_one(rep).findings()) == stalls
+
+
+def test_a_nodes_clock_off_is_said_of_the_node_and_acts_only_with_fresh_readings():
+    """A node whose clock is off Prometheus' is said of the node itself, whether or not a rank
+    runs on it (as GpuTrainClockOffset fires for it), and diagnose exits 0 for that note
+    alone; a lost GPU on it exits 1. With a collector stale its readings are not judged (the
+    rule's freshness guard), so no offset is said either."""
+    from exporter.heuristics.readings import GpuReading, NodeReport
+    from exporter.heuristics.verdict import node_findings
+
+    t = DEFAULTS["thresholds"]
+    node = node_findings(NodeReport("gputrain", "n1:19400", host={"clock_offset": -600.0},
+                                    gpus=[GpuReading("0", "GPU-a", up=True)]), t)
+    assert [(gpu, f.name) for gpu, _, f in node.findings] == [("", "clock-offset")]
+    assert "600 s behind" in node.findings[0][2].reason
+    assert exit_status([], [node]) == 0
+    lost = node_findings(NodeReport("gputrain", "n1:19400", host={"clock_offset": -600.0},
+                                    gpus=[GpuReading("0", "GPU-a", up=False)]), t)
+    assert {f.name for _, _, f in lost.findings} == {"clock-offset", "gpu-lost"}
+    assert exit_status([], [lost]) == 1
+    stale = node_findings(NodeReport("gputrain", "n1:19400", host={"clock_offset": -600.0},
+                                     collector_ages={"gpu": 600.0}), t)
+    assert [f.name for _, _, f in stale.findings] == [BY_ALERT["GpuTrainCollectorStale"].verdict]

@@ -31,6 +31,7 @@ import requests
 import yaml
 
 from exporter.config import parse_duration
+from exporter.heuristics.catalogue import BY_VERDICT
 from exporter.heuristics.promql import (
     Identity,
     collector_age,
@@ -286,11 +287,15 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
     by_node: dict[tuple, list[RankReport]] = {}
     for key, rep in reports.items():
         by_node.setdefault(key[:len(ids.node_tuple)], []).append(rep)
+    host: dict[tuple, dict[str, float]] = {}
     for name in HOST_READINGS:
         for labels, value in _read(prom, q[name], qr[name], node_key)[0]:
+            host.setdefault(node_key(labels), {})[name] = value
             for rep in by_node.get(node_key(labels), []):
                 rep.host[name] = value
     nodes = _nodes(prom, selector, ids, window, node_key)
+    for key, node in nodes.items():  # a node's own readings (its clock), whoever runs on it
+        node.host.update(host.get(key, {}))
     if run is not None:  # the run's nodes, and those it may be on that cannot be scraped
         nodes = {k: n for k, n in nodes.items() if k in by_node or n.up is False}
     for labels, _ in prom.query(fault_queries(selector, ids, window)["rank_gpus"]):
@@ -512,9 +517,10 @@ def json_document(reports: list[RankReport], nodes: Sequence[NodeReport],
 
 def exit_status(reports: list[RankReport], nodes: Sequence[NodeReport] = ()) -> int:
     """1 when any rank or node has something to act on (a run that stopped without
-    finishing too: its job died), else 3 when a rank's GPUs are unknown, else 0."""
+    finishing too: its job died; a node's note, its clock off, is said but is no fault),
+    else 3 when a rank's GPUs are unknown, else 0."""
     if any(r.bottleneck or r.status == "stopped" for r in reports) or \
-            any(n.findings for n in nodes):
+            any(BY_VERDICT[f.name].kind != "note" for n in nodes for _, _, f in n.findings):
         return EXIT_ACT
     if any(r.status == "no-gpu-data" for r in reports):
         return EXIT_NO_GPU_DATA

@@ -259,7 +259,7 @@ def node_findings(node: NodeReport, t: dict[str, float]) -> NodeReport:
         node.findings.append(("", e.severity, Finding(e.verdict, "Prometheus cannot scrape "
                                                       "the exporter", e.advice)))
     for e in CATALOGUE:
-        if e.scope == "node" and (why := e.holds_node(node, t)):
+        if e.scope == "node" and e.judged(node, t) and (why := e.holds_node(node, t)):
             node.findings.append(("", e.severity, Finding(e.verdict, why, e.advice)))
         elif e.scope == "gpu" and e.judged(node, t):
             for g in node.gpus:
