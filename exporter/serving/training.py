@@ -50,6 +50,9 @@ class Family(NamedTuple):
     # the most lines one rank can have in it (0: not a rank's family); their sum is
     # MAX_SERIES_PER_RANK, the page's bound per rank
     per_rank: int = 1
+    # a rank's one sample of it from its pushed state alone, None where it has none (a
+    # family written otherwise, with more labels or by the clock, has no read)
+    read: Callable[[RankState], float | None] | None = None
 
     def empty(self) -> Metric:
         """The family as prometheus_client builds it, with no samples (for describe())."""
@@ -62,37 +65,48 @@ class Family(NamedTuple):
 # alone, cached per push); then what joins a rank to this node's GPUs and profiles, the GPUs'
 # processes no rank owns, and the ingest's own counters.
 FAMILIES: tuple[Family, ...] = (
-    Family("gputrain_training_steps_total", "counter", "Training steps completed."),
+    Family("gputrain_training_steps_total", "counter", "Training steps completed.",
+           read=lambda st: st.steps),
     Family("gputrain_training_data_wait_seconds_total", "counter",
            "Seconds the training loop was blocked waiting for the data loader (inside step "
-           "time)."),
-    Family("gputrain_training_samples_total", "counter", "Training samples processed."),
+           "time).",
+           read=lambda st: st.data_wait_seconds),
+    Family("gputrain_training_samples_total", "counter", "Training samples processed.",
+           read=lambda st: st.samples),
     Family("gputrain_training_flops_total", "counter",
            "Model FLOPs of the training steps (forward and backward), from the FLOPs per sample "
-           "the client states."),
+           "the client states.",
+           read=lambda st: st.flops),
     Family("gputrain_training_comm_seconds_total", "counter",
            "Seconds the rank's gradient communication ran (DDP's all-reduce, from DDP's own "
-           "timers; absent where the client measures none), overlapped with compute or not."),
+           "timers; absent where the client measures none), overlapped with compute or not.",
+           read=lambda st: st.comm_seconds),
     Family("gputrain_training_comm_exposed_seconds_total", "counter",
            "Seconds the training steps waited for gradient communication that compute did not "
-           "hide (inside step time)."),
+           "hide (inside step time).",
+           read=lambda st: st.comm_exposed_seconds),
     Family("gputrain_training_comm_bytes_total", "counter",
-           "Bytes of gradients all-reduced (the size of DDP's gradient buckets)."),
+           "Bytes of gradients all-reduced (the size of DDP's gradient buckets).",
+           read=lambda st: st.comm_bytes),
     Family("gputrain_training_elapsed_seconds_total", "counter",
            "Wall seconds of the rank since its process started, restarts included (the gap "
            "between a process's last push and its successor's first counts): the denominator "
-           "of goodput and MFU."),
+           "of goodput and MFU.",
+           read=lambda st: st.wall_seconds),
     Family("gputrain_training_slow_step_seconds_total", "counter",
            f"Seconds of steps over {SLOW_STEP_FACTOR:g}x the rank's median step, counted by the "
            "daemon from the "
-           "pushed step histogram (a lower bound): what rare long stalls cost."),
+           "pushed step histogram (a lower bound): what rare long stalls cost.",
+           read=lambda st: st.slow_step_seconds if st.bucket_bounds else None),
     Family("gputrain_training_slow_steps_total", "counter",
            f"Steps over {SLOW_STEP_FACTOR:g}x the rank's median step, counted by the daemon from "
            "the pushed step histogram: their share of the steps tells a DataLoader's period (one "
-           "slow step in its workers' count) from rare stalls."),
+           "slow step in its workers' count) from rare stalls.",
+           read=lambda st: st.slow_steps if st.bucket_bounds else None),
     Family("gputrain_training_loader_workers", "gauge",
            "Worker processes of the DataLoader the rank's client wraps (num_workers): its "
-           "batches arrive in groups of this many."),
+           "batches arrive in groups of this many.",
+           read=lambda st: st.loader_workers),
     Family("gputrain_training_step_duration_seconds", "histogram",
            "Wall time of one training step, data wait included, in seconds.",
            per_rank=MAX_BUCKETS + 3),
@@ -100,9 +114,11 @@ FAMILIES: tuple[Family, ...] = (
            "Seconds spent in each named phase (callbacks, checkpoint, evaluation, ...).",
            ("run", "rank", "phase"), per_rank=MAX_PHASES),
     Family("gputrain_training_last_step_timestamp_seconds", "gauge",
-           "Unix time the last step ended."),
+           "Unix time the last step ended.",
+           read=lambda st: st.last_step_timestamp),
     Family("gputrain_training_last_push_timestamp_seconds", "gauge",
-           "Unix time the daemon last heard from the rank."),
+           "Unix time the daemon last heard from the rank.",
+           read=lambda st: st.received_unix),
     Family("gputrain_training_last_push_age_seconds", "gauge",
            "Seconds since the daemon last heard from the rank, on its own monotonic clock: the "
            "rules take the rank's liveness from this age (a node whose clock is off never "
@@ -117,13 +133,16 @@ FAMILIES: tuple[Family, ...] = (
            "over the last minute."),
     Family("gputrain_training_clock_skew_seconds", "gauge",
            "The rank's clock minus the daemon's, as its step timestamps show it (0 within 2 s): "
-           "taken off its last step's timestamp, which is never after the push."),
+           "taken off its last step's timestamp, which is never after the push.",
+           read=lambda st: st.clock_skew if st.last_step_timestamp is not None else None),
     Family("gputrain_training_finished", "gauge",
            "1 once the rank said goodbye at a clean end (close(), or its loop run out), else "
-           "0: a rank that stops pushing without a goodbye has vanished."),
+           "0: a rank that stops pushing without a goodbye has vanished.",
+           read=lambda st: 1.0 if st.finished else 0.0),
     Family("gputrain_training_failed", "gauge",
            "1 once the rank's process ended by a failure (an uncaught exception, a collective's "
-           "timeout, a signal), else 0; gputrain_training_exit_info says which."),
+           "timeout, a signal), else 0; gputrain_training_exit_info says which.",
+           read=lambda st: 1.0 if st.failed else 0.0),
     Family("gputrain_training_exit_info", "gauge",
            "How the rank's process ended, once it said goodbye: reason closed, completed or "
            "exited (clean), exception or signal (a failure), and detail, the exception's type "
@@ -143,7 +162,8 @@ FAMILIES: tuple[Family, ...] = (
            "while the rank has made no step since the dump.",
            ("run", "rank", "location", "function")),
     Family("gputrain_training_process_cpu_seconds_total", "counter",
-           "CPU seconds of the training process and its children (DataLoader workers)."),
+           "CPU seconds of the training process and its children (DataLoader workers).",
+           read=lambda st: st.process.get("cpu_seconds")),
     Family("gputrain_training_process_cpu_allowance_cores", "gauge",
            "CPU cores the training process's cgroup allows it (cgroup v2 cpu.max quota over "
            "period, cpuset.cpus.effective; the machine's CPUs where neither limits it), "
@@ -151,15 +171,19 @@ FAMILIES: tuple[Family, ...] = (
            "ranks of one pod share its quota)."),
     Family("gputrain_training_process_cpu_throttled_seconds_total", "counter",
            "Seconds the kernel throttled the training process's cgroup (cpu.stat "
-           "throttled_usec): time at its CPU quota."),
+           "throttled_usec): time at its CPU quota.",
+           read=lambda st: st.process.get("cpu_throttled_seconds")),
     Family("gputrain_training_process_resident_memory_bytes", "gauge",
-           "Resident memory of the training process and its children, in bytes."),
+           "Resident memory of the training process and its children, in bytes.",
+           read=lambda st: st.process.get("resident_memory_bytes")),
     Family("gputrain_training_process_proportional_memory_bytes", "gauge",
            "Proportional set size (PSS) of the training process and its children, in bytes: a "
            "page shared by n processes counts 1/n (/proc/<pid>/smaps_rollup, read at most once "
-           "a minute); absent where the client cannot read it."),
+           "a minute); absent where the client cannot read it.",
+           read=lambda st: st.process.get("proportional_memory_bytes")),
     Family("gputrain_training_process_read_bytes_total", "counter",
-           "Bytes the training process and its children read (storage and page cache)."),
+           "Bytes the training process and its children read (storage and page cache).",
+           read=lambda st: st.process.get("read_bytes")),
     Family("gputrain_training_gpu_info", "gauge",
            "The GPUs a rank uses and the precision it trains in; always 1. Join on gpu/uuid.",
            ("run", "rank", "gpu", "uuid", "precision"), per_rank=MAX_GPUS),
@@ -425,36 +449,8 @@ def _rank_lines(st: RankState) -> tuple[tuple[int, str], ...]:
             for b, c in zip(bounds, st.cumulative_counts, strict=True)]
     hist.append(f"gputrain_training_step_duration_seconds_count{{{lbl}}} {fg(st.steps)}\n")
     hist.append(f"gputrain_training_step_duration_seconds_sum{{{lbl}}} {fg(st.step_seconds)}\n")
-    proc = st.process
-    values = {
-        "gputrain_training_steps_total": st.steps,
-        "gputrain_training_data_wait_seconds_total": st.data_wait_seconds,
-        "gputrain_training_samples_total": st.samples,
-        "gputrain_training_flops_total": st.flops,
-        "gputrain_training_comm_seconds_total": st.comm_seconds,
-        "gputrain_training_comm_exposed_seconds_total": st.comm_exposed_seconds,
-        "gputrain_training_comm_bytes_total": st.comm_bytes,
-        "gputrain_training_elapsed_seconds_total": st.wall_seconds,
-        "gputrain_training_slow_step_seconds_total": st.slow_step_seconds if st.bucket_bounds
-        else None,
-        "gputrain_training_slow_steps_total": st.slow_steps if st.bucket_bounds else None,
-        "gputrain_training_loader_workers": st.loader_workers,
-        "gputrain_training_last_step_timestamp_seconds": st.last_step_timestamp,
-        "gputrain_training_last_push_timestamp_seconds": st.received_unix,
-        "gputrain_training_clock_skew_seconds":
-            st.clock_skew if st.last_step_timestamp is not None else None,
-        "gputrain_training_finished": 1.0 if st.finished else 0.0,
-        "gputrain_training_failed": 1.0 if st.failed else 0.0,
-        "gputrain_training_process_cpu_seconds_total": proc.get("cpu_seconds"),
-        "gputrain_training_process_resident_memory_bytes": proc.get("resident_memory_bytes"),
-        "gputrain_training_process_proportional_memory_bytes":
-            proc.get("proportional_memory_bytes"),
-        "gputrain_training_process_cpu_throttled_seconds_total":
-            proc.get("cpu_throttled_seconds"),
-        "gputrain_training_process_read_bytes_total": proc.get("read_bytes"),
-    }
-    out = [(INDEX[name], f"{name}{{{lbl}}} {fg(v)}\n") for name, v in values.items()
-           if v is not None]
+    out = [(i, f"{f.name}{{{lbl}}} {fg(v)}\n") for i, f in enumerate(FAMILIES)
+           if f.read is not None and (v := f.read(st)) is not None]
     if st.exit_reason is not None:
         out.append((INDEX["gputrain_training_exit_info"],
                     f'gputrain_training_exit_info{{detail="{st.exit_detail or ""}",'
