@@ -24,7 +24,10 @@ def slow_loader(wait_s: float, batch_size: int, fixed_when: str | None = None,
     fixed = False
     for _ in itertools.count():
         fixed = fixed or (fixed_when is not None and os.path.exists(fixed_when))
-        time.sleep(fixed_wait_s if fixed else wait_s)
+        if wait := fixed_wait_s if fixed else wait_s:
+            # (never sleep(0): it gives the core away, and on a busy machine the batch then
+            # waits a scheduler's time slice for it, a data wait the loop did not have)
+            time.sleep(wait)
         yield [0] * batch_size
 
 
