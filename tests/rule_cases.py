@@ -1514,6 +1514,8 @@ def training_run(run: str, *, busy: float, wait: float, samples_per_s: float, st
         sel("gputrain_gpu_pcie_link_max_bytes_per_second", **g): flat(link),
         **run_steps(run, wait, step_s=step_s),
         sel("gputrain_training_samples_total", run=run, rank="0"): ramp(samples_per_s * 60),
+        # the rank's wall time, as its client pushes it (the denominator of a phase's share)
+        sel("gputrain_training_elapsed_seconds_total", run=run, rank="0"): ramp(60),
         **host_cpu(cpu_busy),
         sel("gputrain_host_disk_io_time_seconds_total", device="nvme0n1"): ramp(3),
         sel("gputrain_host_network_received_bytes_total", interface="eth0"):

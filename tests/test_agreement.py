@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import random
 import re
 import time
 from collections.abc import Iterator
@@ -92,8 +93,35 @@ def boundary_cases() -> list[rule_cases.Case]:
             "busy91-power39": (0.91, 0.01, 117), "wait4": (0.95, 0.04, 250),
             "wait6": (0.95, 0.06, 250)}
     return [rule_cases.Case(f"boundary {run}", rule_cases.training_run(
-                run, busy=busy, wait=wait, power_w=power, **signals), [], fire_at="45m")
+                run, busy=busy, wait=wait, power_w=power, **signals), [], fire_at="45m",
+                signals={"run": run, "busy": busy, "wait": wait, "power_w": power, **signals})
             for run, (busy, wait, power) in runs.items()]
+
+
+def sampled_cases(n: int = 16, seed: int = 48) -> list[rule_cases.Case]:
+    """Runs drawn at random (seeded) over the whole space of a rank's signals, not only where
+    a case study or a threshold put them: the daemon's page, diagnose and the alerts must
+    conclude the same of each (what fires is whatever the alerts say; the tests compare)."""
+    rnd = random.Random(seed)
+    out = []
+    for k in range(n):
+        step_s = rnd.choice((0.02, 0.08, 0.3, 1.2))
+        gpm = rnd.random() < 0.6  # SM and tensor activity where the GPU has GPM
+        signals: dict = dict(
+            busy=round(rnd.uniform(0.2, 1.0), 3), wait=round(rnd.uniform(0.0, 0.7), 3),
+            samples_per_s=round(rnd.uniform(20, 4000)), step_s=step_s,
+            mem_gb=round(rnd.uniform(0.5, 15.9), 2), power_w=round(rnd.uniform(40, 300)),
+            cpu_busy=round(rnd.uniform(0.05, 0.98), 3),
+            pcie_rx=round(rnd.uniform(0.0, 0.6), 3), net_rx=round(rnd.uniform(0.0, 0.95), 3),
+            sm=round(rnd.uniform(0.1, 0.9), 3) if gpm else None,
+            tensor=round(rnd.uniform(0.0, 0.5), 3) if gpm else None,
+            phases={"checkpoint": round(rnd.uniform(0.0, 0.3), 3)} if rnd.random() < 0.3
+            else None)
+        run = f"sampled{k}"
+        out.append(rule_cases.Case(f"sampled {run}: {signals}",
+                                   rule_cases.training_run(run, **signals), [], fire_at="45m",
+                                   quiet_at=None, signals={"run": run, **signals}))
+    return out
 
 
 # run -> (the findings, whether GpuTrainGPUUnderutilized fires)
@@ -103,7 +131,7 @@ BOUNDARY = {"busy85-power30": ({"launch-bound"}, True), "busy85-power41": (set()
             "wait6": ({"input-bound"}, False)}
 
 
-CASES = rule_cases.alert_cases() + rule_cases.seed_cases() + boundary_cases()
+CASES = rule_cases.alert_cases() + rule_cases.seed_cases() + boundary_cases() + sampled_cases()
 
 
 @pytest.fixture(scope="module")
@@ -327,7 +355,8 @@ def table_readings(rep: dict) -> dict[str, object]:
 
 
 def test_every_seed_scenario_is_judged_locally():
-    assert len(SEEDS) == len(rule_cases.seed_cases()) >= 13
+    assert len(SEEDS) == len(rule_cases.seed_cases()) + len(boundary_cases()) + \
+        len(sampled_cases()) and len(rule_cases.seed_cases()) >= 13
 
 
 def test_diagnose_says_whether_the_tree_or_the_node_loses_the_memory(results):
