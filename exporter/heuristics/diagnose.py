@@ -515,12 +515,16 @@ def json_document(reports: list[RankReport], nodes: Sequence[NodeReport],
                       for n in nodes]}
 
 
+def _to_act(nodes: Sequence[NodeReport]) -> bool:
+    """Whether a node has a finding to act on (a note, its clock off, is said, not acted on)."""
+    return any(BY_VERDICT[f.name].kind != "note" for n in nodes for _, _, f in n.findings)
+
+
 def exit_status(reports: list[RankReport], nodes: Sequence[NodeReport] = ()) -> int:
     """1 when any rank or node has something to act on (a run that stopped without
     finishing too: its job died; a node's note, its clock off, is said but is no fault),
     else 3 when a rank's GPUs are unknown, else 0."""
-    if any(r.bottleneck or r.status == "stopped" for r in reports) or \
-            any(BY_VERDICT[f.name].kind != "note" for n in nodes for _, _, f in n.findings):
+    if any(r.bottleneck or r.status == "stopped" for r in reports) or _to_act(nodes):
         return EXIT_ACT
     if any(r.status == "no-gpu-data" for r in reports):
         return EXIT_NO_GPU_DATA
@@ -568,7 +572,7 @@ def main(ns: argparse.Namespace) -> int:
                            "running? " if down else "")
                         + "Is it scraping the exporter, and is a training client pushing to "
                         "it?"), file=sys.stderr)
-        if not any(n.findings for n in nodes):
+        if not _to_act(nodes):
             return EXIT_NO_DATA
     stacks: dict[tuple[str, str], dict[str, Any]] = {}
     if daemon:
