@@ -74,16 +74,18 @@ class Case:
                 self.series.setdefault(watched, ramp(60, _points(self.series[selector]) - 1))
         # and it exports every GPU it watches as up, so that a node's GPUs are listed whoever
         # uses them (a case about a lost GPU gives its own)
-        watched_gpus = {}
+        watched_gpus: dict[tuple[str, ...], int] = {}  # (job, instance, gpu, uuid): points
+        given_up = set()
         for selector in list(self.series):
             name, _, rest = selector.partition("{")
             labels = dict(re.findall(r'(\w+)="([^"]*)"', rest))
             if name.startswith("gputrain_gpu_") and "gpu" in labels and "uuid" in labels:
                 key = tuple(labels.get(k, "") for k in ("job", "instance", "gpu", "uuid"))
                 watched_gpus.setdefault(key, _points(self.series[selector]))
+                if name == "gputrain_gpu_up":
+                    given_up.add(key)
         for (job, instance, g, uuid), n in watched_gpus.items():
-            if not any(k.startswith("gputrain_gpu_up{") and f'gpu="{g}",uuid="{uuid}"' in k
-                       and f'instance="{instance}"' in k for k in self.series):
+            if (job, instance, g, uuid) not in given_up:
                 self.series[sel("gputrain_gpu_up", job=job, instance=instance, gpu=g,
                                 uuid=uuid)] = flat(1, n - 1)
         # A rank that pushes reports its steps: one a second unless the case says otherwise

@@ -279,7 +279,8 @@ READINGS = (
     # scrapes after an exporter (re)start, and blind time (a lost GPU) counts on neither side
     Reading("busy", "rank_gpu", "run_rank_gpu:gputrain_gpu_busy_ratio:rate5m", "rate", """
             sum by ({gpu}) (rate(gputrain_gpu_busy_seconds_total{{{s}}}[{w}]))
-            / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{w}]))""", of_node=True),
+            / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{w}]))""",
+            of_node=True),
     # the memory used as most of the window saw it (its median): a GPU at its ceiling two
     # readings in three is at its ceiling, whatever the dips between
     Reading("memory_used", "rank_gpu", "run_rank_gpu:gputrain_gpu_memory_used:ratio", "rate",
@@ -326,12 +327,14 @@ READINGS = (
               / on ({node}, name) group_left
               quantile by ({node}, name) (0.5,
                 avg by ({gpu}) (avg_over_time(gputrain_gpu_clock_hertz{{{s},clock="sm"}}[{w}]))
-                * on ({gpu}) group_left (name) max by ({gpu}, name) (gputrain_gpu_info{{{s}}})))""", of_node=True),
+                * on ({gpu}) group_left (name) max by ({gpu}, name) (gputrain_gpu_info{{{s}}})))""",
+            of_node=True),
     Reading("throttled", "rank_gpu",
             "run_rank_gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m", "rate", """
             sum by ({gpu}) (rate(gputrain_gpu_clock_event_seconds_total{{{s},
               reason=~"{throttle_reasons}"}}[{w}]))
-            / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{w}]))""", of_node=True),
+            / sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{w}]))""",
+            of_node=True),
     # what of a GPU's time a run does not own: busy with other runs' processes or with
     # processes no client reports (only where the driver gives per-process samples)
     Reading("foreign", "run_gpu", "run_gpu:gputrain_gpu_foreign_busy:ratio_rate5m", "rate", """
