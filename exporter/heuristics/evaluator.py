@@ -133,16 +133,28 @@ class Vector:
 
 @dataclass
 class Matrix:
-    """A range vector: per series, its (ms, value) samples in the range."""
+    """A range vector: per series, its samples in the range as two lists (ms, values), sliced
+    from the store's own (a tuple per sample cost a third of an evaluation)."""
 
-    series: list[tuple[Labels, list[tuple[int, float]]]]
+    series: list[tuple[Labels, list[int], list[float]]]
 
 
 Value = Union[float, str, Vector, Matrix]  # noqa: UP007 - a runtime alias on Python 3.10 too
 
 
+_UNNAMED: dict[Labels, Labels] = {}
+_UNNAMED_MAX = 1 << 16  # label sets remembered without their name (about the series kept)
+
+
 def _drop_name(labels: Labels) -> Labels:
-    return tuple(x for x in labels if x[0] != NAME)
+    """The labels less the metric name (remembered: the same series lose it at every
+    evaluation)."""
+    found = _UNNAMED.get(labels)
+    if found is None:
+        if len(_UNNAMED) >= _UNNAMED_MAX:
+            _UNNAMED.clear()
+        found = _UNNAMED[labels] = tuple(x for x in labels if x[0] != NAME)
+    return found
 
 
 def _matcher(m: Any) -> Callable[[dict[str, str]], bool]:
@@ -174,25 +186,26 @@ def _ms(duration: Any) -> int:
 
 # -- functions over ranges -------------------------------------------------------------------
 
-def _extrapolated(points: list[tuple[int, float]], start: int, end: int, counter: bool,
+def _extrapolated(times: list[int], values: list[float], start: int, end: int, counter: bool,
                   rate: bool) -> float | None:
     """Prometheus' extrapolatedRate (promql/functions.go): the increase over [start, end]
     extrapolated from the samples, counter resets corrected; per second where ``rate``."""
-    if len(points) < 2:
+    if len(times) < 2:
         return None
-    first_t, first_v = points[0]
-    last_t, last_v = points[-1]
+    first_t, first_v = times[0], values[0]
+    last_t, last_v = times[-1], values[-1]
     result = last_v - first_v
-    if counter:
+    # a counter that never fell is its own sort (a C-speed check); only a reset is walked
+    if counter and values != sorted(values):
         previous = 0.0
-        for _, v in points:
+        for v in values:
             if v < previous:
                 result += previous
             previous = v
     to_start = (first_t - start) / 1000
     to_end = (end - last_t) / 1000
     sampled = (last_t - first_t) / 1000
-    average = sampled / (len(points) - 1)
+    average = sampled / (len(times) - 1)
     if counter and result > 0 and first_v >= 0:
         to_zero = sampled * (first_v / result)
         to_start = min(to_start, to_zero)
@@ -204,16 +217,15 @@ def _extrapolated(points: list[tuple[int, float]], start: int, end: int, counter
     return result / ((end - start) / 1000) if rate else result
 
 
-def _slope(points: list[tuple[int, float]]) -> float | None:
+def _slope(times: list[int], ys: list[float]) -> float | None:
     """deriv(): the least-squares slope in units per second (Prometheus' linearRegression)."""
-    if len(points) < 2:
+    if len(times) < 2:
         return None
-    t0, y0 = points[0]
-    if all(v == y0 for _, v in points):
+    t0, y0 = times[0], ys[0]
+    if all(v == y0 for v in ys):
         return math.nan if math.isinf(y0) else 0.0
-    xs = [(t - t0) / 1000 for t, _ in points]
-    ys = [v for _, v in points]
-    n = len(points)
+    xs = [(t - t0) / 1000 for t in times]
+    n = len(times)
     sx, sy = _sum(xs), _sum(ys)
     sxy = _sum(x * y for x, y in zip(xs, ys, strict=True))
     sx2 = _sum(x * x for x in xs)
@@ -374,6 +386,22 @@ _MATH: dict[str, Callable[[float], float]] = {
 @dataclass(frozen=True, eq=False)
 class _Node:
     key: str  # the node's PromQL, as the parser writes it back
+    # of an aggregation or a vector match, each input label set's grouping key: the same
+    # series come back at every evaluation (bounded by _KEYS_MAX)
+    keys: dict[Labels, Labels] = field(default_factory=dict, init=False, repr=False)
+
+
+_KEYS_MAX = 1 << 16
+
+
+def _keyed(node: _Node, labels: Labels, key: Callable[[Labels], Labels]) -> Labels:
+    """``key(labels)``, remembered by the node."""
+    found = node.keys.get(labels)
+    if found is None:
+        if len(node.keys) >= _KEYS_MAX:
+            node.keys.clear()
+        found = node.keys[labels] = key(labels)
+    return found
 
 
 @dataclass(frozen=True, eq=False)
@@ -591,13 +619,16 @@ class Engine:
         start = end - node.range
         out = []
         for s in self.store.select(list(node.selector.matchers), node.selector.name):
-            lo, hi = bisect.bisect_left(s.times, start), bisect.bisect_right(s.times, end)
+            times = s.times
+            lo, hi = bisect.bisect_left(times, start), bisect.bisect_right(times, end)
+            if lo >= hi:
+                continue
             if s.markers:
-                points = [(s.times[i], s.values[i]) for i in range(lo, hi) if not s.stale[i]]
+                kept = [i for i in range(lo, hi) if not s.stale[i]]
+                if kept:
+                    out.append((s.labels, [times[i] for i in kept], [s.values[i] for i in kept]))
             else:
-                points = list(zip(s.times[lo:hi], s.values[lo:hi], strict=True))
-            if points:
-                out.append((s.labels, points))
+                out.append((s.labels, times[lo:hi], s.values[lo:hi]))
         return Matrix(out)
 
     def _subquery(self, node: _Subquery, t: int) -> Matrix:
@@ -606,17 +637,21 @@ class Engine:
         start = step * ((end - node.range) // step)
         if start < end - node.range:
             start += step
-        by: dict[Labels, list[tuple[int, float]]] = {}
+        by: dict[Labels, tuple[list[int], list[float]]] = {}
         for ts in range(start, end + 1, step):
             value = self._eval(node.expr, ts)
+            samples: list[tuple[Labels, float]]
             if isinstance(value, float):
-                by.setdefault((), []).append((ts, value))
+                samples = [((), value)]
             elif isinstance(value, Vector):
-                for labels, v, _ in value.samples:
-                    by.setdefault(labels, []).append((ts, v))
+                samples = [(labels, v) for labels, v, _ in value.samples]
             else:
                 raise QueryError(f"a subquery of a range: {node.key}")
-        return Matrix(list(by.items()))
+            for labels, v in samples:
+                times, values = by.setdefault(labels, ([], []))
+                times.append(ts)
+                values.append(v)
+        return Matrix([(labels, times, values) for labels, (times, values) in by.items()])
 
     # functions
     def _call(self, node: _Call, t: int) -> Value:
@@ -628,8 +663,8 @@ class Engine:
         if name == "quantile_over_time":
             q = self._scalar(args[0], t)
             m = self._matrix(args[1], t)
-            return Vector([(_drop_name(lb), _quantile(q, [v for _, v in pts]), t)
-                           for lb, pts in m.series])
+            return Vector([(_drop_name(lb), _quantile(q, values), t)
+                           for lb, _, values in m.series])
         if name == "timestamp":
             # of a selector, each sample's own time; of anything else, the evaluation's (as
             # Prometheus, whose other results all carry the evaluation time)
@@ -676,25 +711,25 @@ class Engine:
             raise QueryError(f"{name}() needs a range: {arg.key}")
         start = end - span
         out = []
-        for labels, points in m.series:
+        for labels, times, values in m.series:
             value: float | None
             if name in ("rate", "increase", "delta"):
-                value = _extrapolated(points, start, end, counter=name != "delta",
+                value = _extrapolated(times, values, start, end, counter=name != "delta",
                                       rate=name == "rate")
             elif name == "irate":
                 value = None
-                if len(points) >= 2:
-                    (t1, v1), (t2, v2) = points[-2], points[-1]
-                    value = (v2 - v1 if v2 >= v1 else v2) / ((t2 - t1) / 1000)
+                if len(times) >= 2:
+                    v1, v2 = values[-2], values[-1]
+                    value = (v2 - v1 if v2 >= v1 else v2) / ((times[-1] - times[-2]) / 1000)
             elif name == "deriv":
-                value = _slope(points)
+                value = _slope(times, values)
             elif name == "resets":
-                value = float(sum(b < a for (_, a), (_, b) in pairwise(points)))
+                value = float(sum(b < a for a, b in pairwise(values)))
             elif name == "changes":
                 value = float(sum(b != a and not (a != a and b != b)
-                                  for (_, a), (_, b) in pairwise(points)))
+                                  for a, b in pairwise(values)))
             else:
-                value = OVER_TIME[name]([v for _, v in points])
+                value = OVER_TIME[name](values)
             if value is not None:
                 out.append((_drop_name(labels), value, t))
         return Vector(out)
@@ -727,16 +762,15 @@ class Engine:
         v = self._vector(args[1], t)
         by: dict[Labels, list[tuple[float, float]]] = {}
         for labels, value, _ in v.samples:
-            d = dict(labels)
-            le = d.pop("le", None)
+            le = next((x for k, x in labels if k == "le"), None)
             if le is None:
                 continue
             try:
                 bound = float(le)
             except ValueError:
                 continue
-            by.setdefault(labels_of({k: x for k, x in d.items() if k != NAME}), []).append(
-                (bound, value))
+            by.setdefault(tuple(x for x in labels if x[0] != "le" and x[0] != NAME),
+                          []).append((bound, value))
         return Vector([(labels, _bucket_quantile(q, buckets), t)
                        for labels, buckets in by.items()])
 
@@ -746,13 +780,15 @@ class Engine:
         param = self._scalar(node.param, t) if node.param is not None else None
         v = self._vector(node.expr, t)
         names = node.labels
+        if node.without:
+            def grouping(labels: Labels) -> Labels:
+                return tuple(x for x in labels if x[0] not in names and x[0] != NAME)
+        else:
+            def grouping(labels: Labels) -> Labels:
+                return tuple(x for x in labels if x[0] in names)
         groups: dict[Labels, list[float]] = {}
         for labels, value, _ in v.samples:
-            if node.without:
-                key = tuple(x for x in labels if x[0] not in names and x[0] != NAME)
-            else:
-                key = tuple(x for x in labels if x[0] in names)
-            groups.setdefault(key, []).append(value)
+            groups.setdefault(_keyed(node, labels, grouping), []).append(value)
         out = []
         for key, values in groups.items():
             if op == "sum":
@@ -815,8 +851,13 @@ class Engine:
         if node.on is None:
             return _drop_name
         if node.on:
-            return lambda lb: tuple(x for x in lb if x[0] in names)
-        return lambda lb: tuple(x for x in lb if x[0] not in names and x[0] != NAME)
+            def on(lb: Labels) -> Labels:
+                return _keyed(node, lb, lambda lb: tuple(x for x in lb if x[0] in names))
+            return on
+        def ignoring(lb: Labels) -> Labels:
+            return _keyed(node, lb, lambda lb: tuple(x for x in lb
+                                                     if x[0] not in names and x[0] != NAME))
+        return ignoring
 
     def _set_op(self, op: str, lhs: Vector, rhs: Vector, node: _Binary) -> Vector:
         sig = self._signature(node)
@@ -845,6 +886,7 @@ class Engine:
         out = []
         seen: set[Labels] = set()
         one_to_one = node.card == "OneToOne"
+        drop = op not in _COMPARISON or node.want_bool
         for labels, x, ts in many:
             key = sig(labels)
             hit = ones.get(key)
@@ -859,19 +901,24 @@ class Engine:
                 value = float(keep) if node.want_bool else a
             else:
                 value = _ARITHMETIC[op](a, b)
-            d = dict(labels)
-            if op not in _COMPARISON or node.want_bool:
-                d.pop(NAME, None)
-            if one_to_one:
-                d = {k: v for k, v in d.items() if k in node.match} if node.on else \
-                    {k: v for k, v in d.items() if k not in node.match}
-            for name in node.include:
-                found = dict(one_labels).get(name, "")
-                if found:
-                    d[name] = found
-                else:
-                    d.pop(name, None)
-            result = labels_of(d)
+            # the labels stay sorted through each filter: a dict and a sort only to add the
+            # one side's labels (group_left (...))
+            base = _drop_name(labels) if drop else labels
+            if one_to_one and node.on:
+                result = tuple(x for x in base if x[0] in node.match)
+            elif one_to_one and node.match:
+                result = tuple(x for x in base if x[0] not in node.match)
+            else:
+                result = base
+            if node.include:
+                d = dict(result)
+                for name in node.include:
+                    found = dict(one_labels).get(name, "")
+                    if found:
+                        d[name] = found
+                    else:
+                        d.pop(name, None)
+                result = labels_of(d)
             if result in seen:
                 if one_to_one:
                     raise QueryError(f"multiple matches for labels {dict(key)} in {node.key}: "
