@@ -184,7 +184,10 @@ def test_the_laptop_tour_runs_as_written(tour):
                           f"--ingest.listen-address=127.0.0.1:{tour.ingest}", *NO_HOST])
     wait_until(lambda: requests.get(f"http://localhost:{tour.web}/healthz", timeout=2).ok,
                timeout=60, what=f"the demo daemon ({tour.log('daemon')})")
-    assert "(demo backend)" in tour.log("daemon")
+    # the serving line is logged just after the servers' threads start: /healthz may answer
+    # first (a busy run's race)
+    wait_until(lambda: "(demo backend)" in tour.log("daemon"), timeout=30,
+               what=f"the daemon's serving line ({tour.log('daemon')})")
 
     # 2. torch as the tests pin it, then the example training
     pin = re.search(r"torch==(\S+)", found["torch"]).group(1)

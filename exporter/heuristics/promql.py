@@ -17,6 +17,7 @@ from exporter.config import parse_duration
 from exporter.heuristics.readings import (
     BY_FIELD,
     READINGS,
+    REGIME_GPU,
     WINDOWS,
     Scope,
     of_scope,
@@ -187,18 +188,39 @@ REGIME_SHORT = "run_rank:gputrain_training_regime_age_seconds:short_window"
 # old-regime steps
 REGIME_YOUNG = "run_rank:gputrain_training_regime_age_seconds:quantile_window"
 QUANTILE_RECORDS = frozenset(x.record for x in READINGS if x.window == "quantile")
-GPU_BUSY, GPU_BUSY_REGIME = "gpu:gputrain_gpu_busy_ratio:rate5m", "gpu:gputrain_gpu_busy_ratio:rate1m"
+GPU_BUSY = "gpu:gputrain_gpu_busy_ratio:rate5m"
 RANK_GPU_BUSY = "run_rank_gpu:gputrain_gpu_busy_ratio:rate5m"
+
+
+def regime_record(gpu_record: str) -> str:
+    """The per-GPU series of a GPU reading over the regime window, beside its rate-window one
+    (``gpu:gputrain_gpu_busy_ratio:rate5m`` -> ``...:rate1m``; ``...:ratio`` ->
+    ``...:ratio_1m``): what a young regime's ranks read of their GPUs."""
+    level, metric, op = gpu_record.split(":")
+    regime = WINDOWS["regime"]
+    return f"{level}:{metric}:" + (op.replace("5m", regime) if "5m" in op else f"{op}_{regime}")
+
+
+# each GPU reading of a rank read over the regime window where its regime is young, by its
+# per-GPU series: the series over the regime window
+REGIME_RECORDS = {BY_FIELD[f].gpu_record: regime_record(BY_FIELD[f].gpu_record)
+                  for f in REGIME_GPU}
+GPU_BUSY_REGIME = REGIME_RECORDS[GPU_BUSY]
 # over the rate window whatever the regime: whether the window straddles a restart
 _NOT_SELECTED = ("run_rank:gputrain_training_restarts:resets5m",)
 
 
 def regime_rules(s: str, ids: Identity, r: str = WINDOWS["rate"]) -> list[dict]:
     """The selector of the ranks read over the regime window: those whose regime (from
-    :data:`REGIME_START`) fills it and is younger than ``r``
-    (:func:`exporter.heuristics.regime.short_window` is the same condition)."""
+    :data:`REGIME_START`) fills it and is younger than ``r``, and those that are themselves
+    (their wall seconds) (:func:`exporter.heuristics.regime.short_window` is the same
+    condition, of either age)."""
     young, window = window_seconds("regime"), parse_duration(r)
-    return [_rec(REGIME_SHORT, f"(time() - {REGIME_START}) >= {young:g} < {window:g}"),
+    # ... or the rank itself is (its wall seconds): never read over what its GPUs did
+    # before it came
+    wall = f"max by ({ids.rank}) (gputrain_training_elapsed_seconds_total{{{s}}})"
+    return [_rec(REGIME_SHORT, f"(time() - {REGIME_START}) >= {young:g} < {window:g} "
+                               f"or {wall} >= {young:g} < {window:g}"),
             _rec(REGIME_YOUNG, f"(time() - {REGIME_START}) < {window_seconds('quantile'):g}")]
 
 
@@ -227,13 +249,15 @@ def recording(s: str, ids: Identity, r: str = WINDOWS["rate"]) -> list[dict]:
     Each rule comes after the rules whose series it reads."""
     regime = WINDOWS["regime"]
     short = {x["record"]: x["expr"] for x in _windowed(s, ids, regime, quantile=regime)}
-    short[RANK_GPU_BUSY] = " ".join(rank_gpu_join(s, GPU_BUSY_REGIME, ids).split())
+    for per_gpu, record in REGIME_RECORDS.items():
+        short["run_rank_gpu:" + per_gpu.split(":", 1)[1]] = \
+            " ".join(rank_gpu_join(s, record, ids).split())
     medium = {x["record"]: x["expr"] for x in _readings("rank", s, ids, r, quantile=r)}
     out = regime_rules(s, ids, r)
     for rule in _windowed(s, ids, r):
         name, expr = rule["record"], rule["expr"]
-        if name == GPU_BUSY:
-            out.append(_rec(GPU_BUSY_REGIME, short[GPU_BUSY]))
+        if name in REGIME_RECORDS:
+            out.append(_rec(REGIME_RECORDS[name], short[name]))
         if name in QUANTILE_RECORDS:
             rule = _rec(name, quantile_selected(short[name], medium[name], expr, ids))
         elif name.startswith("run_rank") and name not in _NOT_SELECTED and short[name] != expr:

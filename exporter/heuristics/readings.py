@@ -396,6 +396,12 @@ def of_scope(scope: Scope) -> tuple[Reading, ...]:
     return tuple(r for r in READINGS if r.scope == scope)
 
 
+# A rank's GPU readings taken over a window: where its regime is young (it came, restarted or
+# changed pace less than the rate window ago), over the regime's span as its own rates are
+# (promql.recording records each per GPU over the regime window too)
+REGIME_GPU = tuple(x.field for x in of_scope("rank_gpu") if x.window == "rate")
+
+
 # The node readings that refine input-bound into a stage (CPU preprocessing, disk, network),
 # by their recorded series: each is judged with hysteresis (see WINDOWS["hold"]), its peak
 # over the hold range read beside it as ``<name>_peak``

@@ -30,6 +30,7 @@ from exporter.heuristics.promql import THROTTLE_REASONS
 from exporter.heuristics.readings import (
     LEAK_SPANS,
     REFINED,
+    REGIME_GPU,
     GpuReading,
     RankReport,
     duration_seconds,
@@ -547,7 +548,7 @@ class History:
         # each rank's share of its cgroup's CPU allowance (as /metrics exports it)
         shares = allowance_shares([tr.state for tr in ranks])
         younger: dict[float, tuple[dict, dict[str, float]]] = {}  # by a rank's first point
-        shorter: dict[float, dict] = {}  # a young regime's GPU readings, by its first point
+        shorter: dict[float, dict] = {}  # a young regime's GPU readings, by its span's start
         out = []
         for tr in ranks:
             with self._lock:
@@ -559,16 +560,19 @@ class History:
                 replaced = list(tr.restarts)
                 full = (old is not None and old is not tr.points[0]) or \
                     len(tr.points) == tr.points.maxlen
-                # a young regime is read on its own, over the last REGIME, as the rules do
+                # a young regime is read on its own, over the last REGIME, as the rules do;
+                # so is a rank younger than the window (its wall seconds), never over what
+                # its GPUs did before it came
                 age = None if tr.regime_start is None else snap.timestamp - tr.regime_start
                 short = None
-                if short_window(age, self.window):
-                    since = latest.t - REGIME_SECONDS
-                    if tr.regime_start is not None:  # (short_window holds only with an age)
-                        since = max(since, tr.regime_start)
-                    short = self._since(tr.points, latest.t, since)
+                if short_window(age, self.window) or short_window(st.wall_seconds, self.window):
+                    short = self._since(tr.points, latest.t, latest.t - REGIME_SECONDS)
+            # in its first minute (not yet read over the last minute), a rank's GPUs and node
+            # are read since its first push: never on what its GPUs did before it came.
+            # (The rules cannot: diagnose reads the whole window until the rank is a minute
+            # old, docs/how-it-works.md says so)
             rank_gpus, rank_host = gpus, host
-            if old is not None and not full:
+            if old is not None and not full and short is None:
                 if old.t not in younger:
                     younger[old.t] = (self.gpu_readings(old.t), self.host_readings(start=old.t))
                 rank_gpus, rank_host = younger[old.t]
@@ -581,14 +585,16 @@ class History:
                                             for x in replaced))
             if age is not None and age < self.window:
                 rep.regime_changed_seconds = age
-            short_busy: dict = {}
-            # a young regime is read alone: its rates, and its step-time percentiles and
-            # stall share too (the rules' quantile_selected), never the old regime's tail
+            short_gpus: dict = {}
+            # a young regime is read alone: its rates, its GPUs' readings over the same span,
+            # and its step-time percentiles and stall share too (the rules' regime_selected
+            # and quantile_selected), never the old regime's tail nor the GPUs' time before
             if short is not None and short.t < latest.t and old is not None:
                 old = short
-                if old.t not in shorter:
-                    shorter[old.t] = self.gpu_readings(old.t)
-                short_busy = shorter[old.t]
+                since = latest.t - REGIME_SECONDS  # the GPUs' regime span, whenever it came
+                if since not in shorter:
+                    shorter[since] = self.gpu_readings(since)
+                short_gpus = shorter[since]
             if old is not None:
                 _rank_window(rep, old, latest, st.bucket_bounds)
                 rep.loader_workers = st.loader_workers
@@ -626,9 +632,9 @@ class History:
                 if entry is None:
                     continue
                 state, reading, _ = entry
-                if (young := short_busy.get(uuid or index_)) is not None:
-                    # its GPUs' busy time over the same span as its steps (the rules' selection)
-                    reading = replace(reading, busy=young[1].busy)
+                if (young := short_gpus.get(uuid or index_)) is not None:
+                    # its GPUs' windowed readings over the same span as its steps
+                    reading = replace(reading, **{f: getattr(young[1], f) for f in REGIME_GPU})
                 share = None
                 if (unowned := reading.unattributed) is not None:  # no rank of this run's
                     reading = replace(reading, foreign=unowned + sum(
