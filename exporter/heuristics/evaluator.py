@@ -29,6 +29,8 @@ from typing import Any, Union
 
 import promql_parser as pp
 
+from exporter.heuristics.stalls import bucket_quantile, outside_quantiles
+
 LOOKBACK_MS = 300_000  # an instant selector's lookback delta (Prometheus' default, 5 m)
 NAME = "__name__"
 
@@ -233,18 +235,9 @@ def _slope(times: list[int], ys: list[float]) -> float | None:
     return (sxy - sx * sy / n) / var if var else math.nan
 
 
-def _outside_quantiles(q: float) -> float | None:
-    """A quantile's value for a ``q`` outside [0, 1] (NaN, -Inf, +Inf), else None."""
-    if math.isnan(q):
-        return math.nan
-    if q < 0 or q > 1:
-        return math.copysign(math.inf, q)
-    return None
-
-
 def _quantile(q: float, values: list[float]) -> float:
     """Prometheus' quantile(): linear between the nearest ranks; +-Inf outside [0, 1]."""
-    out_of_range = _outside_quantiles(q)
+    out_of_range = outside_quantiles(q)
     if out_of_range is not None or not values:
         return math.nan if out_of_range is None else out_of_range
     v = sorted(values)
@@ -253,43 +246,6 @@ def _quantile(q: float, values: list[float]) -> float:
     upper = min(len(v) - 1, lower + 1)
     weight = rank - math.floor(rank)
     return v[lower] * (1 - weight) + v[upper] * weight
-
-
-def _bucket_quantile(q: float, buckets: list[tuple[float, float]]) -> float:
-    """Prometheus' bucketQuantile over (upper bound, cumulative count) pairs: NaN without a
-    +Inf bucket or observations; linear within the bucket the rank falls in; the highest finite
-    bound where it falls in +Inf's."""
-    out_of_range = _outside_quantiles(q)
-    if out_of_range is not None:
-        return out_of_range
-    buckets = sorted(buckets)
-    if not buckets or buckets[-1][0] != math.inf:
-        return math.nan
-    merged: list[list[float]] = []
-    for bound, count in buckets:  # one bucket a bound (coalesceBuckets)
-        if merged and merged[-1][0] == bound:
-            merged[-1][1] += count
-        else:
-            merged.append([bound, count])
-    for i in range(1, len(merged)):  # ensureMonotonic
-        merged[i][1] = max(merged[i][1], merged[i - 1][1])
-    if len(merged) < 2:
-        return math.nan
-    observations = merged[-1][1]
-    if observations == 0:
-        return math.nan
-    rank = q * observations
-    b = next((i for i in range(len(merged) - 1) if merged[i][1] >= rank), len(merged) - 1)
-    if b == len(merged) - 1:
-        return merged[-2][0]
-    if b == 0 and merged[0][0] <= 0:
-        return merged[0][0]
-    start, end, count = 0.0, merged[b][0], merged[b][1]
-    if b > 0:
-        start = merged[b - 1][0]
-        count -= merged[b - 1][1]
-        rank -= merged[b - 1][1]
-    return start + (end - start) * _divide(rank, count)
 
 
 def _sum(values: Iterable[float]) -> float:
@@ -771,7 +727,7 @@ class Engine:
                 continue
             by.setdefault(tuple(x for x in labels if x[0] != "le" and x[0] != NAME),
                           []).append((bound, value))
-        return Vector([(labels, _bucket_quantile(q, buckets), t)
+        return Vector([(labels, bucket_quantile(q, buckets), t)
                        for labels, buckets in by.items()])
 
     # aggregations

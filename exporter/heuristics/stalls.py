@@ -16,25 +16,64 @@ import math
 SLOW_STEP_FACTOR = 5.0
 
 
+# -- Prometheus' histogram_quantile: one definition, for the rules' evaluator and the daemon --
+
+def outside_quantiles(q: float) -> float | None:
+    """A quantile's value for a ``q`` outside [0, 1] (NaN, -Inf, +Inf), else None."""
+    if math.isnan(q):
+        return math.nan
+    if q < 0 or q > 1:
+        return math.copysign(math.inf, q)
+    return None
+
+
+def bucket_quantile(q: float, buckets: list[tuple[float, float]]) -> float:
+    """Prometheus' bucketQuantile over (upper bound, cumulative count) pairs: NaN without a
+    +Inf bucket or observations; linear within the bucket the rank falls in; the highest finite
+    bound where it falls in +Inf's."""
+    out_of_range = outside_quantiles(q)
+    if out_of_range is not None:
+        return out_of_range
+    buckets = sorted(buckets)
+    if not buckets or buckets[-1][0] != math.inf:
+        return math.nan
+    merged: list[list[float]] = []
+    for bound, count in buckets:  # one bucket a bound (coalesceBuckets)
+        if merged and merged[-1][0] == bound:
+            merged[-1][1] += count
+        else:
+            merged.append([bound, count])
+    for i in range(1, len(merged)):  # ensureMonotonic
+        merged[i][1] = max(merged[i][1], merged[i - 1][1])
+    if len(merged) < 2:
+        return math.nan
+    observations = merged[-1][1]
+    if observations == 0:
+        return math.nan
+    rank = q * observations
+    b = next((i for i in range(len(merged) - 1) if merged[i][1] >= rank), len(merged) - 1)
+    if b == len(merged) - 1:
+        return merged[-2][0]
+    if b == 0 and merged[0][0] <= 0:
+        return merged[0][0]
+    start, end, count = 0.0, merged[b][0], merged[b][1]
+    if b > 0:
+        start = merged[b - 1][0]
+        count -= merged[b - 1][1]
+        rank -= merged[b - 1][1]
+    if not count:  # (never, for monotonic counts and 0 < q <= 1)
+        return math.nan
+    return start + (end - start) * rank / count
+
+
 def histogram_quantile(q: float, bounds: tuple[float, ...], counts: tuple[float, ...]) -> \
         float | None:
-    """Prometheus' histogram_quantile on cumulative ``counts`` (the last one +Inf's) over
-    finite upper ``bounds``: linear within the bucket, the highest finite bound past it."""
-    total = counts[-1] if counts else 0
-    if total <= 0:
+    """:func:`bucket_quantile` of cumulative ``counts`` (the last one +Inf's) over finite upper
+    ``bounds``; None where it is NaN (no observation)."""
+    if len(counts) != len(bounds) + 1:
         return None
-    rank = q * total
-    for i, c in enumerate(counts):
-        if c >= rank:
-            if i == len(bounds):
-                return bounds[-1] if bounds else None
-            lower = bounds[i - 1] if i > 0 else 0.0
-            below = counts[i - 1] if i > 0 else 0
-            inside = c - below
-            if inside <= 0:
-                return bounds[i]
-            return lower + (bounds[i] - lower) * (rank - below) / inside
-    return bounds[-1] if bounds else None
+    value = bucket_quantile(q, [*zip(bounds, counts[:-1], strict=True), (math.inf, counts[-1])])
+    return None if math.isnan(value) else value
 
 
 def _slow_line(bounds: tuple[float, ...], before: tuple[float, ...],
