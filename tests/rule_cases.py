@@ -1492,7 +1492,47 @@ def alert_cases() -> list[Case]:
               'up{job="gputrain",instance="n1:19400"}': flat(1, 10)},
              [Fire("GpuTrainExporterDown", {"job": "gputrain", "instance": "n2:19400"})],
              fire_at="7m", quiet_at="3m"),
+        # a job 3 minutes old on GPUs that idled (or served another run at half its time)
+        # before it: read over its last minute, it is healthy (over 5 minutes 'fresh' would
+        # read 57 % busy: host-overhead, underutilized; 'after' 69 %); the near miss 'settled'
+        # is 7 minutes old, read over the 5 with its GPU's idle minute inside them (76 % busy:
+        # underutilized, an info alert once its 10 minutes pass, not yet here)
+        Case("A run younger than the rate window is judged on its last minute, not on what its "
+             "GPU did before it came",
+             {**young_run("fresh", "0", "GPU-a", starts=42, idle=0),
+              **young_run("after", "1", "GPU-b", starts=42, idle=30),
+              **young_run("settled", "2", "GPU-c", starts=38, idle=0, dip=42)},
+             [], fire_at="45m", quiet_at="10m", quiet_alerts=sorted(alert_names())),
     ]
+
+
+def young_run(run: str, g: str, uuid: str, *, starts: int, idle: float,
+              dip: int | None = None, minutes: int = 50) -> dict[str, str]:
+    """Rank 0 of ``run`` on GPU ``g`` from minute ``starts`` on (its series absent before, its
+    counters and wall seconds from 0 then), a healthy loop keeping its GPU 95 % busy (idle in
+    the minute up to ``dip``); the GPU ``idle`` seconds a minute busy before it came."""
+    where = {"run": run, "rank": "0"}
+    gone = f"_x{starts} " if starts else ""
+    left = minutes - starts - 1  # intervals after the first sample
+    busy = sel("gputrain_gpu_busy_seconds_total", gpu=g, uuid=uuid)
+    return {
+        sel("gputrain_training_gpu_info", gpu=g, uuid=uuid, **where): gone + flat(1, left),
+        busy: segments([(idle, starts), (57, minutes - starts)] if dip is None else
+                       [(idle, starts), (57, dip - 1 - starts), (0, 1), (57, minutes - dip)]),
+        sel("gputrain_gpu_sampled_seconds_total", gpu=g, uuid=uuid): ramp(60, minutes),
+        sel("gputrain_gpu_memory_used_bytes", gpu=g, uuid=uuid): flat(12e9, minutes),
+        sel("gputrain_gpu_memory_total_bytes", gpu=g, uuid=uuid): flat(16e9, minutes),
+        **{sel(name, **where): gone + f"0+{num(per)}x{left}" for name, per in (
+            ("gputrain_training_step_duration_seconds_count", 600),
+            ("gputrain_training_step_duration_seconds_sum", 60),
+            ("gputrain_training_data_wait_seconds_total", 0.6),
+            ("gputrain_training_samples_total", 19200),
+            ("gputrain_training_elapsed_seconds_total", 60))},
+        sel("gputrain_training_last_push_timestamp_seconds", **where):
+            gone + f"{starts * 60}+60x{left}",
+        sel("gputrain_training_last_step_timestamp_seconds", **where):
+            gone + f"{starts * 60}+60x{left}",
+    }
 
 
 # --- the articles' case studies -----------------------------------------------------------------

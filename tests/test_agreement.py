@@ -359,6 +359,22 @@ def test_every_seed_scenario_is_judged_locally():
         len(sampled_cases()) and len(rule_cases.seed_cases()) >= 13
 
 
+def test_diagnose_judges_a_run_younger_than_the_window_on_its_last_minute(results):
+    """Through a real Prometheus: jobs 3 minutes old on GPUs that idled, or served another
+    run, before them read their last minute (95 % busy: gpu-bound, where the 5 minutes read
+    57 % and 69 %); the near miss, 7 minutes old, is read over the 5 with its GPU's idle
+    minute inside them (76 %: underutilized). tests/test_young_runs.py lives the same through
+    the daemon."""
+    (i,) = [i for i, c in enumerate(CASES)
+            if c.name.startswith("A run younger than the rate window")]
+    reports = {r["run"]: r for r in results[f"{job_of(i)}@{CASES[i].fire_at}"][0]}
+    for run in ("fresh", "after"):
+        assert reports[run]["verdict"] == "gpu-bound", reports[run]["reason"]
+        assert reports[run]["gpus"][0]["busy"] == pytest.approx(0.95, abs=0.005)
+    assert reports["settled"]["verdict"] == "underutilized", reports["settled"]["reason"]
+    assert reports["settled"]["gpus"][0]["busy"] == pytest.approx(0.76, abs=0.005)
+
+
 def test_diagnose_says_whether_the_tree_or_the_node_loses_the_memory(results):
     """Issue 37, principle 4, through a real Prometheus: the rank whose RSS stays flat while
     its node's available memory falls is told the memory goes outside its process tree; the
