@@ -12,6 +12,10 @@ its peers go on into the gradient all-reduce and wait there:
   declared phase (a save to storage that hangs);
 - ``checkpoint-phase``: the same save inside ``monitor.phase("checkpoint")``, after which the
   others wait for it at a barrier (a long checkpoint, declared: no hang);
+- ``freeze``: in its first step (its first batch in hand), the whole process stops (SIGSTOP:
+  a rank frozen, its pushes too), while its peers wait in their first step's all-reduce;
+- ``slow-start``: in its first step the rank runs its own code for ``--block-seconds`` (as a
+  first step that compiles does), while its peers wait in the all-reduce: no hang;
 - ``none``: no rank blocks.
 
 ``--timeout`` sets the process group's collective timeout in seconds (gloo's stands in for
@@ -26,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -48,6 +54,11 @@ class SlowFile:
         pass
 
 
+def build_kernels(seconds: float) -> None:
+    """The training script's own start-up work inside its first step (as compiling is)."""
+    time.sleep(seconds or 1e9)
+
+
 def save_checkpoint(state: dict, seconds: float) -> None:
     """The training script's own save: torch.save into storage that hangs."""
     import torch
@@ -62,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--endpoint", required=True)
     p.add_argument("--run", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--block", choices=("none", "data", "checkpoint", "checkpoint-phase"),
+    p.add_argument("--block", choices=("none", "data", "checkpoint", "checkpoint-phase",
+                                       "freeze", "slow-start"),
                    default="none")
     p.add_argument("--block-rank", type=int, default=3)
     p.add_argument("--block-after", type=int, default=200)
@@ -116,6 +128,10 @@ def main(argv: list[str] | None = None) -> None:
             break
         for _ in range(a.steps_per_round):
             x, y = next(it)
+            if blocks and a.block == "freeze" and done == 0:
+                os.kill(os.getpid(), signal.SIGSTOP)  # inside its first step, pushes and all
+            if blocks and a.block == "slow-start" and done == 0:
+                build_kernels(a.block_seconds)
             loss = torch.nn.functional.mse_loss(model(x), y)
             opt.zero_grad()
             loss.backward()

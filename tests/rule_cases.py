@@ -269,6 +269,26 @@ def live_rank(run: str, r: str, open_from: int | None = None, silent_from: int |
     return out
 
 
+def first_step_rank(run: str, r: str, location: str | None = None, located_from: int = 5,
+                    minutes: int = 12, every: int = 15) -> dict[str, str]:
+    """Rank ``r`` of ``run`` pushing, a sample every ``every`` seconds, its first step open
+    since minute 0 (no step ends); from ``located_from`` its stacks place it at ``location``
+    (none without)."""
+    k = 60 // every
+    n = minutes * k
+    where = {"run": run, "rank": r}
+    out = {sel("gputrain_training_step_duration_seconds_count", **where): flat(0, n),
+           sel("gputrain_training_step_duration_seconds_sum", **where): flat(0, n),
+           sel("gputrain_training_last_push_timestamp_seconds", **where): ramp(every, n),
+           sel("gputrain_training_step_in_progress_seconds", **where): _by_minute(0, minutes, k)}
+    if location is not None:
+        function = {"collective": "c10d::Reducer::finalize_backward",
+                    "computing": "torch._inductor.compile_fx.compile_fx"}[location]
+        out[sel("gputrain_training_stack_location", location=location, function=function,
+                **where)] = f"_x{located_from * k} 1x{n - located_from * k}"
+    return out
+
+
 # (run, rank, gpu, uuid, its busy seconds a minute there, the bytes it holds there): 'dp' and
 # 'dp2' data-parallel, each rank 1 with a stray context on rank 0's GPU; 'pipe' one process
 # on two GPUs
@@ -567,6 +587,18 @@ def alert_cases() -> list[Case]:
              [Fire("GpuTrainRunHung", {"run": "culprit"}, "2",
                    ranged=" Rank 1 on n1:19400 is in `DS.__getitem__` (data_loading).")],
              fire_at="14m", quiet_at="11m", interval="15s"),
+        Case("GpuTrainRunHung before the first step: both live ranks of 'first-hang' have had "
+             "their first step open since 0m and wait in a collective (the exporter's stacks, "
+             "from 5m): hung past the 300 s ceiling, not at 4m; 'first-compile' has one rank "
+             "in its own code (compiling), 'first-unseen' no stacks: each keeps the first "
+             "step's 30 minutes",
+             {**first_step_rank("first-hang", "0", "collective"),
+              **first_step_rank("first-hang", "1", "collective"),
+              **first_step_rank("first-compile", "0", "collective"),
+              **first_step_rank("first-compile", "1", "computing"),
+              **first_step_rank("first-unseen", "0"), **first_step_rank("first-unseen", "1")},
+             [Fire("GpuTrainRunHung", {"run": "first-hang"}, "2")],
+             fire_at="7m", quiet_at="4m", quiet_alerts=["GpuTrainRunHung"], interval="15s"),
         Case("GpuTrainRunNameShared: two jobs push as run 'train' (rank 0 from n1 and n2, 0.1 s "
              "and 0.5 s steps) and as run 'twice' (ranks 0 and 1 from both): said, and never "
              "compared (no straggler); 'multi' (rank 0 on n1, rank 1 on n2) and 'moved' (rank 0 "

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
-from exporter.heuristics.location import Location, culprit_line
+from exporter.heuristics.location import WAITING, Location, culprit_line
 from exporter.heuristics.promql import (
     THROTTLE_REASONS,
     Q,
@@ -37,6 +37,7 @@ from exporter.heuristics.readings import (
     BY_FIELD,
     LEAK_SPANS,
     REFINED,
+    STACK_WAITING,
     WINDOWS,
     GpuReading,
     NodeReport,
@@ -606,17 +607,36 @@ def typical_step(r: RankReport) -> float | None:
     return x if x is not None and x > 0 else None
 
 
+def waiting(r: RankReport) -> bool:
+    """The rank's last stacks show it waiting: in a collective, on a data read, in checkpoint
+    I/O (``gputrain_training_stack_location``, while its step count has not moved)."""
+    return any(where in WAITING for where in r.location)
+
+
 def hung_limit(r: RankReport, t: dict[str, float]) -> float:
     """How long a rank's step may run before it is hung, in seconds: ``hung_step_factor``
     times its typical step, within ``hung_min_seconds`` and ``hung_max_seconds``, and never
     under ``hung_slowest_factor`` times it (a run of minutes-long steps); before its first
-    step, ``hung_first_step_seconds`` (compilation, warm-up)."""
+    step, ``hung_first_step_seconds`` (compilation, warm-up), or ``hung_max_seconds`` where
+    its stacks show it waiting (:func:`waiting`: a peer that never came, a read that never
+    returns: the exporter takes them once its first step passes that ceiling)."""
     typical = typical_step(r)
     if typical is None:
-        return t["hung_first_step_seconds"]
+        return t["hung_max_seconds"] if waiting(r) else t["hung_first_step_seconds"]
     limit = min(max(t["hung_step_factor"] * typical, t["hung_min_seconds"]),
                 t["hung_max_seconds"])
     return max(limit, t["hung_slowest_factor"] * typical)
+
+
+def first_steps_past_ceiling(ranks: list[RankReport], t: dict[str, float]) -> bool:
+    """Every live rank of a run is still in its first step, past ``hung_max_seconds``, outside
+    any declared phase: whether it hangs or compiles only its stacks can tell (the exporter
+    takes them then, :class:`exporter.serving.hangs.HangWatch`; :func:`hung_limit` reads
+    them)."""
+    live = [r for r in ranks if alive(r, t)]
+    return bool(live) and not in_phase(ranks, t) and all(
+        typical_step(r) is None and _v(r.step_in_progress, ">", t["hung_max_seconds"])
+        for r in live)
 
 
 def rank_hung(r: RankReport, t: dict[str, float]) -> bool:
@@ -648,7 +668,9 @@ class RunHung(Heuristic):
     fires_when = ("every live rank of a run has a step in progress over {hung_step_factor} its "
                   "typical step (its process's mean step) (at least {hung_min_seconds}, at most {hung_max_seconds}, never "
                   "under {hung_slowest_factor} it; {hung_first_step_seconds} before its first "
-                  "step) while it pushes, and no rank of the run is in a declared phase")
+                  "step, {hung_max_seconds} where its stacks show it waiting in a collective, on "
+                  "a data read or in checkpoint I/O) while it pushes, and no rank of the run is "
+                  "in a declared phase")
     why = ("A live rank (it pushed in the last {alive_seconds}: its client's thread runs in the "
            "process) whose current step has run far past its own pace, outside any phase a "
            "client declares (an evaluation, a checkpoint, a DataLoader's start), is hung; a "
@@ -660,7 +682,14 @@ class RunHung(Heuristic):
            "native frames: a wait inside a C++ collective shows as one) and classifies where "
            "each is: in a collective, loading data, in checkpoint I/O, in evaluation, "
            "computing, elsewhere (`gputrain_training_stack_location`). The culprit is the rank "
-           "not waiting in a collective while its peers are. Ranks that wait for a peer in a "
+           "not waiting in a collective while its peers are. Before a run's first step there "
+           "is no pace, and compiling a large model takes minutes: each rank gets "
+           "{hung_first_step_seconds}, unless the stacks the exporter takes once every live rank's "
+           "first step has passed {hung_max_seconds} show it waiting (a peer that never came "
+           "to the first all-reduce, a read that never returns): then it is held to "
+           "{hung_max_seconds} like any rank, and the run is said hung before the watchdog. "
+           "A rank compiling (its stack in torch's compiler) keeps its allowance, and so does "
+           "its run. Ranks that wait for a peer in a "
            "declared phase are waiting, not hung, until that phase's own limit "
            "(`GpuTrainStalled`).")
     confirm = ("gputrain_training_step_in_progress_seconds",
@@ -683,7 +712,8 @@ class RunHung(Heuristic):
                            "typical one, whatever the ceiling"),
         "hung_first_step_seconds": Threshold(
             1800, "seconds", "before the first step there is no pace: torch.compile and "
-                             "warm-up of a large model take minutes (our choice)"),
+                             "warm-up of a large model take minutes (our choice); a rank whose "
+                             "stacks show it waiting is held to hung_max_seconds instead"),
         "alive_seconds": Threshold(
             30, "seconds", "6 missed pushes at the client's 5 s interval: its process is "
                            "gone or stopped"),
@@ -696,7 +726,9 @@ class RunHung(Heuristic):
                    f"{t['hung_max_seconds']})")
         slowest = f"{t['hung_slowest_factor']} * {typical}"
         open_ = "run_rank:gputrain_training_step_in_progress_seconds:max"
+        # before its first step: the ceiling where its stacks show it waiting (waiting())
         limit = (f"(({slowest} > {clamped}) or {clamped} "
+                 f"or ({open_} * 0 + {t['hung_max_seconds']} and on ({rank}) {STACK_WAITING}) "
                  f"or {open_} * 0 + {t['hung_first_step_seconds']})")
         live = q.alive
         hung = f"({open_} > {limit} and on ({rank}) {live})"

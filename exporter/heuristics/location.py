@@ -30,6 +30,9 @@ from typing import Any
 
 LOCATIONS = ("collective", "data_loading", "checkpoint_io", "evaluation", "computing",
              "elsewhere")
+# where a rank is waiting, not working: before its first step such a rank is no compilation
+# or warm-up (catalogue.hung_limit)
+WAITING = ("collective", "data_loading", "checkpoint_io")
 LOCATION_WORDS = {"collective": "waiting in a collective", "data_loading": "loading data",
                   "checkpoint_io": "in checkpoint I/O", "evaluation": "in evaluation",
                   "computing": "computing", "elsewhere": "elsewhere"}

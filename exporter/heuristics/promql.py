@@ -14,10 +14,12 @@ import re
 from typing import Any
 
 from exporter.config import parse_duration
+from exporter.heuristics.location import WAITING
 from exporter.heuristics.readings import (
     BY_FIELD,
     READINGS,
     REGIME_GPU,
+    STACK_WAITING,
     WINDOWS,
     Scope,
     of_scope,
@@ -375,6 +377,11 @@ def _windowed(s: str, ids: Identity, r: str, quantile: str = WINDOWS["quantile"]
             / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{r}]))"""),
         _rec(CPU_CORES, f"""
             sum by ({rank}) (rate(gputrain_training_process_cpu_seconds_total{{{s}}}[{r}]))"""),
+        # whether a rank's last stacks show it waiting (a collective, a data read, checkpoint
+        # I/O): before its first step such a rank is held to the hang ceiling, not to the
+        # first step's allowance (catalogue.hung_limit)
+        _rec(STACK_WAITING, f"""
+            max by ({rank}) (gputrain_training_stack_location{{{s},location=~"{'|'.join(WAITING)}"}})"""),
         _rec("run_rank:gputrain_training_process_resident_memory_bytes:sum", f"""
             sum by ({rank}) (gputrain_training_process_resident_memory_bytes{{{s}}})"""),
         # the summed peak of a rank's GPUs at the precision it trains in (MFU's denominator),

@@ -386,9 +386,11 @@ BY_FIELD = {r.field: r for r in READINGS}
 # The readings that say whether a rank lives and how long its step has been open: recorded in
 # a group of their own every ``liveness_interval`` (shorter than the recording interval), so a
 # hang is said within two minutes at the default settings
+# ... with whether a rank's stacks show it waiting (location.WAITING), recorded beside them
+STACK_WAITING = "run_rank:gputrain_training_stack_waiting:max"
 LIVENESS = frozenset(BY_FIELD[f].record for f in (
     "seconds_since_push", "finished", "failed", "exit", "step_in_progress",
-    "phase_in_progress", "typical_step_seconds", "location"))
+    "phase_in_progress", "typical_step_seconds", "location")) | {STACK_WAITING}
 
 
 def of_scope(scope: Scope) -> tuple[Reading, ...]:

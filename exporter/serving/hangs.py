@@ -4,7 +4,9 @@ Each sampler cycle :class:`HangWatch` looks for a live rank whose step in progre
 the floor of the hung limit (``hung_min_seconds``); only then does it build the window's
 reports and ask the catalogue (:class:`~exporter.heuristics.catalogue.RunHung`) whether the
 rank's run is hung. A run that is asks each of its ranks that push here for a py-spy dump
-with native frames, once per hang (a hang is the ranks' processes and step counts: a run that
+with native frames, once per hang; so does a run whose every rank is still in its first step
+past the hang ceiling (no pace yet: waiting in a collective is a hang, compiling is not, and
+only the stacks tell) (a hang is the ranks' processes and step counts: a run that
 steps again and hangs again is a new one), within the profile board's bounds. The board
 classifies each dump (:mod:`exporter.heuristics.location`); :func:`with_locations` puts the
 answer on the reports every surface judges.
@@ -15,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from exporter.heuristics.catalogue import BY_VERDICT
+from exporter.heuristics.catalogue import BY_VERDICT, first_steps_past_ceiling
 from exporter.heuristics.readings import RankReport, run_key
 from exporter.serving.history import History
 from exporter.serving.profiles import ProfileBoard
@@ -67,7 +69,10 @@ class HangWatch:
             runs.setdefault(run_key(rep), []).append(rep)
         hung = BY_VERDICT["hung"]
         for ranks in runs.values():
-            if not hung.holds_run(ranks, self.thresholds):
+            # a run hung, or one whose every rank is still in its first step past the hang
+            # ceiling: its stacks tell a wait (then it is hung) from a compilation
+            said = bool(hung.holds_run(ranks, self.thresholds))
+            if not said and not first_steps_past_ceiling(ranks, self.thresholds):
                 continue
             hang = tuple(sorted((r.run, r.rank, states[(r.run, r.rank)].run_id,
                                  states[(r.run, r.rank)].steps)
@@ -79,6 +84,12 @@ class HangWatch:
             run = ranks[0].run
             ids = self.board.capture_hang(run, [r.rank for r in ranks])
             self._captured[hang] = ids
-            log.warning("run %s is hung: its steps stopped far past their pace; captured the "
-                        "stacks of %d of its %d rank(s) here (%s)", run, len(ids), len(ranks),
-                        ", ".join(ids) or "none could be asked")
+            if said:
+                log.warning("run %s is hung: its steps stopped far past their pace; captured "
+                            "the stacks of %d of its %d rank(s) here (%s)", run, len(ids),
+                            len(ranks), ", ".join(ids) or "none could be asked")
+            else:
+                log.warning("run %s has made no first step in %.0f s: capturing the stacks of "
+                            "%d of its %d rank(s) here to tell a hang from a compilation (%s)",
+                            run, max(r.step_in_progress or 0.0 for r in ranks), len(ids),
+                            len(ranks), ", ".join(ids) or "none could be asked")
