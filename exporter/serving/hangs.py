@@ -4,10 +4,10 @@ Each sampler cycle :class:`HangWatch` looks for a live rank whose step in progre
 the floor of the hung limit (``hung_min_seconds``); only then does it build the window's
 reports and ask the catalogue (:class:`~exporter.heuristics.catalogue.RunHung`) whether the
 rank's run is hung. A run that is asks each of its ranks that push here for a py-spy dump
-with native frames, once per hang; so does a run whose every rank is still in its first step
-past the hang ceiling (no pace yet: waiting in a collective is a hang, compiling is not, and
-only the stacks tell) (a hang is the ranks' processes and step counts: a run that
-steps again and hangs again is a new one), within the profile board's bounds. The board
+with native frames, once per hang (a hang is the ranks' processes and step counts: a run that
+steps again and hangs again is a new one), within the profile board's bounds. So does a run
+whose every live rank is still in its first step past the hang ceiling: with no pace yet,
+only the stacks tell a wait (a hang) from a compilation. The board
 classifies each dump (:mod:`exporter.heuristics.location`); :func:`with_locations` puts the
 answer on the reports every surface judges.
 """
