@@ -144,19 +144,28 @@ class Matrix:
 Value = Union[float, str, Vector, Matrix]  # noqa: UP007 - a runtime alias on Python 3.10 too
 
 
+# What is derived from a label set (the set without its name, a grouping key) is remembered:
+# the same series come back at every evaluation. Each memo holds at most _REMEMBERED sets.
+_REMEMBERED = 1 << 16
+
+
+def _remembered(memo: dict[Labels, Labels], labels: Labels,
+                derive: Callable[[Labels], Labels]) -> Labels:
+    """``derive(labels)``, from ``memo`` where it is there."""
+    found = memo.get(labels)
+    if found is None:
+        if len(memo) >= _REMEMBERED:
+            memo.clear()
+        found = memo[labels] = derive(labels)
+    return found
+
+
 _UNNAMED: dict[Labels, Labels] = {}
-_UNNAMED_MAX = 1 << 16  # label sets remembered without their name (about the series kept)
 
 
 def _drop_name(labels: Labels) -> Labels:
-    """The labels less the metric name (remembered: the same series lose it at every
-    evaluation)."""
-    found = _UNNAMED.get(labels)
-    if found is None:
-        if len(_UNNAMED) >= _UNNAMED_MAX:
-            _UNNAMED.clear()
-        found = _UNNAMED[labels] = tuple(x for x in labels if x[0] != NAME)
-    return found
+    """The labels less the metric name."""
+    return _remembered(_UNNAMED, labels, lambda lb: tuple(x for x in lb if x[0] != NAME))
 
 
 def _matcher(m: Any) -> Callable[[dict[str, str]], bool]:
@@ -342,22 +351,8 @@ _MATH: dict[str, Callable[[float], float]] = {
 @dataclass(frozen=True, eq=False)
 class _Node:
     key: str  # the node's PromQL, as the parser writes it back
-    # of an aggregation or a vector match, each input label set's grouping key: the same
-    # series come back at every evaluation (bounded by _KEYS_MAX)
+    # of an aggregation or a vector match, each input label set's grouping key (_remembered)
     keys: dict[Labels, Labels] = field(default_factory=dict, init=False, repr=False)
-
-
-_KEYS_MAX = 1 << 16
-
-
-def _keyed(node: _Node, labels: Labels, key: Callable[[Labels], Labels]) -> Labels:
-    """``key(labels)``, remembered by the node."""
-    found = node.keys.get(labels)
-    if found is None:
-        if len(node.keys) >= _KEYS_MAX:
-            node.keys.clear()
-        found = node.keys[labels] = key(labels)
-    return found
 
 
 @dataclass(frozen=True, eq=False)
@@ -744,7 +739,7 @@ class Engine:
                 return tuple(x for x in labels if x[0] in names)
         groups: dict[Labels, list[float]] = {}
         for labels, value, _ in v.samples:
-            groups.setdefault(_keyed(node, labels, grouping), []).append(value)
+            groups.setdefault(_remembered(node.keys, labels, grouping), []).append(value)
         out = []
         for key, values in groups.items():
             if op == "sum":
@@ -808,12 +803,13 @@ class Engine:
             return _drop_name
         if node.on:
             def on(lb: Labels) -> Labels:
-                return _keyed(node, lb, lambda lb: tuple(x for x in lb if x[0] in names))
-            return on
-        def ignoring(lb: Labels) -> Labels:
-            return _keyed(node, lb, lambda lb: tuple(x for x in lb
-                                                     if x[0] not in names and x[0] != NAME))
-        return ignoring
+                return tuple(x for x in lb if x[0] in names)
+            derive = on
+        else:
+            def ignoring(lb: Labels) -> Labels:
+                return tuple(x for x in lb if x[0] not in names and x[0] != NAME)
+            derive = ignoring
+        return lambda lb: _remembered(node.keys, lb, derive)
 
     def _set_op(self, op: str, lhs: Vector, rhs: Vector, node: _Binary) -> Vector:
         sig = self._signature(node)

@@ -190,8 +190,6 @@ REGIME_SHORT = "run_rank:gputrain_training_regime_age_seconds:short_window"
 # old-regime steps
 REGIME_YOUNG = "run_rank:gputrain_training_regime_age_seconds:quantile_window"
 QUANTILE_RECORDS = frozenset(x.record for x in READINGS if x.window == "quantile")
-GPU_BUSY = "gpu:gputrain_gpu_busy_ratio:rate5m"
-RANK_GPU_BUSY = "run_rank_gpu:gputrain_gpu_busy_ratio:rate5m"
 
 
 def regime_record(gpu_record: str) -> str:
@@ -207,7 +205,6 @@ def regime_record(gpu_record: str) -> str:
 # per-GPU series: the series over the regime window
 REGIME_RECORDS = {BY_FIELD[f].gpu_record: regime_record(BY_FIELD[f].gpu_record)
                   for f in REGIME_GPU}
-GPU_BUSY_REGIME = REGIME_RECORDS[GPU_BUSY]
 # over the rate window whatever the regime: whether the window straddles a restart
 _NOT_SELECTED = ("run_rank:gputrain_training_restarts:resets5m",)
 
@@ -251,9 +248,8 @@ def recording(s: str, ids: Identity, r: str = WINDOWS["rate"]) -> list[dict]:
     Each rule comes after the rules whose series it reads."""
     regime = WINDOWS["regime"]
     short = {x["record"]: x["expr"] for x in _windowed(s, ids, regime, quantile=regime)}
-    for per_gpu, record in REGIME_RECORDS.items():
-        short["run_rank_gpu:" + per_gpu.split(":", 1)[1]] = \
-            " ".join(rank_gpu_join(s, record, ids).split())
+    for x in (BY_FIELD[f] for f in REGIME_GPU):
+        short[x.record] = " ".join(rank_gpu_join(s, REGIME_RECORDS[x.gpu_record], ids).split())
     medium = {x["record"]: x["expr"] for x in _readings("rank", s, ids, r, quantile=r)}
     out = regime_rules(s, ids, r)
     for rule in _windowed(s, ids, r):
