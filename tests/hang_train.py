@@ -16,6 +16,10 @@ its peers go on into the gradient all-reduce and wait there:
   a rank frozen, its pushes too), while its peers wait in their first step's all-reduce;
 - ``slow-start``: in its first step the rank runs its own code for ``--block-seconds`` (as a
   first step that compiles does), while its peers wait in the all-reduce: no hang;
+- ``freeze-before``: before its first batch the whole process stops (SIGSTOP), while its peers
+  wait at a barrier before theirs (as a script's ranks wait for rank 0 to prepare the data);
+- ``prepare``: before its first batch the rank runs its own code for ``--block-seconds`` (a
+  data set prepared) while its peers wait at that barrier: no hang;
 - ``none``: no rank blocks.
 
 ``--timeout`` sets the process group's collective timeout in seconds (gloo's stands in for
@@ -59,6 +63,11 @@ def build_kernels(seconds: float) -> None:
     time.sleep(seconds or 1e9)
 
 
+def prepare_data(seconds: float) -> None:
+    """The training script's own preparation before its first batch (a download, an index)."""
+    time.sleep(seconds or 1e9)
+
+
 def save_checkpoint(state: dict, seconds: float) -> None:
     """The training script's own save: torch.save into storage that hangs."""
     import torch
@@ -74,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--run", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--block", choices=("none", "data", "checkpoint", "checkpoint-phase",
-                                       "freeze", "slow-start"),
+                                       "freeze", "slow-start", "freeze-before", "prepare"),
                    default="none")
     p.add_argument("--block-rank", type=int, default=3)
     p.add_argument("--block-after", type=int, default=200)
@@ -119,6 +128,12 @@ def main(argv: list[str] | None = None) -> None:
         model = torch.compile(model)  # type: ignore[assignment]
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     loader = torch.utils.data.DataLoader(Samples(), batch_size=batch, num_workers=0)
+    if a.block in ("freeze-before", "prepare"):  # the others wait for it before any batch
+        if blocks and a.block == "freeze-before":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if blocks and a.block == "prepare":
+            prepare_data(a.block_seconds)
+        dist.barrier()
     done = 0
     it = iter(monitor.wrap(loader))
     while True:

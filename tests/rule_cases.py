@@ -283,7 +283,8 @@ def first_step_rank(run: str, r: str, location: str | None = None, located_from:
            sel("gputrain_training_step_in_progress_seconds", **where): _by_minute(0, minutes, k)}
     if location is not None:
         function = {"collective": "c10d::Reducer::finalize_backward",
-                    "computing": "torch._inductor.compile_fx.compile_fx"}[location]
+                    "computing": "torch._inductor.compile_fx.compile_fx",
+                    "checkpoint_io": "torch.load"}[location]
         out[sel("gputrain_training_stack_location", location=location, function=function,
                 **where)] = f"_x{located_from * k} 1x{n - located_from * k}"
     return out
@@ -599,6 +600,19 @@ def alert_cases() -> list[Case]:
               **first_step_rank("first-unseen", "0"), **first_step_rank("first-unseen", "1")},
              [Fire("GpuTrainRunHung", {"run": "first-hang"}, "2")],
              fire_at="7m", quiet_at="4m", quiet_alerts=["GpuTrainRunHung"], interval="15s"),
+        Case("GpuTrainStalled before the first step: rank 0 of 'warm' has had its first step "
+             "open since 0m (compiling, or loading a checkpoint: no stacks place it in a "
+             "collective) and 'warm-load' likewise with its stacks in checkpoint I/O: neither "
+             "is stalled nor hung at 20m (the first step's 30 minutes); at 32m both are",
+             {**first_step_rank("warm", "0", minutes=34),
+              **first_step_rank("warm-load", "0", "checkpoint_io", minutes=34)},
+             [Fire("GpuTrainStalled", rank("warm"), "32m 0s"),
+              Fire("GpuTrainRunHung", {"run": "warm"}, "1"),
+              Fire("GpuTrainStalled", rank("warm-load"), "32m 0s"),
+              Fire("GpuTrainRunHung", {"run": "warm-load"}, "1",
+                   ranged=" Rank 0 on n1:19400 is in `torch.load` (checkpoint_io).")],
+             fire_at="1950s", quiet_at="20m",
+             quiet_alerts=["GpuTrainStalled", "GpuTrainRunHung"], interval="15s"),
         Case("GpuTrainRunNameShared: two jobs push as run 'train' (rank 0 from n1 and n2, 0.1 s "
              "and 0.5 s steps) and as run 'twice' (ranks 0 and 1 from both): said, and never "
              "compared (no straggler); 'multi' (rank 0 on n1, rank 1 on n2) and 'moved' (rank 0 "

@@ -78,14 +78,22 @@ def test_evaluation_and_checkpoint_are_no_phase_of_the_step():
         assert judge_one(rep).findings() == found, periodic
 
 
-def test_a_live_rank_whose_step_is_open_10_minutes_while_a_peer_steps_is_stalled():
+@pytest.mark.parametrize(("typical", "open_s", "stalled"), [
+    (0.1, 700.0, True),  # it stepped before: 10 minutes
+    (None, 700.0, False), (None, 1700.0, False),  # its first step: 30 minutes (compiling)
+    (None, 1900.0, True)])
+def test_a_live_rank_whose_step_is_open_past_its_limit_while_a_peer_steps_is_stalled(
+        typical, open_s, stalled):
     stuck, peer = report(0.95, 0.01), report(0.95, 0.01)
     peer.rank = "1"
     for r in (stuck, peer):
         r.steps_per_second, r.seconds_since_push = 0.0, 3.0
-    stuck.step_in_progress, peer.step_in_progress = 700.0, 0.01
+        r.typical_step_seconds = 0.1
+    stuck.typical_step_seconds = typical
+    stuck.step_in_progress, peer.step_in_progress = open_s, 0.01
     judged = {r.rank: r for r in judge([stuck, peer], T)}
-    assert judged["0"].verdict == "stalled" and judged["0"].bottleneck, judged["0"]
+    assert (judged["0"].verdict == "stalled") is stalled, judged["0"]
+    assert judged["0"].bottleneck or not stalled, judged["0"]
     assert judged["1"].verdict != "stalled"
 
 

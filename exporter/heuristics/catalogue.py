@@ -608,8 +608,8 @@ def typical_step(r: RankReport) -> float | None:
 
 
 def waiting(r: RankReport) -> bool:
-    """The rank's last stacks show it waiting: in a collective, on a data read, in checkpoint
-    I/O (``gputrain_training_stack_location``, while its step count has not moved)."""
+    """The rank's last stacks show it waiting for a peer: in a collective, a barrier or the
+    rendezvous (``gputrain_training_stack_location``, while its step count has not moved)."""
     return any(where in WAITING for where in r.location)
 
 
@@ -618,8 +618,8 @@ def hung_limit(r: RankReport, t: dict[str, float]) -> float:
     times its typical step, within ``hung_min_seconds`` and ``hung_max_seconds``, and never
     under ``hung_slowest_factor`` times it (a run of minutes-long steps); before its first
     step, ``hung_first_step_seconds`` (compilation, warm-up), or ``hung_max_seconds`` where
-    its stacks show it waiting (:func:`waiting`: a peer that never came, a read that never
-    returns: the exporter takes them once its first step passes that ceiling)."""
+    its stacks show it waiting (:func:`waiting`: for a peer that never came; the exporter
+    takes them once its first step passes that ceiling)."""
     typical = typical_step(r)
     if typical is None:
         return t["hung_max_seconds"] if waiting(r) else t["hung_first_step_seconds"]
@@ -668,9 +668,9 @@ class RunHung(Heuristic):
     fires_when = ("every live rank of a run has a step in progress over {hung_step_factor} its "
                   "typical step (its process's mean step) (at least {hung_min_seconds}, at most {hung_max_seconds}, never "
                   "under {hung_slowest_factor} it; {hung_first_step_seconds} before its first "
-                  "step, {hung_max_seconds} where its stacks show it waiting in a collective, on "
-                  "a data read or in checkpoint I/O) while it pushes, and no rank of the run is "
-                  "in a declared phase")
+                  "step (no step yet counts from its process's start), {hung_max_seconds} where "
+                  "its stacks show it waiting in a collective) while it pushes, and no rank of "
+                  "the run is in a declared phase")
     why = ("A live rank (it pushed in the last {alive_seconds}: its client's thread runs in the "
            "process) whose current step has run far past its own pace, outside any phase a "
            "client declares (an evaluation, a checkpoint, a DataLoader's start), is hung; a "
@@ -684,12 +684,15 @@ class RunHung(Heuristic):
            "computing, elsewhere (`gputrain_training_stack_location`). The culprit is the rank "
            "not waiting in a collective while its peers are. Before a run's first step there "
            "is no pace, and compiling a large model takes minutes: each rank gets "
-           "{hung_first_step_seconds}, unless the stacks the exporter takes once every live rank's "
-           "first step has passed {hung_max_seconds} show it waiting (a peer that never came "
-           "to the first all-reduce, a read that never returns): then it is held to "
+           "{hung_first_step_seconds} (a rank that has made no step yet is in its first since "
+           "its process started: a barrier, a broadcast or the rendezvous before the first "
+           "batch is part of it), unless the stacks the exporter takes once every live rank's "
+           "first step has passed {hung_max_seconds} show it waiting in a collective (a peer "
+           "that never came to the first all-reduce or barrier): then it is held to "
            "{hung_max_seconds} like any rank, and the run is said hung before the watchdog. "
-           "A rank compiling (its stack in torch's compiler) keeps its allowance, and so does "
-           "its run. Ranks that wait for a peer in a "
+           "A rank in its own code, compiling (its stack in torch's compiler), reading data "
+           "or loading a checkpoint keeps its allowance (a slow read looks the same as one "
+           "that hangs), and so does its run. Ranks that wait for a peer in a "
            "declared phase are waiting, not hung, until that phase's own limit "
            "(`GpuTrainStalled`).")
     confirm = ("gputrain_training_step_in_progress_seconds",
@@ -711,9 +714,11 @@ class RunHung(Heuristic):
             2.0, "factor", "a run of minutes-long steps: a step is hung only past twice its "
                            "typical one, whatever the ceiling"),
         "hung_first_step_seconds": Threshold(
-            1800, "seconds", "before the first step there is no pace: torch.compile and "
-                             "warm-up of a large model take minutes (our choice); a rank whose "
-                             "stacks show it waiting is held to hung_max_seconds instead"),
+            1800, "seconds", "before the first step there is no pace: torch.compile, "
+                             "warm-up and the checkpoint load of a large model take minutes "
+                             "(our choice); GpuTrainStalled grants it too; a rank whose stacks "
+                             "show it waiting in a collective is held to hung_max_seconds "
+                             "instead"),
         "alive_seconds": Threshold(
             30, "seconds", "6 missed pushes at the client's 5 s interval: its process is "
                            "gone or stopped"),
@@ -779,12 +784,15 @@ class Stalled(Heuristic):
     advice = ("Look for a hang in a collective, a dead DataLoader worker, a deadlock or an "
               "evaluation or checkpoint that never ends (py-spy dump --pid, or "
               "`gputrain-exporter profile --stacks --dump`).")
-    fires_when = ("a live rank's step in progress over {stalled_seconds} outside any phase "
+    fires_when = ("a live rank's step in progress over {stalled_seconds} "
+                  "({hung_first_step_seconds} before its first step) outside any phase "
                   "while no live rank of its run is in a declared phase under "
                   "{stalled_in_phase_seconds}, or its declared phase (an evaluation, a "
                   "checkpoint) open for {stalled_in_phase_seconds}")
     why = ("The long cases, rank by rank: a live rank (pushing) whose step in progress has run "
-           "{stalled_seconds} whatever its peers do, or whose declared phase outside steps (a "
+           "{stalled_seconds} whatever its peers do ({hung_first_step_seconds} before its "
+           "first step, as `GpuTrainRunHung` grants: compiling or loading a large model takes "
+           "minutes), or whose declared phase outside steps (a "
            "client pushes an evaluation or checkpoint while it lasts) has run "
            "{stalled_in_phase_seconds}: a hang inside it. A run whose ranks all hang is said "
            "sooner, as `GpuTrainRunHung`; ranks waiting for a peer's phase are waiting until "
@@ -811,8 +819,12 @@ class Stalled(Heuristic):
         # a live peer inside a declared phase, under its limit: the run's open steps wait
         waited = (f"count by ({run}) ({phase} <= {t['stalled_in_phase_seconds']} "
                   f"and on ({rank}) {live})")
-        return [self.rule(q, "critical", f"""((run_rank:gputrain_training_step_in_progress_seconds:max
-                          > {t['stalled_seconds']} unless on ({rank}) {phase})
+        open_ = "run_rank:gputrain_training_step_in_progress_seconds:max"
+        # before its first step (no typical step yet), the first step's allowance
+        limit = (f"(run_rank:gputrain_training_step_seconds:mean * 0 + {t['stalled_seconds']} "
+                 f"or {open_} * 0 + {stalled_limit(None, t)})")
+        return [self.rule(q, "critical", f"""(({open_}
+                          > {limit} unless on ({rank}) {phase})
                           unless on ({run}) {waited}
                           or max by ({rank}) ({phase}) > {t['stalled_in_phase_seconds']})
                           and on ({rank}) {live}""",
@@ -831,9 +843,18 @@ class Stalled(Heuristic):
                 if seconds > limit:
                     out[id(r)] = f"in {phase} for {seconds:.0f} s"
             if id(r) not in out and not r.phase_in_progress and not waited and \
-                    _v(r.step_in_progress, ">", t["stalled_seconds"]):
+                    _v(r.step_in_progress, ">", stalled_limit(r, t)):
                 out[id(r)] = f"no step for {r.step_in_progress:.0f} s"
         return out
+
+
+def stalled_limit(r: RankReport | None, t: dict[str, float]) -> float:
+    """How long a live rank's step may run outside any phase before it is stalled, in
+    seconds: ``stalled_seconds``, and before its first step (``r`` None: the rule's case) no
+    less than the first step's allowance, ``hung_first_step_seconds``."""
+    if r is not None and typical_step(r) is not None:
+        return t["stalled_seconds"]
+    return max(t["stalled_seconds"], t["hung_first_step_seconds"])
 
 
 class RunFailed(Heuristic):

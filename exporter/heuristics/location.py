@@ -30,9 +30,11 @@ from typing import Any
 
 LOCATIONS = ("collective", "data_loading", "checkpoint_io", "evaluation", "computing",
              "elsewhere")
-# where a rank is waiting, not working: before its first step such a rank is no compilation
-# or warm-up (catalogue.hung_limit)
-WAITING = ("collective", "data_loading", "checkpoint_io")
+# where a rank waits for a peer, not for its own work: before its first step such a rank is
+# no compilation or warm-up (catalogue.hung_limit). A data read or a checkpoint load is not
+# among them: one that is slow looks the same as one that hangs, and a run resuming a large
+# model reads its checkpoint for minutes before its first batch
+WAITING = ("collective",)
 LOCATION_WORDS = {"collective": "waiting in a collective", "data_loading": "loading data",
                   "checkpoint_io": "in checkpoint I/O", "evaluation": "in evaluation",
                   "computing": "computing", "elsewhere": "elsewhere"}

@@ -45,8 +45,9 @@ STATUS_ADVICE = {
                  "once the window holds one process; if it keeps restarting, read the first "
                  "failure.",
     "paused": "Nothing to change yet: the rank made no step in the window (start-up, an "
-              "evaluation, a checkpoint). It is judged again once it steps, and called stalled "
-              "after 10 minutes without a step.",
+              "evaluation, a checkpoint). It is judged again once it steps; a step that stays "
+              "open past its limits is called hung or stalled (`GpuTrainRunHung`, "
+              "`GpuTrainStalled`).",
     "warming-up": "Nothing to judge yet: the rank, its exporter or Prometheus started moments "
                   "ago, and a rate needs two samples in the window. Ask again after two scrape "
                   "intervals.",

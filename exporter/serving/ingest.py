@@ -130,9 +130,18 @@ class RankState:
     def step_in_progress(self, now: float) -> float | None:
         """Seconds the rank's open step has run at ``now`` (monotonic), outside-step phases
         excluded: what it pushed, aged by the daemon's own clock since (no client clock
-        enters it); None where no step is open or the rank has ended."""
-        if self.step_open_seconds is None or self.exit_reason is not None:
+        enters it); None where no step is open or the rank has ended.
+
+        A process that has made no step yet, outside any phase, is in its first step since it
+        started (its ``elapsed_seconds``): a rank waiting in a barrier, a broadcast or the
+        rendezvous before its first batch has been making no step all that time, and is judged
+        as any first step is (its allowance, or its stacks)."""
+        if self.exit_reason is not None:
             return None
+        if self.step_open_seconds is None:
+            if self.steps or self.open_phase is not None or self.elapsed_seconds is None:
+                return None
+            return self.elapsed_seconds + max(0.0, now - self.received_at)
         if self.open_phase is not None:  # a phase holds the step: it does not grow
             return self.step_open_seconds
         return self.step_open_seconds + max(0.0, now - self.received_at)
