@@ -21,7 +21,10 @@ DEFAULT_INGEST_URL = f"http://127.0.0.1:{DEFAULT_INGEST_PORT}"
 DEFAULT_PUSH_INTERVAL_SECONDS = 5.0  # the client pushes its totals this often
 # Phases that are no part of any step: the client keeps them out of step time, and the rules
 # and verdicts count them beside the steps, never as a phase of one
-OUTSIDE_STEP_PHASES = frozenset({"dataloader_start", "evaluation", "checkpoint"})
+# the phase wrap() declares from iter() to an epoch's first batch (its DataLoader's workers
+# starting): outside steps as the others, but no user's declaration (see catalogue.stuck_starts)
+LOADER_START_PHASE = "dataloader_start"
+OUTSIDE_STEP_PHASES = frozenset({LOADER_START_PHASE, "evaluation", "checkpoint"})
 # How a rank's process ended, said with its goodbye. A clean end: the user's close() (or the
 # monitor's context manager left without an exception), or the wrapped loop run to its end; a
 # failure: an exception nobody caught (its type is sent; a collective's timeout is one) or a

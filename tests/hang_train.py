@@ -20,6 +20,11 @@ its peers go on into the gradient all-reduce and wait there:
   wait at a barrier before theirs (as a script's ranks wait for rank 0 to prepare the data);
 - ``prepare``: before its first batch the rank runs its own code for ``--block-seconds`` (a
   data set prepared) while its peers wait at that barrier: no hang;
+- ``loader-start``: after ``--block-after`` steps every rank starts a new epoch (a new
+  ``wrap()`` of its DataLoader), and the blocking rank's first fetch of it never returns (a
+  DataLoader whose start hangs), while its peers go on into their epoch's first all-reduce;
+  ``--block-rank -1`` blocks every rank's start (for ``--block-seconds``): none waits for
+  another;
 - ``none``: no rank blocks.
 
 ``--timeout`` sets the process group's collective timeout in seconds (gloo's stands in for
@@ -83,7 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--run", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--block", choices=("none", "data", "checkpoint", "checkpoint-phase",
-                                       "freeze", "slow-start", "freeze-before", "prepare"),
+                                       "freeze", "slow-start", "freeze-before", "prepare",
+                                       "loader-start"),
                    default="none")
     p.add_argument("--block-rank", type=int, default=3)
     p.add_argument("--block-after", type=int, default=200)
@@ -105,7 +111,8 @@ def main(argv: list[str] | None = None) -> None:
                             timeout=datetime.timedelta(seconds=a.timeout))
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    blocks = a.rank == a.block_rank and a.block != "none"
+    blocks = a.block != "none" and a.block_rank in (a.rank, -1)
+    restarted = [False]  # loader-start: the epoch after --block-after steps has begun
     batch = 8
 
     class Samples(torch.utils.data.Dataset):
@@ -117,6 +124,9 @@ def main(argv: list[str] | None = None) -> None:
 
         def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
             if blocks and a.block == "data" and i == a.block_after * batch:
+                time.sleep(a.block_seconds or 1e9)
+            if blocks and a.block == "loader-start" and restarted[0]:
+                restarted[0] = False  # the start's first read only
                 time.sleep(a.block_seconds or 1e9)
             return torch.randn(64), torch.randn(1)
 
@@ -152,6 +162,9 @@ def main(argv: list[str] | None = None) -> None:
             loss.backward()
             opt.step()
             done += 1
+            if done == a.block_after and a.block == "loader-start":
+                restarted[0] = True
+                it = iter(monitor.wrap(loader))  # a new epoch: its DataLoader starts again
             if blocks and done == a.block_after and a.block == "checkpoint":
                 save_checkpoint(model.state_dict(), a.block_seconds)
             if done == a.block_after and a.block == "checkpoint-phase":

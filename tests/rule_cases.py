@@ -588,6 +588,27 @@ def alert_cases() -> list[Case]:
              [Fire("GpuTrainRunHung", {"run": "culprit"}, "2",
                    ranged=" Rank 1 on n1:19400 is in `DS.__getitem__` (data_loading).")],
              fire_at="14m", quiet_at="11m", interval="15s"),
+        Case("GpuTrainRunHung at a DataLoader's start: rank 2 of 'loader-hang' has been in its "
+             "DataLoader's start (the phase wrap() declares) since 10m while ranks 0 and 1, "
+             "their steps open since, wait in a collective (the exporter's stacks, from 16m): "
+             "no phase to wait for past the 300 s ceiling, hung at 17m, not at 14m; every rank "
+             "of 'loader-slow' in its start since 10m, none waiting for a peer: the phase holds",
+             {**live_rank("loader-hang", "0", open_from=10),
+              **live_rank("loader-hang", "1", open_from=10),
+              **live_rank("loader-hang", "2", phase_from=10, phase="dataloader_start"),
+              **{sel("gputrain_training_stack_location", run="loader-hang", rank=r,
+                     location="collective", function="c10d::Reducer::finalize_backward"):
+                 "_x64 1x55" for r in "01"},
+              sel("gputrain_training_stack_location", run="loader-hang", rank="2",
+                  location="data_loading", function="Samples.__getitem__"): "_x64 1x55",
+              **{k: v for r in "012" for k, v in live_rank(
+                  "loader-slow", r, phase_from=10, phase="dataloader_start").items()},
+              **{sel("gputrain_training_stack_location", run="loader-slow", rank=r,
+                     location="data_loading", function="Samples.__getitem__"): "_x64 1x55"
+                 for r in "012"}},
+             [Fire("GpuTrainRunHung", {"run": "loader-hang"}, "3",
+                   ranged=" Rank 2 on n1:19400 is in `Samples.__getitem__` (data_loading).")],
+             fire_at="17m", quiet_at="14m", quiet_alerts=["GpuTrainRunHung"], interval="15s"),
         Case("GpuTrainRunHung before the first step: both live ranks of 'first-hang' have had "
              "their first step open since 0m and wait in a collective (the exporter's stacks, "
              "from 5m): hung past the 300 s ceiling, not at 4m; 'first-compile' has one rank "

@@ -384,6 +384,51 @@ def test_a_peer_frozen_before_the_first_batch_is_hung_and_one_preparing_data_is_
             job.stop()
 
 
+def test_a_dataloader_start_that_never_ends_while_the_peers_wait_is_hung(daemon_factory,
+                                                                         tmp_path):
+    """After 20 steps every rank of 'loader-hang' starts a new epoch; rank 2's DataLoader
+    start never returns (its first read blocks) while ranks 0 and 1 wait for it in their
+    epoch's first all-reduce. The start is a phase wrap() declares, not the user: past the
+    ceiling the daemon takes the stacks, the peers wait in a collective, and the run is hung
+    with rank 2 named, in its data set. The near miss, 'loader-slow': every rank's start
+    blocks, none waits for another: the phase holds, no hang."""
+    d = ceiling_daemon(daemon_factory, tmp_path)
+    jobs = [Job(tmp_path, run, [d.ingest_url] * 3, "--block", "loader-start", "--block-rank",
+                who, "--block-after", "20")
+            for run, who in (("loader-hang", "2"), ("loader-slow", "-1"))]
+    try:
+        def hung() -> dict | None:
+            card = run_of(d, "loader-hang")
+            return card if card and card["status"] == "hung" else None
+
+        card = wait_until(hung, timeout=180, interval=1,
+                          what=lambda: f"loader-hang hung ({run_of(d, 'loader-hang')})")
+        ranks = {r["rank"]: r for r in card["ranks"]}
+        assert all(r["verdict"] == "hung" for r in ranks.values()), ranks
+        assert ranks["0"]["location"] == ranks["1"]["location"] == "collective", ranks
+        assert ranks["2"]["location"] == "data_loading", ranks["2"]
+        assert ranks["2"]["phase_in_progress"]["dataloader_start"] > 40, ranks["2"]
+        assert "DataLoader's start" in ranks["2"]["reason"], ranks["2"]
+        assert "rank 2" in card["hang"] and "__getitem__" in card["hang"], card["hang"]
+
+        wait_until(lambda: set(hang_profiles(d, "loader-slow")) == {"0", "1", "2"},
+                   timeout=120, interval=1,
+                   what=lambda: f"the stacks of loader-slow ({run_of(d, 'loader-slow')})")
+
+        def judged() -> dict | None:
+            c = run_of(d, "loader-slow")
+            return c if c and all(r["location"] for r in c["ranks"]) else None
+
+        card = wait_until(judged, timeout=30,
+                          what=lambda: f"the places ({run_of(d, 'loader-slow')})")
+        assert {r["location"] for r in card["ranks"]} == {"data_loading"}, card["ranks"]
+        assert card["status"] != "hung" and card["hang"] is None, card
+        assert "in a DataLoader's start past the hang ceiling" in d.log_text()
+    finally:
+        for job in jobs:
+            job.stop()
+
+
 # --- the daemon's own judgement, from scripted pushes: exact, and quick ---------------------
 
 

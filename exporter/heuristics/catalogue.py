@@ -36,6 +36,7 @@ from exporter.heuristics.promql import (
 from exporter.heuristics.readings import (
     BY_FIELD,
     LEAK_SPANS,
+    LOADER_START,
     REFINED,
     STACK_WAITING,
     WINDOWS,
@@ -47,7 +48,7 @@ from exporter.heuristics.readings import (
     stale_collectors,
 )
 from exporter.heuristics.stalls import SLOW_STEP_FACTOR
-from exporter.protocol import DEFAULT_METRICS_PORT, OUTSIDE_STEP_PHASES
+from exporter.protocol import DEFAULT_METRICS_PORT, LOADER_START_PHASE, OUTSIDE_STEP_PHASES
 from exporter.reading.sampler import LOST_GPU_RETRY_SECONDS
 
 
@@ -628,6 +629,37 @@ def hung_limit(r: RankReport, t: dict[str, float]) -> float:
     return max(limit, t["hung_slowest_factor"] * typical)
 
 
+def start_past_ceiling(r: RankReport, t: dict[str, float]) -> bool:
+    """A live rank whose DataLoader's start (the phase ``wrap()`` declares from ``iter()`` to
+    an epoch's first batch) has run past ``hung_max_seconds``."""
+    return alive(r, t) and _v(r.phase_in_progress.get(LOADER_START_PHASE), ">",
+                              t["hung_max_seconds"])
+
+
+def stuck_starts(ranks: list[RankReport], t: dict[str, float]) -> set[int]:
+    """The ranks of a run (their ``id``) whose DataLoader's start is a hang, not a phase to
+    wait for: past ``hung_max_seconds`` while a live peer's stacks show it waiting in a
+    collective (for them: NCCL's watchdog knows no phase). A start is no declaration of the
+    user's: workers that never start, or a first read that never returns, hold the run as a
+    read inside a step does. Where no peer is seen waiting (every rank starting its workers
+    slowly), the phase's own limit holds."""
+    stuck = {id(r) for r in ranks if start_past_ceiling(r, t)}
+    if stuck and any(alive(r, t) and waiting(r) for r in ranks if id(r) not in stuck):
+        return stuck
+    return set()
+
+
+def starts_past_ceiling(ranks: list[RankReport], t: dict[str, float]) -> bool:
+    """A run whose live ranks are each hung or in a DataLoader's start past the ceiling, one
+    at least: whether its peers wait for that start only their stacks can tell (the exporter
+    takes them then, as for :func:`first_steps_past_ceiling`)."""
+    live = [r for r in ranks if alive(r, t)]
+    return any(start_past_ceiling(r, t) for r in live) and all(
+        start_past_ceiling(r, t) or (not r.phase_in_progress and
+                                     _v(r.step_in_progress, ">", hung_limit(r, t)))
+        for r in live)
+
+
 def first_steps_past_ceiling(ranks: list[RankReport], t: dict[str, float]) -> bool:
     """Every live rank of a run is still in its first step, past ``hung_max_seconds``, outside
     any declared phase: whether it hangs or compiles only its stacks can tell (the exporter
@@ -648,8 +680,10 @@ def rank_hung(r: RankReport, t: dict[str, float]) -> bool:
 
 def in_phase(ranks: list[RankReport], t: dict[str, float]) -> list[RankReport]:
     """The live ranks of a run inside a declared phase (an evaluation, a checkpoint): the
-    others wait for them, not hung."""
-    return [r for r in ranks if alive(r, t) and r.phase_in_progress]
+    others wait for them, not hung; a DataLoader's start that is a hang
+    (:func:`stuck_starts`) is none."""
+    stuck = stuck_starts(ranks, t)
+    return [r for r in ranks if alive(r, t) and r.phase_in_progress and id(r) not in stuck]
 
 
 class RunHung(Heuristic):
@@ -670,7 +704,8 @@ class RunHung(Heuristic):
                   "under {hung_slowest_factor} it; {hung_first_step_seconds} before its first "
                   "step (no step yet counts from its process's start), {hung_max_seconds} where "
                   "its stacks show it waiting in a collective) while it pushes, and no rank of "
-                  "the run is in a declared phase")
+                  "the run is in a declared phase (a DataLoader's start past {hung_max_seconds} "
+                  "while a peer waits in a collective is a hang, not a phase)")
     why = ("A live rank (it pushed in the last {alive_seconds}: its client's thread runs in the "
            "process) whose current step has run far past its own pace, outside any phase a "
            "client declares (an evaluation, a checkpoint, a DataLoader's start), is hung; a "
@@ -694,7 +729,11 @@ class RunHung(Heuristic):
            "or loading a checkpoint keeps its allowance (a slow read looks the same as one "
            "that hangs), and so does its run. Ranks that wait for a peer in a "
            "declared phase are waiting, not hung, until that phase's own limit "
-           "(`GpuTrainStalled`).")
+           "(`GpuTrainStalled`). A DataLoader's start is the client's declaration, not the "
+           "user's: past {hung_max_seconds}, while the other live ranks' steps have stopped, "
+           "the exporter takes the run's stacks, and where a peer waits in a collective for it "
+           "the start is a hang like a read inside a step (workers that never start, a first "
+           "read that never returns).")
     confirm = ("gputrain_training_step_in_progress_seconds",
                "gputrain_training_stack_location")
     panel = 'GpuTrain / Run, "Samples per second" at zero while every rank still pushes.'
@@ -737,12 +776,18 @@ class RunHung(Heuristic):
                  f"or {open_} * 0 + {t['hung_first_step_seconds']})")
         live = q.alive
         hung = f"({open_} > {limit} and on ({rank}) {live})"
+        # a DataLoader's start past the ceiling while a live peer waits in a collective
+        # (stuck_starts): a hang, not a phase to wait for
+        started = f"({LOADER_START} > {t['hung_max_seconds']} and on ({rank}) {live})"
+        stuck = (f"({started} and on ({run}) group by ({run}) "
+                 f"({STACK_WAITING} and on ({rank}) {live} unless on ({rank}) {started}))")
         culprit = ('run_rank_location:gputrain_training_stack_location:max{run=%q, '
                    'location!=\\"collective\\"}')
-        return [self.rule(q, "critical", f"""count by ({run}) ({hung})
+        return [self.rule(q, "critical", f"""count by ({run}) ({hung} or {stuck})
             >= count by ({run}) ({live})
             unless on ({run}) count by ({run}) (
-              run_rank_phase:gputrain_training_phase_in_progress_seconds:max
+              (run_rank_phase:gputrain_training_phase_in_progress_seconds:max
+               unless on ({rank}) {stuck})
               and on ({rank}) {live})""",
             f"""Run {{{{ $labels.run }}}} hung: {{{{ $value | printf "%.0f" }}}} live rank(s)
             made no step far past their pace.{{{{ range printf "{culprit}" $labels.run | query }}}}
@@ -751,11 +796,17 @@ class RunHung(Heuristic):
 
     def holds_run(self, ranks: list[RankReport], t: dict[str, float]) -> dict[int, str]:
         live = [r for r in ranks if alive(r, t)]
-        if not live or in_phase(ranks, t) or not all(rank_hung(r, t) for r in live):
+        stuck = stuck_starts(ranks, t)
+        if not live or in_phase(ranks, t) or \
+                not all(id(r) in stuck or rank_hung(r, t) for r in live):
             return {}
         line = hang_line(live)
-        out = {id(r): f"no step for {r.step_in_progress:.0f} s (its pace allows "
-                      f"{hung_limit(r, t):.0f} s); {line}" for r in live}
+        out = {id(r): f"its DataLoader's start has run "
+                      f"{r.phase_in_progress[LOADER_START_PHASE]:.0f} s (past "
+                      f"{t['hung_max_seconds']:.0f} s) while its peers wait; {line}"
+               if id(r) in stuck else
+               f"no step for {r.step_in_progress:.0f} s (its pace allows "
+               f"{hung_limit(r, t):.0f} s); {line}" for r in live}
         # a rank of the run that went silent without a goodbye is part of the hang (the
         # alert is the run's): the peer the live ones wait for, gone mid-step
         out.update({id(r): f"silent for {_ago(r.seconds_since_push)} without a goodbye while "

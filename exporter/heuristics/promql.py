@@ -17,6 +17,7 @@ from exporter.config import parse_duration
 from exporter.heuristics.location import WAITING
 from exporter.heuristics.readings import (
     BY_FIELD,
+    LOADER_START,
     READINGS,
     REGIME_GPU,
     STACK_WAITING,
@@ -25,7 +26,7 @@ from exporter.heuristics.readings import (
     of_scope,
     window_seconds,
 )
-from exporter.protocol import OUTSIDE_STEP_PHASES
+from exporter.protocol import LOADER_START_PHASE, OUTSIDE_STEP_PHASES
 
 # the phases that are part of a step (evaluation, checkpoint saves and start-up are not)
 IN_STEP = 'phase!~"' + "|".join(sorted(OUTSIDE_STEP_PHASES)) + '"'
@@ -373,11 +374,14 @@ def _windowed(s: str, ids: Identity, r: str, quantile: str = WINDOWS["quantile"]
             / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{r}]))"""),
         _rec(CPU_CORES, f"""
             sum by ({rank}) (rate(gputrain_training_process_cpu_seconds_total{{{s}}}[{r}]))"""),
-        # whether a rank's last stacks show it waiting (a collective, a data read, checkpoint
-        # I/O): before its first step such a rank is held to the hang ceiling, not to the
-        # first step's allowance (catalogue.hung_limit)
+        # whether a rank's last stacks show it waiting for a peer (a collective): before its
+        # first step such a rank is held to the hang ceiling, not to the first step's
+        # allowance (catalogue.hung_limit), and a peer's DataLoader start it waits for past
+        # the ceiling is a hang (catalogue.stuck_starts)
         _rec(STACK_WAITING, f"""
             max by ({rank}) (gputrain_training_stack_location{{{s},location=~"{'|'.join(WAITING)}"}})"""),
+        _rec(LOADER_START, f"""
+            max by ({rank}) (gputrain_training_phase_in_progress_seconds{{{s},phase="{LOADER_START_PHASE}"}})"""),
         _rec("run_rank:gputrain_training_process_resident_memory_bytes:sum", f"""
             sum by ({rank}) (gputrain_training_process_resident_memory_bytes{{{s}}})"""),
         # the summed peak of a rank's GPUs at the precision it trains in (MFU's denominator),

@@ -388,9 +388,12 @@ BY_FIELD = {r.field: r for r in READINGS}
 # hang is said within two minutes at the default settings
 # ... with whether a rank's stacks show it waiting (location.WAITING), recorded beside them
 STACK_WAITING = "run_rank:gputrain_training_stack_waiting:max"
+# ... and the seconds of a rank's DataLoader start in progress (the phase_in_progress reading
+# of that phase alone: a recorded series takes no matcher once inlined)
+LOADER_START = "run_rank:gputrain_training_loader_start_in_progress_seconds:max"
 LIVENESS = frozenset(BY_FIELD[f].record for f in (
     "seconds_since_push", "finished", "failed", "exit", "step_in_progress",
-    "phase_in_progress", "typical_step_seconds", "location")) | {STACK_WAITING}
+    "phase_in_progress", "typical_step_seconds", "location")) | {STACK_WAITING, LOADER_START}
 
 
 def of_scope(scope: Scope) -> tuple[Reading, ...]:
