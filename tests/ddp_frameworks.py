@@ -4,18 +4,22 @@ framework wrapped the model in, and push its gradient communication.
 
 ``python -m torch.distributed.run --nproc-per-node 2 tests/ddp_frameworks.py transformers URL``
 (transformers reads torchrun's environment), or ``python tests/ddp_frameworks.py lightning
-URL`` (Lightning starts its second rank itself, re-running this script).
+URL`` (Lightning starts its second rank itself, re-running this script). ``lightning URL
+hang``: rank 1's DataLoader never starts its second epoch (its first read blocks), while rank
+0 goes on into that epoch's first all-reduce.
 """
 
 from __future__ import annotations
 
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 WIDTH = 256  # gradients of 4 x 256 x 257 floats: plenty to all-reduce, little to compute
+HANG = {"now": False}  # lightning ... hang: this rank's next read never returns
 
 
 class Data(torch.utils.data.Dataset):
@@ -23,10 +27,12 @@ class Data(torch.utils.data.Dataset):
         return 64
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if HANG["now"]:
+            time.sleep(1e9)
         return {"x": torch.randn(WIDTH), "labels": torch.randn(WIDTH)}
 
 
-def lightning(url: str) -> None:
+def lightning(url: str, hang: bool = False) -> None:
     import lightning.pytorch as pl
 
     from exporter.client.lightning import GpuTrainCallback
@@ -42,11 +48,17 @@ def lightning(url: str) -> None:
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
+    class Hang(pl.Callback):
+        def on_train_epoch_start(self, trainer, pl_module) -> None:
+            HANG["now"] = hang and trainer.current_epoch == 1 and trainer.global_rank == 1
+
+    # 8 steps an epoch (64 samples, 4 a batch, 2 ranks): the 12 end in the second
     trainer = pl.Trainer(
         max_steps=12, accelerator="cpu", devices=2, strategy="ddp", logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
         default_root_dir=tempfile.mkdtemp(),
-        callbacks=[GpuTrainCallback(run="pl-ddp", endpoint=url, push_interval=0.5)])
+        callbacks=[GpuTrainCallback(run="pl-hang" if hang else "pl-ddp", endpoint=url,
+                                    push_interval=0.5), Hang()])
     trainer.fit(Model(), torch.utils.data.DataLoader(Data(), batch_size=4))
 
 
@@ -76,4 +88,7 @@ def transformers(url: str) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    {"lightning": lightning, "transformers": transformers}[sys.argv[1]](sys.argv[2])
+    if sys.argv[1] == "lightning":
+        lightning(sys.argv[2], hang=sys.argv[3:] == ["hang"])
+    else:
+        transformers(sys.argv[2])

@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT, cgroup_tree, free_port, require_module, sample_value, wait_until
 
 from exporter.client import TrainingMonitor, batch_len
-from exporter.client.monitor import default_rank, default_run
+from exporter.client.monitor import HookTimer, default_rank, default_run
 from exporter.protocol import NAME_RE
 
 
@@ -523,6 +523,40 @@ def test_a_push_says_how_long_the_open_step_and_the_open_phase_have_run(monkeypa
     m._boundary, m._open_phase = now[0], ("evaluation", now[0] - 50)
     torn = m.totals()
     assert (torn["step_open_seconds"], torn["open_phase_seconds"]) == (0, 50)
+
+
+def test_a_frameworks_epoch_start_is_pushed_as_the_dataloader_start_until_its_first_batch(
+        monkeypatch):
+    """The integrations' hooks cannot tell a DataLoader's start from the epoch's first fetch:
+    from an epoch's start to its first batch the rank says it is in the DataLoader's start
+    (the daemon judges a start that hangs while its peers wait), and when the batch comes that
+    time is the step's fetch, as before, never counted twice as a phase too."""
+    now = _fake_clock(monkeypatch)
+    m = TrainingMonitor(run="epochs", start=False)
+    hooks = HookTimer(m)
+    for _ in range(2):  # an epoch of two steps: 1 s fetch, 2 s step
+        now[0] += 1
+        hooks.batch_start()
+        now[0] += 2
+        hooks.batch_end(8)
+    hooks.epoch_start()
+    now[0] += 30  # the workers start
+    starting = m.totals()
+    assert (starting["open_phase"], starting["open_phase_seconds"]) == ("dataloader_start", 30)
+    assert "step_open_seconds" not in starting
+    assert "dataloader_start" not in starting["phases"]
+    hooks.batch_start()
+    now[0] += 2
+    stepping = m.totals()
+    assert "open_phase" not in stepping and stepping["step_open_seconds"] == 32
+    hooks.batch_end(8)
+    done = m.totals()
+    assert (done["steps"], done["step_seconds"], done["data_wait_seconds"]) == (3, 38, 32)
+    assert "open_phase" not in done and not done["phases"]
+    # a hand-written loop's new_epoch() says nothing of a DataLoader: no step, no phase
+    m.new_epoch()
+    now[0] += 5
+    assert not {"open_phase", "step_open_seconds"} & set(m.totals())
 
 
 def test_the_open_step_grows_in_real_time():

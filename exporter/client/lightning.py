@@ -110,7 +110,7 @@ class GpuTrainCallback(Integration, Callback):
         self._monitor().watch_communication(getattr(trainer.strategy, "model", None))
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        self._monitor().new_epoch()
+        self._monitor()._epoch_started()
         self._monitor().note_loader(getattr(trainer, "train_dataloader", None))
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,

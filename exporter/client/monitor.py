@@ -46,6 +46,7 @@ from exporter.protocol import (
     DEFAULT_INGEST_URL,
     DEFAULT_PRECISION,
     DEFAULT_PUSH_INTERVAL_SECONDS,
+    LOADER_START_PHASE,
     MAX_BUCKETS,
     MAX_LOADER_WORKERS,
     MAX_PHASE_NAME_LENGTH,
@@ -354,6 +355,8 @@ class TrainingMonitor:
         self._pending_wait = 0.0
         self._outside_depth = 0
         self._open_phase: tuple[str, float] | None = None  # the outermost outside phase: start
+        # an integration's epoch start (_epoch_started): its first fetch began here
+        self._starting: float | None = None
         self._reported_phases: dict[str, float] = {}  # the pusher thread's, to stay monotonic
         self._wrap_samples: float | None = None  # samples of the wrap() step in progress
         # a wrap() step ended by the loop's closing (a break, or an exception out of its body):
@@ -439,7 +442,7 @@ class TrainingMonitor:
             self._settle(True)
         self._completed = False
         self.note_loader(iterable)
-        start = self.phase("dataloader_start")
+        start = self.phase(LOADER_START_PHASE)
         with start:
             it = iter(iterable)
         self._detect_gpus()
@@ -528,9 +531,20 @@ class TrainingMonitor:
             self._step_done(self._wrap_samples, _now())
             self._wrap_samples = None
         self._flush_wait()
+        self._starting = None  # before the step closes: a push never reads an old start
         self._boundary = None
 
     # -- primitives for the framework integrations (training thread only) ------------------
+
+    def _epoch_started(self) -> None:
+        """A framework's epoch begins: :meth:`new_epoch`, and until the epoch's first fetch
+        ends, pushes say the rank is in its DataLoader's start (``open_phase``
+        ``dataloader_start``), as :meth:`wrap` declares it: hooks cannot tell the workers'
+        start from that fetch, and a start that hangs while the peers wait is a hang the
+        daemon names (a rank with no step open and no phase would be judged never). The
+        time stays the first step's fetch, as before: it is not added to the phase."""
+        self.new_epoch()
+        self._starting = _now()
 
     # -- the seam for framework integrations (docs/client.md, "Writing an integration") -----
 
@@ -670,6 +684,7 @@ class TrainingMonitor:
         phases = dict(self._phases)
         open_phase = self._open_phase  # read after the totals (see _Phase.__exit__)
         boundary = self._boundary  # after the phase: see the module
+        starting = self._starting  # after the step's start: see new_epoch
         now = _now()
         in_progress: dict[str, Any] = {}
         if open_phase is not None:
@@ -678,6 +693,9 @@ class TrainingMonitor:
             phases[key] = phases.get(key, 0.0) + max(0.0, now - t0)
             in_progress["open_phase"] = name
             in_progress["open_phase_seconds"] = min(MAX_SECONDS, max(0.0, now - t0))
+        elif boundary is None and starting is not None:  # a framework's epoch start
+            in_progress["open_phase"] = LOADER_START_PHASE
+            in_progress["open_phase_seconds"] = min(MAX_SECONDS, max(0.0, now - starting))
         if boundary is not None:  # a phase holds the step: its time up to the phase's start
             upto = now if open_phase is None else open_phase[1]
             in_progress["step_open_seconds"] = min(MAX_SECONDS, max(0.0, upto - boundary))
@@ -1010,8 +1028,9 @@ class HookTimer:
         return now
 
     def epoch_start(self) -> None:
-        """A new epoch: the time since the last step is no step."""
-        self.monitor.new_epoch()
+        """A new epoch: the time since the last step is no step; until its first batch the
+        rank is in its DataLoader's start (:meth:`TrainingMonitor._epoch_started`)."""
+        self.monitor._epoch_started()
         self.mark()
 
     def batch_start(self) -> None:
