@@ -151,9 +151,13 @@ def test_the_workers_transform_comes_first_among_the_loader_workers_samples(load
     workers = _role(doc, "loader_workers")
     assert workers is not None, doc["roles"]
     assert workers["processes"] == 2  # the two DataLoader workers, not the other children
-    assert workers["top"][0]["function"] == "zz_distinctive_resize", workers["top"]
-    assert workers["top"][0]["file"] == "train_stacks.py"
-    assert workers["top"][0]["share"] > 0.5
+    # what they work on: less their wait for the next index in _worker_loop, which is all a
+    # worker does while the main process asks for no batch (starved of CPU on a loaded
+    # machine, it once asked for none in most of the 4 s)
+    working = [t for t in workers["top"] if t["function"] != "_worker_loop"]
+    assert working[0]["function"] == "zz_distinctive_resize", workers["top"]
+    assert working[0]["file"] == "train_stacks.py"
+    assert working[0]["samples"] > 0.5 * sum(t["samples"] for t in working), workers["top"]
     # the near misses: the main process never runs the transform, and the Python child that
     # is no worker is an "other child" in its own function, not a loader worker
     main = _role(doc, "main")
