@@ -141,11 +141,12 @@ def test_a_dataloader_start_that_never_ends_while_the_peers_wait_is_hung(daemon_
                 who, "--block-after", "20")
             for run, who in (("loader-hang", "2"), ("loader-slow", "-1"))]
     try:
-        def hung() -> dict | None:
+        def hung() -> dict | None:  # and every rank's place read back from its capture
             card = run_of(d, "loader-hang")
-            return card if card and card["status"] == "hung" else None
+            return card if card and card["status"] == "hung" and \
+                all(r["location"] for r in card["ranks"]) else None
 
-        card = wait_until(hung, timeout=180, interval=1,
+        card = wait_until(hung, timeout=240, interval=1,
                           what=lambda: f"loader-hang hung ({run_of(d, 'loader-hang')})")
         ranks = {r["rank"]: r for r in card["ranks"]}
         assert all(r["verdict"] == "hung" for r in ranks.values()), ranks
