@@ -190,9 +190,10 @@ def test_a_lightning_ranks_epoch_start_that_never_ends_is_hung_with_it_named(dae
         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
              "PATH": f"{ENV_BIN}:/usr/bin:/bin"})
     try:
-        def hung() -> dict | None:
+        def hung() -> dict | None:  # and both ranks' places read back from their captures
             card = run_of(d, "pl-hang")
-            return card if card and card["status"] == "hung" else None
+            return card if card and card["status"] == "hung" and \
+                all(r["location"] for r in card["ranks"]) else None
 
         card = wait_until(hung, timeout=240, interval=1, what=lambda: (
             f"pl-hang hung ({run_of(d, 'pl-hang')}); its log: "
