@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,19 @@ def assert_hung_past_the_ceiling(d: Daemon, run: str) -> None:
     assert "no first step" in d.log_text()
 
 
+def placed(d: Daemon, run: str, hung: bool = False, timeout: float = 30,
+           more: Callable[[], str] = str) -> dict:
+    """``run``'s card on ``d``'s page once every rank's place is back from its capture (and,
+    with ``hung``, the run reads hung); ``more`` adds to the failure's message."""
+    def ready() -> dict | None:
+        card = run_of(d, run)
+        return card if card and all(r["location"] for r in card["ranks"]) and \
+            (not hung or card["status"] == "hung") else None
+
+    return wait_until(ready, timeout=timeout, interval=1, what=lambda: (
+        f"run {run}{' hung' if hung else ''}, every rank placed ({run_of(d, run)}){more()}"))
+
+
 def assert_allowance_kept(d: Daemon, run: str) -> None:
     """Past the ceiling ``d`` took the stacks of ``run``'s three ranks: 0 and 1 wait in a
     collective, rank 2 works (not waiting): the run keeps the first step's allowance, neither
@@ -67,11 +81,7 @@ def assert_allowance_kept(d: Daemon, run: str) -> None:
     wait_until(lambda: set(hang_profiles(d, run)) == {"0", "1", "2"}, timeout=180,
                interval=1, what=lambda: f"the stacks of run {run}'s ranks ({run_of(d, run)})")
 
-    def judged() -> dict | None:  # every rank's place read back from its capture
-        card = run_of(d, run)
-        return card if card and all(r["location"] for r in card["ranks"]) else None
-
-    card = wait_until(judged, timeout=30, what=lambda: f"the ranks' places ({run_of(d, run)})")
+    card = placed(d, run)
     where = {r["rank"]: r["location"] for r in card["ranks"]}
     assert where["0"] == where["1"] == "collective" != where["2"], where
     assert card["status"] != "hung" and card["hang"] is None, card
@@ -141,13 +151,7 @@ def test_a_dataloader_start_that_never_ends_while_the_peers_wait_is_hung(daemon_
                 who, "--block-after", "20")
             for run, who in (("loader-hang", "2"), ("loader-slow", "-1"))]
     try:
-        def hung() -> dict | None:  # and every rank's place read back from its capture
-            card = run_of(d, "loader-hang")
-            return card if card and card["status"] == "hung" and \
-                all(r["location"] for r in card["ranks"]) else None
-
-        card = wait_until(hung, timeout=240, interval=1,
-                          what=lambda: f"loader-hang hung ({run_of(d, 'loader-hang')})")
+        card = placed(d, "loader-hang", hung=True, timeout=240)
         ranks = {r["rank"]: r for r in card["ranks"]}
         assert all(r["verdict"] == "hung" for r in ranks.values()), ranks
         assert ranks["0"]["location"] == ranks["1"]["location"] == "collective", ranks
@@ -160,12 +164,7 @@ def test_a_dataloader_start_that_never_ends_while_the_peers_wait_is_hung(daemon_
                    timeout=120, interval=1,
                    what=lambda: f"the stacks of loader-slow ({run_of(d, 'loader-slow')})")
 
-        def judged() -> dict | None:
-            c = run_of(d, "loader-slow")
-            return c if c and all(r["location"] for r in c["ranks"]) else None
-
-        card = wait_until(judged, timeout=30,
-                          what=lambda: f"the places ({run_of(d, 'loader-slow')})")
+        card = placed(d, "loader-slow")
         assert {r["location"] for r in card["ranks"]} == {"data_loading"}, card["ranks"]
         assert card["status"] != "hung" and card["hang"] is None, card
         assert "in a DataLoader's start past the hang ceiling" in d.log_text()
@@ -190,14 +189,8 @@ def test_a_lightning_ranks_epoch_start_that_never_ends_is_hung_with_it_named(dae
         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
              "PATH": f"{ENV_BIN}:/usr/bin:/bin"})
     try:
-        def hung() -> dict | None:  # and both ranks' places read back from their captures
-            card = run_of(d, "pl-hang")
-            return card if card and card["status"] == "hung" and \
-                all(r["location"] for r in card["ranks"]) else None
-
-        card = wait_until(hung, timeout=240, interval=1, what=lambda: (
-            f"pl-hang hung ({run_of(d, 'pl-hang')}); its log: "
-            f"{(tmp_path / 'lightning.log').read_text()[-2000:]}"))
+        card = placed(d, "pl-hang", hung=True, timeout=240, more=lambda: (
+            f"; its log: {(tmp_path / 'lightning.log').read_text()[-2000:]}"))
         ranks = {r["rank"]: r for r in card["ranks"]}
         assert ranks["0"]["verdict"] == ranks["1"]["verdict"] == "hung", ranks
         assert ranks["0"]["location"] == "collective", ranks["0"]

@@ -25,7 +25,9 @@ from typing import ClassVar
 
 from exporter.heuristics.location import WAITING, Location, culprit_line
 from exporter.heuristics.promql import (
+    OPEN,
     THROTTLE_REASONS,
+    TYPICAL,
     Q,
     collector_age,
     memory_outside,
@@ -655,9 +657,7 @@ def starts_past_ceiling(ranks: list[RankReport], t: dict[str, float]) -> bool:
     takes them then, as for :func:`first_steps_past_ceiling`)."""
     live = [r for r in ranks if alive(r, t)]
     return any(start_past_ceiling(r, t) for r in live) and all(
-        start_past_ceiling(r, t) or (not r.phase_in_progress and
-                                     _v(r.step_in_progress, ">", hung_limit(r, t)))
-        for r in live)
+        start_past_ceiling(r, t) or rank_hung(r, t) for r in live)
 
 
 def first_steps_past_ceiling(ranks: list[RankReport], t: dict[str, float]) -> bool:
@@ -765,17 +765,15 @@ class RunHung(Heuristic):
 
     def rules(self, q: Q) -> list[dict]:
         t, run, rank = q.t, q.run, q.rank
-        typical = "run_rank:gputrain_training_step_seconds:mean"
-        clamped = (f"clamp({t['hung_step_factor']} * {typical}, {t['hung_min_seconds']}, "
+        clamped = (f"clamp({t['hung_step_factor']} * {TYPICAL}, {t['hung_min_seconds']}, "
                    f"{t['hung_max_seconds']})")
-        slowest = f"{t['hung_slowest_factor']} * {typical}"
-        open_ = "run_rank:gputrain_training_step_in_progress_seconds:max"
+        slowest = f"{t['hung_slowest_factor']} * {TYPICAL}"
         # before its first step: the ceiling where its stacks show it waiting (waiting())
         limit = (f"(({slowest} > {clamped}) or {clamped} "
-                 f"or ({open_} * 0 + {t['hung_max_seconds']} and on ({rank}) {STACK_WAITING}) "
-                 f"or {open_} * 0 + {t['hung_first_step_seconds']})")
+                 f"or ({OPEN} * 0 + {t['hung_max_seconds']} and on ({rank}) {STACK_WAITING}) "
+                 f"or {OPEN} * 0 + {t['hung_first_step_seconds']})")
         live = q.alive
-        hung = f"({open_} > {limit} and on ({rank}) {live})"
+        hung = f"({OPEN} > {limit} and on ({rank}) {live})"
         # a DataLoader's start past the ceiling while a live peer waits in a collective
         # (stuck_starts): a hang, not a phase to wait for
         started = f"({LOADER_START} > {t['hung_max_seconds']} and on ({rank}) {live})"
@@ -870,11 +868,10 @@ class Stalled(Heuristic):
         # a live peer inside a declared phase, under its limit: the run's open steps wait
         waited = (f"count by ({run}) ({phase} <= {t['stalled_in_phase_seconds']} "
                   f"and on ({rank}) {live})")
-        open_ = "run_rank:gputrain_training_step_in_progress_seconds:max"
         # before its first step (no typical step yet), the first step's allowance
-        limit = (f"(run_rank:gputrain_training_step_seconds:mean * 0 + {t['stalled_seconds']} "
-                 f"or {open_} * 0 + {stalled_limit(None, t)})")
-        return [self.rule(q, "critical", f"""(({open_}
+        limit = (f"({TYPICAL} * 0 + {t['stalled_seconds']} "
+                 f"or {OPEN} * 0 + {stalled_limit(None, t)})")
+        return [self.rule(q, "critical", f"""(({OPEN}
                           > {limit} unless on ({rank}) {phase})
                           unless on ({run}) {waited}
                           or max by ({rank}) ({phase}) > {t['stalled_in_phase_seconds']})
