@@ -149,8 +149,9 @@ FAMILIES: tuple[Family, ...] = (
            "or the signal's name; always 1.", ("run", "rank", "reason", "detail")),
     Family("gputrain_training_step_in_progress_seconds", "gauge",
            "Seconds the rank's current step has run so far, outside-step phases excluded, by "
-           "the daemon's own clock (absent while no step is open): a step far past the rank's "
-           "pace is a hang long before it ends."),
+           "the daemon's own clock; before its first step, since its process started (outside "
+           "any phase); absent while no step is open: a step far past the rank's pace is a "
+           "hang long before it ends."),
     Family("gputrain_training_phase_in_progress_seconds", "gauge",
            "Seconds the rank's outside-step phase in progress (evaluation, checkpoint, "
            "dataloader_start) has run so far, by the daemon's own clock; absent while none is "
