@@ -1304,20 +1304,20 @@ class DataLoaderRestarts(Heuristic):
            "through the minutes each one stops the steps, never by a `for:` that each "
            "occurrence would reset.")
     confirm = ('run_rank_phase:gputrain_training_outside_share:ratio_rate1h'
-               '{phase="dataloader_start"}',)
+               f'{{phase="{LOADER_START_PHASE}"}}',)
     panel = 'GpuTrain / Run, "Goodput and badput": the `dataloader_start` band.'
     stepping = False  # judged while the rank runs, stepping or starting its workers
     thresholds = {"loader_start_share": Threshold(
         0.05, "ratio", "PyTorch's DataLoader: persistent_workers keeps workers across epochs")}
 
     def rules(self, q: Q) -> list[dict]:
-        return [self.rule(q, "info", q.live(f"""{q.periodic('dataloader_start')}
+        return [self.rule(q, "info", q.live(f"""{q.periodic(LOADER_START_PHASE)}
             > {q.t['loader_start_share']}"""),
             f"""{q.who} spends {{{{ $value | humanizePercentage }}}} of its wall time starting
             DataLoader workers (over {WINDOWS['periodic']}).""")]
 
     def holds(self, r: RankReport, t: dict[str, float]) -> str | None:
-        share = r.periodic.get("dataloader_start")
+        share = r.periodic.get(LOADER_START_PHASE)
         if not gone(r, t) and _v(share, ">", t["loader_start_share"]):
             return (f"DataLoader start-up takes {percent(share)} of the wall time over "
                     f"{WINDOWS['periodic']}")
@@ -1754,7 +1754,7 @@ class StepTimeStalls(Heuristic):
             return self.CHECKPOINT_ADVICE
         if r.periodic.get("evaluation"):
             return self.EVALUATION_ADVICE
-        if r.badput.get("dataloader_start") or r.phases.get("dataloader_start"):
+        if r.badput.get(LOADER_START_PHASE) or r.phases.get(LOADER_START_PHASE):
             return self.LOADER_START_ADVICE
         return self.UNKNOWN_ADVICE
 
