@@ -25,7 +25,10 @@ from typing import ClassVar
 
 from exporter.heuristics.location import WAITING, Location, culprit_line
 from exporter.heuristics.promql import (
+    COMPUTE_MEAN,
     OPEN,
+    RANK_BUSY_AVG,
+    STEP_PHASE_MAX,
     THROTTLE_REASONS,
     TYPICAL,
     Q,
@@ -40,13 +43,17 @@ from exporter.heuristics.readings import (
     LEAK_SPANS,
     LOADER_START,
     REFINED,
+    RUN_GPU_BUSY,
     STACK_WAITING,
+    UNATTRIBUTED_BUSY,
     WINDOWS,
     GpuReading,
     NodeReport,
     RankReport,
+    gpu_series_of,
     mean,
     percent,
+    series_of,
     stale_collectors,
 )
 from exporter.heuristics.stalls import SLOW_STEP_FACTOR
@@ -462,7 +469,7 @@ class RunNameShared(Heuristic):
            "nodes at once. Compared as one run they make stragglers, hangs and stalls of each "
            "other's pace; so where a rank of a run is live on two exporters, the run-wide "
            "alerts leave the run out, and this one says why.")
-    confirm = ("run_rank:gputrain_training_last_push_timestamp_seconds:max",)
+    confirm = (series_of("seconds_since_push"),)
     panel = 'GpuTrain / Overview, the Runs table: one run listed on two nodes with one rank.'
     profile, stepping = False, False
 
@@ -543,9 +550,9 @@ class RunVanished(Heuristic):
            "--ingest.dead-ttl (1 h by default), so the alert, the status page, `top` and "
            "`diagnose` keep saying the run died; the status page shows it as stopped without "
            "finishing, and judges nothing else of it.")
-    confirm = ("run_rank:gputrain_training_last_push_timestamp_seconds:max",
-               "run_rank:gputrain_training_finished:max",
-               "run_rank:gputrain_gpu_busy_ratio:max_rate2m")
+    confirm = (series_of("seconds_since_push"),
+               series_of("finished"),
+               series_of("recent_busy"))
     panel = 'GpuTrain / Run, "Samples per second" falls to zero and "GPU busy" with it.'
     profile, stepping = False, False
     thresholds = {
@@ -557,13 +564,13 @@ class RunVanished(Heuristic):
 
     def rules(self, q: Q) -> list[dict]:
         t, run, rank = q.t, q.run, q.rank
-        silent = "time() - run_rank:gputrain_training_last_push_timestamp_seconds:max"
+        silent = f"time() - {series_of('seconds_since_push')}"
         return [self.rule(q, "warning", f"""max by ({run}) (
               {silent} > {t['vanished_seconds']}
-              unless on ({rank}) (run_rank:gputrain_training_finished:max > 0
-                                   or run_rank_reason:gputrain_training_exit_info:max))
+              unless on ({rank}) ({series_of('finished')} > 0
+                                   or {series_of('exit')}))
             unless on ({run}) (min by ({run}) ({silent}) <= {t['vanished_seconds']})
-            unless on ({run}) (max by ({run}) (run_rank:gputrain_gpu_busy_ratio:max_rate2m)
+            unless on ({run}) (max by ({run}) ({series_of('recent_busy')})
               >= {t['vanished_gpu_idle']})""",
             """Every rank of run {{ $labels.run }} stopped pushing without a goodbye
             {{ $value | humanizeDuration }} ago, and its GPUs are idle.""")]
@@ -779,12 +786,12 @@ class RunHung(Heuristic):
         started = f"({LOADER_START} > {t['hung_max_seconds']} and on ({rank}) {live})"
         stuck = (f"({started} and on ({run}) group by ({run}) "
                  f"({STACK_WAITING} and on ({rank}) {live} unless on ({rank}) {started}))")
-        culprit = ('run_rank_location:gputrain_training_stack_location:max{run=%q, '
+        culprit = (series_of("location") + '{run=%q, '
                    'location!=\\"collective\\"}')
         return [self.rule(q, "critical", f"""count by ({run}) ({hung} or {stuck})
             >= count by ({run}) ({live})
             unless on ({run}) count by ({run}) (
-              (run_rank_phase:gputrain_training_phase_in_progress_seconds:max
+              ({series_of('phase_in_progress')}
                unless on ({rank}) {stuck})
               and on ({rank}) {live})""",
             f"""Run {{{{ $labels.run }}}} hung: {{{{ $value | printf "%.0f" }}}} live rank(s)
@@ -864,7 +871,7 @@ class Stalled(Heuristic):
     def rules(self, q: Q) -> list[dict]:
         t, run, rank = q.t, q.run, q.rank
         live = q.alive
-        phase = "run_rank_phase:gputrain_training_phase_in_progress_seconds:max"
+        phase = series_of("phase_in_progress")
         # a live peer inside a declared phase, under its limit: the run's open steps wait
         waited = (f"count by ({run}) ({phase} <= {t['stalled_in_phase_seconds']} "
                   f"and on ({rank}) {live})")
@@ -928,12 +935,13 @@ class RunFailed(Heuristic):
     profile, stepping = False, False
 
     def rules(self, q: Q) -> list[dict]:
+        exits = series_of("exit")
         return [self.rule(q, "critical", f"""max by ({q.run}, rank) (
-              run_rank:gputrain_training_failed:max > 0)""",
-            """Rank {{ $labels.rank }} of run {{ $labels.run }} ended by a failure{{ range
-            printf "run_rank_reason:gputrain_training_exit_info:max{run=%q, rank=%q}"
-            $labels.run $labels.rank | query }}: {{ .Labels.reason }}
-            {{ .Labels.detail }}{{ end }}.""")]
+              {series_of('failed')} > 0)""",
+            f"""Rank {{{{ $labels.rank }}}} of run {{{{ $labels.run }}}} ended by a failure{{{{ range
+            printf "{exits}{{run=%q, rank=%q}}"
+            $labels.run $labels.rank | query }}}}: {{{{ .Labels.reason }}}}
+            {{{{ .Labels.detail }}}}{{{{ end }}}}.""")]
 
     def holds_run(self, ranks: list[RankReport], t: dict[str, float]) -> dict[int, str]:
         return {id(r): f"ended by {failure_text(r)}" for r in ranks if r.failed}
@@ -961,9 +969,9 @@ class GPUShared(Heuristic):
            "without the client (NVML's per-process utilisation, joined to the ranks by their "
            "process trees). Every step the run takes waits its turn. A run's own MFU and GPU "
            "busy still divide by the whole GPU.")
-    confirm = ("run_gpu:gputrain_gpu_foreign_busy:ratio_rate5m",
-               "run_gpu:gputrain_training_gpu_busy:ratio_rate5m",
-               "gpu:gputrain_gpu_unattributed_busy:ratio_rate5m")
+    confirm = (series_of("foreign"),
+               RUN_GPU_BUSY,
+               UNATTRIBUTED_BUSY)
     panel = 'GpuTrain / Overview, "GPU shares by run" (the unattributed band and the other runs).'
     # a run's share of a GPU: it holds while a rank of the run steps (on the run's labels)
     profile, stepping, run_stepping = False, False, True
@@ -974,7 +982,7 @@ class GPUShared(Heuristic):
 
     def rules(self, q: Q) -> list[dict]:
         run = q.run
-        return [self.rule(q, "warning", f"""run_gpu:gputrain_gpu_foreign_busy:ratio_rate5m >= {q.t['gpu_foreign_busy']}
+        return [self.rule(q, "warning", f"""{series_of('foreign')} >= {q.t['gpu_foreign_busy']}
             and on ({run}) (sum by ({run}) ({q.steps}) > 0)""",
             f"""GPU {{{{ $labels.gpu }}}} on {q.where}, used by run {{{{ $labels.run }}}}, was busy
             {{{{ $value | humanizePercentage }}}} of the time with processes no rank of the run
@@ -1017,9 +1025,9 @@ class PCIeLinkDegraded(Heuristic):
                       "while idle, so a busy GPU's link below its maximum is a fault")}
 
     def rules(self, q: Q) -> list[dict]:
-        return [self.rule(q, "warning", f"""gpu:gputrain_gpu_pcie_link_current:median5m
-            < on ({q.ids.gpu}) gpu:gputrain_gpu_pcie_link_max:max
-            and on ({q.ids.gpu}) gpu:gputrain_gpu_busy_ratio:rate5m
+        return [self.rule(q, "warning", f"""{gpu_series_of('pcie_link_typical')}
+            < on ({q.ids.gpu}) {gpu_series_of('pcie_link_max')}
+            and on ({q.ids.gpu}) {gpu_series_of('busy')}
               >= {q.t['pcie_degraded_busy_above']}""",
             f"""{q.node_gpu} is busy, but its PCIe link ran at
             {{{{ $value | humanize }}}}B/s for most of {WINDOWS['rate']} (the median reading),
@@ -1050,8 +1058,8 @@ class CPUQuotaBound(Heuristic):
            "(`cpu.stat`), and the node's CPUs are not saturated: a run has the CPUs its cgroup "
            "gives it, not the node's, and a pod limited to a few cores starves its loaders on "
            "an idle node. More workers only share the same quota.")
-    confirm = ("run_rank:gputrain_training_cpu_allowance_used:ratio_rate5m",
-               "run_rank:gputrain_training_cpu_throttled:ratio_rate5m")
+    confirm = (series_of("cpu_allowance_used"),
+               series_of("cpu_throttled"))
     panel = ('GpuTrain / Run, "Data wait" and "Training processes" (the cores the DataLoader '
              'workers use) against `gputrain_training_process_cpu_allowance_cores`.')
     thresholds = {
@@ -1064,9 +1072,9 @@ class CPUQuotaBound(Heuristic):
     def rules(self, q: Q) -> list[dict]:
         t = q.t
         return [self.rule(q, "warning", f"""({q.wait} >= {t['input_bound']})
-            and on ({q.rank}) (run_rank:gputrain_training_cpu_allowance_used:ratio_rate5m
+            and on ({q.rank}) ({series_of('cpu_allowance_used')}
                  >= {t['cpu_quota_used']}
-               or run_rank:gputrain_training_cpu_throttled:ratio_rate5m
+               or {series_of('cpu_throttled')}
                  >= {t['cpu_throttled_high']})
             and on ({q.node}) {q.unrefined(REFINED['cpu_busy'], 'cpu_saturated')}""",
             f"""{q.who} waits {{{{ $value | humanizePercentage }}}} of each step for data while
@@ -1103,8 +1111,8 @@ class HostMemoryPressure(Heuristic):
            "paging. The cause comes before its symptom: this verdict outranks CPU "
            "preprocessing and disk I/O, and `GpuTrainDiskIOBound` does not fire on a swapping "
            "node. A faster disk would not help; less memory per worker would.")
-    confirm = ("instance:gputrain_host_swap_bytes:rate5m",
-               "instance:gputrain_host_memory_available_bytes:sum")
+    confirm = (series_of("swap_rate"),
+               series_of("memory_available"))
     panel = ('GpuTrain / Node, "Memory" (available near zero) beside "CPU by mode" (iowait); '
              '`gputrain_host_swap_in_bytes_total` and `_out_` rising.')
     thresholds = {"swap_mib_per_second": Threshold(
@@ -1113,7 +1121,7 @@ class HostMemoryPressure(Heuristic):
 
     def rules(self, q: Q) -> list[dict]:
         return [self.rule(q, "warning", f"""({q.wait} >= {q.t['input_bound']}) and on ({q.node})
-            instance:gputrain_host_swap_bytes:rate5m >= {q.t['swap_mib_per_second'] * 2**20:g}""",
+            {series_of('swap_rate')} >= {q.t['swap_mib_per_second'] * 2**20:g}""",
             f"""{q.who} waits {{{{ $value | humanizePercentage }}}} of each step for data while
             its node swaps {q.t['swap_mib_per_second']:g} MiB a second or more: its memory
             is exhausted.""")]
@@ -1143,7 +1151,7 @@ class CPUPreprocessingBound(Heuristic):
     why = ("Input-bound while the node's CPUs are at least {cpu_saturated} busy: preprocessing "
            "cannot keep up (in a TensorFlow performance study's preprocessing case, CPU use "
            "rose from 66 % to 96 %, the GPU stayed under 36 % busy, 25 samples/s).")
-    confirm = ("instance:gputrain_host_cpu_busy:ratio_rate5m",)
+    confirm = (series_of("cpu_busy"),)
     panel = ('GpuTrain / Run, "Data wait" and the node\'s "CPU by mode" (user + system near '
              '100 %), "Training processes" (the cores the DataLoader workers use).')
     thresholds = {"cpu_saturated": Threshold(
@@ -1175,8 +1183,8 @@ class DiskIOBound(Heuristic):
     why = ("Input-bound while the CPUs wait on I/O (iowait >= {iowait_high}) or a disk is "
            "{disk_busy_high} busy, and the CPUs are not saturated (a profiling guide's sign of a "
            "disk bottleneck: high disk I/O with low CPU use, in iostat and iotop).")
-    confirm = ("instance:gputrain_host_cpu_iowait:ratio_rate5m",
-               "instance:gputrain_host_disk_busy:max_rate5m")
+    confirm = (series_of("iowait"),
+               series_of("disk_busy"))
     panel = ('GpuTrain / Run, "CPU by mode" (iowait band) and "Disk I/O"; GpuTrain / Node, '
              '"Disk busy" ({disk_busy_high} line).')
     thresholds = {
@@ -1191,7 +1199,7 @@ class DiskIOBound(Heuristic):
             and on ({q.node}) ({q.refined(REFINED['iowait'], 'iowait_high')}
                  or {q.refined(REFINED['disk_busy'], 'disk_busy_high')})
             and on ({q.node}) {q.unrefined(REFINED['cpu_busy'], 'cpu_saturated')}
-            unless on ({q.node}) instance:gputrain_host_swap_bytes:rate5m
+            unless on ({q.node}) {series_of('swap_rate')}
               >= {t['swap_mib_per_second'] * 2**20:g}""",
             f"""{q.who} waits {{{{ $value | humanizePercentage }}}} of each step for data while
             the node waits on its disks (iowait >= {t['iowait_high']} or a disk busy >=
@@ -1217,7 +1225,7 @@ class NetworkInputBound(Heuristic):
     why = ("Input-bound while a network interface receives at {network_saturated} or more of "
            "its speed (in a TensorFlow performance study's network case, 77.8 % of the step "
            "time went to waiting for data, 22 samples/s).")
-    confirm = ("instance:gputrain_host_network_receive_link_used:max_ratio_rate5m",)
+    confirm = (series_of("network_rx_used"),)
     panel = ('GpuTrain / Run, "Network receive against link speed" ({network_saturated} line). '
              'A NIC whose driver reports no speed needs `--host.netdev-speed`.')
     thresholds = {"network_saturated": Threshold(
@@ -1256,7 +1264,7 @@ class InputBound(Heuristic):
            "hysteresis alike: a node reading that reached its line within {hold_window} holds "
            "until it falls below the line less {refinement_margin}, so a CPU hovering at its "
            "line keeps the verdict it entered, and a clear drop leaves it at once.")
-    confirm = ("run_rank:gputrain_training_data_wait_ratio:rate5m",)
+    confirm = (series_of("data_wait_ratio"),)
     panel = 'GpuTrain / Run, panel "Data wait" ({input_bound} and {input_bound_high} lines).'
     thresholds = {
         "input_bound": Threshold(0.05, "ratio", "TensorFlow Profiler's input-pipeline "
@@ -1303,8 +1311,7 @@ class DataLoaderRestarts(Heuristic):
            "recurs is judged by its share over a window that holds several occurrences, "
            "through the minutes each one stops the steps, never by a `for:` that each "
            "occurrence would reset.")
-    confirm = ('run_rank_phase:gputrain_training_outside_share:ratio_rate1h'
-               f'{{phase="{LOADER_START_PHASE}"}}',)
+    confirm = (series_of("periodic") + f'{{phase="{LOADER_START_PHASE}"}}',)
     panel = 'GpuTrain / Run, "Goodput and badput": the `dataloader_start` band.'
     stepping = False  # judged while the rank runs, stepping or starting its workers
     thresholds = {"loader_start_share": Threshold(
@@ -1351,9 +1358,9 @@ class CommunicationBound(Heuristic):
            "as much as it receives) while the data wait stays under {input_bound} points "
            "at it too; that verdict is marked inferred. What the measured figure leaves out: "
            "the compute that communication slows while it overlaps (see docs/client.md).")
-    confirm = ("run_rank:gputrain_training_comm_exposed_ratio:rate5m",
-               "run_rank:gputrain_training_comm_ratio:rate5m",
-               "instance:gputrain_host_network_duplex_link_used:max_ratio_rate5m")
+    confirm = (series_of("comm_exposed_ratio"),
+               series_of("comm_ratio"),
+               series_of("network_duplex_used"))
     panel = ('GpuTrain / Run, "Gradient communication" ({comm_bound} line) and "Bytes '
              'all-reduced"; GpuTrain / Node, "Network both ways".')
     thresholds = {"comm_bound": Threshold(
@@ -1365,7 +1372,7 @@ class CommunicationBound(Heuristic):
         # every rank of the run waits: the least wait of its ranks is the communication's own
         measured = (f"{q.comm} >= {t['comm_bound']} and on ({q.run}) "
                     f"(min by ({q.run}) ({q.comm}) >= {t['comm_bound']})")
-        duplex = "instance:gputrain_host_network_duplex_link_used:max_ratio_rate5m"
+        duplex = series_of("network_duplex_used")
         inferred = (f"""({q.wait} < {t['input_bound']}) unless on ({q.rank}) {q.comm}
             and on ({q.node}) ({duplex} >= {t['network_saturated']})""")
         return [
@@ -1409,7 +1416,7 @@ class HostToDeviceBound(Heuristic):
            "bottleneck at its own speed) while busy "
            "less than {h2d_gpu_busy_below} (a TensorFlow performance study's host-to-device "
            "case; sending uint8 is a PyTorch tuning walk-through's 4th step).")
-    confirm = ("run_rank_gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m",)
+    confirm = (series_of("pcie_rx_used"),)
     panel = ('GpuTrain / Run, "PCIe host-to-device against the link" ({pcie_rx_high} line) '
              'beside "GPU busy".')
     thresholds = {
@@ -1419,7 +1426,7 @@ class HostToDeviceBound(Heuristic):
                                                       "host-to-device case")}
 
     def rules(self, q: Q) -> list[dict]:
-        return [self.rule(q, "warning", f"""run_rank_gpu:gputrain_gpu_pcie_rx_link_used:ratio_rate5m
+        return [self.rule(q, "warning", f"""{series_of('pcie_rx_used')}
             >= {q.t['pcie_rx_high']} and on ({q.rank}, gpu, uuid) {q.busy} <
             {q.t['h2d_gpu_busy_below']}""",
             f"""{q.gpu_who} receives {{{{ $value | humanizePercentage }}}} of its PCIe link's
@@ -1450,8 +1457,8 @@ class HostOverheadBound(Heuristic):
            "case: GPU 46 % busy, 43 samples/s; Keras warns of a callback slow against the "
            "batch at 1.0x). Evaluation, checkpoint saves and DataLoader start-up are not part "
            "of any step and never count here.")
-    confirm = ("run_rank:gputrain_training_step_phase_ratio:max_rate5m",
-               "run_rank_phase:gputrain_training_phase_ratio:rate5m")
+    confirm = (STEP_PHASE_MAX,
+               series_of("phases"))
     panel = ('GpuTrain / Run, "Phases" ({phase_share} line) and "Data wait" low while "GPU '
              'busy" is low.')
     thresholds = {"phase_dominates": Threshold(
@@ -1468,7 +1475,7 @@ class HostOverheadBound(Heuristic):
         return [self.rule(q, "warning", f"""(clamp_max(sum by ({q.rank}) ({q.busy}), 1)
               < {t['gpu_busy_low']}
               and on ({q.rank}) {q.wait} < {t['input_bound']})
-            or on ({q.rank}) (run_rank:gputrain_training_step_phase_ratio:max_rate5m > {share:g})""",
+            or on ({q.rank}) ({STEP_PHASE_MAX} > {share:g})""",
             f"""{q.who}: its GPUs are idle although it barely waits for data, or a phase of the
             step (callbacks, logging) takes more than {t['phase_dominates']}x the rest of
             it.""")]
@@ -1501,8 +1508,8 @@ class LaunchBound(Heuristic):
            "nvidia-smi shows them; a TensorFlow performance study's small-batch case spent "
            "half its step launching kernels). torch.compile gave a PyTorch tuning walk-through "
            "+32 %.")
-    confirm = ("run_rank_gpu:gputrain_gpu_power_limit_used:ratio_avg5m",
-               "run_rank_gpu:gputrain_gpu_sm_active_ratio:avg5m")
+    confirm = (series_of("power_used"),
+               series_of("sm_active"))
     panel = ('GpuTrain / Run, "Power against the limit" ({launch_power_below} line) and "SM and '
              'tensor activity" ({launch_sm_active_below} line) while "GPU busy" is high.')
     thresholds = {
@@ -1515,9 +1522,9 @@ class LaunchBound(Heuristic):
         t = q.t
         return [self.rule(q, "info", f"""{q.busy} >= {t['launch_busy_above']}
             and on ({q.rank}, gpu, uuid)
-            (run_rank_gpu:gputrain_gpu_power_limit_used:ratio_avg5m < {t['launch_power_below']}
-               unless on ({q.rank}, gpu, uuid) run_rank_gpu:gputrain_gpu_sm_active_ratio:avg5m
-             or run_rank_gpu:gputrain_gpu_sm_active_ratio:avg5m < {t['launch_sm_active_below']})""",
+            ({series_of('power_used')} < {t['launch_power_below']}
+               unless on ({q.rank}, gpu, uuid) {series_of('sm_active')}
+             or {series_of('sm_active')} < {t['launch_sm_active_below']})""",
             f"""{q.gpu_who} is busy {{{{ $value | humanizePercentage }}}} of the time but draws
             less than {t['launch_power_below']} of its power limit (or its SMs are less than
             {t['launch_sm_active_below']} active).""")]
@@ -1544,7 +1551,7 @@ class TensorCoresIdle(Heuristic):
     why = ("SMs at least {tensor_sm_active_above} active but tensor cores under "
            "{tensor_active_below} (GPM, Hopper and newer). Automatic mixed precision gave a "
            "PyTorch tuning walk-through +50 % throughput.")
-    confirm = ("run_rank_gpu:gputrain_gpu_tensor_active_ratio:avg5m",)
+    confirm = (series_of("tensor_active"),)
     panel = 'GpuTrain / Run, "SM and tensor activity": the tensor series flat at zero.'
     thresholds = {
         "tensor_sm_active_above": Threshold(0.5, "ratio", "a PyTorch tuning walk-through, "
@@ -1554,9 +1561,9 @@ class TensorCoresIdle(Heuristic):
 
     def rules(self, q: Q) -> list[dict]:
         t = q.t
-        return [self.rule(q, "info", f"""run_rank_gpu:gputrain_gpu_sm_active_ratio:avg5m >=
+        return [self.rule(q, "info", f"""{series_of('sm_active')} >=
             {t['tensor_sm_active_above']} and on ({q.rank}, gpu, uuid)
-            run_rank_gpu:gputrain_gpu_tensor_active_ratio:avg5m < {t['tensor_active_below']}""",
+            {series_of('tensor_active')} < {t['tensor_active_below']}""",
             f"""{q.gpu_who} has its SMs {{{{ $value | humanizePercentage }}}} active but its
             tensor cores below {t['tensor_active_below']}.""")]
 
@@ -1585,8 +1592,8 @@ class LowMFU(Heuristic):
            "H100s; a PyTorch tuning walk-through gained 50 % from AMP and 32 % from "
            "torch.compile. Only ranks that report FLOPs (flops_per_sample) on GPUs whose peak "
            "is known are judged.")
-    confirm = ("run_rank:gputrain_training_mfu:ratio_rate5m",
-               "run_rank:gputrain_gpu_busy_ratio:avg5m")
+    confirm = (series_of("mfu"),
+               RANK_BUSY_AVG)
     panel = ('GpuTrain / Run, "Model FLOPs utilisation" ({mfu_low} line) beside "SM and tensor '
              'activity".')
     thresholds = {
@@ -1600,7 +1607,7 @@ class LowMFU(Heuristic):
         # the mean over the GPUs the rank works on: a stray context's GPU is not its to keep
         # busy (a rank at 95 % on its GPU with an idle stray one read 47.5 %)
         busy = f"avg by ({q.rank}) ({q.busy} unless on ({q.rank}, gpu, uuid) {q.stray})"
-        return [self.rule(q, "info", f"""run_rank:gputrain_training_mfu:ratio_rate5m < {t['mfu_low']}
+        return [self.rule(q, "info", f"""{series_of('mfu')} < {t['mfu_low']}
             and on ({q.rank}) {busy} >= {t['mfu_busy_above']}""",
             f"""{q.who} reaches {{{{ $value | humanizePercentage }}}} model FLOPs utilisation
             (under {t['mfu_low']}) while its GPUs are busy {t['mfu_busy_above']} or more of the
@@ -1624,13 +1631,13 @@ class GPUMemoryUnderused(Heuristic):
            "walk-through: under 1 GB of 16 GB; a TensorFlow performance study's small-batch "
            "case: 23 %). The walk-through went from 1200 to 1584 samples/s with a larger "
            "batch.")
-    confirm = ("run_rank_gpu:gputrain_gpu_memory_used:ratio",)
+    confirm = (series_of("memory_used"),)
     panel = 'GpuTrain / Run, "GPU memory used" ({memory_underused} line).'
     thresholds = {"memory_underused": Threshold(
         0.25, "ratio", "a PyTorch tuning walk-through: under 1 GB of 16 GB")}
 
     def rules(self, q: Q) -> list[dict]:
-        return [self.rule(q, "info", f"run_rank_gpu:gputrain_gpu_memory_used:ratio < "
+        return [self.rule(q, "info", f"{series_of('memory_used')} < "
                                      f"{q.t['memory_underused']}",
                           f"""{q.gpu_who} uses {{{{ $value | humanizePercentage }}}} of its
                           memory (threshold {q.t['memory_underused']}).""")]
@@ -1690,9 +1697,9 @@ class StepTimeStalls(Heuristic):
            "(at least {loader_wait_share} of their time), that is the loader: input-bound "
            "says so, and this does not fire. Its advice fits what was seen: checkpoints where "
            "the rank saves them, persistent workers where its loader restarts.")
-    confirm = ("run_rank:gputrain_training_slow_step:ratio_rate30m",
-               "run_rank:gputrain_training_step_seconds:p99_30m",
-               "run_rank_phase:gputrain_training_outside_share:ratio_rate1h")
+    confirm = (series_of("stall_share"),
+               series_of("step_p99_seconds"),
+               series_of("periodic"))
     panel = ('GpuTrain / Run, "Step time": the max far above p50, in periodic spikes; "Goodput '
              'and badput" shows the `checkpoint` and `evaluation` bands if the client marks '
              'them.')
@@ -1724,19 +1731,19 @@ class StepTimeStalls(Heuristic):
 
     def rules(self, q: Q) -> list[dict]:
         t = q.t
-        workers, share = ("run_rank:gputrain_training_loader_workers:max",
-                          "run_rank:gputrain_training_slow_steps:ratio_rate30m")
+        workers, share = (series_of("loader_workers"),
+                          series_of("slow_step_ratio"))
         tolerance = t["loader_period_tolerance"]
         loader = f"""({workers} >= 2
             and on ({q.rank}) {share} >= on ({q.rank}) ({num(1 - tolerance)} / {workers})
             and on ({q.rank}) {share} <= on ({q.rank}) ({num(1 + tolerance)} / {workers})
-            and on ({q.rank}) run_rank:gputrain_training_slow_step_data_wait:ratio_rate30m
+            and on ({q.rank}) {series_of('slow_step_wait')}
               >= {t['loader_wait_share']})"""
-        slow = q.stepping(f"""(run_rank:gputrain_training_slow_step:ratio_rate30m
+        slow = q.stepping(f"""({series_of('stall_share')}
             > {t['stall_time_share']}
-            or on ({q.rank}) (run_rank:gputrain_training_step_seconds:p99_30m
-              > {t['stall_p99_over_p50']} * run_rank:gputrain_training_step_seconds:p50_30m
-              unless on ({q.rank}) run_rank:gputrain_training_slow_step:ratio_rate30m))
+            or on ({q.rank}) ({series_of('step_p99_seconds')}
+              > {t['stall_p99_over_p50']} * {series_of('step_p50_seconds')}
+              unless on ({q.rank}) {series_of('stall_share')}))
             unless on ({q.rank}) {loader}""")
         periodic = q.live(f"""{q.periodic('checkpoint')} > {t['checkpoint_share']}
             or on ({q.rank}) {q.periodic('evaluation')} > {t['evaluation_share']}""")
@@ -1805,9 +1812,9 @@ class StragglerRank(Heuristic):
            "communication is measured, a rank's step less its data wait is no measure of its "
            "compute (a fast rank's includes its wait for the slow one), so only a step time "
            "{straggler_compute_factor} the median (an unsynchronised rank) counts.")
-    confirm = ("run_rank:gputrain_training_data_wait_ratio:rate5m",
-               "run_rank:gputrain_training_comm_exposed_ratio:rate5m",
-               "run_rank:gputrain_training_compute_seconds:mean5m")
+    confirm = (series_of("data_wait_ratio"),
+               series_of("comm_exposed_ratio"),
+               COMPUTE_MEAN)
     panel = ('GpuTrain / Run with all ranks selected: the rank whose "Data wait" or step time '
              'stands out, or the one that waits least in "Gradient communication"; then '
              'GpuTrain / Node for its node.')
@@ -1821,8 +1828,8 @@ class StragglerRank(Heuristic):
         # only the ranks that step are compared: a rank waiting for a peer's checkpoint, or
         # hung, has an open step that weighs in its mean, and lags nobody (Q.stepping)
         wait, comm = f"({q.stepping(q.wait)})", f"({q.stepping(q.comm)})"
-        compute = f"({q.stepping('run_rank:gputrain_training_compute_seconds:mean5m')})"
-        step = f"({q.stepping('run_rank:gputrain_training_step_seconds:mean5m')})"
+        compute = f"({q.stepping(COMPUTE_MEAN)})"
+        step = f"({q.stepping(series_of('step_seconds'))})"
         f, cf = t["straggler_wait_factor"], t["straggler_compute_factor"]
         return [self.rule(q, "warning", f"""({wait} >= {t['input_bound']}
               and {wait} > on ({run}) group_left () ({f} * quantile by ({run}) (0.5, {wait})))
@@ -1994,14 +2001,14 @@ class GPUMemoryNearLimit(Heuristic):
            "window's median reading: a GPU at its ceiling two readings in three, freeing a "
            "little between steps, is at its ceiling; a `for:` on the raw reading would be "
            "reset by every dip): the next larger batch or sequence will fail.")
-    confirm = ("gpu:gputrain_gpu_memory_used:ratio",)
+    confirm = (gpu_series_of("memory_used"),)
     panel = ('GpuTrain / Node, "GPU memory" (used against total); GpuTrain / Run, "GPU memory '
              'used" ({memory_near_limit} line).')
     thresholds = {"memory_near_limit": Threshold(
         0.95, "ratio", "the PyTorch profiler plugin's memory view (over 90 % of peak)")}
 
     def rules(self, q: Q) -> list[dict]:
-        return [self.rule(q, "warning", f"gpu:gputrain_gpu_memory_used:ratio > "
+        return [self.rule(q, "warning", f"{gpu_series_of('memory_used')} > "
                                         f"{q.t['memory_near_limit']}",
                           f"{q.node_gpu} uses {{{{ $value | humanizePercentage }}}} of its "
                           "memory.")]
@@ -2027,7 +2034,7 @@ class Throttling(Heuristic):
            "the median of the node's GPUs of the same model while it is at least "
            "{gpu_busy_low} busy (a GPU at half its identical peers' clock under the same work "
            "is slowed: a failing fan, a power brake the driver does not report).")
-    confirm = ("gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m",
+    confirm = (gpu_series_of("throttled"),
                "gputrain_gpu_temperature_celsius")
     panel = ('GpuTrain / Run, "SM clock" and "Throttled time" ({throttle_ratio} line); '
              'GpuTrain / Node, "Temperature" and "Power".')
@@ -2040,10 +2047,10 @@ class Throttling(Heuristic):
 
     def rules(self, q: Q) -> list[dict]:
         t = q.t
-        return [self.rule(q, "warning", f"""gpu:gputrain_gpu_clock_event_throttle:ratio_rate5m
+        return [self.rule(q, "warning", f"""{gpu_series_of('throttled')}
             > {t['throttle_ratio']}
-            or (gpu:gputrain_gpu_sm_clock_vs_peers:ratio_avg5m < {t['slow_clock_ratio']}
-                and on ({q.ids.gpu}) gpu:gputrain_gpu_busy_ratio:rate5m >= {t['gpu_busy_low']})""",
+            or ({gpu_series_of('sm_clock_vs_peers')} < {t['slow_clock_ratio']}
+                and on ({q.ids.gpu}) {gpu_series_of('busy')} >= {t['gpu_busy_low']})""",
             f"""{q.node_gpu} was throttled {{{{ $value | humanizePercentage }}}} of the time
             (power cap, thermal slowdown or power brake), or its SM clock ran at that share of
             its identical peers' while busy.""")]
@@ -2079,7 +2086,7 @@ class GPUUnderutilized(Heuristic):
            "{gpu_busy_low} keeps alerting. A rank's GPUs are every GPU NVML lists its "
            "processes on (one process may drive several: device_map=\"auto\", pipeline "
            "stages), each judged; a GPU no run uses is idle capacity, never a run's.")
-    confirm = ("run_rank_gpu:gputrain_gpu_busy_ratio:rate5m",)
+    confirm = (series_of("busy"),)
     panel = ('GpuTrain / Overview, the Runs table sorted by GPU busy; then GpuTrain / Run, '
              'panel "GPU busy" ({gpu_busy_low} and {gpu_busy_target} lines), and the panels '
              'below it for the stage.')
@@ -2194,7 +2201,7 @@ class ClockOffset(Heuristic):
            "timestamp compared across two machines); the rules now take every age from the "
            "exporter's monotonic clock, and say the offset here instead. The daemon's own "
            "page cannot see it: it has no other clock to compare with.")
-    confirm = ("instance:gputrain_exporter_clock_offset_seconds:max",
+    confirm = (series_of("clock_offset"),
                "gputrain_exporter_time_seconds")
     panel = ("Prometheus: `gputrain_exporter_time_seconds - "
              "timestamp(gputrain_exporter_time_seconds)`.")
@@ -2205,7 +2212,7 @@ class ClockOffset(Heuristic):
                          "well under the 2-minute silence that calls a run vanished")}
 
     def rules(self, q: Q) -> list[dict]:
-        return [self.rule(q, "info", f"""abs(instance:gputrain_exporter_clock_offset_seconds:max)
+        return [self.rule(q, "info", f"""abs({series_of('clock_offset')})
                           > {q.t['clock_offset_seconds']:g}""",
                           f"""The clock of {q.where} is {{{{ $value | printf "%.0f" }}}} s off
                           Prometheus' clock.""")]

@@ -21,14 +21,12 @@ from exporter.heuristics.promql import (
     CPU_CORES,
     ENERGY_PER_SAMPLE,
     RANK_BUSY_AVG,
-    RUN_GPU_BUSY,
-    UNATTRIBUTED_BUSY,
     WASTED_SECONDS,
     Identity,
     identity,
     new_errors,
 )
-from exporter.heuristics.readings import READINGS
+from exporter.heuristics.readings import READINGS, RUN_GPU_BUSY, UNATTRIBUTED_BUSY
 from exporter.heuristics.rules import settings
 
 # the recorded series of each reading, by its field (a GPU's own by gpu:<field>): named in

@@ -43,7 +43,15 @@ from exporter.heuristics.promql import (
     restarts,
     tree_growth,
 )
-from exporter.heuristics.readings import BY_FIELD, LEAK_SPANS, READINGS, REFINED, WINDOWS, of_scope
+from exporter.heuristics.readings import (
+    BY_FIELD,
+    LEAK_SPANS,
+    READINGS,
+    REFINED,
+    WINDOWS,
+    of_scope,
+    series_of,
+)
 from exporter.heuristics.rules import load_overrides, settings
 from exporter.heuristics.verdict import (
     GpuReading,
@@ -187,8 +195,8 @@ def recorded_queries(selector: str, ids: Identity | None = None) -> dict[str, st
     ids = ids or Identity()
     q = {name: f"{record}{{{selector}}}" for name, record in RECORDED.items()}
     _as_ages(q)
-    tree = f"run_rank:gputrain_training_process_memory_bytes:sum{{{selector}}}"
-    available = f"instance:gputrain_host_memory_available_bytes:sum{{{selector}}}"
+    tree = f"{series_of('rss_growth')}{{{selector}}}"
+    available = f"{series_of('memory_available')}{{{selector}}}"
     for span, (w, o) in LEAK_SPANS.items():
         growth = f"deriv({tree}[{w}]{' offset ' + o if o else ''})"
         q[f"rss_growth_{span}"] = growth

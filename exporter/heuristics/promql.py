@@ -16,14 +16,20 @@ from typing import Any
 from exporter.config import parse_duration
 from exporter.heuristics.location import WAITING
 from exporter.heuristics.readings import (
+    ACCOUNTED,
     BY_FIELD,
     LOADER_START,
+    PEAK_FLOPS,
     READINGS,
+    RECORDED_FRAGMENTS,
     REGIME_GPU,
+    RUN_GPU_BUSY,
     STACK_WAITING,
+    UNATTRIBUTED_BUSY,
     WINDOWS,
     Scope,
     of_scope,
+    series_of,
     window_seconds,
 )
 from exporter.protocol import LOADER_START_PHASE, OUTSIDE_STEP_PHASES
@@ -37,6 +43,23 @@ DATA_WAIT_CAUSE, OUTSIDE_STEPS_CAUSE = "data_wait", "outside_steps"
 LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 THROTTLE_REASONS = ("sw_power_cap", "sw_thermal_slowdown", "hw_thermal_slowdown",
                     "hw_power_brake_slowdown", "hw_slowdown")
+
+# The recording rules written here beside the readings' (readings.READINGS), that the alerts,
+# diagnose and the dashboards read too: each named once (those the readings' templates read
+# are named in exporter.heuristics.readings)
+WASTED_SECONDS = "run:gputrain_gpu_wasted_seconds:rate5m"
+RANK_BUSY_AVG = "run_rank:gputrain_gpu_busy_ratio:avg5m"
+COMM_BYTES = "run_rank:gputrain_training_comm_bytes:rate5m"
+ENERGY_PER_SAMPLE = "run_rank:gputrain_training_energy_joules_per_sample:rate5m"
+CPU_CORES = "run_rank:gputrain_training_process_cpu_cores:rate5m"
+RESTARTS_RECENT = "run_rank:gputrain_training_restarts:resets5m"  # in the rate window
+COMPUTE_MEAN = "run_rank:gputrain_training_compute_seconds:mean5m"  # a step's, in seconds
+STEP_PHASE_MAX = "run_rank:gputrain_training_step_phase_ratio:max_rate5m"  # its largest phase
+# the two guards most alerts hold (Q.stepping, Q.fresh), recorded once an evaluation
+# (Q.guards) rather than written into each alert: at 400 fleet nodes the straggler alert,
+# which held the first twelve times, took 2.62 s a pass, 0.67 s reading it recorded
+STEPPING = "run_rank:gputrain_training_stepping:bool"
+STALENESS = "instance:gputrain_collector_age:max_intervals"
 
 
 class Identity:
@@ -207,7 +230,7 @@ def regime_record(gpu_record: str) -> str:
 REGIME_RECORDS = {BY_FIELD[f].gpu_record: regime_record(BY_FIELD[f].gpu_record)
                   for f in REGIME_GPU}
 # over the rate window whatever the regime: whether the window straddles a restart
-_NOT_SELECTED = ("run_rank:gputrain_training_restarts:resets5m",)
+_NOT_SELECTED = (RESTARTS_RECENT,)
 
 
 def regime_rules(s: str, ids: Identity, r: str = WINDOWS["rate"]) -> list[dict]:
@@ -326,7 +349,8 @@ def _fragments(s: str, ids: Identity, w: str) -> dict[str, str]:
             "productive": f"clamp_min({steps} - {wait} - {phases(IN_STEP)}, 0)",
             "outside_steps": f"clamp_min({wall} - {steps} - {phases(OUTSIDE_STEP)}, 0)",
             "throttle_reasons": "|".join(THROTTLE_REASONS),
-            "data_wait_cause": DATA_WAIT_CAUSE, "outside_steps_cause": OUTSIDE_STEPS_CAUSE}
+            "data_wait_cause": DATA_WAIT_CAUSE, "outside_steps_cause": OUTSIDE_STEPS_CAUSE,
+            **RECORDED_FRAGMENTS}
 
 
 def _readings(scope: Scope, s: str, ids: Identity, r: str,
@@ -353,18 +377,18 @@ def _windowed(s: str, ids: Identity, r: str, quantile: str = WINDOWS["quantile"]
         *_readings("rank", s, ids, r, quantile),
         # how often each rank's process was replaced in the rate window: rates across a
         # restart are no bottleneck (recorded, so that global rules may read it too)
-        _rec("run_rank:gputrain_training_restarts:resets5m", restarts(s, ids, r)),
+        _rec(RESTARTS_RECENT, restarts(s, ids, r)),
         _rec(COMM_BYTES, f"""
             sum by ({rank}) (rate(gputrain_training_comm_bytes_total{{{s}}}[{r}]))"""),
         # a step's compute: its time less the data wait and, where measured, the wait for
         # gradient communication (a fast rank waiting for a slow one computes no longer)
-        _rec("run_rank:gputrain_training_compute_seconds:mean5m", f"""
+        _rec(COMPUTE_MEAN, f"""
             (sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{r}]))
              - sum by ({rank}) (rate(gputrain_training_data_wait_seconds_total{{{s}}}[{r}]))
              - (sum by ({rank}) (rate(gputrain_training_comm_exposed_seconds_total{{{s}}}[{r}]))
                 or 0 * sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{r}]))))
             / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[{r}]))"""),
-        _rec("run_rank:gputrain_training_step_phase_ratio:max_rate5m", f"""
+        _rec(STEP_PHASE_MAX, f"""
             max by ({rank}) (
               sum by ({rank}, phase) (rate(gputrain_training_phase_seconds_total{{{s},{IN_STEP}}}[{r}]))
               / on ({rank}) group_left
@@ -388,7 +412,7 @@ def _windowed(s: str, ids: Identity, r: str, quantile: str = WINDOWS["quantile"]
         # each GPU by the rank's share of its busy time where that is measured (a stray
         # context on another rank's GPU adds nothing, two runs on one GPU each its part),
         # whole where it is not
-        _rec("run_rank:gputrain_gpu_peak_flops:sum", f"""
+        _rec(PEAK_FLOPS, f"""
             sum by ({rank}) (
               max by ({rank}, gpu, uuid, precision) (gputrain_training_gpu_info{{{s}}})
               * on ({gpu}, precision) group_left
@@ -400,7 +424,7 @@ def _windowed(s: str, ids: Identity, r: str, quantile: str = WINDOWS["quantile"]
         # the wall time's parts: productive (step time less data wait and the phases inside
         # steps), data wait, each phase, and outside steps (the rest); goodput and badput are
         # shares of the parts' sum, each within [0, 1] and adding up to 1
-        _rec("run_rank:gputrain_training_accounted_seconds:rate5m", """
+        _rec(ACCOUNTED, """
             {productive} + {wait} + {all_phases} + {outside_steps}""".format(**f)),
         # per GPU, and a rank's GPUs, joined through gputrain_training_gpu_info
         *(gpu_rules := _readings("rank_gpu", s, ids, r)),
@@ -411,7 +435,7 @@ def _windowed(s: str, ids: Identity, r: str, quantile: str = WINDOWS["quantile"]
         *[_rec(f"run_rank_gpu:{name.split(':', 1)[1]}", rank_gpu_join(s, name, ids))
           for name in [x["record"] for x in gpu_rules] + [gpu_power]],
         _rec(RANK_BUSY_AVG,
-            f"avg by ({rank}) (run_rank_gpu:gputrain_gpu_busy_ratio:rate5m)"),
+            f"avg by ({rank}) ({series_of('busy')})"),
         # joules per sample: the rank's GPUs' mean power over its samples per wall second
         # (each side over its own clock, so exact from a run's first minute)
         _rec(ENERGY_PER_SAMPLE, f"""
@@ -423,7 +447,7 @@ def _windowed(s: str, ids: Identity, r: str, quantile: str = WINDOWS["quantile"]
         # GPU-seconds over the range
         _rec(WASTED_SECONDS, f"""
             sum by ({ids.run}) (max by ({ids.node}, run, gpu, uuid)
-              (1 - run_rank_gpu:gputrain_gpu_busy_ratio:rate5m))"""),
+              (1 - {series_of('busy')}))"""),
         # a GPU's shares: each run's (its ranks' processes) and no rank's, from the processes'
         # busy seconds; a run that holds the GPU but had no busy sample counts 0. A share
         # leaves with its processes: the exporter drops a rank's busy counter of a GPU once
@@ -445,21 +469,6 @@ def _windowed(s: str, ids: Identity, r: str, quantile: str = WINDOWS["quantile"]
     ]
 
 
-# The recording rules written here beside the readings' (readings.READINGS), that the
-# dashboards read too: each named once
-WASTED_SECONDS = "run:gputrain_gpu_wasted_seconds:rate5m"
-RUN_GPU_BUSY = "run_gpu:gputrain_training_gpu_busy:ratio_rate5m"
-UNATTRIBUTED_BUSY = "gpu:gputrain_gpu_unattributed_busy:ratio_rate5m"
-RANK_BUSY_AVG = "run_rank:gputrain_gpu_busy_ratio:avg5m"
-COMM_BYTES = "run_rank:gputrain_training_comm_bytes:rate5m"
-ENERGY_PER_SAMPLE = "run_rank:gputrain_training_energy_joules_per_sample:rate5m"
-CPU_CORES = "run_rank:gputrain_training_process_cpu_cores:rate5m"
-# the two guards most alerts hold (Q.stepping, Q.fresh), recorded once an evaluation
-# (Q.guards) rather than written into each alert: at 400 fleet nodes the straggler alert,
-# which held the first twelve times, took 2.62 s a pass, 0.67 s reading it recorded
-STEPPING = "run_rank:gputrain_training_stepping:bool"
-STALENESS = "instance:gputrain_collector_age:max_intervals"
-
 
 def _rec(name: str, expr: str) -> dict:
     """A recording rule, its expression on one line."""
@@ -472,10 +481,10 @@ class Q:
     and the phrases its description names the rank, GPU or node with."""
 
     # the recorded readings an alert compares (their ranges are the rate window's)
-    wait = "run_rank:gputrain_training_data_wait_ratio:rate5m"
-    comm = "run_rank:gputrain_training_comm_exposed_ratio:rate5m"  # where it is measured
-    busy = "run_rank_gpu:gputrain_gpu_busy_ratio:rate5m"  # each GPU of a rank
-    steps = "run_rank:gputrain_training_steps:rate5m"
+    wait = series_of("data_wait_ratio")
+    comm = series_of("comm_exposed_ratio")  # where it is measured
+    busy = series_of("busy")  # each GPU of a rank
+    steps = series_of("steps_per_second")
 
     def __init__(self, cfg: dict, ids: Identity) -> None:
         self.cfg, self.s, self.t, self.ids = cfg, cfg["selector"], cfg["thresholds"], ids
@@ -514,7 +523,7 @@ class Q:
         window's rates of steps that no longer come."""
         return (f"({self.steps} > 0) unless on ({self.rank}) "
                 f"({self.ended} or "
-                f"run_rank:gputrain_training_restarts:resets5m > 0 or "
+                f"{RESTARTS_RECENT} > 0 or "
                 f"{OPEN} > {self.t['hung_min_seconds']} and on ({self.rank}) "
                 f"{OPEN} > 2 * {TYPICAL})")
 
@@ -529,18 +538,18 @@ class Q:
     def ended(self) -> str:
         """The ranks that no longer run: a goodbye (finished, or an exit said) or silent past
         ``vanished_seconds`` (as :func:`exporter.heuristics.catalogue.gone`)."""
-        return (f"run_rank:gputrain_training_finished:max > 0 "
-                f"or run_rank_reason:gputrain_training_exit_info:max or time() - "
-                f"run_rank:gputrain_training_last_push_timestamp_seconds:max > "
+        return (f"{series_of('finished')} > 0 "
+                f"or {series_of('exit')} or time() - "
+                f"{series_of('seconds_since_push')} > "
                 f"{self.t['vanished_seconds']}")
 
     @property
     def alive(self) -> str:
         """The live ranks: pushed within ``alive_seconds``, no exit said (as
         :func:`exporter.heuristics.catalogue.alive`)."""
-        return (f"(time() - run_rank:gputrain_training_last_push_timestamp_seconds:max "
+        return (f"(time() - {series_of('seconds_since_push')} "
                 f"<= {self.t['alive_seconds']} unless on ({self.rank}) "
-                f"run_rank_reason:gputrain_training_exit_info:max)")
+                f"{series_of('exit')})")
 
     @property
     def shared(self) -> str:
@@ -548,7 +557,7 @@ class Q:
         (its run labels and rank; pushed within ``alive_seconds``). Their ranks are never
         compared as one run's."""
         return (f"(count by ({self.run}, rank) (time() - "
-                f"run_rank:gputrain_training_last_push_timestamp_seconds:max "
+                f"{series_of('seconds_since_push')} "
                 f"<= {self.t['alive_seconds']}) > 1)")
 
     def live(self, expr: str) -> str:

@@ -110,6 +110,17 @@ class Reading:
         return (self.field,)
 
 
+# Recorded series the readings' templates read that are not readings themselves (the rules
+# beside them in exporter.heuristics.promql record them): each named here once, and written
+# into a template as the fragment of its lower-case name (``{run_gpu_busy}``)
+RUN_GPU_BUSY = "run_gpu:gputrain_training_gpu_busy:ratio_rate5m"
+UNATTRIBUTED_BUSY = "gpu:gputrain_gpu_unattributed_busy:ratio_rate5m"
+ACCOUNTED = "run_rank:gputrain_training_accounted_seconds:rate5m"  # the wall time's parts
+PEAK_FLOPS = "run_rank:gputrain_gpu_peak_flops:sum"  # MFU's denominator
+RECORDED_FRAGMENTS = {"run_gpu_busy": RUN_GPU_BUSY, "unattributed_busy": UNATTRIBUTED_BUSY,
+                      "accounted": ACCOUNTED, "peak_flops": PEAK_FLOPS}
+
+
 # Every reading, by scope; within one, in the order the rules are written (a rule that reads
 # another's series comes after it anyway). Ratios of counters divide separately-summed rates
 READINGS = (
@@ -252,8 +263,8 @@ READINGS = (
              / on ({gpu}) group_left
              sum by ({gpu}) (rate(gputrain_gpu_sampled_seconds_total{{{s}}}[{w}])))
             / on ({gpu}) group_left ()
-            ((sum by ({gpu}) (run_gpu:gputrain_training_gpu_busy:ratio_rate5m)
-              + on ({gpu}) gpu:gputrain_gpu_unattributed_busy:ratio_rate5m) > 0)""",
+            ((sum by ({gpu}) ({run_gpu_busy})
+              + on ({gpu}) {unattributed_busy}) > 0)""",
             by="gpu"),
     # the GPU memory the rank's processes hold on each GPU (NVML's process list)
     Reading("gpu_memory_held", "rank", "run_rank_gpu:gputrain_training_gpu_memory:bytes", None,
@@ -263,17 +274,17 @@ READINGS = (
     # run's first minute and a restart's gap counts as time outside steps
     Reading("mfu", "rank", "run_rank:gputrain_training_mfu:ratio_rate5m", "rate", """
             sum by ({rank}) (rate(gputrain_training_flops_total{{{s}}}[{w}])) / {wall}
-            / run_rank:gputrain_gpu_peak_flops:sum"""),
+            / {peak_flops}"""),
     # goodput and badput are shares of the wall time's parts (promql's accounted seconds)
     Reading("goodput", "rank", "run_rank:gputrain_training_goodput:ratio_rate5m", "rate", """
-            {productive} / run_rank:gputrain_training_accounted_seconds:rate5m"""),
+            {productive} / {accounted}"""),
     Reading("badput", "rank", "run_rank_cause:gputrain_training_badput:ratio_rate5m", "rate", """
             (label_replace({wait}, "cause", "{data_wait_cause}", "", "")
              or sum by ({rank}, cause) (label_replace(
                   rate(gputrain_training_phase_seconds_total{{{s}}}[{w}]),
                   "cause", "$1", "phase", "(.+)"))
              or label_replace({outside_steps}, "cause", "{outside_steps_cause}", "", ""))
-            / on ({rank}) group_left run_rank:gputrain_training_accounted_seconds:rate5m""",
+            / on ({rank}) group_left {accounted}""",
             by="cause"),
     # per GPU. GPU ratios divide by the seconds the sampler watched: exact from the first
     # scrapes after an exporter (re)start, and blind time (a lost GPU) counts on neither side
@@ -338,9 +349,9 @@ READINGS = (
     # what of a GPU's time a run does not own: busy with other runs' processes or with
     # processes no client reports (only where the driver gives per-process samples)
     Reading("foreign", "run_gpu", "run_gpu:gputrain_gpu_foreign_busy:ratio_rate5m", "rate", """
-            (gpu:gputrain_gpu_unattributed_busy:ratio_rate5m
-             + on ({gpu}) sum by ({gpu}) (run_gpu:gputrain_training_gpu_busy:ratio_rate5m))
-            - on ({gpu}) group_right run_gpu:gputrain_training_gpu_busy:ratio_rate5m"""),
+            ({unattributed_busy}
+             + on ({gpu}) sum by ({gpu}) ({run_gpu_busy}))
+            - on ({gpu}) group_right {run_gpu_busy}"""),
     # per node
     # the node's clock less Prometheus' at its scrapes (the exporter's wall clock at the
     # scrape, against the scrape's own time): the daemon cannot read it of itself
@@ -383,6 +394,18 @@ READINGS = (
                   / gputrain_host_network_speed_bytes_per_second{{{s}}}))"""),
 )
 BY_FIELD = {r.field: r for r in READINGS}
+
+
+def series_of(field: str) -> str:
+    """The recorded series of the reading ``field``: what a rule or a query names it by."""
+    return BY_FIELD[field].record
+
+
+def gpu_series_of(field: str) -> str:
+    """The per-GPU series of the ``rank_gpu`` reading ``field`` (:attr:`Reading.gpu_record`)."""
+    return BY_FIELD[field].gpu_record
+
+
 # The readings that say whether a rank lives and how long its step has been open: recorded in
 # a group of their own every ``liveness_interval`` (shorter than the recording interval), so a
 # hang is said within two minutes at the default settings
