@@ -3,6 +3,11 @@ code, and every rule, query, dashboard and runbook line that reads it refers to 
 (``readings.series_of("busy")``, ``promql.STEPPING``). A rename is then one edit, and no
 alert can keep reading a series nothing records any more. Docstrings and comments may name a
 series to explain it; they are left out.
+
+A family is named where it is exposed (a collector's table, ``training.FAMILIES``, the GPU
+metric rows) and in the PromQL that reads it: every raw series the shipped rules, diagnose's
+queries and the dashboards read must be one some collector exports (docs/metrics.md is held
+to the same list by test_readme.py).
 """
 
 from __future__ import annotations
@@ -66,3 +71,40 @@ def test_the_check_finds_a_name_written_twice_and_not_one_explained(tmp_path):
     assert found == {"run_rank:gputrain_training_steps:rate5m": ["a.py:2", "b.py:2"]}
     # the package's names are found too: the check reads something
     assert len(named(ROOT)) > 50
+
+
+# the raw series a family is exposed as: a counter's ``_total``, a histogram's parts
+SUFFIXES = ("", "_bucket", "_sum", "_count")
+RAW = re.compile(r"(?<![:\w])gputrain_[a-z_0-9]+(?![:\w.])")  # not a name regex
+
+
+def read_families(text: str) -> set[str]:
+    """The raw series a rule, query or panel text reads (recorded series left out)."""
+    return set(RAW.findall(text))
+
+
+def test_every_series_a_rule_a_query_or_a_panel_reads_is_exported():
+    """A family renamed in the exposition and not in the rules leaves an alert that reads
+    nothing and so never fires: every raw series the shipped rules, diagnose's queries and the
+    dashboards read is one some collector exports."""
+    from test_readme import exported
+
+    from exporter.heuristics.diagnose import fault_queries, queries
+    from exporter.heuristics.promql import Identity
+
+    served = {name + suffix for name in exported() for suffix in SUFFIXES}
+    ids = Identity()
+    texts = {str(p.relative_to(ROOT.parent)): p.read_text()
+             for p in [*(ROOT.parent / "alerts").glob("*.yml"),
+                       *(ROOT.parent / "grafana" / "dashboards").glob("*.json")]}
+    texts["diagnose"] = "\n".join([*queries('job="x"', "5m", ids).values(),
+                                   *fault_queries('job="x"', ids, "5m").values()])
+    assert len(texts) > 4
+    unknown = {where: sorted(read_families(text) - served) for where, text in texts.items()}
+    assert not any(unknown.values()), {k: v for k, v in unknown.items() if v}
+
+
+def test_the_family_check_sees_a_raw_series_and_not_a_recorded_one():
+    text = ('rate(gputrain_training_steps_total{job="x"}[5m]) / '
+            'run_rank:gputrain_training_steps:rate5m and gputrain_gpu_up_bucket')
+    assert read_families(text) == {"gputrain_training_steps_total", "gputrain_gpu_up_bucket"}
