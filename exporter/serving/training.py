@@ -61,6 +61,12 @@ class Family(NamedTuple):
         return cls(self.name, self.help, labels=list(self.labels))
 
 
+# the families written outside their row: by these names
+EXIT_INFO = "gputrain_training_exit_info"
+REQUESTS = "gputrain_ingest_requests_total"
+SERIES = "gputrain_ingest_series"
+LEFT_OUT = "gputrain_ingest_ranks_left_out"
+
 # Every family, in page order. The first ones are a rank's own (written from its pushed state
 # alone, cached per push); then what joins a rank to this node's GPUs and profiles, the GPUs'
 # processes no rank owns, and the ingest's own counters.
@@ -143,7 +149,7 @@ FAMILIES: tuple[Family, ...] = (
            "1 once the rank's process ended by a failure (an uncaught exception, a collective's "
            "timeout, a signal), else 0; gputrain_training_exit_info says which.",
            read=lambda st: 1.0 if st.failed else 0.0),
-    Family("gputrain_training_exit_info", "gauge",
+    Family(EXIT_INFO, "gauge",
            "How the rank's process ended, once it said goodbye: reason closed, completed or "
            "exited (clean), exception or signal (a failure), and detail, the exception's type "
            "or the signal's name; always 1.", ("run", "rank", "reason", "detail")),
@@ -219,11 +225,11 @@ FAMILIES: tuple[Family, ...] = (
     Family("gputrain_gpu_unattributed_memory_busy_seconds_total", "counter",
            "Seconds the GPU's memory was busy for processes that no pushing rank owns.",
            ("gpu", "uuid"), per_rank=0),
-    Family("gputrain_ingest_requests_total", "counter",
+    Family(REQUESTS, "counter",
            "Push requests received, by HTTP status code.", ("code",), per_rank=0),
-    Family("gputrain_ingest_series", "gauge", "Live (run, rank) pairs the daemon holds.", (),
+    Family(SERIES, "gauge", "Live (run, rank) pairs the daemon holds.", (),
            per_rank=0),
-    Family("gputrain_ingest_ranks_left_out", "gauge",
+    Family(LEFT_OUT, "gauge",
            "Live (run, rank) pairs left out of the page because their lines could not be "
            "built (the daemon's log names each once); the other ranks are shown.", (), per_rank=0),
 )
@@ -282,16 +288,13 @@ class TrainingCollector:
             try:
                 lines = self._rank_parts(st, gpus, held, busy, profiles, cache, now, locations)
                 if (cores := shares.get(key)) is not None:
-                    lines.append((INDEX["gputrain_training_process_cpu_allowance_cores"],
-                                  f"gputrain_training_process_cpu_allowance_cores"
-                                  f"{{{_labels(st)}}} {floatToGoString(cores)}\n"))
+                    lines.append(_line("gputrain_training_process_cpu_allowance_cores",
+                                       _labels(st), cores))
                 if (start := regimes.get(key)) is not None:
-                    lines.append((INDEX["gputrain_training_regime_start_timestamp_seconds"],
-                                  f"gputrain_training_regime_start_timestamp_seconds"
-                                  f"{{{_labels(st)}}} {floatToGoString(start)}\n"))
-                    lines.append((INDEX["gputrain_training_regime_age_seconds"],
-                                  f"gputrain_training_regime_age_seconds{{{_labels(st)}}} "
-                                  f"{floatToGoString(round(max(0.0, wall - start), 3))}\n"))
+                    lines.append(_line("gputrain_training_regime_start_timestamp_seconds",
+                                       _labels(st), start))
+                    lines.append(_line("gputrain_training_regime_age_seconds", _labels(st),
+                                       round(max(0.0, wall - start), 3)))
             except Exception as exc:  # one rank's bad state must never stop the page
                 left_out += 1
                 if key not in self._left_out:
@@ -305,30 +308,24 @@ class TrainingCollector:
         for st in sorted(self._store.departed(), key=lambda s: (s.run, s.rank)):
             for i, chunk in _departed_lines(st):
                 chunks[i].append(chunk)
-            chunks[INDEX["gputrain_training_last_push_age_seconds"]].append(_push_age(st, now))
+            _append(chunks, _push_age(st, now))
         self.left_out = left_out
         self._lines = cache  # forgets ranks that are gone
         for name, field in (("gputrain_gpu_unattributed_memory_bytes", 1),
                             ("gputrain_gpu_unattributed_processes", 0)):
-            chunks[INDEX[name]].extend(
-                f'{name}{{gpu="{_escape(index)}",uuid="{_escape(uuid)}"}} '
-                f"{floatToGoString(v[field])}\n" for (index, uuid), v in view.others.items())
+            for (index, uuid), other in view.others.items():
+                _append(chunks, _line(name, _gpu_labels(index, uuid), other[field]))
         for (index, uuid), seconds in sorted(view.unowned.items()):
-            for name, v in zip(("gputrain_gpu_unattributed_busy_seconds_total",
-                                "gputrain_gpu_unattributed_memory_busy_seconds_total"), seconds,
-                               strict=True):
-                chunks[INDEX[name]].append(f'{name}{{gpu="{_escape(index)}",'
-                                           f'uuid="{_escape(uuid)}"}} {floatToGoString(v)}\n')
-        chunks[INDEX["gputrain_ingest_requests_total"]].extend(
-            f'gputrain_ingest_requests_total{{code="{code}"}} {floatToGoString(n)}\n'
-            for code, n in sorted(self._store.requests().items()))
-        chunks[INDEX["gputrain_ingest_series"]].append(
-            f"gputrain_ingest_series {floatToGoString(len(states))}\n")
-        chunks[INDEX["gputrain_ingest_ranks_left_out"]].append(
-            f"gputrain_ingest_ranks_left_out {floatToGoString(left_out)}\n")
+            for name, busy_s in zip(("gputrain_gpu_unattributed_busy_seconds_total",
+                                     "gputrain_gpu_unattributed_memory_busy_seconds_total"),
+                                    seconds, strict=True):
+                _append(chunks, _line(name, _gpu_labels(index, uuid), busy_s))
+        for code, n in sorted(self._store.requests().items()):
+            _append(chunks, _line(REQUESTS, f'code="{code}"', n))
+        _append(chunks, _line(SERIES, "", len(states)))
+        _append(chunks, _line(LEFT_OUT, "", left_out))
         out: list[str] = []
-        always = ("gputrain_ingest_requests_total", "gputrain_ingest_series",
-                  "gputrain_ingest_ranks_left_out")
+        always = (REQUESTS, SERIES, LEFT_OUT)
         for family, header, family_lines in zip(FAMILIES, self._headers[openmetrics], chunks,
                                                 strict=True):
             if family_lines or family.name in always:
@@ -350,42 +347,36 @@ class TrainingCollector:
         parts = list(own)
         lbl = _labels(st)
         parts.extend(
-            (INDEX["gputrain_training_gpu_info"],
-             f'gputrain_training_gpu_info{{gpu="{_escape(index)}",precision="{st.precision}",'
-             f'{lbl},uuid="{_escape(uuid)}"}} 1.0\n')
+            _line("gputrain_training_gpu_info",
+                  f'gpu="{_escape(index)}",precision="{st.precision}",{lbl},'
+                  f'uuid="{_escape(uuid)}"', 1.0)
             for index, uuid in resolve_gpus(st, gpus, held.get(key, {})))
         parts.extend(
-            (INDEX["gputrain_training_gpu_memory_bytes"],
-             f'gputrain_training_gpu_memory_bytes{{gpu="{_escape(index)}",{lbl},'
-             f'uuid="{_escape(uuid)}"}} {floatToGoString(used)}\n')
+            _line("gputrain_training_gpu_memory_bytes",
+                  f'gpu="{_escape(index)}",{lbl},uuid="{_escape(uuid)}"', used)
             for (index, uuid), used in sorted(held.get(key, {}).items()))
         for (index, uuid), seconds in sorted(busy.get(key, {}).items()):
             for name, v in zip(("gputrain_training_gpu_busy_seconds_total",
                                 "gputrain_training_gpu_memory_busy_seconds_total"), seconds,
                                strict=True):
-                parts.append((INDEX[name], f'{name}{{gpu="{_escape(index)}",{lbl},'
-                                           f'uuid="{_escape(uuid)}"}} {floatToGoString(v)}\n'))
-        fg = floatToGoString
-        parts.append((INDEX["gputrain_training_last_push_age_seconds"], _push_age(st, now)))
+                parts.append(_line(name, f'gpu="{_escape(index)}",{lbl},uuid="{_escape(uuid)}"',
+                                   v))
+        parts.append(_push_age(st, now))
         if (open_s := st.step_in_progress(now)) is not None:
-            parts.append((INDEX["gputrain_training_step_in_progress_seconds"],
-                          f"gputrain_training_step_in_progress_seconds{{{lbl}}} {fg(open_s)}\n"))
+            parts.append(_line("gputrain_training_step_in_progress_seconds", lbl, open_s))
         if (phase := st.phase_in_progress(now)) is not None:
-            parts.append((INDEX["gputrain_training_phase_in_progress_seconds"],
-                          f'gputrain_training_phase_in_progress_seconds{{phase="{phase[0]}",'
-                          f"{lbl}}} {fg(phase[1])}\n"))
+            parts.append(_line("gputrain_training_phase_in_progress_seconds",
+                               f'phase="{phase[0]}",{lbl}', phase[1]))
         if (where := locations.get(key)) is not None and where.current(st.steps):
-            parts.append((INDEX["gputrain_training_stack_location"],
-                          f'gputrain_training_stack_location{{function="'
-                          f'{_escape(where.function)}",location="{where.location}",{lbl}}} '
-                          "1.0\n"))
+            parts.append(_line("gputrain_training_stack_location",
+                               f'function="{_escape(where.function)}",'
+                               f'location="{where.location}",{lbl}', 1.0))
         if (done := profiles.get(key)) is not None:
             # a path on the rank's machine: hidden where an ingest token guards it, as on the
             # status page (GET /api/v1/profile with the token has it)
             trace = HIDDEN if self._store.guarded else _escape(done.trace)
-            parts.append((INDEX["gputrain_training_profile_info"],
-                          f'gputrain_training_profile_info{{{lbl},trace="{trace}"}} '
-                          f"{floatToGoString(done.finished)}\n"))
+            parts.append(_line("gputrain_training_profile_info", f'{lbl},trace="{trace}"',
+                               done.finished))
         for _, line in parts:
             if not line.isascii():  # O(1): the page is encoded whole, so check here
                 line.encode("utf-8")
@@ -416,11 +407,26 @@ class _One:
         yield self._family
 
 
-def _push_age(st: RankState, now: float) -> str:
-    """The rank's gputrain_training_last_push_age_seconds line at ``now`` (the store's
-    monotonic clock)."""
-    return (f"gputrain_training_last_push_age_seconds{{{_labels(st)}}} "
-            f"{floatToGoString(round(max(0.0, now - st.received_at), 3))}\n")
+def _line(name: str, labels: str, value: float) -> tuple[int, str]:
+    """One sample's line of the family ``name`` (a row of FAMILIES, whose index it goes
+    with), its labels written in order."""
+    sample = f"{name}{{{labels}}}" if labels else name
+    return INDEX[name], f"{sample} {floatToGoString(value)}\n"
+
+
+def _append(chunks: list[list[str]], line: tuple[int, str]) -> None:
+    """``line`` (:func:`_line`) added to its family's chunk."""
+    chunks[line[0]].append(line[1])
+
+
+def _gpu_labels(index: str, uuid: str) -> str:
+    return f'gpu="{_escape(index)}",uuid="{_escape(uuid)}"'
+
+
+def _push_age(st: RankState, now: float) -> tuple[int, str]:
+    """The rank's last push age line at ``now`` (the store's monotonic clock)."""
+    return _line("gputrain_training_last_push_age_seconds", _labels(st),
+                 round(max(0.0, now - st.received_at), 3))
 
 
 def _labels(st: RankState) -> str:
@@ -432,7 +438,7 @@ def _labels(st: RankState) -> str:
 # end, so that its run's alert holds on for the ingest's dead_ttl; none of its counters
 DEPARTED = ("gputrain_training_last_step_timestamp_seconds",
             "gputrain_training_last_push_timestamp_seconds", "gputrain_training_finished",
-            "gputrain_training_failed", "gputrain_training_exit_info")
+            "gputrain_training_failed", EXIT_INFO)
 
 
 def _departed_lines(st: RankState) -> list[tuple[int, str]]:
@@ -453,9 +459,8 @@ def _rank_lines(st: RankState) -> tuple[tuple[int, str], ...]:
     out = [(i, f"{f.name}{{{lbl}}} {fg(v)}\n") for i, f in enumerate(FAMILIES)
            if f.read is not None and (v := f.read(st)) is not None]
     if st.exit_reason is not None:
-        out.append((INDEX["gputrain_training_exit_info"],
-                    f'gputrain_training_exit_info{{detail="{st.exit_detail or ""}",'
-                    f'rank="{st.rank}",reason="{st.exit_reason}",run="{st.run}"}} 1.0\n'))
+        out.append(_line(EXIT_INFO, f'detail="{st.exit_detail or ""}",rank="{st.rank}",'
+                                    f'reason="{st.exit_reason}",run="{st.run}"', 1.0))
     out.append((INDEX["gputrain_training_step_duration_seconds"], "".join(hist)))
     out.extend((INDEX["gputrain_training_phase_seconds_total"],
                 f'gputrain_training_phase_seconds_total{{phase="{name}",{lbl}}} {fg(seconds)}\n')
