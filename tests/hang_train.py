@@ -20,6 +20,10 @@ its peers go on into the gradient all-reduce and wait there:
   wait at a barrier before theirs (as a script's ranks wait for rank 0 to prepare the data);
 - ``prepare``: before its first batch the rank runs its own code for ``--block-seconds`` (a
   data set prepared) while its peers wait at that barrier: no hang;
+- ``phase-collective``: after ``--block-after`` steps the blocking rank enters its
+  ``evaluation`` phase and there calls a barrier its peers never join (a collective only it
+  calls: a metric's all-gather on rank 0 alone), while its peers go on into their next step's
+  all-reduce: nobody works, a hang inside a declared phase;
 - ``loader-start``: after ``--block-after`` steps every rank starts a new epoch (a new
   ``wrap()`` of its DataLoader), and the blocking rank's first fetch of it never returns (a
   DataLoader whose start hangs), while its peers go on into their epoch's first all-reduce;
@@ -89,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--block", choices=("none", "data", "checkpoint", "checkpoint-phase",
                                        "freeze", "slow-start", "freeze-before", "prepare",
-                                       "loader-start"),
+                                       "loader-start", "phase-collective"),
                    default="none")
     p.add_argument("--block-rank", type=int, default=3)
     p.add_argument("--block-after", type=int, default=200)
@@ -112,6 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     blocks = a.block != "none" and a.block_rank in (a.rank, -1)
+    # phase-collective: a group every rank makes (new_group is collective) and one joins
+    side = dist.new_group(backend="gloo") if a.block == "phase-collective" else None
     restarted = [False]  # loader-start: the epoch after --block-after steps has begun
     batch = 8
 
@@ -167,6 +173,9 @@ def main(argv: list[str] | None = None) -> None:
                 it = iter(monitor.wrap(loader))  # a new epoch: its DataLoader starts again
             if blocks and done == a.block_after and a.block == "checkpoint":
                 save_checkpoint(model.state_dict(), a.block_seconds)
+            if blocks and done == a.block_after and a.block == "phase-collective":
+                with monitor.phase("evaluation"):
+                    dist.barrier(group=side)  # its peers never join: it waits for ever
             if done == a.block_after and a.block == "checkpoint-phase":
                 if blocks:
                     with monitor.phase("checkpoint"):

@@ -609,6 +609,36 @@ def alert_cases() -> list[Case]:
              [Fire("GpuTrainRunHung", {"run": "loader-hang"}, "3",
                    ranged=" Rank 2 on n1:19400 is in `Samples.__getitem__` (data_loading).")],
              fire_at="17m", quiet_at="14m", quiet_alerts=["GpuTrainRunHung"], interval="15s"),
+        Case("GpuTrainRunHung inside a declared phase: rank 2 of 'eval-hang' has been in its "
+             "evaluation phase since 10m, its stacks (from 16m) in a collective only it calls, "
+             "while ranks 0 and 1, their steps open since, wait in their all-reduce: nobody "
+             "works, hung at 17m, not at 14m. Near misses: 'ckpt-wait', whose rank 2 writes "
+             "its checkpoint (its stacks in checkpoint I/O) while the others wait at a "
+             "barrier, and 'eval-all', whose every rank is in its evaluation, each caught in a "
+             "collective (one dump is one instant): the phase holds both",
+             {**live_rank("eval-hang", "0", open_from=10),
+              **live_rank("eval-hang", "1", open_from=10),
+              **live_rank("eval-hang", "2", phase_from=10, phase="evaluation"),
+              **{sel("gputrain_training_stack_location", run="eval-hang", rank=r,
+                     location="collective", function=f): "_x64 1x55"
+                 for r, f in (("0", "c10d::Reducer::finalize_backward"),
+                              ("1", "c10d::Reducer::finalize_backward"),
+                              ("2", "torch.distributed.all_gather"))},
+              **live_rank("ckpt-wait", "0", open_from=10),
+              **live_rank("ckpt-wait", "1", open_from=10),
+              **live_rank("ckpt-wait", "2", phase_from=10, phase="checkpoint"),
+              **{sel("gputrain_training_stack_location", run="ckpt-wait", rank=r,
+                     location="collective", function="torch.distributed.barrier"):
+                 "_x64 1x55" for r in "01"},
+              sel("gputrain_training_stack_location", run="ckpt-wait", rank="2",
+                  location="checkpoint_io", function="torch.save"): "_x64 1x55",
+              **{k: v for r in "012" for k, v in live_rank(
+                  "eval-all", r, phase_from=10, phase="evaluation").items()},
+              **{sel("gputrain_training_stack_location", run="eval-all", rank=r,
+                     location="collective", function="torch.distributed.all_reduce"):
+                 "_x64 1x55" for r in "012"}},
+             [Fire("GpuTrainRunHung", {"run": "eval-hang"}, "3")],
+             fire_at="17m", quiet_at="14m", quiet_alerts=["GpuTrainRunHung"], interval="15s"),
         Case("GpuTrainRunHung before the first step: both live ranks of 'first-hang' have had "
              "their first step open since 0m and wait in a collective (the exporter's stacks, "
              "from 5m): hung past the 300 s ceiling, not at 4m; 'first-compile' has one rank "

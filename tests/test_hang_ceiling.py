@@ -167,7 +167,46 @@ def test_a_dataloader_start_that_never_ends_while_the_peers_wait_is_hung(daemon_
         card = placed(d, "loader-slow")
         assert {r["location"] for r in card["ranks"]} == {"data_loading"}, card["ranks"]
         assert card["status"] != "hung" and card["hang"] is None, card
-        assert "in a DataLoader's start past the hang ceiling" in d.log_text()
+        assert "(dataloader_start) in a declared phase past the hang ceiling" in d.log_text()
+    finally:
+        for job in jobs:
+            job.stop()
+
+
+def test_a_declared_phase_waiting_in_a_collective_its_peers_never_join_is_hung(daemon_factory,
+                                                                              tmp_path):
+    """After 20 steps rank 2 of 'eval-hang' enters its evaluation phase and calls a barrier
+    its peers never join, while ranks 0 and 1 go on into their next all-reduce and wait for
+    it. A declared phase holds the others while its rank works; past the ceiling the daemon
+    takes the stacks: rank 2 waits in a collective too, nobody works, the run is hung with
+    every rank's place. The near miss, 'ckpt-wait': rank 2 writes its checkpoint inside its
+    phase for ever (storage that hangs) while the others wait at a barrier: its stacks are in
+    its own I/O, the run waits for it, no hang."""
+    d = ceiling_daemon(daemon_factory, tmp_path)
+    jobs = [Job(tmp_path, run, [d.ingest_url] * 3, "--block", block, "--block-rank", "2",
+                "--block-after", "20")
+            for run, block in (("eval-hang", "phase-collective"),
+                               ("ckpt-wait", "checkpoint-phase"))]
+    try:
+        card = placed(d, "eval-hang", hung=True, timeout=240)
+        ranks = {r["rank"]: r for r in card["ranks"]}
+        assert all(r["verdict"] == "hung" for r in ranks.values()), ranks
+        assert {r["location"] for r in ranks.values()} == {"collective"}, ranks
+        assert ranks["2"]["phase_in_progress"]["evaluation"] > 40, ranks["2"]
+        assert "inside its evaluation phase" in ranks["2"]["reason"], ranks["2"]
+        assert "every rank waits in a collective" in card["hang"], card["hang"]
+        assert sample_value(d.metrics(), "gputrain_training_stack_location",
+                            {"run": "eval-hang", "rank": "2", "location": "collective"}) == 1.0
+
+        wait_until(lambda: set(hang_profiles(d, "ckpt-wait")) == {"0", "1", "2"},
+                   timeout=120, interval=1,
+                   what=lambda: f"the stacks of ckpt-wait ({run_of(d, 'ckpt-wait')})")
+        card = placed(d, "ckpt-wait")
+        where = {r["rank"]: r["location"] for r in card["ranks"]}
+        assert where == {"0": "collective", "1": "collective", "2": "checkpoint_io"}, where
+        assert card["status"] != "hung" and card["hang"] is None, card
+        assert not {r["verdict"] for r in card["ranks"]} & {"hung", "stalled"}, card["ranks"]
+        assert "2 (checkpoint) in a declared phase past the hang ceiling" in d.log_text()
     finally:
         for job in jobs:
             job.stop()

@@ -658,13 +658,38 @@ def stuck_starts(ranks: list[RankReport], t: dict[str, float]) -> set[int]:
     return set()
 
 
-def starts_past_ceiling(ranks: list[RankReport], t: dict[str, float]) -> bool:
-    """A run whose live ranks are each hung or in a DataLoader's start past the ceiling, one
-    at least: whether its peers wait for that start only their stacks can tell (the exporter
-    takes them then, as for :func:`first_steps_past_ceiling`)."""
+def phase_past_ceiling(r: RankReport, t: dict[str, float]) -> bool:
+    """A live rank whose declared phase in progress (an evaluation, a checkpoint, a
+    DataLoader's start) has run past ``hung_max_seconds``."""
+    return alive(r, t) and any(_v(seconds, ">", t["hung_max_seconds"])
+                               for seconds in r.phase_in_progress.values())
+
+
+def stuck_phases(ranks: list[RankReport], t: dict[str, float]) -> set[int]:
+    """The ranks of a run (their ``id``) whose declared phase is a hang, not work to wait
+    for: past ``hung_max_seconds`` the rank's own stacks show it waiting in a collective (one
+    its peers never join: an all-gather only it calls in its evaluation, a barrier in its
+    checkpoint that the others passed), while a live peer outside any phase waits in a
+    collective too. Nobody works: each waits for another. A phase whose rank works in its own
+    code (a checkpoint's write) holds its run to the phase's own limit, and so does a run whose
+    every rank is in a phase (one dump is one instant: an evaluation that syncs its metrics
+    each batch can be caught inside a collective on every rank)."""
+    stuck = {id(r) for r in ranks if phase_past_ceiling(r, t) and waiting(r)}
+    if stuck and any(alive(r, t) and waiting(r) and not r.phase_in_progress for r in ranks):
+        return stuck
+    return set()
+
+
+def phases_past_ceiling(ranks: list[RankReport], t: dict[str, float]) -> bool:
+    """A run whose live ranks are each hung or in a declared phase past the ceiling, with a
+    DataLoader's start among them, or another phase beside a hung rank outside any: whether
+    the others wait for that phase, and whether it waits for them, only their stacks can tell
+    (the exporter takes them then, as for :func:`first_steps_past_ceiling`)."""
     live = [r for r in ranks if alive(r, t)]
-    return any(start_past_ceiling(r, t) for r in live) and all(
-        start_past_ceiling(r, t) or rank_hung(r, t) for r in live)
+    if not live or not all(phase_past_ceiling(r, t) or rank_hung(r, t) for r in live):
+        return False
+    return any(start_past_ceiling(r, t) for r in live) or (
+        any(phase_past_ceiling(r, t) for r in live) and any(rank_hung(r, t) for r in live))
 
 
 def first_steps_past_ceiling(ranks: list[RankReport], t: dict[str, float]) -> bool:
@@ -687,9 +712,9 @@ def rank_hung(r: RankReport, t: dict[str, float]) -> bool:
 
 def in_phase(ranks: list[RankReport], t: dict[str, float]) -> list[RankReport]:
     """The live ranks of a run inside a declared phase (an evaluation, a checkpoint): the
-    others wait for them, not hung; a DataLoader's start that is a hang
-    (:func:`stuck_starts`) is none."""
-    stuck = stuck_starts(ranks, t)
+    others wait for them, not hung; a phase that is a hang (:func:`stuck_starts`,
+    :func:`stuck_phases`) is none."""
+    stuck = stuck_starts(ranks, t) | stuck_phases(ranks, t)
     return [r for r in ranks if alive(r, t) and r.phase_in_progress and id(r) not in stuck]
 
 
@@ -712,7 +737,9 @@ class RunHung(Heuristic):
                   "step (no step yet counts from its process's start), {hung_max_seconds} where "
                   "its stacks show it waiting in a collective) while it pushes, and no rank of "
                   "the run is in a declared phase (a DataLoader's start past {hung_max_seconds} "
-                  "while a peer waits in a collective is a hang, not a phase)")
+                  "while a peer waits in a collective is a hang, not a phase; so is any phase "
+                  "past {hung_max_seconds} whose own rank's stacks show it waiting in a "
+                  "collective while a peer outside any phase waits in one)")
     why = ("A live rank (it pushed in the last {alive_seconds}: its client's thread runs in the "
            "process) whose current step has run far past its own pace, outside any phase a "
            "client declares (an evaluation, a checkpoint, a DataLoader's start), is hung; a "
@@ -740,7 +767,13 @@ class RunHung(Heuristic):
            "user's: past {hung_max_seconds}, while the other live ranks' steps have stopped, "
            "the exporter takes the run's stacks, and where a peer waits in a collective for it "
            "the start is a hang like a read inside a step (workers that never start, a first "
-           "read that never returns).")
+           "read that never returns). Any declared phase is a hang once its own rank's stacks, "
+           "taken past {hung_max_seconds}, show it waiting in a collective while a peer "
+           "outside any phase waits in one (an all-gather only rank 0 calls in its "
+           "evaluation): nobody works. A phase whose rank works (a checkpoint's write) holds, "
+           "and so does a run whose every rank is in a phase: one dump is one instant, and an "
+           "evaluation that syncs its metrics each batch can be caught in a collective on "
+           "every rank.")
     confirm = ("gputrain_training_step_in_progress_seconds",
                "gputrain_training_stack_location")
     panel = 'GpuTrain / Run, "Samples per second" at zero while every rank still pushes.'
@@ -786,13 +819,21 @@ class RunHung(Heuristic):
         started = f"({LOADER_START} > {t['hung_max_seconds']} and on ({rank}) {live})"
         stuck = (f"({started} and on ({run}) group by ({run}) "
                  f"({STACK_WAITING} and on ({rank}) {live} unless on ({rank}) {started}))")
+        # a declared phase past the ceiling whose rank waits in a collective, while a live
+        # peer outside any phase waits in one too (stuck_phases): nobody works
+        phase = series_of("phase_in_progress")
+        waits = (f"(max by ({rank}) ({phase}) > {t['hung_max_seconds']} "
+                 f"and on ({rank}) {STACK_WAITING} and on ({rank}) {live})")
+        stuck_phase = (f"({waits} and on ({run}) group by ({run}) "
+                       f"({STACK_WAITING} and on ({rank}) {live} unless on ({rank}) {phase}))")
         culprit = (series_of("location") + '{run=%q, '
                    'location!=\\"collective\\"}')
-        return [self.rule(q, "critical", f"""count by ({run}) ({hung} or {stuck})
+        return [self.rule(q, "critical", f"""count by ({run}) (max by ({rank}) (
+              {hung} or {stuck} or {stuck_phase}))
             >= count by ({run}) ({live})
             unless on ({run}) count by ({run}) (
-              ({series_of('phase_in_progress')}
-               unless on ({rank}) {stuck})
+              ({phase}
+               unless on ({rank}) ({stuck} or {stuck_phase}))
               and on ({rank}) {live})""",
             f"""Run {{{{ $labels.run }}}} hung: {{{{ $value | printf "%.0f" }}}} live rank(s)
             made no step far past their pace.{{{{ range printf "{culprit}" $labels.run | query }}}}
@@ -801,17 +842,26 @@ class RunHung(Heuristic):
 
     def holds_run(self, ranks: list[RankReport], t: dict[str, float]) -> dict[int, str]:
         live = [r for r in ranks if alive(r, t)]
-        stuck = stuck_starts(ranks, t)
+        starts, phases = stuck_starts(ranks, t), stuck_phases(ranks, t)
         if not live or in_phase(ranks, t) or \
-                not all(id(r) in stuck or rank_hung(r, t) for r in live):
+                not all(id(r) in starts or id(r) in phases or rank_hung(r, t) for r in live):
             return {}
         line = hang_line(live)
-        out = {id(r): f"its DataLoader's start has run "
-                      f"{r.phase_in_progress[LOADER_START_PHASE]:.0f} s (past "
-                      f"{t['hung_max_seconds']:.0f} s) while its peers wait; {line}"
-               if id(r) in stuck else
-               f"no step for {r.step_in_progress:.0f} s (its pace allows "
-               f"{hung_limit(r, t):.0f} s); {line}" for r in live}
+        ceiling = f"past {t['hung_max_seconds']:.0f} s"
+
+        def reason(r: RankReport) -> str:
+            if id(r) in starts:
+                return (f"its DataLoader's start has run "
+                        f"{r.phase_in_progress[LOADER_START_PHASE]:.0f} s ({ceiling}) while "
+                        f"its peers wait; {line}")
+            if id(r) in phases:
+                phase, seconds = next(iter(r.phase_in_progress.items()))
+                return (f"waits in a collective inside its {phase} phase, open {seconds:.0f} s "
+                        f"({ceiling}), while its peers' steps wait in one too; {line}")
+            return (f"no step for {r.step_in_progress:.0f} s (its pace allows "
+                    f"{hung_limit(r, t):.0f} s); {line}")
+
+        out = {id(r): reason(r) for r in live}
         # a rank of the run that went silent without a goodbye is part of the hang (the
         # alert is the run's): the peer the live ones wait for, gone mid-step
         out.update({id(r): f"silent for {_ago(r.seconds_since_push)} without a goodbye while "

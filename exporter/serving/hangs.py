@@ -8,8 +8,8 @@ with native frames, once per hang (a hang is the ranks' processes and step count
 steps again and hangs again is a new one), within the profile board's bounds. So does a run
 whose every live rank is still in its first step past the hang ceiling: with no pace yet,
 only the stacks tell a wait (a hang) from a compilation; and so does a run whose steps
-stopped while a rank's DataLoader start passed the ceiling: only the stacks tell whether the
-others wait for it. The board
+stopped while a rank's declared phase (a DataLoader's start, an evaluation) passed the
+ceiling: only the stacks tell whether the others wait for it, and it for them. The board
 classifies each dump (:mod:`exporter.heuristics.location`); :func:`with_locations` puts the
 answer on the reports every surface judges.
 """
@@ -22,8 +22,8 @@ from typing import Any
 from exporter.heuristics.catalogue import (
     BY_VERDICT,
     first_steps_past_ceiling,
-    start_past_ceiling,
-    starts_past_ceiling,
+    phase_past_ceiling,
+    phases_past_ceiling,
 )
 from exporter.heuristics.readings import RankReport, run_key
 from exporter.serving.history import History
@@ -80,7 +80,7 @@ class HangWatch:
             # ceiling: its stacks tell a wait (then it is hung) from a compilation
             said = bool(hung.holds_run(ranks, self.thresholds))
             first = not said and first_steps_past_ceiling(ranks, self.thresholds)
-            start = not said and not first and starts_past_ceiling(ranks, self.thresholds)
+            start = not said and not first and phases_past_ceiling(ranks, self.thresholds)
             if not (said or first or start):
                 continue
             hang = tuple(sorted((r.run, r.rank, states[(r.run, r.rank)].run_id,
@@ -103,9 +103,9 @@ class HangWatch:
                             run, max(r.step_in_progress or 0.0 for r in ranks), len(ids),
                             len(ranks), ", ".join(ids) or "none could be asked")
             else:
-                log.warning("run %s: rank(s) %s in a DataLoader's start past the hang ceiling "
+                log.warning("run %s: rank(s) %s in a declared phase past the hang ceiling "
                             "while the others' steps stopped: capturing the stacks of %d of "
                             "its %d rank(s) here to tell whether they wait for it (%s)", run,
-                            ", ".join(r.rank for r in ranks
-                                      if start_past_ceiling(r, self.thresholds)),
+                            ", ".join(f"{r.rank} ({next(iter(r.phase_in_progress))})"
+                                      for r in ranks if phase_past_ceiling(r, self.thresholds)),
                             len(ids), len(ranks), ", ".join(ids) or "none could be asked")
