@@ -24,6 +24,11 @@ its peers go on into the gradient all-reduce and wait there:
   ``evaluation`` phase and there calls a barrier its peers never join (a collective only it
   calls: a metric's all-gather on rank 0 alone), while its peers go on into their next step's
   all-reduce: nobody works, a hang inside a declared phase;
+- ``phase-freeze``: after ``--block-after`` steps every rank evaluates inside its
+  ``evaluation`` phase, an all-reduce of its metric each batch (0.05 s apart), for
+  ``--block-seconds`` (0: for ever); the blocking rank freezes (SIGSTOP) at its 60th batch,
+  its peers wait for it in their all-reduce (a rank dead or frozen inside the evaluation);
+  with no blocking rank, an evaluation that syncs its metrics: no hang;
 - ``loader-start``: after ``--block-after`` steps every rank starts a new epoch (a new
   ``wrap()`` of its DataLoader), and the blocking rank's first fetch of it never returns (a
   DataLoader whose start hangs), while its peers go on into their epoch's first all-reduce;
@@ -84,6 +89,23 @@ def save_checkpoint(state: dict, seconds: float) -> None:
     torch.save(state, SlowFile(seconds))  # type: ignore[arg-type]
 
 
+def evaluate(monitor, freezes: bool, seconds: float) -> None:
+    """An evaluation inside its declared phase, its metric all-reduced each batch, for
+    ``seconds`` (0: for ever); with ``freezes`` the rank stops (SIGSTOP) at its 60th batch
+    (after its pushes have shown it in the phase)."""
+    import torch
+    import torch.distributed as dist
+
+    with monitor.phase("evaluation"):
+        end, batch = time.monotonic() + (seconds or 1e9), 0
+        while time.monotonic() < end:
+            batch += 1
+            if freezes and batch == 60:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            dist.all_reduce(torch.ones(4))
+            time.sleep(0.05)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rank", type=int, required=True)
@@ -93,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--block", choices=("none", "data", "checkpoint", "checkpoint-phase",
                                        "freeze", "slow-start", "freeze-before", "prepare",
-                                       "loader-start", "phase-collective"),
+                                       "loader-start", "phase-collective", "phase-freeze"),
                    default="none")
     p.add_argument("--block-rank", type=int, default=3)
     p.add_argument("--block-after", type=int, default=200)
@@ -176,6 +198,8 @@ def main(argv: list[str] | None = None) -> None:
             if blocks and done == a.block_after and a.block == "phase-collective":
                 with monitor.phase("evaluation"):
                     dist.barrier(group=side)  # its peers never join: it waits for ever
+            if done == a.block_after and a.block == "phase-freeze":
+                evaluate(monitor, blocks, a.block_seconds)
             if done == a.block_after and a.block == "checkpoint-phase":
                 if blocks:
                     with monitor.phase("checkpoint"):

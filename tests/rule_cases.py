@@ -612,7 +612,9 @@ def alert_cases() -> list[Case]:
         Case("GpuTrainRunHung inside a declared phase: rank 2 of 'eval-hang' has been in its "
              "evaluation phase since 10m, its stacks (from 16m) in a collective only it calls, "
              "while ranks 0 and 1, their steps open since, wait in their all-reduce: nobody "
-             "works, hung at 17m, not at 14m. Near misses: 'ckpt-wait', whose rank 2 writes "
+             "works, hung at 17m, not at 14m; so is 'eval-dead', whose ranks 0 and 1 wait in "
+             "a collective inside their evaluation for rank 2, silent since 10m (it died "
+             "inside it). Near misses: 'ckpt-wait', whose rank 2 writes "
              "its checkpoint (its stacks in checkpoint I/O) while the others wait at a "
              "barrier, and 'eval-all', whose every rank is in its evaluation, each caught in a "
              "collective (one dump is one instant): the phase holds both",
@@ -624,6 +626,12 @@ def alert_cases() -> list[Case]:
                  for r, f in (("0", "c10d::Reducer::finalize_backward"),
                               ("1", "c10d::Reducer::finalize_backward"),
                               ("2", "torch.distributed.all_gather"))},
+              **{k: v for r in "01" for k, v in live_rank(
+                  "eval-dead", r, phase_from=10, phase="evaluation").items()},
+              **live_rank("eval-dead", "2", silent_from=10),
+              **{sel("gputrain_training_stack_location", run="eval-dead", rank=r,
+                     location="collective", function="torch.distributed.all_reduce"):
+                 "_x64 1x55" for r in "01"},
               **live_rank("ckpt-wait", "0", open_from=10),
               **live_rank("ckpt-wait", "1", open_from=10),
               **live_rank("ckpt-wait", "2", phase_from=10, phase="checkpoint"),
@@ -637,7 +645,8 @@ def alert_cases() -> list[Case]:
               **{sel("gputrain_training_stack_location", run="eval-all", rank=r,
                      location="collective", function="torch.distributed.all_reduce"):
                  "_x64 1x55" for r in "012"}},
-             [Fire("GpuTrainRunHung", {"run": "eval-hang"}, "3")],
+             [Fire("GpuTrainRunHung", {"run": "eval-hang"}, "3"),
+              Fire("GpuTrainRunHung", {"run": "eval-dead"}, "2")],
              fire_at="17m", quiet_at="14m", quiet_alerts=["GpuTrainRunHung"], interval="15s"),
         Case("GpuTrainRunHung before the first step: both live ranks of 'first-hang' have had "
              "their first step open since 0m and wait in a collective (the exporter's stacks, "

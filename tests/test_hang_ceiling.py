@@ -212,6 +212,52 @@ def test_a_declared_phase_waiting_in_a_collective_its_peers_never_join_is_hung(d
             job.stop()
 
 
+def test_ranks_waiting_inside_their_evaluation_for_a_frozen_peer_are_hung(daemon_factory,
+                                                                         tmp_path):
+    """After 20 steps every rank of 'eval-freeze' evaluates inside its evaluation phase, an
+    all-reduce of its metric each batch, and rank 2 freezes at its 60th batch (SIGSTOP: a
+    rank dead or frozen inside the evaluation; gloo fails fast on a dead peer, NCCL waits for
+    its watchdog). Ranks 0 and 1 wait for it in their all-reduce, inside their phase: no step
+    is open anywhere. Past the ceiling the daemon takes their stacks: they wait in a
+    collective for a rank that can join none, and the run is hung. The near miss,
+    'eval-sync': the same evaluation with no rank frozen, every rank in its phase past the
+    ceiling: no hang (and no stacks taken: nobody is gone, no step waits)."""
+    d = ceiling_daemon(daemon_factory, tmp_path)
+    jobs = [Job(tmp_path, run, [d.ingest_url] * 3, "--block", "phase-freeze", "--block-rank",
+                who, "--block-after", "20")
+            for run, who in (("eval-freeze", "2"), ("eval-sync", "99"))]
+    try:
+        def hung() -> dict | None:  # rank 2, frozen, is never placed: its client is stopped
+            card = run_of(d, "eval-freeze")
+            return card if card and card["status"] == "hung" and all(
+                r["location"] for r in card["ranks"] if r["rank"] != "2") else None
+
+        card = wait_until(hung, timeout=240, interval=1,
+                          what=lambda: f"run eval-freeze hung ({run_of(d, 'eval-freeze')})")
+        ranks = {r["rank"]: r for r in card["ranks"]}
+        for r in ("0", "1"):
+            assert ranks[r]["verdict"] == "hung", ranks[r]
+            assert ranks[r]["location"] == "collective", ranks[r]
+            assert ranks[r]["phase_in_progress"]["evaluation"] > 40, ranks[r]
+            assert "inside its evaluation phase" in ranks[r]["reason"], ranks[r]
+        assert ranks["2"]["verdict"] == "stopped", ranks["2"]
+        assert "every rank waits in a collective" in card["hang"], card["hang"]
+
+        def evaluating() -> dict | None:  # every rank in its evaluation past the ceiling
+            card = run_of(d, "eval-sync")
+            return card if card and len(card["ranks"]) == 3 and all(
+                r["phase_in_progress"].get("evaluation", 0) > 45 for r in card["ranks"]) else None
+
+        card = wait_until(evaluating, timeout=120, interval=1,
+                          what=lambda: f"eval-sync evaluating ({run_of(d, 'eval-sync')})")
+        assert card["status"] != "hung" and card["hang"] is None, card
+        assert not {r["verdict"] for r in card["ranks"]} & {"hung", "stalled"}, card["ranks"]
+        assert not hang_profiles(d, "eval-sync")
+    finally:
+        for job in jobs:
+            job.stop()
+
+
 def test_a_lightning_ranks_epoch_start_that_never_ends_is_hung_with_it_named(daemon_factory,
                                                                            tmp_path):
     """Lightning's DDP strategy over two gloo ranks, with its callback: at the second epoch

@@ -665,31 +665,42 @@ def phase_past_ceiling(r: RankReport, t: dict[str, float]) -> bool:
                                for seconds in r.phase_in_progress.values())
 
 
+def cannot_join(r: RankReport, t: dict[str, float]) -> bool:
+    """A rank of a run that can join no collective any more: not live (silent, stopped,
+    failed, exited) and not finished cleanly."""
+    return not alive(r, t) and not r.finished
+
+
 def stuck_phases(ranks: list[RankReport], t: dict[str, float]) -> set[int]:
     """The ranks of a run (their ``id``) whose declared phase is a hang, not work to wait
     for: past ``hung_max_seconds`` the rank's own stacks show it waiting in a collective (one
     its peers never join: an all-gather only it calls in its evaluation, a barrier in its
     checkpoint that the others passed), while a live peer outside any phase waits in a
-    collective too. Nobody works: each waits for another. A phase whose rank works in its own
-    code (a checkpoint's write) holds its run to the phase's own limit, and so does a run whose
-    every rank is in a phase (one dump is one instant: an evaluation that syncs its metrics
-    each batch can be caught inside a collective on every rank)."""
+    collective too, or a rank of the run can join none any more (:func:`cannot_join`: it
+    died, or froze, inside the evaluation every rank was in). Nobody works: each waits for
+    another. A phase whose rank works in its own code (a checkpoint's write) holds its run to
+    the phase's own limit, and so does a run whose every rank is in a phase and alive (one
+    dump is one instant: an evaluation that syncs its metrics each batch can be caught inside
+    a collective on every rank)."""
     stuck = {id(r) for r in ranks if phase_past_ceiling(r, t) and waiting(r)}
-    if stuck and any(alive(r, t) and waiting(r) and not r.phase_in_progress for r in ranks):
+    if stuck and any((alive(r, t) and waiting(r) and not r.phase_in_progress)
+                     or cannot_join(r, t) for r in ranks):
         return stuck
     return set()
 
 
 def phases_past_ceiling(ranks: list[RankReport], t: dict[str, float]) -> bool:
     """A run whose live ranks are each hung or in a declared phase past the ceiling, with a
-    DataLoader's start among them, or another phase beside a hung rank outside any: whether
-    the others wait for that phase, and whether it waits for them, only their stacks can tell
-    (the exporter takes them then, as for :func:`first_steps_past_ceiling`)."""
+    DataLoader's start among them, or another phase beside a hung rank outside any or a rank
+    that can join no collective (:func:`cannot_join`): whether the others wait for that
+    phase, and whether it waits for them, only their stacks can tell (the exporter takes them
+    then, as for :func:`first_steps_past_ceiling`)."""
     live = [r for r in ranks if alive(r, t)]
     if not live or not all(phase_past_ceiling(r, t) or rank_hung(r, t) for r in live):
         return False
     return any(start_past_ceiling(r, t) for r in live) or (
-        any(phase_past_ceiling(r, t) for r in live) and any(rank_hung(r, t) for r in live))
+        any(phase_past_ceiling(r, t) for r in live) and (
+            any(rank_hung(r, t) for r in live) or any(cannot_join(r, t) for r in ranks)))
 
 
 def first_steps_past_ceiling(ranks: list[RankReport], t: dict[str, float]) -> bool:
@@ -739,7 +750,8 @@ class RunHung(Heuristic):
                   "the run is in a declared phase (a DataLoader's start past {hung_max_seconds} "
                   "while a peer waits in a collective is a hang, not a phase; so is any phase "
                   "past {hung_max_seconds} whose own rank's stacks show it waiting in a "
-                  "collective while a peer outside any phase waits in one)")
+                  "collective while a peer outside any phase waits in one, or a rank of the run "
+                  "that did not finish cleanly no longer pushes)")
     why = ("A live rank (it pushed in the last {alive_seconds}: its client's thread runs in the "
            "process) whose current step has run far past its own pace, outside any phase a "
            "client declares (an evaluation, a checkpoint, a DataLoader's start), is hung; a "
@@ -770,8 +782,10 @@ class RunHung(Heuristic):
            "read that never returns). Any declared phase is a hang once its own rank's stacks, "
            "taken past {hung_max_seconds}, show it waiting in a collective while a peer "
            "outside any phase waits in one (an all-gather only rank 0 calls in its "
-           "evaluation): nobody works. A phase whose rank works (a checkpoint's write) holds, "
-           "and so does a run whose every rank is in a phase: one dump is one instant, and an "
+           "evaluation), or a rank of the run can join none any more (it died or froze inside "
+           "the evaluation every rank was in): nobody works. A phase whose rank works (a "
+           "checkpoint's write) holds, and so does a run whose every rank is in a phase and "
+           "alive: one dump is one instant, and an "
            "evaluation that syncs its metrics each batch can be caught in a collective on "
            "every rank.")
     confirm = ("gputrain_training_step_in_progress_seconds",
@@ -824,8 +838,12 @@ class RunHung(Heuristic):
         phase = series_of("phase_in_progress")
         waits = (f"(max by ({rank}) ({phase}) > {t['hung_max_seconds']} "
                  f"and on ({rank}) {STACK_WAITING} and on ({rank}) {live})")
-        stuck_phase = (f"({waits} and on ({run}) group by ({run}) "
-                       f"({STACK_WAITING} and on ({rank}) {live} unless on ({rank}) {phase}))")
+        # ... or a rank of the run can join no collective any more (cannot_join)
+        gone = (f"((time() - {series_of('seconds_since_push')} > {t['alive_seconds']} "
+                f"or {series_of('exit')}) unless on ({rank}) {series_of('finished')} > 0)")
+        stuck_phase = (f"({waits} and on ({run}) (group by ({run}) "
+                       f"({STACK_WAITING} and on ({rank}) {live} unless on ({rank}) {phase}) "
+                       f"or group by ({run}) ({gone})))")
         culprit = (series_of("location") + '{run=%q, '
                    'location!=\\"collective\\"}')
         return [self.rule(q, "critical", f"""count by ({run}) (max by ({rank}) (
@@ -857,7 +875,7 @@ class RunHung(Heuristic):
             if id(r) in phases:
                 phase, seconds = next(iter(r.phase_in_progress.items()))
                 return (f"waits in a collective inside its {phase} phase, open {seconds:.0f} s "
-                        f"({ceiling}), while its peers' steps wait in one too; {line}")
+                        f"({ceiling}), for peers that wait too or are gone; {line}")
             return (f"no step for {r.step_in_progress:.0f} s (its pace allows "
                     f"{hung_limit(r, t):.0f} s); {line}")
 

@@ -64,10 +64,13 @@ class HangWatch:
 
     def check(self) -> None:
         """One cycle: capture the stacks of each run that turned hung since the last."""
-        floor = self.thresholds["hung_min_seconds"]
+        floor, ceiling = self.thresholds["hung_min_seconds"], self.thresholds["hung_max_seconds"]
         now = self.history.clock()
         states = self.history.rank_states()
-        if not any((st.step_in_progress(now) or 0.0) > floor for st in states.values()):
+        # a step past the floor, or a phase past the ceiling (its peers may be gone)
+        if not any((st.step_in_progress(now) or 0.0) > floor
+                   or (st.phase_in_progress(now) or ("", 0.0))[1] > ceiling
+                   for st in states.values()):
             if self._captured:
                 self._captured.clear()
             return
