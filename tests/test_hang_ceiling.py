@@ -62,12 +62,14 @@ def assert_hung_past_the_ceiling(d: Daemon, run: str) -> None:
 
 
 def placed(d: Daemon, run: str, hung: bool = False, timeout: float = 30,
-           more: Callable[[], str] = str) -> dict:
-    """``run``'s card on ``d``'s page once every rank's place is back from its capture (and,
-    with ``hung``, the run reads hung); ``more`` adds to the failure's message."""
+           more: Callable[[], str] = str, unplaced: tuple[str, ...] = ()) -> dict:
+    """``run``'s card on ``d``'s page once every rank's place is back from its capture (but
+    the ``unplaced`` ranks': a frozen rank's client takes no stacks) and, with ``hung``, the
+    run reads hung; ``more`` adds to the failure's message."""
     def ready() -> dict | None:
         card = run_of(d, run)
-        return card if card and all(r["location"] for r in card["ranks"]) and \
+        return card if card and all(r["location"] for r in card["ranks"]
+                                    if r["rank"] not in unplaced) and \
             (not hung or card["status"] == "hung") else None
 
     return wait_until(ready, timeout=timeout, interval=1, what=lambda: (
@@ -227,13 +229,7 @@ def test_ranks_waiting_inside_their_evaluation_for_a_frozen_peer_are_hung(daemon
                 who, "--block-after", "20")
             for run, who in (("eval-freeze", "2"), ("eval-sync", "99"))]
     try:
-        def hung() -> dict | None:  # rank 2, frozen, is never placed: its client is stopped
-            card = run_of(d, "eval-freeze")
-            return card if card and card["status"] == "hung" and all(
-                r["location"] for r in card["ranks"] if r["rank"] != "2") else None
-
-        card = wait_until(hung, timeout=240, interval=1,
-                          what=lambda: f"run eval-freeze hung ({run_of(d, 'eval-freeze')})")
+        card = placed(d, "eval-freeze", hung=True, timeout=240, unplaced=("2",))
         ranks = {r["rank"]: r for r in card["ranks"]}
         for r in ("0", "1"):
             assert ranks[r]["verdict"] == "hung", ranks[r]
