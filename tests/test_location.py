@@ -260,6 +260,31 @@ def test_every_rank_waiting_blames_no_rank():
                           "code path)")
 
 
+def test_ranks_read_back_from_their_labels_in_different_collectives_took_different_paths():
+    """What every surface reads (the ``location`` and ``function`` labels of
+    gputrain_training_stack_location, read back into reports): ranks 0 and 2 in DDP's gradient
+    all-reduce while rank 1 waits at a barrier its peers never reach is a mismatch of code
+    paths, not a lost peer; every rank in the same one is."""
+    from exporter.heuristics.catalogue import hang_line
+    from exporter.heuristics.readings import RankReport
+
+    def rank(r: str, function: str) -> RankReport:
+        rep = RankReport("", "n1", "job", r)
+        rep.location, rep.location_detail = {"collective": 1.0}, function
+        return rep
+
+    split = hang_line([rank("0", "c10d::Reducer::finalize_backward"), rank("1", "barrier"),
+                       rank("2", "c10d::Reducer::finalize_backward")])
+    assert split == ("every rank waits in a collective, not all in the same one: ranks 0 and 2 "
+                     "in the all-reduce (DDP gradient), rank 1 in the barrier (a rank took "
+                     "another code path)")
+    same = hang_line([rank(r, "c10d::Reducer::finalize_backward") for r in "012"])
+    assert same == ("every rank waits in a collective (all-reduce (DDP gradient)): a lost peer "
+                    "or a network fault")
+    unnamed = hang_line([rank("0", "c10d::Work::wait"), rank("1", "barrier")])
+    assert unnamed.endswith("a lost peer or a network fault"), unnamed
+
+
 def test_several_culprits_on_several_nodes_and_names_that_are_no_numbers():
     got = culprit_line([
         ("10", "b", at("checkpoint_io", "save_checkpoint")),

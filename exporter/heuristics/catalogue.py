@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
-from exporter.heuristics.location import WAITING, Location, culprit_line
+from exporter.heuristics.location import WAITING, Location, collective_named, culprit_line
 from exporter.heuristics.promql import (
     COMPUTE_MEAN,
     OPEN,
@@ -892,9 +892,15 @@ def hang_line(ranks: list[RankReport]) -> str:
     """Where a hung run's ranks are, in one line that names the culprit (see
     :func:`exporter.heuristics.location.culprit_line`): from each rank's capture, or
     "stacks being captured" before any is in."""
-    found = [(r.rank, r.instance, Location(location=next(iter(r.location)),
-                                           function=r.location_detail or ""))
-             for r in ranks if r.location]
+    found = []
+    for r in ranks:
+        if r.location:
+            where, function = next(iter(r.location)), r.location_detail or ""
+            # the collective, from the function label: ranks in different ones took
+            # different code paths (a barrier, an all-gather only one rank calls)
+            found.append((r.rank, r.instance, Location(
+                location=where, function=function,
+                collective=collective_named(function) if where == "collective" else None)))
     if not found:
         return "its ranks' stacks are being captured"
     return culprit_line(found).line

@@ -224,6 +224,15 @@ def _rule(frames: Sequence[tuple[str, str, tuple[Rule, ...]]], files: Sequence[s
                  any(r.patterns[2].search(f) for f in files[i + 1:])), None)
 
 
+def collective_named(function: str) -> str | None:
+    """The collective a waiting rank's telling function names (as :func:`classify` reported
+    it, a ``function`` label read back): DDP's gradient all-reduce, ``barrier``,
+    ``all_gather``, ...; None where the name tells none (a ``Work::wait``, a rendezvous)."""
+    if RULES[0].patterns[0].search(function):  # c10d::Reducer::finalize_backward
+        return RULES[0].collective
+    return _collective(Rule("collective", "native", collective="*"), function)
+
+
 def _collective(rule: Rule, shown: str) -> str | None:
     if rule.collective != "*":
         return rule.collective
