@@ -117,6 +117,11 @@ def test_close_says_closed(tmp_path, receiver):
 @pytest.mark.parametrize("raises, reason, detail, status", [
     ("raise ValueError('bad batch')", "exception", "ValueError", 1),
     ("pass", "closed", None, 0),  # the near miss: the block left without one
+    # sys.exit inside the block: status 0 is the program's clean end, any other a failure
+    ("sys.exit(0)", "closed", None, 0),
+    ("sys.exit()", "closed", None, 0),
+    ("sys.exit(3)", "exception", "SystemExit", 3),
+    ("sys.exit('no data')", "exception", "SystemExit", 1),
 ])
 def test_a_with_block_says_closed_or_the_exception_that_left_it(tmp_path, receiver, raises,
                                                                 reason, detail, status):

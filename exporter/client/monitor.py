@@ -772,7 +772,9 @@ class TrainingMonitor:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: object, tb: object) -> None:
-        if exc_type is None:
+        # sys.exit(0) (or sys.exit()) inside the block ends the process with status 0: the
+        # program's own clean end, as leaving the block is; any other status is a failure
+        if exc_type is None or (isinstance(exc, SystemExit) and exc.code in (0, None)):
             self._end("closed")
         else:
             self._end("exception", exit_name(exc_type))
