@@ -515,6 +515,20 @@ def alert_cases() -> list[Case]:
              [Fire("GpuTrainGPUUnderutilized", rank_gpu("swing", "0", "0", "GPU-a"), "40%",
                    "info")],
              fire_at="45m", quiet_at=None, quiet_alerts=[]),
+        Case("GpuTrainInputBound of a rank killed outright: 'killed' waits 50% of each step "
+             "for data and pushes until 20m, then nothing (SIGKILL: no goodbye): firing at 19m; "
+             "at 21m its 5m window still reads 40% wait, but it has not pushed for 60 s (past "
+             "alive_seconds): nothing is judged of its steps, the alert resolved",
+             {sel("gputrain_training_data_wait_seconds_total", run="killed", rank="0"):
+                  segments([(30, 20), (0, 20)]),
+              sel("gputrain_training_step_duration_seconds_sum", run="killed", rank="0"):
+                  segments([(60, 20), (0, 20)]),
+              sel("gputrain_training_step_duration_seconds_count", run="killed", rank="0"):
+                  segments([(60, 20), (0, 20)]),
+              sel("gputrain_training_last_push_timestamp_seconds", run="killed", rank="0"):
+                  segments([(60, 20), (0, 20)])},
+             [Fire("GpuTrainInputBound", rank("killed"), "50%", "warning")],
+             fire_at="19m", quiet_at="21m", quiet_alerts=["GpuTrainInputBound"]),
         Case("GpuTrainInputBound: a data-wait ratio that swings around 20% (15% and 25% in "
              "turns of 5 minutes) stays an info alert",
              {**run_steps("swing", 0.15),

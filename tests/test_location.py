@@ -260,7 +260,7 @@ def test_every_rank_waiting_blames_no_rank():
                           "code path)")
 
 
-def test_ranks_read_back_from_their_labels_in_different_collectives_took_different_paths():
+def test_the_hang_line_reads_each_ranks_collective_back_and_names_a_silent_peer():
     """What every surface reads (the ``location`` and ``function`` labels of
     gputrain_training_stack_location, read back into reports): ranks 0 and 2 in DDP's gradient
     all-reduce while rank 1 waits at a barrier its peers never reach is a mismatch of code
@@ -283,6 +283,13 @@ def test_ranks_read_back_from_their_labels_in_different_collectives_took_differe
                     "or a network fault")
     unnamed = hang_line([rank("0", "c10d::Work::wait"), rank("1", "barrier")])
     assert unnamed.endswith("a lost peer or a network fault"), unnamed
+    # a rank killed outright (no goodbye, no stacks) is the peer the others may wait for
+    dead = RankReport("", "n1", "job", "2")
+    dead.seconds_since_push = 75.0
+    line = hang_line([rank(r, "c10d::Reducer::finalize_backward") for r in "01"], [dead])
+    assert line == ("every rank waits in a collective (all-reduce (DDP gradient)): a lost peer "
+                    "or a network fault; rank 2 has not pushed for 75 s, without a goodbye: "
+                    "gone or frozen, the peer they may wait for")
 
 
 def test_several_culprits_on_several_nodes_and_names_that_are_no_numbers():

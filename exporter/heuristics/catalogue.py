@@ -23,7 +23,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
-from exporter.heuristics.location import WAITING, Location, collective_named, culprit_line
+from exporter.heuristics.location import (
+    WAITING,
+    Location,
+    collective_named,
+    culprit_line,
+    rank_words,
+)
 from exporter.heuristics.promql import (
     COMPUTE_MEAN,
     OPEN,
@@ -210,8 +216,11 @@ class Heuristic:
 
 def steps_judged(r: RankReport, t: dict[str, float]) -> bool:
     """The rank's window of steps may be judged (as :meth:`Q.stepping`): it steps with one
-    process over the window, still runs, and no step of it is held far past its pace."""
-    return r.stepping and not gone(r, t) and not r.restarts_recent and not held(r, t)
+    process over the window, still runs and is not :func:`silent` (a rank killed outright
+    keeps a window of steps, falling, that says nothing of now), and no step of it is held
+    far past its pace."""
+    return r.stepping and not gone(r, t) and not silent(r, t) and not r.restarts_recent and \
+        not held(r, t)
 
 
 def stray_gpus(r: RankReport, t: dict[str, float]) -> set[str]:
@@ -229,6 +238,12 @@ def held(r: RankReport, t: dict[str, float]) -> bool:
     steps is judged (as :meth:`Q.stepping`)."""
     return _v(r.step_in_progress, ">", t["hung_min_seconds"]) and \
         _v(r.step_in_progress, ">", 2 * (typical_step(r) or 0.0))
+
+
+def silent(r: RankReport, t: dict[str, float]) -> bool:
+    """The rank has not pushed for ``alive_seconds``: its pusher thread no longer runs (the
+    process killed outright, frozen, or cut off), whatever its last window says."""
+    return _v(r.seconds_since_push, ">", t["alive_seconds"])
 
 
 def gone(r: RankReport, t: dict[str, float]) -> bool:
@@ -864,7 +879,7 @@ class RunHung(Heuristic):
         if not live or in_phase(ranks, t) or \
                 not all(id(r) in starts or id(r) in phases or rank_hung(r, t) for r in live):
             return {}
-        line = hang_line(live)
+        line = hang_line(live, [r for r in ranks if not alive(r, t) and not r.ended])
         ceiling = f"past {t['hung_max_seconds']:.0f} s"
 
         def reason(r: RankReport) -> str:
@@ -888,10 +903,21 @@ class RunHung(Heuristic):
         return out
 
 
-def hang_line(ranks: list[RankReport]) -> str:
+def hang_line(ranks: list[RankReport], silent: list[RankReport] | None = None) -> str:
     """Where a hung run's ranks are, in one line that names the culprit (see
     :func:`exporter.heuristics.location.culprit_line`): from each rank's capture, or
-    "stacks being captured" before any is in."""
+    "stacks being captured" before any is in; then the ranks of the run that went ``silent``
+    without a goodbye (killed outright, or frozen): the peer the others may wait for."""
+    line = _placed_line(ranks)
+    if silent:
+        names = rank_words(r.rank for r in silent)
+        ago = _ago(max(r.seconds_since_push or 0.0 for r in silent))
+        line += (f"; {names} {'has' if len(silent) == 1 else 'have'} not pushed for {ago}, "
+                 "without a goodbye: gone or frozen, the peer they may wait for")
+    return line
+
+
+def _placed_line(ranks: list[RankReport]) -> str:
     found = []
     for r in ranks:
         if r.location:

@@ -20,6 +20,7 @@ from exporter.heuristics.catalogue import (
     gone,
     hung_limit,
     shared_ranks,
+    silent,
 )
 from exporter.heuristics.readings import (  # noqa: F401 - the readings, with the verdicts
     Finding,
@@ -200,6 +201,13 @@ def judge(reports: list[RankReport], t: dict[str, float]) -> list[RankReport]:
         elif waits:
             # a live rank whose step waits on a peer's declared phase: no hang, no stall
             rep.status, rep.verdict, rep.reason = "ok", "waiting", waits
+        elif gone(rep, t) or silent(rep, t):
+            # silent (its run not vanished as a whole): its last window says nothing of now
+            rep.status, rep.verdict = "ok", "paused"
+            others = any(alive(r, t) for r in runs[run_key(rep)] if r is not rep)
+            rep.reason = (f"no push for {rep.seconds_since_push:.0f} s"
+                          + (" while its run's other ranks push" if others else "")
+                          + ": nothing is judged of its steps")
         elif rep.restarts_recent:
             rep.status, rep.verdict = "ok", "restarted"
             rep.reason = (f"its process was replaced {rep.restarts_recent:.0f} time(s) in the "
@@ -213,10 +221,6 @@ def judge(reports: list[RankReport], t: dict[str, float]) -> list[RankReport]:
             rep.status = rep.verdict = "no-gpu-data"
             rep.reason = ("the exporter reports no busy time for this rank's GPUs" if rep.gpus
                           else "the exporter reports no GPU for this rank")
-        elif gone(rep, t):  # silent while its run's other ranks push: nothing to judge
-            rep.status, rep.verdict = "ok", "paused"
-            rep.reason = (f"no push for {rep.seconds_since_push:.0f} s while its run's other "
-                          "ranks push: nothing is judged of its steps")
         elif not rep.stepping:
             rep.status, rep.verdict = "ok", "paused"
             phase = outside_steps(rep)

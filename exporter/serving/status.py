@@ -20,7 +20,7 @@ from importlib import resources
 from typing import Any
 
 from exporter import __version__
-from exporter.heuristics.catalogue import hang_line
+from exporter.heuristics.catalogue import alive, hang_line
 from exporter.heuristics.readings import stale_collectors
 from exporter.heuristics.verdict import (
     ORDER,
@@ -254,7 +254,7 @@ class StatusView:
             "faults": [{"gpu": gpu or None, "verdict": f.name, "severity": severity,
                         "summary": summary(f.name), "reason": f.reason, "advice": f.advice}
                        for gpu, severity, f in node.findings],
-            "runs": [_run(name, ranks, states, now, stacks, self.guarded)
+            "runs": [_run(name, ranks, states, now, self.thresholds, stacks, self.guarded)
                      for name, ranks in sorted(runs.items())],
             # the last profiles asked for (`gputrain-exporter profile`, alerts), newest first
             "profiles": [_shown(with_lines(p.document(brief=True)), self.guarded)
@@ -296,7 +296,8 @@ def _get(sample: Any, name: str) -> Any:
 
 
 def _run(name: str, ranks: list[RankReport], states: dict, now: float,
-         stacks: dict | None = None, guarded: bool = False) -> dict[str, Any]:
+         thresholds: dict[str, float], stacks: dict | None = None,
+         guarded: bool = False) -> dict[str, Any]:
     """One run's card: its verdicts, worst first, and its ranks (each with its last py-spy
     capture where it is recent)."""
     by_verdict: dict[str, list[RankReport]] = {}
@@ -313,7 +314,8 @@ def _run(name: str, ranks: list[RankReport], states: dict, now: float,
         "run": name,
         "status": verdicts[0]["status"],
         # a hung run's one line: where its ranks are, the culprit first
-        "hang": (hang_line(hung) + (f"; {hung[0].partial}" if hung[0].partial else ""))
+        "hang": (hang_line(hung, [r for r in ranks if not alive(r, thresholds) and not r.ended])
+                 + (f"; {hung[0].partial}" if hung[0].partial else ""))
         if hung else None,
         "verdicts": verdicts,
         "partial": ranks[0].partial or None,
