@@ -156,3 +156,25 @@ def test_a_rank_killed_outright_is_not_judged_on_its_steps_once_silent_past_aliv
     assert ranks["1"]["reason"] == ("no push for 40 s while its run's other ranks push: "
                                     "nothing is judged of its steps"), ranks["1"]
     assert ranks["0"]["verdict"] == before["0"]["verdict"]
+
+
+def test_a_rank_that_finished_first_is_kept_while_its_run_goes_on_then_forgotten_with_it():
+    """Uneven inputs: rank 0 runs out of batches and says goodbye while rank 1 goes on (and
+    may wait for it in a collective). A clean end is forgotten a minute after its goodbye,
+    which is the hang floor: rank 0 would be gone from every surface just when rank 1 is
+    called hung, and nothing could name it. It is kept, finished, while a rank of its run still
+    runs, then forgotten with the run's last goodbye, as any clean end is."""
+    node = Node()
+    node.run(300, ranks=("0", "1"))
+    node.push("0", goodbye=True, exit_reason="completed")
+    node.run(5 * 60, ranks=("1",))
+    assert node.value("gputrain_training_finished", "0") == 1
+    ranks = {r["rank"]: r for r in node.page()["runs"][0]["ranks"]}
+    assert ranks["0"]["verdict"] == "finished" and ranks["1"]["verdict"] != "finished", ranks
+    node.push("1", goodbye=True, exit_reason="completed")
+    node.run(55, ranks=())
+    assert set(verdicts(node.page()).values()) == {"finished"}
+    node.run(10, ranks=())  # a minute after the last goodbye: the run is forgotten whole
+    assert node.page()["runs"] == []
+    assert node.store.departed() == []
+    assert node.value("gputrain_training_finished", "0") is None

@@ -290,6 +290,17 @@ def test_the_hang_line_reads_each_ranks_collective_back_and_names_a_silent_peer(
     assert line == ("every rank waits in a collective (all-reduce (DDP gradient)): a lost peer "
                     "or a network fault; rank 2 has not pushed for 75 s, without a goodbye: "
                     "gone or frozen, the peer they may wait for")
+    # uneven inputs: a rank that finished first, and one that ended without finishing
+    first = RankReport("", "n1", "job", "0")
+    first.finished, first.exit, first.seconds_since_push = True, {"completed": 1.0}, 120.0
+    crashed = RankReport("", "n1", "job", "3")
+    crashed.failed, crashed.exit, crashed.exit_detail = True, {"exception": 1.0}, "ValueError"
+    crashed.seconds_since_push = 20.0
+    line = hang_line([rank("1", "c10d::Reducer::finalize_backward")], [first, crashed])
+    assert line.endswith("; rank 3 ended 20 s ago without finishing (an exception "
+                         "(ValueError)): the peer they may wait for; rank 0 finished 2 min ago, "
+                         "before the others: they may wait for it in a collective (uneven "
+                         "inputs: a rank that ran out of batches first)"), line
 
 
 def test_several_culprits_on_several_nodes_and_names_that_are_no_numbers():

@@ -879,7 +879,7 @@ class RunHung(Heuristic):
         if not live or in_phase(ranks, t) or \
                 not all(id(r) in starts or id(r) in phases or rank_hung(r, t) for r in live):
             return {}
-        line = hang_line(live, [r for r in ranks if not alive(r, t) and not r.ended])
+        line = hang_line(live, [r for r in ranks if not alive(r, t)])
         ceiling = f"past {t['hung_max_seconds']:.0f} s"
 
         def reason(r: RankReport) -> str:
@@ -903,17 +903,30 @@ class RunHung(Heuristic):
         return out
 
 
-def hang_line(ranks: list[RankReport], silent: list[RankReport] | None = None) -> str:
+def hang_line(ranks: list[RankReport], others: list[RankReport] | None = None) -> str:
     """Where a hung run's ranks are, in one line that names the culprit (see
     :func:`exporter.heuristics.location.culprit_line`): from each rank's capture, or
-    "stacks being captured" before any is in; then the ranks of the run that went ``silent``
-    without a goodbye (killed outright, or frozen): the peer the others may wait for."""
+    "stacks being captured" before any is in; then the run's ranks that no longer run
+    (``others``): those that went silent without a goodbye (killed outright, or frozen) and
+    those that finished first (uneven inputs), each the peer the others may wait for."""
     line = _placed_line(ranks)
-    if silent:
-        names = rank_words(r.rank for r in silent)
-        ago = _ago(max(r.seconds_since_push or 0.0 for r in silent))
-        line += (f"; {names} {'has' if len(silent) == 1 else 'have'} not pushed for {ago}, "
-                 "without a goodbye: gone or frozen, the peer they may wait for")
+    silent = [r for r in others or () if not r.ended]
+    ended = [r for r in others or () if r.ended and not r.finished]
+    finished = [r for r in others or () if r.finished]
+    for group, what in ((silent, "not pushed for {ago}, without a goodbye: gone or frozen, "
+                                 "the peer they may wait for"),
+                        (ended, "ended {ago} ago without finishing ({how}): the peer they may "
+                                "wait for"),
+                        (finished, "finished {ago} ago, before the others: they may wait for "
+                                   "{them} in a collective (uneven inputs: a rank that ran out "
+                                   "of batches first)")):
+        if group:
+            ago = _ago(max(r.seconds_since_push or 0.0 for r in group))
+            one = len(group) == 1
+            verb = ("has " if one else "have ") if group is silent else ""
+            how = ", ".join(sorted({failure_text(r) for r in group}))
+            line += (f"; {rank_words(r.rank for r in group)} {verb}"
+                     + what.format(ago=ago, them="it" if one else "them", how=how))
     return line
 
 

@@ -676,12 +676,13 @@ def periodic_shares(points: list[tuple[float, float, dict[str, float]]],
 
 def departed_report(st: RankState, instance: str, now: float) -> RankReport:
     """A departed rank's report (it ended without a clean close and the ingest's ttl ran
-    out): how and when it ended, as its page lines say, and no readings of its steps."""
+    out, or finished before its run's other ranks): how and when it ended, as its page lines
+    say, and no readings of its steps."""
     rep = RankReport("", instance, st.run, st.rank)
     rep.seconds_since_push = max(0.0, now - st.received_unix)
     if st.last_step_timestamp is not None:
         rep.seconds_since_step = max(0.0, now - st.last_step_timestamp)
-    rep.failed = st.failed
+    rep.finished, rep.failed = st.finished, st.failed
     if st.exit_reason is not None:
         rep.exit, rep.exit_detail = {st.exit_reason: 1.0}, st.exit_detail
     rep.world_size = st.world_size

@@ -637,6 +637,10 @@ class IngestStore:
         if now < self._next_expiry:
             return
         stale = [k for k, st in self._states.items() if st.expires_at <= now]
+        # the runs with a rank that still runs: a rank of one that finished first is kept (its
+        # end alone) while they may wait for it in a collective (uneven inputs)
+        running = {st.run for k, st in self._states.items()
+                   if st.exit_reason is None and st.expires_at > now}
         for k in stale:
             st = self._states.pop(k)
             self._former.pop(k, None)
@@ -644,7 +648,12 @@ class IngestStore:
                 # its end is the news: kept, without its counters, for dead_ttl more
                 self._departed.pop(k, None)
                 self._departed[k] = (st, st.expires_at + self.dead_ttl)
-        gone = [k for k, (_, until) in self._departed.items() if until <= now]
+            elif st.finished and st.run in running and self.dead_ttl > 0:
+                self._departed.pop(k, None)
+                self._departed[k] = (st, st.expires_at + self.ttl)
+        # ... and forgotten with the grace of its run's last goodbye, as a clean end is
+        gone = [k for k, (st, until) in self._departed.items()
+                if until <= now or (st.finished and st.run not in running)]
         for k in gone:
             del self._departed[k]
         while len(self._departed) > self.max_series:  # bounded as the live ones: oldest go
@@ -671,7 +680,8 @@ class IngestStore:
     def departed(self) -> list[RankState]:
         """The last states of the ranks that ended without a clean close and whose ``ttl``
         ran out, for ``dead_ttl`` after it: what /metrics, the status page and ``top`` keep
-        saying of a run that died."""
+        saying of a run that died; and of a rank that finished while its run's other ranks
+        still ran, for ``ttl`` after its goodbye's grace: the peer they may wait for."""
         with self._lock:
             self._expire_locked()
             return [st for st, _ in self._departed.values()]
