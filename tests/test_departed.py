@@ -178,3 +178,22 @@ def test_a_rank_that_finished_first_is_kept_while_its_run_goes_on_then_forgotten
     assert node.page()["runs"] == []
     assert node.store.departed() == []
     assert node.value("gputrain_training_finished", "0") is None
+
+
+def test_a_run_that_failed_is_told_by_its_first_failure_not_the_launchers_sigterm():
+    """Rank 1 raises; a few seconds later the launcher (torchrun) ends ranks 0 and 2 by
+    SIGTERM. Every rank reads failed, each with its own end, and the run's verdict is told
+    by the failure that came first, the cause, not by rank 0's SIGTERM."""
+    node = Node()
+    node.run(300, ranks=("0", "1", "2"))
+    node.push("1", goodbye=True, exit_reason="exception", exit_detail="RuntimeError")
+    node.run(5, ranks=())
+    for r in ("0", "2"):
+        node.push(r, goodbye=True, exit_reason="signal", exit_detail="SIGTERM")
+    node.run(10, ranks=())
+    (run,) = node.page()["runs"]
+    assert {r["rank"]: r["verdict"] for r in run["ranks"]} == {
+        "0": "failed", "1": "failed", "2": "failed"}
+    failed = run["verdicts"][0]
+    assert failed["verdict"] == "failed" and failed["ranks"] == ["0", "1", "2"]
+    assert "RuntimeError" in failed["reason"] and "SIGTERM" not in failed["reason"], failed

@@ -1031,10 +1031,12 @@ class RunFailed(Heuristic):
     severity, for_ = "critical", "0m"
     summary = "A training run failed: a rank's process ended by an exception or a signal."
     advice = ("Read the failure the rank names (the job's log has its traceback: a "
-              "collective's timeout, an out-of-memory, a CUDA error; a signal: the scheduler "
-              "or the OOM killer), fix it, and resume from the last checkpoint. A rank that "
-              "timed out in a collective often waited for another: read where its peers were "
-              "when the run hung.")
+              "collective's timeout, an out-of-memory, a CUDA error), fix it, and resume from "
+              "the last checkpoint. A SIGTERM is the scheduler's (a preemption or a time "
+              "limit: requeue the job) or a launcher's ending the ranks after another failed "
+              "(torchrun: read the rank that failed first). A rank that timed out in a "
+              "collective often waited for another: read where its peers were when the run "
+              "hung.")
     fires_when = "a rank's client said its process ended by an exception or a signal"
     why = ("The client tells a clean end (the user's close(), the loop run out, a normal "
            "exit) from a failure (an exception nobody caught, which includes a collective's "

@@ -295,6 +295,15 @@ def _get(sample: Any, name: str) -> Any:
     return None if sample is None else getattr(sample, name)
 
 
+def _lead(verdict: str, reps: list[RankReport]) -> RankReport:
+    """The rank whose reason a run's verdict is told by: of failed ranks, the one that ended
+    first (a launcher ends the others after it, by SIGTERM: the first failure is the cause);
+    else the first rank."""
+    if verdict == "failed":
+        return max(reps, key=lambda r: r.seconds_since_push or 0.0)
+    return reps[0]
+
+
 def _run(name: str, ranks: list[RankReport], states: dict, now: float,
          thresholds: dict[str, float], stacks: dict | None = None,
          guarded: bool = False) -> dict[str, Any]:
@@ -303,11 +312,12 @@ def _run(name: str, ranks: list[RankReport], states: dict, now: float,
     by_verdict: dict[str, list[RankReport]] = {}
     for rep in ranks:
         by_verdict.setdefault(rep.verdict, []).append(rep)
-    verdicts = [{"verdict": v, "summary": summary(v), "advice": reps[0].advice,
-                 "reason": reps[0].reason, "status": reps[0].status,
+    verdicts = [{"verdict": v, "summary": summary(v), "advice": lead.advice,
+                 "reason": lead.reason, "status": lead.status,
                  "ranks": [r.rank for r in reps],
                  "also": list(dict.fromkeys(f.name for r in reps for f in r.also))}
-                for v, reps in sorted(by_verdict.items(), key=lambda kv: _RANKING[kv[0]])]
+                for v, reps in sorted(by_verdict.items(), key=lambda kv: _RANKING[kv[0]])
+                for lead in [_lead(v, reps)]]
     wasted = wasted_gpus(ranks)
     hung = [r for r in ranks if r.verdict == "hung"]
     return {
