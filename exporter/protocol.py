@@ -24,7 +24,9 @@ DEFAULT_PUSH_INTERVAL_SECONDS = 5.0  # the client pushes its totals this often
 # the phase wrap() declares from iter() to an epoch's first batch (its DataLoader's workers
 # starting): outside steps as the others, but no user's declaration (see catalogue.stuck_starts)
 LOADER_START_PHASE = "dataloader_start"
-OUTSIDE_STEP_PHASES = frozenset({LOADER_START_PHASE, "evaluation", "checkpoint"})
+# ... and an evaluation: declared, or seen by the client in a watched model's eval() mode
+EVALUATION_PHASE = "evaluation"
+OUTSIDE_STEP_PHASES = frozenset({LOADER_START_PHASE, EVALUATION_PHASE, "checkpoint"})
 # How a rank's process ended, said with its goodbye. A clean end: the user's close() (or the
 # monitor's context manager left without an exception), or the wrapped loop run to its end; a
 # failure: an exception nobody caught (its type is sent; a collective's timeout is one) or a

@@ -29,6 +29,9 @@ its peers go on into the gradient all-reduce and wait there:
   ``--block-seconds`` (0: for ever); the blocking rank freezes (SIGSTOP) at its 60th batch,
   its peers wait for it in their all-reduce (a rank dead or frozen inside the evaluation);
   with no blocking rank, an evaluation that syncs its metrics: no hang;
+- ``eval-undeclared``: after ``--block-after`` steps the blocking rank validates its model
+  for ``--block-seconds`` (``model.eval()``, forward passes under ``torch.no_grad()``, no
+  phase declared), then ``model.train()``, while every other rank waits for it at a barrier;
 - ``loader-start``: after ``--block-after`` steps every rank starts a new epoch (a new
   ``wrap()`` of its DataLoader), and the blocking rank's first fetch of it never returns (a
   DataLoader whose start hangs), while its peers go on into their epoch's first all-reduce;
@@ -89,6 +92,20 @@ def save_checkpoint(state: dict, seconds: float) -> None:
     torch.save(state, SlowFile(seconds))  # type: ignore[arg-type]
 
 
+def validate(model, seconds: float) -> None:
+    """The script's own validation, declared nowhere: ``model.eval()``, forward passes
+    without gradients for ``seconds``, then ``model.train()``."""
+    import torch
+
+    model.eval()
+    with torch.no_grad():
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            model.module(torch.randn(8, 64))  # the module: DDP's forward would sync buffers
+            time.sleep(0.05)
+    model.train()
+
+
 def evaluate(monitor, freezes: bool, seconds: float) -> None:
     """An evaluation inside its declared phase, its metric all-reduced each batch, for
     ``seconds`` (0: for ever); with ``freezes`` the rank stops (SIGSTOP) at its 60th batch
@@ -115,7 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--block", choices=("none", "data", "checkpoint", "checkpoint-phase",
                                        "freeze", "slow-start", "freeze-before", "prepare",
-                                       "loader-start", "phase-collective", "phase-freeze"),
+                                       "loader-start", "phase-collective", "phase-freeze",
+                                       "eval-undeclared"),
                    default="none")
     p.add_argument("--block-rank", type=int, default=3)
     p.add_argument("--block-after", type=int, default=200)
@@ -198,6 +216,10 @@ def main(argv: list[str] | None = None) -> None:
             if blocks and done == a.block_after and a.block == "phase-collective":
                 with monitor.phase("evaluation"):
                     dist.barrier(group=side)  # its peers never join: it waits for ever
+            if done == a.block_after and a.block == "eval-undeclared":
+                if blocks:
+                    validate(model, a.block_seconds)
+                dist.barrier()  # the others wait for its validation
             if done == a.block_after and a.block == "phase-freeze":
                 evaluate(monitor, blocks, a.block_seconds)
             if done == a.block_after and a.block == "checkpoint-phase":

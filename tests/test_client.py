@@ -559,6 +559,51 @@ def test_a_frameworks_epoch_start_is_pushed_as_the_dataloader_start_until_its_fi
     assert not {"open_phase", "step_open_seconds"} & set(m.totals())
 
 
+class _Model:
+    """What the client reads of a torch module: its mode (``train()``/``eval()``)."""
+
+    def __init__(self) -> None:
+        self.training = True
+
+
+@pytest.mark.parametrize("trained_in_eval", [False, True])
+def test_a_watched_model_switched_to_eval_while_no_step_ends_is_pushed_as_an_evaluation(
+        monkeypatch, trained_in_eval):
+    """A hand-written loop's validation on rank 0 nobody declared (``model.eval()``, minutes
+    of forward passes, while the others wait at a barrier): the pushes say the rank is in an
+    evaluation (from the first push that sees it), its step's clock stopped there, so the
+    daemon judges the others waiting, not the run hung. The near miss: a model trained in
+    ``eval()`` (frozen batch norm) has no such evaluation, its open step stays a step."""
+    now = _fake_clock(monkeypatch)
+    m = TrainingMonitor(run="val", start=False)
+    model = _Model()
+    model.training = not trained_in_eval
+    m.watch_communication(model)  # no DDP model: its communication is not measured
+    for _ in range(3):
+        with m.step(samples=1):
+            now[0] += 1
+        m.totals()  # a push while the steps advance: the mode they run in
+    model.training = False  # rank 0's validation
+    now[0] += 5
+    first = m.totals()
+    now[0] += 60
+    later = m.totals()
+    if trained_in_eval:
+        assert "open_phase" not in later and later["step_open_seconds"] == 65
+        return
+    assert first["open_phase"] == "evaluation" and first["open_phase_seconds"] == 0
+    assert (later["open_phase"], later["open_phase_seconds"]) == ("evaluation", 60)
+    assert later["step_open_seconds"] == 5  # stopped where the evaluation was first seen
+    assert "evaluation" not in later["phases"]  # the time stays the step's
+    model.training = True  # back to training: the step goes on, then ends
+    now[0] += 1
+    back = m.totals()
+    assert "open_phase" not in back and back["step_open_seconds"] == 66
+    with m.step(samples=1):
+        now[0] += 1
+    assert "open_phase" not in m.totals()
+
+
 def test_the_open_step_grows_in_real_time():
     m = TrainingMonitor(run="open", start=False)
     with m.step(samples=1):

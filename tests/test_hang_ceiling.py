@@ -254,6 +254,43 @@ def test_ranks_waiting_inside_their_evaluation_for_a_frozen_peer_are_hung(daemon
             job.stop()
 
 
+def test_a_validation_nobody_declared_is_an_evaluation_the_others_wait_for(daemon_factory,
+                                                                         tmp_path):
+    """A hand-written loop: after 2,000 steps rank 2 validates for 75 s (``model.eval()``,
+    forward passes, no phase declared) while ranks 0 and 1 wait for it at a barrier. The
+    client watches the model (``watch_communication``) and pushes rank 2 as in an evaluation
+    from the first push that sees it in ``eval()``: past the hang limit the others read
+    waiting, never hung, and the run steps again once rank 2 is back in ``train()``. (Without
+    the model watched, or with a rank stuck in its own code in ``train()``, the run is hung:
+    test_hangs.py.)"""
+    d = ceiling_daemon(daemon_factory, tmp_path)
+    job = Job(tmp_path, "val-own", [d.ingest_url] * 3, "--block", "eval-undeclared",
+              "--block-rank", "2", "--block-after", "2000", "--block-seconds", "75")
+
+    def validating() -> dict | None:
+        card = run_of(d, "val-own")
+        ranks = {r["rank"]: r for r in card["ranks"]} if card else {}
+        return card if ranks.get("2", {}).get("phase_in_progress", {}).get(
+            "evaluation", 0) > 55 else None
+
+    try:
+        card = wait_until(validating, timeout=180, interval=1,
+                          what=lambda: f"rank 2 of val-own validating ({run_of(d, 'val-own')})")
+        ranks = {r["rank"]: r for r in card["ranks"]}
+        assert card["status"] != "hung" and card["hang"] is None, card
+        for r in ("0", "1"):
+            assert ranks[r]["verdict"] == "waiting", ranks[r]
+            assert ranks[r]["step_in_progress_seconds"] > 40, ranks[r]  # past the limit
+            assert "rank 2's evaluation" in ranks[r]["reason"], ranks[r]
+        steps = sample_value(d.metrics(), "gputrain_training_steps_total",
+                             {"run": "val-own", "rank": "0"})
+        wait_until(lambda: (sample_value(d.metrics(), "gputrain_training_steps_total",
+                                         {"run": "val-own", "rank": "0"}) or 0) > (steps or 0),
+                   timeout=120, interval=1, what="val-own stepping again after the validation")
+    finally:
+        job.stop()
+
+
 def test_a_lightning_ranks_epoch_start_that_never_ends_is_hung_with_it_named(daemon_factory,
                                                                            tmp_path):
     """Lightning's DDP strategy over two gloo ranks, with its callback: at the second epoch

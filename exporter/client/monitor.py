@@ -46,6 +46,7 @@ from exporter.protocol import (
     DEFAULT_INGEST_URL,
     DEFAULT_PRECISION,
     DEFAULT_PUSH_INTERVAL_SECONDS,
+    EVALUATION_PHASE,
     LOADER_START_PHASE,
     MAX_BUCKETS,
     MAX_LOADER_WORKERS,
@@ -363,6 +364,14 @@ class TrainingMonitor:
         # (samples, seconds, data wait, end); see wrap()
         self._held: tuple[float, float, float, float] | None = None
         self._completed = False  # the last wrap() ran its iterable to its end
+        # the models watch_communication() was given, whose mode (model.eval()) tells an
+        # evaluation nobody declared; the pusher thread's: the mode the steps advance in, the
+        # step count it was seen at, and when the model was first seen out of it
+        self._models: list[weakref.ref] = []
+        self._mode_trains: bool | None = None
+        self._mode_steps = -1
+        self._eval_advances = 0  # pushes in a row that saw steps advance with it in eval()
+        self._eval_since: float | None = None
         # an uncaught exception from before the monitor (an interactive session's) is not its
         self._earlier_exc = _uncaught()
         self._data_wait = _DataWait(self)
@@ -411,6 +420,7 @@ class TrainingMonitor:
         :mod:`exporter.client.comm`): seconds in collectives, the part the step waited for,
         bytes all-reduced. True where it is measured; False where ``model`` is no DDP model.
         Call it once per model, on the training thread, before training."""
+        self._watch_mode(model)
         ddp = find_ddp(model)
         if ddp is None:
             return False
@@ -420,6 +430,41 @@ class TrainingMonitor:
         if meter.working:
             self._comm.append(meter)
         return meter.working
+
+    def _watch_mode(self, model: Any) -> None:
+        """Read ``model``'s mode from the pusher thread: switched to ``eval()`` while no step
+        ends, after steps that ran in ``train()``, the rank is in an evaluation nobody declared
+        (see :meth:`_undeclared_evaluation`). A DDP wrapper's own flag is read through its
+        module, which ``eval()`` on either reaches."""
+        inner = getattr(model, "module", model)
+        if not isinstance(getattr(inner, "training", None), bool):
+            return
+        if not any(ref() is inner for ref in self._models):
+            self._models.append(weakref.ref(inner))
+
+    def _undeclared_evaluation(self, steps: int, now: float) -> float | None:
+        """Since when the rank evaluates without saying so (the pusher thread's, at each
+        push): a watched model out of the mode its steps run in (``eval()`` after steps in
+        ``train()``) while no step ends; None otherwise. A model trained in ``eval()`` (frozen
+        batch norm) has no such evaluation: its steps advance in that mode."""
+        models = [m for m in (ref() for ref in self._models) if m is not None]
+        if not models:
+            return None
+        trains = all(bool(m.training) for m in models)
+        if steps != self._mode_steps:  # steps advanced: the mode they run in
+            self._mode_steps, self._eval_since = steps, None
+            # a push just after the last step may find eval() already called: steps run in
+            # eval() only when two pushes in a row see them advance so
+            self._eval_advances = 0 if trains else self._eval_advances + 1
+            if trains or self._eval_advances >= 2:
+                self._mode_trains = trains
+            return None
+        if self._mode_trains and not trains:
+            if self._eval_since is None:
+                self._eval_since = now
+            return self._eval_since
+        self._eval_since = None
+        return None
 
     # -- measuring ---------------------------------------------------------------------------
 
@@ -696,8 +741,16 @@ class TrainingMonitor:
         elif boundary is None and starting is not None:  # a framework's epoch start
             in_progress["open_phase"] = LOADER_START_PHASE
             in_progress["open_phase_seconds"] = min(MAX_SECONDS, max(0.0, now - starting))
+        evaluating = None
+        if self._models and open_phase is None and boundary is not None:
+            evaluating = self._undeclared_evaluation(running + counts[-1], now)
+        if evaluating is not None:  # pushed as an evaluation in progress, counted as the step
+            in_progress["open_phase"] = EVALUATION_PHASE
+            in_progress["open_phase_seconds"] = min(MAX_SECONDS, max(0.0, now - evaluating))
         if boundary is not None:  # a phase holds the step: its time up to the phase's start
             upto = now if open_phase is None else open_phase[1]
+            if evaluating is not None:
+                upto = max(boundary, evaluating)
             in_progress["step_open_seconds"] = min(MAX_SECONDS, max(0.0, upto - boundary))
         # between a phase's end and its total a read may see neither: report no less than before
         reported = self._reported_phases
