@@ -517,8 +517,8 @@ def alert_cases() -> list[Case]:
              fire_at="45m", quiet_at=None, quiet_alerts=[]),
         Case("GpuTrainInputBound of a rank killed outright: 'killed' waits 50% of each step "
              "for data and pushes until 20m, then nothing (SIGKILL: no goodbye): firing at 19m; "
-             "at 21m its 5m window still reads 40% wait, but it has not pushed for 60 s (past "
-             "alive_seconds): nothing is judged of its steps, the alert resolved",
+             "at 21m30s its 5m window still reads 40% wait, but it has not pushed for 90 s "
+             "(past silent_seconds): nothing is judged of its steps, the alert resolved",
              {sel("gputrain_training_data_wait_seconds_total", run="killed", rank="0"):
                   segments([(30, 20), (0, 20)]),
               sel("gputrain_training_step_duration_seconds_sum", run="killed", rank="0"):
@@ -528,7 +528,7 @@ def alert_cases() -> list[Case]:
               sel("gputrain_training_last_push_timestamp_seconds", run="killed", rank="0"):
                   segments([(60, 20), (0, 20)])},
              [Fire("GpuTrainInputBound", rank("killed"), "50%", "warning")],
-             fire_at="19m", quiet_at="21m", quiet_alerts=["GpuTrainInputBound"]),
+             fire_at="19m", quiet_at="1290s", quiet_alerts=["GpuTrainInputBound"]),
         Case("GpuTrainInputBound: a data-wait ratio that swings around 20% (15% and 25% in "
              "turns of 5 minutes) stays an info alert",
              {**run_steps("swing", 0.15),
@@ -628,7 +628,9 @@ def alert_cases() -> list[Case]:
              "while ranks 0 and 1, their steps open since, wait in their all-reduce: nobody "
              "works, hung at 17m, not at 14m; so is 'eval-dead', whose ranks 0 and 1 wait in "
              "a collective inside their evaluation for rank 2, silent since 10m (it died "
-             "inside it). Near misses: 'ckpt-wait', whose rank 2 writes "
+             "inside it). Near misses: 'eval-old', the same but rank 2 silent since 5m, "
+             "before the evaluation opened (an earlier attempt's rank is no peer of it); "
+             "'ckpt-wait', whose rank 2 writes "
              "its checkpoint (its stacks in checkpoint I/O) while the others wait at a "
              "barrier, and 'eval-all', whose every rank is in its evaluation, each caught in a "
              "collective (one dump is one instant): the phase holds both",
@@ -643,6 +645,13 @@ def alert_cases() -> list[Case]:
               **{k: v for r in "01" for k, v in live_rank(
                   "eval-dead", r, phase_from=10, phase="evaluation").items()},
               **live_rank("eval-dead", "2", silent_from=10),
+              # the near miss: rank 2 of 'eval-old' went silent at 5m, before the evaluation
+              **{k: v for r in "01" for k, v in live_rank(
+                  "eval-old", r, phase_from=10, phase="evaluation").items()},
+              **live_rank("eval-old", "2", silent_from=5),
+              **{sel("gputrain_training_stack_location", run="eval-old", rank=r,
+                     location="collective", function="torch.distributed.all_reduce"):
+                 "_x64 1x55" for r in "01"},
               **{sel("gputrain_training_stack_location", run="eval-dead", rank=r,
                      location="collective", function="torch.distributed.all_reduce"):
                  "_x64 1x55" for r in "01"},

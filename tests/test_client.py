@@ -595,13 +595,15 @@ def test_a_watched_model_switched_to_eval_while_no_step_ends_is_pushed_as_an_eva
     assert (later["open_phase"], later["open_phase_seconds"]) == ("evaluation", 60)
     assert later["step_open_seconds"] == 5  # stopped where the evaluation was first seen
     assert "evaluation" not in later["phases"]  # the time stays the step's
-    model.training = True  # back to training: the step goes on, then ends
-    now[0] += 1
+    model.training = True  # back in train(): the evaluation holds until the step ends, its
+    now[0] += 1            # time never read as a step far past its pace
     back = m.totals()
-    assert "open_phase" not in back and back["step_open_seconds"] == 66
+    assert back["open_phase"] == "evaluation" and back["step_open_seconds"] == 5
     with m.step(samples=1):
         now[0] += 1
-    assert "open_phase" not in m.totals()
+    done = m.totals()
+    assert "open_phase" not in done and "evaluation" not in done["phases"]
+    assert done["step_seconds"] == 3 + 67  # the evaluation's time counted in the step
 
 
 def test_the_open_step_grows_in_real_time():

@@ -139,21 +139,21 @@ def test_dead_ttl_zero_forgets_with_the_ttl_and_departed_ranks_are_bounded():
     assert sorted(st.rank for st in bounded.departed()) == ["3", "4", "5"]
 
 
-def test_a_rank_killed_outright_is_not_judged_on_its_steps_once_silent_past_alive_seconds():
+def test_a_rank_killed_outright_is_not_judged_on_its_steps_once_silent_past_silent_seconds():
     """Rank 1 is killed (SIGKILL: no goodbye) while rank 0 goes on. Its last window of steps,
     its rates falling, says nothing of now: 20 s after its last push it is still judged as
-    before (a push may be late), past alive_seconds (30 s) it reads paused, "no push", on the
-    page as in diagnose (the same judge), never a bottleneck or gpu-bound."""
+    before (a push, a scrape may be late), past silent_seconds (60 s) it reads paused, "no
+    push", on the page as in diagnose (the same judge), never a bottleneck or gpu-bound."""
     node = Node()
     node.run(300, ranks=("0", "1"))
     before = {r["rank"]: r for r in node.page()["runs"][0]["ranks"]}
     assert before["1"]["verdict"] not in ("paused", "vanished"), before["1"]
     node.run(20, ranks=("0",))
     assert verdicts(node.page())["1"] == before["1"]["verdict"]
-    node.run(T["alive_seconds"] + 10 - 20, ranks=("0",))
+    node.run(T["silent_seconds"] + 10 - 20, ranks=("0",))
     ranks = {r["rank"]: r for r in node.page()["runs"][0]["ranks"]}
     assert ranks["1"]["verdict"] == "paused", ranks["1"]
-    assert ranks["1"]["reason"] == ("no push for 40 s while its run's other ranks push: "
+    assert ranks["1"]["reason"] == ("no push for 70 s while its run's other ranks push: "
                                     "nothing is judged of its steps"), ranks["1"]
     assert ranks["0"]["verdict"] == before["0"]["verdict"]
 

@@ -445,26 +445,28 @@ class TrainingMonitor:
     def _undeclared_evaluation(self, steps: int, now: float) -> float | None:
         """Since when the rank evaluates without saying so (the pusher thread's, at each
         push): a watched model out of the mode its steps run in (``eval()`` after steps in
-        ``train()``) while no step ends; None otherwise. A model trained in ``eval()`` (frozen
-        batch norm) has no such evaluation: its steps advance in that mode."""
+        ``train()``) while no step ends, until a step ends; None otherwise. A model trained
+        in ``eval()`` (frozen batch norm) has no such evaluation: its steps advance in that
+        mode."""
         models = [m for m in (ref() for ref in self._models) if m is not None]
         if not models:
             return None
         trains = all(bool(m.training) for m in models)
         if steps != self._mode_steps:  # steps advanced: the mode they run in
             self._mode_steps, self._eval_since = steps, None
+            if steps == 0:
+                return None  # none yet: a sanity validation before training is no baseline
             # a push just after the last step may find eval() already called: steps run in
             # eval() only when two pushes in a row see them advance so
             self._eval_advances = 0 if trains else self._eval_advances + 1
             if trains or self._eval_advances >= 2:
                 self._mode_trains = trains
             return None
-        if self._mode_trains and not trains:
-            if self._eval_since is None:
-                self._eval_since = now
-            return self._eval_since
-        self._eval_since = None
-        return None
+        if self._mode_trains and not trains and self._eval_since is None:
+            self._eval_since = now
+        # once seen, until the step ends: back in train() the step holds the evaluation's
+        # time, which must not read as a step far past its pace before it ends
+        return self._eval_since
 
     # -- measuring ---------------------------------------------------------------------------
 

@@ -241,9 +241,9 @@ def held(r: RankReport, t: dict[str, float]) -> bool:
 
 
 def silent(r: RankReport, t: dict[str, float]) -> bool:
-    """The rank has not pushed for ``alive_seconds``: its pusher thread no longer runs (the
+    """The rank has not pushed for ``silent_seconds``: its pusher thread no longer runs (the
     process killed outright, frozen, or cut off), whatever its last window says."""
-    return _v(r.seconds_since_push, ">", t["alive_seconds"])
+    return _v(r.seconds_since_push, ">", t["silent_seconds"])
 
 
 def gone(r: RankReport, t: dict[str, float]) -> bool:
@@ -574,6 +574,12 @@ class RunVanished(Heuristic):
         "vanished_seconds": Threshold(
             120, "seconds", "24 missed pushes at the client's 5 s interval (a goodbye "
                             "rank's totals stay 60 s)"),
+        "silent_seconds": Threshold(
+            60, "seconds", "a rank not heard from this long is judged on none of its steps "
+                           "(its rates fall on its last counters): twice alive_seconds, as "
+                           "the rules see a push up to a scrape, a liveness interval and a "
+                           "push interval late, so a late scrape never pauses a live rank's "
+                           "alerts"),
         "vanished_gpu_idle": Threshold(0.05, "ratio", "an idle GPU: no process of the run "
                                                       "left on it")}
 
@@ -697,10 +703,15 @@ def stuck_phases(ranks: list[RankReport], t: dict[str, float]) -> set[int]:
     the phase's own limit, and so does a run whose every rank is in a phase and alive (one
     dump is one instant: an evaluation that syncs its metrics each batch can be caught inside
     a collective on every rank)."""
-    stuck = {id(r) for r in ranks if phase_past_ceiling(r, t) and waiting(r)}
+    stuck = [r for r in ranks if phase_past_ceiling(r, t) and waiting(r)]
+    # a rank that ended inside the phase: one that ended before it (an earlier attempt of
+    # the run, remembered an hour) is no peer of this collective
+    opened = max((max(r.phase_in_progress.values(), default=0.0) for r in ranks),
+                 default=0.0)
     if stuck and any((alive(r, t) and waiting(r) and not r.phase_in_progress)
-                     or cannot_join(r, t) for r in ranks):
-        return stuck
+                     or (cannot_join(r, t) and _v(r.seconds_since_push, "<=", opened))
+                     for r in ranks):
+        return {id(r) for r in stuck}
     return set()
 
 
@@ -853,8 +864,11 @@ class RunHung(Heuristic):
         phase = series_of("phase_in_progress")
         waits = (f"(max by ({rank}) ({phase}) > {t['hung_max_seconds']} "
                  f"and on ({rank}) {STACK_WAITING} and on ({rank}) {live})")
-        # ... or a rank of the run can join no collective any more (cannot_join)
-        gone = (f"((time() - {series_of('seconds_since_push')} > {t['alive_seconds']} "
+        # ... or a rank of the run can join no collective any more (cannot_join), since the
+        # phase opened
+        last = series_of("seconds_since_push")
+        gone = (f"((time() - {last} <= on ({run}) group_left () max by ({run}) ({phase})) "
+                f"and on ({rank}) (time() - {last} > {t['alive_seconds']} "
                 f"or {series_of('exit')}) unless on ({rank}) {series_of('finished')} > 0)")
         stuck_phase = (f"({waits} and on ({run}) (group by ({run}) "
                        f"({STACK_WAITING} and on ({rank}) {live} unless on ({rank}) {phase}) "

@@ -518,13 +518,13 @@ class Q:
         """The ranks that step, with one process over the rate window, and still run: a run
         whose steps stopped while its GPUs spin is stalled, and nothing else holds for it;
         rates across a restart are no bottleneck; a rank that said goodbye, or has not pushed
-        for ``alive_seconds`` (killed outright), left only history behind; and one whose step
+        for ``silent_seconds`` (killed outright), left only history behind; and one whose step
         in progress has run past the floor of
         the hung limit and twice its process's mean step is judged on that step, not on the
         window's rates of steps that no longer come."""
         return (f"({self.steps} > 0) unless on ({self.rank}) "
                 f"({self.ended} or "
-                f"time() - {series_of('seconds_since_push')} > {self.t['alive_seconds']} or "
+                f"time() - {series_of('seconds_since_push')} > {self.t['silent_seconds']} or "
                 f"{RESTARTS_RECENT} > 0 or "
                 f"{OPEN} > {self.t['hung_min_seconds']} and on ({self.rank}) "
                 f"{OPEN} > 2 * {TYPICAL})")

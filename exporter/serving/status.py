@@ -324,7 +324,8 @@ def _run(name: str, ranks: list[RankReport], states: dict, now: float,
         "run": name,
         "status": verdicts[0]["status"],
         # a hung run's one line: where its ranks are, the culprit first
-        "hang": (hang_line(hung, [r for r in ranks if not alive(r, thresholds)])
+        "hang": (hang_line([r for r in hung if alive(r, thresholds)],
+                           [r for r in ranks if not alive(r, thresholds)])
                  + (f"; {hung[0].partial}" if hung[0].partial else ""))
         if hung else None,
         "verdicts": verdicts,
