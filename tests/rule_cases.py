@@ -627,7 +627,7 @@ def alert_cases() -> list[Case]:
              "evaluation phase since 10m, its stacks (from 16m) in a collective only it calls, "
              "while ranks 0 and 1, their steps open since, wait in their all-reduce: nobody "
              "works, hung at 17m, not at 14m; so is 'eval-dead', whose ranks 0 and 1 wait in "
-             "a collective inside their evaluation for rank 2, silent since 10m (it died "
+             "a collective inside their evaluation for rank 2, silent since 11m (it died "
              "inside it). Near misses: 'eval-old', the same but rank 2 silent since 5m, "
              "before the evaluation opened (an earlier attempt's rank is no peer of it); "
              "'ckpt-wait', whose rank 2 writes "
@@ -644,7 +644,7 @@ def alert_cases() -> list[Case]:
                               ("2", "torch.distributed.all_gather"))},
               **{k: v for r in "01" for k, v in live_rank(
                   "eval-dead", r, phase_from=10, phase="evaluation").items()},
-              **live_rank("eval-dead", "2", silent_from=10),
+              **live_rank("eval-dead", "2", phase_from=10, phase="evaluation", silent_from=11),
               # the near miss: rank 2 of 'eval-old' went silent at 5m, before the evaluation
               **{k: v for r in "01" for k, v in live_rank(
                   "eval-old", r, phase_from=10, phase="evaluation").items()},

@@ -293,7 +293,8 @@ def _v(x: float | None, op: str, threshold: float) -> bool:
     """``x op threshold`` where ``x`` is known."""
     if x is None:
         return False
-    return {">=": x >= threshold, "<": x < threshold, ">": x > threshold}[op]
+    return {">=": x >= threshold, "<=": x <= threshold, "<": x < threshold,
+            ">": x > threshold}[op]
 
 
 # --- faults: the GPU, or the exporter's view of it, is broken ------------------------------
