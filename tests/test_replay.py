@@ -93,6 +93,12 @@ def test_the_harness_records_a_scenario_that_replays_to_its_alerts(tmp_path):
         # (the recording's mean under the windows that reached the line: 80 % seen)
         assert cpu > 0.7, f"CPUPreprocessingBound fired with the host CPUs {cpu:.0%} busy"
         scenario = replace(scenario, silent=scenario.silent - {"CPUPreprocessingBound"})
+    if "GpuTrainStepTimeStalls" in fired:
+        # a trainer starved of CPU by the suite beside it really stalls (steps over three
+        # times the median, a tenth of the wall time: a fresh-clone CI run, 99 % busy,
+        # 2026-11-29); only on a saturated host
+        assert cpu > 0.9, f"StepTimeStalls fired with the host CPUs {cpu:.0%} busy"
+        scenario = replace(scenario, silent=scenario.silent - {"StepTimeStalls"})
     stale = stale_in_judged_span(recording, WARMUP)
     if stale and not fired:
         # A box so loaded that the daemon's own sampler fell more than the stale line behind
