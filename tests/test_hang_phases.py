@@ -141,7 +141,7 @@ def test_ranks_waiting_inside_their_evaluation_for_a_frozen_peer_are_hung(daemon
 
 def test_a_validation_nobody_declared_is_an_evaluation_the_others_wait_for(daemon_factory,
                                                                          tmp_path):
-    """A hand-written loop: after 2,000 steps rank 2 validates for 75 s (``model.eval()``,
+    """A hand-written loop: after 2,000 steps rank 2 validates for 80 s (``model.eval()``,
     forward passes, no phase declared) while ranks 0 and 1 wait for it at a barrier. The
     client watches the model (``watch_communication``) and pushes rank 2 as in an evaluation
     from the first push that sees it in ``eval()``: past the hang limit the others read
@@ -150,13 +150,13 @@ def test_a_validation_nobody_declared_is_an_evaluation_the_others_wait_for(daemo
     test_hangs.py.)"""
     d = ceiling_daemon(daemon_factory, tmp_path)
     job = Job(tmp_path, "val-own", [d.ingest_url] * 3, "--block", "eval-undeclared",
-              "--block-rank", "2", "--block-after", "2000", "--block-seconds", "75")
+              "--block-rank", "2", "--block-after", "2000", "--block-seconds", "80")
 
     def validating() -> dict | None:
         card = run_of(d, "val-own")
         ranks = {r["rank"]: r for r in card["ranks"]} if card else {}
         return card if ranks.get("2", {}).get("phase_in_progress", {}).get(
-            "evaluation", 0) > 55 else None
+            "evaluation", 0) > 62 else None  # past the limit and the floor
 
     try:
         card = wait_until(validating, timeout=180, interval=1,
