@@ -122,13 +122,17 @@ _NAME = r"(^|\.)"  # a Python function's last name begins here
 _EVAL = r"(?i)(^|\.)_?(\w+_)?(eval|evaluate|evaluation|validate|validation|val|test|predict" \
         r"|prediction)(_\w+)?$"
 
+# DDP's backward waiting for its buckets' all-reduces: a row of RULES, and how a function label
+# read back names DDP's gradient all-reduce (collective_named)
+_DDP_WAIT = Rule("collective", "native", r"c10d::Reducer::finalize_backward",
+                 collective=DDP_GRADIENT, tell=3)
+
 # Tried in order for each frame, innermost frame first; the first row that matches a frame
 # is that frame's. Computing rows are hints; every other row decides.
 RULES: tuple[Rule, ...] = (
     # -- waits for peers ------------------------------------------------------------------
     # DDP's backward waits here for its buckets' all-reduces (only a --native dump shows it)
-    Rule("collective", "native", r"c10d::Reducer::finalize_backward", collective=DDP_GRADIENT,
-         tell=3),
+    _DDP_WAIT,
     # a collective's handle waited on (Work::wait under dist.all_reduce, barrier, ...)
     Rule("collective", "native", r"^c10d::(\w+::)*\w*Work\w*::(wait|synchronize)\b"),
     # the process group's own call of a collective
@@ -228,14 +232,18 @@ def collective_named(function: str) -> str | None:
     """The collective a waiting rank's telling function names (as :func:`classify` reported
     it, a ``function`` label read back): DDP's gradient all-reduce, ``barrier``,
     ``all_gather``, ...; None where the name tells none (a ``Work::wait``, a rendezvous)."""
-    if RULES[0].patterns[0].search(function):  # c10d::Reducer::finalize_backward
-        return RULES[0].collective
-    return _collective(Rule("collective", "native", collective="*"), function)
+    if _DDP_WAIT.patterns[0].search(function):
+        return _DDP_WAIT.collective
+    return _named(function)
 
 
 def _collective(rule: Rule, shown: str) -> str | None:
-    if rule.collective != "*":
-        return rule.collective
+    return _named(shown) if rule.collective == "*" else rule.collective
+
+
+def _named(shown: str) -> str | None:
+    """The collective a function's last name holds (``c10d::ProcessGroupGloo::allreduce``,
+    ``all_gather_into_tensor``), or None."""
     squashed = shown.rsplit("::", 1)[-1].rsplit(".", 1)[-1].lower().replace("_", "")
     return next((c for c in COLLECTIVES if c.replace("_", "") in squashed), None)
 

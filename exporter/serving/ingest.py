@@ -639,7 +639,7 @@ class IngestStore:
         stale = [k for k, st in self._states.items() if st.expires_at <= now]
         # the runs with a rank that still runs: a rank of one that finished first is kept (its
         # end alone) while they may wait for it in a collective (uneven inputs)
-        running = {st.run for k, st in self._states.items()
+        running = {st.run for st in self._states.values()
                    if st.exit_reason is None and st.expires_at > now}
         for k in stale:
             st = self._states.pop(k)
