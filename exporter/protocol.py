@@ -36,6 +36,12 @@ OUTSIDE_STEP_PHASES = frozenset({LOADER_START_PHASE, EVALUATION_PHASE, "checkpoi
 CLEAN_EXITS = ("closed", "completed")
 FAILED_EXITS = ("exception", "signal")
 EXIT_REASONS = (*CLEAN_EXITS, "exited", *FAILED_EXITS)
+# ... and one the daemon sees, never pushed: the process it saw run is gone without a goodbye,
+# so no handler of its ran (SIGKILL, the OOM killer, an abort such as NCCL's watchdog's, a
+# crash in native code, os._exit): a failure
+KILLED_EXIT = "killed"
+# its detail where the kernel's OOM killer killed a process on the node while it died
+OOM_KILLED = "OOMKilled"
 # the longest a time-like field may say (seconds): a year; a real clock meets it
 MAX_SECONDS = 366 * 86400.0
 # a Unix time a client sends is within this of the daemon's clock (ten years: a clock that far

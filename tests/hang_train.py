@@ -37,6 +37,9 @@ its peers go on into the gradient all-reduce and wait there:
   DataLoader whose start hangs), while its peers go on into their epoch's first all-reduce;
   ``--block-rank -1`` blocks every rank's start (for ``--block-seconds``): none waits for
   another;
+- ``oom``: once the file ``allocate`` exists in ``--out``, the blocking rank allocates memory
+  (64 MiB at a time, written) until the kernel's OOM killer kills it (run it inside a memory
+  cgroup's limit);
 - ``none``: no rank blocks.
 
 ``--timeout`` sets the process group's collective timeout in seconds (gloo's stands in for
@@ -133,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block", choices=("none", "data", "checkpoint", "checkpoint-phase",
                                        "freeze", "slow-start", "freeze-before", "prepare",
                                        "loader-start", "phase-collective", "phase-freeze",
-                                       "eval-undeclared"),
+                                       "eval-undeclared", "oom"),
                    default="none")
     p.add_argument("--block-rank", type=int, default=3)
     p.add_argument("--block-after", type=int, default=200)
@@ -220,6 +223,10 @@ def main(argv: list[str] | None = None) -> None:
                 if blocks:
                     validate(model, a.block_seconds)
                 dist.barrier()  # the others wait for its validation
+            if blocks and a.block == "oom" and (Path(a.out) / "allocate").exists():
+                hog = []
+                while True:  # until the OOM killer ends the process: no handler runs
+                    hog.append(b"\x01" * (64 << 20))
             if done == a.block_after and a.block == "phase-freeze":
                 evaluate(monitor, blocks, a.block_seconds)
             if done == a.block_after and a.block == "checkpoint-phase":

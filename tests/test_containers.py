@@ -161,6 +161,32 @@ def test_a_containerised_trainers_gpu_share_is_its_own_and_no_gpu_is_shared(daem
         client.wait()
 
 
+def test_a_contained_rank_killed_outright_reads_failed_killed(daemon_factory):
+    """The daemon on the host, the trainer in its own PID namespace (it pushes pid 1 and its
+    start time): the daemon finds its host pid by NSpid and start time, and when the trainer
+    is killed (SIGKILL, as the OOM killer kills: no goodbye) it reads failed, killed, within
+    a cycle or two, not silent for a minute and vanished after two."""
+    d = daemon_factory("--gpu.backend=demo", "--demo.gpus=1", "--sampler.interval=0.2")
+    client = contained_client("boxed-kill", d.ingest_url)
+    try:
+        mine = {"run": "boxed-kill", "rank": "0"}
+        # its busy seconds on the GPU: the sampler's cycles have seen it for over a second,
+        # so the daemon has looked for its process (once a second) while it ran
+        wait_until(lambda: (sample_value(d.metrics(), "gputrain_training_gpu_busy_seconds_total",
+                                         {**mine, "gpu": "0"}) or 0) > 1.5,
+                   timeout=60, what="the contained rank's busy seconds")
+        (trainer,) = psutil.Process(client.pid).children()
+        assert read_process(trainer.pid).ns_pid == 1  # the pid it pushes is not its host pid
+        trainer.kill()
+        wait_until(lambda: sample_value(d.metrics(), "gputrain_training_exit_info",
+                                        {**mine, "reason": "killed", "detail": ""}) == 1.0,
+                   timeout=30, what=lambda: f"rank 0 killed: {d.log_text()[-800:]}")
+        assert sample_value(d.metrics(), "gputrain_training_failed", mine) == 1.0
+    finally:
+        client.kill()
+        client.wait()
+
+
 def test_a_daemon_that_cannot_read_the_hosts_processes_says_so_and_claims_no_share(
         daemon_factory):
     """The daemon in a PID namespace of its own (no hostPID): NVML's host pid of the trainer

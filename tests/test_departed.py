@@ -9,6 +9,8 @@ through the daemon's own ingest, history and status document."""
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -29,10 +31,10 @@ TTL, DEAD_TTL = 600.0, 3600.0
 class Node:
     """A daemon's ingest, history and page on one fake clock (unix = monotonic + 1e9)."""
 
-    def __init__(self, dead_ttl: float = DEAD_TTL) -> None:
+    def __init__(self, dead_ttl: float = DEAD_TTL, proc: str = "/proc") -> None:
         self.now = 1000.0
         self.store = IngestStore(ttl=TTL, dead_ttl=dead_ttl, clock=lambda: self.now,
-                                 wall_clock=lambda: self.now + 1e9)
+                                 wall_clock=lambda: self.now + 1e9, proc=proc)
         self.history = History(window=300.0, point_seconds=5.0, instance="n1",
                                clock=lambda: self.now)
         self.views = Attribution()
@@ -57,7 +59,9 @@ class Node:
             self.observe()
 
     def observe(self) -> None:
+        """One sampler cycle, as Attribution.follow runs it: the dead reaped, then joined."""
         self.cycle += 1
+        self.store.reap()
         self.history.observe(self.views.update(
             Snapshot(self.cycle, self.now + 1e9, "test", ""), self.store.states(),
             self.store.departed()))
@@ -197,3 +201,131 @@ def test_a_run_that_failed_is_told_by_its_first_failure_not_the_launchers_sigter
     failed = run["verdicts"][0]
     assert failed["verdict"] == "failed" and failed["ranks"] == ["0", "1", "2"]
     assert "RuntimeError" in failed["reason"] and "SIGTERM" not in failed["reason"], failed
+
+
+class Proc:
+    """A /proc of fixture files: processes (their state and start time) and the node's OOM
+    kill count (/proc/vmstat)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.oom(0)
+
+    def run(self, pid: int, start: int = 4242, state: str = "S") -> None:
+        (self.root / str(pid)).mkdir(exist_ok=True)
+        (self.root / str(pid) / "stat").write_text(
+            f"{pid} (python3 train.py) {state} " + "1 " * 18 + f"{start} 0 0\n")
+
+    def end(self, pid: int) -> None:
+        shutil.rmtree(self.root / str(pid))
+
+    def oom(self, kills: int) -> None:
+        (self.root / "vmstat").write_text(f"nr_free_pages 1000\noom_kill {kills}\npgfault 9\n")
+
+
+def _pid(rank: str) -> dict:
+    return {"process": {"pid": 100 + int(rank), "start_time": 4242}}
+
+
+def test_a_rank_whose_process_is_gone_without_a_goodbye_reads_failed_killed_at_once(tmp_path):
+    """SIGKILL, an abort (NCCL's watchdog), a segfault: no handler of the process runs, no
+    goodbye comes. Where the daemon has seen the process in its /proc, it finds it gone at its
+    next cycle: failed, reason killed, on /metrics (so GpuTrainRunFailed fires), on the page,
+    and the run is told by it, not by the SIGTERM its launcher sends the others after."""
+    proc = Proc(tmp_path)
+    node = Node(proc=str(tmp_path))
+    for r in ("0", "1", "2"):
+        proc.run(100 + int(r))
+    for _ in range(60):
+        node.now += 5.0
+        for r in ("0", "1", "2"):
+            node.push(r, **_pid(r))
+        node.observe()
+    proc.end(102)
+    node.now += 1.0
+    node.observe()
+    assert node.value("gputrain_training_failed", "2") == 1
+    assert node.value("gputrain_training_exit_info", "2", reason="killed", detail="") == 1
+    ranks = {r["rank"]: r for r in node.page()["runs"][0]["ranks"]}
+    assert ranks["2"]["verdict"] == "failed", ranks["2"]
+    assert "without a goodbye" in ranks["2"]["reason"] and "OOM" not in ranks["2"]["reason"]
+    assert ranks["0"]["verdict"] != "failed"
+    node.now += 4.0  # torchrun ends the others
+    for r in ("0", "1"):
+        node.push(r, goodbye=True, exit_reason="signal", exit_detail="SIGTERM", **_pid(r))
+        proc.end(100 + int(r))
+    node.observe()
+    (run,) = node.page()["runs"]
+    assert run["verdicts"][0]["verdict"] == "failed"
+    assert "without a goodbye" in run["verdicts"][0]["reason"], run["verdicts"][0]
+    assert node.value("gputrain_training_exit_info", "0", reason="signal",
+                      detail="SIGTERM") == 1  # their own word stands
+
+
+def test_a_rank_killed_by_the_oom_killer_is_said_so(tmp_path):
+    """The node's OOM kill count (/proc/vmstat oom_kill, a cgroup limit's kills included)
+    grew between the rank's last push and its death: OOMKilled. A kill before its last push
+    (another process, earlier) is no evidence."""
+    proc = Proc(tmp_path)
+    node = Node(proc=str(tmp_path))
+    proc.run(100), proc.run(101)
+    for _ in range(12):
+        node.now += 5.0
+        node.push("0", **_pid("0")), node.push("1", **_pid("1"))
+        node.observe()
+    proc.oom(3)  # an earlier kill: rank 1 pushes after it, then dies
+    node.now += 5.0
+    node.push("0", **_pid("0")), node.push("1", **_pid("1"))
+    node.observe()
+    proc.end(101)
+    node.now += 2.0
+    node.observe()
+    assert node.value("gputrain_training_exit_info", "1", reason="killed", detail="") == 1
+    node.now += 3.0
+    node.push("0", **_pid("0"))
+    node.observe()
+    proc.oom(4)
+    proc.end(100)
+    node.now += 1.0
+    node.observe()
+    assert node.value("gputrain_training_exit_info", "0", reason="killed",
+                      detail="OOMKilled") == 1
+    ranks = {r["rank"]: r for r in node.page()["runs"][0]["ranks"]}
+    assert "OOM killer" in ranks["0"]["reason"] and "OOM" not in ranks["1"]["reason"]
+
+
+def test_a_process_the_daemon_never_saw_a_stopped_one_or_one_that_said_goodbye_is_no_kill(
+        tmp_path):
+    """Near misses. A pid the daemon never found with its start time (another PID namespace:
+    a daemon without hostPID) is judged by its pushes alone, as before; a stopped process (T)
+    lives; a goodbye is the process's own word; a pid the daemon saw is not taken for another
+    process that now holds it (a new start time) ... which is a death."""
+    proc = Proc(tmp_path)
+    node = Node(proc=str(tmp_path))
+    proc.run(100, start=999)  # rank 0's pid here is another process's (another namespace)
+    proc.run(101)
+    proc.run(102)
+    for _ in range(12):
+        node.now += 5.0
+        for r in ("0", "1", "2"):
+            node.push(r, **_pid(r))
+        node.observe()
+    proc.end(100)
+    proc.run(101, state="T")  # SIGSTOP
+    node.now += 5.0
+    node.push("2", goodbye=True, exit_reason="completed", **_pid("2"))
+    proc.end(102)
+    node.observe()
+    for r in ("0", "1"):
+        assert node.value("gputrain_training_failed", r) == 0, r
+    assert node.value("gputrain_training_finished", "2") == 1
+    ranks = {r["rank"]: r["verdict"] for r in node.page()["runs"][0]["ranks"]}
+    assert ranks["1"] != "failed" and ranks["2"] == "finished", ranks
+    proc.run(101, start=5000)  # its pid reused by a new process: rank 1's is gone
+    proc.run(103, state="Z")  # ... and a process that died unreaped (a zombie) is dead
+    node.push("3", **_pid("3"))  # (found once, running, before it died)
+    node.observe()
+    node.now += 1.0
+    node.observe()
+    assert node.value("gputrain_training_exit_info", "1", reason="killed", detail="") == 1
+    assert node.value("gputrain_training_failed", "3") == 0  # never seen running

@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,7 @@ from conftest import (
     Prometheus,
     Webhook,
     require_module,
+    sample_value,
     stop_all,
     wait_until,
 )
@@ -55,9 +57,11 @@ def exporter(*args: str) -> subprocess.CompletedProcess:
 
 class Job:
     """The ranks of one run, a process each as torchrun starts them, rank r pushing to
-    ``endpoints[r]``; ``args`` are hang_train.py's flags."""
+    ``endpoints[r]``; ``args`` are hang_train.py's flags; ``preexec_fn`` runs in each before
+    it execs (joins a cgroup)."""
 
-    def __init__(self, tmp: Path, run: str, endpoints: list[str], *args: str) -> None:
+    def __init__(self, tmp: Path, run: str, endpoints: list[str], *args: str,
+                 preexec_fn: Callable[[], object] | None = None) -> None:
         self.run, self.out = run, tmp / run
         self.out.mkdir()
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
@@ -66,7 +70,8 @@ class Job:
         self.procs = [subprocess.Popen(
             [sys.executable, str(HANG_TRAIN), "--rank", str(r), "--world", str(len(endpoints)),
              "--endpoint", url, "--run", run, "--out", str(self.out), *args],
-            cwd=ROOT, env=env, stdout=self.logs[r], stderr=subprocess.STDOUT)
+            cwd=ROOT, env=env, stdout=self.logs[r], stderr=subprocess.STDOUT,
+            preexec_fn=preexec_fn)
             for r, url in enumerate(endpoints)]
 
     def log(self, rank: int) -> str:
@@ -240,6 +245,60 @@ def test_a_collectives_timeout_ends_the_waiting_ranks_as_failed_never_finished(c
                  and 'run="hang-timeout"' in line]
         assert over and count and [x.split()[-1] for x in over] == \
             [x.split()[-1] for x in count], (over, count)
+    finally:
+        job.stop()
+
+
+def test_a_rank_killed_outright_reads_failed_at_once_and_tells_its_runs_failure(cluster):
+    """Rank 3 of 'killed' is killed (SIGKILL: as the OOM killer, an abort by NCCL's watchdog
+    or a segfault, no handler runs, no goodbye comes). Its node's daemon finds its process
+    gone from /proc at its next cycle: failed, reason killed, on the status API, /metrics and
+    in Prometheus, where GpuTrainRunFailed fires for it, and diagnose says so. Its peers'
+    collectives then fail (gloo sees the closed connection; NCCL would wait for its watchdog)
+    and end by their exceptions, their own word: the run is told by rank 3, which died
+    first, not by what its death did to the others."""
+    _, b = cluster["nodes"]
+    prom, run = cluster["prom"], "killed"
+    job = Job(cluster["tmp"], run, two_nodes(cluster))
+    try:
+        wait_until(lambda: (sample_value(b.metrics(), "gputrain_training_steps_total",
+                                         {"run": run, "rank": "3"}) or 0) > 20,
+                   timeout=180, interval=1, what="rank 3 stepping")
+        job.procs[3].kill()
+
+        def dead() -> dict | None:
+            card = run_of(b, run)
+            ranks = {r["rank"]: r for r in card["ranks"]} if card else {}
+            return ranks if ranks.get("3", {}).get("exit_reason") == "killed" else None
+
+        ranks = wait_until(dead, timeout=60, interval=1,
+                           what=f"rank 3 failed, killed ({run_of(b, run)})")
+        assert ranks["3"]["failed"] and ranks["3"]["verdict"] == "failed", ranks["3"]
+        assert "without a goodbye" in ranks["3"]["reason"], ranks["3"]
+        assert job.procs[2].wait(timeout=120) != 0  # its collective failed
+        card = wait_until(lambda: (c := run_of(b, run)) and all(
+            r["failed"] for r in c["ranks"]) and c, timeout=60, interval=1,
+            what=f"rank 2's failure on node b ({run_of(b, run)})")
+        ranks = {r["rank"]: r for r in card["ranks"]}
+        assert ranks["2"]["exit_reason"] == "exception", ranks["2"]
+        lead = card["verdicts"][0]
+        assert lead["verdict"] == "failed" and "without a goodbye" in lead["reason"], lead
+
+        wait_until(lambda: [a for a in firing(prom, "GpuTrainRunFailed", run)
+                            if a["metric"].get("rank") == "3"],
+                   timeout=120, interval=1, what="GpuTrainRunFailed firing for rank 3")
+        assert prom.query(f'gputrain_training_exit_info{{run="{run}",rank="3",'
+                          'reason="killed"}'), "the killed end in Prometheus"
+
+        def diagnosed() -> dict | None:
+            out = exporter("diagnose", "--prometheus", prom.url, "--run", run, "--json")
+            ranks = {r["rank"]: r for r in json.loads(out.stdout)["ranks"]} \
+                if out.stdout else {}
+            three = ranks.get("3")
+            return three if three and three["verdict"] == "failed" else None
+
+        three = wait_until(diagnosed, timeout=60, interval=2, what="diagnose: rank 3 failed")
+        assert "without a goodbye" in three["reason"], three
     finally:
         job.stop()
 

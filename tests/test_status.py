@@ -653,10 +653,12 @@ def test_top_without_rich_says_how_to_get_it(monkeypatch, capsys):
 
 
 def test_a_killed_run_says_it_stopped_and_a_closed_one_finished(daemon_factory, tmp_path):
-    """A run killed with SIGKILL (no goodbye) turns from its red input-bound card to a grey
-    "stopped without finishing", on the API and in `top`; one ended by SIGTERM says so with
-    its goodbye and reads failed, never finished; a run that closes cleanly is finished, never
-    red; a run still pushing beside them is still judged on its steps."""
+    """A run killed with SIGKILL (no goodbye) turns from its red input-bound card to failed,
+    "ended by a death without a goodbye" (the daemon saw its process and sees it gone), on the
+    API and in `top`; one ended by SIGTERM says so with its goodbye and reads failed, never
+    finished; a run that closes cleanly is finished, never red; a run still pushing beside
+    them is still judged on its steps. (A run whose process the daemon cannot see reads
+    vanished once silent: test_departed.py, test_rules.py's cases.)"""
     cfg = tmp_path / "thresholds.yml"
     cfg.write_text("thresholds:\n  vanished_seconds: 6\n")
     # every demo GPU idle, as a starved loader leaves its GPU
@@ -691,14 +693,14 @@ def test_a_killed_run_says_it_stopped_and_a_closed_one_finished(daemon_factory, 
         assert failed["verdicts"][0]["verdict"] == "failed"
         assert "SIGTERM" in failed["verdicts"][0]["reason"]
         assert failed["ranks"][0]["finished"] is False
-        card = wait_until(lambda: judged("killed", "stopped"), timeout=60,
-                          what="the killed run shown as stopped")
+        card = wait_until(lambda: judged("killed", "failed"), timeout=60,
+                          what="the killed run shown as failed")
         verdict = card["verdicts"][0]
-        assert verdict["verdict"] == "vanished"
-        assert verdict["reason"].startswith("stopped without finishing")
-        assert verdict["advice"] == BY_VERDICT["vanished"].advice
-        assert verdict["also"] == []  # nothing is judged of a run that is gone
-        assert card["ranks"][0]["pushing"] is False
+        assert verdict["verdict"] == "failed"
+        assert verdict["reason"].startswith("ended by a death without a goodbye"), verdict
+        assert verdict["advice"] == BY_VERDICT["failed"].KILLED_ADVICE
+        assert card["ranks"][0]["exit_reason"] == "killed"
+        assert card["ranks"][0]["finished"] is False
 
         now = runs()
         done = now["done"]
@@ -713,7 +715,7 @@ def test_a_killed_run_says_it_stopped_and_a_closed_one_finished(daemon_factory, 
                              timeout=60, env={"PATH": "/usr/bin:/bin", "COLUMNS": "120",
                                               "PYTHONPATH": str(ROOT)})
         assert out.returncode == 0, out.stderr
-        assert "stopped without finishing" in out.stdout
+        assert "a death without a goodbye" in " ".join(out.stdout.split()), out.stdout
     finally:
         for c in clients.values():
             c.kill()

@@ -63,7 +63,13 @@ from exporter.heuristics.readings import (
     stale_collectors,
 )
 from exporter.heuristics.stalls import SLOW_STEP_FACTOR
-from exporter.protocol import DEFAULT_METRICS_PORT, LOADER_START_PHASE, OUTSIDE_STEP_PHASES
+from exporter.protocol import (
+    DEFAULT_METRICS_PORT,
+    KILLED_EXIT,
+    LOADER_START_PHASE,
+    OOM_KILLED,
+    OUTSIDE_STEP_PHASES,
+)
 from exporter.reading.sampler import LOST_GPU_RETRY_SECONDS
 
 
@@ -1044,7 +1050,8 @@ class RunFailed(Heuristic):
     alert, verdict, kind, scope, level = ("GpuTrainRunFailed", "failed", "state", "run",
                                           "global")
     severity, for_ = "critical", "0m"
-    summary = "A training run failed: a rank's process ended by an exception or a signal."
+    summary = ("A training run failed: a rank's process ended by an exception or a signal, or "
+               "died without a goodbye.")
     advice = ("Read the failure the rank names (the job's log has its traceback: a "
               "collective's timeout, an out-of-memory, a CUDA error), fix it, and resume from "
               "the last checkpoint. A SIGTERM is the scheduler's (a preemption or a time "
@@ -1052,14 +1059,31 @@ class RunFailed(Heuristic):
               "(torchrun: read the rank that failed first). A rank that timed out in a "
               "collective often waited for another: read where its peers were when the run "
               "hung.")
-    fires_when = "a rank's client said its process ended by an exception or a signal"
+    KILLED_ADVICE = ("The process was killed outright, so the job's log ends without a "
+                     "traceback: read the node's kernel log (`journalctl -k`, `dmesg`: an OOM "
+                     "kill or a segfault names the process) and the scheduler's record "
+                     "(Kubernetes: the pod's last state; Slurm: `sacct`'s State and ExitCode; "
+                     "an abort by NCCL's watchdog leaves its timeout in the job's log), fix "
+                     "it, and resume from the last checkpoint.")
+    OOM_ADVICE = ("The kernel's OOM killer ended it: the node's memory, or its container's "
+                  "limit, ran out (`journalctl -k` names the kill). Give the job more host "
+                  "memory, or use less: fewer DataLoader workers or a smaller "
+                  "prefetch_factor, a data set memory-mapped rather than copied into each "
+                  "worker; then resume from the last checkpoint.")
+    fires_when = ("a rank's client said its process ended by an exception or a signal, or the "
+                  "exporter saw its process die without a goodbye")
     why = ("The client tells a clean end (the user's close(), the loop run out, a normal "
            "exit) from a failure (an exception nobody caught, which includes a collective's "
            "timeout; a SIGTERM or SIGHUP): a failed rank is never \"finished\". The exporter "
            "says which exception or signal ended it (`gputrain_training_exit_info`) for "
            "--ingest.ttl (10 m) with its counters, then for --ingest.dead-ttl (1 h by "
            "default) with its end alone: the alert holds on that long. A process killed outright "
-           "(SIGKILL, the OOM killer) says nothing: it is `GpuTrainRunVanished`.")
+           "(SIGKILL, the OOM killer, an abort such as NCCL's watchdog's, a crash in native "
+           "code) says nothing; where the exporter has seen it run in its own /proc (the same "
+           "PID namespace: a daemon on the node's host, or with hostPID) it finds it gone "
+           "within a second and calls it failed, reason `killed`, detail `OOMKilled` where the "
+           "node's OOM kill count grew since its last push. A process it cannot see is "
+           "`GpuTrainRunVanished` once its pushes stop.")
     confirm = ("gputrain_training_failed", "gputrain_training_exit_info")
     panel = 'GpuTrain / Run, "Samples per second" falls to zero.'
     profile, stepping = False, False
@@ -1073,6 +1097,11 @@ class RunFailed(Heuristic):
             $labels.run $labels.rank | query }}}}: {{{{ .Labels.reason }}}}
             {{{{ .Labels.detail }}}}{{{{ end }}}}.""")]
 
+    def advice_for(self, r: RankReport) -> str:
+        if KILLED_EXIT in r.exit:
+            return self.OOM_ADVICE if r.exit_detail == OOM_KILLED else self.KILLED_ADVICE
+        return self.advice
+
     def holds_run(self, ranks: list[RankReport], t: dict[str, float]) -> dict[int, str]:
         return {id(r): f"ended by {failure_text(r)}" for r in ranks if r.failed}
 
@@ -1080,6 +1109,12 @@ class RunFailed(Heuristic):
 def failure_text(r: RankReport) -> str:
     """How a failed rank ended, in words: ``an exception (RuntimeError)``."""
     reason = next(iter(r.exit), "a failure")
+    if reason == KILLED_EXIT:
+        if r.exit_detail == OOM_KILLED:
+            return ("the OOM killer, OOMKilled: its process died without a goodbye as the "
+                    "node's OOM kill count grew")
+        return ("a death without a goodbye: its process is gone (SIGKILL, an abort such as "
+                "NCCL's watchdog's, a crash in native code, os._exit)")
     what = {"exception": "an exception", "signal": "a signal"}.get(reason, reason)
     return f"{what} ({r.exit_detail})" if r.exit_detail else what
 

@@ -90,3 +90,17 @@ def find_host_pid(ns_pid: int, start_ticks: int, proc: str | Path = "/proc") -> 
         if p is not None and p.ns_pid == ns_pid:
             return p.pid
     return None
+
+
+def read_oom_kills(proc: str | Path = "/proc") -> int | None:
+    """How many processes the kernel's OOM killer has killed since boot, on the whole node
+    (``oom_kill`` of ``/proc/vmstat``: a kill inside a cgroup's limit counts too), or None
+    where the kernel does not say (before 4.13)."""
+    try:
+        with open(Path(proc) / "vmstat", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -343,9 +343,12 @@ class Attribution:
         return view
 
     def follow(self, sampler: Sampler, store: IngestStore | None) -> None:
-        """Build a view after each of ``sampler``'s cycles, with ``store``'s live ranks; before
-        any other listener of the sampler runs."""
+        """Build a view after each of ``sampler``'s cycles, with ``store``'s live ranks (those
+        whose process died without a goodbye marked so first: :meth:`IngestStore.reap`);
+        before any other listener of the sampler runs."""
         def cycle() -> None:
+            if store is not None:
+                store.reap()
             self.update(sampler.snapshot, store.states() if store is not None else (),
                         store.departed() if store is not None else ())
 

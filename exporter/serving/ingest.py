@@ -13,8 +13,9 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from typing import Any
 
@@ -26,6 +27,7 @@ from exporter.protocol import (
     FAILED_EXITS,
     FLOPS_SLACK_SECONDS,
     GPU_REF_RE,
+    KILLED_EXIT,
     MAX_BUCKETS,
     MAX_CLOCK_OFFSET_SECONDS,
     MAX_GPU_FLOPS,
@@ -34,6 +36,7 @@ from exporter.protocol import (
     MAX_PHASE_NAME_LENGTH,
     MAX_PHASES,
     NAME_RE,
+    OOM_KILLED,
     PROCESS_FIELDS,
     PUSH_FIELDS,
     RUN_ID_RE,
@@ -46,7 +49,7 @@ from exporter.protocol import (
     number,
     read_scalars,
 )
-from exporter.reading.host_processes import read_state
+from exporter.reading.host_processes import find_host_pid, read_oom_kills, read_state
 from exporter.serving.profiles import ProfileBoard, parse_report, parse_stacks_report
 
 MAX_CAPABILITIES = 8
@@ -54,6 +57,8 @@ log = logging.getLogger(__name__)
 GOODBYE_GRACE_SECONDS = 60.0  # a finished rank's final totals stay this long, for one more scrape
 FORMER_RUN_IDS = 4  # run_ids a (run, rank) had before its current one, remembered
 DEAD_TTL_SECONDS = 3600.0  # a rank that ended without a clean close is reported this long after
+REAP_SECONDS = 1.0  # the ranks' processes are looked for in /proc at most this often
+OOM_CHANGES = 64  # the last changes of the node's OOM kill count kept, (time, count)
 
 # the totals that only grow within one run_id: the required ones; those only where the
 # client sends them (the communication fields where it measures a DDP model); the process's
@@ -502,6 +507,14 @@ class IngestStore:
         self.listeners: list[Callable[[], None]] = []  # called after every change
         self.profiles = ProfileBoard(self.states, alert_interval, profiled_alerts, clock,
                                      wall_clock, rank_interval, stack_alerts)
+        # the (run, rank)s whose process this daemon has found in its /proc: (its run_id, its
+        # pid here: the one pushed, or the host's for a rank in a container, by its NSpid and
+        # start time). One no longer found there died (reap); one never found may run where
+        # this daemon cannot see (another PID namespace), and is judged by its pushes alone
+        self._seen: dict[tuple[str, str], tuple[str, int]] = {}
+        self._searched: dict[tuple[str, str], str] = {}  # a host pid looked for, by run_id
+        self._reaped = -math.inf
+        self._oom_kills: deque[tuple[float, int]] = deque(maxlen=OOM_CHANGES)
 
     def authorized(self, header: str | None) -> bool:
         """True when no token is configured or the header carries it."""
@@ -590,6 +603,9 @@ class IngestStore:
                     del former[next(iter(former))]
             self._states[key] = new
             self._departed.pop(key, None)  # it lives again: a new process, or a late push
+            if same is None and not goodbye:  # a new process: found in /proc from its first push
+                self._look(new)
+                self._count_oom_kills(new.received_at)
             self._next_expiry = min(self._next_expiry, new.expires_at)
             self.version += 1
         instructions = self.profiles.on_push(new, new.profile_report, new.stacks_report)
@@ -630,6 +646,88 @@ class IngestStore:
         states = [read_state(st.pid, self._proc) for st in (old, new)]  # type: ignore[arg-type]
         return all(s is not None and s[0] not in "ZX" and s[1] == st.start_time
                    for s, st in zip(states, (old, new), strict=True))
+
+    def reap(self) -> list[RankState]:
+        """Mark failed, ``killed``, each rank whose process this daemon found running in its
+        /proc and no longer finds (gone, a zombie, or its pid another process's) while no
+        goodbye came: nothing of it ran to say so (SIGKILL, the OOM killer, an abort such as
+        NCCL's watchdog's, a crash in native code, ``os._exit``). Its detail is ``OOMKilled``
+        where the node's OOM kill count grew since its last push. Called each sampler cycle,
+        it reads /proc at most every REAP_SECONDS; returns the states it marked."""
+        now = self._clock()
+        if now - self._reaped < REAP_SECONDS:
+            return []
+        self._reaped = now
+        with self._lock:
+            watched = [st for st in self._states.values() if st.exit_reason is None
+                       and st.pid is not None and st.start_time is not None]
+        dead = [st for st in watched if not self._look(st, search=True)
+                and self._seen.get((st.run, st.rank), ("",))[0] == st.run_id]
+        marked = []
+        with self._lock:
+            if watched:  # after the processes: a kill that ended one is counted by now
+                self._count_oom_kills(now)
+            for st in dead:
+                key = (st.run, st.rank)
+                if self._states.get(key) is not st:  # a push came meanwhile: its own word
+                    continue
+                detail = OOM_KILLED if self._oom_kills_since(st.received_at) else None
+                self._states[key] = new = replace(st, exit_reason=KILLED_EXIT, failed=True,
+                                                  exit_detail=detail)
+                marked.append(new)
+            for key in [k for k in self._seen if k not in self._states
+                        or self._states[k].exit_reason is not None]:
+                del self._seen[key]
+            for key in [k for k in self._searched if k not in self._states]:
+                del self._searched[key]
+            if marked:
+                self.version += 1
+        for st in marked:
+            log.warning("run %s rank %s: its process (pid %s) is gone without a goodbye%s",
+                        st.run, st.rank, st.pid, ": the kernel's OOM killer killed a process "
+                        "meanwhile" if st.exit_detail else " (killed, or a crash in native code)")
+        if marked:
+            self._changed()
+        return marked
+
+    def _look(self, st: RankState, search: bool = False) -> bool:
+        """The rank's process runs, as this daemon's /proc shows it (its pid here with the
+        start time it pushed, not a zombie): then it is remembered as seen. Its pid here is the
+        pushed one, or, with ``search``, the host pid of the process that calls itself so
+        (a rank in a container, a daemon on the host: a scan of /proc, once per process)."""
+        if st.pid is None or st.start_time is None:
+            return False
+        key = (st.run, st.rank)
+        seen = self._seen.get(key)
+        pid = seen[1] if seen is not None and seen[0] == st.run_id else st.pid
+        state = read_state(pid, self._proc)
+        if state is None or state[1] != st.start_time or state[0] in "ZX":
+            if (seen is not None and seen[0] == st.run_id) or not search or \
+                    self._searched.get(key) == st.run_id:
+                return False
+            self._searched[key] = st.run_id
+            found = find_host_pid(st.pid, st.start_time, self._proc)
+            if found is None:
+                return False
+            pid = found
+        self._seen[key] = (st.run_id, pid)
+        return True
+
+    def _count_oom_kills(self, now: float) -> None:
+        """Note the node's OOM kill count at ``now`` where it changed (under the lock)."""
+        kills = read_oom_kills(self._proc)
+        if kills is not None and (not self._oom_kills or self._oom_kills[-1][1] != kills):
+            self._oom_kills.append((now, kills))
+
+    def _oom_kills_since(self, t: float) -> int:
+        """The node's OOM kills since ``t`` (monotonic), as the reaps saw the count change."""
+        if not self._oom_kills:
+            return 0
+        before = self._oom_kills[0][1]
+        for when, count in self._oom_kills:
+            if when <= t:
+                before = count
+        return self._oom_kills[-1][1] - before
 
     def _expire_locked(self) -> None:
         # A scan of every rank only when one may be due: not on every push and scrape.

@@ -147,12 +147,15 @@ FAMILIES: tuple[Family, ...] = (
            read=lambda st: 1.0 if st.finished else 0.0),
     Family("gputrain_training_failed", "gauge",
            "1 once the rank's process ended by a failure (an uncaught exception, a collective's "
-           "timeout, a signal), else 0; gputrain_training_exit_info says which.",
+           "timeout, a signal, or a death without a goodbye the daemon saw), else 0; "
+           "gputrain_training_exit_info says which.",
            read=lambda st: 1.0 if st.failed else 0.0),
     Family(EXIT_INFO, "gauge",
            "How the rank's process ended, once it said goodbye: reason closed, completed or "
            "exited (clean), exception or signal (a failure), and detail, the exception's type "
-           "or the signal's name; always 1.", ("run", "rank", "reason", "detail")),
+           "or the signal's name; or killed, where the daemon saw its process die without a "
+           "goodbye (detail OOMKilled where the node's OOM kill count grew meanwhile); always "
+           "1.", ("run", "rank", "reason", "detail")),
     Family("gputrain_training_step_in_progress_seconds", "gauge",
            "Seconds the rank's current step has run so far, outside-step phases excluded, by "
            "the daemon's own clock; before its first step, since its process started (outside "
