@@ -203,6 +203,42 @@ def test_a_break_counts_the_step_it_left_with_its_time(tmp_path, receiver, endin
     assert (bye["step_seconds"] >= 1.0) == (reason != "exited")
 
 
+def test_ranks_in_forked_multiprocessing_children_say_goodbye_when_their_target_returns(
+        tmp_path, receiver):
+    """The pattern of PyTorch's distributed tutorial with the fork start method (Linux's
+    default): each rank a ``multiprocessing.Process`` whose target trains (real gloo, a
+    ``wrap()`` loop) and returns. The child then ends by ``os._exit()``, which runs no atexit
+    handler, only multiprocessing's finalizers: without a goodbye the daemon, which sees the
+    process gone, would read each rank killed, its run failed. Each says it completed."""
+    require_module("torch")
+    proc = start(tmp_path, receiver.url, f"""
+        import multiprocessing as mp
+
+        def train(rank):
+            import torch, torch.distributed as dist
+            dist.init_process_group("gloo", init_method="file://{tmp_path}/store",
+                                    rank=rank, world_size=2)
+            m = TrainingMonitor(run="forked", rank=rank, push_interval=60)
+            for x in m.wrap([torch.ones(4)] * 20, batch_size=1):
+                dist.all_reduce(x)
+            dist.destroy_process_group()
+
+        if __name__ == "__main__":
+            ranks = [mp.get_context("fork").Process(target=train, args=(r,)) for r in (0, 1)]
+            for p in ranks:
+                p.start()
+            for p in ranks:
+                p.join()
+            sys.exit(max(p.exitcode for p in ranks))
+    """)
+    rc, err = finish(proc, timeout=120)
+    assert rc == 0, err
+    byes = {b["rank"]: b for b in receiver.bodies if b.get("goodbye")}
+    assert sorted(byes) == ["0", "1"], receiver.bodies
+    for bye in byes.values():
+        assert bye["exit_reason"] == "completed" and bye["steps"] == 20, bye
+
+
 def test_a_keyboard_interrupt_is_an_exception(tmp_path, receiver):
     proc = start(tmp_path, receiver.url, """
         m = TrainingMonitor(run="t", push_interval=60)

@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import logging
 import math
+import multiprocessing.util
 import os
 import signal
 import sys
@@ -397,6 +398,9 @@ class TrainingMonitor:
         ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: _disable_in_child(ref))
         atexit.register(_close_at_exit, ref)
+        # a multiprocessing child started by fork ends by os._exit() once its target returns:
+        # no atexit handler runs there, its finalizers do (the first goodbye wins)
+        multiprocessing.util.Finalize(None, _close_at_exit, args=(ref,), exitpriority=0)
 
     def set_flops_per_sample(self, flops: float | None, precision: str | None = None) -> None:
         """The model FLOPs of one training sample (forward and backward; see
