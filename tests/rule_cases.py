@@ -668,8 +668,12 @@ def alert_cases() -> list[Case]:
               **{sel("gputrain_training_stack_location", run="eval-all", rank=r,
                      location="collective", function="torch.distributed.all_reduce"):
                  "_x64 1x55" for r in "012"}},
+             # ckpt-wait's ranks wait at the barrier 7 minutes for a save that works: no hang,
+             # but the collective's timeout draws near
              [Fire("GpuTrainRunHung", {"run": "eval-hang"}, "3"),
-              Fire("GpuTrainRunHung", {"run": "eval-dead"}, "2")],
+              Fire("GpuTrainRunHung", {"run": "eval-dead"}, "2"),
+              Fire("GpuTrainCollectiveTimeoutRisk", rank("ckpt-wait", "0"), "7m 0s"),
+              Fire("GpuTrainCollectiveTimeoutRisk", rank("ckpt-wait", "1"), "7m 0s")],
              fire_at="17m", quiet_at="14m", quiet_alerts=["GpuTrainRunHung"], interval="15s"),
         Case("GpuTrainRunHung before the first step: both live ranks of 'first-hang' have had "
              "their first step open since 0m and wait in a collective (the exporter's stacks, "
@@ -681,8 +685,33 @@ def alert_cases() -> list[Case]:
               **first_step_rank("first-compile", "0", "collective"),
               **first_step_rank("first-compile", "1", "computing"),
               **first_step_rank("first-unseen", "0"), **first_step_rank("first-unseen", "1")},
-             [Fire("GpuTrainRunHung", {"run": "first-hang"}, "2")],
+             [Fire("GpuTrainRunHung", {"run": "first-hang"}, "2"),
+              # first-compile's rank 0 waits for the compilation: its collective's timeout
+              Fire("GpuTrainCollectiveTimeoutRisk", rank("first-compile"), "7m 0s")],
              fire_at="7m", quiet_at="4m", quiet_alerts=["GpuTrainRunHung"], interval="15s"),
+        Case("GpuTrainCollectiveTimeoutRisk: rank 0 of 'wait-compile' has waited in its first "
+             "step's all-reduce since 0m (its stacks from 5m) while rank 1 compiles: no hang "
+             "(the first step's allowance), but the collective's timeout comes first, said at "
+             "8m, not at 4m (before the 300 s ceiling and the stacks); so has rank 0 of "
+             "'wait-save' at a barrier since 1m, for rank 1's declared checkpoint (its stacks "
+             "in checkpoint I/O). Near misses: every rank of 'eval-sync' in its evaluation, "
+             "each caught in a collective (a phase's own wait), and the working ranks",
+             {**first_step_rank("wait-compile", "0", "collective"),
+              **first_step_rank("wait-compile", "1", "computing"),
+              **live_rank("wait-save", "0", open_from=1, minutes=12),
+              **live_rank("wait-save", "1", phase_from=1, phase="checkpoint", minutes=12),
+              sel("gputrain_training_stack_location", run="wait-save", rank="0",
+                  location="collective", function="torch.distributed.barrier"): "_x20 1x27",
+              sel("gputrain_training_stack_location", run="wait-save", rank="1",
+                  location="checkpoint_io", function="torch.save"): "_x20 1x27",
+              **{k: v for r in "01" for k, v in live_rank(
+                  "eval-sync", r, phase_from=1, phase="evaluation", minutes=12).items()},
+              **{sel("gputrain_training_stack_location", run="eval-sync", rank=r,
+                     location="collective", function="torch.distributed.all_reduce"):
+                 "_x20 1x27" for r in "01"}},
+             [Fire("GpuTrainCollectiveTimeoutRisk", rank("wait-compile"), "8m 0s"),
+              Fire("GpuTrainCollectiveTimeoutRisk", rank("wait-save"), "7m 0s")],
+             fire_at="8m", quiet_at="4m", interval="15s"),
         Case("GpuTrainStalled before the first step: rank 0 of 'warm' has had its first step "
              "open since 0m (compiling, or loading a checkpoint: no stacks place it in a "
              "collective) and 'warm-load' likewise with its stacks in checkpoint I/O: neither "

@@ -75,7 +75,7 @@ def placed(d: Daemon, run: str, hung: bool = False, timeout: float = 30,
 def assert_allowance_kept(d: Daemon, run: str) -> None:
     """Past the ceiling ``d`` took the stacks of ``run``'s three ranks: 0 and 1 wait in a
     collective, rank 2 works (not waiting): the run keeps the first step's allowance, neither
-    hung nor stalled."""
+    hung nor stalled; ranks 0 and 1 are at risk of their collective's timeout."""
     wait_until(lambda: set(hang_profiles(d, run)) == {"0", "1", "2"}, timeout=180,
                interval=1, what=lambda: f"the stacks of run {run}'s ranks ({run_of(d, run)})")
 
@@ -85,6 +85,13 @@ def assert_allowance_kept(d: Daemon, run: str) -> None:
     assert card["status"] != "hung" and card["hang"] is None, card
     assert not {r["verdict"] for r in card["ranks"]} & {"hung", "stalled"}, card["ranks"]
     assert all(r["step_in_progress_seconds"] > 40 for r in card["ranks"]), card["ranks"]
+    # ... but the waiting ranks' collective will time out first (NCCL's watchdog), and the
+    # page says so, naming the rank they wait for
+    ranks = {r["rank"]: r for r in card["ranks"]}
+    for r in ("0", "1"):
+        assert ranks[r]["verdict"] == "timeout-risk", ranks[r]
+        assert "rank 2" in ranks[r]["reason"] and "timeout" in ranks[r]["reason"], ranks[r]
+    assert ranks["2"]["verdict"] != "timeout-risk", ranks["2"]
 
 
 def test_a_frozen_peer_before_the_first_step_is_named_hung_past_the_ceiling(daemon_factory,

@@ -237,7 +237,8 @@ def test_levels_split_the_rules_by_where_they_are_evaluated(fmt):
     node, glob, every = (_rules_of(level, fmt=fmt) for level in ("node", "global", "all"))
     # the alerts that span a run's ranks, and so its nodes
     across = {"GpuTrainStragglerRank", "GpuTrainRunVanished", "GpuTrainCommunicationBound",
-              "GpuTrainRunHung", "GpuTrainRunFailed", "GpuTrainStalled", "GpuTrainRunNameShared"}
+              "GpuTrainRunHung", "GpuTrainRunFailed", "GpuTrainStalled", "GpuTrainRunNameShared",
+              "GpuTrainCollectiveTimeoutRisk"}
     assert {r["alert"] for r in glob} == across
     assert not [r for r in glob if "record" in r]
     assert not across & {r.get("alert") for r in node}

@@ -1037,6 +1037,58 @@ class Stalled(Heuristic):
         return out
 
 
+class CollectiveTimeoutRisk(Heuristic):
+    alert, verdict, kind, scope, level = ("GpuTrainCollectiveTimeoutRisk", "timeout-risk",
+                                          "health", "run", "global")
+    severity, for_ = "warning", "1m"
+    summary = ("A live rank has waited minutes in a collective for a peer that is not hung: "
+               "the collective's timeout will end the job.")
+    advice = ("The peer the rank waits for works in its own code (a compilation, data "
+              "prepared on one rank, an evaluation or a checkpoint on rank 0): when the wait "
+              "reaches the process group's timeout (NCCL's watchdog: 10 minutes by default), "
+              "the job ends. Do that work on every rank or before init_process_group, "
+              "declare it and shorten it, or raise the timeout "
+              "(init_process_group(timeout=timedelta(minutes=...))).")
+    fires_when = ("a live rank outside any phase has had its step in progress over "
+                  "{hung_max_seconds} while its stacks show it waiting in a collective, and "
+                  "its run is not hung (`GpuTrainRunHung`'s condition)")
+    why = ("A rank waiting in a collective for a peer that works (its stacks, which the "
+           "exporter takes once steps or phases pass {hung_max_seconds}, place the peer in "
+           "its own code) is no hang: `GpuTrainRunHung` keeps a first step's allowance for a "
+           "compilation, and a declared phase's for a checkpoint. The collective does not: "
+           "NCCL's watchdog ends the job when a wait reaches the process group's timeout (10 "
+           "minutes by default; gloo's is 30), long before a first step's or a phase's limit "
+           "(`GpuTrainStalled`). Said past {hung_max_seconds}, minutes before that, with the "
+           "rank that holds the others named. A run that is hung is `GpuTrainRunHung` "
+           "instead.")
+    confirm = ("gputrain_training_step_in_progress_seconds",
+               "gputrain_training_stack_location")
+    panel = 'GpuTrain / Run, "Samples per second" at zero while every rank still pushes.'
+    profile, stepping = False, False
+
+    def rules(self, q: Q) -> list[dict]:
+        t, rank = q.t, q.rank
+        phase = series_of("phase_in_progress")
+        hung = RunHung().rules(q)[0]["expr"]  # the run's hang, as its own alert says it
+        return [self.rule(q, "warning", f"""(({OPEN} > {t['hung_max_seconds']}
+              unless on ({rank}) {phase})
+            and on ({rank}) {STACK_WAITING} and on ({rank}) {q.alive})
+            unless on ({q.run}) ({hung})""",
+            f"""{q.who} has waited {{{{ $value | humanizeDuration }}}} in a collective for a
+            peer that works: the collective's timeout will end the job.""")]
+
+    def holds_run(self, ranks: list[RankReport], t: dict[str, float]) -> dict[int, str]:
+        live = [r for r in ranks if alive(r, t)]
+        waits = [r for r in live if not r.phase_in_progress and waiting(r)
+                 and _v(r.step_in_progress, ">", t["hung_max_seconds"])]
+        if not waits or RunHung().holds_run(ranks, t):
+            return {}
+        line = _placed_line(live)
+        return {id(r): (f"waits in a collective, no step for {_ago(r.step_in_progress)}: "
+                        f"{line}; the collective's timeout (NCCL's: 10 min by default) will "
+                        "end the job") for r in waits}
+
+
 def stalled_limit(r: RankReport | None, t: dict[str, float]) -> float:
     """How long a live rank's step may run outside any phase before it is stalled, in
     seconds: ``stalled_seconds``, and before its first step (``r`` None: the rule's case) no
@@ -2396,7 +2448,7 @@ class ClockOffset(Heuristic):
 CATALOGUE: tuple[Heuristic, ...] = (
     GPULost(), XidErrors(), GPUMemoryFault(), CollectorFailing(), ExporterDown(),
     CollectorStale(), RunNameShared(), RunFailed(), RunVanished(), RunRestarting(),
-    RunHung(), Stalled(), GPUShared(), PCIeLinkDegraded(),
+    RunHung(), Stalled(), CollectiveTimeoutRisk(), GPUShared(), PCIeLinkDegraded(),
     CPUQuotaBound(), HostMemoryPressure(), CPUPreprocessingBound(), DiskIOBound(), NetworkInputBound(), InputBound(),
     DataLoaderRestarts(), CommunicationBound(),
     HostToDeviceBound(), HostOverheadBound(), LaunchBound(), TensorCoresIdle(), LowMFU(),
