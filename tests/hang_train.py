@@ -32,6 +32,9 @@ its peers go on into the gradient all-reduce and wait there:
 - ``eval-undeclared``: after ``--block-after`` steps the blocking rank validates its model
   for ``--block-seconds`` (``model.eval()``, forward passes under ``torch.no_grad()``, no
   phase declared), then ``model.train()``, while every other rank waits for it at a barrier;
+- ``prepare-in-step``: in its first step (its first batch in hand) the blocking rank runs its
+  own code for ``--block-seconds`` (a data set prepared) while every other rank waits for it
+  at a barrier there, inside the step;
 - ``loader-start``: after ``--block-after`` steps every rank starts a new epoch (a new
   ``wrap()`` of its DataLoader), and the blocking rank's first fetch of it never returns (a
   DataLoader whose start hangs), while its peers go on into their epoch's first all-reduce;
@@ -42,6 +45,8 @@ its peers go on into the gradient all-reduce and wait there:
   cgroup's limit);
 - ``none``: no rank blocks.
 
+``--first-step-seconds`` makes every rank's first step run its own code that long first (a
+compilation every rank does, after whatever ``--block`` did before it).
 ``--timeout`` sets the process group's collective timeout in seconds (gloo's stands in for
 NCCL's watchdog); when it passes, the waiting ranks' collective raises and their processes end
 by that exception. ``--compile`` trains a ``torch.compile``d model (its first steps compile).
@@ -136,12 +141,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block", choices=("none", "data", "checkpoint", "checkpoint-phase",
                                        "freeze", "slow-start", "freeze-before", "prepare",
                                        "loader-start", "phase-collective", "phase-freeze",
-                                       "eval-undeclared", "oom"),
+                                       "eval-undeclared", "oom", "prepare-in-step"),
                    default="none")
     p.add_argument("--block-rank", type=int, default=3)
     p.add_argument("--block-after", type=int, default=200)
     p.add_argument("--block-seconds", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--first-step-seconds", type=float, default=0.0)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--steps-per-round", type=int, default=50)
     p.add_argument("--until", default="")
@@ -206,6 +212,12 @@ def main(argv: list[str] | None = None) -> None:
                 os.kill(os.getpid(), signal.SIGSTOP)  # inside its first step, pushes and all
             if blocks and a.block == "slow-start" and done == 0:
                 build_kernels(a.block_seconds)
+            if a.block == "prepare-in-step" and done == 0:
+                if blocks:
+                    prepare_data(a.block_seconds)
+                dist.barrier()  # inside the first step: no phase between, no step ends
+            if a.first_step_seconds and done == 0:
+                build_kernels(a.first_step_seconds)
             loss = torch.nn.functional.mse_loss(model(x), y)
             opt.zero_grad()
             loss.backward()

@@ -20,7 +20,7 @@ from exporter.protocol import SCHEMA_VERSION
 from exporter.reading.sampler import Snapshot
 from exporter.serving.attribution import Attribution
 from exporter.serving.history import History
-from exporter.serving.ingest import IngestStore
+from exporter.serving.ingest import CONFIRM_SECONDS, IngestStore
 from exporter.serving.status import StatusView
 from exporter.serving.training import TrainingCollector
 
@@ -227,11 +227,20 @@ def _pid(rank: str) -> dict:
     return {"process": {"pid": 100 + int(rank), "start_time": 4242}}
 
 
+def looks(node: Node, seconds: float = CONFIRM_SECONDS + 1.0) -> None:
+    """The daemon's cycles over ``seconds`` (a second apart) with no push: a process found
+    gone is looked for again, and dead once still gone CONFIRM_SECONDS later."""
+    for _ in range(int(seconds)):
+        node.now += 1.0
+        node.observe()
+
+
 def test_a_rank_whose_process_is_gone_without_a_goodbye_reads_failed_killed_at_once(tmp_path):
     """SIGKILL, an abort (NCCL's watchdog), a segfault: no handler of the process runs, no
     goodbye comes. Where the daemon has seen the process in its /proc, it finds it gone at its
-    next cycle: failed, reason killed, on /metrics (so GpuTrainRunFailed fires), on the page,
-    and the run is told by it, not by the SIGTERM its launcher sends the others after."""
+    next cycle and, still gone a few seconds later (a goodbye may be late), reads it failed,
+    reason killed, on /metrics (so GpuTrainRunFailed fires) and on the page; the run is told
+    by it, not by the SIGTERM its launcher sends the others after."""
     proc = Proc(tmp_path)
     node = Node(proc=str(tmp_path))
     for r in ("0", "1", "2"):
@@ -242,8 +251,9 @@ def test_a_rank_whose_process_is_gone_without_a_goodbye_reads_failed_killed_at_o
             node.push(r, **_pid(r))
         node.observe()
     proc.end(102)
-    node.now += 1.0
-    node.observe()
+    looks(node, CONFIRM_SECONDS - 1.0)
+    assert node.value("gputrain_training_failed", "2") == 0  # not yet: a goodbye may be late
+    looks(node, 2.0)
     assert node.value("gputrain_training_failed", "2") == 1
     assert node.value("gputrain_training_exit_info", "2", reason="killed", detail="") == 1
     ranks = {r["rank"]: r for r in node.page()["runs"][0]["ranks"]}
@@ -262,70 +272,79 @@ def test_a_rank_whose_process_is_gone_without_a_goodbye_reads_failed_killed_at_o
                       detail="SIGTERM") == 1  # their own word stands
 
 
-def test_a_rank_killed_by_the_oom_killer_is_said_so(tmp_path):
+def test_a_rank_killed_by_the_oom_killer_is_said_so_and_one_kill_is_one_ranks(tmp_path):
     """The node's OOM kill count (/proc/vmstat oom_kill, a cgroup limit's kills included)
     grew between the rank's last push and its death: OOMKilled. A kill before its last push
-    (another process, earlier) is no evidence."""
+    (another process, earlier) is no evidence, and one kill is one rank's: a peer that dies
+    after it (its collective aborted) is killed, not OOMKilled."""
     proc = Proc(tmp_path)
     node = Node(proc=str(tmp_path))
-    proc.run(100), proc.run(101)
+    for r in "012":
+        proc.run(100 + int(r))
     for _ in range(12):
         node.now += 5.0
-        node.push("0", **_pid("0")), node.push("1", **_pid("1"))
+        for r in "012":
+            node.push(r, **_pid(r))
         node.observe()
     proc.oom(3)  # an earlier kill: rank 1 pushes after it, then dies
     node.now += 5.0
-    node.push("0", **_pid("0")), node.push("1", **_pid("1"))
+    for r in "012":
+        node.push(r, **_pid(r))
     node.observe()
     proc.end(101)
-    node.now += 2.0
-    node.observe()
+    looks(node)
     assert node.value("gputrain_training_exit_info", "1", reason="killed", detail="") == 1
-    node.now += 3.0
-    node.push("0", **_pid("0"))
+    node.now += 1.0
+    node.push("0", **_pid("0")), node.push("2", **_pid("2"))
     node.observe()
     proc.oom(4)
-    proc.end(100)
-    node.now += 1.0
-    node.observe()
-    assert node.value("gputrain_training_exit_info", "0", reason="killed",
-                      detail="OOMKilled") == 1
+    proc.end(100), proc.end(102)
+    looks(node)
+    details = {r: [d for d in ("", "OOMKilled") if node.value(
+        "gputrain_training_exit_info", r, reason="killed", detail=d) == 1] for r in "02"}
+    assert sorted(details.values()) == [[""], ["OOMKilled"]], details
+    oom = next(r for r, d in details.items() if d == ["OOMKilled"])
     ranks = {r["rank"]: r for r in node.page()["runs"][0]["ranks"]}
-    assert "OOM killer" in ranks["0"]["reason"] and "OOM" not in ranks["1"]["reason"]
+    assert "OOM killer" in ranks[oom]["reason"] and "OOM" not in ranks["1"]["reason"]
 
 
 def test_a_process_the_daemon_never_saw_a_stopped_one_or_one_that_said_goodbye_is_no_kill(
         tmp_path):
     """Near misses. A pid the daemon never found with its start time (another PID namespace:
     a daemon without hostPID) is judged by its pushes alone, as before; a stopped process (T)
-    lives; a goodbye is the process's own word; a pid the daemon saw is not taken for another
-    process that now holds it (a new start time) ... which is a death."""
+    lives; a goodbye is the process's own word, late as it may come (the client waits a
+    second for its answer, then exits); a /proc the daemon cannot read says nothing. Then the
+    deaths: a pid the daemon saw, now another process's (a new start time), and a process
+    that died unreaped (a zombie)."""
     proc = Proc(tmp_path)
     node = Node(proc=str(tmp_path))
     proc.run(100, start=999)  # rank 0's pid here is another process's (another namespace)
-    proc.run(101)
-    proc.run(102)
+    for r in "12345":
+        proc.run(100 + int(r))
     for _ in range(12):
         node.now += 5.0
-        for r in ("0", "1", "2"):
+        for r in "012345":
             node.push(r, **_pid(r))
         node.observe()
     proc.end(100)
     proc.run(101, state="T")  # SIGSTOP
-    node.now += 5.0
-    node.push("2", goodbye=True, exit_reason="completed", **_pid("2"))
-    proc.end(102)
+    proc.end(102)  # rank 2 exits ...
+    proc.end(104)
+    (tmp_path / "104").mkdir()  # rank 4's /proc entry unreadable (its stat a directory)
+    (tmp_path / "104" / "stat").mkdir()
+    node.now += 1.0
     node.observe()
-    for r in ("0", "1"):
+    node.now += 1.5
+    node.push("2", goodbye=True, exit_reason="completed", **_pid("2"))  # ... its goodbye late
+    looks(node)
+    for r in "014":
         assert node.value("gputrain_training_failed", r) == 0, r
     assert node.value("gputrain_training_finished", "2") == 1
     ranks = {r["rank"]: r["verdict"] for r in node.page()["runs"][0]["ranks"]}
     assert ranks["1"] != "failed" and ranks["2"] == "finished", ranks
     proc.run(101, start=5000)  # its pid reused by a new process: rank 1's is gone
-    proc.run(103, state="Z")  # ... and a process that died unreaped (a zombie) is dead
-    node.push("3", **_pid("3"))  # (found once, running, before it died)
-    node.observe()
-    node.now += 1.0
-    node.observe()
+    proc.run(103, state="Z")  # rank 3 died, unreaped by its parent
+    looks(node)
     assert node.value("gputrain_training_exit_info", "1", reason="killed", detail="") == 1
-    assert node.value("gputrain_training_failed", "3") == 0  # never seen running
+    assert node.value("gputrain_training_exit_info", "3", reason="killed", detail="") == 1
+    assert node.value("gputrain_training_failed", "5") == 0  # alive all along

@@ -223,20 +223,31 @@ def test_ranks_in_forked_multiprocessing_children_say_goodbye_when_their_target_
                 dist.all_reduce(x)
             dist.destroy_process_group()
 
+        def fails(rank):  # its loop ran to its end, then the script raises
+            m = TrainingMonitor(run="forked", rank=rank, push_interval=60)
+            for _ in m.wrap(range(5), batch_size=1):
+                pass
+            raise RuntimeError("after the loop")
+
         if __name__ == "__main__":
-            ranks = [mp.get_context("fork").Process(target=train, args=(r,)) for r in (0, 1)]
+            fork = mp.get_context("fork")
+            ranks = [fork.Process(target=train, args=(r,)) for r in (0, 1)]
+            ranks.append(fork.Process(target=fails, args=(2,)))
             for p in ranks:
                 p.start()
             for p in ranks:
                 p.join()
-            sys.exit(max(p.exitcode for p in ranks))
+            print(*(p.exitcode for p in ranks), flush=True)
     """)
     rc, err = finish(proc, timeout=120)
     assert rc == 0, err
     byes = {b["rank"]: b for b in receiver.bodies if b.get("goodbye")}
-    assert sorted(byes) == ["0", "1"], receiver.bodies
-    for bye in byes.values():
-        assert bye["exit_reason"] == "completed" and bye["steps"] == 20, bye
+    assert sorted(byes) == ["0", "1", "2"], receiver.bodies
+    for r in ("0", "1"):
+        assert byes[r]["exit_reason"] == "completed" and byes[r]["steps"] == 20, byes[r]
+    # a child whose target raised ends with status 1: a failure, never a clean end
+    assert (byes["2"]["exit_reason"], byes["2"]["exit_detail"]) == ("exception",
+                                                                   "RuntimeError"), byes["2"]
 
 
 def test_a_keyboard_interrupt_is_an_exception(tmp_path, receiver):

@@ -252,7 +252,7 @@ def test_a_collectives_timeout_ends_the_waiting_ranks_as_failed_never_finished(c
 def test_a_rank_killed_outright_reads_failed_at_once_and_tells_its_runs_failure(cluster):
     """Rank 3 of 'killed' is killed (SIGKILL: as the OOM killer, an abort by NCCL's watchdog
     or a segfault, no handler runs, no goodbye comes). Its node's daemon finds its process
-    gone from /proc at its next cycle: failed, reason killed, on the status API, /metrics and
+    gone from /proc within seconds: failed, reason killed, on the status API, /metrics and
     in Prometheus, where GpuTrainRunFailed fires for it, and diagnose says so. Its peers'
     collectives then fail (gloo sees the closed connection; NCCL would wait for its watchdog)
     and end by their exceptions, their own word: the run is told by rank 3, which died

@@ -863,11 +863,20 @@ def _disable_in_child(ref: weakref.ref) -> None:
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
-    """The interpreter exits: say why (see the module)."""
+    """The interpreter exits, or a multiprocessing child's target ended: say why (see the
+    module)."""
     monitor = ref()
     if monitor is None:
         return
     exc = _uncaught()
+    if exc is None:
+        # a multiprocessing child runs its finalizers in the finally its target's exception
+        # passes through, before the traceback is printed: that exception ends the process
+        # (sys.exit(0) there ends it cleanly, as in the main module)
+        passing = sys.exc_info()[1]
+        if passing is not None and not (isinstance(passing, SystemExit)
+                                        and passing.code in (0, None)):
+            exc = passing
     if exc is not None and exc is not monitor._earlier_exc:
         monitor._end("exception", exit_name(type(exc)))
     else:

@@ -1074,8 +1074,9 @@ class CollectiveTimeoutRisk(Heuristic):
               unless on ({rank}) {phase})
             and on ({rank}) {STACK_WAITING} and on ({rank}) {q.alive})
             unless on ({q.run}) ({hung})""",
-            f"""{q.who} has waited {{{{ $value | humanizeDuration }}}} in a collective for a
-            peer that works: the collective's timeout will end the job.""")]
+            f"""{q.who} has made no step for {{{{ $value | humanizeDuration }}}} and its
+            stacks place it in a collective, waiting for a peer that works: the collective's
+            timeout will end the job.""")]
 
     def holds_run(self, ranks: list[RankReport], t: dict[str, float]) -> dict[int, str]:
         live = [r for r in ranks if alive(r, t)]
@@ -1117,8 +1118,9 @@ class RunFailed(Heuristic):
                      "(Kubernetes: the pod's last state; Slurm: `sacct`'s State and ExitCode; "
                      "an abort by NCCL's watchdog leaves its timeout in the job's log), fix "
                      "it, and resume from the last checkpoint.")
-    OOM_ADVICE = ("The kernel's OOM killer ended it: the node's memory, or its container's "
-                  "limit, ran out (`journalctl -k` names the kill). Give the job more host "
+    OOM_ADVICE = ("The kernel's OOM killer most likely ended it (it killed a process on the "
+                  "node as this one died: `journalctl -k` names the victim): the node's "
+                  "memory, or its container's limit, ran out. Give the job more host "
                   "memory, or use less: fewer DataLoader workers or a smaller "
                   "prefetch_factor, a data set memory-mapped rather than copied into each "
                   "worker; then resume from the last checkpoint.")
@@ -1133,8 +1135,9 @@ class RunFailed(Heuristic):
            "(SIGKILL, the OOM killer, an abort such as NCCL's watchdog's, a crash in native "
            "code) says nothing; where the exporter has seen it run in its own /proc (the same "
            "PID namespace: a daemon on the node's host, or with hostPID) it finds it gone "
-           "within a second and calls it failed, reason `killed`, detail `OOMKilled` where the "
-           "node's OOM kill count grew since its last push. A process it cannot see is "
+           "within seconds and calls it failed, reason `killed`, detail `OOMKilled` where the "
+           "node's OOM kill count grew since its last push (a likely cause: the count is the "
+           "node's). A process it cannot see is "
            "`GpuTrainRunVanished` once its pushes stop.")
     confirm = ("gputrain_training_failed", "gputrain_training_exit_info")
     panel = 'GpuTrain / Run, "Samples per second" falls to zero.'
@@ -1163,8 +1166,8 @@ def failure_text(r: RankReport) -> str:
     reason = next(iter(r.exit), "a failure")
     if reason == KILLED_EXIT:
         if r.exit_detail == OOM_KILLED:
-            return ("the OOM killer, OOMKilled: its process died without a goodbye as the "
-                    "node's OOM kill count grew")
+            return ("the OOM killer, most likely (OOMKilled: its process died without a "
+                    "goodbye as the node's OOM kill count grew)")
         return ("a death without a goodbye: its process is gone (SIGKILL, an abort such as "
                 "NCCL's watchdog's, a crash in native code, os._exit)")
     what = {"exception": "an exception", "signal": "a signal"}.get(reason, reason)

@@ -72,7 +72,7 @@ def read_process(pid: int, proc: str | Path = "/proc") -> HostProcess | None:
 def find_host_pid(ns_pid: int, start_ticks: int, proc: str | Path = "/proc") -> int | None:
     """The host pid of the process that calls itself ``ns_pid`` and started at
     ``start_ticks``: ``ns_pid`` itself when it is that process (no container), else a scan of
-    /proc. None when no process here matches."""
+    /proc. None when no process here matches, or more than one does."""
     me = read_process(ns_pid, proc)
     if me is not None and me.ns_pid == ns_pid and me.start_ticks == start_ticks:
         return ns_pid
@@ -80,6 +80,7 @@ def find_host_pid(ns_pid: int, start_ticks: int, proc: str | Path = "/proc") -> 
         names = os.listdir(proc)
     except OSError:
         return None
+    found = []
     for name in names:
         if not name.isdigit():
             continue
@@ -88,8 +89,21 @@ def find_host_pid(ns_pid: int, start_ticks: int, proc: str | Path = "/proc") -> 
             continue
         p = read_process(int(name), proc)
         if p is not None and p.ns_pid == ns_pid:
-            return p.pid
-    return None
+            found.append(p.pid)
+    # two containers' pid 1 started in one clock tick: neither can be told for the other
+    return found[0] if len(found) == 1 else None
+
+
+def process_gone(pid: int | str, proc: str | Path = "/proc") -> bool:
+    """Whether ``/proc/<pid>`` is absent (the process is gone, or was never in this PID
+    namespace), as opposed to unreadable (another error: out of descriptors, say)."""
+    try:
+        os.stat(Path(proc) / str(pid))
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return False
 
 
 def read_oom_kills(proc: str | Path = "/proc") -> int | None:

@@ -9,7 +9,9 @@ steps again and hangs again is a new one), within the profile board's bounds. So
 whose every live rank is still in its first step past the hang ceiling: with no pace yet,
 only the stacks tell a wait (a hang) from a compilation; and so does a run whose steps
 stopped while a rank's declared phase (a DataLoader's start, an evaluation) passed the
-ceiling: only the stacks tell whether the others wait for it, and it for them. The board
+ceiling: only the stacks tell whether the others wait for it, and it for them. Those two are
+dumped again each ``hung_min_seconds`` while they last: with no step, nothing else tells that
+a rank moved on from a barrier to its own work (its last place would stand). The board
 classifies each dump (:mod:`exporter.heuristics.location`); :func:`with_locations` puts the
 answer on the reports every surface judges.
 """
@@ -53,7 +55,8 @@ def with_locations(reports: list[RankReport], history: History,
 
 
 class HangWatch:
-    """Captures the stacks of a hung run's ranks on this node, once per hang."""
+    """Captures the stacks of a hung run's ranks on this node, once per hang (and those of a
+    run its stacks may prove hung, once each ``hung_min_seconds`` while it may)."""
 
     def __init__(self, history: History, board: ProfileBoard,
                  thresholds: dict[str, float]) -> None:
@@ -86,17 +89,23 @@ class HangWatch:
             start = not said and not first and phases_past_ceiling(ranks, self.thresholds)
             if not (said or first or start):
                 continue
-            hang = tuple(sorted((r.run, r.rank, states[(r.run, r.rank)].run_id,
-                                 states[(r.run, r.rank)].steps)
-                                for r in ranks if (r.run, r.rank) in states))
-            if hang in self._captured:
+            hang: tuple[Any, ...] = tuple(sorted(
+                (r.run, r.rank, states[(r.run, r.rank)].run_id, states[(r.run, r.rank)].steps)
+                for r in ranks if (r.run, r.rank) in states))
+            # a run not (yet) hung is looked at again each hung_min_seconds while it stays so:
+            # a rank that waited at a barrier may be compiling now, with no step to tell
+            again = () if said else (int(now // floor),)
+            if hang + again in self._captured:
                 continue
             if len(self._captured) >= MAX_REMEMBERED:
                 self._captured.pop(next(iter(self._captured)))
             run = ranks[0].run
             ids = self.board.capture_hang(run, [r.rank for r in ranks])
-            self._captured[hang] = ids
-            if said:
+            seen = any(k[:len(hang)] == hang for k in self._captured)
+            self._captured[hang + again] = ids
+            if seen:
+                log.debug("run %s: its stacks taken again (%s)", run, ", ".join(ids))
+            elif said:
                 log.warning("run %s is hung: its steps stopped far past their pace; captured "
                             "the stacks of %d of its %d rank(s) here (%s)", run, len(ids),
                             len(ranks), ", ".join(ids) or "none could be asked")

@@ -49,7 +49,12 @@ from exporter.protocol import (
     number,
     read_scalars,
 )
-from exporter.reading.host_processes import find_host_pid, read_oom_kills, read_state
+from exporter.reading.host_processes import (
+    find_host_pid,
+    process_gone,
+    read_oom_kills,
+    read_state,
+)
 from exporter.serving.profiles import ProfileBoard, parse_report, parse_stacks_report
 
 MAX_CAPABILITIES = 8
@@ -58,6 +63,7 @@ GOODBYE_GRACE_SECONDS = 60.0  # a finished rank's final totals stay this long, f
 FORMER_RUN_IDS = 4  # run_ids a (run, rank) had before its current one, remembered
 DEAD_TTL_SECONDS = 3600.0  # a rank that ended without a clean close is reported this long after
 REAP_SECONDS = 1.0  # the ranks' processes are looked for in /proc at most this often
+CONFIRM_SECONDS = 3.0  # a process found gone is dead when still gone this much later
 OOM_CHANGES = 64  # the last changes of the node's OOM kill count kept, (time, count)
 
 # the totals that only grow within one run_id: the required ones; those only where the
@@ -513,6 +519,9 @@ class IngestStore:
         # this daemon cannot see (another PID namespace), and is judged by its pushes alone
         self._seen: dict[tuple[str, str], tuple[str, int]] = {}
         self._searched: dict[tuple[str, str], str] = {}  # a host pid looked for, by run_id
+        # a seen process found gone: (its run_id, since when), until confirmed
+        self._gone: dict[tuple[str, str], tuple[str, float]] = {}
+        self._oom_claimed = 0  # the node's OOM kill count up to which ranks took the kills
         self._reaped = -math.inf
         self._oom_kills: deque[tuple[float, int]] = deque(maxlen=OOM_CHANGES)
 
@@ -649,11 +658,12 @@ class IngestStore:
 
     def reap(self) -> list[RankState]:
         """Mark failed, ``killed``, each rank whose process this daemon found running in its
-        /proc and no longer finds (gone, a zombie, or its pid another process's) while no
-        goodbye came: nothing of it ran to say so (SIGKILL, the OOM killer, an abort such as
-        NCCL's watchdog's, a crash in native code, ``os._exit``). Its detail is ``OOMKilled``
-        where the node's OOM kill count grew since its last push. Called each sampler cycle,
-        it reads /proc at most every REAP_SECONDS; returns the states it marked."""
+        /proc and no longer finds (gone, a zombie, or its pid another process's), on two looks
+        CONFIRM_SECONDS apart, while no goodbye came: nothing of it ran to say so (SIGKILL,
+        the OOM killer, an abort such as NCCL's watchdog's, a crash in native code,
+        ``os._exit``). Its detail is ``OOMKilled`` where the node's OOM kill count grew since
+        its last push by a kill no other rank took. Called each sampler cycle, it reads /proc
+        at most every REAP_SECONDS; returns the states it marked."""
         now = self._clock()
         if now - self._reaped < REAP_SECONDS:
             return []
@@ -661,8 +671,18 @@ class IngestStore:
         with self._lock:
             watched = [st for st in self._states.values() if st.exit_reason is None
                        and st.pid is not None and st.start_time is not None]
-        dead = [st for st in watched if not self._look(st, search=True)
-                and self._seen.get((st.run, st.rank), ("",))[0] == st.run_id]
+        dead = []
+        for st in watched:
+            key = (st.run, st.rank)
+            if self._look(st, search=True) is not False or \
+                    self._seen.get(key, ("",))[0] != st.run_id:
+                self._gone.pop(key, None)
+                continue
+            since = self._gone.setdefault(key, (st.run_id, now))
+            if since[0] != st.run_id:
+                self._gone[key] = since = (st.run_id, now)
+            if now - since[1] >= CONFIRM_SECONDS:  # a goodbye may be late: the client waits 1 s
+                dead.append(st)
         marked = []
         with self._lock:
             if watched:  # after the processes: a kill that ended one is counted by now
@@ -671,36 +691,38 @@ class IngestStore:
                 key = (st.run, st.rank)
                 if self._states.get(key) is not st:  # a push came meanwhile: its own word
                     continue
-                detail = OOM_KILLED if self._oom_kills_since(st.received_at) else None
+                detail = OOM_KILLED if self._claim_oom_kill(st.received_at) else None
                 self._states[key] = new = replace(st, exit_reason=KILLED_EXIT, failed=True,
                                                   exit_detail=detail)
                 marked.append(new)
-            for key in [k for k in self._seen if k not in self._states
-                        or self._states[k].exit_reason is not None]:
-                del self._seen[key]
-            for key in [k for k in self._searched if k not in self._states]:
-                del self._searched[key]
+            for memo in (self._seen, self._searched, self._gone):
+                for key in [k for k in memo if k not in self._states
+                            or self._states[k].exit_reason is not None]:
+                    del memo[key]
             if marked:
                 self.version += 1
         for st in marked:
             log.warning("run %s rank %s: its process (pid %s) is gone without a goodbye%s",
-                        st.run, st.rank, st.pid, ": the kernel's OOM killer killed a process "
+                        st.run, st.rank, st.pid, ": the node's OOM killer killed a process "
                         "meanwhile" if st.exit_detail else " (killed, or a crash in native code)")
         if marked:
             self._changed()
         return marked
 
-    def _look(self, st: RankState, search: bool = False) -> bool:
-        """The rank's process runs, as this daemon's /proc shows it (its pid here with the
-        start time it pushed, not a zombie): then it is remembered as seen. Its pid here is the
+    def _look(self, st: RankState, search: bool = False) -> bool | None:
+        """Whether the rank's process runs, as this daemon's /proc shows it (its pid here with
+        the start time it pushed, not a zombie; seen, it is remembered). Its pid here is the
         pushed one, or, with ``search``, the host pid of the process that calls itself so
-        (a rank in a container, a daemon on the host: a scan of /proc, once per process)."""
+        (a rank in a container, a daemon on the host: a scan of /proc, once per process).
+        None where /proc cannot say (an error reading it other than the pid's absence)."""
         if st.pid is None or st.start_time is None:
             return False
         key = (st.run, st.rank)
         seen = self._seen.get(key)
         pid = seen[1] if seen is not None and seen[0] == st.run_id else st.pid
         state = read_state(pid, self._proc)
+        if state is None and not process_gone(pid, self._proc):
+            return None
         if state is None or state[1] != st.start_time or state[0] in "ZX":
             if (seen is not None and seen[0] == st.run_id) or not search or \
                     self._searched.get(key) == st.run_id:
@@ -719,15 +741,20 @@ class IngestStore:
         if kills is not None and (not self._oom_kills or self._oom_kills[-1][1] != kills):
             self._oom_kills.append((now, kills))
 
-    def _oom_kills_since(self, t: float) -> int:
-        """The node's OOM kills since ``t`` (monotonic), as the reaps saw the count change."""
+    def _claim_oom_kill(self, t: float) -> bool:
+        """Whether the node's OOM kill count grew since ``t`` (monotonic, as the reaps saw it
+        change) by a kill no rank claimed yet; one is then claimed (under the lock)."""
         if not self._oom_kills:
-            return 0
+            return False
         before = self._oom_kills[0][1]
         for when, count in self._oom_kills:
             if when <= t:
                 before = count
-        return self._oom_kills[-1][1] - before
+        before = max(before, self._oom_claimed)
+        if self._oom_kills[-1][1] <= before:
+            return False
+        self._oom_claimed = before + 1
+        return True
 
     def _expire_locked(self) -> None:
         # A scan of every rank only when one may be due: not on every push and scrape.
