@@ -516,6 +516,7 @@ def _starts_something(func, module, depth: int = 3, seen: set | None = None) -> 
 # (xdist's --no-loadscope-reorder: by default it sends the files with the most tests first,
 # which left test_rules, test_hangs and test_regime, few tests each, for the end)
 SLOW_FIRST = ("test_hang_phases.py", "test_hangs.py", "test_hang_ceiling.py", "test_rules.py",
+              "test_hang_places.py",
               "test_profile.py", "test_regime.py", "test_comm.py", "test_agreement.py",
               "test_exit.py", "test_stacks.py", "test_gpu_proof.py", "test_scaleout.py",
               "test_tour.py", "test_replay.py", "test_status.py", "test_alerting.py",
