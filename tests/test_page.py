@@ -470,3 +470,36 @@ def test_a_join_that_fails_never_freezes_the_page(caplog):
     broken[0] = False
     sampler.run_once()
     assert 'gputrain_training_gpu_memory_bytes{gpu="0",rank="0"' in app.render()[0].decode()
+
+
+def test_a_look_for_the_ranks_processes_that_fails_never_freezes_the_page(caplog,
+                                                                         monkeypatch):
+    """A bug in looking for the ranks' processes in /proc (the reap of the dead) costs the
+    cycle its reaping, logged once; the cycle's view, the page's rank lines and every later
+    cycle go on. The near miss: a reap that works again reaps."""
+    clock = FakeClock()
+    gpus = [FakeGpu(uuid="GPU-00000000-aaaa-bbbb-cccc-000000000000")]
+    sampler = Sampler(NvmlBackend(Nvml(FakeDriver(gpus, clock=clock).binding), clock=clock),
+                      None, clock=clock)
+    store = IngestStore(clock=clock)
+    app = Exposition(sampler, store, clock=clock,
+                     views=Attribution(Owners(scripted), snapshot=sampler.snapshot))
+    app.views.follow(sampler, store)
+    reaped = []
+
+    def broken() -> list:
+        raise OSError("a bug")
+
+    monkeypatch.setattr(store, "reap", broken)
+    for k in range(3):
+        push(store, rank="0", steps=10 + k)
+        clock.advance(1.0)
+        with caplog.at_level(logging.ERROR, logger="exporter.serving.attribution"):
+            sampler.run_once()
+        assert app.views.latest.cycle == sampler.snapshot.cycle  # the view is this cycle's
+        page = app.render()[0].decode()
+        assert f"gputrain_training_steps_total{{rank=\"0\",run=\"resnet18\"}} {10 + k}.0" in page
+    assert sum("/proc failed" in r.message for r in caplog.records) == 1
+    monkeypatch.setattr(store, "reap", lambda: reaped.append(1) or [])
+    sampler.run_once()
+    assert reaped == [1]

@@ -313,6 +313,7 @@ class Attribution:
         self.listeners: list[Callable[[NodeView], None]] = []
         self._joined = -1  # the last snapshot cycle joined
         self._failed = False  # a join has failed (logged once)
+        self._failed_reap = False  # ... and so has a look for the ranks' processes
         self._lock = threading.Lock()
 
     def update(self, snap: Snapshot, states: Iterable[RankState],
@@ -348,7 +349,13 @@ class Attribution:
         before any other listener of the sampler runs."""
         def cycle() -> None:
             if store is not None:
-                store.reap()
+                try:
+                    store.reap()
+                except Exception:  # a bug there must not stop the cycle: nothing is reaped
+                    if not self._failed_reap:
+                        log.exception("looking for the ranks' processes in /proc failed; "
+                                      "no rank is marked killed while it fails (logged once)")
+                    self._failed_reap = True
             self.update(sampler.snapshot, store.states() if store is not None else (),
                         store.departed() if store is not None else ())
 
