@@ -1041,8 +1041,8 @@ class CollectiveTimeoutRisk(Heuristic):
     alert, verdict, kind, scope, level = ("GpuTrainCollectiveTimeoutRisk", "timeout-risk",
                                           "health", "run", "global")
     severity, for_ = "warning", "1m"
-    summary = ("A live rank has waited minutes in a collective for a peer that is not hung: "
-               "the collective's timeout will end the job.")
+    summary = ("A live rank waits in a collective, its step open for minutes, for a peer "
+               "that works: the collective's timeout will end the job.")
     advice = ("The peer the rank waits for works in its own code (a compilation, data "
               "prepared on one rank, an evaluation or a checkpoint on rank 0): when the wait "
               "reaches the process group's timeout (NCCL's watchdog: 10 minutes by default), "
