@@ -32,7 +32,8 @@ OUTSIDE_STEP_PHASES = frozenset({LOADER_START_PHASE, EVALUATION_PHASE, "checkpoi
 # failure: an exception nobody caught (its type is sent; a collective's timeout is one) or a
 # signal that ended it (its name). "exited" is neither: the interpreter ended normally without
 # either, which a hand-written loop that never calls close() does, and so does a crash that a
-# launcher caught and turned into an exit status (torch.multiprocessing.spawn does).
+# launcher caught and turned into an exit status (a multiprocessing child, torch's spawn
+# included, says the exception its target raised: see the client's _close_at_exit).
 CLEAN_EXITS = ("closed", "completed")
 FAILED_EXITS = ("exception", "signal")
 EXIT_REASONS = (*CLEAN_EXITS, "exited", *FAILED_EXITS)

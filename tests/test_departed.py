@@ -335,7 +335,9 @@ def test_a_process_the_daemon_never_saw_a_stopped_one_or_one_that_said_goodbye_i
     node.now += 1.0
     node.observe()
     node.now += 1.5
-    node.push("2", goodbye=True, exit_reason="completed", **_pid("2"))  # ... its goodbye late
+    node.observe()  # gone for 1.5 s: not dead yet, a goodbye may be on its way ...
+    assert node.value("gputrain_training_failed", "2") == 0
+    node.push("2", goodbye=True, exit_reason="completed", **_pid("2"))  # ... and it came
     looks(node)
     for r in "014":
         assert node.value("gputrain_training_failed", r) == 0, r

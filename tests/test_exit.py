@@ -250,6 +250,50 @@ def test_ranks_in_forked_multiprocessing_children_say_goodbye_when_their_target_
                                                                    "RuntimeError"), byes["2"]
 
 
+def test_a_spawned_rank_that_raises_says_the_exception_its_launcher_caught(tmp_path,
+                                                                            receiver):
+    """``torch.multiprocessing.spawn``: its wrapper catches the rank's exception, sends the
+    traceback to the parent and exits 1 (SystemExit inside its except block). The goodbye
+    says the exception it caught, not an exit that says neither; a rank whose function
+    returns completes; and a fork child started inside the parent's ``except`` block (a
+    supervisor restarting a worker) inherits that handled exception: it is not the child's,
+    whose target returns cleanly."""
+    require_module("torch")
+    proc = start(tmp_path, receiver.url, """
+        import multiprocessing as mp
+        import torch.multiprocessing as tmp
+
+        def rank(i):
+            m = TrainingMonitor(run="spawned", rank=i, push_interval=60)
+            for _ in m.wrap(range(5), batch_size=1):
+                pass
+            if i == 1:
+                raise ValueError("rank 1 fails after its loop")
+
+        def supervised():
+            m = TrainingMonitor(run="spawned", rank=2, push_interval=60)
+            for _ in m.wrap(range(5), batch_size=1):
+                pass
+
+        if __name__ == "__main__":
+            try:
+                tmp.spawn(rank, nprocs=2, join=True)
+            except Exception:
+                child = mp.get_context("fork").Process(target=supervised)
+                child.start()  # inside the except block: its stack holds the handled error
+                child.join()
+                print(child.exitcode, flush=True)
+    """)
+    rc, err = finish(proc, timeout=120)
+    assert rc == 0, err
+    byes = {b["rank"]: b for b in receiver.bodies if b.get("goodbye")}
+    assert sorted(byes) == ["0", "1", "2"], receiver.bodies
+    assert byes["0"]["exit_reason"] == "completed", byes["0"]
+    assert (byes["1"]["exit_reason"], byes["1"]["exit_detail"]) == ("exception",
+                                                                   "ValueError"), byes["1"]
+    assert byes["2"]["exit_reason"] == "completed", byes["2"]
+
+
 def test_a_keyboard_interrupt_is_an_exception(tmp_path, receiver):
     proc = start(tmp_path, receiver.url, """
         m = TrainingMonitor(run="t", push_interval=60)

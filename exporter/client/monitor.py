@@ -373,8 +373,11 @@ class TrainingMonitor:
         self._mode_steps = -1
         self._eval_advances = 0  # pushes in a row that saw steps advance with it in eval()
         self._eval_since: float | None = None
-        # an uncaught exception from before the monitor (an interactive session's) is not its
+        # an uncaught exception from before the monitor (an interactive session's) is not its,
+        # nor one being handled around it (a fork child started inside an except block
+        # inherits its parent's stack)
         self._earlier_exc = _uncaught()
+        self._handled_exc = sys.exc_info()[1]
         self._data_wait = _DataWait(self)
         self._step = _Step(self)
         self._gpus: list[str] = []
@@ -874,8 +877,13 @@ def _close_at_exit(ref: weakref.ref) -> None:
         # passes through, before the traceback is printed: that exception ends the process
         # (sys.exit(0) there ends it cleanly, as in the main module)
         passing = sys.exc_info()[1]
-        if passing is not None and not (isinstance(passing, SystemExit)
-                                        and passing.code in (0, None)):
+        if isinstance(passing, SystemExit) and passing.code not in (0, None) and \
+                passing.__context__ is not None:
+            # a launcher's wrapper that caught the target's exception and exits 1 with it
+            # (torch.multiprocessing.spawn's): the exception it caught is the end
+            passing = passing.__context__
+        if passing is not None and passing is not monitor._handled_exc and not (
+                isinstance(passing, SystemExit) and passing.code in (0, None)):
             exc = passing
     if exc is not None and exc is not monitor._earlier_exc:
         monitor._end("exception", exit_name(type(exc)))

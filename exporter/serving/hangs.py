@@ -63,7 +63,8 @@ class HangWatch:
         self.history = history
         self.board = board
         self.thresholds = thresholds
-        self._captured: dict[tuple[Any, ...], list[str]] = {}  # hang -> capture ids
+        # hang -> (capture ids, when taken: the history's clock)
+        self._captured: dict[tuple[Any, ...], tuple[list[str], float]] = {}
 
     def check(self) -> None:
         """One cycle: capture the stacks of each run that turned hung since the last."""
@@ -94,16 +95,16 @@ class HangWatch:
                 for r in ranks if (r.run, r.rank) in states))
             # a run not (yet) hung is looked at again each hung_min_seconds while it stays so:
             # a rank that waited at a barrier may be compiling now, with no step to tell
-            again = () if said else (int(now // floor),)
-            if hang + again in self._captured:
+            last = self._captured.get(hang)
+            if last is not None and (said or now - last[1] < max(floor, 1.0)):
                 continue
+            self._captured.pop(hang, None)
             if len(self._captured) >= MAX_REMEMBERED:
                 self._captured.pop(next(iter(self._captured)))
             run = ranks[0].run
             ids = self.board.capture_hang(run, [r.rank for r in ranks])
-            seen = any(k[:len(hang)] == hang for k in self._captured)
-            self._captured[hang + again] = ids
-            if seen:
+            self._captured[hang] = (ids, now)
+            if last is not None:
                 log.debug("run %s: its stacks taken again (%s)", run, ", ".join(ids))
             elif said:
                 log.warning("run %s is hung: its steps stopped far past their pace; captured "
