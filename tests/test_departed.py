@@ -227,6 +227,15 @@ def _pid(rank: str) -> dict:
     return {"process": {"pid": 100 + int(rank), "start_time": 4242}}
 
 
+def pushing(node: Node, seconds: float, ranks: str) -> None:
+    """``seconds`` of ``ranks`` pushing every 5 s, each with its process (pid 100 + rank)."""
+    for _ in range(int(seconds / 5)):
+        node.now += 5.0
+        for r in ranks:
+            node.push(r, **_pid(r))
+        node.observe()
+
+
 def looks(node: Node, seconds: float = CONFIRM_SECONDS + 1.0) -> None:
     """The daemon's cycles over ``seconds`` (a second apart) with no push: a process found
     gone is looked for again, and dead once still gone CONFIRM_SECONDS later."""
@@ -245,11 +254,7 @@ def test_a_rank_whose_process_is_gone_without_a_goodbye_reads_failed_killed_at_o
     node = Node(proc=str(tmp_path))
     for r in ("0", "1", "2"):
         proc.run(100 + int(r))
-    for _ in range(60):
-        node.now += 5.0
-        for r in ("0", "1", "2"):
-            node.push(r, **_pid(r))
-        node.observe()
+    pushing(node, 300, "012")
     proc.end(102)
     looks(node, CONFIRM_SECONDS - 1.0)
     assert node.value("gputrain_training_failed", "2") == 0  # not yet: a goodbye may be late
@@ -281,11 +286,7 @@ def test_a_rank_killed_by_the_oom_killer_is_said_so_and_one_kill_is_one_ranks(tm
     node = Node(proc=str(tmp_path))
     for r in "012":
         proc.run(100 + int(r))
-    for _ in range(12):
-        node.now += 5.0
-        for r in "012":
-            node.push(r, **_pid(r))
-        node.observe()
+    pushing(node, 60, "012")
     proc.oom(3)  # an earlier kill: rank 1 pushes after it, then dies
     node.now += 5.0
     for r in "012":
@@ -321,11 +322,7 @@ def test_a_process_the_daemon_never_saw_a_stopped_one_or_one_that_said_goodbye_i
     proc.run(100, start=999)  # rank 0's pid here is another process's (another namespace)
     for r in "12345":
         proc.run(100 + int(r))
-    for _ in range(12):
-        node.now += 5.0
-        for r in "012345":
-            node.push(r, **_pid(r))
-        node.observe()
+    pushing(node, 60, "012345")
     proc.end(100)
     proc.run(101, state="T")  # SIGSTOP
     proc.end(102)  # rank 2 exits ...

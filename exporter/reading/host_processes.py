@@ -51,6 +51,12 @@ def read_state(pid: int | str, proc: str | Path = "/proc") -> tuple[str, int] | 
         return None
 
 
+def runs_as(state: tuple[str, int] | None, start_ticks: int | None) -> bool:
+    """Whether ``state`` (:func:`read_state`'s) is a process that runs and started at
+    ``start_ticks``: not gone, not a zombie, not another process that took the pid."""
+    return state is not None and state[0] not in "ZX" and state[1] == start_ticks
+
+
 def read_process(pid: int, proc: str | Path = "/proc") -> HostProcess | None:
     """The host process ``pid`` as this /proc shows it, or None where it cannot be read (gone,
     or a /proc of another PID namespace: a daemon without hostPID)."""

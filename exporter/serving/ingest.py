@@ -54,6 +54,7 @@ from exporter.reading.host_processes import (
     process_gone,
     read_oom_kills,
     read_state,
+    runs_as,
 )
 from exporter.serving.profiles import ProfileBoard, parse_report, parse_stacks_report
 
@@ -652,9 +653,8 @@ class IngestStore:
         if old.finished or old.failed or old.exit_reason is not None or None in (
                 old.pid, old.start_time, new.pid, new.start_time) or old.pid == new.pid:
             return False
-        states = [read_state(st.pid, self._proc) for st in (old, new)]  # type: ignore[arg-type]
-        return all(s is not None and s[0] not in "ZX" and s[1] == st.start_time
-                   for s, st in zip(states, (old, new), strict=True))
+        return all(runs_as(read_state(st.pid, self._proc), st.start_time)  # type: ignore[arg-type]
+                   for st in (old, new))
 
     def reap(self) -> list[RankState]:
         """Mark failed, ``killed``, each rank whose process this daemon found running in its
@@ -678,8 +678,8 @@ class IngestStore:
                     self._seen.get(key, ("",))[0] != st.run_id:
                 self._gone.pop(key, None)
                 continue
-            since = self._gone.setdefault(key, (st.run_id, now))
-            if since[0] != st.run_id:
+            since = self._gone.get(key)
+            if since is None or since[0] != st.run_id:
                 self._gone[key] = since = (st.run_id, now)
             if now - since[1] >= CONFIRM_SECONDS:  # a goodbye may be late: the client waits 1 s
                 dead.append(st)
@@ -723,7 +723,7 @@ class IngestStore:
         state = read_state(pid, self._proc)
         if state is None and not process_gone(pid, self._proc):
             return None
-        if state is None or state[1] != st.start_time or state[0] in "ZX":
+        if not runs_as(state, st.start_time):
             if (seen is not None and seen[0] == st.run_id) or not search or \
                     self._searched.get(key) == st.run_id:
                 return False
