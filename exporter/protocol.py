@@ -309,6 +309,11 @@ PUSH_FIELDS: tuple[Field, ...] = (
     Field("world_size", "count", "the ranks of the run: torch.distributed's world size, else "
                                  "WORLD_SIZE (a node's daemon then knows which it cannot see)",
           bound=MAX_WORLD_SIZE),
+    Field("collective_timeout_seconds", "amount", "the shortest collective timeout of the "
+                                                  "rank's process groups, seconds (what "
+                                                  "init_process_group's timeout set): a "
+                                                  "collective that waits this long ends the "
+                                                  "job", bound=MAX_SECONDS),
     Field("precision", "enum", "the arithmetic the rank trains in: its GPUs' peak FLOP/s at "
                                "it is MFU's denominator", choices=PRECISIONS,
           default=DEFAULT_PRECISION),

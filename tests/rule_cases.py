@@ -689,6 +689,32 @@ def alert_cases() -> list[Case]:
               # first-compile's rank 0 waits for the compilation: its collective's timeout
               Fire("GpuTrainCollectiveTimeoutRisk", rank("first-compile"), "7m 0s")],
              fire_at="7m", quiet_at="4m", quiet_alerts=["GpuTrainRunHung"], interval="15s"),
+        Case("A job's own collective timeout: 'short-hang' (20 s steps, a step open since 1m) "
+             "pushes a 4-minute timeout, so its ceiling is 2 minutes: hung at 4m (180 s "
+             "open), not at 90s; 'long-hang' (no timeout pushed: 10 steps' 200 s) and "
+             "'long-timeout' (an hour's: the 300 s ceiling) are not. 'short-first' waits in its "
+             "first step's collective (stacks from 2m) under the same timeout: hung past 120 "
+             "s, where 'first-default' keeps 300 s; rank 0 of 'short-compile' waits for rank "
+             "1's compilation: the timeout's risk said at 4m, 'compile-default''s not yet",
+             {**{k: v for run, timeout in (("short-hang", 240), ("long-hang", None),
+                                           ("long-timeout", 3600))
+                 for r in "01" for k, v in {
+                     **live_rank(run, r, open_from=1, step_s=20, minutes=6),
+                     **({sel("gputrain_training_collective_timeout_seconds", run=run, rank=r):
+                         flat(timeout, 24)} if timeout else {})}.items()},
+              **{k: v for run, where, timeout in (
+                  ("short-first", "collective", 240), ("first-default", "collective", None),
+                  ("short-compile", "computing", 240), ("compile-default", "computing", None))
+                 for r in "01" for k, v in {
+                     **first_step_rank(run, r, where if r == "1" else "collective",
+                                       located_from=2, minutes=6),
+                     **({sel("gputrain_training_collective_timeout_seconds", run=run, rank=r):
+                         flat(timeout, 24)} if timeout else {})}.items()}},
+             [Fire("GpuTrainRunHung", {"run": "short-hang"}, "2"),
+              Fire("GpuTrainRunHung", {"run": "short-first"}, "2"),
+              Fire("GpuTrainCollectiveTimeoutRisk", rank("short-compile"), "4m 0s")],
+             fire_at="4m", quiet_at="90s",
+             quiet_alerts=["GpuTrainRunHung", "GpuTrainCollectiveTimeoutRisk"], interval="15s"),
         Case("GpuTrainCollectiveTimeoutRisk: rank 0 of 'wait-compile' has waited in its first "
              "step's all-reduce since 0m (its stacks from 5m) while rank 1 compiles: no hang "
              "(the first step's allowance), but the collective's timeout comes first, said at "

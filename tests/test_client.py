@@ -655,6 +655,38 @@ def test_a_step_an_exception_broke_is_never_counted(monkeypatch):
     assert t["step_counts"][t["step_buckets"].index(1.0)] == 3  # none over a second
 
 
+PROCESS_GROUPS = """
+import datetime, json, sys
+import torch.distributed as dist
+from exporter.client import TrainingMonitor
+
+m = TrainingMonitor(run="pg", start=False, endpoint="http://127.0.0.1:9")
+seen = [m.totals().get("collective_timeout_seconds")]
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1,
+                        timeout=datetime.timedelta(seconds=77))
+seen.append(m.totals().get("collective_timeout_seconds"))
+dist.new_group([0], timeout=datetime.timedelta(seconds=33))
+seen.append(m.totals().get("collective_timeout_seconds"))
+dist.destroy_process_group()
+seen.append(m.totals().get("collective_timeout_seconds"))
+print(json.dumps(seen))
+"""
+
+
+def test_the_process_groups_collective_timeout_is_pushed(tmp_path):
+    """What init_process_group's timeout set, read from torch.distributed itself (the
+    shortest of the process's groups: a subgroup's own); nothing before the group is up or
+    after it is torn down."""
+    require_module("torch.distributed")
+    script = tmp_path / "groups.py"
+    script.write_text(PROCESS_GROUPS)
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "store")], cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[-1]) == [None, 77, 33, None]
+
+
 # -- stacks with native frames -------------------------------------------------------------
 
 WAITS_IN_CPP = """

@@ -216,25 +216,52 @@ def test_a_blocked_rank_is_named_hung_within_two_minutes(cluster, block, words):
         job.stop()
 
 
-def test_a_collectives_timeout_ends_the_waiting_ranks_as_failed_never_finished(cluster):
+def test_a_hang_is_said_before_the_jobs_own_collective_timeout_ends_it_as_failed(cluster):
+    """The job sets a 40 s collective timeout (init_process_group's, as a user sets one
+    shorter than NCCL's 10 minutes): its client pushes it, each rank's hang ceiling is half of
+    it, and the run is said hung, in the status API and by its alert, before the timeout ends
+    the waiting ranks; they then read failed, never finished."""
     a, _ = cluster["nodes"]
-    job = Job(cluster["tmp"], "hang-timeout", two_nodes(cluster), "--block", "data",
-              "--block-rank", "3", "--block-after", "100", "--timeout", "20")
+    prom, run = cluster["prom"], "hang-timeout"
+    job = Job(cluster["tmp"], run, two_nodes(cluster), "--block", "data",
+              "--block-rank", "3", "--block-after", "100", "--timeout", "40")
     try:
+        pushed = wait_until(lambda: sample_value(
+            a.metrics(), "gputrain_training_collective_timeout_seconds", {"run": run}),
+            timeout=120, what="the run's collective timeout pushed")
+        assert pushed == 40
+
+        def said() -> dict | None:  # the run hung, or a rank failed: whichever comes first
+            card = run_of(a, run)
+            return card if card and (card["status"] == "hung" or any(
+                r["failed"] for r in card["ranks"])) else None
+
+        first = wait_until(said, timeout=240, interval=0.5, what=f"{run} hung or failed")
+        assert first["status"] == "hung" and not any(r["failed"] for r in first["ranks"]), \
+            first
+        assert all("allows 20 s" in r["reason"] for r in first["ranks"]), first
+
         def failed() -> dict | None:
-            card = run_of(a, "hang-timeout")
+            card = run_of(a, run)
             ranks = {r["rank"]: r for r in card["ranks"]} if card else {}
             return ranks if ranks and all(r["failed"] for r in ranks.values()) else None
 
         ranks = wait_until(failed, timeout=240, interval=1,
-                           what=f"ranks 0 and 1 failed on node a ({run_of(a, 'hang-timeout')})")
+                           what=f"ranks 0 and 1 failed on node a ({run_of(a, run)})")
         for r in ranks.values():
             assert r["exit_reason"] == "exception" and not r["finished"], r
             assert r["verdict"] == "failed" and "exception" in r["reason"], r
             assert "Error" in (r["exit_detail"] or ""), r
         assert job.procs[0].wait(timeout=30) != 0
-        wait_until(lambda: firing(cluster["prom"], "GpuTrainRunFailed", "hang-timeout"),
+        wait_until(lambda: firing(prom, "GpuTrainRunFailed", run),
                    timeout=120, what="GpuTrainRunFailed firing")
+        # in Prometheus' own record: the hang's alert fired before any rank read failed
+        hung_at = prom.query(f'min_over_time(timestamp(ALERTS{{alertname="GpuTrainRunHung",'
+                             f'run="{run}",alertstate="firing"}})[10m:1s])')
+        failed_at = prom.query(f'min_over_time(timestamp(gputrain_training_failed'
+                               f'{{run="{run}"}} > 0)[10m:1s])')
+        assert hung_at and failed_at, (hung_at, failed_at)
+        assert float(hung_at[0]["value"][1]) < min(float(x["value"][1]) for x in failed_at)
         # the 20 s wait that ended in the timeout is no step: every step was short
         text = a.metrics()
         over = [line for line in text.splitlines()

@@ -152,6 +152,33 @@ def world_size() -> int | None:
     return int(env) if env.isdigit() and 0 < int(env) <= MAX_WORLD_SIZE else None
 
 
+def collective_timeout() -> float | None:
+    """The shortest collective timeout of this process's groups, in seconds: what
+    ``init_process_group(timeout=...)`` (or a framework's own call of it, or
+    ``_set_pg_timeout``) set, NCCL's watchdog and gloo's waits end the job at. None where
+    torch.distributed is not up or this torch keeps it elsewhere (its private attributes,
+    read with care: a group torn down between two reads is skipped)."""
+    dist = sys.modules.get("torch.distributed")
+    torch = sys.modules.get("torch")
+    try:
+        if dist is None or torch is None or not dist.is_available() or \
+                not dist.is_initialized():
+            return None
+        groups = list(dist.distributed_c10d._world.pg_map)
+    except Exception:
+        return None
+    seconds: list[float] = []
+    for group in groups:
+        try:
+            for device in list(group._device_types):
+                timeout = group._get_backend(device).options._timeout
+                seconds.append(float(timeout.total_seconds()))
+        except Exception:  # a backend without options (a wrapper), or torn down meanwhile
+            continue
+    found = [s for s in seconds if 0 < s <= MAX_SECONDS]
+    return min(found) if found else None
+
+
 def cuda_gpu_refs() -> list[str]:
     """The GPUs this process uses: torch's current CUDA device UUID when torch has initialised
     CUDA, else the entries of GPUTRAIN_GPUS (indices or UUIDs, comma-separated: a CPU-only
@@ -784,6 +811,8 @@ class TrainingMonitor:
                if self._loader_workers is not None else {}),
             **self._comm_totals(),
             **({"world_size": world} if (world := world_size()) else {}),
+            **({"collective_timeout_seconds": limit}
+               if (limit := collective_timeout()) is not None else {}),
             **in_progress,
         }
 

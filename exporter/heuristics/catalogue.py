@@ -651,26 +651,50 @@ def waiting(r: RankReport) -> bool:
     return any(where in WAITING for where in r.location)
 
 
+def hang_ceiling(timeout: float | None, t: dict[str, float]) -> float:
+    """A rank's hang ceiling, in seconds: ``hung_max_seconds``, and at most
+    ``hung_timeout_share`` of its process groups' collective timeout where its client pushes
+    it (``timeout``): a job that sets a timeout shorter than NCCL's 10 minutes is still told
+    hung, and its stacks taken, before the watchdog ends it."""
+    if timeout is not None and timeout > 0:
+        return min(t["hung_max_seconds"], t["hung_timeout_share"] * timeout)
+    return t["hung_max_seconds"]
+
+
+def ceiling_of(r: RankReport, t: dict[str, float]) -> float:
+    """The rank's hang ceiling (:func:`hang_ceiling`), in seconds."""
+    return hang_ceiling(r.collective_timeout, t)
+
+
+def ceiling_expr(t: dict[str, float]) -> str:
+    """:func:`ceiling_of` in PromQL: per rank, for every rank that pushes (its last push's
+    series is the base)."""
+    return (f"(clamp_max({t['hung_timeout_share']} * {series_of('collective_timeout')}, "
+            f"{t['hung_max_seconds']}) or {series_of('seconds_since_push')} * 0 + "
+            f"{t['hung_max_seconds']})")
+
+
 def hung_limit(r: RankReport, t: dict[str, float]) -> float:
     """How long a rank's step may run before it is hung, in seconds: ``hung_step_factor``
-    times its typical step, within ``hung_min_seconds`` and ``hung_max_seconds``, and never
-    under ``hung_slowest_factor`` times it (a run of minutes-long steps); before its first
-    step, ``hung_first_step_seconds`` (compilation, warm-up), or ``hung_max_seconds`` where
+    times its typical step, no less than ``hung_min_seconds`` and no more than its ceiling
+    (:func:`ceiling_of`: ``hung_max_seconds``, or less before a short collective timeout),
+    and never under ``hung_slowest_factor`` times it (a run of minutes-long steps); before
+    its first step, ``hung_first_step_seconds`` (compilation, warm-up), or its ceiling where
     its stacks show it waiting (:func:`waiting`: for a peer that never came; the exporter
     takes them once its first step passes that ceiling)."""
     typical = typical_step(r)
+    ceiling = ceiling_of(r, t)
     if typical is None:
-        return t["hung_max_seconds"] if waiting(r) else t["hung_first_step_seconds"]
-    limit = min(max(t["hung_step_factor"] * typical, t["hung_min_seconds"]),
-                t["hung_max_seconds"])
+        return ceiling if waiting(r) else t["hung_first_step_seconds"]
+    limit = min(max(t["hung_step_factor"] * typical, t["hung_min_seconds"]), ceiling)
     return max(limit, t["hung_slowest_factor"] * typical)
 
 
 def start_past_ceiling(r: RankReport, t: dict[str, float]) -> bool:
     """A live rank whose DataLoader's start (the phase ``wrap()`` declares from ``iter()`` to
-    an epoch's first batch) has run past ``hung_max_seconds``."""
+    an epoch's first batch) has run past its ceiling (:func:`ceiling_of`)."""
     return alive(r, t) and _v(r.phase_in_progress.get(LOADER_START_PHASE), ">",
-                              t["hung_max_seconds"])
+                              ceiling_of(r, t))
 
 
 def stuck_starts(ranks: list[RankReport], t: dict[str, float]) -> set[int]:
@@ -688,8 +712,8 @@ def stuck_starts(ranks: list[RankReport], t: dict[str, float]) -> set[int]:
 
 def phase_past_ceiling(r: RankReport, t: dict[str, float]) -> bool:
     """A live rank whose declared phase in progress (an evaluation, a checkpoint, a
-    DataLoader's start) has run past ``hung_max_seconds``."""
-    return alive(r, t) and any(_v(seconds, ">", t["hung_max_seconds"])
+    DataLoader's start) has run past its ceiling (:func:`ceiling_of`)."""
+    return alive(r, t) and any(_v(seconds, ">", ceiling_of(r, t))
                                for seconds in r.phase_in_progress.values())
 
 
@@ -737,13 +761,13 @@ def phases_past_ceiling(ranks: list[RankReport], t: dict[str, float]) -> bool:
 
 
 def first_steps_past_ceiling(ranks: list[RankReport], t: dict[str, float]) -> bool:
-    """Every live rank of a run is still in its first step, past ``hung_max_seconds``, outside
-    any declared phase: whether it hangs or compiles only its stacks can tell (the exporter
-    takes them then, :class:`exporter.serving.hangs.HangWatch`; :func:`hung_limit` reads
-    them)."""
+    """Every live rank of a run is still in its first step, past its ceiling
+    (:func:`ceiling_of`), outside any declared phase: whether it hangs or compiles only its
+    stacks can tell (the exporter takes them then, :class:`exporter.serving.hangs.HangWatch`;
+    :func:`hung_limit` reads them)."""
     live = [r for r in ranks if alive(r, t)]
     return bool(live) and not in_phase(ranks, t) and all(
-        typical_step(r) is None and _v(r.step_in_progress, ">", t["hung_max_seconds"])
+        typical_step(r) is None and _v(r.step_in_progress, ">", ceiling_of(r, t))
         for r in live)
 
 
@@ -784,7 +808,9 @@ class RunHung(Heuristic):
                   "while a peer waits in a collective is a hang, not a phase; so is any phase "
                   "past {hung_max_seconds} whose own rank's stacks show it waiting in a "
                   "collective while a peer outside any phase waits in one, or a rank of the run "
-                  "that did not finish cleanly no longer pushes)")
+                  "that did not finish cleanly no longer pushes); a rank whose client pushes "
+                  "its process groups' collective timeout has as its ceiling no more than "
+                  "{hung_timeout_share} of it, in place of {hung_max_seconds}")
     why = ("A live rank (it pushed in the last {alive_seconds}: its client's thread runs in the "
            "process) whose current step has run far past its own pace, outside any phase a "
            "client declares (an evaluation, a checkpoint, a DataLoader's start), is hung; a "
@@ -820,7 +846,12 @@ class RunHung(Heuristic):
            "checkpoint's write) holds, and so does a run whose every rank is in a phase and "
            "alive: one dump is one instant, and an "
            "evaluation that syncs its metrics each batch can be caught in a collective on "
-           "every rank.")
+           "every rank. A job that sets its own collective timeout "
+           "(init_process_group(timeout=...), a framework's setting) is killed at it, not at "
+           "NCCL's 10 minutes: the client pushes the shortest of its process groups' timeouts "
+           "(gputrain_training_collective_timeout_seconds) and every ceiling above is then "
+           "no more than {hung_timeout_share} of it (a 2-minute timeout: hung at 1 minute), "
+           "the floor too where it is lower.")
     confirm = ("gputrain_training_step_in_progress_seconds",
                "gputrain_training_stack_location")
     panel = 'GpuTrain / Run, "Samples per second" at zero while every rank still pushes.'
@@ -836,6 +867,11 @@ class RunHung(Heuristic):
             300, "seconds", "the ceiling, well under NCCL's watchdog (TORCH_NCCL_HEARTBEAT_"
                             "TIMEOUT_SEC 480 s, a 600 s collective timeout): the stacks are "
                             "taken while the evidence lives"),
+        "hung_timeout_share": Threshold(
+            0.5, "ratio", "a rank whose client pushes its process groups' collective timeout "
+                          "is held to this share of it where that is under hung_max_seconds "
+                          "(a job that sets a 2-minute timeout is told hung at 1 minute): "
+                          "half the watchdog's time is left to read the stacks and act"),
         "hung_slowest_factor": Threshold(
             2.0, "factor", "a run of minutes-long steps: a step is hung only past twice its "
                            "typical one, whatever the ceiling"),
@@ -852,24 +888,25 @@ class RunHung(Heuristic):
 
     def rules(self, q: Q) -> list[dict]:
         t, run, rank = q.t, q.run, q.rank
-        clamped = (f"clamp({t['hung_step_factor']} * {TYPICAL}, {t['hung_min_seconds']}, "
-                   f"{t['hung_max_seconds']})")
+        ceiling = ceiling_expr(t)
+        floored = f"clamp_min({t['hung_step_factor']} * {TYPICAL}, {t['hung_min_seconds']})"
+        clamped = f"(({floored} < {ceiling}) or ({ceiling} and {TYPICAL}))"
         slowest = f"{t['hung_slowest_factor']} * {TYPICAL}"
         # before its first step: the ceiling where its stacks show it waiting (waiting())
         limit = (f"(({slowest} > {clamped}) or {clamped} "
-                 f"or ({OPEN} * 0 + {t['hung_max_seconds']} and on ({rank}) {STACK_WAITING}) "
+                 f"or ({OPEN} * 0 + {ceiling} and on ({rank}) {STACK_WAITING}) "
                  f"or {OPEN} * 0 + {t['hung_first_step_seconds']})")
         live = q.alive
         hung = f"({OPEN} > {limit} and on ({rank}) {live})"
         # a DataLoader's start past the ceiling while a live peer waits in a collective
         # (stuck_starts): a hang, not a phase to wait for
-        started = f"({LOADER_START} > {t['hung_max_seconds']} and on ({rank}) {live})"
+        started = f"({LOADER_START} > {ceiling} and on ({rank}) {live})"
         stuck = (f"({started} and on ({run}) group by ({run}) "
                  f"({STACK_WAITING} and on ({rank}) {live} unless on ({rank}) {started}))")
         # a declared phase past the ceiling whose rank waits in a collective, while a live
         # peer outside any phase waits in one too (stuck_phases): nobody works
         phase = series_of("phase_in_progress")
-        waits = (f"(max by ({rank}) ({phase}) > {t['hung_max_seconds']} "
+        waits = (f"(max by ({rank}) ({phase}) > {ceiling} "
                  f"and on ({rank}) {STACK_WAITING} and on ({rank}) {live})")
         # ... or a rank of the run can join no collective any more (cannot_join), since the
         # phase opened
@@ -901,9 +938,9 @@ class RunHung(Heuristic):
                 not all(id(r) in starts or id(r) in phases or rank_hung(r, t) for r in live):
             return {}
         line = hang_line(live, [r for r in ranks if not alive(r, t)])
-        ceiling = f"past {t['hung_max_seconds']:.0f} s"
 
         def reason(r: RankReport) -> str:
+            ceiling = f"past {ceiling_of(r, t):.0f} s"
             if id(r) in starts:
                 return (f"its DataLoader's start has run "
                         f"{r.phase_in_progress[LOADER_START_PHASE]:.0f} s ({ceiling}) while "
@@ -1050,7 +1087,8 @@ class CollectiveTimeoutRisk(Heuristic):
               "declare it and shorten it, or raise the timeout "
               "(init_process_group(timeout=timedelta(minutes=...))).")
     fires_when = ("a live rank outside any phase has had its step in progress over "
-                  "{hung_max_seconds} while its stacks show it waiting in a collective, and "
+                  "{hung_max_seconds} (no more than {hung_timeout_share} of its pushed "
+                  "collective timeout) while its stacks show it waiting in a collective, and "
                   "its run is not hung (`GpuTrainRunHung`'s condition)")
     why = ("A rank waiting in a collective for a peer that works (its stacks, which the "
            "exporter takes once steps or phases pass {hung_max_seconds}, place the peer in "
@@ -1059,7 +1097,8 @@ class CollectiveTimeoutRisk(Heuristic):
            "NCCL's watchdog ends the job when a wait reaches the process group's timeout (10 "
            "minutes by default; gloo's is 30), long before a first step's or a phase's limit "
            "(`GpuTrainStalled`). Said past {hung_max_seconds}, minutes before that, with the "
-           "rank that holds the others named. A run that is hung is `GpuTrainRunHung` "
+           "rank that holds the others named; where the client pushes a shorter timeout, past "
+           "{hung_timeout_share} of it. A run that is hung is `GpuTrainRunHung` "
            "instead.")
     confirm = ("gputrain_training_step_in_progress_seconds",
                "gputrain_training_stack_location")
@@ -1070,7 +1109,7 @@ class CollectiveTimeoutRisk(Heuristic):
         t, rank = q.t, q.rank
         phase = series_of("phase_in_progress")
         hung = RunHung().rules(q)[0]["expr"]  # the run's hang, as its own alert says it
-        return [self.rule(q, "warning", f"""(({OPEN} > {t['hung_max_seconds']}
+        return [self.rule(q, "warning", f"""(({OPEN} > {ceiling_expr(t)}
               unless on ({rank}) {phase})
             and on ({rank}) {STACK_WAITING} and on ({rank}) {q.alive})
             unless on ({q.run}) ({hung})""",
@@ -1081,13 +1120,20 @@ class CollectiveTimeoutRisk(Heuristic):
     def holds_run(self, ranks: list[RankReport], t: dict[str, float]) -> dict[int, str]:
         live = [r for r in ranks if alive(r, t)]
         waits = [r for r in live if not r.phase_in_progress and waiting(r)
-                 and _v(r.step_in_progress, ">", t["hung_max_seconds"])]
+                 and _v(r.step_in_progress, ">", ceiling_of(r, t))]
         if not waits or RunHung().holds_run(ranks, t):
             return {}
         line = _placed_line(live)
         return {id(r): (f"waits in a collective, no step for {_ago(r.step_in_progress)}: "
-                        f"{line}; the collective's timeout (NCCL's: 10 min by default) will "
-                        "end the job") for r in waits}
+                        f"{line}; {timeout_text(r)} will end the job") for r in waits}
+
+
+def timeout_text(r: RankReport) -> str:
+    """The collective timeout that ends a rank's job, as a phrase: its own where its client
+    pushes it, else NCCL's default."""
+    if r.collective_timeout:
+        return f"its process group's timeout ({_ago(r.collective_timeout)})"
+    return "the collective's timeout (NCCL's: 10 min by default)"
 
 
 def stalled_limit(r: RankReport | None, t: dict[str, float]) -> float:

@@ -189,6 +189,9 @@ READINGS = (
             / on ({rank}) group_left {wall}""", by="phase"),
     Reading("loader_workers", "rank", "run_rank:gputrain_training_loader_workers:max", None,
             "max by ({rank}) (gputrain_training_loader_workers{{{s}}})"),
+    Reading("collective_timeout", "rank",
+            "run_rank:gputrain_training_collective_timeout_seconds:min", None,
+            "min by ({rank}) (gputrain_training_collective_timeout_seconds{{{s}}})"),
     Reading("phases", "rank", "run_rank_phase:gputrain_training_phase_ratio:rate5m", "rate", """
             sum by ({rank}, phase) (rate(gputrain_training_phase_seconds_total{{{s}}}[{w}]))
             / on ({rank}) group_left
@@ -416,7 +419,8 @@ STACK_WAITING = "run_rank:gputrain_training_stack_waiting:max"
 LOADER_START = "run_rank:gputrain_training_loader_start_in_progress_seconds:max"
 LIVENESS = frozenset(BY_FIELD[f].record for f in (
     "seconds_since_push", "finished", "failed", "exit", "step_in_progress",
-    "phase_in_progress", "typical_step_seconds", "location")) | {STACK_WAITING, LOADER_START}
+    "phase_in_progress", "typical_step_seconds", "location", "collective_timeout")) | {
+    STACK_WAITING, LOADER_START}
 
 
 def of_scope(scope: Scope) -> tuple[Reading, ...]:
@@ -540,6 +544,8 @@ class RankReport:
     # its process is stopped (SIGSTOP): only the daemon of its node can see it
     stopped: bool = False
     world_size: float | None = None  # the ranks of its run, where its client says
+    # its process groups' shortest collective timeout, seconds, where its client says
+    collective_timeout: float | None = None
     recent_busy: float | None = None  # its busiest GPU over the recent window (0-1)
     # seconds since its steps changed pace (exporter.heuristics.regime), while that is inside
     # the rate window; None where they did not

@@ -24,11 +24,13 @@ from typing import Any
 from exporter.heuristics.catalogue import (
     BY_VERDICT,
     first_steps_past_ceiling,
+    hang_ceiling,
     phase_past_ceiling,
     phases_past_ceiling,
 )
 from exporter.heuristics.readings import RankReport, run_key
 from exporter.serving.history import History
+from exporter.serving.ingest import RankState
 from exporter.serving.profiles import ProfileBoard
 
 log = logging.getLogger(__name__)
@@ -68,13 +70,19 @@ class HangWatch:
 
     def check(self) -> None:
         """One cycle: capture the stacks of each run that turned hung since the last."""
-        floor, ceiling = self.thresholds["hung_min_seconds"], self.thresholds["hung_max_seconds"]
+        t = self.thresholds
+        floor = t["hung_min_seconds"]
         now = self.history.clock()
         states = self.history.rank_states()
-        # a step past the floor, or a phase past the ceiling (its peers may be gone)
-        if not any((st.step_in_progress(now) or 0.0) > floor
-                   or (st.phase_in_progress(now) or ("", 0.0))[1] > ceiling
-                   for st in states.values()):
+
+        def looked_at(st: RankState) -> bool:
+            # a step past the floor, or a phase past the ceiling (its peers may be gone); a
+            # short collective timeout lowers both
+            ceiling = hang_ceiling(st.collective_timeout_seconds, t)
+            return (st.step_in_progress(now) or 0.0) > min(floor, ceiling) or \
+                (st.phase_in_progress(now) or ("", 0.0))[1] > ceiling
+
+        if not any(looked_at(st) for st in states.values()):
             if self._captured:
                 self._captured.clear()
             return

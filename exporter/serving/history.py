@@ -607,6 +607,7 @@ class History:
                 rep.exit, rep.exit_detail = {st.exit_reason: 1.0}, st.exit_detail
             rep.stopped = stopped(st)
             rep.world_size = st.world_size
+            rep.collective_timeout = st.collective_timeout_seconds
             mono = self.clock()
             rep.step_in_progress = st.step_in_progress(mono)
             if (phase := st.phase_in_progress(mono)) is not None:
@@ -686,6 +687,7 @@ def departed_report(st: RankState, instance: str, now: float) -> RankReport:
     if st.exit_reason is not None:
         rep.exit, rep.exit_detail = {st.exit_reason: 1.0}, st.exit_detail
     rep.world_size = st.world_size
+    rep.collective_timeout = st.collective_timeout_seconds
     return rep
 
 

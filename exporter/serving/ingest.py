@@ -115,6 +115,8 @@ class RankState:
     # groups of this many: one slow step, then the rest fast)
     loader_workers: int | None = None
     world_size: int | None = None  # the ranks of its run, where the client says
+    # its process groups' shortest collective timeout, seconds, where the client says
+    collective_timeout_seconds: float | None = None
     last_step_timestamp: float | None = None  # on the daemon's clock (see _clock_skew)
     # the client's clock minus the daemon's, as its timestamps show it (0 within
     # CLOCK_TOLERANCE_SECONDS); its timestamps are moved by it

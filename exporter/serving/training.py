@@ -113,6 +113,11 @@ FAMILIES: tuple[Family, ...] = (
            "Worker processes of the DataLoader the rank's client wraps (num_workers): its "
            "batches arrive in groups of this many.",
            read=lambda st: st.loader_workers),
+    Family("gputrain_training_collective_timeout_seconds", "gauge",
+           "The shortest collective timeout of the rank's process groups, in seconds (what "
+           "init_process_group's timeout set): NCCL's watchdog ends the job when a collective "
+           "waits this long, so the hang checks say a hang well before it.",
+           read=lambda st: st.collective_timeout_seconds),
     Family("gputrain_training_step_duration_seconds", "histogram",
            "Wall time of one training step, data wait included, in seconds.",
            per_rank=MAX_BUCKETS + 3),
