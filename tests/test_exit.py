@@ -154,6 +154,40 @@ def test_the_end_of_the_interpreter_says_completed_or_exited(tmp_path, receiver,
     assert bye["steps"] == 5
 
 
+LOOP = "m = TrainingMonitor(run=\"t\", push_interval=60)\n"
+
+
+@pytest.mark.parametrize("ending, status, reason, detail", [
+    # a script's own handler that logs and exits 1 (Hydra's run_and_report does so): the
+    # exception it handled
+    ("try:\n    for i in m.wrap(range(5), batch_size=1):\n        if i == 3:\n"
+     "            raise ValueError('bad batch')\nexcept Exception:\n"
+     "    print('training failed', file=sys.stderr)\n    sys.exit(1)", 1, "exception",
+     "ValueError"),
+    # sys.exit(main()) with a failing status, and sys.exit('message'): the status says it
+    ("def main():\n    for _ in m.wrap(range(5), batch_size=1):\n        pass\n    return 2\n"
+     "sys.exit(main())", 2, "exception", "SystemExit"),
+    ("for _ in m.wrap(range(5), batch_size=1):\n    pass\nsys.exit('no data')", 1,
+     "exception", "SystemExit"),
+    # near misses: a clean status after a handled exception, and a worker thread's
+    # sys.exit(1) (it ends that thread, not the process)
+    ("try:\n    raise ValueError('retried')\nexcept ValueError:\n    pass\n"
+     "for _ in m.wrap(range(5), batch_size=1):\n    pass\nsys.exit(0)", 0, "completed", None),
+    ("import threading\nt = threading.Thread(target=sys.exit, args=(1,))\nt.start()\n"
+     "t.join()\nfor _ in m.wrap(range(5), batch_size=1):\n    pass", 0, "completed", None),
+])
+def test_a_sys_exit_with_a_failing_status_is_a_failure(tmp_path, receiver, ending, status,
+                                                       reason, detail):
+    """The main module ends by sys.exit(n): outside any ``with`` block the interpreter keeps
+    no record of n that the goodbye could read, yet a launcher (torchrun, Slurm) calls the
+    rank failed by it."""
+    proc = start(tmp_path, receiver.url, LOOP + ending + "\n")
+    rc, err = finish(proc)
+    assert rc == status, err
+    bye = receiver.goodbye()
+    assert bye["exit_reason"] == reason and bye.get("exit_detail") == detail, bye
+
+
 def test_an_uncaught_exception_says_its_type_and_the_step_it_broke_is_no_step(tmp_path,
                                                                               receiver):
     """Step 6 blocks for a second (a collective waiting for a peer), then raises: the goodbye
@@ -369,7 +403,7 @@ def test_sigterm_kills_a_rank_that_waits_inside_a_cpp_collective(tmp_path, recei
 
 def test_a_handler_of_the_scripts_own_keeps_the_signal(tmp_path, receiver):
     """SIGTERM handled by the script (a launcher's or a framework's handler) is theirs: the
-    monitor installs none; the process ends as the handler says."""
+    monitor installs none; the process ends as the handler says (here sys.exit(3))."""
     proc = start(tmp_path, receiver.url, textwrap.dedent("""
         def mine(signum, frame):
             print("handled", signum, file=sys.stderr, flush=True)
@@ -381,7 +415,9 @@ def test_a_handler_of_the_scripts_own_keeps_the_signal(tmp_path, receiver):
     proc.send_signal(signal.SIGTERM)
     rc, err = finish(proc, timeout=30)
     assert rc == 3 and f"handled {int(signal.SIGTERM)}" in err, err
-    assert receiver.goodbye()["exit_reason"] == "exited"
+    # ... by sys.exit(3): a failing status, as the launcher reads it
+    bye = receiver.goodbye()
+    assert (bye["exit_reason"], bye["exit_detail"]) == ("exception", "SystemExit")
 
 
 def test_a_forked_child_dies_by_sigterm_without_a_goodbye(tmp_path, receiver):

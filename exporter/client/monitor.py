@@ -14,8 +14,9 @@ the phase's seconds as the step's).
 The end of the process is said with the final push (``exit_reason``, see
 :data:`exporter.protocol.EXIT_REASONS`): :meth:`TrainingMonitor.close` and the ``with`` block
 say ``closed`` (``exception`` where the block is left by one); at the interpreter's exit
-(atexit) an exception nobody caught says ``exception``, else a :meth:`TrainingMonitor.wrap`
-loop that ran to its end ``completed``, else ``exited``. SIGTERM and SIGHUP say ``signal``
+(atexit) an exception nobody caught says ``exception``, and so does a ``sys.exit()`` with a
+status other than 0 (:class:`_ExitRequest`), else a :meth:`TrainingMonitor.wrap` loop that ran
+to its end ``completed``, else ``exited``. SIGTERM and SIGHUP say ``signal``
 where the monitor may catch them (see :class:`_SignalGoodbye`).
 """
 
@@ -36,7 +37,7 @@ import weakref
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Mapping
 from time import perf_counter as _now
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from exporter.client.comm import DDPComm, find_ddp
 from exporter.client.profiling import RankProfiler
@@ -425,6 +426,7 @@ class TrainingMonitor:
         if start:
             self._pusher.start()
             _SIGNALS.watch(self)
+        _EXIT.install()
         ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: _disable_in_child(ref))
         atexit.register(_close_at_exit, ref)
@@ -914,6 +916,12 @@ def _close_at_exit(ref: weakref.ref) -> None:
         if passing is not None and passing is not monitor._handled_exc and not (
                 isinstance(passing, SystemExit) and passing.code in (0, None)):
             exc = passing
+    if exc is None and (requested := _EXIT.failure()) is not None:
+        # sys.exit(1) in the main module, where the interpreter keeps no record of it: the
+        # exception its caller was handling (logged, then exit 1: Hydra's way), else itself
+        context = requested.__context__
+        exc = context if context is not None and context is not monitor._handled_exc \
+            else requested
     if exc is not None and exc is not monitor._earlier_exc:
         monitor._end("exception", exit_name(type(exc)))
     else:
@@ -1111,6 +1119,48 @@ class _SignalGoodbye:
 
 
 _SIGNALS = _SignalGoodbye()
+
+
+class _ExitRequest:
+    """The last ``sys.exit()`` the main thread called: its status and the exception being
+    handled then. A process that ends by ``sys.exit(1)`` (a script's ``except: log;
+    sys.exit(1)``, Hydra's error handler, ``sys.exit(main())``) failed, as its launcher sees
+    it, but the interpreter keeps no record of the status that an atexit handler could read:
+    so the first monitor wraps ``sys.exit`` (once; the wrapper records and calls the one it
+    found). A ``raise SystemExit(1)`` of the script's own is not seen (it reads ``exited``),
+    nor is a status another thread's ``sys.exit`` asks for (it ends that thread only)."""
+
+    def __init__(self) -> None:
+        self.installed = False
+        self.requested = False
+        self.status: object = None
+        self.context: BaseException | None = None
+
+    def install(self) -> None:
+        if self.installed:
+            return
+        self.installed = True
+        original = sys.exit
+
+        def exit(status: str | int | None = None) -> NoReturn:
+            if threading.current_thread() is threading.main_thread():
+                self.requested, self.status, self.context = True, status, sys.exc_info()[1]
+            original(status)
+
+        exit.__doc__, exit.__wrapped__ = original.__doc__, original  # type: ignore[attr-defined]
+        sys.exit = exit
+
+    def failure(self) -> SystemExit | None:
+        """The SystemExit of the main thread's last ``sys.exit()`` where its status says a
+        failure (not 0 nor None), its context the exception handled then; else None."""
+        if not self.requested or self.status in (0, None):
+            return None
+        exc = SystemExit(self.status)
+        exc.__context__ = self.context
+        return exc
+
+
+_EXIT = _ExitRequest()
 
 
 class HookTimer:
