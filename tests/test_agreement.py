@@ -6,8 +6,9 @@ real Prometheus, each case under a job of its own. `gputrain-exporter diagnose -
 at the case's evaluation time must then name, for every rank, exactly the bottleneck alerts the
 case fires (the verdict and its `also:` findings), `underutilized` where only
 GpuTrainGPUUnderutilized fires, and `ok` only where nothing fires. The alerts are every rule's
-condition, recording rules inlined, at the same time in the same Prometheus; that they match
-each case's promtool expectations is test_rules.py's job.
+condition, recording rules inlined, at the same time in the same Prometheus, diagnose and the
+rules both scoped by the scrape-job selector to the cases judged at that time; that the shipped
+rules match each case's promtool expectations is test_rules.py's job.
 
 Every query Prometheus answered there is then asked of the PromQL evaluator
 (exporter/heuristics/evaluator.py) over the same samples: the same label sets and values.
@@ -26,14 +27,15 @@ from dataclasses import asdict
 
 import pytest
 import rule_cases
-from conftest import ROOT, require_binary
-from gpu.replay import Backfilled, inline_alerts, openmetrics_text
+from conftest import require_binary
+from gpu.replay import Backfilled, inline_groups, openmetrics_text
 
 from exporter.heuristics.catalogue import BY_ALERT, BY_VERDICT
 from exporter.heuristics.diagnose import Prometheus, PrometheusError, diagnose, json_document
 from exporter.heuristics.evaluator import Engine, QueryError, Store, labels_of
 from exporter.heuristics.readings import READINGS
 from exporter.heuristics.rules import DEFAULTS
+from exporter.heuristics.rules import groups as rule_groups
 from exporter.heuristics.verdict import NOTES, STATUS, STATUS_OF, RankReport, judge, visibility
 from exporter.protocol import SCHEMA_VERSION
 from exporter.reading.collectors.cpu import CpuReading
@@ -159,7 +161,6 @@ def answers(result: list[tuple[dict[str, str], float]]) -> dict[tuple, float]:
 def results(backfilled):
     """By job and evaluation time: diagnose --json's reports, and every alert rule's condition
     (recording rules written inline) with the label sets it holds for."""
-    rules_text = (ROOT / "alerts" / "gputrain.rules.yml").read_text()
     out: dict[str, tuple[list[dict], list[tuple[str, dict]]]] = {}
     asked = Prometheus.query
 
@@ -170,16 +171,23 @@ def results(backfilled):
 
     for at in sorted({t for c in CASES for t in (c.fire_at, c.quiet_at) if t}):
         t = BASE + duration(at)
+        # the shipped rules and diagnose, both scoped by the scrape-job selector (the setting
+        # users scope them with) to the cases judged at this time: every query reads their
+        # series alone, not every case's (Prometheus' time for the alerts' queries, 54 s of
+        # CPU over the whole backfill, was most of this test's)
+        jobs = "|".join(job_of(i) for i, c in enumerate(CASES) if at in (c.fire_at, c.quiet_at))
+        scoped = {"selector": f'job=~"{jobs}"'}
         # diagnose in this process (what `diagnose --json --time T` prints; test_diagnose runs
         # the command): a process per evaluation time only added its start
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(Prometheus, "query", noted)
-            doc = json.loads(json.dumps(json_document(*diagnose(backfilled.url, at=str(t)))))
+            found = diagnose(backfilled.url, overrides=scoped, at=str(t))
+            doc = json.loads(json.dumps(json_document(*found)))
         for rep in doc["ranks"]:
             out.setdefault(f"{rep['job']}@{at}", ([], []))[0].append(rep)
         for node in doc["nodes"]:
             NODES.setdefault(f"{node['job']}@{at}", []).append(node)
-        for alert in inline_alerts(rules_text):
+        for alert in inline_groups(rule_groups(scoped)):
             found = backfilled.query(alert["inlined"], t)
             ANSWERED[t][alert["inlined"]] = {labels_of(x["metric"]): float(x["value"][1])
                                              for x in found if x["value"][1] != "NaN"}

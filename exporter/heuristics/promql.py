@@ -184,20 +184,31 @@ def recording_rules(selector: str, ids: Identity | None = None,
 _BARE_GROUPING = re.compile(r"\b(group_left|group_right) (?=[a-z_]+:)")
 
 
+# a whole name (a metric's, a recording rule's), with the range that may follow it
+_NAME = re.compile(r"(?<![\w:])([a-zA-Z_:][\w:]*)(?![\w:])(\[\w+\])?")
+
+
 def inline(expr: str, records: dict[str, str]) -> str:
     """``expr`` with every recording rule it names replaced by the rule's expression, so it
     runs on a Prometheus that does not evaluate the rules (diagnose, a backfilled replay)."""
-    pattern = re.compile("(?<![\\w:])(" + "|".join(map(re.escape, records))
-                         + ")(?![\\w:])(\\[\\w+\\])?")
+    found = 0
 
     def written(m: re.Match) -> str:
+        nonlocal found
+        record = records.get(m.group(1))
+        if record is None:
+            return m.group(0)
+        found += 1
         # a recorded series over a range becomes a subquery of its expression
-        return f"({records[m.group(1)]})" + (f"{m.group(2)[:-1]}:]" if m.group(2) else "")
+        return f"({record})" + (f"{m.group(2)[:-1]}:]" if m.group(2) else "")
 
+    # one scan for names, each looked up (an alternation of every record's name was a
+    # regex that tried each of them at each position)
     for _ in range(10):  # recording rules built on recording rules
         expr = _BARE_GROUPING.sub(r"\1 () ", expr)
-        expr, n = pattern.subn(written, expr)
-        if not n:
+        found = 0
+        expr = _NAME.sub(written, expr)
+        if not found:
             return expr
     raise ValueError(f"recording rules nested too deep in {expr!r}")
 

@@ -70,7 +70,12 @@ def _escape(value: str) -> str:
 
 def inline_alerts(rules_text: str) -> list[dict]:
     """Each alert rule with the recording rules it uses written inline."""
-    groups = yaml.safe_load(rules_text)["groups"]
+    return inline_groups(yaml.safe_load(rules_text)["groups"])
+
+
+def inline_groups(groups: list[dict]) -> list[dict]:
+    """:func:`inline_alerts` of rule groups as :func:`exporter.heuristics.rules.groups` makes
+    them."""
     records = {r["record"]: r["expr"] for g in groups for r in g["rules"] if "record" in r}
     return [{**r, "inlined": inline(r["expr"], records)}
             for g in groups for r in g["rules"] if "alert" in r]
