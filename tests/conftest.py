@@ -447,6 +447,29 @@ def pytest_addoption(parser) -> None:
                      help="rewrite the golden files from the current output, then review the diff")
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With GPUTRAIN_TEST_CPU_LOG set (a path), append each test's CPU seconds (its process
+    and the children it reaped: the servers a module's fixtures started count in the test
+    whose teardown stops them) and wall seconds to that file: where CI's two cores go
+    (bench/RESULTS.md)."""
+    path = os.environ.get("GPUTRAIN_TEST_CPU_LOG")
+    if not path:
+        yield
+        return
+    import resource
+
+    def cpu() -> float:
+        return sum(getattr(resource.getrusage(who), f) for who in
+                   (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+                   for f in ("ru_utime", "ru_stime"))
+
+    cpu0, wall0 = cpu(), time.monotonic()
+    yield
+    with open(path, "a") as f:
+        f.write(f"{item.nodeid}\t{cpu() - cpu0:.2f}\t{time.monotonic() - wall0:.2f}\n")
+
+
 @pytest.fixture
 def update_golden(request) -> bool:
     """True when the golden files are to be rewritten (--update-golden or UPDATE_GOLDEN=1)."""
