@@ -10,7 +10,8 @@ whose every live rank is still in its first step past the hang ceiling: with no 
 only the stacks tell a wait (a hang) from a compilation; and so does a run whose steps
 stopped while a rank's declared phase (a DataLoader's start, an evaluation) passed the
 ceiling: only the stacks tell whether the others wait for it, and it for them. Those two are
-dumped again each ``hung_min_seconds`` while they last: with no step, nothing else tells that
+dumped again each ``hung_min_seconds`` (or the ranks' ceiling, where a short collective
+timeout lowers it) while they last: with no step, nothing else tells that
 a rank moved on from a barrier to its own work (its last place would stand). The board
 classifies each dump (:mod:`exporter.heuristics.location`); :func:`with_locations` puts the
 answer on the reports every surface judges.
@@ -23,6 +24,7 @@ from typing import Any
 
 from exporter.heuristics.catalogue import (
     BY_VERDICT,
+    ceiling_of,
     first_steps_past_ceiling,
     hang_ceiling,
     phase_past_ceiling,
@@ -101,10 +103,12 @@ class HangWatch:
             hang: tuple[Any, ...] = tuple(sorted(
                 (r.run, r.rank, states[(r.run, r.rank)].run_id, states[(r.run, r.rank)].steps)
                 for r in ranks if (r.run, r.rank) in states))
-            # a run not (yet) hung is looked at again each hung_min_seconds while it stays so:
-            # a rank that waited at a barrier may be compiling now, with no step to tell
+            # a run not (yet) hung is looked at again each hung_min_seconds (or its ceiling,
+            # where a short collective timeout lowers it) while it stays so: a rank that
+            # waited at a barrier may be compiling now, with no step to tell
             last = self._captured.get(hang)
-            if last is not None and (said or now - last[1] < max(floor, 1.0)):
+            again = min(floor, min(ceiling_of(r, t) for r in ranks))
+            if last is not None and (said or now - last[1] < max(again, 1.0)):
                 continue
             self._captured.pop(hang, None)
             if len(self._captured) >= MAX_REMEMBERED:
