@@ -692,16 +692,21 @@ def alert_cases() -> list[Case]:
         Case("A job's own collective timeout: 'short-hang' (20 s steps, a step open since 1m) "
              "pushes a 4-minute timeout, so its ceiling is 2 minutes: hung at 4m (180 s "
              "open), not at 90s; 'long-hang' (no timeout pushed: 10 steps' 200 s) and "
-             "'long-timeout' (an hour's: the 300 s ceiling) are not. 'short-first' waits in its "
-             "first step's collective (stacks from 2m) under the same timeout: hung past 120 "
-             "s, where 'first-default' keeps 300 s; rank 0 of 'short-compile' waits for rank "
-             "1's compilation: the timeout's risk said at 4m, 'compile-default''s not yet",
+             "'long-timeout' (an hour's: the 300 s ceiling) and 'zero-timeout' (0: none a "
+             "group takes) are not; 'tiny-timeout' (0.1 s steps, a 60 s timeout, a step open "
+             "since 3m) is hung at 4m, its ceiling 30 s under the 60 s floor. 'short-first' "
+             "waits in its first step's collective (stacks from 2m) under the same timeout: "
+             "hung past 120 s, where 'first-default' keeps 300 s; rank 0 of 'short-compile' "
+             "waits for rank 1's compilation: the timeout's risk said at 4m, "
+             "'compile-default''s not yet",
              {**{k: v for run, timeout in (("short-hang", 240), ("long-hang", None),
-                                           ("long-timeout", 3600))
+                                           ("long-timeout", 3600), ("zero-timeout", 0),
+                                           ("tiny-timeout", 60))
                  for r in "01" for k, v in {
-                     **live_rank(run, r, open_from=1, step_s=20, minutes=6),
+                     **live_rank(run, r, open_from=3 if run == "tiny-timeout" else 1,
+                                 step_s=0.1 if run == "tiny-timeout" else 20, minutes=6),
                      **({sel("gputrain_training_collective_timeout_seconds", run=run, rank=r):
-                         flat(timeout, 24)} if timeout else {})}.items()},
+                         flat(timeout, 24)} if timeout is not None else {})}.items()},
               **{k: v for run, where, timeout in (
                   ("short-first", "collective", 240), ("first-default", "collective", None),
                   ("short-compile", "computing", 240), ("compile-default", "computing", None))
@@ -711,6 +716,7 @@ def alert_cases() -> list[Case]:
                      **({sel("gputrain_training_collective_timeout_seconds", run=run, rank=r):
                          flat(timeout, 24)} if timeout else {})}.items()}},
              [Fire("GpuTrainRunHung", {"run": "short-hang"}, "2"),
+              Fire("GpuTrainRunHung", {"run": "tiny-timeout"}, "2"),
               Fire("GpuTrainRunHung", {"run": "short-first"}, "2"),
               Fire("GpuTrainCollectiveTimeoutRisk", rank("short-compile"), "4m 0s")],
              fire_at="4m", quiet_at="90s",

@@ -175,6 +175,14 @@ LOOP = "m = TrainingMonitor(run=\"t\", push_interval=60)\n"
      "for _ in m.wrap(range(5), batch_size=1):\n    pass\nsys.exit(0)", 0, "completed", None),
     ("import threading\nt = threading.Thread(target=sys.exit, args=(1,))\nt.start()\n"
      "t.join()\nfor _ in m.wrap(range(5), batch_size=1):\n    pass", 0, "completed", None),
+    # a SystemExit caught and survived (argparse's in a try), then the training: no failure
+    ("try:\n    sys.exit(2)\nexcept SystemExit:\n    pass\n"
+     "for _ in m.wrap(range(5), batch_size=1):\n    pass", 0, "completed", None),
+    # the status is CPython's: 256 is 0 (its low byte), 0.0 is no integer, so 1
+    ("for _ in m.wrap(range(5), batch_size=1):\n    pass\nsys.exit(256)", 0, "completed",
+     None),
+    ("for _ in m.wrap(range(5), batch_size=1):\n    pass\nsys.exit(0.0)", 1, "exception",
+     "SystemExit"),
 ])
 def test_a_sys_exit_with_a_failing_status_is_a_failure(tmp_path, receiver, ending, status,
                                                        reason, detail):
@@ -186,6 +194,56 @@ def test_a_sys_exit_with_a_failing_status_is_a_failure(tmp_path, receiver, endin
     assert rc == status, err
     bye = receiver.goodbye()
     assert bye["exit_reason"] == reason and bye.get("exit_detail") == detail, bye
+
+
+def test_a_with_block_left_by_sys_exit_1_names_the_exception_its_caller_handled(tmp_path,
+                                                                                receiver):
+    proc = start(tmp_path, receiver.url, """
+        with TrainingMonitor(run="t", push_interval=60) as m:
+            try:
+                for i in m.wrap(range(5), batch_size=1):
+                    if i == 3:
+                        raise ValueError("bad batch")
+            except ValueError:
+                sys.exit(1)
+    """)
+    rc, err = finish(proc)
+    assert rc == 1, err
+    bye = receiver.goodbye()
+    assert (bye["exit_reason"], bye["exit_detail"]) == ("exception", "ValueError"), bye
+
+
+def test_a_forked_child_does_not_inherit_its_parents_caught_sys_exit(tmp_path, receiver):
+    """The parent caught a sys.exit(3) (its record stays), then forks a rank whose loop runs
+    to its end and one whose loop makes no step: both completed (the
+    parent's sys.exit is not theirs); the parent, which trained after it, completed. (The
+    children fork while the parent's pusher makes its first push: they once waited for ever
+    on the import lock it held.)"""
+    proc = start(tmp_path, receiver.url, """
+        import multiprocessing as mp
+
+        def train(rank):
+            m = TrainingMonitor(run="forked", rank=rank, push_interval=60)
+            for _ in m.wrap(range(5 if rank == 1 else 0), batch_size=1):
+                pass
+
+        if __name__ == "__main__":
+            m = TrainingMonitor(run="forked", rank=0, push_interval=60)
+            try:
+                sys.exit(3)
+            except SystemExit:
+                pass
+            for rank in (1, 2):
+                child = mp.get_context("fork").Process(target=train, args=(rank,))
+                child.start()
+                child.join()
+            for _ in m.wrap(range(5), batch_size=1):
+                pass
+    """)
+    rc, err = finish(proc)
+    assert rc == 0, err
+    byes = {b["rank"]: b["exit_reason"] for b in receiver.bodies if b.get("goodbye")}
+    assert byes == {"0": "completed", "1": "completed", "2": "completed"}, receiver.bodies
 
 
 def test_an_uncaught_exception_says_its_type_and_the_step_it_broke_is_no_step(tmp_path,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import hashlib
 import logging
 import math
@@ -38,6 +39,14 @@ from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Mapping
 from time import perf_counter as _now
 from typing import Any, NoReturn, TypeVar
+
+# imported with the module, never first by the pusher thread: a fork (a multiprocessing rank,
+# a DataLoader worker) while that thread held psutil's import lock left the child's first
+# push, and its goodbye, waiting for ever on a lock no thread of the child would release
+try:
+    import psutil
+except ImportError:  # the monitor's birth then stands for the process's start
+    psutil = None
 
 from exporter.client.comm import DDPComm, find_ddp
 from exporter.client.profiling import RankProfiler
@@ -294,11 +303,11 @@ def _uncaught() -> BaseException | None:
 def _process_age() -> float | None:
     """Seconds since this process started (psutil), so that start-up counts as time outside
     steps; None where it cannot be read."""
+    if psutil is None:
+        return None
     try:
-        import psutil
-
         return max(0.0, time.time() - psutil.Process().create_time())
-    except Exception:  # psutil missing or the process table unreadable
+    except Exception:  # the process table unreadable
         return None
 
 
@@ -359,7 +368,7 @@ class TrainingMonitor:
         self._wall_offset = time.time() - time.perf_counter()
         self._created = _now()
         # when the process started, on the perf_counter clock: looked up by the first push
-        # (psutil's import and /proc read stay off the training thread), else the monitor's birth
+        # (psutil's /proc read stays off the training thread), else the monitor's birth
         self._process_start: float | None = None
         self._bounds = tuple(float(b) for b in buckets)
         if len(self._bounds) > MAX_BUCKETS or any(
@@ -866,9 +875,13 @@ class TrainingMonitor:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: object, tb: object) -> None:
         # sys.exit(0) (or sys.exit()) inside the block ends the process with status 0: the
-        # program's own clean end, as leaving the block is; any other status is a failure
-        if exc_type is None or (isinstance(exc, SystemExit) and exc.code in (0, None)):
+        # program's own clean end, as leaving the block is; any other status is a failure,
+        # named by the exception its caller was handling where there was one (as at exit)
+        if exc_type is None or (isinstance(exc, SystemExit) and clean_status(exc.code)):
             self._end("closed")
+        elif isinstance(exc, SystemExit) and exc.__context__ is not None and \
+                exc.__context__ is not self._handled_exc:
+            self._end("exception", exit_name(type(exc.__context__)))
         else:
             self._end("exception", exit_name(exc_type))
 
@@ -887,6 +900,7 @@ def _env_token() -> str | None:
 
 def _disable_in_child(ref: weakref.ref) -> None:
     """In a forked child (a DataLoader worker) the monitor must never push or profile."""
+    _EXIT.forget()  # the parent's sys.exit() is not the child's
     monitor = ref()
     if monitor is not None:
         monitor._closed = True
@@ -908,15 +922,15 @@ def _close_at_exit(ref: weakref.ref) -> None:
         # passes through, before the traceback is printed: that exception ends the process
         # (sys.exit(0) there ends it cleanly, as in the main module)
         passing = sys.exc_info()[1]
-        if isinstance(passing, SystemExit) and passing.code not in (0, None) and \
+        if isinstance(passing, SystemExit) and not clean_status(passing.code) and \
                 passing.__context__ is not None:
             # a launcher's wrapper that caught the target's exception and exits 1 with it
             # (torch.multiprocessing.spawn's): the exception it caught is the end
             passing = passing.__context__
         if passing is not None and passing is not monitor._handled_exc and not (
-                isinstance(passing, SystemExit) and passing.code in (0, None)):
+                isinstance(passing, SystemExit) and clean_status(passing.code)):
             exc = passing
-    if exc is None and (requested := _EXIT.failure()) is not None:
+    if exc is None and (requested := _EXIT.failure(monitor)) is not None:
         # sys.exit(1) in the main module, where the interpreter keeps no record of it: the
         # exception its caller was handling (logged, then exit 1: Hydra's way), else itself
         context = requested.__context__
@@ -1121,20 +1135,33 @@ class _SignalGoodbye:
 _SIGNALS = _SignalGoodbye()
 
 
+def clean_status(code: object) -> bool:
+    """Whether ``SystemExit(code)`` ends the process with status 0, as CPython exits: None,
+    or an integer whose low byte is 0 (``sys.exit(256)`` is status 0); any other object is
+    printed and is status 1 (``sys.exit(0.0)``, ``sys.exit("no data")``)."""
+    return code is None or (isinstance(code, int) and code & 0xFF == 0)
+
+
 class _ExitRequest:
-    """The last ``sys.exit()`` the main thread called: its status and the exception being
-    handled then. A process that ends by ``sys.exit(1)`` (a script's ``except: log;
-    sys.exit(1)``, Hydra's error handler, ``sys.exit(main())``) failed, as its launcher sees
-    it, but the interpreter keeps no record of the status that an atexit handler could read:
-    so the first monitor wraps ``sys.exit`` (once; the wrapper records and calls the one it
-    found). A ``raise SystemExit(1)`` of the script's own is not seen (it reads ``exited``),
-    nor is a status another thread's ``sys.exit`` asks for (it ends that thread only)."""
+    """The last ``sys.exit()`` the main thread called: its status, the exception being
+    handled then, and when. A process that ends by ``sys.exit(1)`` (a script's ``except:
+    log; sys.exit(1)``, Hydra's error handler, ``sys.exit(main())``) failed, as its launcher
+    sees it, but the interpreter keeps no record of the status that an atexit handler could
+    read: so the first monitor wraps ``sys.exit`` (once; the wrapper records and calls the
+    one it found). A SystemExit caught and survived leaves its record behind: a monitor that
+    made a step since reads past it. A ``raise SystemExit(1)`` of the script's own is not
+    seen (it reads ``exited``), nor is a status another thread's ``sys.exit`` asks for (it
+    ends that thread only), nor, in a forked child, its parent's."""
 
     def __init__(self) -> None:
         self.installed = False
+        self.forget()
+
+    def forget(self) -> None:
         self.requested = False
         self.status: object = None
         self.context: BaseException | None = None
+        self.at = 0.0  # perf_counter, as a monitor's steps are timed
 
     def install(self) -> None:
         if self.installed:
@@ -1142,18 +1169,22 @@ class _ExitRequest:
         self.installed = True
         original = sys.exit
 
+        @functools.wraps(original)  # sys.exit by name: it pickles as the original does
         def exit(status: str | int | None = None) -> NoReturn:
             if threading.current_thread() is threading.main_thread():
                 self.requested, self.status, self.context = True, status, sys.exc_info()[1]
+                self.at = _now()
             original(status)
 
-        exit.__doc__, exit.__wrapped__ = original.__doc__, original  # type: ignore[attr-defined]
         sys.exit = exit
 
-    def failure(self) -> SystemExit | None:
+    def failure(self, monitor: TrainingMonitor) -> SystemExit | None:
         """The SystemExit of the main thread's last ``sys.exit()`` where its status says a
-        failure (not 0 nor None), its context the exception handled then; else None."""
-        if not self.requested or self.status in (0, None):
+        failure, its context the exception handled then; None where there was none, its
+        status is 0, or ``monitor`` made a step after it (it was caught: the program went
+        on)."""
+        if not self.requested or clean_status(self.status) or \
+                (monitor._last_step or 0.0) > self.at:
             return None
         exc = SystemExit(self.status)
         exc.__context__ = self.context

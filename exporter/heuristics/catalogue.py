@@ -239,10 +239,11 @@ def stray_gpus(r: RankReport, t: dict[str, float]) -> set[str]:
 
 
 def held(r: RankReport, t: dict[str, float]) -> bool:
-    """The rank's step in progress has run past the floor of the hung limit and twice its
-    mean step: the window's rates are of steps that no longer come, so no bottleneck of its
-    steps is judged (as :meth:`Q.stepping`)."""
-    return _v(r.step_in_progress, ">", t["hung_min_seconds"]) and \
+    """The rank's step in progress has run past the floor of the hung limit (``hung_min_seconds``,
+    or its ceiling where a short collective timeout lowers it under that) and twice its mean
+    step: the window's rates are of steps that no longer come, so no bottleneck of its steps
+    is judged (as :meth:`Q.stepping`)."""
+    return _v(r.step_in_progress, ">", min(t["hung_min_seconds"], ceiling_of(r, t))) and \
         _v(r.step_in_progress, ">", 2 * (typical_step(r) or 0.0))
 
 
@@ -656,7 +657,7 @@ def hang_ceiling(timeout: float | None, t: dict[str, float]) -> float:
     ``hung_timeout_share`` of its process groups' collective timeout where its client pushes
     it (``timeout``): a job that sets a timeout shorter than NCCL's 10 minutes is still told
     hung, and its stacks taken, before the watchdog ends it."""
-    if timeout is not None and timeout > 0:
+    if timeout is not None and timeout > 0:  # 0 is no timeout a process group takes
         return min(t["hung_max_seconds"], t["hung_timeout_share"] * timeout)
     return t["hung_max_seconds"]
 
@@ -664,14 +665,6 @@ def hang_ceiling(timeout: float | None, t: dict[str, float]) -> float:
 def ceiling_of(r: RankReport, t: dict[str, float]) -> float:
     """The rank's hang ceiling (:func:`hang_ceiling`), in seconds."""
     return hang_ceiling(r.collective_timeout, t)
-
-
-def ceiling_expr(t: dict[str, float]) -> str:
-    """:func:`ceiling_of` in PromQL: per rank, for every rank that pushes (its last push's
-    series is the base)."""
-    return (f"(clamp_max({t['hung_timeout_share']} * {series_of('collective_timeout')}, "
-            f"{t['hung_max_seconds']}) or {series_of('seconds_since_push')} * 0 + "
-            f"{t['hung_max_seconds']})")
 
 
 def hung_limit(r: RankReport, t: dict[str, float]) -> float:
@@ -699,10 +692,10 @@ def start_past_ceiling(r: RankReport, t: dict[str, float]) -> bool:
 
 def stuck_starts(ranks: list[RankReport], t: dict[str, float]) -> set[int]:
     """The ranks of a run (their ``id``) whose DataLoader's start is a hang, not a phase to
-    wait for: past ``hung_max_seconds`` while a live peer's stacks show it waiting in a
-    collective (for them: NCCL's watchdog knows no phase). A start is no declaration of the
-    user's: workers that never start, or a first read that never returns, hold the run as a
-    read inside a step does. Where no peer is seen waiting (every rank starting its workers
+    wait for: past its ceiling (:func:`ceiling_of`) while a live peer's stacks show it
+    waiting in a collective (for them: NCCL's watchdog knows no phase). A start is no
+    declaration of the user's: workers that never start, or a first read that never returns,
+    hold the run as a read inside a step does. Where no peer is seen waiting (every rank starting its workers
     slowly), the phase's own limit holds."""
     stuck = {id(r) for r in ranks if start_past_ceiling(r, t)}
     if stuck and any(alive(r, t) and waiting(r) for r in ranks if id(r) not in stuck):
@@ -725,9 +718,9 @@ def cannot_join(r: RankReport, t: dict[str, float]) -> bool:
 
 def stuck_phases(ranks: list[RankReport], t: dict[str, float]) -> set[int]:
     """The ranks of a run (their ``id``) whose declared phase is a hang, not work to wait
-    for: past ``hung_max_seconds`` the rank's own stacks show it waiting in a collective (one
-    its peers never join: an all-gather only it calls in its evaluation, a barrier in its
-    checkpoint that the others passed), while a live peer outside any phase waits in a
+    for: past its ceiling (:func:`ceiling_of`) the rank's own stacks show it waiting in a
+    collective (one its peers never join: an all-gather only it calls in its evaluation, a
+    barrier in its checkpoint that the others passed), while a live peer outside any phase waits in a
     collective too, or a rank of the run can join none any more (:func:`cannot_join`: it
     died, or froze, inside the evaluation every rank was in). Nobody works: each waits for
     another. A phase whose rank works in its own code (a checkpoint's write) holds its run to
@@ -888,7 +881,7 @@ class RunHung(Heuristic):
 
     def rules(self, q: Q) -> list[dict]:
         t, run, rank = q.t, q.run, q.rank
-        ceiling = ceiling_expr(t)
+        ceiling = q.ceiling
         floored = f"clamp_min({t['hung_step_factor']} * {TYPICAL}, {t['hung_min_seconds']})"
         clamped = f"(({floored} < {ceiling}) or ({ceiling} and {TYPICAL}))"
         slowest = f"{t['hung_slowest_factor']} * {TYPICAL}"
@@ -1106,10 +1099,10 @@ class CollectiveTimeoutRisk(Heuristic):
     profile, stepping = False, False
 
     def rules(self, q: Q) -> list[dict]:
-        t, rank = q.t, q.rank
+        rank = q.rank
         phase = series_of("phase_in_progress")
         hung = RunHung().rules(q)[0]["expr"]  # the run's hang, as its own alert says it
-        return [self.rule(q, "warning", f"""(({OPEN} > {ceiling_expr(t)}
+        return [self.rule(q, "warning", f"""(({OPEN} > {q.ceiling}
               unless on ({rank}) {phase})
             and on ({rank}) {STACK_WAITING} and on ({rank}) {q.alive})
             unless on ({q.run}) ({hung})""",

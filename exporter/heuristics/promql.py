@@ -525,20 +525,31 @@ class Q:
         return f"({expr}) and on ({self.rank}) {STEPPING}"
 
     @property
+    def ceiling(self) -> str:
+        """Each rank's hang ceiling, in seconds (catalogue.ceiling_of): ``hung_max_seconds``,
+        or ``hung_timeout_share`` of its pushed collective timeout where that is less; for
+        every rank that pushes (its last push's series is the base)."""
+        t = self.t
+        return (f"(clamp_max({t['hung_timeout_share']} * "
+                f"({series_of('collective_timeout')} > 0), {t['hung_max_seconds']}) "
+                f"or {series_of('seconds_since_push')} * 0 + {t['hung_max_seconds']})")
+
+    @property
     def stepping_ranks(self) -> str:
         """The ranks that step, with one process over the rate window, and still run: a run
         whose steps stopped while its GPUs spin is stalled, and nothing else holds for it;
         rates across a restart are no bottleneck; a rank that said goodbye, or has not pushed
         for ``silent_seconds`` (killed outright), left only history behind; and one whose step
         in progress has run past the floor of
-        the hung limit and twice its process's mean step is judged on that step, not on the
-        window's rates of steps that no longer come."""
+        the hung limit (or its ceiling, where a short collective timeout lowers it under the
+        floor) and twice its process's mean step is judged on that step, not on the window's
+        rates of steps that no longer come."""
         return (f"({self.steps} > 0) unless on ({self.rank}) "
                 f"({self.ended} or "
                 f"time() - {series_of('seconds_since_push')} > {self.t['silent_seconds']} or "
                 f"{RESTARTS_RECENT} > 0 or "
-                f"{OPEN} > {self.t['hung_min_seconds']} and on ({self.rank}) "
-                f"{OPEN} > 2 * {TYPICAL})")
+                f"{OPEN} > clamp_max({self.ceiling}, {self.t['hung_min_seconds']}) "
+                f"and on ({self.rank}) {OPEN} > 2 * {TYPICAL})")
 
     def guards(self) -> list[dict]:
         """The recording rules :meth:`stepping` and :meth:`fresh` read, last in the recording
