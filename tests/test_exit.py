@@ -183,6 +183,9 @@ LOOP = "m = TrainingMonitor(run=\"t\", push_interval=60)\n"
      None),
     ("for _ in m.wrap(range(5), batch_size=1):\n    pass\nsys.exit(0.0)", 1, "exception",
      "SystemExit"),
+    # the wrapped sys.exit still pickles by name (a pool's or a spawned process's target)
+    ("import pickle\nassert pickle.loads(pickle.dumps(sys.exit)) is sys.exit\n"
+     "for _ in m.wrap(range(5), batch_size=1):\n    pass", 0, "completed", None),
 ])
 def test_a_sys_exit_with_a_failing_status_is_a_failure(tmp_path, receiver, ending, status,
                                                        reason, detail):
