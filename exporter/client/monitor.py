@@ -879,11 +879,17 @@ class TrainingMonitor:
         # named by the exception its caller was handling where there was one (as at exit)
         if exc_type is None or (isinstance(exc, SystemExit) and clean_status(exc.code)):
             self._end("closed")
-        elif isinstance(exc, SystemExit) and exc.__context__ is not None and \
-                exc.__context__ is not self._handled_exc:
-            self._end("exception", exit_name(type(exc.__context__)))
+        elif isinstance(exc, SystemExit):
+            self._end("exception", exit_name(type(self._exited_by(exc))))
         else:
             self._end("exception", exit_name(exc_type))
+
+    def _exited_by(self, exc: SystemExit) -> BaseException:
+        """What a failing SystemExit stands for: the exception its caller was handling (an
+        ``except`` that logs and calls ``sys.exit(1)``), else itself; never one this monitor
+        was created inside (a fork child's inherited stack)."""
+        context = exc.__context__
+        return context if context is not None and context is not self._handled_exc else exc
 
 
 def _env_token() -> str | None:
@@ -931,11 +937,8 @@ def _close_at_exit(ref: weakref.ref) -> None:
                 isinstance(passing, SystemExit) and clean_status(passing.code)):
             exc = passing
     if exc is None and (requested := _EXIT.failure(monitor)) is not None:
-        # sys.exit(1) in the main module, where the interpreter keeps no record of it: the
-        # exception its caller was handling (logged, then exit 1: Hydra's way), else itself
-        context = requested.__context__
-        exc = context if context is not None and context is not monitor._handled_exc \
-            else requested
+        # sys.exit(1) in the main module, where the interpreter keeps no record of it
+        exc = monitor._exited_by(requested)
     if exc is not None and exc is not monitor._earlier_exc:
         monitor._end("exception", exit_name(type(exc)))
     else:

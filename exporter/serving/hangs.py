@@ -67,8 +67,8 @@ class HangWatch:
         self.history = history
         self.board = board
         self.thresholds = thresholds
-        # hang -> (capture ids, when taken: the history's clock)
-        self._captured: dict[tuple[Any, ...], tuple[list[str], float]] = {}
+        # hang -> when its stacks were taken (the history's clock)
+        self._captured: dict[tuple[Any, ...], float] = {}
 
     def check(self) -> None:
         """One cycle: capture the stacks of each run that turned hung since the last."""
@@ -95,9 +95,9 @@ class HangWatch:
         for ranks in runs.values():
             # a run hung, or one whose every rank is still in its first step past the hang
             # ceiling: its stacks tell a wait (then it is hung) from a compilation
-            said = bool(hung.holds_run(ranks, self.thresholds))
-            first = not said and first_steps_past_ceiling(ranks, self.thresholds)
-            start = not said and not first and phases_past_ceiling(ranks, self.thresholds)
+            said = bool(hung.holds_run(ranks, t))
+            first = not said and first_steps_past_ceiling(ranks, t)
+            start = not said and not first and phases_past_ceiling(ranks, t)
             if not (said or first or start):
                 continue
             hang: tuple[Any, ...] = tuple(sorted(
@@ -108,14 +108,14 @@ class HangWatch:
             # waited at a barrier may be compiling now, with no step to tell
             last = self._captured.get(hang)
             again = min(floor, min(ceiling_of(r, t) for r in ranks))
-            if last is not None and (said or now - last[1] < max(again, 1.0)):
+            if last is not None and (said or now - last < max(again, 1.0)):
                 continue
             self._captured.pop(hang, None)
             if len(self._captured) >= MAX_REMEMBERED:
                 self._captured.pop(next(iter(self._captured)))
             run = ranks[0].run
             ids = self.board.capture_hang(run, [r.rank for r in ranks])
-            self._captured[hang] = (ids, now)
+            self._captured[hang] = now
             if last is not None:
                 log.debug("run %s: its stacks taken again (%s)", run, ", ".join(ids))
             elif said:
@@ -132,5 +132,5 @@ class HangWatch:
                             "while the others' steps stopped: capturing the stacks of %d of "
                             "its %d rank(s) here to tell whether they wait for it (%s)", run,
                             ", ".join(f"{r.rank} ({next(iter(r.phase_in_progress))})"
-                                      for r in ranks if phase_past_ceiling(r, self.thresholds)),
+                                      for r in ranks if phase_past_ceiling(r, t)),
                             len(ids), len(ranks), ", ".join(ids) or "none could be asked")
