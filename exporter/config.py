@@ -219,6 +219,10 @@ OPTIONS: list[Option] = [
            "after --ingest.ttl, how long a rank that ended without a clean close (silent "
            "without a goodbye, or failed) is still reported as dead, its counters gone "
            "(0s: forget it with the ttl)", "DURATION"),
+    Option("ingest.state-file", _text, None,
+           "keep the ranks in this file (written as they end, every 30 s, and at shutdown; "
+           "read at start), so that a restart forgets no run that failed or vanished and its "
+           "alert does not resolve by itself; its directory must be writable", "FILE"),
     Option("profile.alert-interval", parse_interval, 3600.0,
            "at most one profile per run in this time for the alerts Alertmanager sends to "
            "/api/v1/alerts on the ingest address (0s: no limit)", "DURATION"),

@@ -29,12 +29,15 @@ TTL, DEAD_TTL = 600.0, 3600.0
 
 
 class Node:
-    """A daemon's ingest, history and page on one fake clock (unix = monotonic + 1e9)."""
+    """A daemon's ingest, history and page on one fake clock (unix = monotonic + ``offset``:
+    a restarted daemon's monotonic clock starts anew, its wall clock does not)."""
 
-    def __init__(self, dead_ttl: float = DEAD_TTL, proc: str = "/proc") -> None:
+    def __init__(self, dead_ttl: float = DEAD_TTL, proc: str = "/proc",
+                 offset: float = 1e9) -> None:
         self.now = 1000.0
+        self.offset = offset
         self.store = IngestStore(ttl=TTL, dead_ttl=dead_ttl, clock=lambda: self.now,
-                                 wall_clock=lambda: self.now + 1e9, proc=proc)
+                                 wall_clock=lambda: self.now + self.offset, proc=proc)
         self.history = History(window=300.0, point_seconds=5.0, instance="n1",
                                clock=lambda: self.now)
         self.views = Attribution()
@@ -47,7 +50,7 @@ class Node:
         self.store.push(json.dumps({
             "version": SCHEMA_VERSION, "run": "r", "rank": rank, "run_id": run_id,
             "steps": int(t * 10), "step_seconds": t, "data_wait_seconds": 0.1 * t,
-            "samples": 320 * t, "elapsed_seconds": t, "last_step_timestamp": self.now + 1e9,
+            "samples": 320 * t, "elapsed_seconds": t, "last_step_timestamp": self.now + self.offset,
             **over}).encode())
 
     def run(self, seconds: float, ranks: tuple[str, ...] = ("0",), **over) -> None:
@@ -63,7 +66,7 @@ class Node:
         self.cycle += 1
         self.store.reap()
         self.history.observe(self.views.update(
-            Snapshot(self.cycle, self.now + 1e9, "test", ""), self.store.states(),
+            Snapshot(self.cycle, self.now + self.offset, "test", ""), self.store.states(),
             self.store.departed()))
 
     def page(self) -> dict:

@@ -427,3 +427,25 @@ def test_the_pod_owners_overlay_reads_the_kubelet_socket_read_only():
     assert c["securityContext"]["allowPrivilegeEscalation"] is False  # root, not privileged
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert "--ingest.token-file=/etc/gputrain/token/token" in c["args"]  # the base's, kept
+
+
+def test_every_deployment_keeps_the_ranks_on_a_writable_lasting_volume(manifests):
+    """--ingest.state-file (a restart forgets no failed or vanished run) in a place each
+    deployment keeps across the daemon's restart and lets it write."""
+    flag = "--ingest.state-file=/var/lib/gputrain-exporter/ingest.json"
+    unit = (DEPLOY / "systemd" / "gputrain-exporter.service").read_text()
+    assert flag in unit and "StateDirectory=gputrain-exporter" in unit  # writable there
+    (c,) = manifests["DaemonSet"]["spec"]["template"]["spec"]["containers"]
+    assert flag in c["args"]
+    mount = next(m for m in c["volumeMounts"] if m["mountPath"] == "/var/lib/gputrain-exporter")
+    assert not mount.get("readOnly")
+    volume = next(v for v in manifests["DaemonSet"]["spec"]["template"]["spec"]["volumes"]
+                  if v["name"] == mount["name"])
+    assert "emptyDir" in volume or "hostPath" in volume  # outlives the container
+    exporter = compose("compose.yaml")["services"]["exporter"]
+    assert flag in exporter["command"]
+    assert "exporter-state:/var/lib/gputrain-exporter" in exporter["volumes"]
+    assert "exporter-state" in compose("compose.yaml")["volumes"]
+    dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text()
+    assert "install -d -o 65532 -g 65532 /var/lib/gputrain-exporter" in dockerfile
+    assert re.findall(r"^USER (\S+)", dockerfile, re.M)[-1] == "65532:65532"

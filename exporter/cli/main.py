@@ -197,6 +197,7 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
         make_server,
         serve_in_thread,
     )
+    from exporter.serving.state_file import StateFile
     from exporter.serving.status import StatusView
 
     setup_logging(settings["log.level"])
@@ -204,7 +205,7 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
         web_host, web_port = parse_listen_address(settings["web.listen-address"])
         tls = _tls(settings, "web")
         ingest_tls = _tls(settings, "ingest")
-        store = None
+        store, state_file = None, None
         if "training" in settings.collectors:
             ingest_host, ingest_port = parse_listen_address(settings["ingest.listen-address"])
             token_file = settings["ingest.token-file"]
@@ -219,6 +220,15 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
                                 profiled_alerts=PROFILED_ALERTS, stack_alerts=STACK_ALERTS,
                                 rank_interval=settings["profile.rank-interval"],
                                 dead_ttl=settings["ingest.dead-ttl"])
+            if settings["ingest.state-file"]:
+                state_file = StateFile(settings["ingest.state-file"], store)
+                state_file.load()
+                try:  # at once: a path that cannot be written is said now, not at the crash
+                    state_file.save()
+                except OSError as exc:
+                    raise ConfigError(f"cannot write --ingest.state-file "
+                                      f"{settings['ingest.state-file']}: "
+                                      f"{exc.strerror or exc}") from exc
         thresholds = _thresholds(settings["status.rules-config"])
     except ConfigError as exc:
         log.error("%s", exc)
@@ -259,6 +269,8 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
         store.profiles.listeners.append(status.changed)
     hangs = HangWatch(history, store.profiles, thresholds) if store is not None else None
     views.listeners.append(lambda view: _observe(history, view, status, hangs))
+    if state_file is not None:
+        views.listeners.append(lambda view: state_file.cycle())
     sampler.start()
     status.start()
     app = Exposition(sampler, store, peaks=peaks, status=status, views=views,
@@ -322,4 +334,10 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
     app.stop()
     status.stop()
     sampler.stop()
+    if state_file is not None:  # what the last pushes said, for the next start
+        try:
+            state_file.save()
+        except OSError as exc:
+            log.warning("cannot write --ingest.state-file %s at shutdown: %s", state_file.path,
+                        exc)
     return 0

@@ -571,7 +571,8 @@ class RunVanished(Heuristic):
            "vanished. A rank that died is not forgotten with its series: after "
            "--ingest.ttl (10 m) the exporter keeps its end (its last push, no goodbye) for "
            "--ingest.dead-ttl (1 h by default), so the alert, the status page, `top` and "
-           "`diagnose` keep saying the run died; the status page shows it as stopped without "
+           "`diagnose` keep saying the run died (a restarted exporter too, with "
+           "--ingest.state-file); the status page shows it as stopped without "
            "finishing, and judges nothing else of it.")
     confirm = (series_of("seconds_since_push"),
                series_of("finished"),
@@ -1170,7 +1171,9 @@ class RunFailed(Heuristic):
            "timeout; a SIGTERM or SIGHUP): a failed rank is never \"finished\". The exporter "
            "says which exception or signal ended it (`gputrain_training_exit_info`) for "
            "--ingest.ttl (10 m) with its counters, then for --ingest.dead-ttl (1 h by "
-           "default) with its end alone: the alert holds on that long. A process killed outright "
+           "default) with its end alone: the alert holds on that long, across a restart of "
+           "the exporter too where it keeps its ranks in --ingest.state-file (the shipped "
+           "systemd unit, DaemonSet and compose file do). A process killed outright "
            "(SIGKILL, the OOM killer, an abort such as NCCL's watchdog's, a crash in native "
            "code) says nothing; where the exporter has seen it run in its own /proc (the same "
            "PID namespace: a daemon on the node's host, or with hostPID) it finds it gone "

@@ -15,7 +15,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from itertools import pairwise
 from typing import Any
 
@@ -45,6 +45,7 @@ from exporter.protocol import (
     Refused,
     check_unicode,
     cumulative,
+    is_name,
     json_kind,
     number,
     read_scalars,
@@ -512,6 +513,9 @@ class IngestStore:
         self._former: dict[tuple[str, str], dict[str, float]] = {}
         self._shared_logged: set[tuple[str, str]] = set()  # warned once each
         self.version = 0
+        # changes of how the ranks ended (a goodbye, a kill found, a rank departed or
+        # forgotten): what the state file (--ingest.state-file) is written for at once
+        self.ends = 0
         self._next_expiry = math.inf  # no state expires before this (monotonic)
         self.listeners: list[Callable[[], None]] = []  # called after every change
         self.profiles = ProfileBoard(self.states, alert_interval, profiled_alerts, clock,
@@ -614,7 +618,10 @@ class IngestStore:
                 while len(former) > FORMER_RUN_IDS:
                     del former[next(iter(former))]
             self._states[key] = new
-            self._departed.pop(key, None)  # it lives again: a new process, or a late push
+            # it lives again: a new process, or a late push
+            revived = self._departed.pop(key, None) is not None
+            if goodbye or revived or (old is not None and old.exit_reason is not None):
+                self.ends += 1
             if same is None and not goodbye:  # a new process: found in /proc from its first push
                 self._look(new)
                 self._count_oom_kills(new.received_at)
@@ -703,6 +710,7 @@ class IngestStore:
                     del memo[key]
             if marked:
                 self.version += 1
+                self.ends += 1
         for st in marked:
             log.warning("run %s rank %s: its process (pid %s) is gone without a goodbye%s",
                         st.run, st.rank, st.pid, ": the node's OOM killer killed a process "
@@ -791,6 +799,7 @@ class IngestStore:
                                     default=math.inf))
         if stale or gone:
             self.version += 1
+            self.ends += 1
 
     def states_version(self) -> int:
         """A number that changes whenever the rendered states would (pushes, expiry)."""
@@ -812,3 +821,103 @@ class IngestStore:
         with self._lock:
             self._expire_locked()
             return [st for st, _ in self._departed.values()]
+
+    # -- a restart loses nothing: the state file (exporter.serving.state_file) -----------------
+
+    def saved(self) -> dict[str, Any]:
+        """The ranks as a JSON-able document: each live and departed rank's last state, its
+        monotonic times as seconds from now (a restarted daemon's clock starts anew), the pid
+        this daemon found its process at. Profiles and requests in flight are not kept."""
+        with self._lock:
+            self._expire_locked()
+            now, wall = self._clock(), self._wall()
+            ranks = []
+            for st, until in [*((st, None) for st in self._states.values()),
+                              *self._departed.values()]:
+                row = {f.name: getattr(st, f.name) for f in fields(RankState)
+                       if f.name not in _UNSAVED}
+                row["received_ago"] = now - st.received_at
+                row["expires_in"] = st.expires_at - now
+                row["departed_for"] = None if until is None else until - now
+                seen = self._seen.get((st.run, st.rank))
+                row["seen_pid"] = seen[1] if until is None and seen is not None and \
+                    seen[0] == st.run_id else None
+                ranks.append(row)
+        return {"version": STATE_VERSION, "saved_unix": wall, "ranks": ranks}
+
+    def restore(self, doc: Any) -> tuple[int, int]:
+        """Take back the ranks of a :meth:`saved` document, aged by the time since it was
+        saved (a live rank past its ttl departs, a departed one past its time is gone, as if
+        the daemon had run throughout). Before any push: what a push brings replaces it.
+        Returns (ranks restored, rows refused); a document of another version is refused
+        whole (ValueError)."""
+        if not isinstance(doc, dict) or doc.get("version") != STATE_VERSION or \
+                not isinstance(doc.get("ranks"), list) or \
+                not isinstance(doc.get("saved_unix"), (int, float)):
+            raise ValueError(f"not a version {STATE_VERSION} state document")
+        now = self._clock()
+        # the time it was down, never less than none (a clock set back)
+        down = max(0.0, self._wall() - doc["saved_unix"])
+        kept, refused = 0, 0
+        with self._lock:
+            for row in doc["ranks"]:
+                try:
+                    st, departed_for, pid = _restored(row, now, down, self.ttl + self.dead_ttl)
+                except (KeyError, TypeError, ValueError):
+                    refused += 1
+                    continue
+                key = (st.run, st.rank)
+                if key in self._states or key in self._departed or \
+                        len(self._states) + len(self._departed) >= 2 * self.max_series:
+                    refused += 1
+                    continue
+                if departed_for is None:
+                    self._states[key] = st
+                    if pid is not None:  # its process is watched as before: gone, it was killed
+                        self._seen[key] = (st.run_id, pid)
+                else:
+                    self._departed[key] = (st, now + departed_for)
+                kept += 1
+            self._next_expiry = -math.inf  # what aged out while down goes at the next look
+            self.version += 1
+            self.ends += 1
+        return kept, refused
+
+
+STATE_VERSION = 1
+# a rank's state not kept across a restart: what a push answers once
+_UNSAVED = frozenset({"received_at", "expires_at", "profile_report", "stacks_report"})
+_TUPLES = frozenset({"bucket_bounds", "bucket_counts", "gpus", "capabilities"})
+
+
+def _restored(row: dict[str, Any], now: float, down: float,
+              longest: float) -> tuple[RankState, float | None, int | None]:
+    """One row of a state document as (its state, seconds it stays departed or None where it
+    is live, the pid its process was found at); raises KeyError, TypeError or ValueError
+    where the row is not one this daemon wrote."""
+    kwargs: dict[str, Any] = {"received_at": 0.0}  # set below, from its age
+    for f in fields(RankState):
+        if f.name in _UNSAVED or f.name not in row:
+            continue
+        value = row[f.name]
+        kwargs[f.name] = tuple(value) if f.name in _TUPLES and value is not None else value
+    st = RankState(**kwargs)
+    if not (isinstance(st.run, str) and is_name(st.run) and isinstance(st.rank, str)
+            and is_name(st.rank) and isinstance(st.run_id, str)
+            and RUN_ID_RE.fullmatch(st.run_id)):
+        raise ValueError("not a run, rank and run_id")
+    for name in ("received_ago", "expires_in"):
+        if not isinstance(row[name], (int, float)) or not math.isfinite(row[name]):
+            raise ValueError(name)
+    # its times run on across the restart, each within what the daemon would have kept
+    st.received_at = now - min(longest, max(0.0, row["received_ago"]) + down)
+    st.expires_at = now + min(longest, row["expires_in"]) - down
+    departed_for = row.get("departed_for")
+    if departed_for is not None:
+        if not isinstance(departed_for, (int, float)) or not math.isfinite(departed_for):
+            raise ValueError("departed_for")
+        departed_for = min(longest, departed_for) - down
+    pid = row.get("seen_pid")
+    if pid is not None and (not isinstance(pid, int) or pid <= 0):
+        raise ValueError("seen_pid")
+    return st, departed_for, pid
