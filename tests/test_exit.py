@@ -183,6 +183,16 @@ LOOP = "m = TrainingMonitor(run=\"t\", push_interval=60)\n"
      None),
     ("for _ in m.wrap(range(5), batch_size=1):\n    pass\nsys.exit(0.0)", 1, "exception",
      "SystemExit"),
+    # the builtins exit() and quit() (site's: they raise SystemExit themselves), as scripts
+    # call them, and their near misses
+    ("try:\n    for i in m.wrap(range(5), batch_size=1):\n        if i == 3:\n"
+     "            raise OSError('disk full')\nexcept OSError:\n    exit(1)", 1, "exception",
+     "OSError"),
+    ("for _ in m.wrap(range(5), batch_size=1):\n    pass\nquit(3)", 3, "exception",
+     "SystemExit"),
+    ("for _ in m.wrap(range(5), batch_size=1):\n    pass\nexit()", 0, "completed", None),
+    ("assert 'exit()' in repr(exit)\nfor _ in m.wrap(range(5), batch_size=1):\n    pass\n"
+     "exit(0)", 0, "completed", None),
     # the wrapped sys.exit still pickles by name (a pool's or a spawned process's target)
     ("import pickle\nassert pickle.loads(pickle.dumps(sys.exit)) is sys.exit\n"
      "for _ in m.wrap(range(5), batch_size=1):\n    pass", 0, "completed", None),

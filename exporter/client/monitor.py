@@ -23,6 +23,7 @@ where the monitor may catch them (see :class:`_SignalGoodbye`).
 from __future__ import annotations
 
 import atexit
+import builtins
 import contextlib
 import functools
 import hashlib
@@ -1146,15 +1147,16 @@ def clean_status(code: object) -> bool:
 
 
 class _ExitRequest:
-    """The last ``sys.exit()`` the main thread called: its status, the exception being
-    handled then, and when. A process that ends by ``sys.exit(1)`` (a script's ``except:
-    log; sys.exit(1)``, Hydra's error handler, ``sys.exit(main())``) failed, as its launcher
-    sees it, but the interpreter keeps no record of the status that an atexit handler could
-    read: so the first monitor wraps ``sys.exit`` (once; the wrapper records and calls the
-    one it found). A SystemExit caught and survived leaves its record behind: a monitor that
-    made a step since reads past it. A ``raise SystemExit(1)`` of the script's own is not
-    seen (it reads ``exited``), nor is a status another thread's ``sys.exit`` asks for (it
-    ends that thread only), nor, in a forked child, its parent's."""
+    """The last ``sys.exit()`` the main thread called: its status, the exception being handled
+    then, and when. A process that ends by ``sys.exit(1)`` (a script's ``except: log;
+    sys.exit(1)``, Hydra's error handler, ``sys.exit(main())``) failed, as its launcher sees it,
+    but the interpreter keeps no record of the status that an atexit handler could read: so the
+    first monitor wraps ``sys.exit`` and the ``exit()``/``quit()`` builtins (once; the wrapper
+    records and calls the one it found). A SystemExit caught and survived leaves its record
+    behind: a monitor that made a step since reads past it. A ``raise SystemExit(1)`` of the
+    script's own is not seen (it reads ``exited``: nothing but a trace function would see it),
+    nor is a status another thread's ``sys.exit`` asks for (it ends that thread only), nor, in a
+    forked child, its parent's."""
 
     def __init__(self) -> None:
         self.installed = False
@@ -1174,12 +1176,22 @@ class _ExitRequest:
 
         @functools.wraps(original)  # sys.exit by name: it pickles as the original does
         def exit(status: str | int | None = None) -> NoReturn:
-            if threading.current_thread() is threading.main_thread():
-                self.requested, self.status, self.context = True, status, sys.exc_info()[1]
-                self.at = _now()
+            self.record(status)
             original(status)
 
         sys.exit = exit
+        # the builtins exit() and quit() (site's, absent under python -S) raise SystemExit
+        # themselves: a script's exit(1) is as common as sys.exit(1)
+        for name in ("exit", "quit"):
+            found = getattr(builtins, name, None)
+            if found is not None and type(found).__name__ == "Quitter":
+                setattr(builtins, name, _RecordedQuitter(found, self))
+
+    def record(self, status: object) -> None:
+        """Note a status the main thread asks to exit with (another thread's ends it only)."""
+        if threading.current_thread() is threading.main_thread():
+            self.requested, self.status, self.context = True, status, sys.exc_info()[1]
+            self.at = _now()
 
     def failure(self, monitor: TrainingMonitor) -> SystemExit | None:
         """The SystemExit of the main thread's last ``sys.exit()`` where its status says a
@@ -1192,6 +1204,22 @@ class _ExitRequest:
         exc = SystemExit(self.status)
         exc.__context__ = self.context
         return exc
+
+
+class _RecordedQuitter:
+    """site's ``exit``/``quit`` builtin, its status recorded first (:class:`_ExitRequest`);
+    the same text where an interactive session shows it."""
+
+    def __init__(self, original: Any, request: _ExitRequest) -> None:
+        self.original, self.request = original, request
+
+    def __repr__(self) -> str:
+        return repr(self.original)
+
+    def __call__(self, code: object = None) -> NoReturn:
+        self.request.record(code)
+        self.original(code)
+        raise SystemExit(code)  # (the original always raises: for the type checker)
 
 
 _EXIT = _ExitRequest()
