@@ -229,21 +229,20 @@ def _failed_on(port: int) -> tuple[float | None, str | None]:
             ranks[0]["verdict"] if ranks else None)
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
 def test_run_failed_fires_again_after_the_daemon_restarts_instead_of_resolving(
-        tmp_path, prometheus_factory, how):
+        tmp_path, prometheus_factory):
     """A rank fails (its goodbye says RuntimeError); GpuTrainRunFailed fires. The daemon is
-    stopped (SIGTERM: it writes the file as it goes) or killed (SIGKILL: the file written on
-    the cycle after the failure is all there is) and started again on the same ports a few
-    seconds later: the page, the status API and the alert say the rank failed again, with
-    the same last push; the alert fires again within a minute."""
+    stopped (SIGTERM: it writes the file as it goes), started again on the same ports, then
+    killed (SIGKILL: the file written on the cycle after the failure is all there is) and
+    started again: each time the page, the status API and the alert say the rank failed, and
+    the alert fires again (it resolves only while Prometheus reads the target down)."""
     state, log = tmp_path / "state" / "ingest.json", tmp_path / "daemon.log"
     state.parent.mkdir()
     port, ingest = free_port(), free_port()
     proc = _daemon(port, ingest, state, log)
     try:
         _up(port, proc, log)
-        rules = rules_file(tmp_path, {"recording_interval": "1s"})
+        rules = rules_file(tmp_path, {"recording_interval": "1s", "liveness_interval": "1s"})
         prom = prometheus_factory([f"127.0.0.1:{port}"], rule_files=[str(rules)])
         _push(ingest)
         _push(ingest, steps=110, goodbye=True, exit_reason="exception",
@@ -258,15 +257,17 @@ def test_run_failed_fires_again_after_the_daemon_restarts_instead_of_resolving(
         # the file holds the failure before anything ends the daemon (the cycle after it)
         wait_until(lambda: any(r["exit_reason"] == "exception" for r in
                                json.loads(state.read_text())["ranks"]), timeout=30)
-        proc.send_signal(getattr(signal, how))
-        assert proc.wait(timeout=30) == (0 if how == "SIGTERM" else -signal.SIGKILL)
-        wait_until(lambda: not firing(), timeout=60, interval=1,
-                   what="the alert to read the target down")  # Prometheus' own doing
-        proc = _daemon(port, ingest, state, log)
-        _up(port, proc, log)
-        assert _failed_on(port) == (1.0, "failed"), log.read_text()
-        wait_until(firing, timeout=90, interval=1, what="GpuTrainRunFailed to fire again")
-        assert "rank(s) taken back" in log.read_text()
+        for how, status in ((signal.SIGTERM, 0), (signal.SIGKILL, -signal.SIGKILL)):
+            proc.send_signal(how)
+            assert proc.wait(timeout=30) == status
+            wait_until(lambda: not firing(), timeout=60, interval=1,
+                       what="the alert to read the target down")  # Prometheus' own doing
+            proc = _daemon(port, ingest, state, log)
+            _up(port, proc, log)
+            assert _failed_on(port) == (1.0, "failed"), (how, log.read_text())
+            wait_until(firing, timeout=90, interval=1,
+                       what=f"GpuTrainRunFailed to fire again after {how.name}")
+        assert log.read_text().count("1 rank(s) taken back") == 2
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
