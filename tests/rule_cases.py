@@ -721,6 +721,21 @@ def alert_cases() -> list[Case]:
               Fire("GpuTrainCollectiveTimeoutRisk", rank("short-compile"), "4m 0s")],
              fire_at="4m", quiet_at="90s",
              quiet_alerts=["GpuTrainRunHung", "GpuTrainCollectiveTimeoutRisk"], interval="15s"),
+        Case("A frozen run: rank 0 of 'frozen' stops pushing at 4m while the exporter still "
+             "finds its process running (native code holding the GIL stops the client's "
+             "thread with the loop): hung at 8m, never vanished; 'gone' goes silent at 4m "
+             "with no process found: vanished, not hung. Near misses: 'frozen-save' froze "
+             "inside a declared checkpoint at 4m (240 s, under its 300 s ceiling), "
+             "'frozen-late' has been silent 60 s only, and at 3m nothing is silent",
+             {**live_rank("frozen", "0", open_from=4, silent_from=4, minutes=9),
+              **live_rank("gone", "0", open_from=4, silent_from=4, minutes=9),
+              **live_rank("frozen-save", "0", phase_from=4, silent_from=4, minutes=9),
+              **live_rank("frozen-late", "0", open_from=7, silent_from=7, minutes=9),
+              **{sel("gputrain_training_process_running", run=run, rank="0"): flat(1, 36)
+                 for run in ("frozen", "frozen-save", "frozen-late")}},
+             [Fire("GpuTrainRunHung", {"run": "frozen"}, "1"),
+              Fire("GpuTrainRunVanished", {"run": "gone"}, "4m 0s")],
+             fire_at="8m", quiet_at="3m", interval="15s"),
         Case("GpuTrainCollectiveTimeoutRisk: rank 0 of 'wait-compile' has waited in its first "
              "step's all-reduce since 0m (its stacks from 5m) while rank 1 compiles: no hang "
              "(the first step's allowance), but the collective's timeout comes first, said at "

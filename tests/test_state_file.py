@@ -23,7 +23,8 @@ from conftest import NO_HOST, ROOT, free_port, rules_file, sample_value, wait_un
 from test_departed import DEAD_TTL, TTL, Node, Proc, looks, pushing, verdicts
 
 from exporter.protocol import SCHEMA_VERSION
-from exporter.serving.state_file import SAVE_SECONDS, StateFile
+from exporter.serving.ingest import RESTORE_GRACE_SECONDS
+from exporter.serving.state_file import ROW_BYTES, SAVE_SECONDS, StateFile
 
 
 def restart(node: Node, path: Path, down: float, proc: str = "/proc") -> Node:
@@ -69,19 +70,43 @@ def test_a_failed_rank_is_still_failed_after_a_restart_and_forgotten_when_it_wou
 
 
 def test_a_silent_rank_departs_after_a_restart_when_its_ttl_runs_out(tmp_path):
-    """Killed two minutes before the restart: live (within the ttl) when written, it is
-    silent after it, for the whole time since its last push, and departs, vanished, when
-    its ttl would have run out."""
+    """Killed two minutes before the restart: live (within the ttl) when written, it waits
+    for its client's retry (RESTORE_GRACE_SECONDS) and, none coming, is silent for the whole
+    time since its last push; it departs, vanished, when its ttl would have run out."""
     node = Node()
     node.run(300)
     node.run(120, ranks=())
     new = restart(node, tmp_path / "ingest.json", down=60)
+    assert new.page()["runs"] == []  # its client may yet retry
+    new.now += RESTORE_GRACE_SECONDS
+    new.observe()
     (rank,) = ranks_of(new).values()
-    assert rank["seconds_since_push"] == pytest.approx(180, abs=6)
-    new.now += TTL - 180 + 10
+    assert rank["seconds_since_push"] == pytest.approx(180 + RESTORE_GRACE_SECONDS, abs=6)
+    new.now += TTL - 180 - RESTORE_GRACE_SECONDS + 10
     new.observe()
     assert new.store.states() == [] and len(new.store.departed()) == 1
     assert verdicts(new.page()) == {"0": "vanished"}
+
+
+def test_near_miss_a_live_run_whose_client_retries_late_never_reads_vanished(tmp_path):
+    """Down 150 s, then its client's next retry a minute later (its back-off): between the
+    two it is not shown silent (it would read vanished, and page), and from its push on it
+    is as before."""
+    node = Node()
+    node.run(300, ranks=("0", "1"))
+    steps = node.value("gputrain_training_steps_total")
+    new = restart(node, tmp_path / "ingest.json", down=150)
+    for _ in range(12):  # a minute without a push
+        new.now += 5.0
+        new.observe()
+        assert all(r["verdict"] not in ("vanished", "paused", "hung")
+                   for r in ranks_of(new).values()), ranks_of(new)
+    for r in "01":
+        new.push(r, steps=int(steps) + 100, step_seconds=500.0, data_wait_seconds=50.0,
+                 samples=320.0 * (steps + 100), elapsed_seconds=520.0)
+    new.observe()
+    assert set(ranks_of(new)) == {"0", "1"}
+    assert all(r["seconds_since_push"] < 5 for r in ranks_of(new).values())
 
 
 def test_a_rank_whose_process_died_while_the_daemon_was_down_is_found_killed(tmp_path):
@@ -95,7 +120,9 @@ def test_a_rank_whose_process_died_while_the_daemon_was_down_is_found_killed(tmp
     looks(new)
     assert new.value("gputrain_training_failed", "1") == 1
     assert new.value("gputrain_training_exit_info", "1", reason="killed", detail="") == 1
-    assert new.value("gputrain_training_failed", "0") == 0  # its process still runs
+    # rank 0's process still runs: no news, it shows again from its client's next push
+    assert new.value("gputrain_training_failed", "0") is None
+    assert [st.rank for st in new.store.states()] == ["1"]
 
 
 def test_near_miss_a_rank_that_keeps_pushing_reads_as_if_there_had_been_no_restart(tmp_path):
@@ -105,7 +132,7 @@ def test_near_miss_a_rank_that_keeps_pushing_reads_as_if_there_had_been_no_resta
     node.run(300)
     steps = node.value("gputrain_training_steps_total")
     new = restart(node, tmp_path / "ingest.json", down=20)
-    assert new.value("gputrain_training_steps_total") == steps
+    assert new.value("gputrain_training_steps_total") is None  # until its next push
     for i in range(12):  # a minute of pushes after the restart, the same process
         new.now += 5.0
         new.push(steps=int(steps) + 50 * (i + 1), step_seconds=300.0 + 5 * (i + 1),
@@ -132,39 +159,70 @@ def test_near_miss_clean_ends_and_deaths_older_than_the_dead_ttl_are_not_taken_b
 GOODBYE_GRACE = 60.0
 
 
-@pytest.mark.parametrize("text, said", [
-    ("{not json", "not a state this version wrote"),
-    (json.dumps({"version": 99, "saved_unix": 1e9, "ranks": []}), "not a state"),
-    (json.dumps([1, 2]), "not a state"),
-    ("\udcff", "cannot be read"),
-])
-def test_a_file_that_cannot_be_read_is_a_fresh_start_said_in_the_log(tmp_path, caplog, text,
-                                                                     said):
+@pytest.mark.parametrize("text", [
+    "{not json",
+    json.dumps({"version": 99, "saved_unix": 1e9, "ranks": []}),
+    json.dumps([1, 2]),
+    "\udcff",  # not UTF-8
+    "[" * 100_000 + "]" * 100_000,  # nested past the parser's recursion
+    '{"version": 1, "saved_unix": 1' + "0" * 400 + ', "ranks": []}',  # past a float
+    '{"version": 1, "saved_unix": NaN, "ranks": []}',
+    " " * (ROW_BYTES * 2 * 1024 + 1),  # larger than --ingest.max-series allows
+], ids=["json", "version", "array", "utf-8", "nesting", "huge-int", "nan", "size"])
+def test_a_file_that_cannot_be_read_is_a_fresh_start_said_in_the_log(tmp_path, caplog, text):
+    """Whatever the file holds, the daemon starts (a crash loop under Restart= would lose
+    every rank): the file is kept aside as .bad, the next write replaces it."""
     path = tmp_path / "ingest.json"
     path.write_bytes(text.encode("utf-8", "surrogateescape"))
     node = Node()
     StateFile(str(path), node.store).load()
-    assert node.store.states() == [] and said in caplog.text
+    assert node.store.states() == [] and "not a state this version wrote" in caplog.text
+    assert (tmp_path / "ingest.json.bad").read_bytes() == text.encode("utf-8",
+                                                                       "surrogateescape")
     node.run(10)
-    StateFile(str(path), node.store).save()  # and the next write replaces it whole
+    StateFile(str(path), node.store).save()
     assert json.loads(path.read_text())["ranks"][0]["run"] == "r"
 
 
+BAD_ROWS = {  # a field each, as no daemon writes it: each would break the page or a push
+    "label": {"run": 'r"} 1\nevil{x="'},
+    "exit detail label": {"exit_detail": 'x"} 1'},
+    "exit reason": {"exit_reason": "vanished"},
+    "phase name": {"phases": {'a"b': 1.0}},
+    "phases a list": {"phases": [1, 2]},
+    "steps a string": {"steps": "100"},
+    "process a list": {"process": [1]},
+    "process figure": {"process": {"cpu_seconds": "x"}},
+    "gpu": {"gpus": [0]},
+    "histogram": {"bucket_bounds": [1.0, 0.5], "bucket_counts": [1, 2]},
+    "infinite": {"step_seconds": 1e400},
+    "no run_id": {"run_id": None},
+    "no times": {"received_ago": None},
+    "not an object": None,
+}
+
+
 def test_rows_this_daemon_did_not_write_are_left_out_and_the_rest_taken_back(tmp_path, caplog):
+    """Each bad row is left out; the good one is taken back, and the page, /metrics and a
+    push of the next process all work."""
     caplog.set_level(logging.INFO)
     node = Node()
-    node.run(60, ranks=("0", "1"))
+    node.run(60, ranks=("0",))
     path = tmp_path / "ingest.json"
     StateFile(str(path), node.store).save()
     doc = json.loads(path.read_text())
-    doc["ranks"][0]["run"] = 'r"} 1\nevil{x="'  # a label that would break the page
-    doc["ranks"].append({"run": "r", "rank": "2"})  # no run_id, no times
-    path.write_text(json.dumps(doc))
+    (good,) = doc["ranks"]
+    doc["ranks"] += [None if bad is None else {**good, "rank": str(i + 1), **bad}
+                     for i, bad in enumerate(BAD_ROWS.values())]
+    path.write_text(json.dumps(doc).replace("Infinity", "1e400"))
     new = Node(offset=node.offset + 5)
     new.now = node.now
     StateFile(str(path), new.store).load()
-    assert [st.rank for st in new.store.states()] == ["1"]
-    assert "1 rank(s) taken back, 2 unreadable row(s) left out" in caplog.text
+    assert f"1 rank(s) taken back, {len(BAD_ROWS)} unreadable row(s) left out" in caplog.text
+    new.push("0", run_id="b")  # its next process
+    new.observe()
+    assert [st.rank for st in new.store.states()] == ["0"]
+    assert verdicts(new.page()) and new.value("gputrain_training_steps_total") is not None
 
 
 def test_the_file_is_written_when_a_rank_ends_and_otherwise_every_save_seconds(tmp_path):

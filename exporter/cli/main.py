@@ -197,7 +197,7 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
         make_server,
         serve_in_thread,
     )
-    from exporter.serving.state_file import StateFile
+    from exporter.serving.state_file import CONFIG_ERRORS, StateFile
     from exporter.serving.status import StatusView
 
     setup_logging(settings["log.level"])
@@ -226,9 +226,13 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
                 try:  # at once: a path that cannot be written is said now, not at the crash
                     state_file.save()
                 except OSError as exc:
-                    raise ConfigError(f"cannot write --ingest.state-file "
-                                      f"{settings['ingest.state-file']}: "
-                                      f"{exc.strerror or exc}") from exc
+                    if exc.errno not in CONFIG_ERRORS:  # a full disk: the daemon still serves
+                        log.warning("cannot write --ingest.state-file %s: %s",
+                                    settings["ingest.state-file"], exc.strerror or exc)
+                    else:
+                        raise ConfigError(f"cannot write --ingest.state-file "
+                                          f"{settings['ingest.state-file']}: "
+                                          f"{exc.strerror or exc}") from exc
         thresholds = _thresholds(settings["status.rules-config"])
     except ConfigError as exc:
         log.error("%s", exc)

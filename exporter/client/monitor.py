@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 import weakref
+from _sitebuiltins import Quitter
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Mapping
 from time import perf_counter as _now
@@ -1184,7 +1185,7 @@ class _ExitRequest:
         # themselves: a script's exit(1) is as common as sys.exit(1)
         for name in ("exit", "quit"):
             found = getattr(builtins, name, None)
-            if found is not None and type(found).__name__ == "Quitter":
+            if type(found) is Quitter:
                 setattr(builtins, name, _RecordedQuitter(found, self))
 
     def record(self, status: object) -> None:
@@ -1206,20 +1207,17 @@ class _ExitRequest:
         return exc
 
 
-class _RecordedQuitter:
-    """site's ``exit``/``quit`` builtin, its status recorded first (:class:`_ExitRequest`);
-    the same text where an interactive session shows it."""
+class _RecordedQuitter(Quitter):
+    """site's ``exit``/``quit`` builtin, its status recorded first (:class:`_ExitRequest`):
+    a Quitter still (its name, its text in an interactive session, ``isinstance``)."""
 
-    def __init__(self, original: Any, request: _ExitRequest) -> None:
-        self.original, self.request = original, request
+    def __init__(self, original: Quitter, request: _ExitRequest) -> None:
+        super().__init__(original.name, original.eof)
+        self.request = request
 
-    def __repr__(self) -> str:
-        return repr(self.original)
-
-    def __call__(self, code: object = None) -> NoReturn:
+    def __call__(self, code: sys._ExitCode | None = None) -> NoReturn:
         self.request.record(code)
-        self.original(code)
-        raise SystemExit(code)  # (the original always raises: for the type checker)
+        super().__call__(code)
 
 
 _EXIT = _ExitRequest()

@@ -253,6 +253,22 @@ def silent(r: RankReport, t: dict[str, float]) -> bool:
     return _v(r.seconds_since_push, ">", t["silent_seconds"])
 
 
+def frozen(r: RankReport, t: dict[str, float]) -> bool:
+    """The rank has not pushed for ``vanished_seconds`` while the exporter of its node finds
+    its process running (not stopped): frozen, not gone. Its client's thread cannot run
+    (native code that holds the GIL, a deadlock in an extension) and neither can its loop."""
+    return not r.ended and r.process_running and \
+        _v(r.seconds_since_push, ">", t["vanished_seconds"])
+
+
+def frozen_hung(r: RankReport, t: dict[str, float]) -> bool:
+    """A frozen rank (:func:`frozen`) outside any declared phase, or in one past its
+    ceiling (:func:`ceiling_of`): a checkpoint's write that holds the GIL keeps the phase's
+    allowance, as a live rank's does."""
+    return frozen(r, t) and not any(_v(seconds, "<=", ceiling_of(r, t))
+                                    for seconds in r.phase_in_progress.values())
+
+
 def gone(r: RankReport, t: dict[str, float]) -> bool:
     """The rank no longer runs: it said goodbye, or has not pushed for the vanished
     threshold. Its last window is history, so nothing about its steps is judged."""
@@ -573,7 +589,8 @@ class RunVanished(Heuristic):
            "--ingest.dead-ttl (1 h by default), so the alert, the status page, `top` and "
            "`diagnose` keep saying the run died (a restarted exporter too, with "
            "--ingest.state-file); the status page shows it as stopped without "
-           "finishing, and judges nothing else of it.")
+           "finishing, and judges nothing else of it. A rank whose process the exporter of "
+           "its node still finds running is frozen, not gone: `GpuTrainRunHung`.")
     confirm = (series_of("seconds_since_push"),
                series_of("finished"),
                series_of("recent_busy"))
@@ -601,7 +618,8 @@ class RunVanished(Heuristic):
                                    or {series_of('exit')}))
             unless on ({run}) (min by ({run}) ({silent}) <= {t['vanished_seconds']})
             unless on ({run}) (max by ({run}) ({series_of('recent_busy')})
-              >= {t['vanished_gpu_idle']})""",
+              >= {t['vanished_gpu_idle']})
+            unless on ({run}) group by ({run}) ({q.frozen})""",
             """Every rank of run {{ $labels.run }} stopped pushing without a goodbye
             {{ $value | humanizeDuration }} ago, and its GPUs are idle.""")]
 
@@ -611,8 +629,8 @@ class RunVanished(Heuristic):
                             for r in ranks):
             return {}
         busy = [r.recent_busy for r in ranks if r.recent_busy is not None]
-        if busy and max(busy) >= t["vanished_gpu_idle"]:
-            return {}
+        if (busy and max(busy) >= t["vanished_gpu_idle"]) or any(frozen(r, t) for r in ranks):
+            return {}  # a process of it still runs (frozen: GpuTrainRunHung)
         return {id(r): f"stopped without finishing {_ago(r.seconds_since_push)} ago: no "
                        "push and no goodbye since, its GPUs idle"
                 for r in ranks if not r.ended}
@@ -804,7 +822,10 @@ class RunHung(Heuristic):
                   "collective while a peer outside any phase waits in one, or a rank of the run "
                   "that did not finish cleanly no longer pushes); a rank whose client pushes "
                   "its process groups' collective timeout has as its ceiling no more than "
-                  "{hung_timeout_share} of it, in place of {hung_max_seconds}")
+                  "{hung_timeout_share} of it, in place of {hung_max_seconds}; a rank silent "
+                  "for {vanished_seconds} while the exporter of its node finds its process "
+                  "running (frozen) counts as hung, outside any declared phase or in one past "
+                  "its ceiling")
     why = ("A live rank (it pushed in the last {alive_seconds}: its client's thread runs in the "
            "process) whose current step has run far past its own pace, outside any phase a "
            "client declares (an evaluation, a checkpoint, a DataLoader's start), is hung; a "
@@ -845,7 +866,14 @@ class RunHung(Heuristic):
            "NCCL's 10 minutes: the client pushes the shortest of its process groups' timeouts "
            "(gputrain_training_collective_timeout_seconds) and every ceiling above is then "
            "no more than {hung_timeout_share} of it (a 2-minute timeout: hung at 1 minute), "
-           "the floor too where it is lower.")
+           "the floor too where it is lower. A rank that stops pushing while its process "
+           "runs (the exporter of its node finds it in its /proc, "
+           "gputrain_training_process_running) is frozen: native code that holds the GIL (an "
+           "extension's blocking call, a deadlock) stops every Python thread, the client's "
+           "and the loop's alike, so nothing it pushes can tell. Past {vanished_seconds} of "
+           "silence (longer than the client's retry interval after a restart of the "
+           "exporter) it counts as hung, a declared phase keeping its allowance, and its run "
+           "is hung when its live ranks are too; it is never vanished, as its process lives.")
     confirm = ("gputrain_training_step_in_progress_seconds",
                "gputrain_training_stack_location")
     panel = 'GpuTrain / Run, "Samples per second" at zero while every rank still pushes.'
@@ -911,24 +939,29 @@ class RunHung(Heuristic):
         stuck_phase = (f"({waits} and on ({run}) (group by ({run}) "
                        f"({STACK_WAITING} and on ({rank}) {live} unless on ({rank}) {phase}) "
                        f"or group by ({run}) ({gone})))")
+        # a frozen rank (silent while its process runs), past its phase's ceiling if in one
+        cold = (f"({q.frozen} unless on ({rank}) "
+                f"(max by ({rank}) ({phase}) <= {ceiling}))")
         culprit = (series_of("location") + '{run=%q, '
                    'location!=\\"collective\\"}')
         return [self.rule(q, "critical", f"""count by ({run}) (max by ({rank}) (
-              {hung} or {stuck} or {stuck_phase}))
-            >= count by ({run}) ({live})
+              {hung} or {stuck} or {stuck_phase} or {cold}))
+            >= count by ({run}) ({live} or {q.frozen})
             unless on ({run}) count by ({run}) (
               ({phase}
                unless on ({rank}) ({stuck} or {stuck_phase}))
               and on ({rank}) {live})""",
-            f"""Run {{{{ $labels.run }}}} hung: {{{{ $value | printf "%.0f" }}}} live rank(s)
-            made no step far past their pace.{{{{ range printf "{culprit}" $labels.run | query }}}}
+            f"""Run {{{{ $labels.run }}}} hung: {{{{ $value | printf "%.0f" }}}} rank(s)
+            made no step far past their pace, live or frozen.{{{{ range printf "{culprit}" $labels.run | query }}}}
             Rank {{{{ .Labels.rank }}}} on {{{{ .Labels.instance }}}} is in
             `{{{{ .Labels.function }}}}` ({{{{ .Labels.location }}}}).{{{{ end }}}}""")]
 
     def holds_run(self, ranks: list[RankReport], t: dict[str, float]) -> dict[int, str]:
         live = [r for r in ranks if alive(r, t)]
+        cold = [r for r in ranks if frozen(r, t)]
         starts, phases = stuck_starts(ranks, t), stuck_phases(ranks, t)
-        if not live or in_phase(ranks, t) or \
+        if not (live or cold) or in_phase(ranks, t) or \
+                not all(frozen_hung(r, t) for r in cold) or \
                 not all(id(r) in starts or id(r) in phases or rank_hung(r, t) for r in live):
             return {}
         line = hang_line(live, [r for r in ranks if not alive(r, t)])
@@ -947,11 +980,15 @@ class RunHung(Heuristic):
                     f"{hung_limit(r, t):.0f} s); {line}")
 
         out = {id(r): reason(r) for r in live}
+        out.update({id(r): f"no push for {_ago(r.seconds_since_push)} while its process runs "
+                           "here: frozen, its client's thread cannot run (native code that "
+                           "holds the GIL, a deadlock in an extension); `py-spy dump --native "
+                           f"--pid <its pid>` shows where; {line}" for r in cold})
         # a rank of the run that went silent without a goodbye is part of the hang (the
         # alert is the run's): the peer the live ones wait for, gone mid-step
         out.update({id(r): f"silent for {_ago(r.seconds_since_push)} without a goodbye while "
                            "its run's live ranks hang: they may wait for it"
-                    for r in ranks if not alive(r, t) and not r.ended})
+                    for r in ranks if not alive(r, t) and not r.ended and id(r) not in out})
         return out
 
 
@@ -961,12 +998,15 @@ def hang_line(ranks: list[RankReport], others: list[RankReport] | None = None) -
     "stacks being captured" before any is in; then the run's ranks that no longer run
     (``others``): those that went silent without a goodbye (killed outright, or frozen) and
     those that finished first (uneven inputs), each the peer the others may wait for."""
-    line = _placed_line(ranks)
-    silent = [r for r in others or () if not r.ended]
+    parts = [_placed_line(ranks)] if ranks else []  # (frozen ranks take no stacks here)
+    silent = [r for r in others or () if not r.ended and not r.process_running]
+    running = [r for r in others or () if not r.ended and r.process_running]
     ended = [r for r in others or () if r.ended and not r.finished]
     finished = [r for r in others or () if r.finished]
     for group, what in ((silent, "not pushed for {ago}, without a goodbye: gone or frozen, "
                                  "the peer they may wait for"),
+                        (running, "not pushed for {ago} while the process runs: frozen, the "
+                                  "peer they may wait for"),
                         (ended, "ended {ago} ago without finishing ({how}): the peer they may "
                                 "wait for"),
                         (finished, "finished {ago} ago, before the others: they may wait for "
@@ -975,11 +1015,12 @@ def hang_line(ranks: list[RankReport], others: list[RankReport] | None = None) -
         if group:
             ago = _ago(max(r.seconds_since_push or 0.0 for r in group))
             one = len(group) == 1
-            verb = ("has " if one else "have ") if group is silent else ""
+            verb = ("has " if one else "have ") if group is silent or group is running \
+                else ""
             how = ", ".join(sorted({failure_text(r) for r in group}))
-            line += (f"; {rank_words(r.rank for r in group)} {verb}"
-                     + what.format(ago=ago, them="it" if one else "them", how=how))
-    return line
+            parts.append(f"{rank_words(r.rank for r in group)} {verb}"
+                         + what.format(ago=ago, them="it" if one else "them", how=how))
+    return "; ".join(parts)
 
 
 def _placed_line(ranks: list[RankReport]) -> str:

@@ -253,7 +253,8 @@ def collect(prom: Prometheus, selector: str, window: str, run: str | None,
             if name == "regime_changed_seconds" and value >= parse_duration(window):
                 continue  # an old change: the rate window holds the new regime alone
             if rep:
-                value = value > 0 if name in ("finished", "failed") else value
+                # a flag (finished, failed, process_running) is its field's type: a bool
+                value = value > 0 if isinstance(getattr(rep, name), bool) else value
                 setattr(rep, name, value)
                 if name == "steps_per_second" and rank_key(labels) in recorded:
                     rep.source = "recorded"

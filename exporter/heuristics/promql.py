@@ -576,6 +576,17 @@ class Q:
                 f"{series_of('exit')})")
 
     @property
+    def frozen(self) -> str:
+        """The frozen ranks: silent past ``vanished_seconds`` while the exporter of their
+        node finds their process running, no exit said (as
+        :func:`exporter.heuristics.catalogue.frozen`)."""
+        return (f"(time() - {series_of('seconds_since_push')} "
+                f"> {self.t['vanished_seconds']} "
+                f"and on ({self.rank}) {series_of('process_running')} > 0 "
+                f"unless on ({self.rank}) ({series_of('finished')} > 0 "
+                f"or {series_of('exit')}))")
+
+    @property
     def shared(self) -> str:
         """The runs whose name two jobs share: a (run, rank) live on two instances at once
         (its run labels and rank; pushed within ``alive_seconds``). Their ranks are never

@@ -223,6 +223,9 @@ READINGS = (
     Reading("seconds_since_push", "rank",
             "run_rank:gputrain_training_last_push_timestamp_seconds:max", None,
             "{last_push}", since=True),
+    # the exporter of its node finds its process running: a silent rank that runs is frozen
+    Reading("process_running", "rank", "run_rank:gputrain_training_process_running:max", None,
+            "max by ({rank}) (gputrain_training_process_running{{{s}}})"),
     Reading("finished", "rank", "run_rank:gputrain_training_finished:max", None,
             "max by ({rank}) (gputrain_training_finished{{{s}}})"),
     # how a rank that said goodbye ended: a failure (an exception, a signal) is no finish
@@ -419,7 +422,8 @@ STACK_WAITING = "run_rank:gputrain_training_stack_waiting:max"
 LOADER_START = "run_rank:gputrain_training_loader_start_in_progress_seconds:max"
 LIVENESS = frozenset(BY_FIELD[f].record for f in (
     "seconds_since_push", "finished", "failed", "exit", "step_in_progress",
-    "phase_in_progress", "typical_step_seconds", "location", "collective_timeout")) | {
+    "phase_in_progress", "typical_step_seconds", "location", "collective_timeout",
+    "process_running")) | {
     STACK_WAITING, LOADER_START}
 
 
@@ -543,6 +547,8 @@ class RankReport:
     location_detail: str | None = None
     # its process is stopped (SIGSTOP): only the daemon of its node can see it
     stopped: bool = False
+    # the exporter of its node finds its process running (not stopped) in its /proc
+    process_running: bool = False
     world_size: float | None = None  # the ranks of its run, where its client says
     # its process groups' shortest collective timeout, seconds, where its client says
     collective_timeout: float | None = None

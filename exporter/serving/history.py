@@ -606,6 +606,7 @@ class History:
             if st.exit_reason is not None:
                 rep.exit, rep.exit_detail = {st.exit_reason: 1.0}, st.exit_detail
             rep.stopped = stopped(st)
+            rep.process_running = st.process_running
             rep.world_size = st.world_size
             rep.collective_timeout = st.collective_timeout_seconds
             mono = self.clock()

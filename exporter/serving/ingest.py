@@ -24,6 +24,7 @@ from exporter.protocol import (
     CLEAN_EXITS,
     CLOCK_TOLERANCE_SECONDS,
     DEFAULT_PRECISION,
+    EXIT_REASONS,
     FAILED_EXITS,
     FLOPS_SLACK_SECONDS,
     GPU_REF_RE,
@@ -141,6 +142,9 @@ class RankState:
     open_phase_seconds: float | None = None
     exit_reason: str | None = None  # with a goodbye: how the process ended
     exit_detail: str | None = None  # ... the exception's type or the signal's name
+    # this daemon found its process running (not stopped) in its /proc at its last look
+    # (IngestStore.reap): a rank that stops pushing while it runs is frozen, not gone
+    process_running: bool = False
 
     def step_in_progress(self, now: float) -> float | None:
         """Seconds the rank's open step has run at ``now`` (monotonic), outside-step phases
@@ -517,6 +521,9 @@ class IngestStore:
         # forgotten): what the state file (--ingest.state-file) is written for at once
         self.ends = 0
         self._next_expiry = math.inf  # no state expires before this (monotonic)
+        # ranks taken back from the state file, not ended: shown from their first push or
+        # this monotonic time (states())
+        self._held: dict[tuple[str, str], float] = {}
         self.listeners: list[Callable[[], None]] = []  # called after every change
         self.profiles = ProfileBoard(self.states, alert_interval, profiled_alerts, clock,
                                      wall_clock, rank_interval, stack_alerts)
@@ -528,6 +535,8 @@ class IngestStore:
         self._searched: dict[tuple[str, str], str] = {}  # a host pid looked for, by run_id
         # a seen process found gone: (its run_id, since when), until confirmed
         self._gone: dict[tuple[str, str], tuple[str, float]] = {}
+        # the state letter of a seen process at the last look (T: stopped)
+        self._letters: dict[tuple[str, str], str] = {}
         self._oom_claimed = 0  # the node's OOM kill count up to which ranks took the kills
         self._reaped = -math.inf
         self._oom_kills: deque[tuple[float, int]] = deque(maxlen=OOM_CHANGES)
@@ -591,6 +600,7 @@ class IngestStore:
             same = old if old is not None and old.run_id == new.run_id else None
             if same is not None:
                 _check_monotonic(same, new)
+                new.process_running = same.process_running  # until the next look says
             new.wall_seconds = _wall_seconds(old, new)
             _check_flops(same, new)
             _clock_skew(same, new)
@@ -618,6 +628,7 @@ class IngestStore:
                 while len(former) > FORMER_RUN_IDS:
                     del former[next(iter(former))]
             self._states[key] = new
+            self._held.pop(key, None)
             # it lives again: a new process, or a late push
             revived = self._departed.pop(key, None) is not None
             if goodbye or revived or (old is not None and old.exit_reason is not None):
@@ -680,11 +691,12 @@ class IngestStore:
         with self._lock:
             watched = [st for st in self._states.values() if st.exit_reason is None
                        and st.pid is not None and st.start_time is not None]
-        dead = []
+        dead, running = [], {}
         for st in watched:
             key = (st.run, st.rank)
-            if self._look(st, search=True) is not False or \
-                    self._seen.get(key, ("",))[0] != st.run_id:
+            found = self._look(st, search=True)
+            running[key] = found is True and self._letters.get(key) != "T"
+            if found is not False or self._seen.get(key, ("",))[0] != st.run_id:
                 self._gone.pop(key, None)
                 continue
             since = self._gone.get(key)
@@ -696,15 +708,22 @@ class IngestStore:
         with self._lock:
             if watched:  # after the processes: a kill that ended one is counted by now
                 self._count_oom_kills(now)
+            dying = {id(st) for st in dead}
+            for st in watched:  # whether each still runs: said where it changed
+                key = (st.run, st.rank)
+                if st.process_running != running[key] and self._states.get(key) is st and \
+                        id(st) not in dying:
+                    self._states[key] = replace(st, process_running=running[key])
+                    self.version += 1
             for st in dead:
                 key = (st.run, st.rank)
                 if self._states.get(key) is not st:  # a push came meanwhile: its own word
                     continue
                 detail = OOM_KILLED if self._claim_oom_kill(st.received_at) else None
                 self._states[key] = new = replace(st, exit_reason=KILLED_EXIT, failed=True,
-                                                  exit_detail=detail)
+                                                  exit_detail=detail, process_running=False)
                 marked.append(new)
-            for memo in (self._seen, self._searched, self._gone):
+            for memo in (self._seen, self._searched, self._gone, self._letters):
                 for key in [k for k in memo if k not in self._states
                             or self._states[k].exit_reason is not None]:
                     del memo[key]
@@ -742,7 +761,9 @@ class IngestStore:
             if found is None:
                 return False
             pid = found
+            state = read_state(pid, self._proc)
         self._seen[key] = (st.run_id, pid)
+        self._letters[key] = state[0] if state is not None else ""
         return True
 
     def _count_oom_kills(self, now: float) -> None:
@@ -808,10 +829,19 @@ class IngestStore:
             return self.version
 
     def states(self) -> list[RankState]:
-        """The live states, stale ones dropped first."""
+        """The live states, stale ones dropped first; a rank taken back from the state file
+        that had not ended shows from its first push, or once RESTORE_GRACE_SECONDS passed
+        without one (its client retries a restarted daemon at most a minute apart: silent
+        until then, it would read vanished)."""
         with self._lock:
             self._expire_locked()
-            return list(self._states.values())
+            if not self._held:
+                return list(self._states.values())
+            now = self._clock()
+            for key in [k for k, until in self._held.items() if until <= now]:
+                del self._held[key]
+            return [st for key, st in self._states.items()
+                    if key not in self._held or st.exit_reason is not None]
 
     def departed(self) -> list[RankState]:
         """The last states of the ranks that ended without a clean close and whose ``ttl``
@@ -850,10 +880,10 @@ class IngestStore:
         saved (a live rank past its ttl departs, a departed one past its time is gone, as if
         the daemon had run throughout). Before any push: what a push brings replaces it.
         Returns (ranks restored, rows refused); a document of another version is refused
-        whole (ValueError)."""
+        whole (ValueError). Live and departed ranks are each bounded as the store bounds
+        them."""
         if not isinstance(doc, dict) or doc.get("version") != STATE_VERSION or \
-                not isinstance(doc.get("ranks"), list) or \
-                not isinstance(doc.get("saved_unix"), (int, float)):
+                not isinstance(doc.get("ranks"), list) or not _finite(doc.get("saved_unix")):
             raise ValueError(f"not a version {STATE_VERSION} state document")
         now = self._clock()
         # the time it was down, never less than none (a clock set back)
@@ -863,18 +893,21 @@ class IngestStore:
             for row in doc["ranks"]:
                 try:
                     st, departed_for, pid = _restored(row, now, down, self.ttl + self.dead_ttl)
-                except (KeyError, TypeError, ValueError):
+                except (ValueError, TypeError, Refused):
                     refused += 1
                     continue
                 key = (st.run, st.rank)
-                if key in self._states or key in self._departed or \
-                        len(self._states) + len(self._departed) >= 2 * self.max_series:
+                full = len(self._states) >= self.max_series if departed_for is None else \
+                    len(self._departed) >= self.max_series or self.dead_ttl <= 0
+                if key in self._states or key in self._departed or full:
                     refused += 1
                     continue
                 if departed_for is None:
                     self._states[key] = st
                     if pid is not None:  # its process is watched as before: gone, it was killed
                         self._seen[key] = (st.run_id, pid)
+                    if st.exit_reason is None:
+                        self._held[key] = now + RESTORE_GRACE_SECONDS
                 else:
                     self._departed[key] = (st, now + departed_for)
                 kept += 1
@@ -885,39 +918,92 @@ class IngestStore:
 
 
 STATE_VERSION = 1
+# a restored rank that had not ended waits this long for its client's push before it shows
+# (the client's longest retry interval, pusher.MAX_BACKOFF, a push interval and a margin)
+RESTORE_GRACE_SECONDS = 90.0
 # a rank's state not kept across a restart: what a push answers once
-_UNSAVED = frozenset({"received_at", "expires_at", "profile_report", "stacks_report"})
+_UNSAVED = frozenset({"received_at", "expires_at", "profile_report", "stacks_report",
+                      "process_running"})  # (the last: the next look's to say)
 _TUPLES = frozenset({"bucket_bounds", "bucket_counts", "gpus", "capabilities"})
 
 
-def _restored(row: dict[str, Any], now: float, down: float,
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _ints(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# a saved field's type (as RankState annotates it) -> what a value of it must be: a field of
+# another type cannot be saved until it has a check here (its rows would all be refused)
+_TYPE_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "str": lambda v: isinstance(v, str),
+    "float": _finite,
+    "int": _ints,
+    "bool": lambda v: isinstance(v, bool),
+    "tuple[float, ...]": lambda v: isinstance(v, list) and all(map(_finite, v)),
+    "tuple[int, ...]": lambda v: isinstance(v, list) and all(map(_ints, v)),
+    "tuple[str, ...]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "dict[str, float]": lambda v: isinstance(v, dict) and all(
+        isinstance(k, str) and _finite(x) for k, x in v.items()),
+}
+
+
+def _typed(name: str, annotation: str, value: Any) -> Any:
+    """``value`` as the field ``name`` of that annotation holds it (a list as a tuple);
+    ValueError where it is not one."""
+    kind = annotation.removesuffix(" | None")
+    if value is None and kind != annotation:
+        return None
+    if kind not in _TYPE_CHECKS or not _TYPE_CHECKS[kind](value):
+        raise ValueError(f"field {name!r} is not a {annotation}")
+    return tuple(value) if kind.startswith("tuple") else value
+
+
+def _restored(row: Any, now: float, down: float,
               longest: float) -> tuple[RankState, float | None, int | None]:
     """One row of a state document as (its state, seconds it stays departed or None where it
-    is live, the pid its process was found at); raises KeyError, TypeError or ValueError
-    where the row is not one this daemon wrote."""
+    is live, the pid its process was found at); raises ValueError (or Refused) where the row
+    is not one this daemon wrote: each field of its type, the names, phases, GPUs, histogram
+    and end checked as a push's are, so that nothing read back can break the page."""
+    if not isinstance(row, dict):
+        raise ValueError("not an object")
     kwargs: dict[str, Any] = {"received_at": 0.0}  # set below, from its age
     for f in fields(RankState):
-        if f.name in _UNSAVED or f.name not in row:
-            continue
-        value = row[f.name]
-        kwargs[f.name] = tuple(value) if f.name in _TUPLES and value is not None else value
+        if f.name not in _UNSAVED and f.name in row:
+            kwargs[f.name] = _typed(f.name, str(f.type), row[f.name])
     st = RankState(**kwargs)
-    if not (isinstance(st.run, str) and is_name(st.run) and isinstance(st.rank, str)
-            and is_name(st.rank) and isinstance(st.run_id, str)
-            and RUN_ID_RE.fullmatch(st.run_id)):
+    if not (is_name(st.run) and is_name(st.rank) and RUN_ID_RE.fullmatch(st.run_id)):
         raise ValueError("not a run, rank and run_id")
+    # what reaches a label or a check of the next push, as a push's own
+    body = {"step_buckets": list(st.bucket_bounds), "step_counts": list(st.bucket_counts),
+            "phases": st.phases, "gpus": list(st.gpus), "capabilities": list(st.capabilities),
+            "open_phase": st.open_phase, "exit_detail": st.exit_detail}
+    scratch = RankState(st.run, st.rank, st.run_id, 0.0, 0.0, steps=st.steps,
+                        open_phase_seconds=st.open_phase_seconds)
+    if st.bucket_bounds or st.bucket_counts:
+        _parse_histogram(body, scratch)
+    _parse_phases(body, scratch)
+    _parse_gpus(body, scratch)
+    _parse_profile(body, scratch)
+    _parse_end(body, scratch, goodbye=True)  # (names checked; scratch takes the rest)
+    if st.exit_reason not in (None, *EXIT_REASONS, KILLED_EXIT):
+        raise ValueError("not an end this daemon says")
+    if any(not isinstance(k, str) or not NAME_RE.fullmatch(k) for k in st.process):
+        raise ValueError("not a process's figures")
     for name in ("received_ago", "expires_in"):
-        if not isinstance(row[name], (int, float)) or not math.isfinite(row[name]):
+        if not _finite(row.get(name)):
             raise ValueError(name)
     # its times run on across the restart, each within what the daemon would have kept
     st.received_at = now - min(longest, max(0.0, row["received_ago"]) + down)
     st.expires_at = now + min(longest, row["expires_in"]) - down
     departed_for = row.get("departed_for")
     if departed_for is not None:
-        if not isinstance(departed_for, (int, float)) or not math.isfinite(departed_for):
+        if not _finite(departed_for):
             raise ValueError("departed_for")
         departed_for = min(longest, departed_for) - down
     pid = row.get("seen_pid")
-    if pid is not None and (not isinstance(pid, int) or pid <= 0):
+    if pid is not None and (not _ints(pid) or pid <= 0):
         raise ValueError("seen_pid")
     return st, departed_for, pid

@@ -13,11 +13,15 @@ The file is written from the sampler's thread, never on a request: on the cycle 
 ends (a goodbye, a kill, a departure) and otherwise at most every ``SAVE_SECONDS`` while
 pushes change it, then once more at shutdown; atomically (a temporary file renamed over it),
 so a crash mid-write leaves the last whole one. A file that cannot be read is logged and left
-(a fresh start), one that cannot be written is an error at start (exit 2), a warning after.
+(kept aside as ``<file>.bad``; a fresh start), a path that cannot be one (no such directory,
+no permission, read-only) is an error at start (exit 2); any other failure to write is a
+warning.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -31,6 +35,16 @@ from exporter.serving.ingest import IngestStore
 
 log = logging.getLogger(__name__)
 SAVE_SECONDS = 30.0  # at most this long between writes while only the ranks' totals change
+# a rank's row at its largest (64 buckets, 16 phases, 16 GPUs, long names) is under 6 KB
+ROW_BYTES = 16384
+# the errors of a path that cannot be the state file: said at start (exit 2); any other
+# (a full disk) is a warning, and the daemon serves
+CONFIG_ERRORS = frozenset({errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR,
+                           errno.EISDIR, errno.EROFS})
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is no number this daemon writes")
 
 
 class StateFile:
@@ -47,25 +61,40 @@ class StateFile:
         self._failing = False
 
     def load(self) -> None:
-        """Take back the ranks of the file, if there is one; a file that cannot be read is
-        logged and left as it is (the next write replaces it)."""
+        """Take back the ranks of the file, if there is one. A file that cannot be read or is
+        not one this daemon wrote is logged and kept aside as ``<file>.bad`` (the next write
+        replaces it): whatever it holds, the daemon starts."""
+        for stale in self.path.parent.glob(f".{self.path.name}.*"):
+            stale.unlink(missing_ok=True)  # a write a kill interrupted
         try:
-            text = self.path.read_text(encoding="utf-8")
+            size = self.path.stat().st_size
         except FileNotFoundError:
             log.info("--ingest.state-file %s: none yet, starting with no ranks", self.path)
             return
-        except (OSError, UnicodeDecodeError) as exc:
+        except OSError as exc:
             log.warning("--ingest.state-file %s cannot be read (%s): starting with no ranks",
                         self.path, exc)
             return
         try:
-            kept, refused = self.store.restore(json.loads(text))
-        except ValueError as exc:  # json.JSONDecodeError is one
+            if size > self.limit:
+                raise ValueError(f"{size} bytes, more than {self.limit} for "
+                                 f"--ingest.max-series {self.store.max_series}")
+            doc = json.loads(self.path.read_bytes(), parse_constant=_no_constant)
+            kept, refused = self.store.restore(doc)
+        except Exception as exc:  # nothing in the file may stop the daemon
             log.warning("--ingest.state-file %s is not a state this version wrote (%s): "
-                        "starting with no ranks", self.path, exc)
+                        "starting with no ranks, the file kept as %s.bad", self.path,
+                        str(exc)[:200] or type(exc).__name__, self.path.name)
+            with contextlib.suppress(OSError):
+                os.replace(self.path, self.path.with_name(self.path.name + ".bad"))
             return
         log.info("--ingest.state-file %s: %d rank(s) taken back%s", self.path, kept,
                  f", {refused} unreadable row(s) left out" if refused else "")
+
+    @property
+    def limit(self) -> int:
+        """The largest file taken (bytes): ROW_BYTES for each live and departed rank."""
+        return ROW_BYTES * 2 * self.store.max_series
 
     def save(self) -> None:
         """Write the ranks now; raises OSError where the file cannot be written."""
@@ -73,10 +102,11 @@ class StateFile:
             marks = (self.store.version, self.store.ends)
             doc = self.store.saved()
             directory = self.path.parent
+            data = json.dumps(doc, separators=(",", ":")).encode()  # (the C encoder)
             fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=directory)
             try:
-                with os.fdopen(fd, "w", encoding="utf-8") as out:
-                    json.dump(doc, out, separators=(",", ":"))
+                with os.fdopen(fd, "wb") as out:
+                    out.write(data)
                     out.flush()
                     os.fsync(out.fileno())
                 os.replace(tmp, self.path)
@@ -96,7 +126,7 @@ class StateFile:
             return
         try:
             self.save()
-        except OSError as exc:
+        except Exception as exc:  # the sampler's cycle must go on
             if not self._failing:
                 log.warning("cannot write --ingest.state-file %s (%s): a restart would "
                             "forget the ranks that ended", self.path, exc)

@@ -118,6 +118,12 @@ FAMILIES: tuple[Family, ...] = (
            "init_process_group's timeout set): NCCL's watchdog ends the job when a collective "
            "waits this long, so the hang checks say a hang well before it.",
            read=lambda st: st.collective_timeout_seconds),
+    Family("gputrain_training_process_running", "gauge",
+           "1 while this exporter finds the rank's process running (not stopped) in its "
+           "/proc; absent where it cannot see it (another PID namespace without hostPID). A "
+           "rank that stops pushing while its process runs is frozen (its client's thread "
+           "cannot run: native code holding the GIL), not gone.",
+           read=lambda st: 1.0 if st.process_running else None),
     Family("gputrain_training_step_duration_seconds", "histogram",
            "Wall time of one training step, data wait included, in seconds.",
            per_rank=MAX_BUCKETS + 3),

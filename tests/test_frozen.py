@@ -1,0 +1,105 @@
+"""A rank frozen in native code that holds the GIL: its client's pusher thread stops with its
+loop, so nothing it pushes can tell. The exporter of its node still finds its process running
+in its /proc: past ``vanished_seconds`` of silence the run is hung (never vanished, as it read
+before), on the page, in ``diagnose`` and in Prometheus' alert alike. A process stopped by
+SIGSTOP beside it is stopped, not hung. Real processes, a real daemon and Prometheus; the
+thresholds are shortened by the rules config both read."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+import requests
+import yaml
+from conftest import NO_HOST, ROOT, rules_file, sample_value, wait_until
+
+THRESHOLDS = {"vanished_seconds": 30, "alive_seconds": 10, "silent_seconds": 20}
+
+CLIENT = """
+import ctypes, os, signal, sys, time
+from exporter.client import TrainingMonitor
+m = TrainingMonitor(run=sys.argv[1], push_interval=1)
+for _ in m.wrap(range(40), batch_size=8):
+    time.sleep(0.05)
+print("stepped", flush=True)
+if sys.argv[2] == "freeze":
+    # libc's sleep called without releasing the GIL (a PyDLL function keeps it), as an
+    # extension's blocking call that never releases it: every Python thread stops
+    ctypes.PyDLL(None).sleep(600)
+else:
+    os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+def _client(tmp_path, run: str, how: str, url: str) -> subprocess.Popen:
+    script = tmp_path / f"{run}.py"
+    script.write_text(CLIENT)
+    return subprocess.Popen([sys.executable, str(script), run, how], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
+                                 "GPUTRAIN_URL": url})
+
+
+def test_a_rank_frozen_holding_the_gil_is_hung_everywhere_and_a_stopped_one_is_not(
+        tmp_path, daemon_factory, prometheus_factory):
+    cfg = tmp_path / "thresholds.yml"
+    cfg.write_text(yaml.safe_dump({"thresholds": THRESHOLDS}))
+    d = daemon_factory("--gpu.backend=demo", "--demo.gpus=1", *NO_HOST,
+                       f"--status.rules-config={cfg}")
+    rules = rules_file(tmp_path, {"thresholds": THRESHOLDS, "recording_interval": "1s",
+                                  "liveness_interval": "1s"})
+    prom = prometheus_factory([d.url.removeprefix("http://")], rule_files=[str(rules)])
+    frozen = _client(tmp_path, "frozen", "freeze", d.ingest_url)
+    stopped = _client(tmp_path, "paused", "stop", d.ingest_url)
+    try:
+        def page() -> dict[str, dict]:
+            doc = requests.get(d.url + "/api/v1/status", timeout=10).json()
+            return {run["run"]: run["ranks"][0] for run in doc["runs"]}
+
+        def hung() -> dict | None:
+            ranks = page()
+            return ranks if ranks.get("frozen", {}).get("verdict") == "hung" else None
+
+        ranks = wait_until(hung, timeout=150, interval=1,
+                           what=lambda: f"the frozen rank hung on the page ({page()})")
+        assert "while its process runs here: frozen" in ranks["frozen"]["reason"], ranks
+        assert ranks["paused"]["verdict"] == "stopped", ranks["paused"]
+        text = d.metrics()
+        assert sample_value(text, "gputrain_training_process_running",
+                            {"run": "frozen", "rank": "0"}) == 1
+        assert sample_value(text, "gputrain_training_process_running",
+                            {"run": "paused", "rank": "0"}) is None  # stopped: not running
+
+        def firing(alert: str, run: str) -> bool:
+            return bool(prom.query(f'ALERTS{{alertname="{alert}",alertstate="firing",'
+                                   f'run="{run}"}}'))
+
+        wait_until(lambda: firing("GpuTrainRunHung", "frozen"), timeout=90, interval=1,
+                   what="GpuTrainRunHung for the frozen run")
+        out = subprocess.run([sys.executable, "-m", "exporter", "diagnose", "--prometheus",
+                              prom.url, "--run", "frozen", "--json", "--config", str(cfg)],
+                             cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        (rank,) = json.loads(out.stdout)["ranks"]
+        assert rank["verdict"] == "hung" and "frozen" in rank["reason"], rank
+        # it never read vanished, nor did the stopped one read hung, anywhere
+        for alert, run in (("GpuTrainRunVanished", "frozen"), ("GpuTrainRunHung", "paused")):
+            assert not prom.query(f'max_over_time(ALERTS{{alertname="{alert}",'
+                                  f'run="{run}"}}[10m])'), (alert, run)
+        assert frozen.poll() is None  # frozen, not ended: only its kill ends it
+    finally:
+        for proc in (frozen, stopped):
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("thresholds", [THRESHOLDS])
+def test_the_shortened_thresholds_are_ones_the_rules_accept(thresholds):
+    """(The live test's premise: the rules config takes them as they are.)"""
+    from exporter.heuristics.rules import settings
+
+    assert settings({"thresholds": thresholds})["thresholds"]["vanished_seconds"] == 30
