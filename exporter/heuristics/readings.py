@@ -82,7 +82,9 @@ class Reading:
     node's GPU findings: a throttle, a degraded link, a full memory of a GPU no rank names).
 
     The daemon's history (:mod:`exporter.serving.history`) computes the same readings from its
-    own samples, in Python; tests/test_agreement.py holds it to this table.
+    own samples, in Python; tests/test_agreement.py holds it to this table. A rank's gauge read
+    as it is (``max by ({rank}) (family{{{s}}})``, or ``min``) it reads from this row and the
+    family's own sample, with nothing written for it (``history.read_gauges``).
     """
 
     field: str

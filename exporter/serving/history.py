@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 import statistics
 import threading
 import time
@@ -34,6 +35,7 @@ from exporter.heuristics.readings import (
     GpuReading,
     RankReport,
     duration_seconds,
+    of_scope,
     rank_order,
     window_seconds,
     with_open_step,
@@ -53,6 +55,7 @@ from exporter.reading.peak_flops import PeakTable
 from exporter.reading.sampler import GpuState, Snapshot
 from exporter.serving.attribution import NodeView, resolve_gpus
 from exporter.serving.ingest import RankState, allowance_shares
+from exporter.serving.training import DEPARTED, FAMILIES
 
 WINDOW_SECONDS = window_seconds("rate")  # the recording rules' ratios
 POINT_SECONDS = 10.0  # a ratio over the window is exact to its end; its start may be this late
@@ -597,18 +600,13 @@ class History:
                 short_gpus = shorter[since]
             if old is not None:
                 _rank_window(rep, old, latest, st.bucket_bounds)
-                rep.loader_workers = st.loader_workers
                 _cpu_window(rep, old, latest, shares.get((st.run, st.rank)))
-            if st.last_step_timestamp is not None:
-                rep.seconds_since_step = max(0.0, snap.timestamp - st.last_step_timestamp)
+            read_gauges(rep, st, snap.timestamp)
             rep.seconds_since_push = max(0.0, snap.timestamp - st.received_unix)
-            rep.finished, rep.failed = st.finished, st.failed
             if st.exit_reason is not None:
                 rep.exit, rep.exit_detail = {st.exit_reason: 1.0}, st.exit_detail
             rep.stopped = stopped(st)
-            rep.process_running = st.process_running
             rep.world_size = st.world_size
-            rep.collective_timeout = st.collective_timeout_seconds
             mono = self.clock()
             rep.step_in_progress = st.step_in_progress(mono)
             if (phase := st.phase_in_progress(mono)) is not None:
@@ -682,14 +680,38 @@ def departed_report(st: RankState, instance: str, now: float) -> RankReport:
     say, and no readings of its steps."""
     rep = RankReport("", instance, st.run, st.rank)
     rep.seconds_since_push = max(0.0, now - st.received_unix)
-    if st.last_step_timestamp is not None:
-        rep.seconds_since_step = max(0.0, now - st.last_step_timestamp)
-    rep.finished, rep.failed = st.finished, st.failed
+    read_gauges(rep, st, now, DEPARTED)
     if st.exit_reason is not None:
         rep.exit, rep.exit_detail = {st.exit_reason: 1.0}, st.exit_detail
     rep.world_size = st.world_size
-    rep.collective_timeout = st.collective_timeout_seconds
     return rep
+
+
+# a rank's readings that are one of its page's gauges as it is (a recording rule's
+# `max by (rank) (family)`, or `min`): (the reading, the family that writes it)
+_GAUGE = re.compile(r"(?:max|min) by \(\{rank\}\) \((\w+)\{\{\{s\}\}\}\)")
+GAUGE_READINGS = tuple(
+    (r, f) for r in of_scope("rank") for f in FAMILIES
+    if r.window is None and f.read is not None and (m := _GAUGE.fullmatch(" ".join(
+        r.expr.split()))) is not None and m[1] == f.name)
+
+
+def read_gauges(rep: RankReport, st: RankState, now: float,
+                families: tuple[str, ...] | None = None) -> None:
+    """Fill ``rep``'s gauge readings (:data:`GAUGE_READINGS`) as the rules read them: its
+    family's sample, as the page writes it from ``st`` (a flag as a bool, a time as the
+    seconds since it at ``now``); with ``families``, those only (a departed rank's page keeps
+    a few)."""
+    for reading, family in GAUGE_READINGS:
+        if family.read is None or (families is not None and family.name not in families):
+            continue
+        value = family.read(st)
+        if value is None:
+            continue
+        if reading.since:
+            value = max(0.0, now - value)
+        setattr(rep, reading.field,
+                value > 0 if isinstance(getattr(rep, reading.field), bool) else value)
 
 
 def stopped(st: RankState, proc: str = "/proc") -> bool:
