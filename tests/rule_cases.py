@@ -723,19 +723,30 @@ def alert_cases() -> list[Case]:
              quiet_alerts=["GpuTrainRunHung", "GpuTrainCollectiveTimeoutRisk"], interval="15s"),
         Case("A frozen run: rank 0 of 'frozen' stops pushing at 4m while the exporter still "
              "finds its process running (native code holding the GIL stops the client's "
-             "thread with the loop): hung at 8m, never vanished; 'gone' goes silent at 4m "
-             "with no process found: vanished, not hung. Near misses: 'frozen-save' froze "
-             "inside a declared checkpoint at 4m (240 s, under its 300 s ceiling), "
-             "'frozen-late' has been silent 60 s only, and at 3m nothing is silent",
-             {**live_rank("frozen", "0", open_from=4, silent_from=4, minutes=9),
-              **live_rank("gone", "0", open_from=4, silent_from=4, minutes=9),
-              **live_rank("frozen-save", "0", phase_from=4, silent_from=4, minutes=9),
-              **live_rank("frozen-late", "0", open_from=7, silent_from=7, minutes=9),
-              **{sel("gputrain_training_process_running", run=run, rank="0"): flat(1, 36)
-                 for run in ("frozen", "frozen-save", "frozen-late")}},
+             "thread with the loop): hung at 10m, past the 300 s ceiling of silence, never "
+             "vanished; 'frozen-short' (a 4-minute collective timeout: a 120 s ceiling) "
+             "froze at 7m: hung too; 'gone' goes silent at 4m with no process found: "
+             "vanished, not hung. Near misses: 'frozen-soon' froze at 7m (180 s, under the "
+             "ceiling: neither hung nor vanished), 'frozen-save' froze inside a declared "
+             "checkpoint at 6m (240 s, under its ceiling), and 'save-peer''s rank 0 froze in "
+             "its checkpoint at 6m while rank 1 waits for it at a barrier: the phase holds "
+             "the run, from the first silence on; at 5m nothing reads frozen",
+             {**live_rank("frozen", "0", open_from=4, silent_from=4, minutes=11),
+              **live_rank("gone", "0", open_from=4, silent_from=4, minutes=11),
+              **live_rank("frozen-soon", "0", open_from=7, silent_from=7, minutes=11),
+              **live_rank("frozen-short", "0", open_from=7, silent_from=7, minutes=11),
+              sel("gputrain_training_collective_timeout_seconds", run="frozen-short",
+                  rank="0"): flat(240, 44),
+              **live_rank("frozen-save", "0", phase_from=6, silent_from=6, minutes=11),
+              **live_rank("save-peer", "0", phase_from=6, silent_from=6, minutes=11),
+              **live_rank("save-peer", "1", open_from=6, minutes=11),
+              **{sel("gputrain_training_process_running", run=run, rank=r): flat(1, 44)
+                 for run, r in (("frozen", "0"), ("frozen-soon", "0"), ("frozen-short", "0"),
+                                ("frozen-save", "0"), ("save-peer", "0"), ("save-peer", "1"))}},
              [Fire("GpuTrainRunHung", {"run": "frozen"}, "1"),
-              Fire("GpuTrainRunVanished", {"run": "gone"}, "4m 0s")],
-             fire_at="8m", quiet_at="3m", interval="15s"),
+              Fire("GpuTrainRunHung", {"run": "frozen-short"}, "1"),
+              Fire("GpuTrainRunVanished", {"run": "gone"}, "6m 0s")],
+             fire_at="10m", quiet_at="5m", interval="15s"),
         Case("GpuTrainCollectiveTimeoutRisk: rank 0 of 'wait-compile' has waited in its first "
              "step's all-reduce since 0m (its stacks from 5m) while rank 1 compiles: no hang "
              "(the first step's allowance), but the collective's timeout comes first, said at "

@@ -17,7 +17,9 @@ import requests
 import yaml
 from conftest import NO_HOST, ROOT, rules_file, sample_value, wait_until
 
-THRESHOLDS = {"vanished_seconds": 30, "alive_seconds": 10, "silent_seconds": 20}
+# silent past 30 s: not vanished; past the 40 s ceiling: hung
+THRESHOLDS = {"vanished_seconds": 30, "alive_seconds": 10, "silent_seconds": 20,
+              "hung_min_seconds": 20, "hung_max_seconds": 40}
 
 CLIENT = """
 import ctypes, os, signal, sys, time
@@ -66,7 +68,7 @@ def test_a_rank_frozen_holding_the_gil_is_hung_everywhere_and_a_stopped_one_is_n
 
         ranks = wait_until(hung, timeout=150, interval=1,
                            what=lambda: f"the frozen rank hung on the page ({page()})")
-        assert "while its process runs here: frozen" in ranks["frozen"]["reason"], ranks
+        assert "while its process runs on its node: frozen" in ranks["frozen"]["reason"], ranks
         assert ranks["paused"]["verdict"] == "stopped", ranks["paused"]
         text = d.metrics()
         assert sample_value(text, "gputrain_training_process_running",
@@ -102,4 +104,78 @@ def test_the_shortened_thresholds_are_ones_the_rules_accept(thresholds):
     """(The live test's premise: the rules config takes them as they are.)"""
     from exporter.heuristics.rules import settings
 
-    assert settings({"thresholds": thresholds})["thresholds"]["vanished_seconds"] == 30
+    assert settings({"thresholds": thresholds})["thresholds"]["hung_max_seconds"] == 40
+
+
+# --- the daemon's view on fake clocks (tests/test_departed.py's node and /proc) ---------------
+
+def _frozen_node(tmp_path, letter: str = "S"):
+    from test_departed import Node, Proc, pushing
+
+    proc = Proc(tmp_path)
+    node = Node(proc=str(tmp_path))
+    proc.run(100)
+    pushing(node, 60, "0")
+    proc.run(100, state=letter)
+    return node, proc
+
+
+def _verdict(node) -> tuple[str, str]:
+    (run,) = node.page()["runs"]
+    rank = run["ranks"][0]
+    return rank["verdict"], rank["reason"]
+
+
+def test_a_frozen_rank_stays_live_past_the_ttl_and_reads_killed_when_it_dies(tmp_path):
+    """Frozen for 20 minutes (past the ingest's 10-minute ttl): still hung, never vanished;
+    killed then, it reads failed, killed."""
+    from test_departed import looks
+
+    node, proc = _frozen_node(tmp_path)
+    looks(node, 20 * 60)
+    assert _verdict(node)[0] == "hung", _verdict(node)
+    assert node.store.departed() == []
+    proc.end(100)
+    looks(node)
+    assert _verdict(node)[0] == "failed"
+    assert node.value("gputrain_training_exit_info", reason="killed", detail="") == 1
+
+
+@pytest.mark.parametrize("letter, running", [("t", False), ("T", False), ("D", True),
+                                             ("R", True), ("S", True)])
+def test_a_stopped_process_is_not_frozen_and_any_running_state_is(tmp_path, letter, running):
+    """A debugger's stop (t) is a stop as SIGSTOP's (T) is (the page says stopped: the live
+    test above); in the kernel (D), spinning (R) or sleeping (S), a silent process runs."""
+    from test_departed import looks
+
+    node, _ = _frozen_node(tmp_path, letter)
+    looks(node, 6 * 60)
+    assert (_verdict(node)[0] == "hung") is running, _verdict(node)
+    assert node.value("gputrain_training_process_running") == (1 if running else None)
+
+
+def test_near_miss_a_client_whose_pushes_are_refused_is_heard_not_frozen(tmp_path):
+    """Its FLOPs per sample raised past the GPU's peak mid-run: every push refused (400)
+    while it trains. It is silent on the page, but no freeze: its process is heard."""
+    from test_departed import looks
+
+    from exporter.protocol import Refused
+
+    node, _ = _frozen_node(tmp_path)
+    for _ in range(84):  # seven minutes of refused pushes
+        node.now += 5.0
+        with pytest.raises(Refused):
+            node.push(steps=0, process={"pid": 100, "start_time": 4242})  # counters backwards
+        looks(node, 0)
+        node.observe()
+    assert _verdict(node)[0] != "hung", _verdict(node)
+    assert node.value("gputrain_training_process_running") is None
+
+
+def test_the_gauge_goes_with_the_ranks_end(tmp_path):
+    node, _ = _frozen_node(tmp_path)
+    node.observe()
+    assert node.value("gputrain_training_process_running") == 1
+    node.push(goodbye=True, exit_reason="completed", process={"pid": 100, "start_time": 4242})
+    node.observe()
+    assert node.value("gputrain_training_process_running") is None

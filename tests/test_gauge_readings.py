@@ -22,7 +22,7 @@ from exporter.serving.training import DEPARTED
 def _state() -> RankState:
     return RankState("r", "0", "a", 0.0, 1e9, steps=10, loader_workers=4,
                      collective_timeout_seconds=120.0, last_step_timestamp=1e9 - 30,
-                     process_running=True, finished=False, failed=True, exit_reason="signal")
+                     process_running=True, finished=False, failed=True)
 
 
 def test_every_gauge_reading_is_its_familys_sample_on_the_report():

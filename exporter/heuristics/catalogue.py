@@ -253,20 +253,28 @@ def silent(r: RankReport, t: dict[str, float]) -> bool:
     return _v(r.seconds_since_push, ">", t["silent_seconds"])
 
 
-def frozen(r: RankReport, t: dict[str, float]) -> bool:
-    """The rank has not pushed for ``vanished_seconds`` while the exporter of its node finds
-    its process running (not stopped): frozen, not gone. Its client's thread cannot run
-    (native code that holds the GIL, a deadlock in an extension) and neither can its loop."""
+def running_silent(r: RankReport, t: dict[str, float]) -> bool:
+    """The rank has not pushed for ``alive_seconds`` while the exporter of its node finds its
+    process running (not stopped): frozen (native code that holds the GIL stops its client's
+    thread with its loop), or its client cannot reach the exporter. Never vanished."""
     return not r.ended and r.process_running and \
-        _v(r.seconds_since_push, ">", t["vanished_seconds"])
+        _v(r.seconds_since_push, ">=", t["alive_seconds"])
+
+
+def frozen(r: RankReport, t: dict[str, float]) -> bool:
+    """A running silent rank (:func:`running_silent`) past ``vanished_seconds``: what would
+    have read vanished."""
+    return running_silent(r, t) and _v(r.seconds_since_push, ">", t["vanished_seconds"])
 
 
 def frozen_hung(r: RankReport, t: dict[str, float]) -> bool:
-    """A frozen rank (:func:`frozen`) outside any declared phase, or in one past its
-    ceiling (:func:`ceiling_of`): a checkpoint's write that holds the GIL keeps the phase's
-    allowance, as a live rank's does."""
-    return frozen(r, t) and not any(_v(seconds, "<=", ceiling_of(r, t))
-                                    for seconds in r.phase_in_progress.values())
+    """A frozen rank silent past its ceiling (:func:`ceiling_of`: nothing it pushes gives it
+    a pace, and a client cut off from the exporter for minutes is rare), outside any declared
+    phase or in one past that ceiling (a checkpoint's write that holds the GIL keeps the
+    phase's allowance, as a live rank's does)."""
+    ceiling = ceiling_of(r, t)
+    return frozen(r, t) and _v(r.seconds_since_push, ">", ceiling) and not any(
+        _v(seconds, "<=", ceiling) for seconds in r.phase_in_progress.values())
 
 
 def gone(r: RankReport, t: dict[str, float]) -> bool:
@@ -795,7 +803,8 @@ def in_phase(ranks: list[RankReport], t: dict[str, float]) -> list[RankReport]:
     others wait for them, not hung; a phase that is a hang (:func:`stuck_starts`,
     :func:`stuck_phases`) is none."""
     stuck = stuck_starts(ranks, t) | stuck_phases(ranks, t)
-    return [r for r in ranks if alive(r, t) and r.phase_in_progress and id(r) not in stuck]
+    return [r for r in ranks if (alive(r, t) or running_silent(r, t)) and r.phase_in_progress
+            and id(r) not in stuck and not frozen_hung(r, t)]
 
 
 class RunHung(Heuristic):
@@ -805,7 +814,9 @@ class RunHung(Heuristic):
     summary = ("A training run hung: its ranks make no step, far past their pace, while their "
                "processes live.")
     advice = ("Read where each rank is: the exporter took py-spy stacks of every rank when the "
-              "run hung (the status page, `gputrain-exporter top`, `/api/v1/status`). The rank "
+              "run hung (the status page, `gputrain-exporter top`, `/api/v1/status`; a frozen "
+              "rank, silent while its process runs, cannot be asked: `py-spy dump --native "
+              "--pid` it on its node). The rank "
               "that is not waiting in a collective while its peers are holds the run: fix what "
               "holds it (a data set or storage read that blocks, a checkpoint write that hangs, "
               "a deadlock). Where every rank waits in a collective, a peer is gone or the "
@@ -823,9 +834,9 @@ class RunHung(Heuristic):
                   "that did not finish cleanly no longer pushes); a rank whose client pushes "
                   "its process groups' collective timeout has as its ceiling no more than "
                   "{hung_timeout_share} of it, in place of {hung_max_seconds}; a rank silent "
-                  "for {vanished_seconds} while the exporter of its node finds its process "
-                  "running (frozen) counts as hung, outside any declared phase or in one past "
-                  "its ceiling")
+                  "past {vanished_seconds} and its ceiling while the exporter of its node "
+                  "finds its process running (frozen) counts as hung, outside any declared "
+                  "phase or in one past that ceiling")
     why = ("A live rank (it pushed in the last {alive_seconds}: its client's thread runs in the "
            "process) whose current step has run far past its own pace, outside any phase a "
            "client declares (an evaluation, a checkpoint, a DataLoader's start), is hung; a "
@@ -870,10 +881,12 @@ class RunHung(Heuristic):
            "runs (the exporter of its node finds it in its /proc, "
            "gputrain_training_process_running) is frozen: native code that holds the GIL (an "
            "extension's blocking call, a deadlock) stops every Python thread, the client's "
-           "and the loop's alike, so nothing it pushes can tell. Past {vanished_seconds} of "
-           "silence (longer than the client's retry interval after a restart of the "
-           "exporter) it counts as hung, a declared phase keeping its allowance, and its run "
-           "is hung when its live ranks are too; it is never vanished, as its process lives.")
+           "and the loop's alike, so nothing it pushes can tell. It is never vanished, as its "
+           "process lives; past its ceiling of silence ({hung_max_seconds}, or the share of a "
+           "pushed collective timeout: it has no pace, and a client cut off from the exporter "
+           "that long, its pushes refused or its address wrong, is rare and says so in its "
+           "log) it counts as hung, a declared phase it froze in keeping its allowance from "
+           "its first silence, and its run is hung when its live ranks are too.")
     confirm = ("gputrain_training_step_in_progress_seconds",
                "gputrain_training_stack_location")
     panel = 'GpuTrain / Run, "Samples per second" at zero while every rank still pushes.'
@@ -940,17 +953,17 @@ class RunHung(Heuristic):
                        f"({STACK_WAITING} and on ({rank}) {live} unless on ({rank}) {phase}) "
                        f"or group by ({run}) ({gone})))")
         # a frozen rank (silent while its process runs), past its phase's ceiling if in one
-        cold = (f"({q.frozen} unless on ({rank}) "
+        cold = (f"({q.frozen} > {ceiling} unless on ({rank}) "
                 f"(max by ({rank}) ({phase}) <= {ceiling}))")
         culprit = (series_of("location") + '{run=%q, '
                    'location!=\\"collective\\"}')
         return [self.rule(q, "critical", f"""count by ({run}) (max by ({rank}) (
               {hung} or {stuck} or {stuck_phase} or {cold}))
-            >= count by ({run}) ({live} or {q.frozen})
+            >= count by ({run}) ({live} or {cold})
             unless on ({run}) count by ({run}) (
               ({phase}
-               unless on ({rank}) ({stuck} or {stuck_phase}))
-              and on ({rank}) {live})""",
+               unless on ({rank}) ({stuck} or {stuck_phase} or {cold}))
+              and on ({rank}) ({live} or {q.running}))""",
             f"""Run {{{{ $labels.run }}}} hung: {{{{ $value | printf "%.0f" }}}} rank(s)
             made no step far past their pace, live or frozen.{{{{ range printf "{culprit}" $labels.run | query }}}}
             Rank {{{{ .Labels.rank }}}} on {{{{ .Labels.instance }}}} is in
@@ -958,10 +971,11 @@ class RunHung(Heuristic):
 
     def holds_run(self, ranks: list[RankReport], t: dict[str, float]) -> dict[int, str]:
         live = [r for r in ranks if alive(r, t)]
-        cold = [r for r in ranks if frozen(r, t)]
+        # frozen past its ceiling; one not yet is silent, as any peer the live ones may wait
+        # for (in a phase, in_phase holds the run)
+        cold = [r for r in ranks if frozen_hung(r, t)]
         starts, phases = stuck_starts(ranks, t), stuck_phases(ranks, t)
         if not (live or cold) or in_phase(ranks, t) or \
-                not all(frozen_hung(r, t) for r in cold) or \
                 not all(id(r) in starts or id(r) in phases or rank_hung(r, t) for r in live):
             return {}
         line = hang_line(live, [r for r in ranks if not alive(r, t)])
@@ -980,10 +994,13 @@ class RunHung(Heuristic):
                     f"{hung_limit(r, t):.0f} s); {line}")
 
         out = {id(r): reason(r) for r in live}
-        out.update({id(r): f"no push for {_ago(r.seconds_since_push)} while its process runs "
-                           "here: frozen, its client's thread cannot run (native code that "
-                           "holds the GIL, a deadlock in an extension); `py-spy dump --native "
-                           f"--pid <its pid>` shows where; {line}" for r in cold})
+        for r in cold:
+            others = hang_line(live, [x for x in ranks if not alive(x, t) and x is not r])
+            out[id(r)] = (f"no push for {_ago(r.seconds_since_push)} while its process runs on "
+                          "its node: frozen (native code that holds the GIL stops its "
+                          "client's thread with its loop; `py-spy dump --native` of its "
+                          "process shows where), or its client cannot reach the exporter "
+                          "(its log says so)" + (f"; {others}" if others else ""))
         # a rank of the run that went silent without a goodbye is part of the hang (the
         # alert is the run's): the peer the live ones wait for, gone mid-step
         out.update({id(r): f"silent for {_ago(r.seconds_since_push)} without a goodbye while "
@@ -1005,8 +1022,8 @@ def hang_line(ranks: list[RankReport], others: list[RankReport] | None = None) -
     finished = [r for r in others or () if r.finished]
     for group, what in ((silent, "not pushed for {ago}, without a goodbye: gone or frozen, "
                                  "the peer they may wait for"),
-                        (running, "not pushed for {ago} while the process runs: frozen, the "
-                                  "peer they may wait for"),
+                        (running, "not pushed for {ago} while the process runs: frozen "
+                                  "or cut off, the peer they may wait for"),
                         (ended, "ended {ago} ago without finishing ({how}): the peer they may "
                                 "wait for"),
                         (finished, "finished {ago} ago, before the others: they may wait for "

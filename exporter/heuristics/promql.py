@@ -576,15 +576,21 @@ class Q:
                 f"{series_of('exit')})")
 
     @property
-    def frozen(self) -> str:
-        """The frozen ranks: silent past ``vanished_seconds`` while the exporter of their
-        node finds their process running, no exit said (as
-        :func:`exporter.heuristics.catalogue.frozen`)."""
+    def running(self) -> str:
+        """The ranks silent past ``alive_seconds`` while the exporter of their node finds
+        their process running, no exit said: their seconds of silence (as
+        :func:`exporter.heuristics.catalogue.running_silent`)."""
         return (f"(time() - {series_of('seconds_since_push')} "
-                f"> {self.t['vanished_seconds']} "
+                f">= {self.t['alive_seconds']} "
                 f"and on ({self.rank}) {series_of('process_running')} > 0 "
                 f"unless on ({self.rank}) ({series_of('finished')} > 0 "
                 f"or {series_of('exit')}))")
+
+    @property
+    def frozen(self) -> str:
+        """The frozen ranks: running silent ones past ``vanished_seconds``, their seconds of
+        silence (as :func:`exporter.heuristics.catalogue.frozen`)."""
+        return f"({self.running} > {self.t['vanished_seconds']})"
 
     @property
     def shared(self) -> str:

@@ -206,6 +206,8 @@ def judge(reports: list[RankReport], t: dict[str, float]) -> list[RankReport]:
             rep.status, rep.verdict = "ok", "paused"
             others = any(alive(r, t) for r in runs[run_key(rep)] if r is not rep)
             rep.reason = (f"no push for {rep.seconds_since_push:.0f} s"
+                          + (" while its process runs on its node (frozen, or cut off from "
+                             "the exporter)" if rep.process_running else "")
                           + (" while its run's other ranks push" if others else "")
                           + ": nothing is judged of its steps")
         elif rep.restarts_recent:

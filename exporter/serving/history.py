@@ -715,12 +715,14 @@ def read_gauges(rep: RankReport, st: RankState, now: float,
 
 
 def stopped(st: RankState, proc: str = "/proc") -> bool:
-    """The rank's process is stopped (SIGSTOP, Ctrl-Z: state T), as this daemon's /proc shows
-    the pid it pushed, where the process's start time there is the one it pushed (so a pid of
-    another PID namespace, or one reused, is never taken for it)."""
+    """The rank's process is stopped (SIGSTOP, Ctrl-Z: state T; a debugger's stop: t), as
+    this daemon's /proc shows the pid it pushed, where the process's start time there is the
+    one it pushed (so a pid of another PID namespace, or one reused, is never taken for
+    it)."""
     if st.pid is None or st.start_time is None:
         return False
-    return read_state(st.pid, proc) == ("T", st.start_time)
+    state = read_state(st.pid, proc)
+    return state is not None and state[0] in ("T", "t") and state[1] == st.start_time
 
 
 def _host_ratios(old: _HostPoint | None, now: _HostPoint, snap: Snapshot | None,

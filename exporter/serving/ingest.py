@@ -67,6 +67,7 @@ FORMER_RUN_IDS = 4  # run_ids a (run, rank) had before its current one, remember
 DEAD_TTL_SECONDS = 3600.0  # a rank that ended without a clean close is reported this long after
 REAP_SECONDS = 1.0  # the ranks' processes are looked for in /proc at most this often
 CONFIRM_SECONDS = 3.0  # a process found gone is dead when still gone this much later
+REFUSED_SECONDS = 120.0  # a rank whose push was refused this recently is heard, not frozen
 OOM_CHANGES = 64  # the last changes of the node's OOM kill count kept, (time, count)
 
 # the totals that only grow within one run_id: the required ones; those only where the
@@ -537,6 +538,8 @@ class IngestStore:
         self._gone: dict[tuple[str, str], tuple[str, float]] = {}
         # the state letter of a seen process at the last look (T: stopped)
         self._letters: dict[tuple[str, str], str] = {}
+        # the (run, rank)s whose last pushes were refused: when (monotonic)
+        self._refused: dict[tuple[str, str], float] = {}
         self._oom_claimed = 0  # the node's OOM kill count up to which ranks took the kills
         self._reaped = -math.inf
         self._oom_kills: deque[tuple[float, int]] = deque(maxlen=OOM_CHANGES)
@@ -594,15 +597,21 @@ class IngestStore:
         with self._lock:
             self._expire_locked()
             old = self._states.get(key)
-            switched = old if old is not None and old.run_id != new.run_id else None
-            if switched is not None:
-                self._not_a_second_process(key, switched, new)
             same = old if old is not None and old.run_id == new.run_id else None
-            if same is not None:
-                _check_monotonic(same, new)
+            try:
+                switched = old if old is not None and old.run_id != new.run_id else None
+                if switched is not None:
+                    self._not_a_second_process(key, switched, new)
+                if same is not None:
+                    _check_monotonic(same, new)
+                new.wall_seconds = _wall_seconds(old, new)
+                _check_flops(same, new)
+            except Refused:
+                # its client runs and is heard, refused: a silence of it is no freeze
+                self._refused[key] = new.received_at
+                raise
+            if same is not None and not goodbye:
                 new.process_running = same.process_running  # until the next look says
-            new.wall_seconds = _wall_seconds(old, new)
-            _check_flops(same, new)
             _clock_skew(same, new)
             new.slow_step_seconds = _slow_step_seconds(old, new)
             new.slow_steps = _slow_steps(old, new)
@@ -695,7 +704,12 @@ class IngestStore:
         for st in watched:
             key = (st.run, st.rank)
             found = self._look(st, search=True)
-            running[key] = found is True and self._letters.get(key) != "T"
+            # stopped (T, or t: a debugger's) is not running; nor is one whose client is
+            # heard but refused: its silence here is no freeze. One found gone runs until
+            # its death is confirmed (below): it must not depart as silent first
+            running[key] = st.process_running if found is not True else \
+                self._letters.get(key) not in ("T", "t") and \
+                now - self._refused.get(key, -math.inf) > REFUSED_SECONDS
             if found is not False or self._seen.get(key, ("",))[0] != st.run_id:
                 self._gone.pop(key, None)
                 continue
@@ -723,7 +737,8 @@ class IngestStore:
                 self._states[key] = new = replace(st, exit_reason=KILLED_EXIT, failed=True,
                                                   exit_detail=detail, process_running=False)
                 marked.append(new)
-            for memo in (self._seen, self._searched, self._gone, self._letters):
+            for memo in (self._seen, self._searched, self._gone, self._letters,
+                         self._refused):
                 for key in [k for k in memo if k not in self._states
                             or self._states[k].exit_reason is not None]:
                     del memo[key]
@@ -792,7 +807,11 @@ class IngestStore:
         now = self._clock()
         if now < self._next_expiry:
             return
-        stale = [k for k, st in self._states.items() if st.expires_at <= now]
+        # a rank whose process still runs (frozen, or cut off) stays live, its silence
+        # growing, for dead_ttl more: it has not departed
+        stale = [k for k, st in self._states.items() if st.expires_at <= now and not (
+            st.process_running and st.exit_reason is None and
+            now < st.expires_at + self.dead_ttl)]
         # the runs with a rank that still runs: a rank of one that finished first is kept (its
         # end alone) while they may wait for it in a collective (uneven inputs)
         running = {st.run for st in self._states.values()

@@ -120,10 +120,11 @@ FAMILIES: tuple[Family, ...] = (
            read=lambda st: st.collective_timeout_seconds),
     Family("gputrain_training_process_running", "gauge",
            "1 while this exporter finds the rank's process running (not stopped) in its "
-           "/proc; absent where it cannot see it (another PID namespace without hostPID). A "
-           "rank that stops pushing while its process runs is frozen (its client's thread "
-           "cannot run: native code holding the GIL), not gone.",
-           read=lambda st: 1.0 if st.process_running else None),
+           "/proc and its pushes are not being refused; absent where it cannot see it "
+           "(another PID namespace without hostPID) or the rank ended. A rank that stops "
+           "pushing while its process runs is frozen (its client's thread cannot run: "
+           "native code holding the GIL) or cut off, not gone.",
+           read=lambda st: 1.0 if st.process_running and st.exit_reason is None else None),
     Family("gputrain_training_step_duration_seconds", "histogram",
            "Wall time of one training step, data wait included, in seconds.",
            per_rank=MAX_BUCKETS + 3),
