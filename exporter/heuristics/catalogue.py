@@ -627,7 +627,7 @@ class RunVanished(Heuristic):
             unless on ({run}) (min by ({run}) ({silent}) <= {t['vanished_seconds']})
             unless on ({run}) (max by ({run}) ({series_of('recent_busy')})
               >= {t['vanished_gpu_idle']})
-            unless on ({run}) group by ({run}) ({q.frozen})""",
+            unless on ({run}) group by ({run}) ({series_of('process_running')} > 0)""",
             """Every rank of run {{ $labels.run }} stopped pushing without a goodbye
             {{ $value | humanizeDuration }} ago, and its GPUs are idle.""")]
 
@@ -637,7 +637,8 @@ class RunVanished(Heuristic):
                             for r in ranks):
             return {}
         busy = [r.recent_busy for r in ranks if r.recent_busy is not None]
-        if (busy and max(busy) >= t["vanished_gpu_idle"]) or any(frozen(r, t) for r in ranks):
+        if (busy and max(busy) >= t["vanished_gpu_idle"]) or \
+                any(r.process_running and not r.ended for r in ranks):
             return {}  # a process of it still runs (frozen: GpuTrainRunHung)
         return {id(r): f"stopped without finishing {_ago(r.seconds_since_push)} ago: no "
                        "push and no goodbye since, its GPUs idle"
@@ -963,7 +964,7 @@ class RunHung(Heuristic):
             unless on ({run}) count by ({run}) (
               ({phase}
                unless on ({rank}) ({stuck} or {stuck_phase} or {cold}))
-              and on ({rank}) ({live} or {q.running}))""",
+              and on ({rank}) ({live} or {series_of('process_running')} > 0))""",
             f"""Run {{{{ $labels.run }}}} hung: {{{{ $value | printf "%.0f" }}}} rank(s)
             made no step far past their pace, live or frozen.{{{{ range printf "{culprit}" $labels.run | query }}}}
             Rank {{{{ .Labels.rank }}}} on {{{{ .Labels.instance }}}} is in

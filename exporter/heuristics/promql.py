@@ -580,11 +580,10 @@ class Q:
         """The ranks silent past ``alive_seconds`` while the exporter of their node finds
         their process running, no exit said: their seconds of silence (as
         :func:`exporter.heuristics.catalogue.running_silent`)."""
+        # (the exporter writes no process_running for a rank that ended)
         return (f"(time() - {series_of('seconds_since_push')} "
                 f">= {self.t['alive_seconds']} "
-                f"and on ({self.rank}) {series_of('process_running')} > 0 "
-                f"unless on ({self.rank}) ({series_of('finished')} > 0 "
-                f"or {series_of('exit')}))")
+                f"and on ({self.rank}) {series_of('process_running')} > 0)")
 
     @property
     def frozen(self) -> str:
