@@ -93,6 +93,8 @@ def test_a_rank_frozen_holding_the_gil_is_hung_everywhere_and_a_stopped_one_is_n
             assert not prom.query(f'max_over_time(ALERTS{{alertname="{alert}",'
                                   f'run="{run}"}}[10m])'), (alert, run)
         assert frozen.poll() is None  # frozen, not ended: only its kill ends it
+        # its stacks are not asked of it (it could only answer through its own pushes)
+        assert "run frozen is hung" in d.log_text() and "none could be asked" in d.log_text()
     finally:
         for proc in (frozen, stopped):
             proc.send_signal(signal.SIGKILL)

@@ -24,6 +24,7 @@ from typing import Any
 
 from exporter.heuristics.catalogue import (
     BY_VERDICT,
+    alive,
     ceiling_of,
     first_steps_past_ceiling,
     hang_ceiling,
@@ -114,7 +115,9 @@ class HangWatch:
             if len(self._captured) >= MAX_REMEMBERED:
                 self._captured.pop(next(iter(self._captured)))
             run = ranks[0].run
-            ids = self.board.capture_hang(run, [r.rank for r in ranks])
+            # (a frozen rank, silent while its process runs, cannot be asked: it takes the
+            # request through its own pushes)
+            ids = self.board.capture_hang(run, [r.rank for r in ranks if alive(r, t)])
             self._captured[hang] = now
             if last is not None:
                 log.debug("run %s: its stacks taken again (%s)", run, ", ".join(ids))
