@@ -344,3 +344,17 @@ def test_a_state_file_that_cannot_be_written_stops_the_daemon_at_start_saying_so
     assert f"cannot write --ingest.state-file {blocked}/ingest.json: Not a directory" in \
         out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_write_a_kill_interrupted_is_cleared_at_start(tmp_path):
+    """A SIGKILL between the temporary file and its rename leaves the temporary file: the
+    next start removes it (an emptyDir has a size limit), and the last whole file stands."""
+    node = Node()
+    node.run(10)
+    path = tmp_path / "ingest.json"
+    StateFile(str(path), node.store).save()
+    (tmp_path / ".ingest.json.k1ll3d").write_text('{"version": 1, "ran')
+    new = Node()
+    StateFile(str(path), new.store).load()
+    assert not list(tmp_path.glob(".ingest.json.*"))
+    assert len(new.store.saved()["ranks"]) == 1

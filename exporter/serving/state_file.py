@@ -64,8 +64,9 @@ class StateFile:
         """Take back the ranks of the file, if there is one. A file that cannot be read or is
         not one this daemon wrote is logged and kept aside as ``<file>.bad`` (the next write
         replaces it): whatever it holds, the daemon starts."""
-        for stale in self.path.parent.glob(f".{self.path.name}.*"):
-            stale.unlink(missing_ok=True)  # a write a kill interrupted
+        with contextlib.suppress(OSError):  # (what cannot be listed is said below)
+            for stale in self.path.parent.glob(f".{self.path.name}.*"):
+                stale.unlink(missing_ok=True)  # a write a kill interrupted
         try:
             size = self.path.stat().st_size
         except FileNotFoundError:
