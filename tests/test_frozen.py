@@ -141,6 +141,9 @@ def test_a_frozen_rank_stays_live_past_the_ttl_and_reads_killed_when_it_dies(tmp
     looks(node)
     assert _verdict(node)[0] == "failed"
     assert node.value("gputrain_training_exit_info", reason="killed", detail="") == 1
+    node.now += 50 * 60  # its death is the news: reported the dead ttl after it, not after
+    node.observe()       # its last push, 20 minutes before it
+    assert _verdict(node)[0] == "failed"
 
 
 @pytest.mark.parametrize("letter, running", [("t", False), ("T", False), ("D", True),

@@ -728,14 +728,19 @@ class IngestStore:
                 if st.process_running != running[key] and self._states.get(key) is st and \
                         id(st) not in dying:
                     self._states[key] = replace(st, process_running=running[key])
+                    self._next_expiry = min(self._next_expiry, st.expires_at)
                     self.version += 1
             for st in dead:
                 key = (st.run, st.rank)
                 if self._states.get(key) is not st:  # a push came meanwhile: its own word
                     continue
                 detail = OOM_KILLED if self._claim_oom_kill(st.received_at) else None
+                # (its ttl from its death: a frozen rank killed long after its last push is
+                # news now, reported the whole dead ttl after it)
                 self._states[key] = new = replace(st, exit_reason=KILLED_EXIT, failed=True,
-                                                  exit_detail=detail, process_running=False)
+                                                  exit_detail=detail, process_running=False,
+                                                  expires_at=max(st.expires_at, now))
+                self._next_expiry = min(self._next_expiry, new.expires_at)
                 marked.append(new)
             for memo in (self._seen, self._searched, self._gone, self._letters,
                          self._refused):
@@ -807,11 +812,7 @@ class IngestStore:
         now = self._clock()
         if now < self._next_expiry:
             return
-        # a rank whose process still runs (frozen, or cut off) stays live, its silence
-        # growing, for dead_ttl more: it has not departed
-        stale = [k for k, st in self._states.items() if st.expires_at <= now and not (
-            st.process_running and st.exit_reason is None and
-            now < st.expires_at + self.dead_ttl)]
+        stale = [k for k, st in self._states.items() if self._expiry(st) <= now]
         # the runs with a rank that still runs: a rank of one that finished first is kept (its
         # end alone) while they may wait for it in a collective (uneven inputs)
         running = {st.run for st in self._states.values()
@@ -833,13 +834,21 @@ class IngestStore:
             del self._departed[k]
         while len(self._departed) > self.max_series:  # bounded as the live ones: oldest go
             del self._departed[next(iter(self._departed))]
-        self._next_expiry = min(min((st.expires_at for st in self._states.values()),
+        self._next_expiry = min(min(map(self._expiry, self._states.values()),
                                     default=math.inf),
                                 min((until for _, until in self._departed.values()),
                                     default=math.inf))
         if stale or gone:
             self.version += 1
             self.ends += 1
+
+    def _expiry(self, st: RankState) -> float:
+        """When a live state goes (monotonic): its ttl after its last push; one whose process
+        still runs (frozen, or cut off) stays live, its silence growing, dead_ttl more: it has
+        not departed."""
+        if st.process_running and st.exit_reason is None:
+            return st.expires_at + self.dead_ttl
+        return st.expires_at
 
     def states_version(self) -> int:
         """A number that changes whenever the rendered states would (pushes, expiry)."""
