@@ -367,13 +367,28 @@ def test_a_spawned_rank_that_raises_says_the_exception_its_launcher_caught(tmp_p
     require_module("torch")
     proc = start(tmp_path, receiver.url, """
         import multiprocessing as mp
+        import multiprocessing.util
+        import os
+        import time
         import torch.multiprocessing as tmp
 
+        SAID = "{said}"
+
+        def said():
+            open(SAID, "w").close()
+
         def rank(i):
+            if i == 0:  # a finalizer made before the monitor's runs after its goodbye
+                multiprocessing.util.Finalize(None, said, exitpriority=0)
             m = TrainingMonitor(run="spawned", rank=i, push_interval=60)
             for _ in m.wrap(range(5), batch_size=1):
                 pass
             if i == 1:
+                # rank 0's goodbye first: spawn's parent ends the ranks still running once
+                # one fails, and a rank it ends has no goodbye of its own to say
+                deadline = time.monotonic() + 60
+                while not os.path.exists(SAID) and time.monotonic() < deadline:
+                    time.sleep(0.05)
                 raise ValueError("rank 1 fails after its loop")
 
         def supervised():
@@ -389,9 +404,10 @@ def test_a_spawned_rank_that_raises_says_the_exception_its_launcher_caught(tmp_p
                 child.start()  # inside the except block: its stack holds the handled error
                 child.join()
                 print(child.exitcode, flush=True)
-    """)
+    """.replace("{said}", str(tmp_path / "rank-0-said-goodbye")))
     rc, err = finish(proc, timeout=120)
     assert rc == 0, err
+    assert (tmp_path / "rank-0-said-goodbye").exists()  # rank 1 failed after it
     byes = {b["rank"]: b for b in receiver.bodies if b.get("goodbye")}
     assert sorted(byes) == ["0", "1", "2"], receiver.bodies
     assert byes["0"]["exit_reason"] == "completed", byes["0"]
