@@ -952,7 +952,6 @@ RESTORE_GRACE_SECONDS = 90.0
 # a rank's state not kept across a restart: what a push answers once
 _UNSAVED = frozenset({"received_at", "expires_at", "profile_report", "stacks_report",
                       "process_running"})  # (the last: the next look's to say)
-_TUPLES = frozenset({"bucket_bounds", "bucket_counts", "gpus", "capabilities"})
 
 
 def _finite(v: Any) -> bool:
