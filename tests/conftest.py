@@ -119,6 +119,21 @@ def self_signed_cert(directory: Path, alt_name: str) -> tuple[Path, Path]:
     return cert, key
 
 
+def edited_package(tmp: Path, edits: list[tuple[str, str, str]]) -> Path:
+    """A copy of the package in ``tmp`` with ``edits`` made: (file under exporter/, an anchor
+    in it once, the text). The text goes after an anchor that ends a line (a field), before
+    one that starts a row. Returns the copy's root (for PYTHONPATH)."""
+    shutil.copytree(ROOT / "exporter", tmp / "exporter",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for where, anchor, text in edits:
+        path = tmp / "exporter" / where
+        source = path.read_text()
+        assert source.count(anchor) == 1, f"{anchor!r} is not once in {where}"
+        path.write_text(source.replace(anchor, anchor + text if anchor.endswith("\n")
+                                       else text + anchor, 1))
+    return tmp
+
+
 def wait_until(predicate, timeout: float = 30.0, interval: float = 0.2,
                what: str | Callable[[], str] = "condition"):
     """Poll until predicate() returns a truthy value; fail the test after timeout seconds.

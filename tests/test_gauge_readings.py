@@ -6,12 +6,11 @@ rules and filled on the daemon's reports."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, edited_package
 
 from exporter.heuristics.readings import RankReport
 from exporter.serving.history import GAUGE_READINGS, read_gauges
@@ -46,7 +45,7 @@ def test_a_departed_rank_reads_only_what_its_page_keeps():
 
 # (file under exporter/, the line it goes beside, the text): a family, a row, a field
 EDITS = [
-    ("serving/training.py", '    Family("gputrain_training_step_duration_seconds", "histogram",',
+    ("serving/training.py", '    Family(STEP_HISTOGRAM, "histogram",',
      "    Family(\"gputrain_training_throwaway\", \"gauge\", \"Twice the steps.\",\n"
      "           read=lambda st: st.steps * 2.0),\n"),
     ("heuristics/readings.py", "    Reading(\"finished\", \"rank\",",
@@ -64,14 +63,7 @@ def test_edits(where, anchor, text):
 
 
 def test_a_new_gauge_reading_takes_its_row_and_its_family_and_nothing_else(tmp_path):
-    shutil.copytree(ROOT / "exporter", tmp_path / "exporter",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    for where, anchor, text in EDITS:
-        path = tmp_path / "exporter" / where
-        source = path.read_text()
-        # a field goes after its anchor; a row before it
-        path.write_text(source.replace(anchor, anchor + text if anchor.endswith("\n")
-                                       else text + anchor, 1))
+    edited_package(tmp_path, EDITS)
     probe = """
 from exporter.heuristics.readings import RankReport
 from exporter.heuristics.rules import render

@@ -27,13 +27,14 @@ from fake_nvml import FakeDriver, FakeGpu
 
 from exporter.heuristics.catalogue import BY_VERDICT
 from exporter.heuristics.rules import DEFAULTS
+from exporter.heuristics.stalls import histogram_quantile
 from exporter.heuristics.verdict import judge
 from exporter.protocol import SCHEMA_VERSION
 from exporter.reading.gpu_backends import NvmlBackend
 from exporter.reading.nvml import Nvml
 from exporter.reading.sampler import Sampler
 from exporter.serving.attribution import Attribution
-from exporter.serving.history import History, histogram_quantile
+from exporter.serving.history import History
 from exporter.serving.ingest import IngestStore
 from exporter.serving.status import CONTENT_SECURITY_POLICY, StatusView
 

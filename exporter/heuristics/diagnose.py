@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -214,7 +215,9 @@ HOST_READINGS = (*(x.field for x in of_scope("node")),
 
 def _read(prom: Prometheus, raw: str, recorded: str, key) -> tuple[list, set]:
     """The raw query's results, and the recorded query's for every key the raw lacks; with
-    the keys answered only from the recorded series."""
+    the keys answered only from the recorded series. A reading divided by 0 (+-Inf: no step
+    time, no samples in the window) is no reading, as the daemon's history reads it
+    (:mod:`exporter.heuristics.expr`)."""
     out = prom.query(raw)
     seen = {key(labels) for labels, _ in out}
     filled = set()
@@ -224,7 +227,7 @@ def _read(prom: Prometheus, raw: str, recorded: str, key) -> tuple[list, set]:
             seen.add(k)
             filled.add(k)
             out.append((labels, value))
-    return out, filled
+    return [(labels, value) for labels, value in out if math.isfinite(value)], filled
 
 
 def collect(prom: Prometheus, selector: str, window: str, run: str | None,

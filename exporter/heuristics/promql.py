@@ -374,7 +374,7 @@ def _readings(scope: Scope, s: str, ids: Identity, r: str,
         w = r if x.window == "rate" else quantile if x.window == "quantile" else \
             WINDOWS.get(x.window or "", "")
         out.append(_rec(x.gpu_record if scope == "rank_gpu" else x.record,
-                        x.expr.format(**_fragments(s, ids, w))))
+                        x.template.format(**_fragments(s, ids, w))))
     return out
 
 

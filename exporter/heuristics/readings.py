@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from exporter.heuristics.expr import Expr, Fragment, Gauge, Number, Quantile, Rate
 from exporter.protocol import OUTSIDE_STEP_PHASES
 
 # The ranges the readings are taken over, as PromQL writes them (seconds: window_seconds())
@@ -71,7 +72,9 @@ class Reading:
     are made with, ``diagnose --window`` included); None for a gauge read as it is.
     ``expr``: the recording rule's PromQL, a template :func:`exporter.heuristics.promql.recording`
     formats with the selector ``s``, the label lists ``rank``, ``gpu``, ``node``, ``run``,
-    ``run_gpu``, the window's range ``w`` and the fragments its ``_fragments`` names.
+    ``run_gpu``, the window's range ``w`` and the fragments its ``_fragments`` names; or, for a
+    rank's reading over a window, an expression tree (:mod:`exporter.heuristics.expr`) that
+    renders that template and that the daemon evaluates over its own points (``tree``).
     ``by``: the label a reading of several values is keyed by (the field is a dict).
     ``since``: the series is a unix time; the reading is the seconds since it.
     ``refined``: a node reading that refines input-bound into a stage, judged with hysteresis
@@ -81,22 +84,35 @@ class Reading:
     ``of_node``: for scope ``rank_gpu``: read for every GPU of a node too, whoever uses it (the
     node's GPU findings: a throttle, a degraded link, a full memory of a GPU no rank names).
 
-    The daemon's history (:mod:`exporter.serving.history`) computes the same readings from its
-    own samples, in Python; tests/test_agreement.py holds it to this table. A rank's gauge read
-    as it is (``max by ({rank}) (family{{{s}}})``, or ``min``) it reads from this row and the
-    family's own sample, with nothing written for it (``history.read_gauges``).
+    The daemon's history (:mod:`exporter.serving.history`) reads a rank's reading with a tree
+    by evaluating the tree, and a rank's gauge read as it is (``max by ({rank})
+    (family{{{s}}})``, or ``min``) from this row and the family's own sample
+    (``history.read_gauges``), with nothing written for either; the rest it computes from its
+    own samples, in Python. tests/test_agreement.py holds it to this table.
     """
 
     field: str
     scope: Scope
     record: str
     window: str | None
-    expr: str
+    expr: str | Expr
     by: str | None = None
     since: bool = False
     refined: bool = False
     detail: str | None = None
     of_node: bool = False
+    tree: Expr | None = None  # the expression ``expr`` was rendered from, where it was
+
+    def __post_init__(self) -> None:
+        if isinstance(self.expr, Expr):
+            object.__setattr__(self, "tree", self.expr)
+            object.__setattr__(self, "expr", self.expr.template())
+
+    @property
+    def template(self) -> str:
+        """The recording rule's PromQL template (``expr``, rendered where it was a tree)."""
+        assert isinstance(self.expr, str)
+        return self.expr
 
     @property
     def gpu_record(self) -> str:
@@ -123,6 +139,18 @@ RECORDED_FRAGMENTS = {"run_gpu_busy": RUN_GPU_BUSY, "unattributed_busy": UNATTRI
                       "accounted": ACCOUNTED, "peak_flops": PEAK_FLOPS}
 
 
+# A rank's counters the readings' trees rate (the page's families, named here once for them)
+STEP = "gputrain_training_step_duration_seconds"  # the step histogram: its _sum, _count, _bucket
+STEP_SECONDS = Rate(STEP + "_sum")
+STEPS = Rate(STEP + "_count")
+WAIT = Rate("gputrain_training_data_wait_seconds_total")
+SLOW_SECONDS = Rate("gputrain_training_slow_step_seconds_total")
+# the rank's wall seconds: what MFU, goodput and badput divide by (the fragment ``{wall}``)
+WALL = Rate("gputrain_training_elapsed_seconds_total")
+SAMPLES = Rate("gputrain_training_samples_total")
+PHASE_SECONDS = Rate("gputrain_training_phase_seconds_total", by="phase")
+
+
 # Every reading, by scope; within one, in the order the rules are written (a rule that reads
 # another's series comes after it anyway). Ratios of counters divide separately-summed rates
 READINGS = (
@@ -132,57 +160,38 @@ READINGS = (
             "run_rank:gputrain_training_regime_start_timestamp_seconds:max", None,
             "{regime_start}", since=True),
     Reading("data_wait_ratio", "rank", "run_rank:gputrain_training_data_wait_ratio:rate5m",
-            "rate", """
-            sum by ({rank}) (rate(gputrain_training_data_wait_seconds_total{{{s}}}[{w}]))
-            / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{w}]))"""),
+            "rate", WAIT / STEP_SECONDS),
     # samples per second of step time: the training loop's throughput, exact from a run's
     # first minute (a bare rate() over 5m reads low until the run is 5m old)
     # (the step in progress weighs in both once it runs longer than the mean step:
     # :func:`with_open_step`, the fragments open_part and open_count)
     Reading("samples_per_second", "rank",
-            "run_rank:gputrain_training_samples_per_second:rate5m", "rate", """
-            sum by ({rank}) (rate(gputrain_training_samples_total{{{s}}}[{w}]))
-            / (sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{w}]))
-               + {open_part})"""),
-    Reading("step_seconds", "rank", "run_rank:gputrain_training_step_seconds:mean5m", "rate", """
-            (sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{w}]))
-             + {open_part})
-            / (sum by ({rank}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[{w}]))
-               + {open_count})"""),
+            "run_rank:gputrain_training_samples_per_second:rate5m", "rate",
+            SAMPLES / (STEP_SECONDS + Fragment("open_part"))),
+    Reading("step_seconds", "rank", "run_rank:gputrain_training_step_seconds:mean5m", "rate",
+            (STEP_SECONDS + Fragment("open_part")) / (STEPS + Fragment("open_count"))),
     # gradient communication, where the client measures it: the share of the step time it
     # ran, and the share the step waited for it (exposed)
-    Reading("comm_ratio", "rank", "run_rank:gputrain_training_comm_ratio:rate5m", "rate", """
-            sum by ({rank}) (rate(gputrain_training_comm_seconds_total{{{s}}}[{w}]))
-            / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{w}]))"""),
+    Reading("comm_ratio", "rank", "run_rank:gputrain_training_comm_ratio:rate5m", "rate",
+            Rate("gputrain_training_comm_seconds_total") / STEP_SECONDS),
     Reading("comm_exposed_ratio", "rank", "run_rank:gputrain_training_comm_exposed_ratio:rate5m",
-            "rate", """
-            sum by ({rank}) (rate(gputrain_training_comm_exposed_seconds_total{{{s}}}[{w}]))
-            / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{w}]))"""),
+            "rate", Rate("gputrain_training_comm_exposed_seconds_total") / STEP_SECONDS),
     Reading("step_p50_seconds", "rank", "run_rank:gputrain_training_step_seconds:p50_30m",
-            "quantile", """
-            histogram_quantile(0.5, sum by ({rank}, le)
-              (rate(gputrain_training_step_duration_seconds_bucket{{{s}}}[{w}])))"""),
+            "quantile", Quantile(0.5, STEP)),
     Reading("step_p99_seconds", "rank", "run_rank:gputrain_training_step_seconds:p99_30m",
-            "quantile", """
-            histogram_quantile(0.99, sum by ({rank}, le)
-              (rate(gputrain_training_step_duration_seconds_bucket{{{s}}}[{w}])))"""),
+            "quantile", Quantile(0.99, STEP)),
     # of the wall time, the share in steps far above the rank's median (rare long stalls:
     # a DataLoader re-created each epoch, a checkpoint every few hundred steps)
     Reading("stall_share", "rank", "run_rank:gputrain_training_slow_step:ratio_rate30m",
-            "quantile", """
-            sum by ({rank}) (rate(gputrain_training_slow_step_seconds_total{{{s}}}[{w}]))
-            / sum by ({rank}) (rate(gputrain_training_elapsed_seconds_total{{{s}}}[{w}]))"""),
+            "quantile", SLOW_SECONDS / WALL),
     # of the steps, the share far above the median, and the data wait over those steps'
     # seconds, with the loader's workers: a DataLoader's period (one slow step in N, the
     # wait in it) tells its batches arriving in groups from a stall
     Reading("slow_step_ratio", "rank", "run_rank:gputrain_training_slow_steps:ratio_rate30m",
-            "quantile", """
-            sum by ({rank}) (rate(gputrain_training_slow_steps_total{{{s}}}[{w}]))
-            / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[{w}]))"""),
+            "quantile", Rate("gputrain_training_slow_steps_total") / STEPS),
     Reading("slow_step_wait", "rank",
-            "run_rank:gputrain_training_slow_step_data_wait:ratio_rate30m", "quantile", """
-            sum by ({rank}) (rate(gputrain_training_data_wait_seconds_total{{{s}}}[{w}]))
-            / sum by ({rank}) (rate(gputrain_training_slow_step_seconds_total{{{s}}}[{w}]))"""),
+            "run_rank:gputrain_training_slow_step_data_wait:ratio_rate30m", "quantile",
+            WAIT / SLOW_SECONDS),
     # of the wall time over the periodic window, the share in each phase outside the steps
     # (a checkpoint, an evaluation, a DataLoader's start): costs that recur for minutes
     Reading("periodic", "rank", "run_rank_phase:gputrain_training_outside_share:ratio_rate1h",
@@ -194,23 +203,19 @@ READINGS = (
     Reading("collective_timeout", "rank",
             "run_rank:gputrain_training_collective_timeout_seconds:min", None,
             "min by ({rank}) (gputrain_training_collective_timeout_seconds{{{s}}})"),
-    Reading("phases", "rank", "run_rank_phase:gputrain_training_phase_ratio:rate5m", "rate", """
-            sum by ({rank}, phase) (rate(gputrain_training_phase_seconds_total{{{s}}}[{w}]))
-            / on ({rank}) group_left
-            sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{w}]))""",
-            by="phase"),
+    Reading("phases", "rank", "run_rank_phase:gputrain_training_phase_ratio:rate5m", "rate",
+            PHASE_SECONDS / STEP_SECONDS, by="phase"),
     # the process tree's CPU against what its cgroup allows, and the time it was throttled
     Reading("cpu_allowance_used", "rank",
-            "run_rank:gputrain_training_cpu_allowance_used:ratio_rate5m", "rate", """
-            sum by ({rank}) (rate(gputrain_training_process_cpu_seconds_total{{{s}}}[{w}]))
-            / sum by ({rank}) (gputrain_training_process_cpu_allowance_cores{{{s}}})"""),
+            "run_rank:gputrain_training_cpu_allowance_used:ratio_rate5m", "rate",
+            Rate("gputrain_training_process_cpu_seconds_total")
+            / Gauge("gputrain_training_process_cpu_allowance_cores")),
     Reading("cpu_throttled", "rank", "run_rank:gputrain_training_cpu_throttled:ratio_rate5m",
-            "rate", """
-            sum by ({rank}) (rate(gputrain_training_process_cpu_throttled_seconds_total{{{s}}}[{w}]))"""),
+            "rate", Rate("gputrain_training_process_cpu_throttled_seconds_total")),
     # what diagnose reads where only the recorded series arrive (a global layer fed with
     # the recording rules' results): steps, the last step, the process tree's memory
-    Reading("steps_per_second", "rank", "run_rank:gputrain_training_steps:rate5m", "rate", """
-            sum by ({rank}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[{w}]))"""),
+    Reading("steps_per_second", "rank", "run_rank:gputrain_training_steps:rate5m", "rate",
+            STEPS),
     Reading("seconds_since_step", "rank",
             "run_rank:gputrain_training_last_step_timestamp_seconds:max", None,
             "max by ({rank}) (gputrain_training_last_step_timestamp_seconds{{{s}}})",
@@ -246,9 +251,7 @@ READINGS = (
             "max by ({rank}, phase) (gputrain_training_phase_in_progress_seconds{{{s}}})",
             by="phase"),
     Reading("typical_step_seconds", "rank", "run_rank:gputrain_training_step_seconds:mean", None,
-            """
-            sum by ({rank}) (gputrain_training_step_duration_seconds_sum{{{s}}})
-            / (sum by ({rank}) (gputrain_training_step_duration_seconds_count{{{s}}}) > 0)"""),
+            Gauge(STEP + "_sum") / (Gauge(STEP + "_count") > Number(0))),
     # where a hung rank is: the daemon's classification of the dump it took
     Reading("location", "rank", "run_rank_location:gputrain_training_stack_location:max", None,
             "max by ({rank}, location, function) (gputrain_training_stack_location{{{s}}})",
@@ -280,9 +283,8 @@ READINGS = (
     # MFU, goodput and badput by cause divide by the rank's wall seconds
     # (``gputrain_training_elapsed_seconds_total``, ``{wall}``), so they are exact from a
     # run's first minute and a restart's gap counts as time outside steps
-    Reading("mfu", "rank", "run_rank:gputrain_training_mfu:ratio_rate5m", "rate", """
-            sum by ({rank}) (rate(gputrain_training_flops_total{{{s}}}[{w}])) / {wall}
-            / {peak_flops}"""),
+    Reading("mfu", "rank", "run_rank:gputrain_training_mfu:ratio_rate5m", "rate",
+            Rate("gputrain_training_flops_total") / WALL / Fragment("peak_flops")),
     # goodput and badput are shares of the wall time's parts (promql's accounted seconds)
     Reading("goodput", "rank", "run_rank:gputrain_training_goodput:ratio_rate5m", "rate", """
             {productive} / {accounted}"""),

@@ -27,11 +27,18 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from exporter.heuristics import regime
+from exporter.heuristics.expr import Point, compiled
 from exporter.heuristics.promql import THROTTLE_REASONS
 from exporter.heuristics.readings import (
     LEAK_SPANS,
+    PHASE_SECONDS,
     REFINED,
     REGIME_GPU,
+    SAMPLES,
+    STEP_SECONDS,
+    STEPS,
+    WAIT,
+    WALL,
     GpuReading,
     RankReport,
     duration_seconds,
@@ -48,14 +55,13 @@ from exporter.heuristics.regime import (
     moved,
     short_window,
 )
-from exporter.heuristics.stalls import histogram_quantile
 from exporter.protocol import OUTSIDE_STEP_PHASES
 from exporter.reading.host_processes import read_state
 from exporter.reading.peak_flops import PeakTable
 from exporter.reading.sampler import GpuState, Snapshot
 from exporter.serving.attribution import NodeView, resolve_gpus
 from exporter.serving.ingest import RankState, allowance_shares
-from exporter.serving.training import DEPARTED, FAMILIES
+from exporter.serving.training import ALLOWANCE, DEPARTED, FAMILIES, READERS
 
 WINDOW_SECONDS = window_seconds("rate")  # the recording rules' ratios
 POINT_SECONDS = 10.0  # a ratio over the window is exact to its end; its start may be this late
@@ -106,25 +112,6 @@ class _HostPoint(NamedTuple):
     swapped: float | None = None  # bytes swapped in and out since boot
 
 
-class _RankPoint(NamedTuple):
-    t: float
-    steps: float
-    step_seconds: float
-    wait: float
-    samples: float
-    flops: float | None
-    comm: float | None  # seconds of gradient communication, where the client measures it
-    exposed: float | None  # ... and the part the steps waited for
-    wall: float
-    phases: dict[str, float]
-    buckets: tuple[int, ...]
-    epoch: int  # buckets of points of one epoch share their bounds
-    slow: float  # seconds in steps far above the median (exporter.heuristics.stalls)
-    cpu: float | None  # the process tree's CPU seconds, and its cgroup's throttled seconds
-    throttled: float | None
-    slow_steps: float = 0.0  # how many steps were far above the median
-
-
 @dataclass
 class _GpuTrack:
     state: GpuState
@@ -141,8 +128,11 @@ class _GpuTrack:
 @dataclass
 class _RankTrack:
     state: RankState
-    offsets: dict[str, float] = field(default_factory=dict)  # earlier processes' totals
-    phase_offsets: dict[str, float] = field(default_factory=dict)
+    # by counter: what its resets took off it (each value it fell from), as rate() adds back
+    offsets: list = field(default_factory=lambda: [None] * len(_KEPT))
+    # the state's own samples of _KEPT, as its page shows them, and the state they are of
+    kept: tuple = ()
+    kept_of: RankState | None = None
     bucket_offsets: tuple[int, ...] = ()
     epoch: int = 0
     points: deque = field(default_factory=deque)
@@ -160,8 +150,29 @@ class _RankTrack:
     regime_floor: float = 0.0
 
 
-_COUNTERS = ("steps", "step_seconds", "data_wait_seconds", "samples", "flops", "comm_seconds",
-             "comm_exposed_seconds", "slow_step_seconds", "slow_steps")
+# a rank's readings the history evaluates from their trees (exporter.heuristics.expr): over
+# the window (from its oldest point to now), and as they are now
+WINDOWED = tuple(r for r in of_scope("rank") if r.tree is not None and r.window is not None)
+INSTANT = tuple(r for r in of_scope("rank") if r.tree is not None and r.window is None)
+# the counters a rank's points keep: those the trees rate, and the history's own reads (its
+# wall time and phases, and the regime detector's growths)
+_KEPT: tuple[str, ...] = tuple(sorted(
+    frozenset().union(*(r.tree.names() for r in WINDOWED if r.tree))
+    | {WALL.name, PHASE_SECONDS.name, STEPS.name, STEP_SECONDS.name, WAIT.name, SAMPLES.name}))
+_KEPT_INDEX = {name: i for i, name in enumerate(_KEPT)}
+_KEPT_READERS = tuple(READERS[name] for name in _KEPT)
+# where a point keeps the regime detector's four growths, and its wall time
+_GROWTH = tuple(_KEPT_INDEX[x.name] for x in (STEPS, STEP_SECONDS, WAIT, SAMPLES))
+_WALL_AT = _KEPT_INDEX[WALL.name]
+# the readings' fragments the daemon adds otherwise: a step in progress weighs in afterwards
+# (readings.with_open_step)
+_NO_OPEN_STEP = {"open_part": 0.0, "open_count": 0.0}
+# the trees compiled (exporter.heuristics.expr.compiled): the windowed readings set on a
+# report, returning the wall time's parts goodput and badput divide it into; the instant ones
+_WINDOWED = compiled([WALL, STEP_SECONDS, WAIT, PHASE_SECONDS], _KEPT_INDEX,
+                     [(r.field, r.tree) for r in WINDOWED if r.tree])
+_INSTANT = compiled((), _KEPT_INDEX, [(r.field, r.tree) for r in INSTANT if r.tree])
+_NO_GAUGES: dict[str, float | dict[str, float]] = {}  # a point kept in the window's
 
 
 class History:
@@ -240,8 +251,8 @@ class History:
                     self._detect(track, t)
                 if not track.outside or t - track.outside[-1][0] >= SLOW_POINT_SECONDS:
                     point = track.points[-1]
-                    track.outside.append((point.t, point.wall, {
-                        p: v for p, v in point.phases.items() if p in OUTSIDE_STEP_PHASES}))
+                    track.outside.append((point.t, _wall(point), {
+                        p: v for p, v in _phases(point).items() if p in OUTSIDE_STEP_PHASES}))
                 memory = tree_memory(st)
                 if memory is not None:
                     if memory[1] != track.measure:  # another measure is another series
@@ -313,15 +324,13 @@ class History:
 
     def _note_push(self, track: _RankTrack, st: RankState, t: float) -> None:
         old = track.state
-        if st.run_id != old.run_id:  # a restarted process counts from 0: carry the old totals
+        if st.run_id != old.run_id:  # a restarted process counts from 0
+            # (the ingest refuses a total that falls within a run_id: only here can one fall)
+            _carry(track.offsets, _kept(old), _kept(st))
             track.restarts.append(t)
             # a new process is judged as a restart, then as itself: no regime across it
             track.regime_start, track.regime_floor = None, t
             track.rss.clear()  # and its memory is a new process's: no leak across a restart
-            for key in _COUNTERS:
-                track.offsets[key] = track.offsets.get(key, 0.0) + (getattr(old, key) or 0.0)
-            for name, seconds in old.phases.items():
-                track.phase_offsets[name] = track.phase_offsets.get(name, 0.0) + seconds
             if st.bucket_bounds == old.bucket_bounds and old.bucket_counts:
                 counts = old.cumulative_counts
                 track.bucket_offsets = tuple(
@@ -344,8 +353,7 @@ class History:
         first, middle, last = points[0], points[split - 1], points[-1]
         if not moved(_growth(first, middle), _growth(middle, last)):
             return  # the means kept their pace: the medians would too
-        intervals = [Interval(b.t, b.t - a.t, b.steps - a.steps, b.step_seconds - a.step_seconds,
-                              b.wait - a.wait, b.samples - a.samples)
+        intervals = [Interval(b.t, b.t - a.t, *_growth(a, b))
                      for a, b in itertools.pairwise(points) if b.epoch == a.epoch]
         start = change_point(intervals, t)
         if start is not None:
@@ -359,26 +367,21 @@ class History:
             return {key: tr.regime_start for key, tr in self._ranks.items()
                     if tr.regime_start is not None}
 
-    def _rank_point(self, track: _RankTrack, t: float) -> _RankPoint:
-        st, off = track.state, track.offsets
-        phases = dict(track.phase_offsets)
-        for name, seconds in st.phases.items():
-            phases[name] = phases.get(name, 0.0) + seconds
+    def _rank_point(self, track: _RankTrack, t: float, gauges: bool = False) -> Point:
+        """The rank's counters now, as its page lines show them, carried across their resets
+        (those :data:`_KEPT`); with ``gauges``, its every sample as it is too (a point kept in
+        the window needs none)."""
+        st = track.state
+        if track.kept_of is not st:
+            track.kept, track.kept_of = _kept(st), st
+        values = track.kept
+        if any(x is not None for x in track.offsets):
+            values = tuple(_plus(v, x) for v, x in zip(values, track.offsets, strict=True))
         buckets = st.cumulative_counts
         if track.bucket_offsets and len(track.bucket_offsets) == len(buckets):
             buckets = tuple(a + b for a, b in zip(buckets, track.bucket_offsets, strict=True))
-        flops = None if st.flops is None else st.flops + off.get("flops", 0.0)
-        comm = None if st.comm_seconds is None else st.comm_seconds + off.get("comm_seconds", 0.0)
-        exposed = None if st.comm_exposed_seconds is None else \
-            st.comm_exposed_seconds + off.get("comm_exposed_seconds", 0.0)
-        return _RankPoint(t, st.steps + off.get("steps", 0.0),
-                          st.step_seconds + off.get("step_seconds", 0.0),
-                          st.data_wait_seconds + off.get("data_wait_seconds", 0.0),
-                          st.samples + off.get("samples", 0.0), flops, comm, exposed,
-                          st.wall_seconds, phases, buckets, track.epoch,
-                          st.slow_step_seconds + off.get("slow_step_seconds", 0.0),
-                          st.process.get("cpu_seconds"), st.process.get("cpu_throttled_seconds"),
-                          st.slow_steps + off.get("slow_steps", 0.0))
+        return Point(t, _Gauges(st) if gauges else _NO_GAUGES, values, _KEPT_INDEX, buckets,
+                     st.bucket_bounds, track.epoch)
 
     # -- reading (a request's thread) -------------------------------------------------------
 
@@ -556,7 +559,7 @@ class History:
         for tr in ranks:
             with self._lock:
                 st = tr.state
-                latest = self._rank_point(tr, snap.timestamp)
+                latest = self._rank_point(tr, snap.timestamp, gauges=True)
                 old = self._since(tr.points, latest.t)
                 rss = list(tr.rss)
                 costs = [x for x in tr.outside if x[0] >= latest.t - PERIODIC_SECONDS]
@@ -598,9 +601,8 @@ class History:
                 if since not in shorter:
                     shorter[since] = self.gpu_readings(since)
                 short_gpus = shorter[since]
-            if old is not None:
-                _rank_window(rep, old, latest, st.bucket_bounds)
-                _cpu_window(rep, old, latest, shares.get((st.run, st.rank)))
+            if isinstance(latest.gauges, _Gauges):
+                latest.gauges.allowance = shares.get((st.run, st.rank))
             read_gauges(rep, st, snap.timestamp)
             rep.seconds_since_push = max(0.0, snap.timestamp - st.received_unix)
             if st.exit_reason is not None:
@@ -612,10 +614,6 @@ class History:
             if (phase := st.phase_in_progress(mono)) is not None:
                 rep.phase_in_progress = {phase[0]: phase[1]}
             rep.periodic = periodic_shares(costs, latest)
-            if latest.steps > 0:  # the process's own totals, as its counters read at this point
-                rep.typical_step_seconds = latest.step_seconds / latest.steps
-            if old is not None:
-                with_open_step(rep, latest.t - old.t)
             memory = tree_memory(st)
             rep.memory_measure = None if memory is None else memory[1]
             # as deriv() over the ranges, and the recent one offset by itself: a slope is
@@ -650,8 +648,15 @@ class History:
                     # by the rank's share where measured (a stray context adds nothing)
                     peak += self.peaks.peaks(state.identity.name).get(st.precision, 0.0) * (
                         1.0 if share is None else share)
-            if rep.mfu is not None:
-                rep.mfu = rep.mfu / peak if peak > 0 else None
+            # the readings written as trees, over the window and as they are now
+            env = {**_NO_OPEN_STEP, "peak_flops": peak}
+            _INSTANT(latest, latest, env, rep)
+            if old is not None:
+                wall, step_s, wait, phases = _WINDOWED(old, latest, env, rep)
+                if isinstance(wall, float) and wall > 0:
+                    rep.goodput, rep.badput = wall_shares(wall, _number(step_s), _number(wait),
+                                                          _dict(phases))
+                with_open_step(rep, latest.t - old.t)
             rep.gpus.sort(key=lambda x: (len(x.gpu), x.gpu))
             out.append(rep)
         with self._lock:
@@ -660,18 +665,92 @@ class History:
         return sorted(out, key=lambda r: (r.run, rank_order(r.rank)))
 
 
+def _dict(value: float | dict[str, float] | None) -> dict[str, float]:
+    return value if isinstance(value, dict) else {}
+
+
+def _number(value: float | dict[str, float] | None) -> float:
+    return value if isinstance(value, float) else 0.0
+
+
+def _wall(p: Point) -> float:
+    """The rank's wall seconds at ``p`` (elapsed: never reset, always pushed)."""
+    return p.values[_WALL_AT]
+
+
+def _phases(p: Point) -> dict[str, float]:
+    """The rank's seconds in each phase at ``p``, carried across its restarts."""
+    return _dict(p.counter(PHASE_SECONDS.name))
+
+
+def _kept(st: RankState) -> tuple:
+    """The rank's own samples of :data:`_KEPT` (None where absent)."""
+    return tuple(read(st) for read in _KEPT_READERS)
+
+
+def _plus(value: float | dict[str, float] | None,
+          carried: float | dict[str, float] | None) -> float | dict[str, float] | None:
+    """A counter's sample with what its resets took off it added back."""
+    if value is None or carried is None:
+        return value
+    if isinstance(value, dict):
+        before = carried if isinstance(carried, dict) else {}
+        return {**before, **{k: v + before.get(k, 0.0) for k, v in value.items()}}
+    return value + (carried if not isinstance(carried, dict) else 0.0)
+
+
+def _carry(offsets: list, before: tuple, after: tuple) -> None:
+    """Add to ``offsets`` each counter of a rank that fell from ``before`` to ``after`` (its
+    process restarted: it counts from 0 again) the value it fell from, as ``rate()`` reads a
+    reset; a labelled sample gone counts as fallen to 0. All three are aligned to
+    :data:`_KEPT`, whose names are all counters."""
+    for i, (a, b) in enumerate(zip(before, after, strict=True)):
+        if a is None or b is None or a == b:
+            continue
+        if isinstance(a, dict):
+            carried = offsets[i]
+            into: dict[str, float] = carried if isinstance(carried, dict) else {}
+            now = b if isinstance(b, dict) else {}
+            for k, x in a.items():
+                if now.get(k, 0.0) < x:
+                    into[k] = into.get(k, 0.0) + x
+            offsets[i] = into or None
+        elif not isinstance(b, dict) and b < a:
+            carried = offsets[i]
+            offsets[i] = (carried if isinstance(carried, float) else 0.0) + a
+
+
+class _Gauges:
+    """A rank's samples as its page shows them, read from its state by name when asked (a
+    reading reads two or three of them), with the page's lines written beside the state's:
+    its share of its cgroup's CPU allowance."""
+
+    __slots__ = ("allowance", "st")
+
+    def __init__(self, st: RankState) -> None:
+        self.st = st
+        self.allowance: float | None = None
+
+    def get(self, name: str, /) -> float | dict[str, float] | None:
+        if name == ALLOWANCE:
+            return self.allowance
+        read = READERS.get(name)
+        return None if read is None else read(self.st)
+
+
 def periodic_shares(points: list[tuple[float, float, dict[str, float]]],
-                    now: _RankPoint) -> dict[str, float]:
+                    now: Point) -> dict[str, float]:
     """Of the wall time since the oldest of ``points`` (those inside the periodic window),
     the share in each phase outside the steps, as the reading ``periodic``'s rate over the
     window; {} before a minute of it."""
     if not points:
         return {}
     _, wall, phases = points[0]
-    if now.wall - wall <= 0 or now.t - points[0][0] < SLOW_POINT_SECONDS:
+    elapsed = _wall(now) - wall
+    if elapsed <= 0 or now.t - points[0][0] < SLOW_POINT_SECONDS:
         return {}
-    return {p: max(0.0, v - phases.get(p, 0.0)) / (now.wall - wall)
-            for p, v in now.phases.items() if p in OUTSIDE_STEP_PHASES}
+    return {p: max(0.0, v - phases.get(p, 0.0)) / elapsed
+            for p, v in _phases(now).items() if p in OUTSIDE_STEP_PHASES}
 
 
 def departed_report(st: RankState, instance: str, now: float) -> RankReport:
@@ -693,7 +772,7 @@ _GAUGE = re.compile(r"(?:max|min) by \(\{rank\}\) \((\w+)\{\{\{s\}\}\}\)")
 GAUGE_READINGS = tuple(
     (r, f) for r in of_scope("rank") for f in FAMILIES
     if r.window is None and f.read is not None and (m := _GAUGE.fullmatch(" ".join(
-        r.expr.split()))) is not None and m[1] == f.name)
+        r.template.split()))) is not None and m[1] == f.name)
 
 
 def read_gauges(rep: RankReport, st: RankState, now: float,
@@ -776,11 +855,13 @@ def _error_counts(st: GpuState) -> tuple[float, float]:
     return float(sum(st.xid_errors.values())), st.ecc_errors.get("uncorrected", 0.0)
 
 
-def _growth(a: _RankPoint, b: _RankPoint) -> tuple[float, float, float, float]:
+def _growth(a: Point, b: Point) -> tuple[float, float, float, float]:
     """What a rank's steps, step seconds, data wait seconds and samples grew by from ``a`` to
     ``b``."""
-    return (b.steps - a.steps, b.step_seconds - a.step_seconds, b.wait - a.wait,
-            b.samples - a.samples)
+    x, y = a.values, b.values  # the four are always pushed: never None
+    i, j, k, m = _GROWTH
+    return y[i] - x[i], y[j] - x[j], y[k] - x[k], y[m] - x[m]
+
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -822,55 +903,6 @@ def _gpu_window(reading: GpuReading, old: _GpuPoint, now: _GpuPoint, sample) -> 
     power = _ratio(now.power - old.power, now.power_n - old.power_n)
     limit = sample.power_limit_watts if sample is not None else None
     reading.power_used = _ratio(power, limit)
-
-
-def _rank_window(rep: RankReport, old: _RankPoint, now: _RankPoint,
-                 bounds: tuple[float, ...]) -> None:
-    """The rules' ``run_rank:`` readings over the window from ``old`` to ``now``; ``bounds``
-    are the step histogram's (p50 and p99 over this window, where the rules take 30m)."""
-    dt, steps = now.t - old.t, now.steps - old.steps
-    step_s, wait = now.step_seconds - old.step_seconds, now.wait - old.wait
-    wall = now.wall - old.wall
-    phases = {p: v - old.phases.get(p, 0.0) for p, v in now.phases.items()}
-    if dt > 0:
-        rep.steps_per_second = steps / dt
-    if step_s > 0:
-        rep.samples_per_second = (now.samples - old.samples) / step_s
-        rep.data_wait_ratio = wait / step_s
-        if now.exposed is not None and old.exposed is not None:
-            rep.comm_exposed_ratio = (now.exposed - old.exposed) / step_s
-        if now.comm is not None and old.comm is not None:
-            rep.comm_ratio = (now.comm - old.comm) / step_s
-        rep.phases = {p: v / step_s for p, v in phases.items()}
-    if steps > 0:
-        rep.step_seconds = step_s / steps
-    if now.epoch == old.epoch and len(now.buckets) == len(bounds) + 1 == len(old.buckets) \
-            and steps > 0:
-        counts = tuple(a - b for a, b in zip(now.buckets, old.buckets, strict=True))
-        rep.step_p50_seconds = histogram_quantile(0.5, bounds, counts)
-        rep.step_p99_seconds = histogram_quantile(0.99, bounds, counts)
-    if steps > 0 and bounds:
-        rep.slow_step_ratio = (now.slow_steps - old.slow_steps) / steps
-    if now.slow > old.slow:
-        rep.slow_step_wait = wait / (now.slow - old.slow)
-    if wall > 0:
-        if now.flops is not None and old.flops is not None:
-            rep.mfu = (now.flops - old.flops) / wall  # FLOP/s; divided by the peak later
-        rep.stall_share = (now.slow - old.slow) / wall
-        rep.goodput, rep.badput = wall_shares(wall, step_s, wait, phases)
-
-
-def _cpu_window(rep: RankReport, old: _RankPoint, now: _RankPoint,
-                allowance: float | None) -> None:
-    """The process tree's CPU over its cgroup's allowance, and the share of the window it
-    was throttled, as the rules record them (none across a restart: its counters reset)."""
-    dt = now.t - old.t
-    if dt <= 0:
-        return
-    if now.cpu is not None and old.cpu is not None and now.cpu >= old.cpu and allowance:
-        rep.cpu_allowance_used = (now.cpu - old.cpu) / dt / allowance
-    if now.throttled is not None and old.throttled is not None and now.throttled >= old.throttled:
-        rep.cpu_throttled = (now.throttled - old.throttled) / dt
 
 
 def wall_shares(wall: float, step_s: float, wait: float, phases: dict[str, float]) -> \

@@ -63,6 +63,9 @@ class Family(NamedTuple):
 
 # the families written outside their row: by these names
 EXIT_INFO = "gputrain_training_exit_info"
+STEP_HISTOGRAM = "gputrain_training_step_duration_seconds"
+PHASES = "gputrain_training_phase_seconds_total"
+ALLOWANCE = "gputrain_training_process_cpu_allowance_cores"
 REQUESTS = "gputrain_ingest_requests_total"
 SERIES = "gputrain_ingest_series"
 LEFT_OUT = "gputrain_ingest_ranks_left_out"
@@ -125,10 +128,10 @@ FAMILIES: tuple[Family, ...] = (
            "pushing while its process runs is frozen (its client's thread cannot run: "
            "native code holding the GIL) or cut off, not gone.",
            read=lambda st: 1.0 if st.process_running and st.exit_reason is None else None),
-    Family("gputrain_training_step_duration_seconds", "histogram",
+    Family(STEP_HISTOGRAM, "histogram",
            "Wall time of one training step, data wait included, in seconds.",
            per_rank=MAX_BUCKETS + 3),
-    Family("gputrain_training_phase_seconds_total", "counter",
+    Family(PHASES, "counter",
            "Seconds spent in each named phase (callbacks, checkpoint, evaluation, ...).",
            ("run", "rank", "phase"), per_rank=MAX_PHASES),
     Family("gputrain_training_last_step_timestamp_seconds", "gauge",
@@ -186,7 +189,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("gputrain_training_process_cpu_seconds_total", "counter",
            "CPU seconds of the training process and its children (DataLoader workers).",
            read=lambda st: st.process.get("cpu_seconds")),
-    Family("gputrain_training_process_cpu_allowance_cores", "gauge",
+    Family(ALLOWANCE, "gauge",
            "CPU cores the training process's cgroup allows it (cgroup v2 cpu.max quota over "
            "period, cpuset.cpus.effective; the machine's CPUs where neither limits it), "
            "divided among the ranks on this node under the cgroup that sets the limit (the "
@@ -249,6 +252,9 @@ FAMILIES: tuple[Family, ...] = (
            "built (the daemon's log names each once); the other ranks are shown.", (), per_rank=0),
 )
 INDEX = {f.name: i for i, f in enumerate(FAMILIES)}
+# a rank's samples that are counters: what rate() reads, and carries across a reset
+COUNTERS = frozenset({*(f.name for f in FAMILIES if f.kind == "counter" and f.per_rank),
+                      STEP_HISTOGRAM + "_sum", STEP_HISTOGRAM + "_count"})
 # The most lines one rank adds to the page (docs/push-protocol.md): the page stays bounded at
 # --ingest.max-series ranks
 MAX_SERIES_PER_RANK = sum(f.per_rank for f in FAMILIES)
@@ -303,8 +309,7 @@ class TrainingCollector:
             try:
                 lines = self._rank_parts(st, gpus, held, busy, profiles, cache, now, locations)
                 if (cores := shares.get(key)) is not None:
-                    lines.append(_line("gputrain_training_process_cpu_allowance_cores",
-                                       _labels(st), cores))
+                    lines.append(_line(ALLOWANCE, _labels(st), cores))
                 if (start := regimes.get(key)) is not None:
                     lines.append(_line("gputrain_training_regime_start_timestamp_seconds",
                                        _labels(st), start))
@@ -462,22 +467,37 @@ def _departed_lines(st: RankState) -> list[tuple[int, str]]:
     return [(i, line) for i, line in _rank_lines(st) if i in keep]
 
 
+# One rank's own samples as its lines show them, by the name they are read by: each family
+# with a ``read``, the step histogram's ``_sum`` and ``_count``, and the phases by phase (the
+# histogram's buckets are RankState.cumulative_counts)
+READERS: dict[str, Callable[[RankState], float | dict[str, float] | None]] = {
+    **{f.name: f.read for f in FAMILIES if f.read is not None},
+    STEP_HISTOGRAM + "_sum": lambda st: st.step_seconds,
+    STEP_HISTOGRAM + "_count": lambda st: float(st.steps),
+    PHASES: lambda st: dict(st.phases),
+}
+
+
+def rank_samples(st: RankState) -> dict[str, float | dict[str, float]]:
+    """One rank's own samples (:data:`READERS`), those it has."""
+    return {name: v for name, read in READERS.items() if (v := read(st)) is not None}
+
+
 def _rank_lines(st: RankState) -> tuple[tuple[int, str], ...]:
     """One rank's own lines, by the index of their family in FAMILIES (those it has)."""
     fg = floatToGoString
     lbl = _labels(st)
     bounds = (*map(fg, st.bucket_bounds), "+Inf")
-    hist = [f'gputrain_training_step_duration_seconds_bucket{{le="{b}",{lbl}}} {fg(c)}\n'
+    hist = [f'{STEP_HISTOGRAM}_bucket{{le="{b}",{lbl}}} {fg(c)}\n'
             for b, c in zip(bounds, st.cumulative_counts, strict=True)]
-    hist.append(f"gputrain_training_step_duration_seconds_count{{{lbl}}} {fg(st.steps)}\n")
-    hist.append(f"gputrain_training_step_duration_seconds_sum{{{lbl}}} {fg(st.step_seconds)}\n")
+    hist.append(f"{STEP_HISTOGRAM}_count{{{lbl}}} {fg(st.steps)}\n")
+    hist.append(f"{STEP_HISTOGRAM}_sum{{{lbl}}} {fg(st.step_seconds)}\n")
     out = [(i, f"{f.name}{{{lbl}}} {fg(v)}\n") for i, f in enumerate(FAMILIES)
            if f.read is not None and (v := f.read(st)) is not None]
     if st.exit_reason is not None:
         out.append(_line(EXIT_INFO, f'detail="{st.exit_detail or ""}",rank="{st.rank}",'
                                     f'reason="{st.exit_reason}",run="{st.run}"', 1.0))
-    out.append((INDEX["gputrain_training_step_duration_seconds"], "".join(hist)))
-    out.extend((INDEX["gputrain_training_phase_seconds_total"],
-                f'gputrain_training_phase_seconds_total{{phase="{name}",{lbl}}} {fg(seconds)}\n')
+    out.append((INDEX[STEP_HISTOGRAM], "".join(hist)))
+    out.extend((INDEX[PHASES], f'{PHASES}{{phase="{name}",{lbl}}} {fg(seconds)}\n')
                for name, seconds in sorted(st.phases.items()))
     return tuple(out)

@@ -1,0 +1,188 @@
+"""A rank's reading over a window is written once, as a tree (exporter/heuristics/expr.py): its
+recording rule is the tree rendered, and the daemon's history evaluates the tree over its own
+points. Here a scripted rank pushes to a real ingest; the history reads it, and the rank's
+/metrics lines, scraped every push into the PromQL evaluator (which tests/test_agreement.py
+holds to a real Prometheus), answer each reading's generated rule: the two agree on every tree
+reading, across a restart of the rank's process (a counter reset), and a throwaway reading
+added to a copy of the package in its row alone is recorded by the rules and read by the
+daemon."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, edited_package
+from prometheus_client.parser import text_string_to_metric_families
+
+from exporter.heuristics.evaluator import Engine, Store, labels_of
+from exporter.heuristics.promql import Identity, _fragments
+from exporter.heuristics.readings import BY_FIELD, of_scope, window_seconds
+from exporter.protocol import SCHEMA_VERSION
+from exporter.reading.sampler import Snapshot
+from exporter.serving.attribution import Attribution
+from exporter.serving.history import INSTANT, WINDOWED, History
+from exporter.serving.ingest import IngestStore
+from exporter.serving.training import COUNTERS, TrainingCollector
+
+SELECTOR = 'job="gputrain"'
+BOUNDS = [0.05, 0.1, 0.25, 0.5, 1.0]
+EVERY = 5.0  # seconds between pushes (and scrapes)
+
+
+def _push(store: IngestStore, run_id: str, k: int, wall: float, **extra: object) -> None:
+    """The ``k``-th push of a process: 10 steps of 0.2 s (every tenth 2 s: a slow step), a
+    quarter of each waiting for data, a checkpoint phase, communication, FLOPs and CPU."""
+    steps = 10 * k
+    slow = k
+    step_seconds = 0.2 * (steps - slow) + 2.0 * slow
+    store.push(json.dumps({
+        "version": SCHEMA_VERSION, "run": "r", "rank": "0", "run_id": run_id,
+        "steps": steps, "step_seconds": step_seconds, "data_wait_seconds": step_seconds / 4,
+        "samples": 32.0 * steps, "elapsed_seconds": wall, "flops": 1e12 * steps,
+        "comm_seconds": 0.05 * steps, "comm_exposed_seconds": 0.01 * steps,
+        "step_buckets": BOUNDS, "step_counts": [0, 0, steps - slow, steps - slow, steps - slow],
+        "phases": {"checkpoint": 0.5 * k, "forward": 0.05 * steps},
+        "process": {"cpu_seconds": 3.0 * k, "cpu_throttled_seconds": 0.5 * k,
+                    "cpu_allowance_cores": 4.0},
+        **extra}).encode())
+
+
+def _scrape(collector: TrainingCollector, store: Store, t: float) -> None:
+    """The rank's page lines as Prometheus would scrape them at ``t``, job and instance
+    added."""
+    samples = []
+    for family in text_string_to_metric_families(collector.render().decode()):
+        for s in family.samples:
+            samples.append((labels_of({**s.labels, "__name__": s.name, "job": "gputrain",
+                                       "instance": "n1"}), s.value))
+    store.append_all(int(t * 1000), samples)
+
+
+@pytest.fixture(scope="module")
+def watched() -> tuple[dict, Engine]:
+    """Eight minutes of one rank, its process restarted at minute 6 (its counters from 0,
+    its wall time going on): the history's report and the evaluator at the end."""
+    now = [1_000_000.0]
+    ingest = IngestStore(clock=lambda: now[0], wall_clock=lambda: now[0])
+    history = History(instance="n1", clock=lambda: now[0])
+    views = Attribution()
+    view = [views.update(Snapshot(0, now[0], "test", ""), ingest.states())]
+    collector = TrainingCollector(ingest, lambda: view[0])
+    scraped = Store()
+    for k in range(1, 97):
+        now[0] += EVERY
+        if k <= 72:
+            _push(ingest, "first", k, EVERY * k)
+        else:  # a new process: its counters count from 0 again
+            _push(ingest, "second", k - 72, EVERY * k)
+        view[0] = views.update(Snapshot(k, now[0], "test", ""), ingest.states())
+        history.observe(view[0])
+        _scrape(collector, scraped, now[0])
+    (rep,) = history.reports()
+    return vars(rep), Engine(scraped, int(now[0] * 1000))
+
+
+def _rule(field: str) -> str:
+    reading = BY_FIELD[field]
+    w = "5m" if reading.window == "rate" else "30m" if reading.window == "quantile" else ""
+    return reading.template.format(**_fragments(SELECTOR, Identity(), w))
+
+
+CHECKED = [r.field for r in (*WINDOWED, *INSTANT) if r.field != "mfu"]  # mfu: a GPU's peak
+
+
+def test_every_windowed_rank_reading_the_history_computes_is_a_tree():
+    """What the history reads of a rank over a window is the trees' (no arithmetic of its own
+    for these): the ratios of counters, the percentiles, the plain rates."""
+    assert {r.field for r in WINDOWED} >= {
+        "data_wait_ratio", "samples_per_second", "step_seconds", "comm_ratio",
+        "comm_exposed_ratio", "step_p50_seconds", "step_p99_seconds", "stall_share",
+        "slow_step_ratio", "slow_step_wait", "phases", "cpu_allowance_used", "cpu_throttled",
+        "steps_per_second", "mfu"}
+    assert all(r.scope == "rank" for r in WINDOWED)
+    # a tree rates counters only, as rate() is only right of them (their resets are carried)
+    assert all(r.tree.names() <= COUNTERS for r in WINDOWED if r.tree), \
+        [r.field for r in WINDOWED if r.tree and not r.tree.names() <= COUNTERS]
+    assert {r.field for r in of_scope("rank") if r.tree is not None} == \
+        {r.field for r in (*WINDOWED, *INSTANT)}
+
+
+@pytest.mark.parametrize("field", CHECKED)
+def test_the_history_and_the_generated_rule_agree(watched, field):
+    report, engine = watched
+    reading = BY_FIELD[field]
+    answer = engine.query(_rule(field))
+    ours = report[field]
+    if reading.by is not None:
+        theirs = {labels[reading.by]: v for labels, v in answer}
+        assert set(ours) == set(theirs) and ours, (ours, theirs)
+        for k, v in theirs.items():
+            assert ours[k] == pytest.approx(v, rel=1e-9), (k, ours, theirs)
+        return
+    assert len(answer) == 1, answer
+    theirs = answer[0][1]
+    if not math.isfinite(theirs):  # x/0: diagnose reads no reading, as the history
+        assert ours is None, (ours, theirs)
+        return
+    assert ours is not None, f"the rule reads {theirs}, the history nothing"
+    # the pace is steady, so the windows' edges (a point older, an extrapolation) weigh nothing
+    assert ours == pytest.approx(theirs, rel=1e-9), (ours, theirs)
+
+
+def test_the_restart_is_read_as_rate_reads_a_reset(watched):
+    """Over a window with the reset in it, the rate of steps is the steady one (10 steps a
+    push), not negative nor doubled."""
+    report, _ = watched
+    assert report["steps_per_second"] == pytest.approx(10 / EVERY, rel=0.03)
+    assert report["data_wait_ratio"] == pytest.approx(0.25, rel=1e-6)
+    assert window_seconds("rate") > 24 * EVERY  # the reset is inside the window
+
+
+# a throwaway reading: its row and its report field, in a copy of the package
+EDITS = [
+    ("heuristics/readings.py", "    Reading(\"finished\", \"rank\",",
+     "    Reading(\"throwaway\", \"rank\", \"run_rank:gputrain_training_throwaway:rate5m\",\n"
+     "            \"rate\", SAMPLES / STEPS),\n"),
+    ("heuristics/readings.py", "    stopped: bool = False\n",
+     "    throwaway: float | None = None\n"),
+]
+
+
+@pytest.mark.parametrize("where, anchor, text", EDITS)
+def test_edits(where, anchor, text):
+    """(The edits the next test makes: each anchor is in its file once.)"""
+    assert (ROOT / "exporter" / where).read_text().count(anchor) == 1
+
+
+def test_a_new_windowed_reading_takes_its_row_and_its_field_and_nothing_else(tmp_path):
+    edited_package(tmp_path, EDITS)
+    probe = f"""
+import json
+from exporter.heuristics.rules import render
+from exporter.reading.sampler import Snapshot
+from exporter.serving.attribution import Attribution
+from exporter.serving.history import History
+from exporter.serving.ingest import IngestStore
+rules = render()
+assert "record: run_rank:gputrain_training_throwaway:rate5m" in rules, "no recording rule"
+assert "(rate(gputrain_training_samples_total" in rules.split("throwaway:rate5m")[1]
+now = [1e6]
+ingest = IngestStore(clock=lambda: now[0], wall_clock=lambda: now[0])
+history, views = History(instance="n1", clock=lambda: now[0]), Attribution()
+for k in range(1, 40):
+    now[0] += 5
+    ingest.push(json.dumps({{"version": {SCHEMA_VERSION}, "run": "r", "rank": "0",
+                            "run_id": "a", "steps": 3 * k, "step_seconds": 1.5 * k,
+                            "data_wait_seconds": 0.0, "samples": 96.0 * k}}).encode())
+    history.observe(views.update(Snapshot(k, now[0], "test", ""), ingest.states()))
+(rep,) = history.reports()
+print(rep.throwaway)
+"""
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120, env={"PYTHONPATH": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout) == pytest.approx(32.0)
