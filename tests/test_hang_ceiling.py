@@ -1,5 +1,5 @@
 """Hangs judged at the hang ceiling, end to end: real torch.distributed (gloo on the CPU),
-three ranks on one daemon whose ceiling (``hung_max_seconds``) is 40 s through
+three ranks on one daemon whose ceiling (``hung_max_seconds``) is :data:`CEILING` through
 ``--status.rules-config`` (300 by default: the rules are the same, each test a minute long).
 
 Where no pace tells a hang (before and in a first step), the daemon takes the stacks past the
@@ -21,18 +21,20 @@ from test_hangs import Job, hang_profiles, run_of
 
 pytestmark = pytest.mark.torch
 
+CEILING = 25  # seconds: the hang ceiling of these tests' daemons (ceiling_daemon)
+
 
 def ceiling_daemon(daemon_factory, tmp_path: Path) -> Daemon:
-    """A daemon whose hang ceiling is 40 s (300 by default: the rule is the same, the test a
-    minute long)."""
+    """A daemon whose hang ceiling is :data:`CEILING` (300 by default: the rule is the same,
+    the test a minute long)."""
     cfg = tmp_path / "thresholds.yml"
-    cfg.write_text("thresholds:\n  hung_max_seconds: 40\n")
+    cfg.write_text(f"thresholds:\n  hung_max_seconds: {CEILING}\n")
     return daemon_factory("--gpu.backend=demo", "--demo.gpus=1", *NO_HOST,
                           f"--status.rules-config={cfg}")
 
 
 def first_step_job(daemon_factory, tmp_path: Path, run: str, block: str) -> tuple[Daemon, Job]:
-    """A daemon whose hang ceiling is 40 s and a three-rank job on it whose rank 2 does
+    """A daemon whose hang ceiling is :data:`CEILING` and a three-rank job on it whose rank 2 does
     ``block`` in its first step."""
     d = ceiling_daemon(daemon_factory, tmp_path)
     return d, Job(tmp_path, run, [d.ingest_url] * 3, "--block", block, "--block-rank", "2")
@@ -40,7 +42,7 @@ def first_step_job(daemon_factory, tmp_path: Path, run: str, block: str) -> tupl
 
 def assert_hung_past_the_ceiling(d: Daemon, run: str) -> None:
     """``run`` is hung on ``d``'s page, its live ranks 0 and 1 waiting in a collective past the
-    40 s ceiling, from the stacks the daemon took of them."""
+    ceiling, from the stacks the daemon took of them."""
     def hung() -> dict | None:
         card = run_of(d, run)
         return card if card and card["status"] == "hung" else None
@@ -51,7 +53,7 @@ def assert_hung_past_the_ceiling(d: Daemon, run: str) -> None:
     for r in ("0", "1"):
         assert ranks[r]["verdict"] == "hung", ranks[r]
         assert ranks[r]["location"] == "collective", ranks[r]
-        assert ranks[r]["step_in_progress_seconds"] > 40, ranks[r]
+        assert ranks[r]["step_in_progress_seconds"] > CEILING, ranks[r]
     assert "every rank waits in a collective" in card["hang"], card["hang"]
     assert set(hang_profiles(d, run)) == {"0", "1"}
     assert "no first step" in d.log_text()
@@ -84,7 +86,7 @@ def assert_allowance_kept(d: Daemon, run: str) -> None:
     assert where["0"] == where["1"] == "collective" != where["2"], where
     assert card["status"] != "hung" and card["hang"] is None, card
     assert not {r["verdict"] for r in card["ranks"]} & {"hung", "stalled"}, card["ranks"]
-    assert all(r["step_in_progress_seconds"] > 40 for r in card["ranks"]), card["ranks"]
+    assert all(r["step_in_progress_seconds"] > CEILING for r in card["ranks"]), card["ranks"]
     # ... but the waiting ranks' collective will time out first (NCCL's watchdog), and the
     # page says so, naming the rank they wait for
     ranks = {r["rank"]: r for r in card["ranks"]}
@@ -136,7 +138,7 @@ def test_a_peer_frozen_before_the_first_batch_is_hung_and_one_preparing_data_is_
         # what the rules read: the first step in progress, since the process started
         open_s = sample_value(d.metrics(), "gputrain_training_step_in_progress_seconds",
                               {"run": "before-freeze", "rank": "0"})
-        assert open_s is not None and open_s > 40, open_s
+        assert open_s is not None and open_s > CEILING, open_s
         assert_allowance_kept(d, "before-prepare")
     finally:
         for job in jobs:

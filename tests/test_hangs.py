@@ -202,18 +202,22 @@ def assert_hang_named(cluster, run: str, words: tuple[str, ...]) -> None:
                 for x in hook.find("GpuTrainRunHung", run=run)}) == 1
 
 
-@pytest.mark.parametrize(("block", "words"), [
-    ("data", ("Samples.__getitem__", "loading data")),  # a read that never returns
-    ("checkpoint", ("save_checkpoint", "checkpoint I/O")),  # a save outside any phase
-])
-def test_a_blocked_rank_is_named_hung_within_two_minutes(cluster, block, words):
-    run = f"hang-{block}"
-    job = Job(cluster["tmp"], run, two_nodes(cluster), "--block", block, "--block-rank", "3",
-              "--block-after", "150")
+BLOCKS = {
+    "data": ("Samples.__getitem__", "loading data"),  # a read that never returns
+    "checkpoint": ("save_checkpoint", "checkpoint I/O"),  # a save outside any phase
+}
+
+
+def test_a_blocked_rank_is_named_hung_within_two_minutes(cluster):
+    """Each block, a job of its own (both at once: each is timed from its own block)."""
+    jobs = [Job(cluster["tmp"], f"hang-{block}", two_nodes(cluster), "--block", block,
+                "--block-rank", "3", "--block-after", "150") for block in BLOCKS]
     try:
-        assert_hang_named(cluster, run, words)
+        for block, words in BLOCKS.items():
+            assert_hang_named(cluster, f"hang-{block}", words)
     finally:
-        job.stop()
+        for job in jobs:
+            job.stop()
 
 
 def test_a_hang_is_said_before_the_jobs_own_collective_timeout_ends_it_as_failed(cluster):
