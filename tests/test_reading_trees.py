@@ -22,6 +22,11 @@ from exporter.heuristics.evaluator import Engine, Store, labels_of
 from exporter.heuristics.promql import Identity, _fragments
 from exporter.heuristics.readings import BY_FIELD, of_scope, window_seconds
 from exporter.protocol import SCHEMA_VERSION
+from exporter.reading.collectors import host_collectors
+from exporter.reading.collectors.cpu import CpuReading
+from exporter.reading.collectors.disk import DiskReading
+from exporter.reading.collectors.memory import MemoryReading
+from exporter.reading.collectors.network import NetworkReading
 from exporter.reading.sampler import Snapshot
 from exporter.serving.attribution import Attribution
 from exporter.serving.history import INSTANT, WINDOWED, History
@@ -92,6 +97,12 @@ def _rule(field: str) -> str:
     return reading.template.format(**_fragments(SELECTOR, Identity(), w))
 
 
+def test_every_node_reading_the_history_computes_is_a_tree():
+    assert {r.field for r in of_scope("node") if r.tree is not None} == {
+        "cpu_busy", "iowait", "memory_available", "swap_rate", "disk_busy", "network_rx_used",
+        "network_duplex_used"}
+
+
 CHECKED = [r.field for r in (*WINDOWED, *INSTANT) if r.field != "mfu"]  # mfu: a GPU's peak
 
 
@@ -142,6 +153,60 @@ def test_the_restart_is_read_as_rate_reads_a_reset(watched):
     assert window_seconds("rate") > 24 * EVERY  # the reset is inside the window
 
 
+# --- a node's readings: the host's page lines, scraped, against the history's trees ---------
+
+def _host(k: int) -> dict:
+    """The host's readings at the ``k``-th cycle (5 s apart): 8 CPUs 50 % user, 10 % iowait
+    (busy is neither idle nor iowait: 50 %); two disks, one 30 % busy; two interfaces, one
+    receiving 40 % of its 1 GB/s link and sending 55 %, one without a known speed; swapping
+    1 MB/s; memory available falling."""
+    t = EVERY * k
+    return {
+        "cpu": CpuReading({"user": 8 * t * 0.5, "iowait": 8 * t * 0.1, "idle": 8 * t * 0.4}, 8),
+        "memory": MemoryReading(64e9, 32e9 - 1e6 * k, 4e5 * t, 6e5 * t),
+        "disk": {"sda": DiskReading(1e6 * t, 2e6 * t, 0.3 * t),
+                 "sdb": DiskReading(1e5 * t, 0.0, 0.05 * t)},
+        "network": {"eth0": NetworkReading(0.4e9 * t, 0.55e9 * t, 1e9),
+                    "eth1": NetworkReading(1e8 * t, 1e8 * t, None)},
+    }
+
+
+@pytest.fixture(scope="module")
+def node_watched() -> tuple[dict, Engine]:
+    """Ten minutes of the host: the history's node readings and the evaluator at the end."""
+    collectors = host_collectors()
+    history = History(instance="n1", collectors=collectors)
+    scraped = Store()
+    t0 = 1_000_000.0
+    for k in range(1, 121):
+        snap = Snapshot(k, t0 + EVERY * k, "test", "", (), _host(k))
+        history.observe(Attribution().update(snap, []))
+        samples = [(labels_of({**s.labels, "__name__": s.name, "job": "gputrain",
+                               "instance": "n1"}), s.value)
+                   for c in collectors for family in c.render(snap.host[c.name])
+                   for s in family.samples]
+        scraped.append_all(int(snap.timestamp * 1000), samples)
+    return history.host_readings(), Engine(scraped, int((t0 + EVERY * 120) * 1000))
+
+
+@pytest.mark.parametrize("field", [r.field for r in of_scope("node") if r.tree is not None])
+def test_the_history_and_the_generated_rule_agree_on_the_node(node_watched, field):
+    readings, engine = node_watched
+    (answer,) = engine.query(_rule(field))
+    assert readings.get(field) == pytest.approx(answer[1], rel=1e-9), (readings, answer)
+
+
+def test_the_node_readings_are_what_the_host_did(node_watched):
+    readings, _ = node_watched
+    assert readings["cpu_busy"] == pytest.approx(0.5)
+    assert readings["iowait"] == pytest.approx(0.1)
+    assert readings["disk_busy"] == pytest.approx(0.3)
+    assert readings["network_rx_used"] == pytest.approx(0.4)
+    assert readings["network_duplex_used"] == pytest.approx(0.4)  # the lesser direction
+    assert readings["swap_rate"] == pytest.approx(1e6)
+    assert readings["memory_available"] == pytest.approx(32e9 - 1.2e8)
+
+
 # a throwaway reading: its row and its report field, in a copy of the package
 EDITS = [
     ("heuristics/readings.py", "    Reading(\"finished\", \"rank\",",
@@ -163,6 +228,11 @@ def test_a_new_windowed_reading_takes_its_row_and_its_field_and_nothing_else(tmp
     probe = f"""
 import json
 from exporter.heuristics.rules import render
+from exporter.reading.collectors import host_collectors
+from exporter.reading.collectors.cpu import CpuReading
+from exporter.reading.collectors.disk import DiskReading
+from exporter.reading.collectors.memory import MemoryReading
+from exporter.reading.collectors.network import NetworkReading
 from exporter.reading.sampler import Snapshot
 from exporter.serving.attribution import Attribution
 from exporter.serving.history import History

@@ -263,7 +263,8 @@ def serve(settings: Settings, stop: threading.Event | None = None) -> int:
         backend.follow(lambda: views.latest.states)
     history = History(settings["status.window"], peaks=peaks, instance=socket.gethostname(),
                       interval=settings["sampler.interval"],
-                      clock=store.now if store is not None else time.monotonic)
+                      clock=store.now if store is not None else time.monotonic,
+                      collectors=host)
     status = StatusView(history, thresholds, lambda: sampler.gpu_error, backend.name,
                         lambda: sampler.snapshot.driver_version,
                         store.profiles if store is not None else None,

@@ -21,6 +21,7 @@ trees node by node instead cost the build half again (bench/RESULTS.md).
 from __future__ import annotations
 
 import operator
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -79,6 +80,8 @@ class Expr:
 
     precedence = 9  # an atom: never parenthesised
     by: str | None = None  # the label besides the rank's its value is keyed by
+    keyed = False  # its value is one by a label (a dict), not one number
+
 
     def template(self) -> str:
         raise NotImplementedError
@@ -107,6 +110,13 @@ class Expr:
     def __gt__(self, other: Expr) -> Expr:
         return Binary(">", self, other)
 
+    def __lt__(self, other: Expr) -> Expr:
+        return Binary("<", self, other)
+
+    def or_(self, other: Expr) -> Expr:
+        """PromQL's ``or``: this node's series, and ``other``'s where it has none."""
+        return Binary("or", self, other)
+
 
 def _selector(name: str, matcher: str) -> str:
     return f"{name}{{{{{{s}}{',' + matcher if matcher else ''}}}}}"
@@ -125,6 +135,10 @@ class Rate(Expr):
     by: str | None = None
     matcher: str = ""
 
+    @property
+    def keyed(self) -> bool:  # type: ignore[override]
+        return self.by is not None
+
     def template(self) -> str:
         return (f"sum by ({_grouping(self.by)}) "
                 f"(rate({_selector(self.name, self.matcher)}[{{w}}]))")
@@ -138,6 +152,56 @@ class Rate(Expr):
             return f"_rate({a}, {b}, dt)"
         # one number a rank: inline, a helper's call a rate cost a fifth of a status build
         return f"(({b} - {a}) / dt if {a} is not None and {b} is not None and dt > 0 else None)"
+
+
+@dataclass(frozen=True, eq=False)
+class Series(Expr):
+    """A node's family, series by series (one by its ``label``: a dict; one number where it
+    has none): its rate over the window, ``rate(family[w])``, or with ``rate`` False its
+    sample as it is at the window's end; ``matcher`` (``mode=~"idle|iowait"``) keeps the
+    series whose label matches."""
+
+    name: str
+    label: str | None = None
+    rate: bool = True
+    matcher: str = ""
+
+    @property
+    def keyed(self) -> bool:  # type: ignore[override]
+        return self.label is not None
+
+    def template(self) -> str:
+        selector = _selector(self.name, self.matcher)
+        return f"rate({selector}[{{w}}])" if self.rate else selector
+
+    def names(self) -> frozenset[str]:
+        return frozenset({self.name}) if self.rate else frozenset()
+
+    def emit(self, code: _Code) -> str:
+        keep = code.constant(_matching(self.matcher, self.label))
+        if not self.rate:
+            return f"_kept(now.gauges.get({self.name!r}), {keep})"
+        a, b = code.counter("old", self.name), code.counter("now", self.name)
+        return f"_kept(_rate({a}, {b}, dt), {keep})"
+
+
+@dataclass(frozen=True, eq=False)
+class Aggregate(Expr):
+    """``op by (group) (expr)``: a node's (``group`` "node") series aggregated into one
+    number, ``sum`` or ``max``."""
+
+    op: str
+    expr: Expr
+    group: str = "node"
+
+    def template(self) -> str:
+        return f"{self.op} by ({{{self.group}}}) ({self.expr.template()})"
+
+    def names(self) -> frozenset[str]:
+        return self.expr.names()
+
+    def emit(self, code: _Code) -> str:
+        return f"_aggregate({self.op}, {code.name(self.expr)})"
 
 
 @dataclass(frozen=True, eq=False)
@@ -214,13 +278,21 @@ class Binary(Expr):
     def by(self) -> str | None:  # type: ignore[override]
         return self.lhs.by or self.rhs.by
 
+    @property
+    def keyed(self) -> bool:  # type: ignore[override]
+        return self.lhs.keyed or self.rhs.keyed
+
     def template(self) -> str:
         mine = self.precedence
+        # arithmetic beside a comparison or a set operator is bracketed for the reader
+        plain = mine <= 3
         left = self.lhs.template()
-        if self.lhs.precedence < mine:
+        if self.lhs.precedence < mine or (plain and isinstance(self.lhs, Binary) and \
+                self.lhs.precedence > 3):
             left = f"({left})"
         right = self.rhs.template()
-        if self.rhs.precedence <= mine:
+        if self.rhs.precedence <= mine or (plain and isinstance(self.rhs, Binary) and \
+                self.rhs.precedence > 3):
             right = f"({right})"
         match = ""
         if self.lhs.by and not self.rhs.by:
@@ -234,7 +306,9 @@ class Binary(Expr):
 
     def emit(self, code: _Code) -> str:
         a, b = code.name(self.lhs), code.name(self.rhs)
-        if self.by is not None:
+        if self.op == "or":
+            return f"_or({a}, {b})"
+        if self.keyed:
             return f"_binary({_OPS[self.op]}, {a}, {b})"
         known = f"{a} is not None and {b} is not None"
         if self.op == "/":  # x/0 is Inf or NaN in PromQL: no reading
@@ -283,8 +357,44 @@ def _gt(a: float, b: float) -> float | None:
     return a if a > b else None  # a filter, as PromQL's comparison without bool
 
 
+def _lt(a: float, b: float) -> float | None:
+    return a if a < b else None
+
+
 _OPS = {"+": "operator.add", "-": "operator.sub", "*": "operator.mul", "/": "_div",
-        ">": "_gt"}
+        ">": "_gt", "<": "_lt"}
+
+
+def _or(a: Value, b: Value) -> Value:
+    """PromQL's ``or``: ``a``'s series, and ``b``'s where ``a`` has none of that label."""
+    if isinstance(a, dict) or isinstance(b, dict):
+        return {**(b if isinstance(b, dict) else {}), **(a if isinstance(a, dict) else {})}
+    return a if a is not None else b
+
+
+def _matching(matcher: str, label: str | None) -> Callable[[str], object] | None:
+    """A matcher of ``label`` (``mode=~"idle|iowait"``, ``mode="iowait"``) as a label value's
+    test; None (every series) for no matcher."""
+    if not matcher:
+        return None
+    found = re.fullmatch(r'(\w+)(=~|=)"(.*)"', matcher)
+    if found is None or found[1] != label:
+        raise ValueError(f"{matcher!r} is no matcher of the label {label!r}")
+    return re.compile(found[3] if found[2] == "=~" else re.escape(found[3])).fullmatch
+
+
+def _kept(value: Value, keep: Callable[[str], object] | None) -> Value:
+    """The series of ``value`` whose label ``keep`` matches (all with no ``keep``)."""
+    if keep is None or not isinstance(value, dict):
+        return value
+    return {k: v for k, v in value.items() if keep(k)}
+
+
+def _aggregate(op: Callable[[Iterable[float]], float], value: Value) -> Value:
+    """``sum`` or ``max`` of a value's series; None where it has none."""
+    if not isinstance(value, dict):
+        return value
+    return op(value.values()) if value else None
 
 
 def _binary(fn: Callable[[float, float], float | None], a: Value, b: Value) -> Value:
@@ -302,7 +412,8 @@ def _binary(fn: Callable[[float, float], float | None], a: Value, b: Value) -> V
 
 
 _HELPERS = {"_rate": _rate, "_scalar": _scalar, "_quantile": _quantile,
-            "_increase": _increase, "_div": _div,
+            "_increase": _increase, "_div": _div, "_lt": _lt, "_or": _or, "_kept": _kept,
+            "_aggregate": _aggregate, "sum": sum, "max": max,
             "_gt": _gt, "_binary": _binary, "operator": operator}
 
 Evaluation = Callable[[Point, Point, Env, object], tuple[Value, ...]]
@@ -316,6 +427,13 @@ class _Code:
         self.names: dict[int, str] = {}
         self.kept = kept  # where each counter is in a point's values
         self.names_of: dict[str, str] = {}  # shared values, by their expression
+        self.constants: dict[str, object] = {}
+
+    def constant(self, value: object) -> str:
+        """A name for ``value`` in the function's globals."""
+        name = f"c{len(self.constants)}"
+        self.constants[name] = value
+        return name
 
     def shared(self, value: str) -> str:
         """A name for ``value`` (a Python expression of the points), computed once."""
@@ -353,6 +471,6 @@ def compiled(trees: Iterable[Expr], kept: Mapping[str, int],
     source = "\n".join(["def evaluate(old, now, env, out):", "    dt = now.t - old.t",
                         *code.lines, *assign,
                         f"    return ({', '.join(results)}{',' if results else ''})"])
-    namespace: dict = dict(_HELPERS)
+    namespace: dict = {**_HELPERS, **code.constants}
     exec(compile(source, "<exporter.heuristics.expr>", "exec"), namespace)
     return namespace["evaluate"]

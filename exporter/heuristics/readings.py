@@ -15,7 +15,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from exporter.heuristics.expr import Expr, Fragment, Gauge, Number, Quantile, Rate
+from exporter.heuristics.expr import (
+    Aggregate,
+    Expr,
+    Fragment,
+    Gauge,
+    Number,
+    Quantile,
+    Rate,
+    Series,
+)
 from exporter.protocol import OUTSIDE_STEP_PHASES
 
 # The ranges the readings are taken over, as PromQL writes them (seconds: window_seconds())
@@ -149,6 +158,16 @@ SLOW_SECONDS = Rate("gputrain_training_slow_step_seconds_total")
 WALL = Rate("gputrain_training_elapsed_seconds_total")
 SAMPLES = Rate("gputrain_training_samples_total")
 PHASE_SECONDS = Rate("gputrain_training_phase_seconds_total", by="phase")
+
+
+# A node's families the readings' trees read
+CPU = "gputrain_host_cpu_seconds_total"  # by mode
+CPU_SECONDS = Aggregate("sum", Series(CPU, "mode"))
+RECEIVED = Series("gputrain_host_network_received_bytes_total", "interface")
+SENT = Series("gputrain_host_network_transmitted_bytes_total", "interface")
+LINK_SPEED = Series("gputrain_host_network_speed_bytes_per_second", "interface", rate=False)
+DISK_READ = "gputrain_host_disk_read_bytes_total"  # by device, as the next
+DISK_WRITTEN = "gputrain_host_disk_written_bytes_total"
 
 
 # Every reading, by scope; within one, in the order the rules are written (a rule that reads
@@ -368,40 +387,31 @@ READINGS = (
     Reading("clock_offset", "node", "instance:gputrain_exporter_clock_offset_seconds:max", None,
             "max by ({node}) (gputrain_exporter_time_seconds{{{s}}} - "
             "timestamp(gputrain_exporter_time_seconds{{{s}}}))"),
-    Reading("cpu_busy", "node", "instance:gputrain_host_cpu_busy:ratio_rate5m", "rate", """
-            1 - sum by ({node}) (rate(gputrain_host_cpu_seconds_total{{{s},mode=~"idle|iowait"}}[{w}]))
-            / sum by ({node}) (rate(gputrain_host_cpu_seconds_total{{{s}}}[{w}]))""",
-            refined=True),
+    Reading("cpu_busy", "node", "instance:gputrain_host_cpu_busy:ratio_rate5m", "rate",
+            Number(1) - Aggregate("sum", Series(CPU, "mode", matcher='mode=~"idle|iowait"'))
+            / CPU_SECONDS, refined=True),
     Reading("memory_available", "node", "instance:gputrain_host_memory_available_bytes:sum", None,
-            "sum by ({node}) (gputrain_host_memory_available_bytes{{{s}}})"),
+            Aggregate("sum", Series("gputrain_host_memory_available_bytes", rate=False))),
     # bytes a second swapped in and out: a node out of memory pages to disk, which reads as
     # iowait and a busy disk (memory pressure, not a slow data set)
-    Reading("swap_rate", "node", "instance:gputrain_host_swap_bytes:rate5m", "rate", """
-            sum by ({node}) (rate(gputrain_host_swap_in_bytes_total{{{s}}}[{w}]))
-            + sum by ({node}) (rate(gputrain_host_swap_out_bytes_total{{{s}}}[{w}]))"""),
-    Reading("iowait", "node", "instance:gputrain_host_cpu_iowait:ratio_rate5m", "rate", """
-            sum by ({node}) (rate(gputrain_host_cpu_seconds_total{{{s},mode="iowait"}}[{w}]))
-            / sum by ({node}) (rate(gputrain_host_cpu_seconds_total{{{s}}}[{w}]))""",
+    Reading("swap_rate", "node", "instance:gputrain_host_swap_bytes:rate5m", "rate",
+            Aggregate("sum", Series("gputrain_host_swap_in_bytes_total"))
+            + Aggregate("sum", Series("gputrain_host_swap_out_bytes_total"))),
+    Reading("iowait", "node", "instance:gputrain_host_cpu_iowait:ratio_rate5m", "rate",
+            Aggregate("sum", Series(CPU, "mode", matcher='mode="iowait"')) / CPU_SECONDS,
             refined=True),
-    Reading("disk_busy", "node", "instance:gputrain_host_disk_busy:max_rate5m", "rate", """
-            max by ({node}) (rate(gputrain_host_disk_io_time_seconds_total{{{s}}}[{w}]))""",
+    Reading("disk_busy", "node", "instance:gputrain_host_disk_busy:max_rate5m", "rate",
+            Aggregate("max", Series("gputrain_host_disk_io_time_seconds_total", "device")),
             refined=True),
     Reading("network_rx_used", "node",
-            "instance:gputrain_host_network_receive_link_used:max_ratio_rate5m", "rate", """
-            max by ({node}) (
-              rate(gputrain_host_network_received_bytes_total{{{s}}}[{w}])
-              / gputrain_host_network_speed_bytes_per_second{{{s}}})""", refined=True),
+            "instance:gputrain_host_network_receive_link_used:max_ratio_rate5m", "rate",
+            Aggregate("max", RECEIVED / LINK_SPEED), refined=True),
     # of the busiest interface, the lesser of its two directions against its speed: a
     # link saturated both ways (an all-reduce sends as much as it receives), not an input
     Reading("network_duplex_used", "node",
-            "instance:gputrain_host_network_duplex_link_used:max_ratio_rate5m", "rate", """
-            max by ({node}) (
-              (rate(gputrain_host_network_received_bytes_total{{{s}}}[{w}])
-               / gputrain_host_network_speed_bytes_per_second{{{s}}})
-              < (rate(gputrain_host_network_transmitted_bytes_total{{{s}}}[{w}])
-                 / gputrain_host_network_speed_bytes_per_second{{{s}}})
-              or (rate(gputrain_host_network_transmitted_bytes_total{{{s}}}[{w}])
-                  / gputrain_host_network_speed_bytes_per_second{{{s}}}))"""),
+            "instance:gputrain_host_network_duplex_link_used:max_ratio_rate5m", "rate",
+            Aggregate("max", (RECEIVED / LINK_SPEED < SENT / LINK_SPEED).or_(
+                SENT / LINK_SPEED))),
 )
 BY_FIELD = {r.field: r for r in READINGS}
 

@@ -22,19 +22,23 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from exporter.heuristics import regime
-from exporter.heuristics.expr import Point, compiled
+from exporter.heuristics.expr import Aggregate, Point, Series, compiled
 from exporter.heuristics.promql import THROTTLE_REASONS
 from exporter.heuristics.readings import (
+    DISK_READ,
+    DISK_WRITTEN,
     LEAK_SPANS,
     PHASE_SECONDS,
+    RECEIVED,
     REFINED,
     REGIME_GPU,
     SAMPLES,
+    SENT,
     STEP_SECONDS,
     STEPS,
     WAIT,
@@ -56,6 +60,7 @@ from exporter.heuristics.regime import (
     short_window,
 )
 from exporter.protocol import OUTSIDE_STEP_PHASES
+from exporter.reading.collectors import HostCollector, host_collectors, host_samples
 from exporter.reading.host_processes import read_state
 from exporter.reading.peak_flops import PeakTable
 from exporter.reading.sampler import GpuState, Snapshot
@@ -100,16 +105,6 @@ class _GpuPoint(NamedTuple):
     stranger_here: bool = False
     memory: float | None = None  # of its memory, the share used at this cycle
     sm_clock: float | None = None  # hertz of its SM clock at this cycle
-
-
-class _HostPoint(NamedTuple):
-    t: float
-    cpu_total: float | None
-    cpu_idle: float  # idle and iowait
-    cpu_iowait: float
-    disks: dict[str, tuple[float, float, float | None]]  # read, written, io time
-    nics: dict[str, tuple[float, float]]  # received, transmitted
-    swapped: float | None = None  # bytes swapped in and out since boot
 
 
 @dataclass
@@ -164,6 +159,24 @@ _KEPT_READERS = tuple(READERS[name] for name in _KEPT)
 # where a point keeps the regime detector's four growths, and its wall time
 _GROWTH = tuple(_KEPT_INDEX[x.name] for x in (STEPS, STEP_SECONDS, WAIT, SAMPLES))
 _WALL_AT = _KEPT_INDEX[WALL.name]
+# a node's readings, as trees: over the window and as they are now; and the byte rates the page
+# shows of its disks and interfaces over the last cycle
+NODE_WINDOWED = tuple(r for r in of_scope("node") if r.tree is not None and r.window)
+NODE_INSTANT = tuple(r for r in of_scope("node") if r.tree is not None and r.window is None)
+_BYTE_RATES = {
+    "disk_read_bytes_per_second": Aggregate("sum", Series(DISK_READ, "device")),
+    "disk_written_bytes_per_second": Aggregate("sum", Series(DISK_WRITTEN, "device")),
+    "network_received_bytes_per_second": Aggregate("sum", RECEIVED),
+    "network_transmitted_bytes_per_second": Aggregate("sum", SENT),
+}
+_HOST_KEPT: tuple[str, ...] = tuple(sorted(frozenset().union(
+    *(r.tree.names() for r in NODE_WINDOWED if r.tree),
+    *(x.names() for x in _BYTE_RATES.values()))))
+_HOST_INDEX = {name: i for i, name in enumerate(_HOST_KEPT)}
+_NODE_WINDOWED = compiled([r.tree for r in NODE_WINDOWED if r.tree], _HOST_INDEX)
+_NODE_RECENT = compiled([*(r.tree for r in NODE_WINDOWED if r.tree), *_BYTE_RATES.values()],
+                        _HOST_INDEX)
+_NODE_INSTANT = compiled([r.tree for r in NODE_INSTANT if r.tree], _HOST_INDEX)
 # the readings' fragments the daemon adds otherwise: a step in progress weighs in afterwards
 # (readings.with_open_step)
 _NO_OPEN_STEP = {"open_part": 0.0, "open_count": 0.0}
@@ -180,7 +193,8 @@ class History:
 
     def __init__(self, window: float = WINDOW_SECONDS, point_seconds: float = POINT_SECONDS,
                  peaks: PeakTable | None = None, instance: str = "",
-                 interval: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 interval: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 collectors: Sequence[HostCollector] | None = None) -> None:
         self.window = window
         # the ingest's monotonic clock: what ages a rank's step and phase in progress
         self.clock = clock
@@ -192,8 +206,10 @@ class History:
         self._points = math.ceil(window / point_seconds) + 1  # per track, at most
         self._gpus: dict[str, _GpuTrack] = {}
         self._host: deque = deque(maxlen=self._points)
-        self._host_previous: _HostPoint | None = None
-        self._host_current: _HostPoint | None = None
+        self._host_previous: Point | None = None
+        self._host_current: Point | None = None
+        # what renders the snapshot's host readings as the page's samples
+        self.collectors = host_collectors() if collectors is None else tuple(collectors)
         self._memory: deque = deque(maxlen=int(RSS_SECONDS / SLOW_POINT_SECONDS) + 1)  # (t, B)
         # (t, the refined readings over the window ending at t): their peaks over the hold
         # range are the refinements' hysteresis
@@ -297,27 +313,15 @@ class History:
             track.points.append(point)
 
     def _note_host(self, snap: Snapshot, t: float) -> None:
-        cpu = snap.host.get("cpu")
-        modes = cpu.seconds_by_mode if cpu is not None else {}
-        disks = {d: (r.read_bytes, r.written_bytes, r.io_time_seconds)
-                 for d, r in (snap.host.get("disk") or {}).items()}
-        nics = {n: (r.received_bytes, r.transmitted_bytes)
-                for n, r in (snap.host.get("network") or {}).items()}
-        mem = snap.host.get("memory")
-        swapped = None
-        if mem is not None and mem.swapped_in_bytes is not None and \
-                mem.swapped_out_bytes is not None:
-            swapped = mem.swapped_in_bytes + mem.swapped_out_bytes
-        point = _HostPoint(t, sum(modes.values()) if modes else None,
-                           modes.get("idle", 0.0) + modes.get("iowait", 0.0),
-                           modes.get("iowait", 0.0), disks, nics, swapped)
+        samples = host_samples(self.collectors, snap.host)
+        point = Point(t, samples, tuple(samples.get(name) for name in _HOST_KEPT), _HOST_INDEX)
         self._host_previous, self._host_current = self._host_current, point
         if not self._host or t - self._host[-1].t >= self.point_seconds:
             self._host.append(point)
         mem = snap.host.get("memory")
         if mem is not None and (not self._memory or t - self._memory[-1][0] >= SLOW_POINT_SECONDS):
             self._memory.append((t, mem.available_bytes))
-        ratios = _host_ratios(self._since(self._host, t), point, snap, False)
+        ratios = _host_window(self._since(self._host, t), point)
         self._host_peaks.append((t, {k: ratios[k] for k in REFINED if k in ratios}))
         while t - self._host_peaks[0][0] > HOLD_SECONDS:
             self._host_peaks.popleft()
@@ -519,8 +523,7 @@ class History:
             old = self._host_previous if recent else self._since(self._host, now.t, start)
             if start is not None and (old is None or old.t >= now.t):
                 old = self._host_previous
-            snap = self.snapshot
-        out = _host_ratios(old, now, snap, recent)
+        out = _host_window(old, now, recent)
         if not recent:
             with self._lock:
                 peaks = list(self._host_peaks)
@@ -804,48 +807,16 @@ def stopped(st: RankState, proc: str = "/proc") -> bool:
     return state is not None and state[0] in ("T", "t") and state[1] == st.start_time
 
 
-def _host_ratios(old: _HostPoint | None, now: _HostPoint, snap: Snapshot | None,
-                 recent: bool) -> dict[str, float]:
-    """The node's ratios from ``old`` to ``now`` (the rules' ``instance:`` series), with byte
-    rates added where ``recent``."""
-    out: dict[str, float] = {}
-    mem = snap.host.get("memory") if snap is not None else None
-    if mem is not None:
-        out["memory_available"] = mem.available_bytes
+def _host_window(old: Point | None, now: Point, recent: bool = False) -> dict[str, float]:
+    """The node's readings (the rules' ``instance:`` series) from ``old`` to ``now``, their
+    trees evaluated, with the byte rates the page shows added where ``recent``."""
+    out = {r.field: v for r, v in zip(NODE_INSTANT, _NODE_INSTANT(now, now, {}, None),
+                                      strict=True) if isinstance(v, float)}
     if old is None or now.t <= old.t:
         return out
-    dt = now.t - old.t
-    if now.cpu_total is not None and old.cpu_total is not None \
-            and now.cpu_total > old.cpu_total:
-        total = now.cpu_total - old.cpu_total
-        out["cpu_busy"] = 1 - (now.cpu_idle - old.cpu_idle) / total
-        out["iowait"] = (now.cpu_iowait - old.cpu_iowait) / total
-    if now.swapped is not None and old.swapped is not None:
-        out["swap_rate"] = max(0.0, now.swapped - old.swapped) / dt
-    busy = [(io - was) / dt for d, n in now.disks.items()
-            if (io := n[2]) is not None and (before := old.disks.get(d)) is not None
-            and (was := before[2]) is not None]
-    if busy:
-        out["disk_busy"] = max(busy)
-    speeds = {n: r.speed_bytes_per_second
-              for n, r in ((snap.host.get("network") or {}) if snap else {}).items()}
-    used = [(n[0] - p[0]) / dt / speeds[nic] for nic, n in now.nics.items()
-            if (p := old.nics.get(nic)) is not None and speeds.get(nic)]
-    if used:
-        out["network_rx_used"] = max(used)
-    duplex = [min(n[0] - p[0], n[1] - p[1]) / dt / speeds[nic]
-              for nic, n in now.nics.items()
-              if (p := old.nics.get(nic)) is not None and speeds.get(nic)]
-    if duplex:
-        out["network_duplex_used"] = max(duplex)
-    if recent:
-        for name, i, parts in (("disk_read_bytes_per_second", 0, "disks"),
-                               ("disk_written_bytes_per_second", 1, "disks"),
-                               ("network_received_bytes_per_second", 0, "nics"),
-                               ("network_transmitted_bytes_per_second", 1, "nics")):
-            new_, old_ = getattr(now, parts), getattr(old, parts)
-            out[name] = sum(max(0.0, v[i] - old_[k][i]) for k, v in new_.items()
-                            if k in old_) / dt
+    values = (_NODE_RECENT if recent else _NODE_WINDOWED)(old, now, {}, None)
+    names = [r.field for r in NODE_WINDOWED] + (list(_BYTE_RATES) if recent else [])
+    out.update((k, v) for k, v in zip(names, values, strict=True) if isinstance(v, float))
     return out
 
 

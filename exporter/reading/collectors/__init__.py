@@ -10,7 +10,7 @@ renders already-sampled data, so a scrape costs the same whatever NVML or psutil
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,3 +77,24 @@ def host_collectors(enabled: Iterable[str] | None = None, settings: dict[str, An
 
 __all__ = ["COLLECTORS", "GpuCollector", "HostCollector", "Rendered", "SelfCollector",
            "host_collectors"]
+
+
+def host_samples(collectors: Iterable[HostCollector],
+                 readings: Mapping[str, Any]) -> dict[str, float | dict[str, float]]:
+    """The host's samples as the page shows them, by sample name (a counter's with
+    ``_total``; a labelled one as a dict by its label's value), each collector's rendered from
+    its reading in ``readings`` (a snapshot's ``host``)."""
+    out: dict[str, float | dict[str, float]] = {}
+    for collector in collectors:
+        reading = readings.get(collector.name)
+        if reading is None:
+            continue
+        for family in collector.render(reading):
+            for sample in family.samples:
+                if sample.labels:
+                    into = out.setdefault(sample.name, {})
+                    if isinstance(into, dict):
+                        into["|".join(sample.labels.values())] = float(sample.value)
+                else:
+                    out[sample.name] = float(sample.value)
+    return out
