@@ -1,5 +1,5 @@
-"""A rank's gauge read as it is is written once: its row in the readings table (the recording
-rule's ``max by (rank) (family)``) and the family the page writes it with. The daemon's history
+"""A rank's gauge read as it is is written once: its row in the readings table (a ``Gauge``
+tree: the recording rule's ``max by (rank) (family)``) and the family the page writes it with. The daemon's history
 reads it from those two (``history.read_gauges``), as Prometheus does, with no code of its own:
 a throwaway one added to a copy of the package in those two places only is recorded by the
 rules and filled on the daemon's reports."""
@@ -50,7 +50,7 @@ EDITS = [
      "           read=lambda st: st.steps * 2.0),\n"),
     ("heuristics/readings.py", "    Reading(\"finished\", \"rank\",",
      "    Reading(\"throwaway\", \"rank\", \"run_rank:gputrain_training_throwaway:max\", None,\n"
-     "            \"max by ({rank}) (gputrain_training_throwaway{{{s}}})\"),\n"),
+     "            Gauge(\"gputrain_training_throwaway\", \"max\")),\n"),
     ("heuristics/readings.py", "    stopped: bool = False\n",
      "    throwaway: float | None = None\n"),
 ]

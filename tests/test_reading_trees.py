@@ -19,6 +19,16 @@ from conftest import ROOT, edited_package
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.heuristics.evaluator import Engine, Store, labels_of
+from exporter.heuristics.expr import (
+    Aggregate,
+    Binary,
+    Gauge,
+    Number,
+    Point,
+    Quantile,
+    Series,
+    compiled,
+)
 from exporter.heuristics.promql import Identity, _fragments
 from exporter.heuristics.readings import BY_FIELD, of_scope, window_seconds
 from exporter.protocol import SCHEMA_VERSION
@@ -29,7 +39,7 @@ from exporter.reading.collectors.memory import MemoryReading
 from exporter.reading.collectors.network import NetworkReading
 from exporter.reading.sampler import Snapshot
 from exporter.serving.attribution import Attribution
-from exporter.serving.history import INSTANT, WINDOWED, History
+from exporter.serving.history import GAUGE_READINGS, INSTANT, WINDOWED, History
 from exporter.serving.ingest import IngestStore
 from exporter.serving.training import COUNTERS, TrainingCollector
 
@@ -38,13 +48,14 @@ BOUNDS = [0.05, 0.1, 0.25, 0.5, 1.0]
 EVERY = 5.0  # seconds between pushes (and scrapes)
 
 
-def _push(store: IngestStore, run_id: str, k: int, wall: float, **extra: object) -> None:
+def _push(store: IngestStore, run_id: str, k: int, wall: float, *without: str) -> None:
     """The ``k``-th push of a process: 10 steps of 0.2 s (every tenth 2 s: a slow step), a
-    quarter of each waiting for data, a checkpoint phase, communication, FLOPs and CPU."""
+    quarter of each waiting for data, a checkpoint phase, communication, FLOPs and CPU (but
+    the fields ``without``)."""
     steps = 10 * k
     slow = k
     step_seconds = 0.2 * (steps - slow) + 2.0 * slow
-    store.push(json.dumps({
+    body = {
         "version": SCHEMA_VERSION, "run": "r", "rank": "0", "run_id": run_id,
         "steps": steps, "step_seconds": step_seconds, "data_wait_seconds": step_seconds / 4,
         "samples": 32.0 * steps, "elapsed_seconds": wall, "flops": 1e12 * steps,
@@ -52,8 +63,8 @@ def _push(store: IngestStore, run_id: str, k: int, wall: float, **extra: object)
         "step_buckets": BOUNDS, "step_counts": [0, 0, steps - slow, steps - slow, steps - slow],
         "phases": {"checkpoint": 0.5 * k, "forward": 0.05 * steps},
         "process": {"cpu_seconds": 3.0 * k, "cpu_throttled_seconds": 0.5 * k,
-                    "cpu_allowance_cores": 4.0},
-        **extra}).encode())
+                    "cpu_allowance_cores": 4.0}}
+    store.push(json.dumps({k: v for k, v in body.items() if k not in without}).encode())
 
 
 def _scrape(collector: TrainingCollector, store: Store, t: float) -> None:
@@ -70,7 +81,8 @@ def _scrape(collector: TrainingCollector, store: Store, t: float) -> None:
 @pytest.fixture(scope="module")
 def watched() -> tuple[dict, Engine]:
     """Eight minutes of one rank, its process restarted at minute 6 (its counters from 0,
-    its wall time going on): the history's report and the evaluator at the end."""
+    its wall time going on; its first two pushes without its communication: a client sends it
+    once it has some): the history's report and the evaluator at the end."""
     now = [1_000_000.0]
     ingest = IngestStore(clock=lambda: now[0], wall_clock=lambda: now[0])
     history = History(instance="n1", clock=lambda: now[0])
@@ -83,7 +95,8 @@ def watched() -> tuple[dict, Engine]:
         if k <= 72:
             _push(ingest, "first", k, EVERY * k)
         else:  # a new process: its counters count from 0 again
-            _push(ingest, "second", k - 72, EVERY * k)
+            _push(ingest, "second", k - 72, EVERY * k,
+                  *(("comm_seconds", "comm_exposed_seconds") if k < 75 else ()))
         view[0] = views.update(Snapshot(k, now[0], "test", ""), ingest.states())
         history.observe(view[0])
         _scrape(collector, scraped, now[0])
@@ -118,8 +131,11 @@ def test_every_windowed_rank_reading_the_history_computes_is_a_tree():
     # a tree rates counters only, as rate() is only right of them (their resets are carried)
     assert all(r.tree.names() <= COUNTERS for r in WINDOWED if r.tree), \
         [r.field for r in WINDOWED if r.tree and not r.tree.names() <= COUNTERS]
+    # the rest of a rank's trees are its gauges read as they are (history.read_gauges; the
+    # step in progress by the daemon's own clock)
     assert {r.field for r in of_scope("rank") if r.tree is not None} == \
-        {r.field for r in (*WINDOWED, *INSTANT)}
+        {r.field for r in (*WINDOWED, *INSTANT)} | {r.field for r, _ in GAUGE_READINGS} | \
+        {"step_in_progress"}
 
 
 @pytest.mark.parametrize("field", CHECKED)
@@ -158,8 +174,9 @@ def test_the_restart_is_read_as_rate_reads_a_reset(watched):
 def _host(k: int) -> dict:
     """The host's readings at the ``k``-th cycle (5 s apart): 8 CPUs 50 % user, 10 % iowait
     (busy is neither idle nor iowait: 50 %); two disks, one 30 % busy; two interfaces, one
-    receiving 40 % of its 1 GB/s link and sending 55 %, one without a known speed; swapping
-    1 MB/s; memory available falling."""
+    receiving 40 % of its 1 GB/s link and sending 55 %, one without a known speed, and one
+    that comes up in the last two minutes with a large total since boot (its rate is over its
+    own samples, 10 %); swapping 1 MB/s; memory available falling."""
     t = EVERY * k
     return {
         "cpu": CpuReading({"user": 8 * t * 0.5, "iowait": 8 * t * 0.1, "idle": 8 * t * 0.4}, 8),
@@ -167,7 +184,9 @@ def _host(k: int) -> dict:
         "disk": {"sda": DiskReading(1e6 * t, 2e6 * t, 0.3 * t),
                  "sdb": DiskReading(1e5 * t, 0.0, 0.05 * t)},
         "network": {"eth0": NetworkReading(0.4e9 * t, 0.55e9 * t, 1e9),
-                    "eth1": NetworkReading(1e8 * t, 1e8 * t, None)},
+                    "eth1": NetworkReading(1e8 * t, 1e8 * t, None),
+                    **({"eth2": NetworkReading(5e12 + 1e8 * t, 5e12 + 1e8 * t, 1e9)}
+                       if k > 96 else {})},
     }
 
 
@@ -256,3 +275,47 @@ print(rep.throwaway)
                          text=True, timeout=120, env={"PYTHONPATH": str(tmp_path)})
     assert out.returncode == 0, out.stderr
     assert float(out.stdout) == pytest.approx(32.0)
+
+
+# --- the trees' own language: what PromQL does, or an error at import ------------------------
+
+def _points(old: dict, now: dict) -> tuple[Point, Point]:
+    names = {n: i for i, n in enumerate(sorted({*old, *now}))}
+    return (Point(0.0, old, tuple(old.get(n) for n in names), names),
+            Point(10.0, now, tuple(now.get(n) for n in names), names))
+
+
+C = Series("c", "x", rate=False)  # a node's gauge c, one series by its label x
+
+
+@pytest.mark.parametrize("tree, expected", [
+    # a comparison filters, keeping the compared value (not a bool), on either side
+    (Gauge("a") < Gauge("b"), 1.0),
+    (Gauge("b") < Gauge("a"), None),
+    (Number(15) < C, {"y": 20.0}),
+    (Binary(">", C, Number(15)), {"y": 20.0}),
+    # x/0 is no reading; or fills in what its left side lacks
+    (Gauge("a") / Number(0), None),
+    (Binary(">", C, Number(15)).or_(C), {"x": 1.0, "y": 20.0}),
+    (Aggregate("max", C), 20.0),
+    (Aggregate("sum", Series("c", "x", rate=False, matcher='x=~"y|z"')), 20.0),
+])
+def test_a_tree_evaluates_as_promql_reads_it(tree, expected):
+    old, now = _points({"a": 1.0, "b": 2.0}, {"a": 1.0, "b": 2.0})
+    now = now._replace(gauges={"a": 1.0, "b": 2.0, "c": {"x": 1.0, "y": 20.0}})
+    (value,) = compiled([tree], now.names)(old, now, {}, None)
+    assert value == expected
+
+
+def test_a_tree_promql_would_read_otherwise_is_refused():
+    with pytest.raises(ValueError, match="aggregation"):
+        Aggregate("avg", C)
+    with pytest.raises(ValueError, match="operator"):
+        Binary("and", Gauge("a"), Gauge("b"))
+    # a node's series against one number of the node: PromQL matches them one to one (none)
+    with pytest.raises(ValueError, match="aggregate them first"):
+        C / Aggregate("sum", C)
+    with pytest.raises(ValueError, match="no matcher of the label"):
+        compiled([Series("c", "x", matcher='y="1"')], {})
+    assert Number(1).template() == "1" and Quantile(0.9999, "h").template().startswith(
+        "histogram_quantile(0.9999,")

@@ -1,14 +1,15 @@
-"""A rank's windowed reading as one small expression tree: its PromQL and its own evaluation.
+"""A reading as one small expression tree: its PromQL and its own evaluation.
 
-A reading of :data:`exporter.heuristics.readings.READINGS` over a window is a few counters'
-rates combined by arithmetic. Written as a tree of :class:`Expr` nodes it is written once and
-read two ways: :meth:`Expr.template` renders the recording rule's PromQL (a template with the
-selector ``{s}``, the rank's labels ``{rank}`` and the range ``{w}``, as
-:func:`exporter.heuristics.promql.recording` formats every reading), and :meth:`Expr.over`
-evaluates it over two points of one rank's own samples (the daemon's history: the rank's page
-lines, its counters carried across resets as ``rate()`` carries them). Prometheus' ``rate``
-over a range and the daemon's difference over its points differ only by the extrapolation, which
-a ratio of two rates over the same range cancels.
+A rank's or a node's reading of :data:`exporter.heuristics.readings.READINGS` is a few
+counters' rates or samples combined by arithmetic. Written as a tree of :class:`Expr` nodes it
+is written once and read two ways: :meth:`Expr.template` renders the recording rule's PromQL (a
+template with the selector ``{s}``, the labels ``{rank}`` or ``{node}`` and the range ``{w}``,
+as :func:`exporter.heuristics.promql.recording` formats every reading), and :func:`compiled`
+makes the Python that evaluates it over two points of the daemon's history (the rank's or the
+node's page lines; a rank's counters carried across resets as ``rate()`` carries them).
+Prometheus' ``rate`` over a range and the daemon's difference over its points differ by the
+extrapolation to the range's edges only: none in a ratio of two rates over the same range,
+a point's spacing at most in a plain rate.
 
 The PromQL evaluator (:mod:`exporter.heuristics.evaluator`) answers the rules' whole language
 over any samples, but at 20x the daemon's cost (bench/RESULTS.md); a tree answers only what it
@@ -62,16 +63,11 @@ class Point(NamedTuple):
         i = self.names.get(name)
         return None if i is None else self.values[i]
 
-    def scalar(self, name: str) -> float:
-        """A counter of one value (not by label): 0 where absent."""
-        value = self.counter(name)
-        return value if isinstance(value, float | int) else 0.0
-
 
 Env = Mapping[str, float]  # a fragment's value where the daemon knows it otherwise
 
 # PromQL's binary operators by precedence (higher binds tighter)
-_PRECEDENCE = {"or": 1, "and": 2, "unless": 2, ">": 3, "<": 3, "+": 4, "-": 4, "*": 5, "/": 5}
+_PRECEDENCE = {"or": 1, ">": 3, "<": 3, "+": 4, "-": 4, "*": 5, "/": 5}
 
 
 class Expr:
@@ -81,7 +77,6 @@ class Expr:
     precedence = 9  # an atom: never parenthesised
     by: str | None = None  # the label besides the rank's its value is keyed by
     keyed = False  # its value is one by a label (a dict), not one number
-
 
     def template(self) -> str:
         raise NotImplementedError
@@ -118,6 +113,12 @@ class Expr:
         return Binary("or", self, other)
 
 
+def _number(value: float) -> str:
+    """A number as PromQL reads it back exactly (``1``, ``0.99``)."""
+    text = repr(float(value))
+    return text.removesuffix(".0")
+
+
 def _selector(name: str, matcher: str) -> str:
     return f"{name}{{{{{{s}}{',' + matcher if matcher else ''}}}}}"
 
@@ -133,23 +134,21 @@ class Rate(Expr):
 
     name: str
     by: str | None = None
-    matcher: str = ""
 
     @property
     def keyed(self) -> bool:  # type: ignore[override]
         return self.by is not None
 
     def template(self) -> str:
-        return (f"sum by ({_grouping(self.by)}) "
-                f"(rate({_selector(self.name, self.matcher)}[{{w}}]))")
+        return f"sum by ({_grouping(self.by)}) (rate({_selector(self.name, '')}[{{w}}]))"
 
     def names(self) -> frozenset[str]:
         return frozenset({self.name})
 
     def emit(self, code: _Code) -> str:
         a, b = code.counter("old", self.name), code.counter("now", self.name)
-        if self.by is not None:
-            return f"_rate({a}, {b}, dt)"
+        if self.by is not None:  # a phase the rank opened in the window counts from 0
+            return f"_rate({a}, {b}, dt, True)"
         # one number a rank: inline, a helper's call a rate cost a fifth of a status build
         return f"(({b} - {a}) / dt if {a} is not None and {b} is not None and dt > 0 else None)"
 
@@ -180,9 +179,11 @@ class Series(Expr):
     def emit(self, code: _Code) -> str:
         keep = code.constant(_matching(self.matcher, self.label))
         if not self.rate:
-            return f"_kept(now.gauges.get({self.name!r}), {keep})"
+            return f"_filtered(now.gauges.get({self.name!r}), {keep})"
         a, b = code.counter("old", self.name), code.counter("now", self.name)
-        return f"_kept(_rate({a}, {b}, dt), {keep})"
+        # a disk or an interface the old point lacks is rated over its own samples by
+        # Prometheus: none here (its total since boot is no increase)
+        return f"_filtered(_rate({a}, {b}, dt, False), {keep})"
 
 
 @dataclass(frozen=True, eq=False)
@@ -193,6 +194,10 @@ class Aggregate(Expr):
     op: str
     expr: Expr
     group: str = "node"
+
+    def __post_init__(self) -> None:
+        if self.op not in ("sum", "max"):
+            raise ValueError(f"aggregation {self.op!r}: sum or max")
 
     def template(self) -> str:
         return f"{self.op} by ({{{self.group}}}) ({self.expr.template()})"
@@ -206,7 +211,8 @@ class Aggregate(Expr):
 
 @dataclass(frozen=True, eq=False)
 class Gauge(Expr):
-    """A rank's sample as it is at the window's end: ``sum by (rank) (family)``."""
+    """A rank's sample as it is at the window's end: ``sum by (rank) (family)`` (a rank has
+    one series of it: any ``agg`` reads that sample)."""
 
     name: str
     agg: str = "sum"
@@ -223,7 +229,7 @@ class Number(Expr):
     value: float
 
     def template(self) -> str:
-        return f"{self.value:g}"
+        return _number(self.value)
 
     def emit(self, code: _Code) -> str:
         return repr(float(self.value))
@@ -253,7 +259,7 @@ class Quantile(Expr):
     name: str
 
     def template(self) -> str:
-        return (f"histogram_quantile({self.q:g}, sum by ({{rank}}, le) "
+        return (f"histogram_quantile({_number(self.q)}, sum by ({{rank}}, le) "
                 f"(rate({_selector(self.name + '_bucket', '')}[{{w}}])))")
 
     def emit(self, code: _Code) -> str:
@@ -269,6 +275,16 @@ class Binary(Expr):
     op: str
     lhs: Expr
     rhs: Expr
+
+    def __post_init__(self) -> None:
+        if self.op not in _OPS and self.op != "or":
+            raise ValueError(f"operator {self.op!r}: one of {', '.join(_OPS)}, or")
+        for side, other in ((self.lhs, self.rhs), (self.rhs, self.lhs)):
+            if side.keyed and side.by is None and not other.keyed and \
+                    not isinstance(other, Number):
+                # PromQL would match a node's series one to one with a node's one number
+                raise ValueError("a node's series meet another's series or a number, not an "
+                                 "aggregate: aggregate them first")
 
     @property
     def precedence(self) -> int:  # type: ignore[override]
@@ -313,21 +329,23 @@ class Binary(Expr):
         known = f"{a} is not None and {b} is not None"
         if self.op == "/":  # x/0 is Inf or NaN in PromQL: no reading
             return f"({a} / {b} if {known} and {b} else None)"
-        if self.op == ">":  # a filter, as PromQL's comparison without bool
-            return f"({a} if {known} and {a} > {b} else None)"
+        if self.op in (">", "<"):  # a filter, as PromQL's comparison without bool
+            return f"({a} if {known} and {a} {self.op} {b} else None)"
         return f"({a} {self.op} {b} if {known} else None)"
 
 
 # -- the evaluation: Python over two points -------------------------------------------------
 
 def _rate(a: float | dict[str, float] | None, b: float | dict[str, float] | None,
-          dt: float) -> Value:
-    """A counter's per-second increase from ``a`` to ``b`` (by label where it has one)."""
+          dt: float, from_zero: bool) -> Value:
+    """A counter's per-second increase from ``a`` to ``b`` (by label where it has one; a
+    label ``a`` lacks counts from 0 where ``from_zero``, else not at all)."""
     if a is None or b is None or dt <= 0:
         return None
     if isinstance(b, dict):
         before = a if isinstance(a, dict) else {}
-        return {k: (v - before.get(k, 0.0)) / dt for k, v in b.items()}
+        return {k: (v - before.get(k, 0.0)) / dt for k, v in b.items()
+                if from_zero or k in before}
     return (b - a) / dt if not isinstance(a, dict) else None
 
 
@@ -363,6 +381,7 @@ def _lt(a: float, b: float) -> float | None:
 
 _OPS = {"+": "operator.add", "-": "operator.sub", "*": "operator.mul", "/": "_div",
         ">": "_gt", "<": "_lt"}
+_COMPARISONS = (_gt, _lt)
 
 
 def _or(a: Value, b: Value) -> Value:
@@ -383,7 +402,7 @@ def _matching(matcher: str, label: str | None) -> Callable[[str], object] | None
     return re.compile(found[3] if found[2] == "=~" else re.escape(found[3])).fullmatch
 
 
-def _kept(value: Value, keep: Callable[[str], object] | None) -> Value:
+def _filtered(value: Value, keep: Callable[[str], object] | None) -> Value:
     """The series of ``value`` whose label ``keep`` matches (all with no ``keep``)."""
     if keep is None or not isinstance(value, dict):
         return value
@@ -399,7 +418,8 @@ def _aggregate(op: Callable[[Iterable[float]], float], value: Value) -> Value:
 
 def _binary(fn: Callable[[float, float], float | None], a: Value, b: Value) -> Value:
     """``fn`` of two values, None where either is; one by label meets a number label by
-    label (as ``on (rank) group_left``), two by label where both have the label."""
+    label (as ``on (rank) group_left``), two by label where both have the label. A comparison
+    keeps the series' own values, whichever side they are on (as PromQL's filter does)."""
     if a is None or b is None:
         return None
     if isinstance(a, dict):
@@ -407,12 +427,14 @@ def _binary(fn: Callable[[float, float], float | None], a: Value, b: Value) -> V
             return {k: v for k, x in a.items() if k in b and (v := fn(x, b[k])) is not None}
         return {k: v for k, x in a.items() if (v := fn(x, b)) is not None}
     if isinstance(b, dict):
+        if fn in _COMPARISONS:
+            return {k: y for k, y in b.items() if fn(a, y) is not None}
         return {k: v for k, y in b.items() if (v := fn(a, y)) is not None}
     return fn(a, b)
 
 
 _HELPERS = {"_rate": _rate, "_scalar": _scalar, "_quantile": _quantile,
-            "_increase": _increase, "_div": _div, "_lt": _lt, "_or": _or, "_kept": _kept,
+            "_increase": _increase, "_div": _div, "_lt": _lt, "_or": _or, "_filtered": _filtered,
             "_aggregate": _aggregate, "sum": sum, "max": max,
             "_gt": _gt, "_binary": _binary, "operator": operator}
 
@@ -465,7 +487,7 @@ def compiled(trees: Iterable[Expr], kept: Mapping[str, int],
     assign = []
     for attribute, tree in fields:
         value = code.name(tree)
-        assign.append(f"    out.{attribute} = {value}" if tree.by is None else
+        assign.append(f"    out.{attribute} = {value}" if not tree.keyed else
                       f"    out.{attribute} = {{}} if {value} is None else {value}")
     results = [code.name(tree) for tree in trees]
     source = "\n".join(["def evaluate(old, now, env, out):", "    dt = now.t - old.t",

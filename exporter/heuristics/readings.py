@@ -82,7 +82,7 @@ class Reading:
     ``expr``: the recording rule's PromQL, a template :func:`exporter.heuristics.promql.recording`
     formats with the selector ``s``, the label lists ``rank``, ``gpu``, ``node``, ``run``,
     ``run_gpu``, the window's range ``w`` and the fragments its ``_fragments`` names; or, for a
-    rank's reading over a window, an expression tree (:mod:`exporter.heuristics.expr`) that
+    rank's or a node's reading, an expression tree (:mod:`exporter.heuristics.expr`) that
     renders that template and that the daemon evaluates over its own points (``tree``).
     ``by``: the label a reading of several values is keyed by (the field is a dict).
     ``since``: the series is a unix time; the reading is the seconds since it.
@@ -93,8 +93,8 @@ class Reading:
     ``of_node``: for scope ``rank_gpu``: read for every GPU of a node too, whoever uses it (the
     node's GPU findings: a throttle, a degraded link, a full memory of a GPU no rank names).
 
-    The daemon's history (:mod:`exporter.serving.history`) reads a rank's reading with a tree
-    by evaluating the tree, and a rank's gauge read as it is (``max by ({rank})
+    The daemon's history (:mod:`exporter.serving.history`) reads a reading with a tree by
+    evaluating the tree, and a rank's gauge read as it is (``max by ({rank})
     (family{{{s}}})``, or ``min``) from this row and the family's own sample
     (``history.read_gauges``), with nothing written for either; the rest it computes from its
     own samples, in Python. tests/test_agreement.py holds it to this table.
@@ -166,6 +166,7 @@ CPU_SECONDS = Aggregate("sum", Series(CPU, "mode"))
 RECEIVED = Series("gputrain_host_network_received_bytes_total", "interface")
 SENT = Series("gputrain_host_network_transmitted_bytes_total", "interface")
 LINK_SPEED = Series("gputrain_host_network_speed_bytes_per_second", "interface", rate=False)
+RX_USED, TX_USED = RECEIVED / LINK_SPEED, SENT / LINK_SPEED  # each interface against its link
 DISK_READ = "gputrain_host_disk_read_bytes_total"  # by device, as the next
 DISK_WRITTEN = "gputrain_host_disk_written_bytes_total"
 
@@ -218,10 +219,10 @@ READINGS = (
             sum by ({rank}, phase) (rate(gputrain_training_phase_seconds_total{{{s},{outside}}}[{w}]))
             / on ({rank}) group_left {wall}""", by="phase"),
     Reading("loader_workers", "rank", "run_rank:gputrain_training_loader_workers:max", None,
-            "max by ({rank}) (gputrain_training_loader_workers{{{s}}})"),
+            Gauge("gputrain_training_loader_workers", "max")),
     Reading("collective_timeout", "rank",
             "run_rank:gputrain_training_collective_timeout_seconds:min", None,
-            "min by ({rank}) (gputrain_training_collective_timeout_seconds{{{s}}})"),
+            Gauge("gputrain_training_collective_timeout_seconds", "min")),
     Reading("phases", "rank", "run_rank_phase:gputrain_training_phase_ratio:rate5m", "rate",
             PHASE_SECONDS / STEP_SECONDS, by="phase"),
     # the process tree's CPU against what its cgroup allows, and the time it was throttled
@@ -237,7 +238,7 @@ READINGS = (
             STEPS),
     Reading("seconds_since_step", "rank",
             "run_rank:gputrain_training_last_step_timestamp_seconds:max", None,
-            "max by ({rank}) (gputrain_training_last_step_timestamp_seconds{{{s}}})",
+            Gauge("gputrain_training_last_step_timestamp_seconds", "max"),
             since=True),
     # the tree's memory as the leak rule reads it: PSS where the client pushes it, else RSS
     Reading("rss_growth", "rank", "run_rank:gputrain_training_process_memory_bytes:sum", "leak",
@@ -251,12 +252,12 @@ READINGS = (
             "{last_push}", since=True),
     # the exporter of its node finds its process running: a silent rank that runs is frozen
     Reading("process_running", "rank", "run_rank:gputrain_training_process_running:max", None,
-            "max by ({rank}) (gputrain_training_process_running{{{s}}})"),
+            Gauge("gputrain_training_process_running", "max")),
     Reading("finished", "rank", "run_rank:gputrain_training_finished:max", None,
-            "max by ({rank}) (gputrain_training_finished{{{s}}})"),
+            Gauge("gputrain_training_finished", "max")),
     # how a rank that said goodbye ended: a failure (an exception, a signal) is no finish
     Reading("failed", "rank", "run_rank:gputrain_training_failed:max", None,
-            "max by ({rank}) (gputrain_training_failed{{{s}}})"),
+            Gauge("gputrain_training_failed", "max")),
     Reading("exit", "rank", "run_rank_reason:gputrain_training_exit_info:max", None,
             "max by ({rank}, reason, detail) (gputrain_training_exit_info{{{s}}})",
             by="reason", detail="detail"),
@@ -264,7 +265,7 @@ READINGS = (
     # daemon's own clock, and the pace they are judged against (the mean step of the
     # rank's process so far: the rate window's empties while a rank hangs)
     Reading("step_in_progress", "rank", "run_rank:gputrain_training_step_in_progress_seconds:max",
-            None, "max by ({rank}) (gputrain_training_step_in_progress_seconds{{{s}}})"),
+            None, Gauge("gputrain_training_step_in_progress_seconds", "max")),
     Reading("phase_in_progress", "rank",
             "run_rank_phase:gputrain_training_phase_in_progress_seconds:max", None,
             "max by ({rank}, phase) (gputrain_training_phase_in_progress_seconds{{{s}}})",
@@ -405,13 +406,12 @@ READINGS = (
             refined=True),
     Reading("network_rx_used", "node",
             "instance:gputrain_host_network_receive_link_used:max_ratio_rate5m", "rate",
-            Aggregate("max", RECEIVED / LINK_SPEED), refined=True),
+            Aggregate("max", RX_USED), refined=True),
     # of the busiest interface, the lesser of its two directions against its speed: a
     # link saturated both ways (an all-reduce sends as much as it receives), not an input
     Reading("network_duplex_used", "node",
             "instance:gputrain_host_network_duplex_link_used:max_ratio_rate5m", "rate",
-            Aggregate("max", (RECEIVED / LINK_SPEED < SENT / LINK_SPEED).or_(
-                SENT / LINK_SPEED))),
+            Aggregate("max", (RX_USED < TX_USED).or_(TX_USED))),
 )
 BY_FIELD = {r.field: r for r in READINGS}
 

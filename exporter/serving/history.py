@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
 import statistics
 import threading
 import time
@@ -27,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from exporter.heuristics import regime
-from exporter.heuristics.expr import Aggregate, Point, Series, compiled
+from exporter.heuristics.expr import Aggregate, Gauge, Point, Series, compiled
 from exporter.heuristics.promql import THROTTLE_REASONS
 from exporter.heuristics.readings import (
     DISK_READ,
@@ -128,6 +127,9 @@ class _RankTrack:
     # the state's own samples of _KEPT, as its page shows them, and the state they are of
     kept: tuple = ()
     kept_of: RankState | None = None
+    # a counter its process no longer pushes since a restart, by position in _KEPT: the value
+    # the last process left it at, to which it is compared when it comes back
+    pending: dict[int, float] = field(default_factory=dict)
     bucket_offsets: tuple[int, ...] = ()
     epoch: int = 0
     points: deque = field(default_factory=deque)
@@ -148,7 +150,8 @@ class _RankTrack:
 # a rank's readings the history evaluates from their trees (exporter.heuristics.expr): over
 # the window (from its oldest point to now), and as they are now
 WINDOWED = tuple(r for r in of_scope("rank") if r.tree is not None and r.window is not None)
-INSTANT = tuple(r for r in of_scope("rank") if r.tree is not None and r.window is None)
+INSTANT = tuple(r for r in of_scope("rank") if r.tree is not None and r.window is None
+                and not isinstance(r.tree, Gauge))  # a gauge as it is: read_gauges
 # the counters a rank's points keep: those the trees rate, and the history's own reads (its
 # wall time and phases, and the regime detector's growths)
 _KEPT: tuple[str, ...] = tuple(sorted(
@@ -229,6 +232,7 @@ class History:
         t = snap.timestamp
         ranks_busy, unowned = view.busy, view.unowned
         ranks_here, strangers = view.listed, view.strangers
+        host = host_samples(self.collectors, snap.host)  # outside the lock: requests wait on it
         with self._lock:
             self.view = view  # its snapshot is the history's latest
             if self.first_seen is None:
@@ -249,7 +253,7 @@ class History:
                                 gpu in strangers))
             for gone in [k for k in self._gpus if k not in seen]:
                 del self._gpus[gone]
-            self._note_host(snap, t)
+            self._note_host(snap, host, t)
             live: dict[tuple[str, str], _RankTrack] = {}
             for st in states:
                 key = (st.run, st.rank)
@@ -312,12 +316,13 @@ class History:
         if not track.points or t - track.points[-1].t >= self.point_seconds:
             track.points.append(point)
 
-    def _note_host(self, snap: Snapshot, t: float) -> None:
-        samples = host_samples(self.collectors, snap.host)
+    def _note_host(self, snap: Snapshot, samples: dict[str, float | dict[str, float]],
+                   t: float) -> None:
+        """Note the host's samples (:func:`host_samples` of the snapshot's readings)."""
         point = Point(t, samples, tuple(samples.get(name) for name in _HOST_KEPT), _HOST_INDEX)
         self._host_previous, self._host_current = self._host_current, point
         if not self._host or t - self._host[-1].t >= self.point_seconds:
-            self._host.append(point)
+            self._host.append(point._replace(gauges=_NO_GAUGES))  # its counters are read only
         mem = snap.host.get("memory")
         if mem is not None and (not self._memory or t - self._memory[-1][0] >= SLOW_POINT_SECONDS):
             self._memory.append((t, mem.available_bytes))
@@ -328,9 +333,11 @@ class History:
 
     def _note_push(self, track: _RankTrack, st: RankState, t: float) -> None:
         old = track.state
+        # the ingest refuses a total that falls within a run_id: only a restart (a new
+        # run_id) resets one, or its first push after it where that leaves one out
+        if st.run_id != old.run_id or track.pending:
+            _carry(track.offsets, track.pending, _counters_of(old), _counters_of(st))
         if st.run_id != old.run_id:  # a restarted process counts from 0
-            # (the ingest refuses a total that falls within a run_id: only here can one fall)
-            _carry(track.offsets, _kept(old), _kept(st))
             track.restarts.append(t)
             # a new process is judged as a restart, then as itself: no regime across it
             track.regime_start, track.regime_floor = None, t
@@ -377,7 +384,7 @@ class History:
         the window needs none)."""
         st = track.state
         if track.kept_of is not st:
-            track.kept, track.kept_of = _kept(st), st
+            track.kept, track.kept_of = _counters_of(st), st
         values = track.kept
         if any(x is not None for x in track.offsets):
             values = tuple(_plus(v, x) for v, x in zip(values, track.offsets, strict=True))
@@ -686,7 +693,7 @@ def _phases(p: Point) -> dict[str, float]:
     return _dict(p.counter(PHASE_SECONDS.name))
 
 
-def _kept(st: RankState) -> tuple:
+def _counters_of(st: RankState) -> tuple:
     """The rank's own samples of :data:`_KEPT` (None where absent)."""
     return tuple(read(st) for read in _KEPT_READERS)
 
@@ -702,13 +709,24 @@ def _plus(value: float | dict[str, float] | None,
     return value + (carried if not isinstance(carried, dict) else 0.0)
 
 
-def _carry(offsets: list, before: tuple, after: tuple) -> None:
+def _carry(offsets: list, pending: dict[int, float], before: tuple, after: tuple) -> None:
     """Add to ``offsets`` each counter of a rank that fell from ``before`` to ``after`` (its
     process restarted: it counts from 0 again) the value it fell from, as ``rate()`` reads a
-    reset; a labelled sample gone counts as fallen to 0. All three are aligned to
-    :data:`_KEPT`, whose names are all counters."""
+    reset; a labelled sample gone counts as fallen to 0. A counter ``after`` lacks waits in
+    ``pending`` with the value it fell from until a push has it again (an optional total a
+    new process sends only once it has one: its communication, its FLOPs). ``offsets``,
+    ``before`` and ``after`` are aligned to :data:`_KEPT`, whose names are all counters."""
     for i, (a, b) in enumerate(zip(before, after, strict=True)):
-        if a is None or b is None or a == b:
+        if a is None:
+            a = pending.get(i)
+        if a is None:
+            continue
+        if b is None:
+            if not isinstance(a, dict):
+                pending[i] = a
+            continue
+        pending.pop(i, None)
+        if a == b:
             continue
         if isinstance(a, dict):
             carried = offsets[i]
@@ -770,12 +788,11 @@ def departed_report(st: RankState, instance: str, now: float) -> RankReport:
 
 
 # a rank's readings that are one of its page's gauges as it is (a recording rule's
-# `max by (rank) (family)`, or `min`): (the reading, the family that writes it)
-_GAUGE = re.compile(r"(?:max|min) by \(\{rank\}\) \((\w+)\{\{\{s\}\}\}\)")
+# `max by (rank) (family)`, or `min`: a Gauge tree) of a family its pushed state writes:
+# (the reading, the family)
 GAUGE_READINGS = tuple(
     (r, f) for r in of_scope("rank") for f in FAMILIES
-    if r.window is None and f.read is not None and (m := _GAUGE.fullmatch(" ".join(
-        r.template.split()))) is not None and m[1] == f.name)
+    if isinstance(r.tree, Gauge) and f.read is not None and r.tree.name == f.name)
 
 
 def read_gauges(rep: RankReport, st: RankState, now: float,

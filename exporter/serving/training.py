@@ -478,11 +478,6 @@ READERS: dict[str, Callable[[RankState], float | dict[str, float] | None]] = {
 }
 
 
-def rank_samples(st: RankState) -> dict[str, float | dict[str, float]]:
-    """One rank's own samples (:data:`READERS`), those it has."""
-    return {name: v for name, read in READERS.items() if (v := read(st)) is not None}
-
-
 def _rank_lines(st: RankState) -> tuple[tuple[int, str], ...]:
     """One rank's own lines, by the index of their family in FAMILIES (those it has)."""
     fg = floatToGoString
