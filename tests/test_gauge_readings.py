@@ -1,8 +1,8 @@
 """A rank's gauge read as it is is written once: its row in the readings table (a ``Gauge``
-tree: the recording rule's ``max by (rank) (family)``) and the family the page writes it with. The daemon's history
-reads it from those two (``history.read_gauges``), as Prometheus does, with no code of its own:
-a throwaway one added to a copy of the package in those two places only is recorded by the
-rules and filled on the daemon's reports."""
+tree: the recording rule's ``max by (rank) (family)``) and the family the page writes it
+with. The daemon's history reads it from those two (``history.read_gauges``), as Prometheus
+does, with no code of its own: a throwaway one added to a copy of the package in those two
+places only is recorded by the rules and filled on the daemon's reports."""
 
 from __future__ import annotations
 
