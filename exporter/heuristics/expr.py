@@ -29,8 +29,8 @@ from typing import NamedTuple, Protocol
 
 from exporter.heuristics.stalls import histogram_quantile
 
-# what a node evaluates to for one rank: a number, one by label value, or nothing (an absent
-# series, a division by zero: PromQL's empty result or NaN, which the readings leave out)
+# what a node evaluates to for one rank or node: a number, one by label value, or nothing (an
+# absent series, a division by zero: PromQL's empty result or NaN, which the readings leave out)
 Value = float | dict[str, float] | None
 
 
@@ -41,12 +41,12 @@ class Lookup(Protocol):
 
 
 class Point(NamedTuple):
-    """One rank's samples at one time, as its page lines show them.
+    """One rank's or one node's samples at one time, as its page lines show them.
 
-    ``gauges``: every sample by family name (a labelled family's as a dict by its label);
-    ``values``: the counters' samples carried across resets (a value that fell adds the one
-    before it, as ``rate()`` does), those the trees rate (:meth:`Expr.names`), one tuple a
-    point (a dict a point took four times the history's memory);
+    ``gauges``: every sample by name (a labelled family's as a dict by its label);
+    ``values``: the counters' samples the trees rate (:meth:`Expr.names`), one tuple a point (a
+    dict a point took four times the history's memory); a rank's carried across its resets (a
+    value that fell adds the one before it, as ``rate()`` does);
     ``buckets``: the step histogram's cumulative counts with its ``bounds``, of one ``epoch``
     while the bounds stay."""
 
@@ -75,7 +75,7 @@ class Expr:
     (:meth:`emit`: an expression over ``old``, ``now``, ``dt`` and ``env``)."""
 
     precedence = 9  # an atom: never parenthesised
-    by: str | None = None  # the label besides the rank's its value is keyed by
+    by: str | None = None  # the label besides the rank's its value is keyed by (``phase``)
     keyed = False  # its value is one by a label (a dict), not one number
 
     def template(self) -> str:
