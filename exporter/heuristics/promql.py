@@ -25,7 +25,10 @@ from exporter.heuristics.readings import (
     REGIME_GPU,
     RUN_GPU_BUSY,
     STACK_WAITING,
+    STEP_SECONDS,
     UNATTRIBUTED_BUSY,
+    WAIT,
+    WALL,
     WINDOWS,
     Scope,
     of_scope,
@@ -326,9 +329,9 @@ def _fragments(s: str, ids: Identity, w: str) -> dict[str, str]:
     with: the selector, the label lists, the range ``w``, and the parts of a rank's wall time
     over ``w`` (each divides by ``gputrain_training_elapsed_seconds_total``)."""
     rank = ids.rank
-    wall = f"sum by ({rank}) (rate(gputrain_training_elapsed_seconds_total{{{s}}}[{w}]))"
-    steps = f"sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{w}]))"
-    wait = f"sum by ({rank}) (rate(gputrain_training_data_wait_seconds_total{{{s}}}[{w}]))"
+    # the readings' own trees, rendered: the rules and the daemon read one definition
+    wall, steps, wait = (x.template().format(s=s, w=w, rank=rank)
+                         for x in (WALL, STEP_SECONDS, WAIT))
 
     def phases(selector: str) -> str:
         # 0 where the rank has no such phase, rather than no result at all
@@ -394,19 +397,19 @@ def _windowed(s: str, ids: Identity, r: str, quantile: str = WINDOWS["quantile"]
         # a step's compute: its time less the data wait and, where measured, the wait for
         # gradient communication (a fast rank waiting for a slow one computes no longer)
         _rec(COMPUTE_MEAN, f"""
-            (sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{r}]))
-             - sum by ({rank}) (rate(gputrain_training_data_wait_seconds_total{{{s}}}[{r}]))
+            ({f['steps']}
+             - {f['wait']}
              - (sum by ({rank}) (rate(gputrain_training_comm_exposed_seconds_total{{{s}}}[{r}]))
-                or 0 * sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{r}]))))
+                or 0 * {f['steps']}))
             / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_count{{{s}}}[{r}]))"""),
         _rec(STEP_PHASE_MAX, f"""
             max by ({rank}) (
               sum by ({rank}, phase) (rate(gputrain_training_phase_seconds_total{{{s},{IN_STEP}}}[{r}]))
               / on ({rank}) group_left
-              sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{r}])))"""),
+              {f['steps']})"""),
         _rec("run_rank:gputrain_training_checkpoint_ratio:rate5m", f"""
             sum by ({rank}) (rate(gputrain_training_phase_seconds_total{{{s},phase="checkpoint"}}[{r}]))
-            / sum by ({rank}) (rate(gputrain_training_step_duration_seconds_sum{{{s}}}[{r}]))"""),
+            / {f['steps']}"""),
         _rec(CPU_CORES, f"""
             sum by ({rank}) (rate(gputrain_training_process_cpu_seconds_total{{{s}}}[{r}]))"""),
         # whether a rank's last stacks show it waiting for a peer (a collective): before its
@@ -452,7 +455,7 @@ def _windowed(s: str, ids: Identity, r: str, quantile: str = WINDOWS["quantile"]
         _rec(ENERGY_PER_SAMPLE, f"""
             sum by ({rank}) (run_rank_gpu:gputrain_gpu_power_watts:rate5m)
             / (sum by ({rank}) (rate(gputrain_training_samples_total{{{s}}}[{r}]))
-               / sum by ({rank}) (rate(gputrain_training_elapsed_seconds_total{{{s}}}[{r}])))"""),
+               / {f['wall']})"""),
         # GPU-seconds per second that a run's GPUs sat idle while it held them (a GPU two
         # ranks share counts once); sum_over_time(...[range]) * the recording interval is
         # GPU-seconds over the range

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from exporter.heuristics import regime
-from exporter.heuristics.expr import Aggregate, Gauge, Point, Series, compiled
+from exporter.heuristics.expr import Aggregate, Gauge, Lookup, Point, Series, compiled
 from exporter.heuristics.promql import THROTTLE_REASONS
 from exporter.heuristics.readings import (
     DISK_READ,
@@ -176,9 +176,8 @@ _HOST_KEPT: tuple[str, ...] = tuple(sorted(frozenset().union(
     *(r.tree.names() for r in NODE_WINDOWED if r.tree),
     *(x.names() for x in _BYTE_RATES.values()))))
 _HOST_INDEX = {name: i for i, name in enumerate(_HOST_KEPT)}
-_NODE_WINDOWED = compiled([r.tree for r in NODE_WINDOWED if r.tree], _HOST_INDEX)
-_NODE_RECENT = compiled([*(r.tree for r in NODE_WINDOWED if r.tree), *_BYTE_RATES.values()],
-                        _HOST_INDEX)
+_NODE_WINDOWED = compiled([*(r.tree for r in NODE_WINDOWED if r.tree), *_BYTE_RATES.values()],
+                          _HOST_INDEX)
 _NODE_INSTANT = compiled([r.tree for r in NODE_INSTANT if r.tree], _HOST_INDEX)
 # the readings' fragments the daemon adds otherwise: a step in progress weighs in afterwards
 # (readings.with_open_step)
@@ -378,10 +377,11 @@ class History:
             return {key: tr.regime_start for key, tr in self._ranks.items()
                     if tr.regime_start is not None}
 
-    def _rank_point(self, track: _RankTrack, t: float, gauges: bool = False) -> Point:
+    def _rank_point(self, track: _RankTrack, t: float,
+                    gauges: Lookup = _NO_GAUGES) -> Point:
         """The rank's counters now, as its page lines show them, carried across their resets
-        (those :data:`_KEPT`); with ``gauges``, its every sample as it is too (a point kept in
-        the window needs none)."""
+        (those :data:`_KEPT`), with ``gauges``, its samples as they are (a point kept in the
+        window needs none)."""
         st = track.state
         if track.kept_of is not st:
             track.kept, track.kept_of = _counters_of(st), st
@@ -391,8 +391,7 @@ class History:
         buckets = st.cumulative_counts
         if track.bucket_offsets and len(track.bucket_offsets) == len(buckets):
             buckets = tuple(a + b for a, b in zip(buckets, track.bucket_offsets, strict=True))
-        return Point(t, _Gauges(st) if gauges else _NO_GAUGES, values, _KEPT_INDEX, buckets,
-                     st.bucket_bounds, track.epoch)
+        return Point(t, gauges, values, _KEPT_INDEX, buckets, st.bucket_bounds, track.epoch)
 
     # -- reading (a request's thread) -------------------------------------------------------
 
@@ -569,7 +568,8 @@ class History:
         for tr in ranks:
             with self._lock:
                 st = tr.state
-                latest = self._rank_point(tr, snap.timestamp, gauges=True)
+                latest = self._rank_point(tr, snap.timestamp,
+                                          _Gauges(st, shares.get((st.run, st.rank))))
                 old = self._since(tr.points, latest.t)
                 rss = list(tr.rss)
                 costs = [x for x in tr.outside if x[0] >= latest.t - PERIODIC_SECONDS]
@@ -611,8 +611,6 @@ class History:
                 if since not in shorter:
                     shorter[since] = self.gpu_readings(since)
                 short_gpus = shorter[since]
-            if isinstance(latest.gauges, _Gauges):
-                latest.gauges.allowance = shares.get((st.run, st.rank))
             read_gauges(rep, st, snap.timestamp)
             rep.seconds_since_push = max(0.0, snap.timestamp - st.received_unix)
             if st.exit_reason is not None:
@@ -743,14 +741,13 @@ def _carry(offsets: list, pending: dict[int, float], before: tuple, after: tuple
 
 class _Gauges:
     """A rank's samples as its page shows them, read from its state by name when asked (a
-    reading reads two or three of them), with the page's lines written beside the state's:
-    its share of its cgroup's CPU allowance."""
+    reading reads two or three of them), with the page's line written beside the state's:
+    its share of its cgroup's CPU ``allowance``."""
 
     __slots__ = ("allowance", "st")
 
-    def __init__(self, st: RankState) -> None:
-        self.st = st
-        self.allowance: float | None = None
+    def __init__(self, st: RankState, allowance: float | None) -> None:
+        self.st, self.allowance = st, allowance
 
     def get(self, name: str, /) -> float | dict[str, float] | None:
         if name == ALLOWANCE:
@@ -831,9 +828,10 @@ def _host_window(old: Point | None, now: Point, recent: bool = False) -> dict[st
                                       strict=True) if isinstance(v, float)}
     if old is None or now.t <= old.t:
         return out
-    values = (_NODE_RECENT if recent else _NODE_WINDOWED)(old, now, {}, None)
+    values = _NODE_WINDOWED(old, now, {}, None)
     names = [r.field for r in NODE_WINDOWED] + (list(_BYTE_RATES) if recent else [])
-    out.update((k, v) for k, v in zip(names, values, strict=True) if isinstance(v, float))
+    out.update((k, v) for k, v in zip(names, values[:len(names)], strict=True)
+               if isinstance(v, float))
     return out
 
 
@@ -849,7 +847,6 @@ def _growth(a: Point, b: Point) -> tuple[float, float, float, float]:
     x, y = a.values, b.values  # the four are always pushed: never None
     i, j, k, m = _GROWTH
     return y[i] - x[i], y[j] - x[j], y[k] - x[k], y[m] - x[m]
-
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
